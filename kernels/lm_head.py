@@ -1,0 +1,260 @@
+"""Fused LM head: cross-entropy and per-token log-probs of hidden @ weight.T without [T x V] logits.
+
+Shape legend: T tokens, H hidden size, V vocab rows on this rank (V_global = V * tp when vocab-parallel),
+Tc/Vc backward chunk sizes. x = logits / temperature ("scaled logits").
+
+One autograd function, `_TokenStats`, maps (hidden, weight) to three per-token vectors over the scaled logits x:
+    tz  = x[target]                  (0 where the target is not a valid index)
+    lse = log sum_v exp(x_v)
+    ent = lse - sum_v p_v x_v        (entropy of p = softmax(x); zeros unless asked for)
+Losses (CE, z-loss, log-probs, RL objectives) compose on these vectors in plain torch. Its backward gets the
+upstream gradients (g_tz, g_lse, g_ent) and, per logit, dloss/dx_v = p_v (a + b x_v) + c [v == target] with
+    a = g_lse + g_ent (lse - ent),   b = -g_ent,   c = g_tz
+(d lse/dx = p; d ent/dx_v = -p_v (x_v - lse + ent)). dloss/dlogit = that / temperature.
+
+Forward: one pass over vocab tiles per token block (online lse with a running max; one logits GEMM).
+Backward: vocab-outer loop. For each vocab chunk Vc, for each token chunk Tc: recompute the logits tile and
+write dZ [Tc, Vc] (Triton; bf16 for bf16 inputs), then two cuBLAS GEMMs:
+    dW[Vc]  = sum over token chunks of dZ^T h    (fp32 accumulator for the chunk, written to dW once)
+    dH32   += dZ w[Vc]                           (fp32 [T, H] accumulator, cast to the input dtype once)
+No bf16 read-modify-write anywhere; 3 logits-sized GEMMs in the backward, 4 in all.
+Vocab-parallel: stats are combined over tp_group (max/sum of exp), dH is all-reduced over it.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+
+import torch
+import torch.distributed as dist
+
+from kernels import lm_head_chunked
+
+BACKWARD_SCRATCH_BYTES = 160 * 2**20  # dZ tile + per-chunk dW accumulator; ~1/8 GiB keeps the GEMMs >= 8k^3-ish
+DEFAULT_CHUNK_VOCAB = 8192
+_HAS_TRITON = importlib.util.find_spec("triton") is not None
+
+
+def _backend_module(name: str):
+    if name == "triton":
+        from kernels import lm_head_triton  # lazy: the CPU path never imports triton
+
+        return lm_head_triton
+    return lm_head_chunked
+
+
+def _pick_backend(hidden: torch.Tensor, backend: str | None) -> str:
+    if backend is None:
+        if hidden.is_cuda and _HAS_TRITON:
+            return "triton"
+        return "torch"
+    if backend not in ("triton", "torch"):
+        raise ValueError(f"backend must be 'triton', 'torch' or None, got {backend!r}")
+    if backend == "triton" and not hidden.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
+        raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
+    return backend
+
+
+def _tp_info(tp_group) -> tuple[int, int]:
+    if tp_group is None:
+        return 0, 1
+    return dist.get_rank(tp_group), dist.get_world_size(tp_group)
+
+
+def _combine_over_group(lse_T, wmean_T, tz_T, tp_group):
+    """Vocab-parallel: lse = log sum_r exp(lse_r); mean of x under the global softmax = sum_r exp(lse_r - lse)
+    * wmean_r; the target's x lives on one rank and is zero elsewhere, so it is a plain sum."""
+    max_T = lse_T.clone()
+    dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=tp_group)
+    max_T = torch.where(torch.isfinite(max_T), max_T, torch.zeros_like(max_T))
+    scale_T = torch.exp(lse_T - max_T)
+    packed_3T = torch.stack([scale_T, scale_T * wmean_T, tz_T])
+    dist.all_reduce(packed_3T, op=dist.ReduceOp.SUM, group=tp_group)
+    sum_T, wsum_T, tz_T = packed_3T.unbind(0)
+    return max_T + torch.log(sum_T), wsum_T / sum_T, tz_T
+
+
+def _downcast_in_place(x32: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 24) -> torch.Tensor:
+    """Cast an fp32 tensor to a 2-byte dtype inside its own storage, chunk by chunk from the front: the bytes
+    written for elements [i, j) cover fp32 elements [i/2, j/2), all read already (earlier chunks, or this
+    chunk's temporary). Saves the [T, H] half-precision copy at the backward's peak."""
+    n = x32.numel()
+    out = torch.empty(0, dtype=dtype, device=x32.device).set_(x32.untyped_storage(), 0, (n,), (1,))
+    flat = x32.view(-1)
+    for i in range(0, n, chunk):
+        j = min(i + chunk, n)
+        out[i:j].copy_(flat[i:j].to(dtype))
+    return out.view(x32.shape)
+
+
+def _gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
+    """acc (fp32) (+)= a @ b with a, b in the input dtype; fp32 accumulation inside the GEMM."""
+    if a.dtype == torch.float32:
+        if first:
+            torch.mm(a, b, out=acc)
+        else:
+            acc.addmm_(a, b)
+        return
+    if acc.is_cuda:
+        try:
+            if first:
+                torch.mm(a, b, out_dtype=torch.float32, out=acc)
+            else:
+                torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            return
+        except (TypeError, RuntimeError):
+            pass
+    if first:
+        acc.copy_(torch.mm(a, b))
+    else:
+        acc += torch.mm(a, b).float()
+
+
+class _TokenStats(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, hidden_TH, weight_VH, target_T, temperature, with_entropy, tp_group, backend,
+                chunk_tokens, chunk_vocab):
+        rank, _ = _tp_info(tp_group)
+        V = weight_VH.shape[0]
+        vocab_start = rank * V  # equal shards (V_global = V * tp), as vocab-parallel layers pad the vocab
+        tgt_T = target_T.long() - vocab_start
+        inv_temp = 1.0 / temperature
+        kmod = _backend_module(backend)
+        lse_T, wmean_T, tz_T = kmod.token_stats(hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy)
+        if tp_group is not None:
+            lse_T, wmean_T, tz_T = _combine_over_group(lse_T, wmean_T, tz_T, tp_group)
+        ent_T = lse_T - wmean_T if with_entropy else torch.zeros_like(lse_T)
+        ctx.save_for_backward(hidden_TH, weight_VH, tgt_T, lse_T, ent_T)
+        ctx.cfg = (inv_temp, with_entropy, tp_group, backend, chunk_tokens, chunk_vocab)
+        if not with_entropy:
+            ctx.mark_non_differentiable(ent_T)
+        return tz_T, lse_T, ent_T
+
+    @staticmethod
+    def backward(ctx, g_tz, g_lse, g_ent):
+        hidden_TH, weight_VH, tgt_T, lse_T, ent_T = ctx.saved_tensors
+        inv_temp, with_entropy, tp_group, backend, chunk_tokens, chunk_vocab = ctx.cfg
+        zeros = torch.zeros_like(lse_T)
+        g_tz = zeros if g_tz is None else g_tz.float()
+        g_lse = zeros if g_lse is None else g_lse.float()
+        g_ent = zeros if (g_ent is None or not with_entropy) else g_ent.float()
+        a_T = (g_lse + g_ent * (lse_T - ent_T)).contiguous()
+        b_T = (-g_ent).contiguous()
+        c_T = g_tz.contiguous()
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        dH_TH, dW_VH = _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp,
+                                        backend, chunk_tokens, chunk_vocab, need_h, need_w, tp_group)
+        return dH_TH, dW_VH, None, None, None, None, None, None, None
+
+
+def _chunk_sizes(T: int, V: int, elem_bytes: int, chunk_tokens, chunk_vocab) -> tuple[int, int]:
+    # Worked example (bf16, T=65,536, V=248,320): Vc = 8192 -> Tc = 160 MiB / (8192 * (2 + 4*2048/8192)) ~ 8k
+    # tokens: dZ is 8192 x 8192 x 2 B = 128 MiB, the dW chunk accumulator 8192 x 2048 x 4 B = 64 MiB; both
+    # GEMMs are 8192 x 2048 x 8192 (275 GFLOP each), large enough for cuBLAS to run near peak.
+    Vc = min(V, chunk_vocab or DEFAULT_CHUNK_VOCAB)
+    if chunk_tokens is None:
+        chunk_tokens = max(256, BACKWARD_SCRATCH_BYTES // (Vc * elem_bytes) // 256 * 256)
+    return min(T, chunk_tokens), Vc
+
+
+def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend,
+                     chunk_tokens, chunk_vocab, need_h, need_w, tp_group):
+    T, H = hidden_TH.shape
+    V = weight_VH.shape[0]
+    kmod = _backend_module(backend)
+    Tc, Vc = _chunk_sizes(T, V, hidden_TH.element_size(), chunk_tokens, chunk_vocab)
+    dev = hidden_TH.device
+    dH32_TH = torch.zeros((T, H), dtype=torch.float32, device=dev) if need_h else None
+    dW_VH = torch.empty_like(weight_VH) if need_w else None
+    dZ_buf = torch.empty((Tc, Vc), dtype=hidden_TH.dtype, device=dev)
+    multi_t = T > Tc
+    dW32_buf = torch.empty((Vc, H), dtype=torch.float32, device=dev) if (need_w and multi_t) else None
+    for v0 in range(0, V, Vc):
+        v1 = min(v0 + Vc, V)
+        w_vH = weight_VH[v0:v1]
+        for t0 in range(0, T, Tc):
+            t1 = min(t0 + Tc, T)
+            dZ_tv = dZ_buf[: t1 - t0, : v1 - v0]
+            kmod.dlogits(hidden_TH[t0:t1], w_vH, tgt_T[t0:t1], v0, lse_T[t0:t1], a_T[t0:t1], b_T[t0:t1],
+                         c_T[t0:t1], inv_temp, dZ_tv)
+            if need_w:
+                if multi_t:
+                    _gemm_acc(dW32_buf[: v1 - v0], dZ_tv.T, hidden_TH[t0:t1], first=(t0 == 0))
+                else:
+                    torch.mm(dZ_tv.T, hidden_TH, out=dW_VH[v0:v1])  # K = all tokens: one fp32-accumulated GEMM
+            if need_h:
+                _gemm_acc(dH32_TH[t0:t1], dZ_tv, w_vH, first=False)
+        if need_w and multi_t:
+            dW_VH[v0:v1].copy_(dW32_buf[: v1 - v0])
+    del dZ_buf, dW32_buf
+    dH_TH = None
+    if need_h:
+        if tp_group is not None:
+            dist.all_reduce(dH32_TH, group=tp_group)  # hidden is replicated over the group: sum the partials
+        if hidden_TH.dtype == torch.float32:
+            dH_TH = dH32_TH
+        elif hidden_TH.element_size() == 2:
+            dH_TH = _downcast_in_place(dH32_TH, hidden_TH.dtype)
+        else:
+            dH_TH = dH32_TH.to(hidden_TH.dtype)
+    return dH_TH, dW_VH
+
+
+def _token_stats(hidden, weight, target, temperature, with_entropy, tp_group, backend, chunk_tokens,
+                 chunk_vocab):
+    if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"need hidden [T, H] and weight [V, H]; got {tuple(hidden.shape)} and "
+                         f"{tuple(weight.shape)}")
+    if target.shape != hidden.shape[:1]:
+        raise ValueError(f"target must be [T] = [{hidden.shape[0]}], got {tuple(target.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if hidden.dtype != weight.dtype:
+        hidden = hidden.to(weight.dtype)
+    backend = _pick_backend(hidden, backend)
+    hidden = hidden.contiguous()
+    weight = weight.contiguous()
+    return _TokenStats.apply(hidden, weight, target, float(temperature), bool(with_entropy), tp_group,
+                             backend, chunk_tokens, chunk_vocab)
+
+
+def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100, reduction: str = "mean",
+                         z_loss: float = 0.0, temperature: float = 1.0, tp_group=None, backend=None,
+                         chunk_tokens=None, chunk_vocab=None):
+    """Cross-entropy of softmax(hidden @ weight.T / temperature) against target, plus z_loss * lse^2.
+
+    hidden [T, H], weight [V, H] (this rank's V / tp rows when tp_group is given; equal shards), target [T]
+    global vocab indices. reduction "mean" (over non-ignored tokens; 0 when all are ignored), "sum" or "none"
+    ([T], 0 at ignored tokens). backend None picks triton on CUDA, chunked torch elsewhere.
+    """
+    if reduction not in ("mean", "sum", "none"):
+        raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    tz_T, lse_T, _ = _token_stats(hidden, weight, target, temperature, False, tp_group, backend, chunk_tokens,
+                                  chunk_vocab)
+    valid_T = target != ignore_index
+    loss_T = lse_T - tz_T
+    if z_loss:
+        loss_T = loss_T + z_loss * lse_T.square()
+    loss_T = torch.where(valid_T, loss_T, torch.zeros_like(loss_T))
+    if reduction == "none":
+        return loss_T
+    if reduction == "sum":
+        return loss_T.sum()
+    return loss_T.sum() / valid_T.sum().clamp_min(1)
+
+
+def linear_logprobs(hidden, weight, target, *, temperature: float = 1.0, with_entropy: bool = False,
+                    tp_group=None, backend=None, chunk_tokens=None, chunk_vocab=None):
+    """Per-token log p(target) under softmax(hidden @ weight.T / temperature), fp32 [T], differentiable.
+
+    Negative targets (padding) give 0 and no gradient. with_entropy=True also returns the per-token entropy
+    [T] (differentiable): (logprobs, entropy).
+    """
+    tz_T, lse_T, ent_T = _token_stats(hidden, weight, target, temperature, with_entropy, tp_group, backend,
+                                      chunk_tokens, chunk_vocab)
+    valid_T = target >= 0
+    logp_T = torch.where(valid_T, tz_T - lse_T, torch.zeros_like(lse_T))
+    if with_entropy:
+        return logp_T, ent_T
+    return logp_T

@@ -1,0 +1,61 @@
+"""Chunked torch implementations of the two LM-head primitives (the CPU path, and any device without triton).
+
+Same memory shape as the Triton path: logits never exist beyond one [chunk_tokens, chunk_vocab] fp32 tile, and the
+log-sum-exp is online (running max) across vocab chunks. Same signatures as kernels/lm_head_triton.py.
+
+Shape legend: T tokens, H hidden, V vocab rows (this rank's or this chunk's), Tc/Vc chunk sizes.
+"""
+
+from __future__ import annotations
+
+import torch
+
+STATS_CHUNK_TOKENS = 4096
+STATS_CHUNK_VOCAB = 4096
+
+
+def token_stats(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool,
+                chunk_tokens: int = STATS_CHUNK_TOKENS, chunk_vocab: int = STATS_CHUNK_VOCAB):
+    """Per-token (lse, softmax-mean of x, x at the target) with x = (h . w) * inv_temp, in fp32."""
+    T = hidden_TH.shape[0]
+    V = weight_VH.shape[0]
+    f32 = dict(dtype=torch.float32, device=hidden_TH.device)
+    lse_T = torch.empty(T, **f32)
+    wmean_T = torch.zeros(T, **f32)
+    tz_T = torch.zeros(T, **f32)
+    for t0 in range(0, T, chunk_tokens):
+        t1 = min(t0 + chunk_tokens, T)
+        h_tH = hidden_TH[t0:t1].float()
+        tgt_t = tgt_T[t0:t1]
+        m_t = torch.full((t1 - t0,), float("-inf"), **f32)  # running max of x
+        s_t = torch.zeros(t1 - t0, **f32)  # sum of exp(x - m)
+        ws_t = torch.zeros(t1 - t0, **f32)  # sum of exp(x - m) * x
+        for v0 in range(0, V, chunk_vocab):
+            v1 = min(v0 + chunk_vocab, V)
+            x_tv = (h_tH @ weight_VH[v0:v1].float().T) * inv_temp
+            m_new = torch.maximum(m_t, x_tv.amax(1))
+            alpha = torch.exp(m_t - m_new)
+            e_tv = torch.exp(x_tv - m_new[:, None])
+            s_t = s_t * alpha + e_tv.sum(1)
+            if with_entropy:
+                ws_t = ws_t * alpha + (e_tv * x_tv).sum(1)
+            m_t = m_new
+            local = tgt_t - v0
+            hit = (local >= 0) & (local < v1 - v0)
+            tz_T[t0:t1] += torch.where(hit, x_tv.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0], 0.0)
+        lse_T[t0:t1] = m_t + torch.log(s_t)
+        if with_entropy:
+            wmean_T[t0:t1] = ws_t / s_t
+    return lse_T, wmean_T, tz_T
+
+
+def dlogits(hidden_TH, weight_VH, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, out_TV):
+    """out_TV = (p * (a + b x) + c * onehot(target)) * inv_temp with p = exp(x - lse), for one chunk."""
+    x_TV = (hidden_TH.float() @ weight_VH.float().T) * inv_temp
+    dz_TV = torch.exp(x_TV - lse_T[:, None]) * (a_T[:, None] + b_T[:, None] * x_TV)
+    local = tgt_T - v_off
+    hit = (local >= 0) & (local < weight_VH.shape[0])
+    rows = torch.nonzero(hit)[:, 0]
+    dz_TV[rows, local[rows]] += c_T[rows]
+    out_TV.copy_(dz_TV * inv_temp)
+    return out_TV

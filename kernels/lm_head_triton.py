@@ -1,0 +1,237 @@
+"""Triton kernels of the fused LM head: per-token logit statistics and recomputed dlogits tiles.
+
+Imported lazily by kernels/lm_head.py (never at package import), so the CPU path needs no triton.
+
+Shape legend: T tokens, H hidden size, V vocab rows held by this rank, S vocab splits of the stats kernel,
+BT/BV/BK tile sizes (kernels/tiles.py). Scaled logits x = (h . w_v) / temperature, always fp32 in registers.
+
+stats:   grid = ceil(T/BT) * S programs on axis 0 (axis 0 allows 2^31-1 programs, so T of millions is fine).
+         Program (t, s) walks vocab split s tile by tile with a running max (online log-sum-exp) and writes
+         per-split lse, the split-softmax mean of x (for the entropy) and the target's x if this split holds it.
+         Splits of one token block are adjacent program ids, so programs resident together read the same
+         hidden rows and L2 serves them: the hidden block is re-read once per vocab tile, from L2, not HBM.
+dlogits: one [BT, BV] tile per program (grouped ordering for L2 reuse of the weight tile), recomputes x and
+         writes dlogits = (p * (a + b * x) + c * onehot) / temperature with p = exp(x - lse); a, b, c are
+         per-token coefficients built by the autograd function from the upstream gradients.
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.tiles import tile_configs
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _vendor() -> tuple[str, int]:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "interpreter", 0
+    if torch.version.hip is not None:
+        return "amd", 9
+    if torch.cuda.is_available():
+        return "nvidia", torch.cuda.get_device_capability()[0]
+    return "nvidia", 9
+
+
+_VENDOR, _ARCH = _vendor()
+
+
+def _configs(kernel: str) -> list[triton.Config]:
+    return [
+        triton.Config(
+            {"BLOCK_T": c.block_t, "BLOCK_V": c.block_v, "BLOCK_K": c.block_k},
+            num_warps=c.num_warps,
+            num_stages=c.num_stages,
+        )
+        for c in tile_configs(_VENDOR, _ARCH, kernel)
+    ]
+
+
+def _even_k(args) -> bool:
+    return args["H"] % args["BLOCK_K"] == 0
+
+
+@triton.autotune(configs=_configs("stats"), key=["H", "DOT_FP32", "WITH_ENTROPY"])
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit
+def _stats_kernel(
+    h_ptr, w_ptr, tgt_ptr, lse_ptr, wmean_ptr, tz_ptr,
+    T, V, H, stride_h, stride_w, inv_temp, NUM_SPLITS,
+    WITH_ENTROPY: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    pid_s = pid % NUM_SPLITS
+    pid_t = pid // NUM_SPLITS
+
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    rows = tl.minimum(offs_t, T - 1)  # clamped rows load without a mask; their results are never stored
+    tgt = tl.load(tgt_ptr + rows)
+    offs_k = tl.arange(0, BLOCK_K)
+    h_rows = h_ptr + rows[:, None] * stride_h
+
+    per_split = tl.cdiv(tl.cdiv(V, NUM_SPLITS), BLOCK_V) * BLOCK_V
+    v_begin = pid_s * per_split
+    v_end = tl.minimum(v_begin + per_split, V)
+
+    scale2 = inv_temp * 1.4426950408889634  # x in log2 units: exp(x - m) = exp2(x2 - m2)
+    m2 = tl.full([BLOCK_T], float("-inf"), tl.float32)  # running max of x2
+    s = tl.zeros([BLOCK_T], tl.float32)  # sum of exp2(x2 - m2)
+    ws = tl.zeros([BLOCK_T], tl.float32)  # sum of exp2(x2 - m2) * x
+    tz = tl.zeros([BLOCK_T], tl.float32)  # x at the target, if this split holds it
+
+    for v0 in range(v_begin, v_end, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        v_mask = offs_v < v_end
+        w_rows = w_ptr + tl.minimum(offs_v, V - 1).to(tl.int64)[:, None] * stride_w
+        acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            kk = k0 + offs_k
+            if EVEN_K:
+                a = tl.load(h_rows + kk[None, :])
+                b = tl.load(w_rows + kk[None, :])
+            else:
+                a = tl.load(h_rows + kk[None, :], mask=kk[None, :] < H, other=0.0)
+                b = tl.load(w_rows + kk[None, :], mask=kk[None, :] < H, other=0.0)
+            if DOT_FP32:
+                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(a, tl.trans(b), acc)
+        x2 = tl.where(v_mask[None, :], acc * scale2, float("-inf"))
+        m2_new = tl.maximum(m2, tl.max(x2, 1))
+        alpha = tl.exp2(m2 - m2_new)
+        e = tl.exp2(x2 - m2_new[:, None])  # masked columns: exp2(-inf) = 0
+        s = s * alpha + tl.sum(e, 1)
+        x = acc * inv_temp
+        if WITH_ENTROPY:
+            ws = ws * alpha + tl.sum(tl.where(v_mask[None, :], e * x, 0.0), 1)
+        tz += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], x, 0.0), 1)
+        m2 = m2_new
+
+    lse = (m2 + tl.log2(s)) * 0.6931471805599453  # -inf for an empty split
+    wmean = tl.where(s > 0, ws / s, 0.0)
+    out = pid_s.to(tl.int64) * T + offs_t
+    tl.store(lse_ptr + out, lse, mask=t_mask)
+    tl.store(wmean_ptr + out, wmean, mask=t_mask)
+    tl.store(tz_ptr + out, tz, mask=t_mask)
+
+
+@triton.autotune(configs=_configs("dlogits"), key=["H", "DOT_FP32"])
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit
+def _dlogits_kernel(
+    h_ptr, w_ptr, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, dz_ptr,
+    T, V, H, stride_h, stride_w, stride_dz, v_off, inv_temp,
+    DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr = 8,
+):
+    # Grouped ordering: GROUP_T token blocks sweep one band of vocab tiles together, so a weight tile is read
+    # from HBM once per group and served from L2 to the rest.
+    pid = tl.program_id(0)
+    num_t = tl.cdiv(T, BLOCK_T)
+    num_v = tl.cdiv(V, BLOCK_V)
+    group = pid // (GROUP_T * num_v)
+    first_t = group * GROUP_T
+    group_size = tl.minimum(num_t - first_t, GROUP_T)
+    pid_t = first_t + (pid % group_size)
+    pid_v = (pid % (GROUP_T * num_v)) // group_size
+
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    t_mask = offs_t < T
+    v_mask = offs_v < V
+    rows = tl.minimum(offs_t, T - 1)
+    h_rows = h_ptr + rows[:, None] * stride_h
+    w_rows = w_ptr + tl.minimum(offs_v, V - 1).to(tl.int64)[:, None] * stride_w
+    offs_k = tl.arange(0, BLOCK_K)
+
+    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        kk = k0 + offs_k
+        if EVEN_K:
+            a = tl.load(h_rows + kk[None, :])
+            b = tl.load(w_rows + kk[None, :])
+        else:
+            a = tl.load(h_rows + kk[None, :], mask=kk[None, :] < H, other=0.0)
+            b = tl.load(w_rows + kk[None, :], mask=kk[None, :] < H, other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(a, tl.trans(b), acc)
+
+    lse = tl.load(lse_ptr + rows)
+    ca = tl.load(a_ptr + rows)
+    cb = tl.load(b_ptr + rows)
+    cc = tl.load(c_ptr + rows)
+    tgt = tl.load(tgt_ptr + rows) - v_off
+    x = acc * inv_temp
+    p = tl.exp2((x - lse[:, None]) * 1.4426950408889634)
+    dz = p * (ca[:, None] + cb[:, None] * x)
+    dz += tl.where(offs_v[None, :] == tgt[:, None], cc[:, None], 0.0)
+    dz = dz * inv_temp
+    ptrs = dz_ptr + offs_t[:, None] * stride_dz + offs_v[None, :]
+    tl.store(ptrs, dz.to(dz_ptr.dtype.element_ty), mask=t_mask[:, None] & v_mask[None, :])
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _dot_fp32(t: torch.Tensor) -> bool:
+    # fp32 inputs take the exact (ieee) fp32 dot; under the interpreter every dot runs in fp32 (numpy's bf16
+    # matmul there is not trustworthy).
+    return t.dtype == torch.float32 or _VENDOR == "interpreter"
+
+
+def num_vocab_splits(num_tokens: int, num_vocab: int, device: torch.device) -> int:
+    """Vocab splits of the stats kernel: enough programs to fill the GPU several times over at small T, and at
+    least 8 splits of >= 4096 rows each when V allows, so resident programs share hidden rows in L2."""
+    token_blocks = triton.cdiv(num_tokens, 128)
+    wanted = max(8, triton.cdiv(4 * _num_sms(device), token_blocks))
+    return max(1, min(wanted, 16, triton.cdiv(num_vocab, 4096)))
+
+
+def token_stats(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool):
+    """Per-token (lse, softmax-mean of x, target x) over this rank's V rows; tgt_T is the local target index
+    (outside [0, V) matches nothing)."""
+    T, H = hidden_TH.shape
+    V = weight_VH.shape[0]
+    S = num_vocab_splits(T, V, hidden_TH.device)
+    f32 = dict(dtype=torch.float32, device=hidden_TH.device)
+    lse_ST = torch.empty((S, T), **f32)
+    wmean_ST = torch.empty((S, T), **f32)
+    tz_ST = torch.empty((S, T), **f32)
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_T"]) * S,)  # noqa: E731
+    _stats_kernel[grid](
+        hidden_TH, weight_VH, tgt_T, lse_ST, wmean_ST, tz_ST,
+        T, V, H, hidden_TH.stride(0), weight_VH.stride(0), inv_temp, S,
+        WITH_ENTROPY=with_entropy, DOT_FP32=_dot_fp32(hidden_TH),
+    )
+    if S == 1:
+        return lse_ST[0], wmean_ST[0], tz_ST[0]
+    lse_T = torch.logsumexp(lse_ST, dim=0)
+    weight_ST = torch.exp(lse_ST - lse_T)
+    return lse_T, (weight_ST * wmean_ST).sum(0), tz_ST.sum(0)
+
+
+def dlogits(hidden_TH, weight_VH, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, out_TV):
+    """out_TV[t, v] = dloss/dlogit for this token chunk and vocab chunk (weight_VH is the chunk's rows; tgt_T
+    is the target index local to the rank, v_off the chunk's first row)."""
+    T, H = hidden_TH.shape
+    V = weight_VH.shape[0]
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_T"]) * triton.cdiv(V, meta["BLOCK_V"]),)  # noqa: E731
+    _dlogits_kernel[grid](
+        hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, out_TV,
+        T, V, H, hidden_TH.stride(0), weight_VH.stride(0), out_TV.stride(0), v_off, inv_temp,
+        DOT_FP32=_dot_fp32(hidden_TH),
+    )
+    return out_TV

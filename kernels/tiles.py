@@ -1,0 +1,79 @@
+"""Tile configurations for the LM-head kernels, one table per vendor, each value derived in a comment.
+
+Two kernels (kernels/lm_head_triton.py):
+  stats   -- per token block, loop over vocab tiles: logits tile = h[BT, H] @ w[BV, H]^T in fp32 registers,
+             then online log-sum-exp. Its K loop runs over the whole hidden size H.
+  dlogits -- one [BT, BV] logits tile per program, recomputed, turned into dlogits and stored (bf16 for bf16
+             inputs). A plain GEMM with an elementwise epilogue.
+
+Pure Python: no torch or triton import, so the tables can be read (and tested) anywhere.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+@dataclass(frozen=True)
+class TileConfig:
+    block_t: int  # tokens per tile (rows of the logits tile)
+    block_v: int  # vocab entries per tile (columns)
+    block_k: int  # hidden-size slice per MMA step
+    num_warps: int
+    num_stages: int
+
+    def smem_bytes(self, elem_bytes: int = 2) -> int:
+        """Shared memory the software pipeline holds: one A and one B slice per stage."""
+        return (self.block_t + self.block_v) * self.block_k * elem_bytes * self.num_stages
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# NVIDIA Hopper (sm_90: H100/H200). Warps are 32 threads; a warpgroup (4 warps, 128 threads) issues one wgmma.
+#   block_t = 128: two warpgroups (num_warps=8) each own a 64-row wgmma slice (wgmma M is fixed at 64 per group).
+#   block_v = 128 (stats): the fp32 accumulator is 128x128 = 16,384 values / 256 threads = 64 registers a thread,
+#     leaving room for the online-softmax epilogue (exp tile, row max, row sums) without spilling under the
+#     255-register cap. block_v = 256 doubles that to 128 registers: kept as the second candidate, timed at first use.
+#   block_v = 256 (dlogits): a pure GEMM tile; 128x256 halves the L2->SMEM traffic per FLOP against 128x128
+#     (arithmetic intensity 2*128*256/((128+256)*2) = 85 FLOP/B vs 64), the usual best Hopper GEMM tile.
+#   block_k = 64: 64 bf16 = 128 bytes, one full 128-byte swizzle row for the TMA/ldmatrix path.
+#   num_stages: SMEM per stage = (BT+BV)*BK*2 B: 128x128 -> 32 KiB, 4 stages = 128 KiB; 128x256 -> 48 KiB,
+#     3 stages = 144 KiB; both under the 227 KiB a Hopper CTA may use, one CTA per SM.
+HOPPER_STATS = (TileConfig(128, 128, 64, 8, 4), TileConfig(128, 256, 64, 8, 3))
+HOPPER_DLOGITS = (TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 8, 4))
+
+# NVIDIA Ampere/Ada (sm_80/89): mma.sync, 32-thread warps, up to 164 KiB (A100) / 99 KiB (Ada) SMEM per CTA.
+#   128x128 tile over 4 warps = 2x2 warps of 64x64 each; accumulator 16,384 / 128 threads = 128 registers.
+#   block_k = 32, 3 stages: (128+128)*32*2*3 = 48 KiB, fits Ada's 99 KiB with two CTAs per SM.
+AMPERE_STATS = (TileConfig(128, 128, 32, 4, 3),)
+AMPERE_DLOGITS = (TileConfig(128, 128, 32, 4, 3),)
+
+# AMD CDNA3 (MI300X/MI325X): wavefronts are 64 lanes; a workgroup holds at most 1024 threads = 16 wavefronts,
+# so num_warps (= wavefronts here) <= 16. LDS is 64 KiB per CU.
+#   num_warps = 8: 512 lanes; the 128x128 fp32 accumulator is 16,384 / 512 = 32 VGPRs a lane, which keeps
+#     occupancy at 2 workgroups per CU (512 VGPRs per SIMD lane budget / ~128 used).
+#   block_k = 32: (128+128)*32*2 B = 16 KiB per stage; num_stages = 2 (the AMD pipeliner's double buffer)
+#     = 32 KiB, half the LDS, so two workgroups fit per CU.
+CDNA_STATS = (TileConfig(128, 128, 32, 8, 2),)
+CDNA_DLOGITS = (TileConfig(128, 128, 32, 8, 2),)
+
+# Triton's CPU interpreter (TRITON_INTERPRET=1): numpy executes whole tiles, so bigger tiles run faster; these
+# stay small enough that the test shapes (V of a few hundred, H of ~50) still span several vocab and K tiles,
+# which exercises the running max across tiles and the masked tails.
+INTERPRETER_STATS = (TileConfig(16, 64, 32, 1, 1),)
+INTERPRETER_DLOGITS = (TileConfig(16, 64, 32, 1, 1),)
+
+
+def tile_configs(vendor: str, arch_major: int, kernel: str) -> tuple[TileConfig, ...]:
+    """Candidate tiles for `kernel` ("stats" | "dlogits"); vendor is "nvidia", "amd" or "interpreter"."""
+    if kernel not in ("stats", "dlogits"):
+        raise ValueError(f"kernel must be 'stats' or 'dlogits', got {kernel!r}")
+    stats = kernel == "stats"
+    if vendor == "interpreter":
+        return INTERPRETER_STATS if stats else INTERPRETER_DLOGITS
+    if vendor == "amd":
+        return CDNA_STATS if stats else CDNA_DLOGITS
+    if vendor == "nvidia":
+        if arch_major >= 9:
+            return HOPPER_STATS if stats else HOPPER_DLOGITS
+        return AMPERE_STATS if stats else AMPERE_DLOGITS
+    raise ValueError(f"vendor must be 'nvidia', 'amd' or 'interpreter', got {vendor!r}")
