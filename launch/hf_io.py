@@ -1,0 +1,206 @@
+"""Hugging Face safetensors checkpoints in and out.
+
+Reads a directory holding `model.safetensors` or a sharded `model.safetensors.index.json` (or one .safetensors
+file). Accepted key spellings, all mapped onto our parameter names (which are Hugging Face's without the prefix):
+- prefixes `model.` (…ForCausalLM) and `model.language_model.` (Qwen3.5 …ForConditionalGeneration); `mtp.*` and
+  vision-tower keys are skipped;
+- routed experts one tensor per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, what transformers
+  writes) or fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]);
+- Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba`, split into Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b,
+  in_proj_a (the same network: the rows are only reordered).
+
+Export writes the layout transformers itself writes for the architecture (per-expert tensors, `model.` prefix) and a
+config.json, so `from_pretrained` and our loader both read it back.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import torch
+
+from launch.model import GatedDeltaNet, Transformer
+from recipe.models import ModelShape
+
+_SKIP = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
+_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+
+
+def _strip(key: str) -> str:
+    for prefix in ("model.language_model.", "model."):
+        if key.startswith(prefix):
+            return key[len(prefix):]
+    return key
+
+
+def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
+    """All tensors of a checkpoint directory or file, keyed as stored."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if path.is_file():
+        files = [path]
+    elif (path / "model.safetensors.index.json").exists():
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        files = [path / f for f in sorted(set(index["weight_map"].values()))]
+    elif (path / "model.safetensors").exists():
+        files = [path / "model.safetensors"]
+    else:
+        found = sorted(p.name for p in path.glob("*")) if path.is_dir() else []
+        raise ValueError(f"no safetensors checkpoint at {path} (expected model.safetensors or "
+                         f"model.safetensors.index.json; found {found[:10]})")
+    tensors: dict[str, torch.Tensor] = {}
+    for f in files:
+        tensors.update(load_file(str(f)))
+    return tensors
+
+
+def _deinterleave_qwen3_next(sd: dict[str, torch.Tensor], prefix: str, m: GatedDeltaNet) -> None:
+    """in_proj_qkvz rows are grouped per key head: [q (Kd) | k (Kd) | v (r·Vd) | z (r·Vd)] × G; in_proj_ba rows
+    [b (r) | a (r)] × G. Regroup into [all q | all k | all v], z, b, a."""
+    g, r = m.num_k_heads, m.num_v_heads // m.num_k_heads
+    kd, vd = m.head_k_dim, m.head_v_dim
+    w = sd.pop(prefix + "in_proj_qkvz.weight").view(g, 2 * kd + 2 * r * vd, -1)
+    q, k, v, z = torch.split(w, [kd, kd, r * vd, r * vd], dim=1)
+    sd[prefix + "in_proj_qkv.weight"] = torch.cat([x.reshape(-1, w.shape[-1]) for x in (q, k, v)])
+    sd[prefix + "in_proj_z.weight"] = z.reshape(-1, w.shape[-1])
+    ba = sd.pop(prefix + "in_proj_ba.weight").view(g, 2 * r, -1)
+    b, a = ba.split([r, r], dim=1)
+    sd[prefix + "in_proj_b.weight"] = b.reshape(-1, ba.shape[-1])
+    sd[prefix + "in_proj_a.weight"] = a.reshape(-1, ba.shape[-1])
+
+
+def _interleave_qwen3_next(sd: dict[str, torch.Tensor], prefix: str, m: GatedDeltaNet) -> None:
+    g, r = m.num_k_heads, m.num_v_heads // m.num_k_heads
+    kd, vd = m.head_k_dim, m.head_v_dim
+    qkv = sd.pop(prefix + "in_proj_qkv.weight")
+    d = qkv.shape[-1]
+    q, k, v = torch.split(qkv, [g * kd, g * kd, g * r * vd])
+    z = sd.pop(prefix + "in_proj_z.weight")
+    parts = [x.view(g, -1, d) for x in (q, k, v, z)]
+    sd[prefix + "in_proj_qkvz.weight"] = torch.cat(parts, dim=1).reshape(-1, d)
+    b, a = sd.pop(prefix + "in_proj_b.weight"), sd.pop(prefix + "in_proj_a.weight")
+    sd[prefix + "in_proj_ba.weight"] = torch.cat([b.view(g, r, d), a.view(g, r, d)], dim=1).reshape(-1, d)
+
+
+def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
+    sd: dict[str, torch.Tensor] = {}
+    per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    for key, t in raw.items():
+        if _SKIP.match(key):
+            continue
+        key = _strip(key)
+        hit = _EXPERT.match(key)
+        if hit:
+            per_expert.setdefault(hit.group(1), {}).setdefault(int(hit.group(2)), {})[hit.group(3)] = t
+        else:
+            sd[key] = t
+    for prefix, experts in per_expert.items():
+        num = len(experts)
+        if sorted(experts) != list(range(num)) or any(len(v) != 3 for v in experts.values()):
+            raise ValueError(f"{prefix}: incomplete per-expert tensors (experts {sorted(experts)[:8]}…)")
+        sd[prefix + ".gate_up_proj"] = torch.stack(
+            [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in range(num)])
+        sd[prefix + ".down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(num)])
+    for name, m in model.named_modules():
+        if isinstance(m, GatedDeltaNet) and f"{name}.in_proj_qkvz.weight" in sd:
+            _deinterleave_qwen3_next(sd, name + ".", m)
+    return sd
+
+
+def load_hf_checkpoint(model: Transformer, path: str | Path, strict: bool = True) -> None:
+    """Copy a Hugging Face checkpoint into `model` (any dtype/device; values are cast). Raises ValueError naming the
+    missing, unexpected or mis-shaped tensors."""
+    sd = hf_to_ours(read_safetensors(path), model)
+    ours = model.state_dict()
+    if model.shape.tie_embeddings:
+        sd.pop("lm_head.weight", None)
+        ours = {k: v for k, v in ours.items() if k != "lm_head.weight"}
+    missing = sorted(set(ours) - set(sd))
+    unexpected = sorted(set(sd) - set(ours))
+    if strict and (missing or unexpected):
+        raise ValueError(f"checkpoint {path} does not match model {model.shape.name}: "
+                         f"missing {missing[:6]}{'…' if len(missing) > 6 else ''}, "
+                         f"unexpected {unexpected[:6]}{'…' if len(unexpected) > 6 else ''}")
+    bad = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(v.shape)}"
+           for k, v in ours.items() if k in sd and sd[k].shape != v.shape]
+    if bad:
+        raise ValueError(f"checkpoint {path} shape mismatch: " + "; ".join(bad[:6]))
+    with torch.no_grad():
+        for k, v in ours.items():
+            if k in sd:
+                v.copy_(sd[k])
+
+
+def hf_config(shape: ModelShape) -> dict:
+    """A transformers config.json for `shape` (text model)."""
+    cfg = dict(
+        hidden_size=shape.hidden_size, num_hidden_layers=shape.num_layers, vocab_size=shape.vocab_size,
+        num_attention_heads=shape.num_heads, num_key_value_heads=shape.num_kv_heads, head_dim=shape.head_dim,
+        rms_norm_eps=shape.rms_norm_eps, tie_word_embeddings=shape.tie_embeddings, hidden_act="silu",
+        max_position_embeddings=shape.max_position, num_experts=shape.num_experts,
+        num_experts_per_tok=shape.top_k, moe_intermediate_size=shape.expert_ffn, attention_bias=shape.attn_bias,
+        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta,
+                         "partial_rotary_factor": shape.partial_rotary_factor},
+    )
+    if shape.arch == "qwen3_moe":
+        cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
+                   intermediate_size=shape.expert_ffn, layer_types=list(shape.layer_types))
+        return cfg
+    la = shape.linear_attn
+    cfg.update(
+        layer_types=list(shape.layer_types), partial_rotary_factor=shape.partial_rotary_factor,
+        shared_expert_intermediate_size=shape.shared_expert_ffn, linear_conv_kernel_dim=la.conv_kernel,
+        linear_key_head_dim=la.head_k_dim, linear_value_head_dim=la.head_v_dim,
+        linear_num_key_heads=la.num_k_heads, linear_num_value_heads=la.num_v_heads,
+    )
+    if shape.arch == "qwen3_next":
+        cfg.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
+                   intermediate_size=shape.shared_expert_ffn)
+    else:
+        cfg.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"])
+    return cfg
+
+
+def ours_to_hf(model: Transformer) -> dict[str, torch.Tensor]:
+    sd = {k: v.detach() for k, v in model.state_dict().items()}
+    if model.shape.arch == "qwen3_next":
+        for name, m in model.named_modules():
+            if isinstance(m, GatedDeltaNet):
+                _interleave_qwen3_next(sd, name + ".", m)
+    out: dict[str, torch.Tensor] = {}
+    for key, t in sd.items():
+        if key.endswith("mlp.experts.gate_up_proj"):
+            base = "model." + key[: -len(".gate_up_proj")]
+            ffn = t.shape[1] // 2
+            for e in range(t.shape[0]):
+                out[f"{base}.{e}.gate_proj.weight"] = t[e, :ffn]
+                out[f"{base}.{e}.up_proj.weight"] = t[e, ffn:]
+        elif key.endswith("mlp.experts.down_proj"):
+            base = "model." + key[: -len(".down_proj")]
+            for e in range(t.shape[0]):
+                out[f"{base}.{e}.down_proj.weight"] = t[e]
+        elif key == "lm_head.weight":
+            if not model.shape.tie_embeddings:
+                out[key] = t
+        else:
+            out["model." + key] = t
+    return {k: v.contiguous().cpu() for k, v in out.items()}
+
+
+def export_hf_checkpoint(model: Transformer, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
+    """Write `model.safetensors` + `config.json` (transformers' own layout for the arch) into `out_dir`."""
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    tensors = ours_to_hf(model)
+    if dtype is not None:
+        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
+    cfg = hf_config(model.shape)
+    cfg["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    return out_dir

@@ -1,0 +1,293 @@
+"""Qwen3.5-MoE / Qwen3-Next / Qwen3-MoE text stack, built from a `recipe.models.ModelShape`.
+
+Shape legend: T tokens (one packed sequence: several documents back to back), D model dim, Hq query heads, Hkv
+key/value heads, Dh attention head dim, R rotary dims, V vocabulary.
+
+A batch is one packed sequence. Document boundaries are carried by `Packing`: positions restart at 0 at each
+document's first token; attention runs causally inside each document only; the linear-attention conv and recurrent
+state reset at each document start. The model is architecture only: no collectives, no recompute (applied from
+outside, launch/recompute.py), no loss (launch/rl.py). Module and parameter names follow Hugging Face's, so a state
+dict maps one to one (launch/hf_io.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from launch.gated_delta import gated_delta_rule
+from launch.moe import MoE
+from recipe.models import ModelShape
+
+SUPPORTED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe")
+
+
+@dataclass(frozen=True)
+class Packing:
+    """Document layout of one packed sequence."""
+
+    positions: torch.Tensor  # [T] int64, restarting at 0 per document
+    cu_seqlens: torch.Tensor  # [num_docs + 1] int32 on the device
+    doc_lengths: tuple[int, ...]  # host copy (attention loops over documents)
+
+    @staticmethod
+    def from_lengths(doc_lengths: list[int] | tuple[int, ...], device: torch.device | str = "cpu") -> "Packing":
+        if not doc_lengths or min(doc_lengths) <= 0:
+            raise ValueError(f"document lengths must be positive, got {list(doc_lengths)}")
+        lengths = torch.tensor(doc_lengths, dtype=torch.int64)
+        cu = torch.zeros(len(doc_lengths) + 1, dtype=torch.int32)
+        cu[1:] = torch.cumsum(lengths, 0)
+        starts = torch.repeat_interleave(cu[:-1].long(), lengths)
+        positions = torch.arange(int(cu[-1])) - starts
+        return Packing(positions.to(device), cu.to(device), tuple(int(n) for n in doc_lengths))
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(self.doc_lengths)
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm in fp32. Qwen3.5/Qwen3-Next scale by (1 + w) with w initialized at 0 (`offset=1`); Qwen3-MoE by w."""
+
+    def __init__(self, dim: int, eps: float, offset: float):
+        super().__init__()
+        self.eps, self.offset = eps, offset
+        self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        if self.offset:
+            return (x32 * (self.offset + self.weight.float())).type_as(x)
+        return self.weight * x32.type_as(x)
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm over each value head's channels, then a SiLU gate (Gated DeltaNet's output norm)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (self.weight * x32.type_as(x) * F.silu(gate.float())).type_as(x)
+
+
+def rope_cos_sin(positions_T: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
+    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=positions_T.device, dtype=torch.float32)
+                                / rotary_dim))
+    freqs_TR2 = positions_T.float()[:, None] * inv_freq[None]
+    emb_TR = torch.cat([freqs_TR2, freqs_TR2], dim=-1)
+    return emb_TR.cos().to(dtype), emb_TR.sin().to(dtype)
+
+
+def apply_rope(x_THD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+    """Rotate-half RoPE on the first R channels of each head (partial rotary), the rest pass through."""
+    r = cos_TR.shape[-1]
+    x_rot, x_pass = x_THD[..., :r], x_THD[..., r:]
+    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    out = x_rot * cos_TR[:, None] + rotated * sin_TR[:, None]
+    return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out
+
+
+def causal_attention(q_THD, k_THD, v_THD, packing: Packing, scale: float) -> torch.Tensor:
+    """Causal SDPA inside each document; GQA by repeating K/V heads. Returns [T, Hq, Dh]."""
+    rep = q_THD.shape[1] // k_THD.shape[1]
+    if rep > 1:
+        k_THD, v_THD = k_THD.repeat_interleave(rep, 1), v_THD.repeat_interleave(rep, 1)
+    q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_THD, v_THD))  # [1, H, T, Dh]
+    if len(packing.doc_lengths) == 1:
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+    elif not q.is_cuda and packing.num_tokens <= 4096:
+        doc = torch.repeat_interleave(torch.arange(len(packing.doc_lengths), device=q.device),
+                                      torch.tensor(packing.doc_lengths, device=q.device))
+        pos = packing.positions
+        mask_TT = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TT, scale=scale)
+    else:  # one flash call per document
+        outs, start = [], 0
+        for n in packing.doc_lengths:
+            sl = slice(start, start + n)
+            outs.append(F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], is_causal=True,
+                                                       scale=scale))
+            start += n
+        o = torch.cat(outs, dim=2)
+    return o.squeeze(0).transpose(0, 1)
+
+
+class Attention(nn.Module):
+    """GQA with per-head q/k RMSNorm, partial RoPE and (Qwen3.5/Qwen3-Next) a sigmoid output gate per channel."""
+
+    def __init__(self, s: ModelShape, norm_offset: float):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        self.output_gate = s.attn_output_gate
+        q_out = s.num_heads * s.head_dim * (2 if s.attn_output_gate else 1)
+        self.q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attn_bias)
+        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attn_bias)
+        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attn_bias)
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.attn_bias)
+        self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
+        self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
+
+    def forward(self, x_TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing):
+        T = x_TD.shape[0]
+        q = self.q_proj(x_TD)
+        if self.output_gate:  # per head: [query channels | gate channels]
+            q, gate = q.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            gate = gate.reshape(T, -1)
+        q = q.reshape(T, self.num_heads, self.head_dim)
+        k = self.k_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        o = causal_attention(q, k, v, packing, self.head_dim ** -0.5).reshape(T, -1)
+        if self.output_gate:
+            o = o * torch.sigmoid(gate)
+        return self.o_proj(o)
+
+
+class GatedDeltaNet(nn.Module):
+    """Linear attention: q/k/v/z/β/α projections, causal depthwise conv (per document), gated delta rule, gated
+    RMSNorm, output projection. Qwen3.5's split projection layout (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)."""
+
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        la = s.linear_attn
+        self.num_k_heads, self.num_v_heads = la.num_k_heads, la.num_v_heads
+        self.head_k_dim, self.head_v_dim = la.head_k_dim, la.head_v_dim
+        self.key_dim, self.value_dim = la.num_k_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
+        self.chunk_size, self.conv_kernel = la.chunk_size, la.conv_kernel
+        self.backend = "auto"  # delta-rule backend: auto | torch | fla (launch/gated_delta.py)
+        conv_dim = 2 * self.key_dim + self.value_dim
+        self.in_proj_qkv = nn.Linear(s.hidden_size, conv_dim, bias=False)
+        self.in_proj_z = nn.Linear(s.hidden_size, self.value_dim, bias=False)
+        self.in_proj_b = nn.Linear(s.hidden_size, la.num_v_heads, bias=False)
+        self.in_proj_a = nn.Linear(s.hidden_size, la.num_v_heads, bias=False)
+        self.conv1d = nn.Conv1d(conv_dim, conv_dim, la.conv_kernel, groups=conv_dim, bias=False)
+        self.dt_bias = nn.Parameter(torch.ones(la.num_v_heads))
+        self.A_log = nn.Parameter(torch.zeros(la.num_v_heads))
+        self.norm = GatedRMSNorm(la.head_v_dim, s.rms_norm_eps)
+        self.out_proj = nn.Linear(self.value_dim, s.hidden_size, bias=False)
+
+    def causal_conv(self, x_TC: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal conv + SiLU; a tap reaching before its document's first token reads zero."""
+        w_CK = self.conv1d.weight[:, 0, :]
+        width = w_CK.shape[1]
+        out = x_TC * w_CK[:, width - 1]
+        for shift in range(1, width):
+            shifted = F.pad(x_TC[:-shift], (0, 0, shift, 0))
+            valid_T1 = (positions_T >= shift).unsqueeze(1).to(x_TC.dtype)
+            out = out + shifted * valid_T1 * w_CK[:, width - 1 - shift]
+        return F.silu(out)
+
+    def forward(self, x_TD: torch.Tensor, rope, packing: Packing):
+        T = x_TD.shape[0]
+        qkv = self.causal_conv(self.in_proj_qkv(x_TD), packing.positions)
+        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
+        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
+        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
+        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        beta = torch.sigmoid(self.in_proj_b(x_TD))
+        g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_TD).float() + self.dt_bias)  # log decay ≤ 0
+        o = gated_delta_rule(q, k, v, g, beta, packing.positions, packing.cu_seqlens, self.chunk_size, self.backend)
+        z = self.in_proj_z(x_TD).view(T, self.num_v_heads, self.head_v_dim)
+        o = self.norm(o, z).reshape(T, self.value_dim)
+        return self.out_proj(o)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, s: ModelShape, layer_type: str, norm_offset: float):
+        super().__init__()
+        self.layer_type = layer_type
+        if layer_type == "full_attention":
+            self.self_attn = Attention(s, norm_offset)
+        elif layer_type == "linear_attention":
+            self.linear_attn = GatedDeltaNet(s)
+        else:
+            raise ValueError(f"layer type {layer_type!r} is not supported by this model (full_attention, "
+                             f"linear_attention)")
+        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
+        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
+        self.mlp = MoE(s.hidden_size, s.num_experts, s.top_k, s.expert_ffn, s.shared_expert_ffn,
+                       s.shared_expert_gate, s.norm_topk_prob)
+
+    def forward(self, x_TD: torch.Tensor, rope, packing: Packing) -> torch.Tensor:
+        mixer = self.self_attn if self.layer_type == "full_attention" else self.linear_attn
+        x_TD = x_TD + mixer(self.input_layernorm(x_TD), rope, packing)
+        return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
+
+
+class Transformer(nn.Module):
+    """Embedding → decoder layers → final norm; `lm_head` holds the output projection, applied by the loss
+    (launch/rl.py: fused log-probs, or plain logits for `lm_head: naive`)."""
+
+    def __init__(self, shape: ModelShape):
+        super().__init__()
+        if shape.arch not in SUPPORTED_ARCHS:
+            raise ValueError(f"arch {shape.arch!r} is not supported by the training core "
+                             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+        if shape.first_dense_layers or shape.mla is not None or shape.sliding_window:
+            raise ValueError(f"{shape.name}: dense-first layers, MLA and sliding windows are not supported")
+        self.shape = shape
+        norm_offset = 0.0 if shape.arch == "qwen3_moe" else 1.0
+        self.rotary_dim = int(shape.head_dim * shape.partial_rotary_factor)
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset) for t in shape.layer_types)
+        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, norm_offset)
+        self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        if shape.tie_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(self, input_ids_T: torch.Tensor, packing: Packing) -> torch.Tensor:
+        """Final-norm hidden states [T, D]."""
+        if input_ids_T.shape[0] != packing.num_tokens:
+            raise ValueError(f"{input_ids_T.shape[0]} tokens but the packing holds {packing.num_tokens}")
+        h_TD = self.embed_tokens(input_ids_T)
+        rope = rope_cos_sin(packing.positions, self.rotary_dim, self.shape.rope_theta, h_TD.dtype)
+        for layer in self.layers:
+            h_TD = layer(h_TD, rope, packing)
+        return self.norm(h_TD)
+
+    def set_delta_rule_backend(self, backend: str) -> None:
+        for m in self.modules():
+            if isinstance(m, GatedDeltaNet):
+                m.backend = backend
+
+    @torch.no_grad()
+    def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
+        """Random init for training from scratch and tests (checkpoints come through launch/hf_io.py)."""
+        device = next(self.parameters()).device
+        gen = torch.Generator(device=device)
+        gen.manual_seed(0 if seed is None else seed)
+        for name, p in self.named_parameters():
+            leaf = name.rsplit(".", 1)[-1]
+            if leaf == "A_log":
+                p.copy_(torch.empty(p.shape, device=device).uniform_(1, 16, generator=gen).log())
+            elif leaf == "dt_bias":
+                p.fill_(1.0)
+            elif "norm" in name:
+                p.fill_(0.0 if self._offset_norm(name) else 1.0)
+            else:
+                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * std)
+
+    def _offset_norm(self, name: str) -> bool:
+        module = self.get_submodule(name.rsplit(".", 1)[0])
+        return isinstance(module, RMSNorm) and bool(module.offset)
+
+
+def build_model(shape: ModelShape, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+                seed: int | None = 0) -> Transformer:
+    """The model for `shape`, randomly initialized (deterministic for a seed) on `device` in `dtype`."""
+    with torch.device(device):
+        model = Transformer(shape)
+    model.init_weights(seed=seed)  # in fp32, then cast: the same weights for every dtype
+    return model.to(dtype=dtype)

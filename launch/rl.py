@@ -1,0 +1,138 @@
+"""Per-token log-probs through the LM head, and the RL policy loss on them.
+
+Shape legend: T tokens of one packed micro-batch. Every per-token tensor is aligned with the model's positions:
+entry t belongs to the prediction made at position t, i.e. to the next token (launch/data.py shifts the rollout
+fields that way). docs/training.md writes each loss out with a worked example.
+
+Loss (per token t, with mask m_t, advantage A_t, ratio ρ_t = exp(logp_t − logp_old_t)):
+    pg_t  = −min(ρ_t A_t, clip(ρ_t, 1 − ε_low, 1 + ε_high) A_t) · w_t     (w_t: truncated importance weight)
+    kl_t  = k1: logp_t − logp_ref_t      k3: exp(logp_ref_t − logp_t) − (logp_ref_t − logp_t) − 1
+    l_t   = pg_t + β_kl · kl_t − c_ent · H_t
+aggregated by token-mean (Σ m l / Σ m over the micro-batch) or sequence-mean (mean over sequences of each
+sequence's token mean).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import torch
+import torch.nn.functional as F
+
+import kernels
+
+
+def token_logprobs(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor, *,
+                   mode: Literal["fused", "naive"] = "fused", temperature: float = 1.0,
+                   with_entropy: bool = False):
+    """log p(target_t) [T] fp32 (and entropy [T]). `fused` streams the vocabulary through kernels.linear_logprobs
+    (no [T, V] logits); `naive` materializes fp32 logits. Negative targets give 0 and no gradient."""
+    if mode == "fused":
+        return kernels.linear_logprobs(hidden_TD, weight_VD, targets_T, temperature=temperature,
+                                       with_entropy=with_entropy)
+    if mode != "naive":
+        raise ValueError(f"lm_head must be 'fused' or 'naive', got {mode!r}")
+    logits_TV = F.linear(hidden_TD, weight_VD).float() / temperature
+    logp_TV = torch.log_softmax(logits_TV, dim=-1)
+    valid_T = targets_T >= 0
+    logp_T = logp_TV.gather(1, targets_T.clamp(min=0)[:, None]).squeeze(1) * valid_T
+    if with_entropy:
+        return logp_T, -(logp_TV.exp() * logp_TV).sum(-1)
+    return logp_T
+
+
+@dataclass
+class LossConfig:
+    clip_low: float = 0.2  # ε_low: ratio floor 1 − ε_low
+    clip_high: float = 0.28  # ε_high: ratio ceiling 1 + ε_high (DAPO-style clip-higher when > clip_low)
+    kl_coef: float = 0.0  # β_kl; 0 turns the KL term off
+    kl_estimator: Literal["k1", "k3"] = "k3"
+    entropy_coef: float = 0.0  # c_ent: entropy bonus
+    aggregation: Literal["token_mean", "seq_mean"] = "token_mean"
+    tis_cap: float | None = 2.0  # truncated importance weight cap C (None: no correction)
+
+    def __post_init__(self):
+        if self.clip_low < 0 or self.clip_high < 0 or self.clip_low >= 1:
+            raise ValueError(f"clip_low must be in [0, 1) and clip_high ≥ 0, got {self.clip_low}, {self.clip_high}")
+        if self.kl_estimator not in ("k1", "k3"):
+            raise ValueError(f"kl_estimator must be k1 or k3, got {self.kl_estimator!r}")
+        if self.aggregation not in ("token_mean", "seq_mean"):
+            raise ValueError(f"aggregation must be token_mean or seq_mean, got {self.aggregation!r}")
+        if self.tis_cap is not None and self.tis_cap <= 0:
+            raise ValueError(f"tis_cap must be positive or None, got {self.tis_cap}")
+
+
+def kl_penalty(logp_T: torch.Tensor, ref_logp_T: torch.Tensor, estimator: str) -> torch.Tensor:
+    """Per-token estimate of KL(π ‖ π_ref) from samples of π: k1 = log π − log π_ref (unbiased, can be negative);
+    k3 = r − log r − 1 with r = π_ref/π (unbiased, ≥ 0, lower variance)."""
+    log_r = ref_logp_T - logp_T
+    if estimator == "k1":
+        return -log_r
+    return torch.exp(log_r) - log_r - 1.0
+
+
+def aggregate(x_T: torch.Tensor, mask_T: torch.Tensor, seq_id_T: torch.Tensor | None, how: str) -> torch.Tensor:
+    mask = mask_T.to(x_T.dtype)
+    if how == "token_mean":
+        return (x_T * mask).sum() / mask.sum().clamp(min=1.0)
+    if seq_id_T is None:
+        raise ValueError("seq_mean aggregation needs seq_id_T")
+    num_seqs = int(seq_id_T.max()) + 1 if seq_id_T.numel() else 0
+    sums = torch.zeros(num_seqs, dtype=x_T.dtype, device=x_T.device).index_add_(0, seq_id_T, x_T * mask)
+    counts = torch.zeros(num_seqs, dtype=x_T.dtype, device=x_T.device).index_add_(0, seq_id_T, mask)
+    has = counts > 0
+    return (sums[has] / counts[has]).mean() if bool(has.any()) else x_T.sum() * 0.0
+
+
+def policy_loss(logp_T: torch.Tensor, advantages_T: torch.Tensor, mask_T: torch.Tensor, cfg: LossConfig, *,
+                old_logp_T: torch.Tensor | None = None, ref_logp_T: torch.Tensor | None = None,
+                rollout_logp_T: torch.Tensor | None = None, entropy_T: torch.Tensor | None = None,
+                seq_id_T: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO/GRPO clipped surrogate on per-token log-probs. Returns (loss, metrics as 0-d tensors, detached).
+
+    old_logp: the trainer's log-probs under the policy that sampled (None: on-policy, the detached current ones).
+    rollout_logp: the rollout engine's own log-probs; with cfg.tis_cap the per-token surrogate is weighted by
+    min(exp(old_logp − rollout_logp), cap), detached (truncated importance sampling).
+    """
+    mask = mask_T.bool()
+    old = logp_T.detach() if old_logp_T is None else old_logp_T
+    log_ratio = logp_T - old
+    ratio = torch.exp(log_ratio)
+    surr1 = ratio * advantages_T
+    surr2 = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages_T
+    pg_T = -torch.minimum(surr1, surr2)
+    if rollout_logp_T is not None and cfg.tis_cap is not None:
+        tis_w = torch.exp(old - rollout_logp_T).clamp(max=cfg.tis_cap).detach()
+        pg_T = pg_T * tis_w
+    else:
+        tis_w = None
+    loss_T = pg_T
+    kl_T = None
+    if ref_logp_T is not None and cfg.kl_coef:
+        kl_T = kl_penalty(logp_T, ref_logp_T, cfg.kl_estimator)
+        loss_T = loss_T + cfg.kl_coef * kl_T
+    if cfg.entropy_coef:
+        if entropy_T is None:
+            raise ValueError("entropy_coef > 0 needs entropy_T (token_logprobs(..., with_entropy=True))")
+        loss_T = loss_T - cfg.entropy_coef * entropy_T
+    loss = aggregate(loss_T, mask, seq_id_T, cfg.aggregation)
+
+    with torch.no_grad():
+        m = mask.float()
+        n = m.sum().clamp(min=1.0)
+        clipped = (surr2 < surr1) & mask  # the clipped branch is the one taken (and carries no gradient)
+        metrics = {
+            "loss": loss.detach(),
+            "pg_loss": (pg_T * m).sum() / n,
+            "clip_frac": clipped.float().sum() / n,
+            "approx_kl": ((torch.exp(-log_ratio) + log_ratio - 1.0) * m).sum() / n,  # k3 of KL(old ‖ new)
+            "num_tokens": m.sum(),
+        }
+        if entropy_T is not None:
+            metrics["entropy"] = (entropy_T * m).sum() / n
+        if kl_T is not None:
+            metrics["kl_ref"] = (kl_T * m).sum() / n
+        if tis_w is not None:
+            metrics["tis_weight"] = (tis_w * m).sum() / n
+    return loss, metrics
