@@ -1,0 +1,370 @@
+"""The cost model: memory per GPU by component, FLOPs per token, communication per step, step time.
+
+Every formula is derived in docs/cost_model.md; the names here match the names there. Units: bytes and seconds
+inside, decimal GB (1e9 bytes) in what is reported. Symbols: s = tokens of one micro-batch on one rank after CP
+(s_local), h = hidden size, L = layers of one pipeline stage, k = top-k, E = experts, V = vocab.
+
+Pure Python: never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from .hw import HwProfile
+from .models import ModelShape, param_counts
+
+GB = 1e9
+BF16, FP32 = 2, 4
+
+# Persistent bytes per parameter (FSDP2 + AdamW with fp32 master weights, bf16 compute):
+BYTES_WEIGHTS = BF16  # bf16 compute copy
+BYTES_GRADS = BF16  # bf16 gradient (reduce-scattered in fp32, accumulated into the fp32 shard)
+BYTES_MASTER = FP32  # fp32 master weights
+BYTES_OPTIMIZER = 2 * FP32  # Adam exp_avg and exp_avg_sq
+# FSDP2's unsharded working set per parameter of the layer in use: the gathered bf16 layer, the next layer
+# prefetched, and the unsharded fp32 gradient before its reduce-scatter.
+BYTES_UNSHARDED = 2 * BF16 + FP32
+# The fused LM-head kernel keeps a [chunk × V] tile of logits / dlogits; its chunk is sized to this budget.
+FUSED_HEAD_BUDGET_B = 1.0 * GB
+EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (the seed's figure)
+ADAM_BYTES_MOVED = 28  # per local parameter: read p, g, m, v (fp32) and write p, m, v
+
+
+class TrainOptions(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    recompute: Literal["full", "none"] = "full"
+    lm_head: Literal["fused", "naive"] = "fused"
+    ep_overlap_chunks: int = Field(1, ge=1)  # 1 = off
+    micro_batch_tokens: int = Field(gt=0)  # tokens of one packed micro-batch (before CP)
+    micro_batches: int = Field(1, ge=1)  # micro-batches per DP rank per optimizer step
+
+
+@dataclass(frozen=True)
+class Layout:
+    pp: int = 1
+    tp: int = 1
+    cp: int = 1
+    ep: int = 1
+    etp: int = 1
+
+    def degrees(self, world: int) -> dict[str, int]:
+        return {"pp": self.pp, "tp": self.tp, "cp": self.cp, "ep": self.ep, "dp": self.dp(world),
+                "etp": self.etp, "edp": self.edp(world)}
+
+    def dp(self, world: int) -> int:
+        return world // (self.pp * self.tp * self.cp)
+
+    def edp(self, world: int) -> int:
+        return world // (self.pp * self.ep * self.etp)
+
+
+@dataclass
+class Estimate:
+    memory_gb: dict[str, float]
+    lm_head_unfused_gb: float
+    fits: bool
+    step_time_s: float
+    time_s: dict[str, float]  # seconds per step by part (compute, exposed comm, bubble, optimizer)
+    tokens_per_s_per_gpu: float
+    tflops_per_gpu: float  # hardware FLOPs (recompute included)
+    mfu_hardware: float
+    mfu_model: float
+    flops_per_token: dict[str, float] = field(default_factory=dict)
+    comm_bytes: dict[str, float] = field(default_factory=dict)  # per GPU per step
+
+    @property
+    def total_gb(self) -> float:
+        return self.memory_gb["total"]
+
+    @property
+    def headroom_gb(self) -> float:
+        return self.memory_gb["usable"] - self.memory_gb["total"]
+
+
+# ---- parameters by sharding group ----------------------------------------------------------------------------
+def stage_params(m: ModelShape, pp: int) -> tuple[float, float, float]:
+    """(dense, routed-expert, head+embedding) parameters held by the largest pipeline stage.
+
+    Layers are split evenly; the first stage also holds the embedding, the last the head: the largest stage is
+    taken as L/pp layers plus the larger of the two (with pp=1 both)."""
+    c = param_counts(m)
+    layer_dense = (c["attention"] + c["linear_attention"] + c["router"] + c["shared_expert"] + c["dense_ffn"]
+                   + c["norms"]) / m.num_layers
+    layer_expert = c["routed_experts"] / m.num_layers
+    ends = c["embedding"] + c["head"] if pp == 1 else max(c["embedding"], c["head"])
+    per_stage = m.num_layers / pp
+    return layer_dense * per_stage, layer_expert * per_stage, ends
+
+
+def layer_params(m: ModelShape) -> tuple[float, float]:
+    """(dense, routed-expert) parameters of the largest single layer (FSDP2's unit)."""
+    c = param_counts(m)
+    n_moe = max(m.num_moe_layers, 1)
+    attn = max(c["attention"] / max(m.num_full_attn_layers + m.num_sliding_layers, 1),
+               c["linear_attention"] / max(m.num_linear_attn_layers, 1))
+    ffn = max(c["router"] / n_moe + c["shared_expert"] / n_moe, c["dense_ffn"] / max(m.first_dense_layers, 1))
+    return attn + ffn, c["routed_experts"] / n_moe
+
+
+# ---- activations ---------------------------------------------------------------------------------------------
+def attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
+    """Bytes saved by one full-attention layer's forward (and as much again for their gradients in its backward).
+
+    q (+ output gate), k, v, attention output, softmax statistics; with CP the K/V of the whole sequence is
+    all-gathered (exact CP), so k and v count at s·cp."""
+    h, nh, nkv = m.hidden_size, m.num_heads / tp, m.num_kv_heads / tp
+    if m.mla is not None:
+        a = m.mla
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
+        q = s * (a.q_lora_rank + nh * qk) * BF16
+        # the compressed latent is all-gathered at full length; K/V are decompressed one local block at a time
+        kv = (s * cp * (a.kv_lora_rank + a.qk_rope_head_dim)
+              + s * nh * (a.qk_nope_head_dim + a.v_head_dim)) * BF16
+        out = s * nh * a.v_head_dim * BF16
+    else:
+        q = s * nh * m.head_dim * (2 if m.attn_output_gate else 1) * BF16
+        kv = s * cp * 2 * nkv * m.head_dim * BF16
+        out = s * nh * m.head_dim * BF16
+    stats = s * nh * FP32
+    io = 2 * s * h * BF16  # normed input and projected output
+    return 2 * (q + kv + out + stats + io)
+
+
+def linear_attention_working_set(m: ModelShape, s: float, tp: int) -> float:
+    """Gated DeltaNet: projections, conv output, fp32 copies inside the chunked rule, one fp32 state per chunk,
+    the in-chunk [C × C] matrices, gated-norm output; doubled for the backward's gradients."""
+    la = m.linear_attn
+    nk, nv = la.num_k_heads / tp, la.num_v_heads / tp
+    kd, vd = nk * la.head_k_dim, nv * la.head_v_dim
+    proj = s * (2 * kd + 2 * vd + 2 * nv) * BF16  # q, k, v, z, beta, alpha
+    conv = s * (2 * kd + vd) * BF16
+    fp32_inputs = s * (2 * kd + vd + 2 * nv) * FP32  # q, k, v, g, beta in fp32 inside the rule
+    wy = s * nv * (la.head_k_dim + la.head_v_dim) * FP32  # w, u of the WY representation
+    states = (s / la.chunk_size) * nv * la.head_k_dim * la.head_v_dim * FP32
+    in_chunk = s * la.chunk_size * nv * FP32
+    out = s * 2 * vd * BF16 + 2 * s * m.hidden_size * BF16
+    return 2 * (proj + conv + fp32_inputs + wy + states + in_chunk + out)
+
+
+def moe_working_set(m: ModelShape, s: float) -> float:
+    """Router logits (fp32), top-k weights and indices, tokens permuted ×k, expert gate/up/act intermediates,
+    expert outputs and the combine; doubled for the backward. Under balanced EP a rank receives about s·k token
+    copies whatever ep is, so this does not shrink with ep (etp splits the intermediates)."""
+    h, k = m.hidden_size, m.top_k
+    router = s * m.num_experts * FP32 + s * k * (8 + FP32)
+    permuted = s * k * h * BF16
+    inter = s * k * m.expert_ffn * 3 * BF16  # gate, up, act(gate)·up
+    out = s * k * h * BF16 + s * h * BF16
+    shared = s * m.shared_expert_ffn * 3 * BF16 if m.shared_expert_ffn else 0.0
+    return 2 * (router + permuted + inter + out + shared)
+
+
+def dense_ffn_working_set(m: ModelShape, s: float, tp: int) -> float:
+    return 2 * (s * m.dense_ffn / tp * 3 * BF16 + 2 * s * m.hidden_size * BF16) if m.first_dense_layers else 0.0
+
+
+def layer_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
+    """The largest decoder layer's recompute working set: its mixer and its FFN together (the checkpoint unit is
+    the decoder layer, so both are live during that layer's backward)."""
+    mixers = []
+    if m.num_full_attn_layers or m.num_sliding_layers:
+        mixers.append(attention_working_set(m, s, tp, cp))
+    if m.num_linear_attn_layers:
+        mixers.append(linear_attention_working_set(m, s, tp))
+    ffn = max(moe_working_set(m, s) if m.num_moe_layers else 0.0, dense_ffn_working_set(m, s, tp))
+    return max(mixers) + ffn
+
+
+def lm_head_bytes(m: ModelShape, s: float, tp: int, fused: bool) -> float:
+    """Logit memory of the LM head. Fused: a [chunk × V/tp] fp32 tile within the kernel's budget plus the fp32
+    dH. Unfused: logits and their gradient, [s × V/tp] in bf16, twice (DESIGN.md)."""
+    v = m.vocab_size / tp
+    if not fused:
+        return 2 * s * v * BF16
+    return min(FUSED_HEAD_BUDGET_B, s * v * (FP32 + BF16)) + s * m.hidden_size * FP32
+
+
+# ---- FLOPs ---------------------------------------------------------------------------------------------------
+def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
+    """Forward FLOPs per token by part: 2·N over the active matmul weights, attention's quadratic term (causal:
+    on average seq/2 keys; sliding layers at most the window) and Gated DeltaNet's chunked rule (linear in seq)."""
+    c = param_counts(m)
+    routed = c["routed_experts"] * m.top_k / m.num_experts
+    dense = c["attention"] + c["linear_attention"] + c["router"] + c["shared_expert"] + c["dense_ffn"]
+    head = c["embedding"] if m.tie_embeddings else c["head"]
+    out = {"matmul_layers": 2 * (dense + routed), "head": 2 * head}
+    if m.mla is not None:
+        qk, vd = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
+    else:
+        qk = vd = m.head_dim
+    ctx_full = seq / 2
+    ctx_sliding = min(m.sliding_window or seq, seq) / (2 if (m.sliding_window or seq) >= seq else 1)
+    out["attention"] = 2 * m.num_heads * (qk + vd) * (m.num_full_attn_layers * ctx_full
+                                                      + m.num_sliding_layers * ctx_sliding)
+    if m.linear_attn is not None:
+        la = m.linear_attn
+        per_head = 6 * la.head_k_dim * la.head_v_dim + 4 * la.chunk_size * (la.head_k_dim + la.head_v_dim)
+        out["linear_attention"] = m.num_linear_attn_layers * la.num_v_heads * per_head
+    return out
+
+
+# ---- communication -------------------------------------------------------------------------------------------
+def group_bw(hw: HwProfile, group: int, stride: int) -> float:
+    """Per-GPU bandwidth (bytes/s) of a collective over `group` ranks spaced `stride` apart in the rank order:
+    intra-node when the group fits inside a node; on a mesh (xGMI) an all-to-all among fewer than all GPUs of a
+    node uses only the links between them."""
+    if group <= 1:
+        return float("inf")
+    if group * stride > hw.gpus_per_node:
+        return hw.inter_node_bw_gb_s * GB
+    bw = hw.intra_node.bw_gb_s * GB
+    if hw.intra_node.topology == "mesh":
+        bw *= (group - 1) / (hw.gpus_per_node - 1)
+    return bw
+
+
+def ep_overlap_time(t_comm: float, t_gemm: float, chunks: int) -> float:
+    """Chunked EP overlap: with k chunks, dispatch of chunk i+1 and combine of chunk i−1 run under the expert
+    GEMMs of chunk i, so the layer costs max(comm, gemm) plus one ramp and one drain of min/k; k=1 is serial.
+    With comm ≈ gemm the efficiency is k/(k+1)."""
+    return max(t_comm, t_gemm) + min(t_comm, t_gemm) / chunks
+
+
+def overlap_efficiency(chunks: int) -> float:
+    return chunks / (chunks + 1)
+
+
+def default_ep_chunks(s_local: float, ep: int) -> int:
+    if ep <= 1:
+        return 1
+    return int(max(1, min(32, s_local // EP_CHUNK_TOKENS)))
+
+
+# ---- the estimate --------------------------------------------------------------------------------------------
+def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions) -> Estimate:
+    pp, tp, cp, ep, etp = layout.pp, layout.tp, layout.cp, layout.ep, layout.etp
+    dp, edp = layout.dp(world), layout.edp(world)
+    s = opts.micro_batch_tokens / cp  # tokens per rank per micro-batch (TP with sequence parallel: s/tp outside)
+    L = m.num_layers / pp
+    recompute = opts.recompute == "full"
+    fused = opts.lm_head == "fused"
+    in_flight = min(pp, opts.micro_batches) if pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches
+
+    # persistent state: dense params over tp, then FSDP2 over dp·cp; routed experts over ep·etp, FSDP2 over edp
+    dense, experts, ends = stage_params(m, pp)
+    local_dense = (dense + ends) / (tp * dp * cp)
+    local_experts = experts / (ep * etp * edp)
+    local_params = local_dense + local_experts
+    mem = {
+        "weights": local_params * BYTES_WEIGHTS,
+        "grads": local_params * BYTES_GRADS,
+        "master": local_params * BYTES_MASTER,
+        "optimizer": local_params * BYTES_OPTIMIZER,
+    }
+    # activations
+    layer_dense, layer_expert = layer_params(m)
+    unsharded = (layer_dense / tp + layer_expert / (ep * etp)) * BYTES_UNSHARDED
+    if dp * cp == 1 and edp == 1:
+        unsharded = 0.0  # nothing to gather: the single copy is already whole
+    working = layer_working_set(m, s / 1, tp, cp)
+    if recompute:
+        checkpoints = L * in_flight * s * m.hidden_size * BF16 / tp
+        acts = checkpoints + working + unsharded
+    else:
+        acts = L * in_flight * working / 2 + working / 2 + unsharded  # every layer keeps its forward activations
+    mem["activations"] = acts
+    head_unsharded = m.vocab_size / tp * m.hidden_size * BYTES_UNSHARDED if dp * cp > 1 else 0.0
+    mem["lm_head"] = lm_head_bytes(m, s, tp, fused) + head_unsharded
+    mem["overhead"] = hw.overhead_gb * GB
+    total = sum(mem.values())
+    memory_gb = {k: v / GB for k, v in mem.items()}
+    memory_gb["total"] = total / GB
+    memory_gb["usable"] = hw.usable_gb
+    unfused = lm_head_bytes(m, s, tp, fused=False) / GB
+
+    # FLOPs (per token, full sequence context for attention)
+    f = forward_flops_per_token(m, opts.micro_batch_tokens)
+    fwd = sum(f.values())
+    model_flops_tok = 3 * fwd
+    head_passes = 4 if fused else 3  # the fused head recomputes its logits tile in the backward
+    hw_flops_tok = (4 if recompute else 3) * (fwd - f["head"]) + head_passes * f["head"]
+    tokens_per_rank_step = s * opts.micro_batches  # tokens this rank's stage processes per step
+    # per-GPU work: TP splits matmuls; PP splits layers (the head counted on its stage: the largest stage)
+    layer_frac = 1 / pp
+    gpu_hw_flops_mb = s * ((hw_flops_tok - head_passes * f["head"]) * layer_frac + head_passes * f["head"]) / tp
+    peak = hw.peak_bf16_tflops * 1e12
+    rate = peak * hw.compute_efficiency
+    t_compute_mb = gpu_hw_flops_mb / rate
+
+    # communication per micro-batch, per GPU
+    passes = 3 if recompute else 2  # forward, recompute forward, backward
+    comm = {}
+    # EP all-to-all: dispatch + combine per MoE layer per pass; tokens leaving the rank: s·k·h·(ep−1)/ep
+    n_moe_local = m.num_moe_layers / pp
+    a2a_bytes = s * m.top_k * m.hidden_size * BF16 * (ep - 1) / ep
+    t_ep_layer_comm = 2 * a2a_bytes / group_bw(hw, ep, 1) if ep > 1 else 0.0
+    expert_flops_tok = 2 * param_counts(m)["routed_experts"] * m.top_k / m.num_experts / max(m.num_moe_layers, 1)
+    t_ep_layer_gemm = s * expert_flops_tok / (tp * etp) / rate
+    chunks = opts.ep_overlap_chunks if ep > 1 else 1
+    t_ep_exposed = passes * n_moe_local * (ep_overlap_time(t_ep_layer_comm, t_ep_layer_gemm, chunks)
+                                           - t_ep_layer_gemm)
+    comm["ep_all_to_all"] = passes * n_moe_local * 2 * a2a_bytes
+    # CP: full attention all-gathers K/V (and reduce-scatters dK/dV); Gated DeltaNet runs a head all-to-all
+    t_cp = 0.0
+    if cp > 1:
+        bw = group_bw(hw, cp, tp)
+        kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else 2 * m.num_kv_heads * m.head_dim / tp)
+        attn_bytes = (m.num_full_attn_layers + m.num_sliding_layers) / pp * s * (cp - 1) * kv_tok * BF16
+        cp_bytes = attn_bytes * passes
+        if m.linear_attn is not None:
+            la = m.linear_attn
+            io = (2 * la.num_k_heads * la.head_k_dim + 2 * la.num_v_heads * la.head_v_dim
+                  + 2 * la.num_v_heads) / tp
+            cp_bytes += m.num_linear_attn_layers / pp * s * io * BF16 * (cp - 1) / cp * passes
+        comm["cp"] = cp_bytes
+        t_cp = cp_bytes / bw
+    # TP with sequence parallel: per layer an all-gather and a reduce-scatter around the mixer and the FFN
+    t_tp = 0.0
+    if tp > 1:
+        tp_bytes = L * 4 * s * m.hidden_size * BF16 * (tp - 1) / tp * passes
+        comm["tp"] = tp_bytes
+        t_tp = tp_bytes / group_bw(hw, tp, 1)
+    # FSDP2: all-gather bf16 params in forward and again in backward, reduce-scatter fp32 grads; overlapped
+    fsdp_dense = (dense + ends) / tp * (dp * cp - 1) / (dp * cp) * (2 * BF16 + FP32)
+    fsdp_expert = experts / (ep * etp) * (edp - 1) / edp * (2 * BF16 + FP32)
+    comm["fsdp"] = fsdp_dense + fsdp_expert
+    t_fsdp = fsdp_dense / group_bw(hw, dp * cp, tp) + fsdp_expert / group_bw(hw, edp, ep * etp)
+    # PP: activations to the next stage and gradients back
+    t_pp = 0.0
+    if pp > 1:
+        pp_bytes = 2 * s * m.hidden_size * BF16 / tp
+        comm["pp"] = pp_bytes
+        t_pp = pp_bytes / group_bw(hw, pp, world // pp)
+
+    t_mb_serial = t_compute_mb + t_ep_exposed + t_cp + t_tp + t_pp
+    t_mb = max(t_mb_serial, t_fsdp)  # FSDP2 prefetch hides its traffic under the layer compute
+    mb = opts.micro_batches
+    t_bubble = t_mb * (pp - 1)  # 1F1B: (p−1) extra slots over m micro-batches, (p−1)/(m+p−1) of the step
+    t_opt = local_params * ADAM_BYTES_MOVED / (hw.hbm_bw_tb_s * 1e12)
+    step = t_mb * mb + t_bubble + t_opt
+    time_parts = {"compute": t_compute_mb * mb, "ep_exposed": t_ep_exposed * mb, "cp": t_cp * mb, "tp": t_tp * mb,
+                  "pp_p2p": t_pp * mb, "fsdp_exposed": max(0.0, t_fsdp - t_mb_serial) * mb,
+                  "pp_bubble": t_bubble, "optimizer": t_opt}
+
+    tokens_step_per_gpu = tokens_per_rank_step / (tp * pp)  # dp·cp ranks share mb·micro_batch_tokens each
+    tok_s = tokens_step_per_gpu / step
+    hw_tflops = tok_s * hw_flops_tok / 1e12
+    model_tflops = tok_s * model_flops_tok / 1e12
+    for k in comm:
+        comm[k] *= mb
+    return Estimate(
+        memory_gb=memory_gb, lm_head_unfused_gb=unfused, fits=total / GB <= hw.usable_gb, step_time_s=step,
+        time_s=time_parts, tokens_per_s_per_gpu=tok_s, tflops_per_gpu=hw_tflops,
+        mfu_hardware=hw_tflops * 1e12 / peak, mfu_model=model_tflops * 1e12 / peak,
+        flops_per_token={"forward": fwd, "model": model_flops_tok, "hardware": hw_flops_tok, **f},
+        comm_bytes=comm,
+    )

@@ -1,0 +1,432 @@
+"""Model shapes: the one description of an architecture that the solver reasons about and the trainer builds.
+
+A `ModelShape` holds only what decides memory, FLOPs and communication (and what the training core needs to build
+the same network). Presets come from each model's Hugging Face config.json (text part); `from_hf_config` reads a
+user's own config. Parameter counts are per group, because each group is sharded over a different mesh axis:
+routed experts over EP × expert-DP, everything else over DP × CP (see docs/cost_model.md).
+
+Pure Python: never imports torch.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+LayerType = Literal["full_attention", "linear_attention", "sliding_attention"]
+
+
+class LinearAttnShape(BaseModel):
+    """Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    num_k_heads: int = Field(gt=0)  # q and k heads
+    num_v_heads: int = Field(gt=0)  # v heads (a multiple of num_k_heads)
+    head_k_dim: int = Field(gt=0)
+    head_v_dim: int = Field(gt=0)
+    conv_kernel: int = Field(4, gt=0)  # short causal depthwise conv width
+    chunk_size: int = Field(64, gt=0)  # chunked delta rule: one fp32 state per chunk in the backward
+
+    @model_validator(mode="after")
+    def _v_multiple(self) -> "LinearAttnShape":
+        if self.num_v_heads % self.num_k_heads:
+            raise ValueError(f"num_v_heads={self.num_v_heads} is not a multiple of num_k_heads={self.num_k_heads}")
+        return self
+
+
+class MLAShape(BaseModel):
+    """DeepSeek multi-head latent attention."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    q_lora_rank: int = Field(gt=0)
+    kv_lora_rank: int = Field(gt=0)
+    qk_nope_head_dim: int = Field(gt=0)
+    qk_rope_head_dim: int = Field(gt=0)
+    v_head_dim: int = Field(gt=0)
+
+
+class ModelShape(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    name: str
+    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral"]
+    hidden_size: int = Field(gt=0)
+    num_layers: int = Field(gt=0)
+    vocab_size: int = Field(gt=0)
+    layer_types: tuple[LayerType, ...]
+    # attention
+    num_heads: int = Field(gt=0)
+    num_kv_heads: int = Field(gt=0)
+    head_dim: int = Field(gt=0)
+    attn_output_gate: bool = False  # Qwen3.5: q_proj also emits a sigmoid gate per head channel
+    qk_norm: bool = True
+    attn_bias: bool = False
+    partial_rotary_factor: float = Field(1.0, gt=0, le=1)
+    rope_theta: float = 1e6
+    sliding_window: int | None = None
+    mla: MLAShape | None = None
+    linear_attn: LinearAttnShape | None = None
+    # MoE
+    num_experts: int = Field(gt=0)
+    top_k: int = Field(gt=0)
+    expert_ffn: int = Field(gt=0)  # routed expert intermediate size (SwiGLU)
+    shared_expert_ffn: int = Field(0, ge=0)  # 0 = no shared expert
+    shared_expert_gate: bool = False  # sigmoid gate on the shared expert's output
+    norm_topk_prob: bool = True  # renormalize the top-k router weights
+    router_bias: bool = False
+    first_dense_layers: int = Field(0, ge=0)  # leading layers with a dense FFN instead of MoE
+    dense_ffn: int = Field(0, ge=0)
+    # embeddings, norms
+    tie_embeddings: bool = False
+    rms_norm_eps: float = 1e-6
+    max_position: int = 262144
+    mtp_layers: int = Field(0, ge=0)  # multi-token-prediction layers (counted apart from the text stack)
+    source: str = ""  # where the figures come from
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "ModelShape":
+        if len(self.layer_types) != self.num_layers:
+            raise ValueError(f"layer_types has {len(self.layer_types)} entries but num_layers={self.num_layers}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.top_k > self.num_experts:
+            raise ValueError(f"top_k={self.top_k} > num_experts={self.num_experts}")
+        if "linear_attention" in self.layer_types and self.linear_attn is None:
+            raise ValueError("layer_types has linear_attention layers but no linear_attn shape")
+        if self.first_dense_layers and not self.dense_ffn:
+            raise ValueError(f"first_dense_layers={self.first_dense_layers} needs dense_ffn > 0")
+        if self.first_dense_layers > self.num_layers:
+            raise ValueError(f"first_dense_layers={self.first_dense_layers} > num_layers={self.num_layers}")
+        return self
+
+    # ---- derived shape facts -------------------------------------------------------------------------------
+    @property
+    def num_full_attn_layers(self) -> int:
+        return sum(t == "full_attention" for t in self.layer_types)
+
+    @property
+    def num_linear_attn_layers(self) -> int:
+        return sum(t == "linear_attention" for t in self.layer_types)
+
+    @property
+    def num_sliding_layers(self) -> int:
+        return sum(t == "sliding_attention" for t in self.layer_types)
+
+    @property
+    def num_moe_layers(self) -> int:
+        return self.num_layers - self.first_dense_layers
+
+    def with_layers(self, num_layers: int) -> "ModelShape":
+        """The same model cut to its first `num_layers` layers (for validation runs on few GPUs)."""
+        if num_layers <= 0:
+            raise ValueError(f"--layers must be positive, got {num_layers}")
+        if num_layers > self.num_layers:
+            raise ValueError(f"--layers {num_layers} exceeds the model's {self.num_layers} layers")
+        return self.model_copy(
+            update={
+                "num_layers": num_layers,
+                "layer_types": self.layer_types[:num_layers],
+                "first_dense_layers": min(self.first_dense_layers, num_layers),
+                "name": self.name if num_layers == self.num_layers else f"{self.name}@{num_layers}L",
+            }
+        )
+
+    def fingerprint_dict(self) -> dict:
+        return self.model_dump(mode="json", exclude={"source"})
+
+
+def _rounded_layer_types(num_layers: int, interval: int) -> tuple[LayerType, ...]:
+    """Qwen3-Next/Qwen3.5 style: every `interval`-th layer is full attention, the rest linear."""
+    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers))
+
+
+def _qwen35(name: str, hidden: int, layers: int, heads: int, experts: int, top_k: int, ffn: int, v_heads: int,
+            vocab: int = 248320, arch: str = "qwen3_5_moe", source: str = "") -> ModelShape:
+    return ModelShape(
+        name=name, arch=arch, hidden_size=hidden, num_layers=layers, vocab_size=vocab,
+        layer_types=_rounded_layer_types(layers, 4), num_heads=heads, num_kv_heads=2, head_dim=256,
+        attn_output_gate=True, partial_rotary_factor=0.25, rope_theta=1e7,
+        linear_attn=LinearAttnShape(num_k_heads=16, num_v_heads=v_heads, head_k_dim=128, head_v_dim=128),
+        num_experts=experts, top_k=top_k, expert_ffn=ffn, shared_expert_ffn=ffn, shared_expert_gate=True,
+        norm_topk_prob=True, max_position=262144, mtp_layers=1, source=source,
+    )
+
+
+PRESETS: dict[str, ModelShape] = {
+    m.name: m
+    for m in [
+        _qwen35("qwen35-35b", 2048, 40, 16, 256, 8, 512, 32,
+                source="Qwen/Qwen3.5-35B-A3B config.json (text_config)"),
+        _qwen35("qwen35-122b", 3072, 48, 32, 256, 8, 1024, 64,
+                source="Qwen/Qwen3.5-122B-A10B config.json (text_config)"),
+        _qwen35("qwen35-397b", 4096, 60, 32, 512, 10, 1024, 64,
+                source="Qwen/Qwen3.5-397B-A17B config.json (text_config)"),
+        _qwen35("qwen3-next-80b", 2048, 48, 16, 512, 10, 512, 32, vocab=151936, arch="qwen3_next",
+                source="Qwen/Qwen3-Next-80B-A3B-Instruct config.json"),
+        ModelShape(
+            name="qwen3-30b-a3b", arch="qwen3_moe", hidden_size=2048, num_layers=48, vocab_size=151936,
+            layer_types=("full_attention",) * 48, num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1e6,
+            num_experts=128, top_k=8, expert_ffn=768, max_position=40960,
+            source="Qwen/Qwen3-30B-A3B config.json",
+        ),
+        ModelShape(
+            name="qwen3-235b-a22b", arch="qwen3_moe", hidden_size=4096, num_layers=94, vocab_size=151936,
+            layer_types=("full_attention",) * 94, num_heads=64, num_kv_heads=4, head_dim=128, rope_theta=1e6,
+            num_experts=128, top_k=8, expert_ffn=1536, max_position=40960,
+            source="Qwen/Qwen3-235B-A22B config.json",
+        ),
+        ModelShape(
+            name="deepseek-v3", arch="deepseek_v3", hidden_size=7168, num_layers=61, vocab_size=129280,
+            layer_types=("full_attention",) * 61, num_heads=128, num_kv_heads=128, head_dim=192, qk_norm=False,
+            mla=MLAShape(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                         v_head_dim=128),
+            num_experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, router_bias=True,
+            first_dense_layers=3, dense_ffn=18432, rope_theta=10000.0, max_position=163840, mtp_layers=1,
+            source="deepseek-ai/DeepSeek-V3 config.json",
+        ),
+        ModelShape(
+            name="gpt-oss-120b", arch="gpt_oss", hidden_size=2880, num_layers=36, vocab_size=201088,
+            layer_types=("sliding_attention", "full_attention") * 18, num_heads=64, num_kv_heads=8, head_dim=64,
+            qk_norm=False, attn_bias=True, sliding_window=128, rope_theta=150000.0, num_experts=128, top_k=4,
+            expert_ffn=2880, router_bias=True, max_position=131072, source="openai/gpt-oss-120b config.json",
+        ),
+        ModelShape(
+            name="mixtral-8x7b", arch="mixtral", hidden_size=4096, num_layers=32, vocab_size=32000,
+            layer_types=("full_attention",) * 32, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=False,
+            rope_theta=1e6, num_experts=8, top_k=2, expert_ffn=14336, max_position=32768,
+            source="mistralai/Mixtral-8x7B-v0.1 config.json",
+        ),
+        # A few-MB Qwen3.5-style model for CPU runs and CI: every block type of the real one, tiny widths.
+        ModelShape(
+            name="tiny-moe", arch="qwen3_5_moe", hidden_size=64, num_layers=4, vocab_size=512,
+            layer_types=_rounded_layer_types(4, 4), num_heads=4, num_kv_heads=2, head_dim=16,
+            attn_output_gate=True, partial_rotary_factor=0.25, rope_theta=1e7,
+            linear_attn=LinearAttnShape(num_k_heads=2, num_v_heads=4, head_k_dim=16, head_v_dim=16, chunk_size=16),
+            num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=32, shared_expert_gate=True,
+            max_position=65536, source="recipe's own tiny test model",
+        ),
+    ]
+}
+
+
+# ---- parameter counts ----------------------------------------------------------------------------------------
+PARAM_GROUPS = ("embedding", "head", "attention", "linear_attention", "router", "shared_expert", "dense_ffn",
+                "routed_experts", "norms")
+
+
+def _full_attention_params(m: ModelShape) -> int:
+    h = m.hidden_size
+    if m.mla is not None:
+        a = m.mla
+        qk_head = a.qk_nope_head_dim + a.qk_rope_head_dim
+        q = h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * m.num_heads * qk_head  # down, norm, up
+        kv = (h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
+              + a.kv_lora_rank * m.num_heads * (a.qk_nope_head_dim + a.v_head_dim))
+        o = m.num_heads * a.v_head_dim * h
+        return q + kv + o
+    q_out = m.num_heads * m.head_dim * (2 if m.attn_output_gate else 1)
+    kv_out = 2 * m.num_kv_heads * m.head_dim
+    o = m.num_heads * m.head_dim * h
+    bias = (q_out + kv_out + h) if m.attn_bias else 0
+    norms = 2 * m.head_dim if m.qk_norm else 0
+    sinks = m.num_heads if m.arch == "gpt_oss" else 0  # per-head attention sinks
+    return h * (q_out + kv_out) + o + bias + norms + sinks
+
+
+def _linear_attention_params(m: ModelShape) -> int:
+    la, h = m.linear_attn, m.hidden_size
+    key_dim, value_dim = la.num_k_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
+    qkvz = h * (2 * key_dim + 2 * value_dim)
+    ba = h * 2 * la.num_v_heads
+    conv = (2 * key_dim + value_dim) * la.conv_kernel
+    per_head = 2 * la.num_v_heads  # dt_bias, A_log
+    norm = la.head_v_dim  # gated RMSNorm weight
+    out = value_dim * h
+    return qkvz + ba + conv + per_head + norm + out
+
+
+def param_counts(m: ModelShape) -> dict[str, int]:
+    """Parameters of the text stack by group (MTP layers excluded; see `mtp_params`)."""
+    h = m.hidden_size
+    moe_layers = m.num_moe_layers
+    swiglu = 3 * h  # gate, up, down per intermediate unit
+    counts = dict.fromkeys(PARAM_GROUPS, 0)
+    counts["embedding"] = m.vocab_size * h
+    counts["head"] = 0 if m.tie_embeddings else m.vocab_size * h
+    attn_layers = m.num_full_attn_layers + m.num_sliding_layers
+    counts["attention"] = attn_layers * _full_attention_params(m)
+    if m.linear_attn is not None:
+        counts["linear_attention"] = m.num_linear_attn_layers * _linear_attention_params(m)
+    counts["router"] = moe_layers * (h * m.num_experts + (m.num_experts if m.router_bias else 0))
+    shared = swiglu * m.shared_expert_ffn + (h if m.shared_expert_gate else 0) if m.shared_expert_ffn else 0
+    counts["shared_expert"] = moe_layers * shared
+    counts["dense_ffn"] = m.first_dense_layers * swiglu * m.dense_ffn
+    per_expert = swiglu * m.expert_ffn
+    if m.arch == "gpt_oss":
+        per_expert += 2 * m.expert_ffn + h  # gate_up and down biases
+    counts["routed_experts"] = moe_layers * m.num_experts * per_expert
+    counts["norms"] = m.num_layers * 2 * h + h
+    return counts
+
+
+def total_params(m: ModelShape) -> int:
+    return sum(param_counts(m).values())
+
+
+def active_params(m: ModelShape) -> int:
+    """Parameters touched per token: all but the routed experts a token is not sent to."""
+    c = param_counts(m)
+    return total_params(m) - c["routed_experts"] + c["routed_experts"] * m.top_k // m.num_experts
+
+
+def active_matmul_params(m: ModelShape) -> int:
+    """Matmul weights a token multiplies through (LM head included, embedding lookup and norms excluded): the N
+    in 2N forward FLOPs per token."""
+    c = param_counts(m)
+    routed = c["routed_experts"] * m.top_k / m.num_experts
+    return int(c["head"] + c["attention"] + c["linear_attention"] + c["router"] + c["shared_expert"]
+               + c["dense_ffn"] + routed)
+
+
+def mtp_params(m: ModelShape) -> int:
+    """One MTP layer: a decoder layer (full attention + MoE) plus the projection of [embed; hidden] → hidden."""
+    if not m.mtp_layers:
+        return 0
+    h = m.hidden_size
+    c = param_counts(m.model_copy(update={"num_layers": 1, "layer_types": ("full_attention",),
+                                           "first_dense_layers": 0}))
+    layer = c["attention"] + c["router"] + c["shared_expert"] + c["routed_experts"] + 2 * h
+    return m.mtp_layers * (layer + 2 * h * h + 3 * h)  # + eh_proj [2h → h] and its enorm/hnorm/final norm
+
+
+# ---- Hugging Face config.json --------------------------------------------------------------------------------
+_ARCH_BY_MODEL_TYPE = {
+    "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next",
+    "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss", "mixtral": "mixtral",
+}
+
+
+def from_hf_config(path: str | Path) -> ModelShape:
+    """Read a Hugging Face config.json (its text_config when present). Raises ValueError with the missing field."""
+    path = Path(path)
+    try:
+        raw = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ValueError(f"model config not found: {path}") from None
+    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read model config {path}: {e}") from None
+    if not isinstance(raw, dict):
+        raise ValueError(f"{path}: expected a JSON object")
+    cfg = raw.get("text_config") or raw
+    model_type = cfg.get("model_type") or raw.get("model_type") or ""
+    arch = _ARCH_BY_MODEL_TYPE.get(model_type)
+    if arch is None:
+        raise ValueError(f"{path}: model_type {model_type!r} is not supported "
+                         f"(supported: {', '.join(sorted(_ARCH_BY_MODEL_TYPE))})")
+
+    def need(key: str, *alts: str):
+        for k in (key, *alts):
+            if k in cfg and cfg[k] is not None:
+                return cfg[k]
+        raise ValueError(f"{path}: missing field {key!r} for model_type {model_type!r}")
+
+    n_layers = int(need("num_hidden_layers"))
+    if "layer_types" in cfg and cfg["layer_types"]:
+        layer_types = tuple(cfg["layer_types"])[:n_layers]
+    elif "full_attention_interval" in cfg:
+        layer_types = _rounded_layer_types(n_layers, int(cfg["full_attention_interval"]))
+    else:
+        layer_types = ("full_attention",) * n_layers
+    num_heads = int(need("num_attention_heads"))
+    fields: dict = dict(
+        name=path.parent.name if path.name == "config.json" else path.stem,
+        arch=arch, hidden_size=int(need("hidden_size")), num_layers=n_layers, vocab_size=int(need("vocab_size")),
+        layer_types=layer_types, num_heads=num_heads,
+        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
+        head_dim=int(cfg.get("head_dim") or need("hidden_size") // num_heads),
+        rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 1e6),
+        tie_embeddings=bool(raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
+        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
+        max_position=int(cfg.get("max_position_embeddings", 32768)),
+        num_experts=int(need("num_experts", "n_routed_experts", "num_local_experts")),
+        top_k=int(need("num_experts_per_tok", "experts_per_token")),
+        expert_ffn=int(need("moe_intermediate_size", "intermediate_size")),
+        mtp_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0),
+        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        source=str(path),
+    )
+    prf = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
+    if prf:
+        fields["partial_rotary_factor"] = float(prf)
+    if arch in ("qwen3_5_moe", "qwen3_next"):
+        fields.update(
+            attn_output_gate=bool(cfg.get("attn_output_gate", True)),
+            shared_expert_ffn=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
+            shared_expert_gate=bool(cfg.get("shared_expert_intermediate_size", 0)),
+            linear_attn=LinearAttnShape(
+                num_k_heads=int(need("linear_num_key_heads")), num_v_heads=int(need("linear_num_value_heads")),
+                head_k_dim=int(need("linear_key_head_dim")), head_v_dim=int(need("linear_value_head_dim")),
+                conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4))),
+        )
+    elif arch == "deepseek_v3":
+        fields.update(
+            qk_norm=False, router_bias=True,
+            head_dim=int(need("qk_nope_head_dim")) + int(need("qk_rope_head_dim")),
+            mla=MLAShape(q_lora_rank=int(need("q_lora_rank")), kv_lora_rank=int(need("kv_lora_rank")),
+                         qk_nope_head_dim=int(need("qk_nope_head_dim")),
+                         qk_rope_head_dim=int(need("qk_rope_head_dim")), v_head_dim=int(need("v_head_dim"))),
+            shared_expert_ffn=int(cfg.get("n_shared_experts", 0) or 0) * int(need("moe_intermediate_size")),
+            first_dense_layers=int(cfg.get("first_k_dense_replace", 0)),
+            dense_ffn=int(cfg.get("intermediate_size", 0)),
+        )
+    elif arch == "gpt_oss":
+        fields.update(qk_norm=False, attn_bias=True, router_bias=True,
+                      sliding_window=cfg.get("sliding_window"), expert_ffn=int(need("intermediate_size")))
+    elif arch == "mixtral":
+        fields.update(qk_norm=False, expert_ffn=int(need("intermediate_size")))
+    try:
+        return ModelShape(**fields)
+    except Exception as e:  # pydantic.ValidationError → one line
+        raise ValueError(f"{path}: invalid model shape: {_first_error(e)}") from None
+
+
+def _first_error(e: Exception) -> str:
+    errors = getattr(e, "errors", None)
+    if callable(errors):
+        err = errors()[0]
+        loc = ".".join(str(x) for x in err.get("loc", ()))
+        return f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))
+    return str(e)
+
+
+def resolve_model(spec: str) -> ModelShape:
+    """A preset name or a path to a config.json / model-shape YAML."""
+    if spec in PRESETS:
+        return PRESETS[spec]
+    p = Path(spec)
+    if p.suffix == ".json" or p.is_dir() or p.exists():
+        if p.is_dir():
+            p = p / "config.json"
+        if p.suffix in (".yaml", ".yml"):
+            return _from_shape_yaml(p)
+        return from_hf_config(p)
+    from difflib import get_close_matches
+
+    close = get_close_matches(spec, list(PRESETS), n=3, cutoff=0.4)
+    hint = f"; did you mean {', '.join(close)}?" if close else ""
+    raise ValueError(f"unknown model {spec!r}{hint} (presets: {', '.join(PRESETS)}; or a path to config.json)")
+
+
+def _from_shape_yaml(p: Path) -> ModelShape:
+    import yaml
+
+    try:
+        data = yaml.safe_load(p.read_text())
+        return ModelShape(**data)
+    except (OSError, yaml.YAMLError, TypeError) as e:
+        raise ValueError(f"cannot read model shape {p}: {e}") from None
+    except Exception as e:
+        raise ValueError(f"{p}: invalid model shape: {_first_error(e)}") from None
