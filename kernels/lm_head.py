@@ -6,7 +6,7 @@ Tc/Vc backward chunk sizes. x = logits / temperature ("scaled logits").
 One autograd function, `_TokenStats`, maps (hidden, weight) to three per-token vectors over the scaled logits x:
     tz  = x[target]                  (0 where the target is not a valid index)
     lse = log sum_v exp(x_v)
-    ent = lse - sum_v p_v x_v        (entropy of p = softmax(x); zeros unless asked for)
+    ent = -sum_v p_v log p_v         (entropy of p = softmax(x); zeros unless asked for)
 Losses (CE, z-loss, log-probs, RL objectives) compose on these vectors in plain torch. Its backward gets the
 upstream gradients (g_tz, g_lse, g_ent) and, per logit, dloss/dx_v = p_v (a + b x_v) + c [v == target] with
     a = g_lse + g_ent (lse - ent),   b = -g_ent,   c = g_tz
@@ -62,17 +62,19 @@ def _tp_info(tp_group) -> tuple[int, int]:
     return dist.get_rank(tp_group), dist.get_world_size(tp_group)
 
 
-def _combine_over_group(lse_T, wmean_T, tz_T, tp_group):
-    """Vocab-parallel: lse = log sum_r exp(lse_r); mean of x under the global softmax = sum_r exp(lse_r - lse)
-    * wmean_r; the target's x lives on one rank and is zero elsewhere, so it is a plain sum."""
+def _combine_over_group(lse_T, ent_T, tz_T, tp_group):
+    """Vocab-parallel: lse = log sum_r exp(lse_r); with q_r = exp(lse_r - lse) rank r's share of the softmax
+    mass, entropy = sum_r q_r (ent_r - log q_r); the target's x lives on one rank (zero elsewhere): a sum."""
     max_T = lse_T.clone()
     dist.all_reduce(max_T, op=dist.ReduceOp.MAX, group=tp_group)
-    max_T = torch.where(torch.isfinite(max_T), max_T, torch.zeros_like(max_T))
     scale_T = torch.exp(lse_T - max_T)
-    packed_3T = torch.stack([scale_T, scale_T * wmean_T, tz_T])
-    dist.all_reduce(packed_3T, op=dist.ReduceOp.SUM, group=tp_group)
-    sum_T, wsum_T, tz_T = packed_3T.unbind(0)
-    return max_T + torch.log(sum_T), wsum_T / sum_T, tz_T
+    rel_T = torch.where(scale_T > 0, lse_T - max_T, 0.0)
+    packed_4T = torch.stack([scale_T, scale_T * ent_T, scale_T * rel_T, tz_T])
+    dist.all_reduce(packed_4T, op=dist.ReduceOp.SUM, group=tp_group)
+    sum_T, ent_sum_T, rel_sum_T, tz_T = packed_4T.unbind(0)
+    log_sum_T = torch.log(sum_T)
+    # sum_r q_r log q_r = sum_r q_r (lse_r - max) - log sum
+    return max_T + log_sum_T, ent_sum_T / sum_T - rel_sum_T / sum_T + log_sum_T, tz_T
 
 
 def _downcast_in_place(x32: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 24) -> torch.Tensor:
@@ -121,10 +123,11 @@ class _TokenStats(torch.autograd.Function):
         tgt_T = target_T.long() - vocab_start
         inv_temp = 1.0 / temperature
         kmod = _backend_module(backend)
-        lse_T, wmean_T, tz_T = kmod.token_stats(hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy)
+        lse_T, ent_T, tz_T = kmod.token_stats(hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy)
         if tp_group is not None:
-            lse_T, wmean_T, tz_T = _combine_over_group(lse_T, wmean_T, tz_T, tp_group)
-        ent_T = lse_T - wmean_T if with_entropy else torch.zeros_like(lse_T)
+            lse_T, ent_T, tz_T = _combine_over_group(lse_T, ent_T, tz_T, tp_group)
+        if not with_entropy:
+            ent_T = torch.zeros_like(lse_T)
         ctx.save_for_backward(hidden_TH, weight_VH, tgt_T, lse_T, ent_T)
         ctx.cfg = (inv_temp, with_entropy, tp_group, backend, chunk_tokens, chunk_vocab)
         if not with_entropy:

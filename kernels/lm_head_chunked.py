@@ -16,12 +16,13 @@ STATS_CHUNK_VOCAB = 4096
 
 def token_stats(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool,
                 chunk_tokens: int = STATS_CHUNK_TOKENS, chunk_vocab: int = STATS_CHUNK_VOCAB):
-    """Per-token (lse, softmax-mean of x, x at the target) with x = (h . w) * inv_temp, in fp32."""
+    """Per-token (lse, entropy, x at the target) with x = (h . w) * inv_temp, in fp32 (entropy zeros unless
+    with_entropy). The entropy is log s - sum e (x - m) / s with e = exp(x - m): no cancellation at large |x|."""
     T = hidden_TH.shape[0]
     V = weight_VH.shape[0]
     f32 = dict(dtype=torch.float32, device=hidden_TH.device)
     lse_T = torch.empty(T, **f32)
-    wmean_T = torch.zeros(T, **f32)
+    ent_T = torch.zeros(T, **f32)
     tz_T = torch.zeros(T, **f32)
     for t0 in range(0, T, chunk_tokens):
         t1 = min(t0 + chunk_tokens, T)
@@ -29,24 +30,37 @@ def token_stats(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool
         tgt_t = tgt_T[t0:t1]
         m_t = torch.full((t1 - t0,), float("-inf"), **f32)  # running max of x
         s_t = torch.zeros(t1 - t0, **f32)  # sum of exp(x - m)
-        ws_t = torch.zeros(t1 - t0, **f32)  # sum of exp(x - m) * x
+        wy_t = torch.zeros(t1 - t0, **f32)  # sum of exp(x - m) * (x - m)
         for v0 in range(0, V, chunk_vocab):
             v1 = min(v0 + chunk_vocab, V)
             x_tv = (h_tH @ weight_VH[v0:v1].float().T) * inv_temp
             m_new = torch.maximum(m_t, x_tv.amax(1))
             alpha = torch.exp(m_t - m_new)
             e_tv = torch.exp(x_tv - m_new[:, None])
-            s_t = s_t * alpha + e_tv.sum(1)
             if with_entropy:
-                ws_t = ws_t * alpha + (e_tv * x_tv).sum(1)
+                shift = torch.where(s_t > 0, m_t - m_new, 0.0)
+                wy_t = alpha * (wy_t + shift * s_t) + (e_tv * (x_tv - m_new[:, None])).sum(1)
+            s_t = s_t * alpha + e_tv.sum(1)
             m_t = m_new
             local = tgt_t - v0
             hit = (local >= 0) & (local < v1 - v0)
             tz_T[t0:t1] += torch.where(hit, x_tv.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0], 0.0)
         lse_T[t0:t1] = m_t + torch.log(s_t)
         if with_entropy:
-            wmean_T[t0:t1] = ws_t / s_t
-    return lse_T, wmean_T, tz_T
+            ent_T[t0:t1] = torch.log(s_t) - wy_t / s_t
+    return lse_T, ent_T, tz_T
+
+
+def combine_splits(lse_ST, ent_ST, tz_ST):
+    """Merge per-split stats over dim 0 (vocab splits): with q_s = exp(lse_s - lse) the split's share of the
+    mass, entropy = sum_s q_s ent_s - sum_s q_s log q_s. Empty splits carry lse = -inf and drop out."""
+    max_T = lse_ST.amax(0)
+    scale_ST = torch.exp(lse_ST - max_T)
+    sum_T = scale_ST.sum(0)
+    lse_T = max_T + torch.log(sum_T)
+    log_q_ST = torch.where(scale_ST > 0, lse_ST - lse_T, 0.0)
+    ent_T = (scale_ST * (ent_ST - log_q_ST)).sum(0) / sum_T
+    return lse_T, ent_T, tz_ST.sum(0)
 
 
 def dlogits(hidden_TH, weight_VH, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, out_TV):

@@ -7,7 +7,7 @@ BT/BV/BK tile sizes (kernels/tiles.py). Scaled logits x = (h . w_v) / temperatur
 
 stats:   grid = ceil(T/BT) * S programs on axis 0 (axis 0 allows 2^31-1 programs, so T of millions is fine).
          Program (t, s) walks vocab split s tile by tile with a running max (online log-sum-exp) and writes
-         per-split lse, the split-softmax mean of x (for the entropy) and the target's x if this split holds it.
+         per-split lse, the entropy of the split's own softmax, and the target's x if this split holds it.
          Splits of one token block are adjacent program ids, so programs resident together read the same
          hidden rows and L2 serves them: the hidden block is re-read once per vocab tile, from L2, not HBM.
 dlogits: one [BT, BV] tile per program (grouped ordering for L2 reuse of the weight tile), recomputes x and
@@ -23,6 +23,7 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels.lm_head_chunked import combine_splits
 from kernels.tiles import tile_configs
 
 LOG2E = 1.4426950408889634
@@ -43,13 +44,19 @@ _VENDOR, _ARCH = _vendor()
 
 
 def _configs(kernel: str) -> list[triton.Config]:
+    # The stats kernel is tried with nested and flattened loops (FLATTEN); the autotuner keeps the faster.
+    flatten = (False, True) if kernel == "stats" else (None,)
+    if _VENDOR == "interpreter":  # one config, no timing: the loop shape comes from the environment (tests)
+        flatten = (os.environ.get("KERNELS_LM_HEAD_FLATTEN", "1") == "1",) if kernel == "stats" else (None,)
     return [
         triton.Config(
-            {"BLOCK_T": c.block_t, "BLOCK_V": c.block_v, "BLOCK_K": c.block_k},
+            {"BLOCK_T": c.block_t, "BLOCK_V": c.block_v, "BLOCK_K": c.block_k}
+            | ({} if f is None else {"FLATTEN": f}),
             num_warps=c.num_warps,
             num_stages=c.num_stages,
         )
         for c in tile_configs(_VENDOR, _ARCH, kernel)
+        for f in flatten
     ]
 
 
@@ -57,13 +64,48 @@ def _even_k(args) -> bool:
     return args["H"] % args["BLOCK_K"] == 0
 
 
+@triton.jit
+def _mma_step(h_rows, w_rows, kk, H, acc, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc += h[rows, kk] @ w[rows_v, kk]^T, fp32 accumulation."""
+    if EVEN_K:
+        a = tl.load(h_rows + kk[None, :])
+        b = tl.load(w_rows + kk[None, :])
+    else:
+        a = tl.load(h_rows + kk[None, :], mask=kk[None, :] < H, other=0.0)
+        b = tl.load(w_rows + kk[None, :], mask=kk[None, :] < H, other=0.0)
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(b), acc)
+
+
+@triton.jit
+def _online_update(acc, offs_v, v_end, tgt, inv_temp, m2, s, wy, tz, WITH_ENTROPY: tl.constexpr):
+    """Fold one [BT, BV] logits tile into the running (max, sum exp, sum exp * (x - max), target x) of each row.
+
+    With y = x - max, entropy = log s - wy / s: both terms are small when p is peaked, where lse - sum p x
+    would cancel two numbers of the size of the logits (|x| ~ 100 leaves no digits)."""
+    v_mask = offs_v < v_end
+    x = acc * inv_temp
+    x2 = tl.where(v_mask[None, :], x * 1.4426950408889634, float("-inf"))
+    m2_new = tl.maximum(m2, tl.max(x2, 1))
+    alpha = tl.exp2(m2 - m2_new)  # rescales the old sums to the new max; exp2(-inf) = 0 on the first tile
+    e = tl.exp2(x2 - m2_new[:, None])  # masked columns: exp2(-inf) = 0
+    if WITH_ENTROPY:
+        shift = tl.where(s > 0, (m2 - m2_new) * 0.6931471805599453, 0.0)  # old y are measured from the old max
+        y = tl.where(v_mask[None, :], x - (m2_new * 0.6931471805599453)[:, None], 0.0)
+        wy = alpha * (wy + shift * s) + tl.sum(e * y, 1)
+    s = s * alpha + tl.sum(e, 1)
+    tz += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], x, 0.0), 1)
+    return m2_new, s, wy, tz
+
+
 @triton.autotune(configs=_configs("stats"), key=["H", "DOT_FP32", "WITH_ENTROPY"])
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
 def _stats_kernel(
-    h_ptr, w_ptr, tgt_ptr, lse_ptr, wmean_ptr, tz_ptr,
+    h_ptr, w_ptr, tgt_ptr, lse_ptr, ent_ptr, tz_ptr,
     T, V, H, stride_h, stride_w, inv_temp, NUM_SPLITS,
-    WITH_ENTROPY: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+    WITH_ENTROPY: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr, FLATTEN: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -81,45 +123,40 @@ def _stats_kernel(
     v_begin = pid_s * per_split
     v_end = tl.minimum(v_begin + per_split, V)
 
-    scale2 = inv_temp * 1.4426950408889634  # x in log2 units: exp(x - m) = exp2(x2 - m2)
-    m2 = tl.full([BLOCK_T], float("-inf"), tl.float32)  # running max of x2
+    m2 = tl.full([BLOCK_T], float("-inf"), tl.float32)  # running max of x in log2 units (x * log2 e)
     s = tl.zeros([BLOCK_T], tl.float32)  # sum of exp2(x2 - m2)
-    ws = tl.zeros([BLOCK_T], tl.float32)  # sum of exp2(x2 - m2) * x
+    wy = tl.zeros([BLOCK_T], tl.float32)  # sum of exp2(x2 - m2) * (x - max x): the entropy without cancellation
     tz = tl.zeros([BLOCK_T], tl.float32)  # x at the target, if this split holds it
+    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
 
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        v_mask = offs_v < v_end
-        w_rows = w_ptr + tl.minimum(offs_v, V - 1).to(tl.int64)[:, None] * stride_w
-        acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
-        for k0 in range(0, H, BLOCK_K):
-            kk = k0 + offs_k
-            if EVEN_K:
-                a = tl.load(h_rows + kk[None, :])
-                b = tl.load(w_rows + kk[None, :])
-            else:
-                a = tl.load(h_rows + kk[None, :], mask=kk[None, :] < H, other=0.0)
-                b = tl.load(w_rows + kk[None, :], mask=kk[None, :] < H, other=0.0)
-            if DOT_FP32:
-                acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(a, tl.trans(b), acc)
-        x2 = tl.where(v_mask[None, :], acc * scale2, float("-inf"))
-        m2_new = tl.maximum(m2, tl.max(x2, 1))
-        alpha = tl.exp2(m2 - m2_new)
-        e = tl.exp2(x2 - m2_new[:, None])  # masked columns: exp2(-inf) = 0
-        s = s * alpha + tl.sum(e, 1)
-        x = acc * inv_temp
-        if WITH_ENTROPY:
-            ws = ws * alpha + tl.sum(tl.where(v_mask[None, :], e * x, 0.0), 1)
-        tz += tl.sum(tl.where(offs_v[None, :] == tgt[:, None], x, 0.0), 1)
-        m2 = m2_new
+    if FLATTEN:
+        # One loop over (vocab tile, k step) pairs: the software pipeline keeps loads in flight across vocab-tile
+        # boundaries instead of draining and refilling once per tile.
+        k_tiles = tl.cdiv(H, BLOCK_K)
+        num_v_tiles = tl.cdiv(tl.maximum(v_end - v_begin, 0), BLOCK_V)
+        for it in range(0, num_v_tiles * k_tiles):
+            ki = it % k_tiles
+            v0 = v_begin + (it // k_tiles) * BLOCK_V
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            w_rows = w_ptr + tl.minimum(offs_v, V - 1).to(tl.int64)[:, None] * stride_w
+            acc = _mma_step(h_rows, w_rows, ki * BLOCK_K + offs_k, H, acc, DOT_FP32, EVEN_K)
+            if ki == k_tiles - 1:
+                m2, s, wy, tz = _online_update(acc, offs_v, v_end, tgt, inv_temp, m2, s, wy, tz, WITH_ENTROPY)
+                acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+    else:
+        for v0 in range(v_begin, v_end, BLOCK_V):
+            offs_v = v0 + tl.arange(0, BLOCK_V)
+            w_rows = w_ptr + tl.minimum(offs_v, V - 1).to(tl.int64)[:, None] * stride_w
+            acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+            for k0 in range(0, H, BLOCK_K):
+                acc = _mma_step(h_rows, w_rows, k0 + offs_k, H, acc, DOT_FP32, EVEN_K)
+            m2, s, wy, tz = _online_update(acc, offs_v, v_end, tgt, inv_temp, m2, s, wy, tz, WITH_ENTROPY)
 
     lse = (m2 + tl.log2(s)) * 0.6931471805599453  # -inf for an empty split
-    wmean = tl.where(s > 0, ws / s, 0.0)
+    ent = tl.where(s > 0, tl.log(s) - wy / s, 0.0)  # entropy of this split's own softmax
     out = pid_s.to(tl.int64) * T + offs_t
     tl.store(lse_ptr + out, lse, mask=t_mask)
-    tl.store(wmean_ptr + out, wmean, mask=t_mask)
+    tl.store(ent_ptr + out, ent, mask=t_mask)
     tl.store(tz_ptr + out, tz, mask=t_mask)
 
 
@@ -154,17 +191,7 @@ def _dlogits_kernel(
 
     acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
     for k0 in range(0, H, BLOCK_K):
-        kk = k0 + offs_k
-        if EVEN_K:
-            a = tl.load(h_rows + kk[None, :])
-            b = tl.load(w_rows + kk[None, :])
-        else:
-            a = tl.load(h_rows + kk[None, :], mask=kk[None, :] < H, other=0.0)
-            b = tl.load(w_rows + kk[None, :], mask=kk[None, :] < H, other=0.0)
-        if DOT_FP32:
-            acc = tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(a, tl.trans(b), acc)
+        acc = _mma_step(h_rows, w_rows, k0 + offs_k, H, acc, DOT_FP32, EVEN_K)
 
     lse = tl.load(lse_ptr + rows)
     ca = tl.load(a_ptr + rows)
@@ -201,26 +228,24 @@ def num_vocab_splits(num_tokens: int, num_vocab: int, device: torch.device) -> i
 
 
 def token_stats(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool):
-    """Per-token (lse, softmax-mean of x, target x) over this rank's V rows; tgt_T is the local target index
-    (outside [0, V) matches nothing)."""
+    """Per-token (lse, entropy, target x) over this rank's V rows; tgt_T is the local target index (outside
+    [0, V) matches nothing). The entropy is zeros unless with_entropy."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
     S = num_vocab_splits(T, V, hidden_TH.device)
     f32 = dict(dtype=torch.float32, device=hidden_TH.device)
     lse_ST = torch.empty((S, T), **f32)
-    wmean_ST = torch.empty((S, T), **f32)
+    ent_ST = torch.empty((S, T), **f32)
     tz_ST = torch.empty((S, T), **f32)
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_T"]) * S,)  # noqa: E731
     _stats_kernel[grid](
-        hidden_TH, weight_VH, tgt_T, lse_ST, wmean_ST, tz_ST,
+        hidden_TH, weight_VH, tgt_T, lse_ST, ent_ST, tz_ST,
         T, V, H, hidden_TH.stride(0), weight_VH.stride(0), inv_temp, S,
         WITH_ENTROPY=with_entropy, DOT_FP32=_dot_fp32(hidden_TH),
     )
     if S == 1:
-        return lse_ST[0], wmean_ST[0], tz_ST[0]
-    lse_T = torch.logsumexp(lse_ST, dim=0)
-    weight_ST = torch.exp(lse_ST - lse_T)
-    return lse_T, (weight_ST * wmean_ST).sum(0), tz_ST.sum(0)
+        return lse_ST[0], ent_ST[0], tz_ST[0]
+    return combine_splits(lse_ST, ent_ST, tz_ST)
 
 
 def dlogits(hidden_TH, weight_VH, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, out_TV):
