@@ -163,7 +163,8 @@ def chunk_gated_delta_rule_fla(q_TGK, k_TGK, v_THV, g_TH, beta_TH, cu_seqlens: t
     if chunk_size != 64:
         warnings.warn(f"flash-linear-attention uses chunk size 64; chunk_size={chunk_size} is ignored", stacklevel=2)
     o, _ = chunk_gated_delta_rule(
-        q_TGK[None], k_TGK[None], v_THV[None], g=g_TH[None].float(), beta=beta_TH[None].to(q_TGK.dtype),
+        q_TGK[None].contiguous(), k_TGK[None].contiguous(), v_THV[None].contiguous(),
+        g=g_TH[None].float().contiguous(), beta=beta_TH[None].to(q_TGK.dtype).contiguous(),
         scale=q_TGK.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long(),
     )
     return o[0]

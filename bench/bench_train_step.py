@@ -1,0 +1,300 @@
+"""One training step (forward + backward + AdamW), ours against Hugging Face transformers' Qwen3_5MoeForCausalLM,
+on the same shape (default: 4 layers of Qwen3.5-35B-A3B, full width), one GPU.
+
+Ours: bf16 compute, fp32 master AdamW, full recompute, fused LM head (kernels.linear_logprobs), GRPO loss.
+Transformers: bf16 parameters and bf16 AdamW (torch, foreach), gradient checkpointing, SDPA, grouped_mm experts,
+flash-linear-attention for the delta rule when installed; its own causal-LM loss.
+
+Each implementation and sequence length runs in a fresh subprocess (so one's memory never counts against the other).
+Prints a table; --out writes every figure as JSON.
+
+    python bench/bench_train_step.py --seqs 32768,65536,131072 --hf-seqs 32768 --out bench.json
+    python bench/bench_train_step.py --model tiny-moe --layers 4 --seqs 256 --hf-seqs 256 --device cpu  # smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+from recipe.models import active_matmul_params, resolve_model, total_params  # noqa: E402
+
+H200_DENSE_BF16_TFLOPS = 989.0
+
+
+def flops_per_step(shape, T: int) -> dict[str, float]:
+    """Model FLOPs = 3 × forward (6N); hardware FLOPs with full recompute = 4 × forward. Forward: 2·N_active per
+    token plus causal attention's 2·T²·Hq·Dh per full-attention layer (QKᵀ and PV, half the square)."""
+    n_active = active_matmul_params(shape)
+    head = shape.vocab_size * shape.hidden_size
+    attn_fwd = shape.num_full_attn_layers * 2.0 * T * T * shape.num_heads * shape.head_dim
+    fwd = 2.0 * n_active * T + attn_fwd
+    head_fwd = 2.0 * head * T
+    return {"model": 3 * fwd, "hardware": 3 * fwd + (fwd - head_fwd),  # recompute re-runs the layers, not the head
+            "head_model": 3 * head_fwd, "layers_model": 3 * (fwd - head_fwd), "layers_hardware": 4 * (fwd - head_fwd)}
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _time(fn, device, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def run_ours(shape, T: int, device, steps: int, profile: bool) -> dict:
+    from launch.data import synthetic_long_batch
+    from launch.model import build_model
+    from launch.train import TrainConfig, Trainer
+
+    torch.manual_seed(0)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(shape, device=device, dtype=dtype, seed=0)
+    trainer = Trainer(model, TrainConfig(lr=1e-6), recompute="full", lm_head="fused")
+    batch = synthetic_long_batch(T, shape.vocab_size, device)
+    trainer.step(batch)  # warm-up: Triton compilation and autotuning, allocator growth
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        metrics = trainer.step(batch)
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    out = {"impl": "ours", "tokens": T, "step_s": statistics.median(times), "step_s_all": times,
+           "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
+    if device.type == "cuda":
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    if profile:
+        out["profile"] = profile_components(trainer, batch, device)
+    return out
+
+
+def profile_components(trainer, batch, device, reps: int = 3) -> dict:
+    """Each component timed alone at the step's token count (CUDA-synchronized medians): forward, and forward +
+    backward. Under full recompute a layer's forward runs twice, so its share of a step ≈ fwd + (fwd + bwd)."""
+    from launch.rl import token_logprobs
+
+    model = trainer.model
+    layers = [getattr(m, "_checkpoint_wrapped_module", m) for m in model.layers]
+    T, D = batch.num_tokens, model.shape.hidden_size
+    dtype = next(model.parameters()).dtype
+    x = torch.randn(T, D, device=device, dtype=dtype) * 0.5
+    from launch.model import rope_cos_sin
+
+    rope = rope_cos_sin(batch.packing.positions, model.rotary_dim, model.shape.rope_theta, dtype)
+    results = {}
+
+    def measure(name, fn, count):
+        def fwd():
+            with torch.no_grad():
+                fn()
+
+        def fwd_bwd():
+            xin = x.detach().requires_grad_()
+            out = fn(xin)
+            out.float().sum().backward()
+        t_f = _time(fwd, device, reps)
+        t_fb = _time(fwd_bwd, device, reps)
+        results[name] = {"fwd_s": t_f, "fwd_bwd_s": t_fb, "count": count, "in_step_s": count * (t_f + t_fb)}
+        model.zero_grad(set_to_none=True)
+
+    def wrap(f):
+        return lambda xin=None: f(x if xin is None else xin)
+
+    attn = [layer for layer in layers if layer.layer_type == "full_attention"]
+    lin = [layer for layer in layers if layer.layer_type == "linear_attention"]
+    if attn:
+        measure("attention (block)", wrap(lambda xin: attn[0].self_attn(xin, rope, batch.packing)), len(attn))
+    if lin:
+        gdn = lin[0].linear_attn
+        measure("gated deltanet (block)", wrap(lambda xin: gdn(xin, rope, batch.packing)), len(lin))
+        from launch.gated_delta import gated_delta_rule
+
+        H, G = gdn.num_v_heads, gdn.num_k_heads
+        qk = torch.randn(T, 2, G, gdn.head_k_dim, device=device, dtype=dtype)
+        v = torch.randn(T, H, gdn.head_v_dim, device=device, dtype=dtype)
+        decay = -torch.rand(T, H, device=device) * 0.1
+        beta = torch.rand(T, H, device=device, dtype=dtype)
+
+        def delta(xin):
+            scale = xin[:1, :1].float().mean() * 0 + 1  # ties the kernel into the autograd graph of x
+            return gated_delta_rule(qk[:, 0] * scale.to(dtype), qk[:, 1], v, decay, beta, batch.packing.positions,
+                                    batch.packing.cu_seqlens, gdn.chunk_size, gdn.backend)
+        measure("delta rule (kernel only)", wrap(delta), len(lin))
+    moe = layers[0].mlp
+    measure("moe (router+experts+shared)", wrap(lambda xin: moe(xin)), len(layers))
+
+    def experts_only(xin):
+        _, _, top_e = moe.gate(xin)
+        from launch.moe import permute
+
+        order, token, counts = permute(top_e, moe.num_experts)
+        return moe.experts(xin[token], counts)
+    measure("routed experts (grouped GEMMs)", wrap(experts_only), len(layers))
+    w = model.lm_head.weight
+
+    def head(xin):
+        return token_logprobs(xin, w, batch.targets, mode="fused", with_entropy=True)[0]
+    t_f = _time(lambda: token_logprobs(x, w, batch.targets, mode="fused", with_entropy=True), device, reps)
+    t_fb = _time(lambda: head(x.detach().requires_grad_()).sum().backward(), device, reps)
+    results["lm head (fused log-probs)"] = {"fwd_s": t_f, "fwd_bwd_s": t_fb, "count": 1, "in_step_s": t_fb}
+    model.zero_grad(set_to_none=True)
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    t_opt = _time(trainer.optimizer.step, device, reps)
+    results["optimizer (AdamW, fp32 master)"] = {"fwd_s": 0.0, "fwd_bwd_s": 0.0, "count": 1, "in_step_s": t_opt}
+    model.zero_grad(set_to_none=True)
+    return results
+
+
+def run_hf(shape, T: int, device, steps: int) -> dict:
+    import transformers
+
+    from launch.hf_io import hf_config
+
+    cfg_dict = {k: v for k, v in hf_config(shape).items() if k not in ("model_type", "architectures")}
+    config = transformers.Qwen3_5MoeTextConfig(**cfg_dict)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    with torch.device(device):
+        model = transformers.Qwen3_5MoeForCausalLM(config).to(dtype)
+    if device.type == "cuda":
+        model.set_experts_implementation("grouped_mm")
+    model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    model.train()
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
+    ids = torch.randint(0, shape.vocab_size, (1, T), device=device)
+
+    def step():
+        opt.zero_grad(set_to_none=True)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        return loss
+
+    step()
+    if device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    times = []
+    for _ in range(steps):
+        _sync(device)
+        t0 = time.perf_counter()
+        step()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    out = {"impl": "transformers", "tokens": T, "step_s": statistics.median(times), "step_s_all": times}
+    if device.type == "cuda":
+        out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30
+    return out
+
+
+def child(args) -> None:
+    shape = resolve_model(args.model).with_layers(args.layers)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        from launch.gated_delta import fla_status
+
+        print("delta rule:", fla_status(shape.linear_attn.head_k_dim)[1] if shape.linear_attn else "-",
+              file=sys.stderr)
+    try:
+        if args.child == "ours":
+            res = run_ours(shape, args.child_seq, device, args.steps, args.profile)
+        else:
+            res = run_hf(shape, args.child_seq, device, args.steps)
+    except torch.OutOfMemoryError as e:
+        res = {"impl": args.child, "tokens": args.child_seq, "error": f"OOM: {str(e).splitlines()[0][:160]}"}
+    print("RESULT " + json.dumps(res), flush=True)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen35-35b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seqs", default="32768,65536,131072", help="ours: tokens per step (one sequence)")
+    p.add_argument("--hf-seqs", default="32768", help="transformers: tokens per step; empty to skip")
+    p.add_argument("--profile-seq", type=int, default=65536, help="component profile at this length (0: none)")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--out", help="write all results as JSON here")
+    p.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
+    p.add_argument("--child-seq", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        return child(args)
+
+    shape = resolve_model(args.model).with_layers(args.layers)
+    runs = [("hf", int(s)) for s in args.hf_seqs.split(",") if s] + [("ours", int(s)) for s in args.seqs.split(",")]
+    results = []
+    for impl, T in runs:
+        cmd = [sys.executable, __file__, "--child", impl, "--child-seq", str(T), "--model", args.model,
+               "--layers", str(args.layers), "--steps", str(args.steps), "--device", args.device]
+        if impl == "ours" and T == args.profile_seq:
+            cmd.append("--profile")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+        line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
+        if line is None:
+            res = {"impl": impl, "tokens": T, "error": (proc.stderr or proc.stdout)[-1500:]}
+        else:
+            res = json.loads(line[len("RESULT "):])
+        fl = flops_per_step(shape, T)
+        if "step_s" in res:
+            res["model_tflops"] = fl["model"] / res["step_s"] / 1e12
+            res["hardware_tflops"] = (fl["hardware"] if impl == "ours" else fl["model"] + fl["layers_model"] / 3) \
+                / res["step_s"] / 1e12
+        res["flops"] = fl
+        results.append(res)
+        print(json.dumps({k: v for k, v in res.items() if k not in ("profile", "flops")}), flush=True)
+        if proc.returncode and "error" not in res:
+            res["stderr"] = proc.stderr[-800:]
+        if args.out:
+            Path(args.out).write_text(json.dumps({"shape": shape.name, "total_params": total_params(shape),
+                                                  "active_matmul_params": active_matmul_params(shape),
+                                                  "device": torch.cuda.get_device_name() if args.device == "cuda"
+                                                  else "cpu", "torch": torch.__version__, "results": results},
+                                                 indent=1))
+    print_table(shape, results)
+
+
+def print_table(shape, results) -> None:
+    print(f"\n{shape.name}: {total_params(shape) / 1e9:.2f}B params, {active_matmul_params(shape) / 1e6:.0f}M active "
+          f"matmul params/token")
+    print(f"{'impl':13} {'tokens':>7} {'step s':>8} {'peak GiB':>9} {'model TF/s':>11} {'hw TF/s':>8}")
+    for r in results:
+        if "error" in r:
+            print(f"{r['impl']:13} {r['tokens']:>7} {r['error'][:100]}")
+            continue
+        print(f"{r['impl']:13} {r['tokens']:>7} {r['step_s']:>8.3f} {r.get('peak_allocated_gib', 0):>9.1f} "
+              f"{r['model_tflops']:>11.0f} {r['hardware_tflops']:>8.0f}")
+    for r in results:
+        if "profile" in r:
+            print(f"\nprofile, ours at {r['tokens']} tokens (step {r['step_s']:.3f} s)")
+            for name, v in r["profile"].items():
+                print(f"  {name:32} fwd {v['fwd_s'] * 1e3:8.1f} ms  fwd+bwd {v['fwd_bwd_s'] * 1e3:8.1f} ms  "
+                      f"×{v['count']}  ≈ {v['in_step_s'] * 1e3:8.1f} ms/step")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,216 @@
+"""The training core on one process: library (`Trainer`) and CLI (`python -m launch.train plan.yaml`).
+
+One step: for each packed micro-batch, forward (each decoder layer under full recompute), per-token log-probs
+through the fused LM head, the policy loss, backward; then AdamW on fp32 masters with gradient clipping. A NaN/inf
+loss or gradient stops the run with the step number (or, with on_nonfinite="skip", skips that update and reports it).
+
+Aggregation across micro-batches is exact: a token-mean loss is weighted by each micro-batch's share of the step's
+loss tokens, a sequence-mean loss by its share of sequences, so splitting a step into micro-batches does not change
+the gradient.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from launch.data import Batch, make_batch, pack_rollouts, read_rollouts, synthetic_rollouts
+from launch.model import Transformer, build_model
+from launch.optim import MasterAdamW, NonFiniteError
+from launch.recompute import apply_recompute
+from launch.rl import LossConfig, policy_loss, token_logprobs
+
+DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass
+class TrainConfig:
+    """Training hyper-parameters the plan does not carry (the plan holds layout, recompute, head, micro-batch)."""
+
+    lr: float = 1e-6
+    betas: tuple[float, float] = (0.9, 0.999)
+    eps: float = 1e-8
+    weight_decay: float = 0.01
+    max_grad_norm: float | None = 1.0
+    objective: str = "rl"  # rl: policy loss; sft: token-mean negative log-likelihood on loss_mask tokens
+    temperature: float = 1.0  # sampling temperature the log-probs are computed at
+    loss: LossConfig = field(default_factory=LossConfig)
+    on_nonfinite: str = "raise"  # raise | skip
+
+    def __post_init__(self):
+        if self.objective not in ("rl", "sft"):
+            raise ValueError(f"objective must be rl or sft, got {self.objective!r}")
+        if self.on_nonfinite not in ("raise", "skip"):
+            raise ValueError(f"on_nonfinite must be raise or skip, got {self.on_nonfinite!r}")
+        if not self.lr > 0:
+            raise ValueError(f"lr must be positive, got {self.lr}")
+
+
+class Trainer:
+    def __init__(self, model: Transformer, cfg: TrainConfig, *, recompute: str = "full", lm_head: str = "fused"):
+        if lm_head not in ("fused", "naive"):
+            raise ValueError(f"lm_head must be fused or naive, got {lm_head!r}")
+        self.model = apply_recompute(model, recompute)
+        self.cfg, self.lm_head = cfg, lm_head
+        self.optimizer = MasterAdamW(self.model.named_parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
+                                     weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
+        self.step_num = 0
+
+    def loss_terms(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Loss of one micro-batch (its own aggregation) and its metrics."""
+        hidden_TD = self.model(batch.input_ids, batch.packing)
+        logp_T, entropy_T = token_logprobs(hidden_TD, self.model.lm_head.weight, batch.targets, mode=self.lm_head,
+                                           temperature=self.cfg.temperature, with_entropy=True)
+        mask = batch.loss_mask
+        if self.cfg.objective == "sft":
+            n = mask.sum().clamp(min=1)
+            loss = -(logp_T * mask).sum() / n
+            return loss, {"loss": loss.detach(), "entropy": ((entropy_T * mask).sum() / n).detach(),
+                          "num_tokens": mask.sum().float()}
+        return policy_loss(logp_T, batch.advantages, mask, self.cfg.loss, old_logp_T=batch.old_logprobs,
+                           ref_logp_T=batch.ref_logprobs, rollout_logp_T=batch.rollout_logprobs,
+                           entropy_T=entropy_T, seq_id_T=batch.seq_id)
+
+    def _weights(self, batches: list[Batch]) -> list[float]:
+        if self.cfg.objective == "rl" and self.cfg.loss.aggregation == "seq_mean":
+            sizes = [b.num_seqs for b in batches]
+        else:
+            sizes = [int(b.loss_mask.sum()) for b in batches]
+        total = sum(sizes)
+        return [s / total if total else 1.0 / len(batches) for s in sizes]
+
+    def forward_backward(self, batches: list[Batch]) -> dict[str, float]:
+        """Accumulate gradients over the micro-batches of one step; returns weighted metrics (no update)."""
+        sums: dict[str, torch.Tensor] = {}
+        for batch, weight in zip(batches, self._weights(batches)):
+            loss, metrics = self.loss_terms(batch)
+            (loss * weight).backward()
+            for k, v in metrics.items():
+                sums[k] = sums.get(k, 0.0) + (v if k == "num_tokens" else v * weight)
+        return {k: float(v) for k, v in sums.items()}  # device sync, once per step
+
+    def step(self, batches: list[Batch] | Batch) -> dict[str, float]:
+        """One optimizer step over the given micro-batches. Returns metrics incl. grad_norm, lr, step."""
+        batches = [batches] if isinstance(batches, Batch) else batches
+        self.step_num += 1
+        self.optimizer.zero_grad()
+        metrics = self.forward_backward(batches)
+        try:
+            if not math.isfinite(metrics["loss"]):
+                raise NonFiniteError(f"step {self.step_num}: loss is {metrics['loss']}")
+            metrics["grad_norm"] = self.optimizer.step()
+        except NonFiniteError as e:
+            self.optimizer.zero_grad()
+            if self.cfg.on_nonfinite == "raise":
+                raise
+            metrics.update(skipped=1.0, error=str(e))
+        metrics.update(step=self.step_num, lr=self.optimizer.lr)
+        return metrics
+
+
+# ---- CLI -----------------------------------------------------------------------------------------------------
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__.split("\n\n")[0])
+    p.add_argument("plan", help="plan YAML (recipe solve … -o plan.yaml)")
+    p.add_argument("--data", help="rollouts (.jsonl or .parquet); default: synthetic GRPO-shaped rollouts")
+    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--rollouts-per-step", type=int, default=0, help="0: every rollout in every step")
+    p.add_argument("--hf-checkpoint", help="Hugging Face safetensors directory to start from")
+    p.add_argument("--export", help="write the trained weights as a Hugging Face checkpoint here")
+    p.add_argument("--metrics", help="append one JSON line of metrics per step to this file")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--dtype", choices=sorted(DTYPES), help="compute dtype (default: bf16 on GPU, fp32 on CPU)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--objective", choices=["rl", "sft"], default="rl")
+    p.add_argument("--lr", type=float, default=TrainConfig.lr)
+    p.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--temperature", type=float, default=1.0)
+    p.add_argument("--clip-low", type=float, default=LossConfig.clip_low)
+    p.add_argument("--clip-high", type=float, default=LossConfig.clip_high)
+    p.add_argument("--kl-coef", type=float, default=0.0)
+    p.add_argument("--kl-estimator", choices=["k1", "k3"], default="k3")
+    p.add_argument("--entropy-coef", type=float, default=0.0)
+    p.add_argument("--aggregation", choices=["token_mean", "seq_mean"], default="token_mean")
+    p.add_argument("--tis-cap", type=float, default=2.0, help="truncated IS cap; 0 turns the correction off")
+    p.add_argument("--on-nonfinite", choices=["raise", "skip"], default="raise")
+    return p.parse_args(argv)
+
+
+def _single_process_layout(plan) -> None:
+    layout = plan.layout
+    degrees = {k: getattr(layout, k) for k in ("pp", "tp", "cp", "ep", "dp", "etp", "edp") if hasattr(layout, k)}
+    if any(v != 1 for v in degrees.values()):
+        raise ValueError("this training core runs one process; the plan's layout needs parallelize() over "
+                         + ", ".join(f"{k}={v}" for k, v in degrees.items()))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse(argv)
+    from recipe.plan import load_plan
+
+    plan = load_plan(args.plan)
+    _single_process_layout(plan)
+    shape = plan.model_shape()
+    device = torch.device(args.device)
+    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    torch.manual_seed(args.seed)
+    model = build_model(shape, device=device, dtype=dtype, seed=args.seed)
+    if args.hf_checkpoint:
+        from launch.hf_io import load_hf_checkpoint
+
+        load_hf_checkpoint(model, args.hf_checkpoint)
+    loss_cfg = LossConfig(clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef,
+                          kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef,
+                          aggregation=args.aggregation, tis_cap=args.tis_cap or None)
+    cfg = TrainConfig(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None,
+                      objective=args.objective, temperature=args.temperature, loss=loss_cfg,
+                      on_nonfinite=args.on_nonfinite)
+    trainer = Trainer(model, cfg, recompute=plan.train.recompute, lm_head=plan.train.lm_head)
+    if args.data:
+        rollouts = read_rollouts(args.data, vocab_size=shape.vocab_size)
+    else:
+        rollouts = synthetic_rollouts(8, 4, shape.vocab_size, seed=args.seed)
+    per_step = args.rollouts_per_step or len(rollouts)
+    metrics_file = open(args.metrics, "a") if args.metrics else None
+    try:
+        for step in range(args.steps):
+            start = (step * per_step) % len(rollouts)
+            chosen = (rollouts + rollouts)[start:start + per_step]
+            batches = [make_batch(g, device) for g in pack_rollouts(chosen, plan.train.micro_batch_tokens)]
+            t0 = time.perf_counter()
+            try:
+                metrics = trainer.step(batches)
+            except NonFiniteError as e:
+                print(f"error: {e}", file=sys.stderr)
+                return 2
+            metrics["step_time_s"] = time.perf_counter() - t0
+            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()),
+                  flush=True)
+            if metrics_file:
+                metrics_file.write(json.dumps(metrics) + "\n")
+                metrics_file.flush()
+    finally:
+        if metrics_file:
+            metrics_file.close()
+    if args.export:
+        from launch.hf_io import export_hf_checkpoint
+
+        export_hf_checkpoint(model, args.export)
+        print(f"exported {Path(args.export)}")
+    return 0
+
+
+def config_dict(cfg: TrainConfig) -> dict:
+    return asdict(cfg)
+
+
+if __name__ == "__main__":
+    sys.exit(main())
