@@ -1,0 +1,297 @@
+"""Bench: fused LM head (kernels.linear_cross_entropy / linear_logprobs) against its peers, one process, one GPU.
+
+Peers: torch naive (bf16 logits + fp32 CE), torch.compile of the same, Liger-Kernel fused linear CE, Cut
+Cross-Entropy (default settings). Modes:
+  ce  -- mean cross-entropy, forward + backward;
+  rl  -- per-token log-probs, backward of sum(logp * advantage) with random per-token advantages (exact
+         per-token gradients, what a PPO/GRPO loss needs);
+  fwd -- per-token log-probs, forward only under no_grad (rollout scoring).
+Columns: median time over --reps timed runs (CUDA events, after a warm-up and a memory run); TF/s of model FLOPs
+(2*T*V*H per logits-sized GEMM: 3 for fwd+bwd, 1 for fwd, whatever a method recomputes); peak memory above the
+inputs (max_memory_allocated during one run minus what was allocated before it, grads included); relative
+errors (L2 norm of the difference over the norm) against an fp32 reference from the same bf16 inputs
+(materialized fp32 logits in token chunks, TF32 off), at the largest T only.
+
+Usage: python bench/bench_lm_head.py [--tokens 65536 16384] [--vocab 248320 151936] [--hidden 2048] [--out f]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels  # noqa: E402
+
+GIB = 2**30
+
+
+def fp32_reference(h, w, t, adv, chunk=8192):
+    """CE (mean) and per-token log-probs with gradients, fp32 from the bf16 inputs, logits in token chunks."""
+    prev = torch.backends.cuda.matmul.allow_tf32
+    torch.backends.cuda.matmul.allow_tf32 = False
+    T = h.shape[0]
+    w32 = w.float()
+    dW_ce = torch.zeros_like(w32)
+    dW_rl = torch.zeros_like(w32)
+    dH_ce = torch.empty(h.shape, dtype=torch.float32, device=h.device)
+    dH_rl = torch.empty_like(dH_ce)
+    logp = torch.empty(T, dtype=torch.float32, device=h.device)
+    for t0 in range(0, T, chunk):
+        h32 = h[t0:t0 + chunk].float()
+        tc = t[t0:t0 + chunk]
+        z = h32 @ w32.T
+        lse = torch.logsumexp(z, 1)
+        logp[t0:t0 + chunk] = z.gather(1, tc[:, None])[:, 0] - lse
+        p = z.sub_(lse[:, None]).exp_()  # softmax in place
+        p[torch.arange(len(tc), device=h.device), tc] -= 1.0  # p - onehot = dCE/dz per token
+        dH_ce[t0:t0 + chunk] = (p @ w32) / T
+        dW_ce.addmm_(p.T, h32, alpha=1.0 / T)
+        p.mul_(-adv[t0:t0 + chunk, None])  # d(sum logp * adv)/dz = adv * (onehot - p)
+        dH_rl[t0:t0 + chunk] = p @ w32
+        dW_rl.addmm_(p.T, h32)
+        del z, p
+    torch.backends.cuda.matmul.allow_tf32 = prev
+    loss = -logp.mean()
+    return dict(ce=(loss, dH_ce, dW_ce), rl=(logp, dH_rl, dW_rl), fwd=(logp, None, None))
+
+
+def _rel(x, ref):
+    if x is None or ref is None:
+        return float("nan")
+    x, ref = x.float(), ref.float()
+    return ((x - ref).norm() / ref.norm()).item()
+
+
+def make_methods(modes_wanted):
+    """name -> {mode: fn(h, w, t, adv) -> (out, needs_backward_scalar)}."""
+    methods = {}
+
+    def ours_ce(h, w, t, adv):
+        return kernels.linear_cross_entropy(h, w, t)
+
+    def ours_rl(h, w, t, adv):
+        lp = kernels.linear_logprobs(h, w, t)
+        return lp, (lp * adv).sum()
+
+    methods["ours"] = {"ce": ours_ce, "rl": ours_rl, "fwd": lambda h, w, t, adv: kernels.linear_logprobs(h, w, t)}
+
+    def naive_ce(h, w, t):
+        return F.cross_entropy((h @ w.T).float(), t)
+
+    def naive_tok(h, w, t):
+        return -F.cross_entropy((h @ w.T).float(), t, reduction="none")
+
+    methods["torch naive"] = {"ce": lambda h, w, t, adv: naive_ce(h, w, t)}
+    comp_ce = torch.compile(naive_ce)
+    comp_tok = torch.compile(naive_tok)
+
+    def comp_rl(h, w, t, adv):
+        lp = comp_tok(h, w, t)
+        return lp, (lp * adv).sum()
+
+    methods["torch.compile"] = {"ce": lambda h, w, t, adv: comp_ce(h, w, t), "rl": comp_rl}
+    if not torch.cuda.is_available():
+        return methods
+
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        liger_mean = LigerFusedLinearCrossEntropyLoss(reduction="mean")
+        liger_none = LigerFusedLinearCrossEntropyLoss(reduction="none")
+
+        def liger_rl(h, w, t, adv):
+            lp = -liger_none(w, h, t)
+            return lp, (lp * adv).sum()
+
+        methods["liger 0.8.5"] = {"ce": lambda h, w, t, adv: liger_mean(w, h, t), "rl": liger_rl,
+                                  "fwd": lambda h, w, t, adv: -liger_none(w, h, t)}
+    except ImportError as e:
+        print(f"liger-kernel not importable: {e}", flush=True)
+    try:
+        from cut_cross_entropy import linear_cross_entropy as cce
+
+        def cce_rl(h, w, t, adv):
+            lp = -cce(h, w, t, reduction="none")
+            return lp, (lp * adv).sum()
+
+        methods["cce 25.1.1"] = {"ce": lambda h, w, t, adv: cce(h, w, t), "rl": cce_rl,
+                                 "fwd": lambda h, w, t, adv: -cce(h, w, t, reduction="none")}
+    except ImportError as e:
+        print(f"cut-cross-entropy not importable: {e}", flush=True)
+    return {name: {m: f for m, f in fns.items() if m in modes_wanted} for name, fns in methods.items()}
+
+
+def run_once(fn, h, w, t, adv, mode):
+    h.grad = w.grad = None
+    if mode == "fwd":
+        with torch.no_grad():
+            return fn(h.detach(), w.detach(), t, adv), None, None
+    out = fn(h, w, t, adv)
+    if isinstance(out, tuple):
+        out, scalar = out
+    else:
+        scalar = out
+    scalar.backward()
+    return out.detach(), h.grad, w.grad
+
+
+def measure(fn, h, w, t, adv, mode, reps):
+    run_once(fn, h, w, t, adv, mode)  # warm-up: compilation, autotuning, cuBLAS handles
+    h.grad = w.grad = None
+    torch.cuda.synchronize()
+    torch.cuda.empty_cache()
+    base = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    out, dh, dw = run_once(fn, h, w, t, adv, mode)
+    torch.cuda.synchronize()
+    peak = (torch.cuda.max_memory_allocated() - base) / GIB
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        h.grad = w.grad = None
+        start.record()
+        run_once(fn, h, w, t, adv, mode)
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return out, dh, dw, peak, times
+
+
+def _time_ms(fn, reps=10):
+    fn()
+    torch.cuda.synchronize()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    for _ in range(reps):
+        fn()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def profile_ours(h, w, t):
+    """Where our time goes: the stats kernel, and one backward chunk of each step scaled to the whole."""
+    from kernels import lm_head, lm_head_triton as kt
+
+    T, H = h.shape
+    V = w.shape[0]
+    a = torch.randn(8192, 8192, device=h.device, dtype=torch.bfloat16)
+    ceiling = 2 * 8192**3 / _time_ms(lambda: a @ a) / 1e9
+    tgt = t.long()
+    with torch.no_grad():
+        ms_stats = _time_ms(lambda: kt.token_stats(h, w, tgt, 1.0, False), reps=3)
+        lse = kt.token_stats(h, w, tgt, 1.0, False)[0]
+    Tc, Vc = lm_head._chunk_sizes(T, V, 2, None, None)
+    n_chunks = math.ceil(T / Tc) * math.ceil(V / Vc)
+    coef = torch.randn(Tc, device=h.device)
+    dz = torch.empty(Tc, Vc, device=h.device, dtype=torch.bfloat16)
+    hc, wc = h[:Tc].detach(), w[:Vc].detach()
+    acc_w = torch.empty(Vc, H, device=h.device)
+    acc_h = torch.zeros(Tc, H, device=h.device)
+    ms_dz = _time_ms(lambda: kt.dlogits(hc, wc, tgt[:Tc], 0, lse[:Tc], coef, coef * 0, coef, 1.0, dz))
+    ms_dw = _time_ms(lambda: lm_head._gemm_acc(acc_w, dz.T, hc, first=False))
+    ms_dh = _time_ms(lambda: lm_head._gemm_acc(acc_h, dz, wc, first=False))
+    gemm = 2 * T * V * H / 1e9
+    print(f"# profile T={T} V={V}: cuBLAS 8192^3 bf16 {ceiling:.0f} TF/s | stats kernel {ms_stats:.1f} ms "
+          f"({gemm / ms_stats:.0f} TF/s, config {kt._stats_kernel.best_config}) | backward x{n_chunks} chunks "
+          f"[{Tc}x{Vc}]: dlogits {ms_dz * n_chunks:.1f} ms ({gemm / (ms_dz * n_chunks):.0f} TF/s, config "
+          f"{kt._dlogits_kernel.best_config}), dW GEMM {ms_dw * n_chunks:.1f} ms, dH GEMM {ms_dh * n_chunks:.1f} ms",
+          flush=True)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, nargs="+", default=[65536, 16384])
+    ap.add_argument("--vocab", type=int, nargs="+", default=[248320, 151936])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--reps", type=int, default=5)
+    ap.add_argument("--modes", nargs="+", default=["ce", "rl", "fwd"])
+    ap.add_argument("--methods", nargs="+", default=None, help="subset of method names (default: all)")
+    ap.add_argument("--logit-std", type=float, default=2.0, help="std of the logits the random weights give")
+    ap.add_argument("--out", type=str, default=None, help="append one JSON line per measurement here")
+    args = ap.parse_args(argv)
+
+    dev = torch.device("cuda")
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
+          f"triton {__import__('triton').__version__}", flush=True)
+    methods = make_methods(set(args.modes))
+    if args.methods:
+        methods = {k: v for k, v in methods.items() if k in args.methods}
+    rows = []
+    H = args.hidden
+    for V in args.vocab:
+        for T in sorted(args.tokens, reverse=True):
+            g = torch.Generator(device=dev).manual_seed(T * 7 + V)
+            h = torch.randn(T, H, device=dev, generator=g).bfloat16().requires_grad_()
+            w = (torch.randn(V, H, device=dev, generator=g) * (args.logit_std / math.sqrt(H))).bfloat16()
+            w.requires_grad_()
+            t = torch.randint(0, V, (T,), device=dev, generator=g)
+            adv = torch.randn(T, device=dev, generator=g)
+            ref = None
+            if "ours" in methods:
+                profile_ours(h, w, t)
+            if T == max(args.tokens):
+                t0 = time.time()
+                ref = fp32_reference(h.detach(), w.detach(), t, adv)
+                print(f"# fp32 reference T={T} V={V}: {time.time() - t0:.1f} s", flush=True)
+            for mode in args.modes:
+                flops = 2 * T * V * H * (1 if mode == "fwd" else 3)
+                for name, fns in methods.items():
+                    if mode not in fns:
+                        continue
+                    if name in ("torch naive", "torch.compile") and T != max(args.tokens):
+                        continue  # materialized-logits peers: the bar's T only (each new shape recompiles)
+                    row = dict(T=T, V=V, H=H, mode=mode, method=name)
+                    try:
+                        out, dh, dw, peak, times = measure(fns[mode], h, w, t, adv, mode, args.reps)
+                        ms = statistics.median(times)
+                        row |= dict(ms=ms, ms_mean=statistics.mean(times), ms_min=min(times), tflops=flops / ms / 1e9,
+                                    peak_gib=peak)
+                        if ref is not None:
+                            r_out, r_dh, r_dw = ref[mode]
+                            row |= dict(err_out=_rel(out, r_out), err_dh=_rel(dh, r_dh), err_dw=_rel(dw, r_dw))
+                        del out, dh, dw
+                    except torch.OutOfMemoryError:
+                        row |= dict(ms=None, note="OOM")
+                    except Exception as e:  # a peer failing must not stop the table
+                        row |= dict(ms=None, note=f"{type(e).__name__}: {str(e)[:120]}")
+                    h.grad = w.grad = None
+                    torch.cuda.empty_cache()
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+                    if args.out:
+                        with open(args.out, "a") as f:
+                            f.write(json.dumps(row) + "\n")
+            del h, w, t, adv, ref
+            torch.cuda.empty_cache()
+    print_table(rows)
+
+
+def print_table(rows):
+    ours = {(r["T"], r["V"], r["mode"]): r.get("ms") for r in rows if r["method"] == "ours"}
+    hdr = (f"| T | V | mode | method | ms | TF/s | peak GiB | err loss/logp | err dH | err dW | peer/ours time |\n"
+           f"|---|---|---|---|---|---|---|---|---|---|---|")
+    print(hdr)
+    for r in rows:
+        def f(k, fmt):
+            v = r.get(k)
+            return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
+        o = ours.get((r["T"], r["V"], r["mode"]))
+        ratio = "—" if (r.get("ms") is None or not o or r["method"] == "ours") else f"{r['ms'] / o:.2f}"
+        ms = f(("ms"), ".1f") if r.get("ms") is not None else r.get("note", "—")
+        print(f"| {r['T']} | {r['V']} | {r['mode']} | {r['method']} | {ms} | {f('tflops', '.0f')} | "
+              f"{f('peak_gib', '.2f')} | {f('err_out', '.1e')} | {f('err_dh', '.1e')} | {f('err_dw', '.1e')} | "
+              f"{ratio} |")
+
+
+if __name__ == "__main__":
+    main()
