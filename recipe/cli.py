@@ -271,6 +271,11 @@ def version():
     typer.echo(__version__)
 
 
+from .check_cli import check as _check  # noqa: E402
+
+app.command("check")(_check)
+
+
 def main() -> None:  # pragma: no cover
     app()
 

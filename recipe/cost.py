@@ -35,7 +35,7 @@ ADAM_BYTES_MOVED = 28  # per local parameter: read p, g, m, v (fp32) and write p
 
 
 class TrainOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
     recompute: Literal["full", "none"] = "full"
     lm_head: Literal["fused", "naive"] = "fused"
     ep_overlap_chunks: int = Field(1, ge=1)  # 1 = off

@@ -11,18 +11,19 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
+from ._data import plain
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 
 class Link(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
     kind: str  # nvlink4, xgmi, gloo-shm, ...
     bw_gb_s: float = Field(gt=0)  # usable per-GPU, per-direction bandwidth for collectives
     topology: Literal["switch", "mesh", "ring", "host"]
 
 
 class HwProfile(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     name: str
     vendor: Literal["nvidia", "amd", "cpu"]
@@ -48,7 +49,7 @@ class HwProfile(BaseModel):
         return self.hbm_gb * self.usable_memory_fraction
 
     def fingerprint_dict(self) -> dict:
-        return self.model_dump(mode="json", exclude={"sources", "description"})
+        return plain(self, exclude=frozenset({"sources", "description"}))
 
 
 def _builtin_dir():

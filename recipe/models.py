@@ -11,9 +11,11 @@ Pure Python: never imports torch.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
+from ._data import plain
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 LayerType = Literal["full_attention", "linear_attention", "sliding_attention"]
@@ -22,7 +24,7 @@ LayerType = Literal["full_attention", "linear_attention", "sliding_attention"]
 class LinearAttnShape(BaseModel):
     """Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
     num_k_heads: int = Field(gt=0)  # q and k heads
     num_v_heads: int = Field(gt=0)  # v heads (a multiple of num_k_heads)
     head_k_dim: int = Field(gt=0)
@@ -40,7 +42,7 @@ class LinearAttnShape(BaseModel):
 class MLAShape(BaseModel):
     """DeepSeek multi-head latent attention."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
     q_lora_rank: int = Field(gt=0)
     kv_lora_rank: int = Field(gt=0)
     qk_nope_head_dim: int = Field(gt=0)
@@ -49,7 +51,7 @@ class MLAShape(BaseModel):
 
 
 class ModelShape(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
 
     name: str
     arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral"]
@@ -135,7 +137,7 @@ class ModelShape(BaseModel):
         )
 
     def fingerprint_dict(self) -> dict:
-        return self.model_dump(mode="json", exclude={"source"})
+        return plain(self, exclude=frozenset({"source"}))
 
 
 def _rounded_layer_types(num_layers: int, interval: int) -> tuple[LayerType, ...]:
@@ -155,30 +157,28 @@ def _qwen35(name: str, hidden: int, layers: int, heads: int, experts: int, top_k
     )
 
 
-PRESETS: dict[str, ModelShape] = {
-    m.name: m
-    for m in [
-        _qwen35("qwen35-35b", 2048, 40, 16, 256, 8, 512, 32,
+_PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
+    "qwen35-35b": lambda: _qwen35("qwen35-35b", 2048, 40, 16, 256, 8, 512, 32,
                 source="Qwen/Qwen3.5-35B-A3B config.json (text_config)"),
-        _qwen35("qwen35-122b", 3072, 48, 32, 256, 8, 1024, 64,
+    "qwen35-122b": lambda: _qwen35("qwen35-122b", 3072, 48, 32, 256, 8, 1024, 64,
                 source="Qwen/Qwen3.5-122B-A10B config.json (text_config)"),
-        _qwen35("qwen35-397b", 4096, 60, 32, 512, 10, 1024, 64,
+    "qwen35-397b": lambda: _qwen35("qwen35-397b", 4096, 60, 32, 512, 10, 1024, 64,
                 source="Qwen/Qwen3.5-397B-A17B config.json (text_config)"),
-        _qwen35("qwen3-next-80b", 2048, 48, 16, 512, 10, 512, 32, vocab=151936, arch="qwen3_next",
+    "qwen3-next-80b": lambda: _qwen35("qwen3-next-80b", 2048, 48, 16, 512, 10, 512, 32, vocab=151936, arch="qwen3_next",
                 source="Qwen/Qwen3-Next-80B-A3B-Instruct config.json"),
-        ModelShape(
+    "qwen3-30b-a3b": lambda: ModelShape(
             name="qwen3-30b-a3b", arch="qwen3_moe", hidden_size=2048, num_layers=48, vocab_size=151936,
             layer_types=("full_attention",) * 48, num_heads=32, num_kv_heads=4, head_dim=128, rope_theta=1e6,
             num_experts=128, top_k=8, expert_ffn=768, max_position=40960,
             source="Qwen/Qwen3-30B-A3B config.json",
         ),
-        ModelShape(
+    "qwen3-235b-a22b": lambda: ModelShape(
             name="qwen3-235b-a22b", arch="qwen3_moe", hidden_size=4096, num_layers=94, vocab_size=151936,
             layer_types=("full_attention",) * 94, num_heads=64, num_kv_heads=4, head_dim=128, rope_theta=1e6,
             num_experts=128, top_k=8, expert_ffn=1536, max_position=40960,
             source="Qwen/Qwen3-235B-A22B config.json",
         ),
-        ModelShape(
+    "deepseek-v3": lambda: ModelShape(
             name="deepseek-v3", arch="deepseek_v3", hidden_size=7168, num_layers=61, vocab_size=129280,
             layer_types=("full_attention",) * 61, num_heads=128, num_kv_heads=128, head_dim=192, qk_norm=False,
             mla=MLAShape(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
@@ -187,20 +187,20 @@ PRESETS: dict[str, ModelShape] = {
             first_dense_layers=3, dense_ffn=18432, rope_theta=10000.0, max_position=163840, mtp_layers=1,
             source="deepseek-ai/DeepSeek-V3 config.json",
         ),
-        ModelShape(
+    "gpt-oss-120b": lambda: ModelShape(
             name="gpt-oss-120b", arch="gpt_oss", hidden_size=2880, num_layers=36, vocab_size=201088,
             layer_types=("sliding_attention", "full_attention") * 18, num_heads=64, num_kv_heads=8, head_dim=64,
             qk_norm=False, attn_bias=True, sliding_window=128, rope_theta=150000.0, num_experts=128, top_k=4,
             expert_ffn=2880, router_bias=True, max_position=131072, source="openai/gpt-oss-120b config.json",
         ),
-        ModelShape(
+    "mixtral-8x7b": lambda: ModelShape(
             name="mixtral-8x7b", arch="mixtral", hidden_size=4096, num_layers=32, vocab_size=32000,
             layer_types=("full_attention",) * 32, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=False,
             rope_theta=1e6, num_experts=8, top_k=2, expert_ffn=14336, max_position=32768,
             source="mistralai/Mixtral-8x7B-v0.1 config.json",
         ),
-        # A few-MB Qwen3.5-style model for CPU runs and CI: every block type of the real one, tiny widths.
-        ModelShape(
+    # A few-MB Qwen3.5-style model for CPU runs and CI: every block type of the real one, tiny widths.
+    "tiny-moe": lambda: ModelShape(
             name="tiny-moe", arch="qwen3_5_moe", hidden_size=64, num_layers=4, vocab_size=512,
             layer_types=_rounded_layer_types(4, 4), num_heads=4, num_kv_heads=2, head_dim=16,
             attn_output_gate=True, partial_rotary_factor=0.25, rope_theta=1e7,
@@ -208,8 +208,29 @@ PRESETS: dict[str, ModelShape] = {
             num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=32, shared_expert_gate=True,
             max_position=65536, source="recipe's own tiny test model",
         ),
-    ]
 }
+
+
+class _Presets(Mapping):
+    """Preset shapes by name, each validated on first use (so `recipe solve` builds only the one it needs)."""
+
+    def __init__(self, factories: dict[str, Callable[[], ModelShape]]):
+        self._factories = factories
+        self._built: dict[str, ModelShape] = {}
+
+    def __getitem__(self, name: str) -> ModelShape:
+        if name not in self._built:
+            self._built[name] = self._factories[name]()
+        return self._built[name]
+
+    def __iter__(self):
+        return iter(self._factories)
+
+    def __len__(self) -> int:
+        return len(self._factories)
+
+
+PRESETS: Mapping[str, ModelShape] = _Presets(_PRESET_FACTORIES)
 
 
 # ---- parameter counts ----------------------------------------------------------------------------------------

@@ -17,6 +17,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from . import __version__
+from ._data import plain
 from .cost import TrainOptions
 from .hw import HwProfile, load_profile
 from .models import ModelShape, resolve_model
@@ -30,7 +31,7 @@ class PlanError(ValueError):
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False)
 
 
 class Inputs(_Strict):
@@ -139,7 +140,7 @@ class Plan(_Strict):
     reasons: Reasons
     launch: LaunchSpec
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, defer_build=True)
 
     @model_validator(mode="after")
     def _launch_matches_layout(self) -> "Plan":
@@ -165,7 +166,8 @@ class Plan(_Strict):
                             micro_batches=self.train.micro_batches)
 
     def to_dict(self) -> dict:
-        return self.model_dump(mode="json", by_alias=True)
+        return plain(self)
+
 
 
 def _relative(spec: str, base_dir: Path | None) -> str:
@@ -213,36 +215,36 @@ def launch_block(hw: HwProfile, world: int) -> LaunchSpec:
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # less fragmentation at long sequences
     elif hw.vendor == "amd":
         env["PYTORCH_HIP_ALLOC_CONF"] = "expandable_segments:True"
-    return LaunchSpec(nnodes=math.ceil(world / nproc), nproc_per_node=nproc,
-                      backend="gloo" if hw.collective == "gloo" else "nccl", env=env)
+    return LaunchSpec.model_construct(nnodes=math.ceil(world / nproc), nproc_per_node=nproc,
+                                      backend="gloo" if hw.collective == "gloo" else "nccl", env=env)
 
 
 def build_plan(inputs: Inputs, m: ModelShape, hw: HwProfile, sol) -> Plan:
+    """The plan for a solution. Built from the solver's own values without re-validating them (validation is
+    for plans read from disk; tests check that every built plan validates)."""
     e, d = sol.estimate, sol.decisions
-    deg = sol.degrees
     mem = {k: round(v, 2) for k, v in e.memory_gb.items()}
 
     def reason(k: str) -> str:
         dec = d[k]
         return f"{dec.constraint}: {dec.reason}" + (f" (rejected {dec.rejected})" if dec.rejected else "")
 
-    return Plan(
-        schema=SCHEMA_VERSION,
-        solver=SolverInfo(version=__version__, hw_fingerprint=fingerprint(hw.fingerprint_dict()),
-                          model_fingerprint=fingerprint(m.fingerprint_dict())),
-        inputs=inputs,
-        layout=LayoutSpec(**deg),
-        train=TrainSpec(recompute=sol.opts.recompute, lm_head=sol.opts.lm_head,
-                        ep_overlap_chunks=sol.opts.ep_overlap_chunks, micro_batch_tokens=sol.opts.micro_batch_tokens,
-                        micro_batches=sol.opts.micro_batches),
-        prediction=Prediction(memory_gb=MemoryGB(**mem), lm_head_unfused_gb=round(e.lm_head_unfused_gb, 2),
-                              step_time_s=round(e.step_time_s, 4),
-                              tokens_per_s_per_gpu=round(e.tokens_per_s_per_gpu, 1),
-                              tflops_per_gpu=round(e.tflops_per_gpu, 1),
-                              mfu=Mfu(hardware=round(e.mfu_hardware, 4), model=round(e.mfu_model, 4))),
-        reasons=Reasons(tp=reason("tp"), ep=reason("ep"), cp=reason("cp"), pp=reason("pp")),
-        launch=launch_block(hw, sol.world),
-    )
+    C = BaseModel.model_construct.__func__  # noqa: N806
+    return C(Plan, schema_=SCHEMA_VERSION,
+             solver=C(SolverInfo, version=__version__, hw_fingerprint=fingerprint(hw.fingerprint_dict()),
+                      model_fingerprint=fingerprint(m.fingerprint_dict())),
+             inputs=inputs,
+             layout=C(LayoutSpec, **sol.degrees),
+             train=C(TrainSpec, recompute=sol.opts.recompute, lm_head=sol.opts.lm_head,
+                     ep_overlap_chunks=sol.opts.ep_overlap_chunks, micro_batch_tokens=sol.opts.micro_batch_tokens,
+                     micro_batches=sol.opts.micro_batches, optimizer=C(Optimizer, name="adamw", master_dtype="fp32")),
+             prediction=C(Prediction, memory_gb=C(MemoryGB, **mem), lm_head_unfused_gb=round(e.lm_head_unfused_gb, 2),
+                          step_time_s=round(e.step_time_s, 4),
+                          tokens_per_s_per_gpu=round(e.tokens_per_s_per_gpu, 1),
+                          tflops_per_gpu=round(e.tflops_per_gpu, 1),
+                          mfu=C(Mfu, hardware=round(e.mfu_hardware, 4), model=round(e.mfu_model, 4))),
+             reasons=C(Reasons, tp=reason("tp"), ep=reason("ep"), cp=reason("cp"), pp=reason("pp")),
+             launch=launch_block(hw, sol.world))
 
 
 def dumps(plan: Plan, fmt: Literal["yaml", "json"] = "yaml") -> str:
@@ -264,24 +266,47 @@ def write_atomic(path: Path, text: str) -> None:
 
 def parse_plan(text: str, origin: str = "<plan>") -> Plan:
     try:
-        data = json.loads(text) if text.lstrip().startswith("{") else yaml.safe_load(text)
-    except (yaml.YAMLError, json.JSONDecodeError, ValueError, RecursionError) as e:
+        data = _decode(text)
+    except (yaml.YAMLError, json.JSONDecodeError, ValueError, TypeError, OverflowError, RecursionError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PlanError(f"{origin}: not valid YAML/JSON ({first})") from None
+        raise PlanError(f"{origin}: not valid YAML/JSON ({_one_line(first)})") from None
+    except Exception as e:  # the loader's contract: nothing but PlanError, whatever the text
+        raise PlanError(f"{origin}: not valid YAML/JSON ({type(e).__name__})") from None
     if not isinstance(data, dict):
         raise PlanError(f"{origin}: expected a mapping at the top level, got {type(data).__name__}")
     try:
         return Plan.model_validate(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ())) or "(top level)"
-        msg = err.get("msg", "invalid")
+        errs = e.errors()
+        # unknown keys first: the most actionable line when a hand edit misspells a field
+        err = min(errs, key=lambda x: x.get("type") != "extra_forbidden")
+        loc = ".".join(_one_line(str(x), 60) for x in err.get("loc", ())) or "(top level)"
+        msg = _one_line(err.get("msg", "invalid"))
         if err.get("type") == "extra_forbidden":
             msg = "unknown key"
-        extra = f" (and {e.error_count() - 1} more)" if e.error_count() > 1 else ""
+        elif tuple(err.get("loc", ())) == ("schema",):
+            msg = f"unsupported plan schema {_one_line(repr(err.get('input')), 40)}: this recipe reads schema " \
+                  f"{SCHEMA_VERSION}"
+        extra = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
         raise PlanError(f"{origin}: field {loc}: {msg}{extra}") from None
-    except (RecursionError, OverflowError, TypeError) as e:
+    except (RecursionError, OverflowError, TypeError, ValueError) as e:
         raise PlanError(f"{origin}: unusable plan ({type(e).__name__})") from None
+
+
+def _decode(text: str):
+    """JSON when it looks like JSON and parses as JSON; YAML otherwise (a YAML flow mapping also starts with '{')."""
+    if text.lstrip().startswith("{"):
+        try:
+            return json.loads(text)
+        except json.JSONDecodeError:
+            pass
+    return yaml.safe_load(text)
+
+
+def _one_line(text: str, limit: int = 200) -> str:
+    """Control characters escaped and length bounded, so that an error is always exactly one short line."""
+    s = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+    return s if len(s) <= limit else s[: limit - 1] + "…"
 
 
 def load_plan(path: str | Path) -> Plan:
@@ -295,7 +320,7 @@ def load_plan(path: str | Path) -> Plan:
     except OSError as e:
         raise PlanError(f"cannot read plan {p}: {e.strerror}") from None
     try:
-        text = raw.decode("utf-8")
+        text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:
         raise PlanError(f"{p}: not UTF-8 text") from None
     return parse_plan(text, str(p))

@@ -283,7 +283,8 @@ def solve_tp(m: ModelShape, hw: HwProfile, world: int, pp: int, opts: TrainOptio
     return d, ep_d, cp_d, est
 
 
-def solve(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions, auto_chunks: bool = True) -> Solution:
+def solve(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions, auto_chunks: bool = True,
+          suggest: bool = True) -> Solution:
     """Solve every dimension for `world` GPUs. Raises InfeasibleError naming the constraint and the shortfall."""
     _check_world(m, world)
     results = []
@@ -299,7 +300,7 @@ def solve(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions, auto_chu
             continue
         results.append((p, tp_d, ep_d, cp_d, est))
     if not results:
-        raise InfeasibleError(_infeasible_message(m, hw, world, opts, closest))
+        raise InfeasibleError(_infeasible_message(m, hw, world, opts, closest, suggest))
     base = results[0]
     per_tok = lambda r: _per_token(r[4], world, r[0], r[1].value, r[3].value)  # noqa: E731
     best = min(results, key=per_tok)
@@ -333,7 +334,8 @@ def _check_world(m: ModelShape, world: int) -> None:
         raise InfeasibleError(f"--gpus must be between 1 and {MAX_WORLD}, got {world}")
 
 
-def _infeasible_message(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions, closest) -> str:
+def _infeasible_message(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions, closest,
+                        suggest: bool = True) -> str:
     seq = opts.micro_batch_tokens
     if closest is None:
         return (f"{world} GPUs: no layout divides them for {m.name} at {seq:,} tokens (cp must split the sequence "
@@ -341,10 +343,31 @@ def _infeasible_message(m: ModelShape, hw: HwProfile, world: int, opts: TrainOpt
                 f"ep must divide {m.num_experts} experts, pp the {m.num_layers} layers)")
     short, p, c, e = closest
     persistent = sum(e.memory_gb[k] for k in ("weights", "grads", "master", "optimizer"))
+    excluded = [x for x in divisors(world) if x > 1 and x not in cp_candidates(m, seq, world, 1)]
+    why = ""
+    if excluded:
+        rules = [f"split {seq:,} tokens into 2·cp equal parts"]
+        if m.linear_attn is not None:
+            rules.append(f"divide the {m.linear_attn.num_k_heads} linear-attention key heads")
+        why = (f"; {world} GPUs leave no larger cp: cp={'/'.join(map(str, excluded))} would not "
+               f"{' and '.join(rules)}")
+    if suggest:
+        nxt = _next_fitting(m, hw, world, opts)
+        why += f" — {nxt} GPUs fit" if nxt else " — add GPUs or shorten --seq"
     return (f"{m.name} at {seq:,} tokens does not fit on {world}x {hw.name}: best layout tried (pp={p}, cp={c}) "
             f"peaks at {e.total_gb:.1f} GB against {hw.usable_gb:.1f} GB usable ({short:.1f} GB over; persistent "
-            f"state {persistent:.1f} GB, activations {e.memory_gb['activations']:.1f} GB) — add GPUs or shorten "
-            f"--seq")
+            f"state {persistent:.1f} GB, activations {e.memory_gb['activations']:.1f} GB){why}")
+
+
+def _next_fitting(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions) -> int | None:
+    """The smallest larger GPU count (up to twice as many) at which some layout fits."""
+    for w in range(world + 1, 2 * world + 1):
+        try:
+            solve(m, hw, w, opts, suggest=False)
+            return w
+        except InfeasibleError:
+            continue
+    return None
 
 
 def world_candidates(hw: HwProfile) -> list[int]:

@@ -1,0 +1,306 @@
+"""`recipe check`: does each committed plan still say what the solver says today, and does it still fit?
+
+Plain functions returning data; the CLI (recipe/check_cli.py) renders it. For each plan:
+  1. schema: valid, unknown keys rejected (`load_plan`);
+  2. divisibility of the committed layout against today's model shape;
+  3. fit: the committed layout re-estimated with today's cost model, peak ≤ the profile's usable memory;
+  4. drift: the plan's inputs re-solved with today's profiles and solver; layout, train, launch, prediction and
+     the solver block (version, fingerprints) compared field by field. A changed profile, model shape or solver
+     version is named as the cause of every drifted field.
+
+Kinds: `invalid` (unusable input: exit 2), `drift` and `misfit` (exit 1). Pure Python: never imports torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Literal
+
+from .plan import Plan, PlanError, build_plan, load_plan
+
+Kind = Literal["drift", "misfit", "invalid"]
+SEVERITY = {"drift": 1, "misfit": 1, "invalid": 2}
+PLAN_SUFFIXES = (".yaml", ".yml", ".json")
+COMPARED = ("layout", "train", "launch", "prediction")  # blocks that must equal today's solve
+
+
+@dataclass(frozen=True)
+class Problem:
+    file: str
+    field: str  # dotted path in the plan ("layout.ep"), or "plan" / "path" for unusable input
+    committed: object
+    solved: object
+    kind: Kind
+    cause: str = ""
+
+
+@dataclass
+class PlanCheck:
+    file: str
+    plan: Plan | None = None
+    fresh: Plan | None = None  # what the plan's inputs solve to today
+    problems: list[Problem] = field(default_factory=list)
+    peak_gb: float | None = None  # the committed layout, re-estimated with today's cost model
+    usable_gb: float | None = None
+
+    @property
+    def severity(self) -> int:
+        return max((SEVERITY[p.kind] for p in self.problems), default=0)
+
+    @property
+    def status(self) -> str:
+        kinds = {p.kind for p in self.problems}
+        for k in ("invalid", "misfit", "drift"):
+            if k in kinds:
+                return k
+        return "ok"
+
+    @property
+    def fixable(self) -> bool:
+        """A plan that loaded and re-solved, with drift or misfit: rewriting it with today's solve fixes it."""
+        return self.plan is not None and self.fresh is not None and self.severity == 1
+
+
+# ---- finding plans -------------------------------------------------------------------------------------------
+def find_plans(paths: list[str | Path]) -> tuple[list[Path], list[Problem]]:
+    """Files as given; folders → every *.yaml/*.yml/*.json inside, recursively, sorted (hidden paths skipped).
+    A missing path, or a folder with no plan in it, is a problem of kind `invalid`."""
+    files: list[Path] = []
+    missing: list[Problem] = []
+    for raw in paths:
+        p = Path(raw)
+        if p.is_dir():
+            found = sorted(f for f in p.rglob("*") if f.suffix in PLAN_SUFFIXES and f.is_file()
+                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            if not found:
+                missing.append(Problem(str(p), "path", None, None, "invalid",
+                                       f"no plan files (*.yaml, *.yml, *.json) under {p}"))
+            files.extend(found)
+        elif p.exists():
+            files.append(p)
+        else:
+            missing.append(Problem(str(p), "path", None, None, "invalid", "no such file or folder"))
+    seen: set[Path] = set()
+    unique = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
+    return unique, missing
+
+
+# ---- one plan ------------------------------------------------------------------------------------------------
+def check_plan(path: str | Path) -> PlanCheck:
+    from .cost import Layout, estimate
+
+    path = Path(path)
+    res = PlanCheck(str(path))
+    try:
+        plan = load_plan(path)
+    except PlanError as e:
+        res.problems.append(Problem(res.file, "plan", None, None, "invalid", _strip_origin(str(e), res.file)))
+        return res
+    res.plan = plan
+    base = path.parent
+    try:
+        m = plan.model_shape(base)
+        hw = plan.hw_profile(base)
+    except ValueError as e:
+        res.problems.append(Problem(res.file, "inputs", None, None, "invalid", _one_line(str(e))))
+        return res
+    lay = plan.layout
+
+    # today's solve of the same inputs (done first: the divisibility lines show the solved value)
+    fresh, solve_error = _resolve(plan, base)
+    res.fresh = fresh
+    solved_layout = fresh.layout if fresh is not None else None
+
+    for name, committed, why in divisibility(m, lay, plan.train.micro_batch_tokens):
+        solved = getattr(solved_layout, name) if solved_layout is not None else None
+        res.problems.append(Problem(res.file, f"layout.{name}", committed, solved, "misfit", why))
+
+    try:
+        est = estimate(m, hw, lay.world, Layout(pp=lay.pp, tp=lay.tp, cp=lay.cp, ep=lay.ep, etp=lay.etp),
+                       plan.train_options())
+        res.peak_gb, res.usable_gb = est.total_gb, hw.usable_gb
+    except (ArithmeticError, ValueError) as e:
+        res.problems.append(Problem(res.file, "layout", _layout_str(lay), None, "misfit",
+                                    f"today's cost model cannot estimate this layout ({type(e).__name__})"))
+        est = None
+    if est is not None and not est.fits:
+        solved_peak = fresh.prediction.memory_gb.total if fresh is not None else None
+        res.problems.append(Problem(
+            res.file, "memory.peak_gb", round(est.total_gb, 1), solved_peak, "misfit",
+            f"the committed layout ({_layout_str(lay)}) peaks at {est.total_gb:.1f} GB with today's cost model, "
+            f"{est.total_gb - hw.usable_gb:.1f} GB over the {hw.name} profile's {hw.usable_gb:.1f} GB usable"))
+
+    if solve_error is not None:
+        res.problems.append(Problem(res.file, "layout", _layout_str(lay), "no layout fits", "drift",
+                                    f"today's solver finds no layout for these inputs: {solve_error}"))
+        return res
+    res.problems.extend(drift(res.file, plan, fresh))
+    return res
+
+
+def _resolve(plan: Plan, base: Path) -> tuple[Plan | None, str | None]:
+    from .cli import solve_inputs
+    from .solver import InfeasibleError
+
+    try:
+        m, hw, sol = solve_inputs(plan.inputs, base)
+        return build_plan(plan.inputs, m, hw, sol), None
+    except InfeasibleError as e:
+        return None, _one_line(str(e))
+
+
+def divisibility(m, lay, seq: int) -> list[tuple[str, int, str]]:
+    """(layout field, committed value, why) for each degree that does not divide what it splits."""
+    out = []
+    tp, cp = lay.tp, lay.cp
+    if m.num_heads % tp:
+        out.append(("tp", tp, f"{m.num_heads} attention heads of {m.name} are not divisible by tp={tp}"))
+    if m.num_kv_heads % tp:
+        out.append(("tp", tp, f"{m.num_kv_heads} KV heads of {m.name} are not divisible by tp={tp}"))
+    if m.vocab_size % tp:
+        out.append(("tp", tp, f"vocab {m.vocab_size} of {m.name} is not divisible by tp={tp}"))
+    if m.num_experts % lay.ep:
+        out.append(("ep", lay.ep, f"{m.num_experts} experts of {m.name} are not divisible by ep={lay.ep}"))
+    if m.num_layers % lay.pp:
+        out.append(("pp", lay.pp, f"{m.num_layers} layers of {m.name} are not divisible into pp={lay.pp} stages"))
+    if seq % cp:
+        out.append(("cp", cp, f"sequence {seq} is not divisible by cp={cp}"))
+    elif cp > 1 and seq % (2 * cp):
+        out.append(("cp", cp, f"sequence {seq} does not split into 2·cp={2 * cp} equal chunks (causal load "
+                              f"balancing)"))
+    if m.linear_attn is not None and m.linear_attn.num_k_heads % (cp * tp):
+        out.append(("cp", cp, f"{m.linear_attn.num_k_heads} linear-attention key heads of {m.name} are not "
+                              f"divisible by cp·tp={cp}·{tp}={cp * tp}"))
+    return out
+
+
+def drift(file: str, plan: Plan, fresh: Plan) -> list[Problem]:
+    """One problem per field where the committed plan differs from today's solve of its inputs."""
+    cause = drift_cause(plan, fresh)
+    old, new = plan.to_dict(), fresh.to_dict()
+    out = []
+    for key in ("version", "hw_fingerprint", "model_fingerprint"):
+        a, b = old["solver"][key], new["solver"][key]
+        if a != b:
+            out.append(Problem(file, f"solver.{key}", a, b, "drift", _solver_cause(key, plan)))
+    for block in COMPARED:
+        a, b = _flatten(old[block], block), _flatten(new[block], block)
+        for k in _ordered_keys(a, b):
+            if a.get(k) != b.get(k):
+                out.append(Problem(file, k, a.get(k), b.get(k), "drift", cause))
+    return out
+
+
+def drift_cause(plan: Plan, fresh: Plan) -> str:
+    """Why today's solve differs: the changed profile, model shape or solver version, else a hand edit."""
+    causes = []
+    if plan.solver.hw_fingerprint != fresh.solver.hw_fingerprint:
+        causes.append(_solver_cause("hw_fingerprint", plan))
+    if plan.solver.model_fingerprint != fresh.solver.model_fingerprint:
+        causes.append(_solver_cause("model_fingerprint", plan))
+    if plan.solver.version != fresh.solver.version:
+        causes.append(_solver_cause("version", plan, fresh))
+    if causes:
+        return "; ".join(causes)
+    return (f"profile, model shape and solver version {fresh.solver.version} unchanged: a hand edit, or a solver or "
+            f"cost-model change without a version bump")
+
+
+def _solver_cause(key: str, plan: Plan, fresh: Plan | None = None) -> str:
+    if key == "hw_fingerprint":
+        return f"the hardware profile {plan.inputs.hw!r} changed since the plan was solved"
+    if key == "model_fingerprint":
+        layers = f" at {plan.inputs.layers} layers" if plan.inputs.layers else ""
+        return f"the model shape {plan.inputs.model!r}{layers} changed since the plan was solved"
+    now = f" to {fresh.solver.version}" if fresh is not None else ""
+    return f"the solver changed from version {plan.solver.version}{now}"
+
+
+# ---- many plans, fixing --------------------------------------------------------------------------------------
+def check_paths(paths: list[str | Path]) -> list[PlanCheck]:
+    """Every plan under `paths`, in order; missing paths come back as checks with one `invalid` problem."""
+    files, missing = find_plans(paths)
+    out = [PlanCheck(p.file, problems=[p]) for p in missing]
+    out.extend(check_plan(f) for f in files)
+    return out
+
+
+def exit_code(results: list[PlanCheck]) -> int:
+    return max((r.severity for r in results), default=0)
+
+
+def fix(result: PlanCheck) -> bool:
+    """Rewrite a drifted or misfit plan with today's solve (atomically, same format). Never touches a plan that
+    did not load or could not be re-solved. Returns whether it wrote."""
+    from .plan import dumps, write_atomic
+
+    if not result.fixable:
+        return False
+    path = Path(result.file)
+    write_atomic(path, dumps(result.fresh, "json" if path.suffix == ".json" else "yaml"))
+    return True
+
+
+# ---- helpers -------------------------------------------------------------------------------------------------
+def _flatten(d: dict, prefix: str) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in d.items():
+        key = f"{prefix}.{k}"
+        if isinstance(v, dict) and v:
+            out.update(_flatten(v, key))
+        else:
+            out[key] = v
+    return out
+
+
+def _ordered_keys(a: dict, b: dict) -> list[str]:
+    return list(a) + [k for k in b if k not in a]
+
+
+def _layout_str(lay) -> str:
+    return " ".join(f"{k}={getattr(lay, k)}" for k in ("pp", "tp", "cp", "ep", "dp", "edp"))
+
+
+def _strip_origin(msg: str, origin: str) -> str:
+    return _one_line(msg[len(origin) + 2:] if msg.startswith(origin + ": ") else msg)
+
+
+def _one_line(text: str, limit: int = 300) -> str:
+    """Control characters escaped, so that every problem prints as exactly one line."""
+    s = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
+    return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def format_value(v: object) -> str:
+    if v is None:
+        return "(absent)"
+    if isinstance(v, str):
+        return _one_line(v, 120)
+    return _one_line(repr(v) if isinstance(v, float) else str(v), 120)
+
+
+def problem_line(p: Problem) -> str:
+    """`file: field: committed X, solved Y [kind] — cause`; unusable input: `file: [invalid] message`."""
+    if p.kind == "invalid":
+        where = f" {p.field}:" if p.field not in ("plan", "path") else ""
+        return f"{_one_line(p.file)}:{where} [invalid] {p.cause}"
+    text = (f"{_one_line(p.file)}: {p.field}: committed {format_value(p.committed)}, solved "
+            f"{format_value(p.solved)} [{p.kind}]")
+    return text + (f" — {p.cause}" if p.cause else "")
+
+
+def line_of(text: str, dotted: str) -> int | None:
+    """1-based line of a dotted field in a YAML or JSON plan (each key looked for after its parent's line)."""
+    lines = text.splitlines()
+    i = 0
+    found = None
+    for part in dotted.split("."):
+        for j in range(i, len(lines)):
+            s = lines[j].lstrip()
+            if s.startswith((f"{part}:", f'"{part}":')):
+                found, i = j + 1, j + 1
+                break
+        else:
+            return found
+    return found

@@ -1,0 +1,109 @@
+"""The `recipe check` command: renders what recipe/check.py returns. Registered in recipe/cli.py."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+STATUS_STYLE = {"ok": "bold green", "drift": "bold yellow", "misfit": "bold red", "invalid": "bold red"}
+
+
+def check(
+    paths: Annotated[list[Path], typer.Argument(help="plan files or folders (folders: every *.yaml, *.yml, *.json "
+                                                     "inside, recursively)", show_default=False)],
+    fix: Annotated[bool, typer.Option("--fix", help="rewrite drifted plans in place with today's solve "
+                                                    "(malformed plans are never touched)")] = False,
+    fmt: Annotated[str, typer.Option("--format", "-f", help="text | github (workflow annotations)")] = "text",
+):
+    """Check committed plans: schema, divisibility, fit, and drift from today's solver.
+
+    Exit 0 when clean, 1 on drift or misfit, 2 on unusable input (a missing path, a malformed plan)."""
+    from . import check as chk
+    from .report import console
+
+    if fmt not in ("text", "github"):
+        console(stderr=True).print(f"[bold red]error:[/] --format must be 'text' or 'github', got {fmt!r}",
+                                   highlight=False, soft_wrap=True)
+        raise typer.Exit(2)
+    results = chk.check_paths(paths)
+    out = console()
+    if fix:
+        fixed = [r.file for r in results if chk.fix(r)]
+        if fixed:
+            again = {f: chk.check_plan(f) for f in fixed}
+            results = [again.get(r.file, r) for r in results]
+            for f in fixed:
+                out.print(f"fixed {chk._one_line(f)}", markup=False, highlight=False, soft_wrap=True)
+    if fmt == "github":
+        for r in results:
+            for p in r.problems:
+                typer.echo(github_annotation(p))
+    else:
+        if any(r.plan is not None for r in results):
+            out.print(results_table(results))
+        for r in results:
+            for p in r.problems:
+                out.print(chk.problem_line(p), markup=False, highlight=False, soft_wrap=True,
+                          style=STATUS_STYLE[p.kind])
+    code = chk.exit_code(results)
+    counts = {k: sum(r.status == k for r in results) for k in ("ok", "drift", "misfit", "invalid")}
+    summary = f"{len(results)} plan{'s' if len(results) != 1 else ''} checked: " + ", ".join(
+        f"{n} {k}" for k, n in counts.items() if n)
+    if fmt == "github":
+        typer.echo(summary)
+    else:
+        out.print(summary, markup=False, highlight=False, soft_wrap=True)
+    raise typer.Exit(code)
+
+
+def results_table(results):
+    from rich.table import Table
+    from rich.text import Text
+
+    from .check import _layout_str, _one_line
+
+    t = Table(show_header=True, header_style="bold")
+    for c in ("file", "status", "layout", "peak / usable GB"):
+        t.add_column(c, justify="right" if c.startswith("peak") else "left", overflow="fold")
+    for r in results:
+        lay = _layout_str(r.plan.layout) if r.plan is not None else "—"
+        mem = f"{r.peak_gb:.1f} / {r.usable_gb:.1f}" if r.peak_gb is not None else "—"
+        t.add_row(Text(_one_line(r.file)), Text(r.status, style=STATUS_STYLE[r.status]), lay, mem)
+    return t
+
+
+def _escape_data(s: str) -> str:
+    return s.replace("%", "%25").replace("\r", "%0D").replace("\n", "%0A")
+
+
+def _escape_property(s: str) -> str:
+    return _escape_data(s).replace(":", "%3A").replace(",", "%2C")
+
+
+def github_annotation(p) -> str:
+    """`::error file=F,line=N,title=T::message` (GitHub workflow command syntax, with its escaping)."""
+    from .check import format_value
+
+    props = [f"file={_escape_property(p.file)}"]
+    line = _field_line(p.file, p.field) if p.kind != "invalid" else None
+    if line is not None:
+        props.append(f"line={line}")
+    if p.kind == "invalid":
+        title, msg = f"recipe check: invalid {'path' if p.field == 'path' else 'plan'}", p.cause
+    else:
+        title = f"recipe check: {p.kind} in {p.field}"
+        msg = f"{p.field}: committed {format_value(p.committed)}, solved {format_value(p.solved)}"
+        msg += f" — {p.cause}" if p.cause else ""
+    props.append(f"title={_escape_property(title)}")
+    return f"::error {','.join(props)}::{_escape_data(msg)}"
+
+
+def _field_line(file: str, dotted: str) -> int | None:
+    from .check import line_of
+
+    try:
+        return line_of(Path(file).read_text(encoding="utf-8"), dotted)
+    except (OSError, UnicodeDecodeError):
+        return None
