@@ -98,18 +98,19 @@ def _gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) 
     """acc (fp32) = a @ b (first) or acc += a @ b, a and b in the input dtype, fp32 accumulation throughout:
     one cuBLAS call with a 16-bit A/B and an fp32 C, so no 16-bit partial result is ever rounded and re-read."""
     global _MIXED_ADDMM_OK
-    beta = 0.0 if first else 1.0  # beta = 0: C is not read (it may hold garbage)
+    if first:
+        acc.zero_()  # (a memset of the chunk; cheaper than a second code path with beta = 0)
     if a.dtype == torch.float32:
-        torch.addmm(acc, a, b, beta=beta, out=acc)
+        acc.addmm_(a, b)
         return
     if acc.is_cuda and _MIXED_ADDMM_OK:
         try:
-            torch.addmm(acc, a, b, beta=beta, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
             return
         except (TypeError, RuntimeError) as e:
             _MIXED_ADDMM_OK = False
             warnings.warn(f"addmm with out_dtype=float32 unavailable ({e}); falling back to fp32 GEMMs (slow)")
-    torch.addmm(acc, a.float(), b.float(), beta=beta, out=acc)
+    acc.addmm_(a.float(), b.float())
 
 
 class _TokenStats(torch.autograd.Function):
