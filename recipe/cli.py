@@ -25,9 +25,8 @@ class UserError(Exception):
 
 
 def _fail(msg: str, code: int) -> None:
-    from .report import console
-
-    console(stderr=True).print(f"[bold red]error:[/] {msg}", markup=True, highlight=False, soft_wrap=True)
+    one_line = " ".join(str(msg).split())  # exactly one line, whatever the message carried
+    sys.stderr.write(f"error: {one_line}\n")
     raise typer.Exit(code)
 
 
@@ -65,7 +64,7 @@ Chunks = Annotated[Optional[int], typer.Option("--ep-chunks", help="EP all-to-al
 
 
 def _inputs(model, seq, hw, gpus, layers, recompute, lm_head, mbt, micro_batches, ep_chunks):
-    from .plan import Inputs, parse_size
+    from .planfile import SolveInputs, parse_size
 
     if recompute not in ("full", "none"):
         raise UserError(f"--recompute must be 'full' or 'none', got {recompute!r}")
@@ -78,7 +77,7 @@ def _inputs(model, seq, hw, gpus, layers, recompute, lm_head, mbt, micro_batches
     if ep_chunks is not None and ep_chunks <= 0:
         raise UserError(f"--ep-chunks must be positive, got {ep_chunks}")
     seq_len = parse_size(seq)
-    return Inputs(model=model, seq_len=seq_len, hw=hw, gpus=gpus, layers=layers, recompute=recompute,
+    return SolveInputs(model=model, seq_len=seq_len, hw=hw, gpus=gpus, layers=layers, recompute=recompute,
                   lm_head=lm_head, micro_batch_tokens=parse_size(mbt) if mbt else None,
                   micro_batches=micro_batches, ep_overlap_chunks=ep_chunks)
 
@@ -88,7 +87,7 @@ def solve_inputs(inputs, base_dir: Path | None = None):
     from .cost import TrainOptions
     from .hw import load_profile
     from .models import resolve_model
-    from .plan import _relative
+    from .planfile import _relative
     from .solver import solve, solve_min_gpus
 
     m = resolve_model(_relative(inputs.model, base_dir))
@@ -122,25 +121,30 @@ def solve(
     explain: Annotated[bool, typer.Option("--explain", help="each decision, memory bar, rejected alternatives")] = False,
 ):
     """Solve PP, TP, EP and CP for a model, a sequence length and a hardware profile; write a plan."""
-    from .plan import build_plan, dumps, write_atomic
-    from .report import console, summary
+    from .planfile import dumps, plan_dict, write_atomic
 
     if fmt not in ("yaml", "json"):
         raise UserError(f"--format must be 'yaml' or 'json', got {fmt!r}")
     inputs = _inputs(model, seq, hw, gpus, layers, recompute, lm_head, micro_batch_tokens, micro_batches, ep_chunks)
     m, prof, sol = solve_inputs(inputs)
-    plan = build_plan(inputs, m, prof, sol)
+    plan = plan_dict(inputs, m, prof, sol)
     text = dumps(plan, fmt)
     if str(output) == "-":
         sys.stdout.write(text)
         return
-    out = console()
-    out.print(summary(m, prof, inputs.seq_len, sol, explain))
+    if output is not None and output.is_dir():
+        raise UserError(f"-o {output} is a directory; give a file name")
+    if explain:
+        from .report import console, summary
+
+        console().print(summary(m, prof, inputs.seq_len, sol, explain=True))
+    else:
+        from .summary import summary_text
+
+        sys.stdout.write(summary_text(m, prof, inputs.seq_len, sol))
     if output is not None:
-        if output.is_dir():
-            raise UserError(f"-o {output} is a directory; give a file name")
         write_atomic(output, text)
-        out.print(f"wrote {output}")
+        sys.stdout.write(f"wrote {output}\n")
 
 
 @app.command()

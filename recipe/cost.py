@@ -12,8 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
-
+from ._data import Record
 from .hw import HwProfile
 from .models import ModelShape, param_counts
 
@@ -34,13 +33,23 @@ EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (the seed's figur
 ADAM_BYTES_MOVED = 28  # per local parameter: read p, g, m, v (fp32) and write p, m, v
 
 
-class TrainOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+@dataclass(frozen=True, kw_only=True)
+class TrainOptions(Record):
+    micro_batch_tokens: int  # tokens of one packed micro-batch (before CP)
     recompute: Literal["full", "none"] = "full"
     lm_head: Literal["fused", "naive"] = "fused"
-    ep_overlap_chunks: int = Field(1, ge=1)  # 1 = off
-    micro_batch_tokens: int = Field(gt=0)  # tokens of one packed micro-batch (before CP)
-    micro_batches: int = Field(1, ge=1)  # micro-batches per DP rank per optimizer step
+    ep_overlap_chunks: int = 1  # 1 = off
+    micro_batches: int = 1  # micro-batches per DP rank per optimizer step
+
+    def __post_init__(self) -> None:
+        for n in ("micro_batch_tokens", "ep_overlap_chunks", "micro_batches"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+                raise ValueError(f"{n} must be a positive integer, got {v!r}")
+        if self.recompute not in ("full", "none"):
+            raise ValueError(f"recompute must be 'full' or 'none', got {self.recompute!r}")
+        if self.lm_head not in ("fused", "naive"):
+            raise ValueError(f"lm_head must be 'fused' or 'naive', got {self.lm_head!r}")
 
 
 @dataclass(frozen=True)

@@ -15,81 +15,100 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
 
-from ._data import plain
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from dataclasses import dataclass
+from ._data import Record, plain, validate
+
+Pos = int  # > 0, checked in __post_init__ (which pydantic also runs when it validates untrusted data)
+NonNeg = int  # >= 0, likewise
 
 LayerType = Literal["full_attention", "linear_attention", "sliding_attention"]
 
 
-class LinearAttnShape(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class LinearAttnShape(Record):
     """Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention)."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
-    num_k_heads: int = Field(gt=0)  # q and k heads
-    num_v_heads: int = Field(gt=0)  # v heads (a multiple of num_k_heads)
-    head_k_dim: int = Field(gt=0)
-    head_v_dim: int = Field(gt=0)
-    conv_kernel: int = Field(4, gt=0)  # short causal depthwise conv width
-    chunk_size: int = Field(64, gt=0)  # chunked delta rule: one fp32 state per chunk in the backward
+    num_k_heads: Pos  # q and k heads
+    num_v_heads: Pos  # v heads (a multiple of num_k_heads)
+    head_k_dim: Pos
+    head_v_dim: Pos
+    conv_kernel: Pos = 4  # short causal depthwise conv width
+    chunk_size: Pos = 64  # chunked delta rule: one fp32 state per chunk in the backward
 
-    @model_validator(mode="after")
-    def _v_multiple(self) -> "LinearAttnShape":
+    def __post_init__(self) -> None:
+        _positive(self, ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel", "chunk_size"))
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(f"num_v_heads={self.num_v_heads} is not a multiple of num_k_heads={self.num_k_heads}")
-        return self
 
 
-class MLAShape(BaseModel):
+@dataclass(frozen=True, kw_only=True)
+class MLAShape(Record):
     """DeepSeek multi-head latent attention."""
 
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
-    q_lora_rank: int = Field(gt=0)
-    kv_lora_rank: int = Field(gt=0)
-    qk_nope_head_dim: int = Field(gt=0)
-    qk_rope_head_dim: int = Field(gt=0)
-    v_head_dim: int = Field(gt=0)
+    q_lora_rank: Pos
+    kv_lora_rank: Pos
+    qk_nope_head_dim: Pos
+    qk_rope_head_dim: Pos
+    v_head_dim: Pos
+
+    def __post_init__(self) -> None:
+        _positive(self, ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
 
 
-class ModelShape(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True)
+def _positive(rec, names, strict: bool = True) -> None:
+    for n in names:
+        v = getattr(rec, n)
+        if isinstance(v, bool) or not isinstance(v, int) or (v <= 0 if strict else v < 0):
+            raise ValueError(f"{n} must be a {'positive' if strict else 'non-negative'} integer, got {v!r}")
 
+
+@dataclass(frozen=True, kw_only=True)
+class ModelShape(Record):
     name: str
     arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral"]
-    hidden_size: int = Field(gt=0)
-    num_layers: int = Field(gt=0)
-    vocab_size: int = Field(gt=0)
+    hidden_size: Pos
+    num_layers: Pos
+    vocab_size: Pos
     layer_types: tuple[LayerType, ...]
     # attention
-    num_heads: int = Field(gt=0)
-    num_kv_heads: int = Field(gt=0)
-    head_dim: int = Field(gt=0)
+    num_heads: Pos
+    num_kv_heads: Pos
+    head_dim: Pos
     attn_output_gate: bool = False  # Qwen3.5: q_proj also emits a sigmoid gate per head channel
     qk_norm: bool = True
     attn_bias: bool = False
-    partial_rotary_factor: float = Field(1.0, gt=0, le=1)
+    partial_rotary_factor: float = 1.0  # in (0, 1]
     rope_theta: float = 1e6
     sliding_window: int | None = None
     mla: MLAShape | None = None
     linear_attn: LinearAttnShape | None = None
     # MoE
-    num_experts: int = Field(gt=0)
-    top_k: int = Field(gt=0)
-    expert_ffn: int = Field(gt=0)  # routed expert intermediate size (SwiGLU)
-    shared_expert_ffn: int = Field(0, ge=0)  # 0 = no shared expert
+    num_experts: Pos
+    top_k: Pos
+    expert_ffn: Pos  # routed expert intermediate size (SwiGLU)
+    shared_expert_ffn: NonNeg = 0  # 0 = no shared expert
     shared_expert_gate: bool = False  # sigmoid gate on the shared expert's output
     norm_topk_prob: bool = True  # renormalize the top-k router weights
     router_bias: bool = False
-    first_dense_layers: int = Field(0, ge=0)  # leading layers with a dense FFN instead of MoE
-    dense_ffn: int = Field(0, ge=0)
+    first_dense_layers: NonNeg = 0  # leading layers with a dense FFN instead of MoE
+    dense_ffn: NonNeg = 0
     # embeddings, norms
     tie_embeddings: bool = False
     rms_norm_eps: float = 1e-6
     max_position: int = 262144
-    mtp_layers: int = Field(0, ge=0)  # multi-token-prediction layers (counted apart from the text stack)
+    mtp_layers: NonNeg = 0  # multi-token-prediction layers (counted apart from the text stack)
     source: str = ""  # where the figures come from
 
-    @model_validator(mode="after")
-    def _consistent(self) -> "ModelShape":
+    def __post_init__(self) -> None:
+        _positive(self, ("hidden_size", "num_layers", "vocab_size", "num_heads", "num_kv_heads", "head_dim",
+                         "num_experts", "top_k", "expert_ffn"))
+        _positive(self, ("shared_expert_ffn", "first_dense_layers", "dense_ffn", "mtp_layers"), strict=False)
+        if not 0 < self.partial_rotary_factor <= 1:
+            raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
+        object.__setattr__(self, "layer_types", tuple(self.layer_types))
+        bad = [t for t in self.layer_types if t not in ("full_attention", "linear_attention", "sliding_attention")]
+        if bad:
+            raise ValueError(f"unknown layer type {bad[0]!r} (full_attention, linear_attention, sliding_attention)")
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries but num_layers={self.num_layers}")
         if self.num_heads % self.num_kv_heads:
@@ -102,7 +121,6 @@ class ModelShape(BaseModel):
             raise ValueError(f"first_dense_layers={self.first_dense_layers} needs dense_ffn > 0")
         if self.first_dense_layers > self.num_layers:
             raise ValueError(f"first_dense_layers={self.first_dense_layers} > num_layers={self.num_layers}")
-        return self
 
     # ---- derived shape facts -------------------------------------------------------------------------------
     @property
@@ -334,6 +352,14 @@ def from_hf_config(path: str | Path) -> ModelShape:
     """Read a Hugging Face config.json (its text_config when present). Raises ValueError with the missing field."""
     path = Path(path)
     try:
+        return _from_hf_config(path)
+    except (TypeError, ValueError, AttributeError) as e:
+        msg = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise ValueError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
+
+
+def _from_hf_config(path: Path) -> ModelShape:
+    try:
         raw = json.loads(path.read_text())
     except FileNotFoundError:
         raise ValueError(f"model config not found: {path}") from None
@@ -408,19 +434,9 @@ def from_hf_config(path: str | Path) -> ModelShape:
                       sliding_window=cfg.get("sliding_window"), expert_ffn=int(need("intermediate_size")))
     elif arch == "mixtral":
         fields.update(qk_norm=False, expert_ffn=int(need("intermediate_size")))
-    try:
-        return ModelShape(**fields)
-    except Exception as e:  # pydantic.ValidationError → one line
-        raise ValueError(f"{path}: invalid model shape: {_first_error(e)}") from None
-
-
-def _first_error(e: Exception) -> str:
-    errors = getattr(e, "errors", None)
-    if callable(errors):
-        err = errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()))
-        return f"{loc}: {err.get('msg')}" if loc else str(err.get("msg"))
-    return str(e)
+    fields["linear_attn"] = plain(fields["linear_attn"]) if fields.get("linear_attn") else None
+    fields["mla"] = plain(fields["mla"]) if fields.get("mla") else None
+    return validate(ModelShape, fields, f"{path}: invalid model shape")
 
 
 def resolve_model(spec: str) -> ModelShape:
@@ -446,8 +462,6 @@ def _from_shape_yaml(p: Path) -> ModelShape:
 
     try:
         data = yaml.safe_load(p.read_text())
-        return ModelShape(**data)
-    except (OSError, yaml.YAMLError, TypeError) as e:
-        raise ValueError(f"cannot read model shape {p}: {e}") from None
-    except Exception as e:
-        raise ValueError(f"{p}: invalid model shape: {_first_error(e)}") from None
+    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
+        raise ValueError(f"cannot read model shape {p}: {str(e).splitlines()[0]}") from None
+    return validate(ModelShape, data, f"{p}: invalid model shape")

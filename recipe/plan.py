@@ -6,24 +6,20 @@ Pure Python: never imports torch.
 
 from __future__ import annotations
 
-import hashlib
 import json
-import math
-import re
 from pathlib import Path
 from typing import Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
-from . import __version__
 from ._data import plain
 from .cost import TrainOptions
 from .hw import HwProfile, load_profile
 from .models import ModelShape, resolve_model
 
-SCHEMA_VERSION = 1
-MAX_INT = 1 << 40  # beyond any real token count or GPU count: rejects absurd values before arithmetic
+from .planfile import (MAX_INT, SCHEMA_VERSION, SolveInputs, _relative, dumps, fingerprint, format_size,  # noqa: F401
+                       launch_block, parse_size, plan_dict, write_atomic)
 
 
 class PlanError(ValueError):
@@ -170,98 +166,9 @@ class Plan(_Strict):
 
 
 
-def _relative(spec: str, base_dir: Path | None) -> str:
-    """A path-like spec is looked up next to the plan first, then from the working directory."""
-    if base_dir is not None and ("/" in spec or spec.endswith((".json", ".yaml", ".yml"))):
-        cand = base_dir / spec
-        if cand.exists():
-            return str(cand)
-    return spec
-
-
-def fingerprint(obj: dict) -> str:
-    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
-
-
-# ---- sizes -----------------------------------------------------------------------------------------------------
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
-
-
-def parse_size(text: str) -> int:
-    """'128k' → 131072, '1m' → 1048576, '4096' → 4096 (k and m are powers of two, as sequence lengths are)."""
-    mt = _SIZE.match(str(text))
-    if not mt:
-        raise ValueError(f"malformed size {text!r}: expected a number with an optional k or m suffix, e.g. 128k")
-    value = float(mt.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[mt.group(2).lower()]
-    if value != int(value) or value <= 0:
-        raise ValueError(f"malformed size {text!r}: must be a positive whole number of tokens")
-    return int(value)
-
-
-def format_size(n: int) -> str:
-    for unit, f in (("m", 1 << 20), ("k", 1 << 10)):
-        if n % f == 0:
-            return f"{n // f}{unit}"
-    return str(n)
-
-
-# ---- building, writing, loading -------------------------------------------------------------------------------
-def launch_block(hw: HwProfile, world: int) -> LaunchSpec:
-    nproc = min(world, hw.gpus_per_node)
-    if world % nproc:
-        raise ValueError(f"{world} GPUs do not fill whole nodes of {hw.gpus_per_node}")
-    env = {}
-    if hw.vendor == "nvidia":
-        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # less fragmentation at long sequences
-    elif hw.vendor == "amd":
-        env["PYTORCH_HIP_ALLOC_CONF"] = "expandable_segments:True"
-    return LaunchSpec.model_construct(nnodes=math.ceil(world / nproc), nproc_per_node=nproc,
-                                      backend="gloo" if hw.collective == "gloo" else "nccl", env=env)
-
-
-def build_plan(inputs: Inputs, m: ModelShape, hw: HwProfile, sol) -> Plan:
-    """The plan for a solution. Built from the solver's own values without re-validating them (validation is
-    for plans read from disk; tests check that every built plan validates)."""
-    e, d = sol.estimate, sol.decisions
-    mem = {k: round(v, 2) for k, v in e.memory_gb.items()}
-
-    def reason(k: str) -> str:
-        dec = d[k]
-        return f"{dec.constraint}: {dec.reason}" + (f" (rejected {dec.rejected})" if dec.rejected else "")
-
-    C = BaseModel.model_construct.__func__  # noqa: N806
-    return C(Plan, schema_=SCHEMA_VERSION,
-             solver=C(SolverInfo, version=__version__, hw_fingerprint=fingerprint(hw.fingerprint_dict()),
-                      model_fingerprint=fingerprint(m.fingerprint_dict())),
-             inputs=inputs,
-             layout=C(LayoutSpec, **sol.degrees),
-             train=C(TrainSpec, recompute=sol.opts.recompute, lm_head=sol.opts.lm_head,
-                     ep_overlap_chunks=sol.opts.ep_overlap_chunks, micro_batch_tokens=sol.opts.micro_batch_tokens,
-                     micro_batches=sol.opts.micro_batches, optimizer=C(Optimizer, name="adamw", master_dtype="fp32")),
-             prediction=C(Prediction, memory_gb=C(MemoryGB, **mem), lm_head_unfused_gb=round(e.lm_head_unfused_gb, 2),
-                          step_time_s=round(e.step_time_s, 4),
-                          tokens_per_s_per_gpu=round(e.tokens_per_s_per_gpu, 1),
-                          tflops_per_gpu=round(e.tflops_per_gpu, 1),
-                          mfu=C(Mfu, hardware=round(e.mfu_hardware, 4), model=round(e.mfu_model, 4))),
-             reasons=C(Reasons, tp=reason("tp"), ep=reason("ep"), cp=reason("cp"), pp=reason("pp")),
-             launch=launch_block(hw, sol.world))
-
-
-def dumps(plan: Plan, fmt: Literal["yaml", "json"] = "yaml") -> str:
-    data = plan.to_dict()
-    if fmt == "json":
-        return json.dumps(data, indent=2) + "\n"
-    header = (f"# recipe plan: {plan.inputs.model} at {format_size(plan.inputs.seq_len)} tokens on "
-              f"{plan.layout.world}x {plan.inputs.hw}. Written by `recipe solve`; check with `recipe check`.\n")
-    return header + yaml.safe_dump(data, sort_keys=False, width=120, allow_unicode=True)
-
-
-def write_atomic(path: Path, text: str) -> None:
-    """Write next to the target and rename, so an interrupted write never leaves a half plan behind."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+def build_plan(inputs, m: ModelShape, hw: HwProfile, sol) -> Plan:
+    """The validated plan for a solution (the solve path writes `plan_dict` directly, without pydantic)."""
+    return Plan.model_validate(plan_dict(inputs, m, hw, sol))
 
 
 def parse_plan(text: str, origin: str = "<plan>") -> Plan:

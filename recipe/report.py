@@ -9,7 +9,7 @@ from rich.text import Text
 from .cost import Estimate, overlap_efficiency
 from .hw import HwProfile
 from .models import ModelShape, active_params, param_counts, total_params
-from .plan import format_size
+from .planfile import format_size
 from .solver import Solution
 
 COMPONENTS = ("weights", "grads", "master", "optimizer", "activations", "lm_head", "overhead")

@@ -1,0 +1,144 @@
+"""Writing plans: the plan as plain data, YAML/JSON text, atomic writes, sizes. No pydantic here — the solve
+path must start fast; recipe/plan.py holds the schema that validates plans read back from disk.
+
+Pure Python: never imports torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import re
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Literal
+
+from . import __version__
+from ._data import Record, plain
+from .hw import HwProfile
+from .models import ModelShape
+
+SCHEMA_VERSION = 1
+MAX_INT = 1 << 40  # beyond any real token count or GPU count: rejects absurd values before arithmetic
+
+
+@dataclass(frozen=True, kw_only=True)
+class SolveInputs(Record):
+    """What a plan is solved from; the same fields as the schema's `inputs` block (recipe.plan.Inputs)."""
+
+    model: str
+    seq_len: int
+    hw: str
+    gpus: int | None = None  # None: the smallest count that fits
+    layers: int | None = None
+    recompute: Literal["full", "none"] = "full"
+    lm_head: Literal["fused", "naive"] = "fused"
+    micro_batch_tokens: int | None = None  # None: seq_len
+    micro_batches: int = 1
+    ep_overlap_chunks: int | None = None  # None: chosen from the local sequence
+
+    def __post_init__(self) -> None:
+        for n in ("seq_len", "gpus", "layers", "micro_batch_tokens", "micro_batches", "ep_overlap_chunks"):
+            v = getattr(self, n)
+            if v is not None and (not isinstance(v, int) or not 0 < v <= MAX_INT):
+                raise ValueError(f"{n} must be a positive integer, got {v!r}")
+
+def _relative(spec: str, base_dir: Path | None) -> str:
+    """A path-like spec is looked up next to the plan first, then from the working directory."""
+    if base_dir is not None and ("/" in spec or spec.endswith((".json", ".yaml", ".yml"))):
+        cand = base_dir / spec
+        if cand.exists():
+            return str(cand)
+    return spec
+
+
+def fingerprint(obj: dict) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True).encode()).hexdigest()[:16]
+
+
+# ---- sizes -----------------------------------------------------------------------------------------------------
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+
+
+def parse_size(text: str) -> int:
+    """'128k' → 131072, '1m' → 1048576, '4096' → 4096 (k and m are powers of two, as sequence lengths are)."""
+    mt = _SIZE.match(str(text))
+    if not mt:
+        raise ValueError(f"malformed size {text!r}: expected a number with an optional k or m suffix, e.g. 128k")
+    value = float(mt.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[mt.group(2).lower()]
+    if value != int(value) or value <= 0:
+        raise ValueError(f"malformed size {text!r}: must be a positive whole number of tokens")
+    return int(value)
+
+
+def format_size(n: int) -> str:
+    for unit, f in (("m", 1 << 20), ("k", 1 << 10)):
+        if n % f == 0:
+            return f"{n // f}{unit}"
+    return str(n)
+
+
+# ---- building, writing, loading -------------------------------------------------------------------------------
+def launch_block(hw: HwProfile, world: int) -> dict:
+    nproc = min(world, hw.gpus_per_node)
+    if world % nproc:
+        raise ValueError(f"{world} GPUs do not fill whole nodes of {hw.gpus_per_node}")
+    env = {}
+    if hw.vendor == "nvidia":
+        env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # less fragmentation at long sequences
+    elif hw.vendor == "amd":
+        env["PYTORCH_HIP_ALLOC_CONF"] = "expandable_segments:True"
+    return {"nnodes": math.ceil(world / nproc), "nproc_per_node": nproc,
+            "backend": "gloo" if hw.collective == "gloo" else "nccl", "env": env}
+
+
+def plan_dict(inputs, m: ModelShape, hw: HwProfile, sol) -> dict:
+    """The plan for a solution as plain data, in schema v1's key order."""
+    e, d = sol.estimate, sol.decisions
+
+    def reason(k: str) -> str:
+        dec = d[k]
+        return f"{dec.constraint}: {dec.reason}" + (f" (rejected {dec.rejected})" if dec.rejected else "")
+
+    return {
+        "schema": SCHEMA_VERSION,
+        "solver": {"version": __version__, "hw_fingerprint": fingerprint(hw.fingerprint_dict()),
+                   "model_fingerprint": fingerprint(m.fingerprint_dict())},
+        "inputs": plain(inputs),
+        "layout": dict(sol.degrees),
+        "train": {"recompute": sol.opts.recompute, "lm_head": sol.opts.lm_head,
+                  "ep_overlap_chunks": sol.opts.ep_overlap_chunks, "micro_batch_tokens": sol.opts.micro_batch_tokens,
+                  "micro_batches": sol.opts.micro_batches, "optimizer": {"name": "adamw", "master_dtype": "fp32"}},
+        "prediction": {"memory_gb": {k: round(v, 2) for k, v in e.memory_gb.items()},
+                       "lm_head_unfused_gb": round(e.lm_head_unfused_gb, 2), "step_time_s": round(e.step_time_s, 4),
+                       "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1),
+                       "tflops_per_gpu": round(e.tflops_per_gpu, 1),
+                       "mfu": {"hardware": round(e.mfu_hardware, 4), "model": round(e.mfu_model, 4)}},
+        "reasons": {k: reason(k) for k in ("tp", "ep", "cp", "pp")},
+        "launch": launch_block(hw, sol.world),
+    }
+
+
+def dumps(plan, fmt: Literal["yaml", "json"] = "yaml") -> str:
+    """A plan (schema object or plain dict) as YAML with a one-line header, or as JSON."""
+    import yaml
+
+    data = plan if isinstance(plan, dict) else plan.to_dict()
+    if fmt == "json":
+        return json.dumps(data, indent=2) + "\n"
+    inp, lay = data["inputs"], data["layout"]
+    world = lay["pp"] * lay["tp"] * lay["cp"] * lay["dp"]
+    header = (f"# recipe plan: {inp['model']} at {format_size(inp['seq_len'])} tokens on {world}x {inp['hw']}. "
+              f"Written by `recipe solve`; check with `recipe check`.\n")
+    return header + yaml.safe_dump(data, sort_keys=False, width=120, allow_unicode=True)
+
+
+def write_atomic(path: Path, text: str) -> None:
+    """Write next to the target and rename, so an interrupted write never leaves a half plan behind."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    tmp.write_text(text)
+    tmp.replace(path)
+
+

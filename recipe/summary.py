@@ -1,0 +1,29 @@
+"""The default `recipe solve` summary as plain text: no rich import on the fast path (--explain uses rich)."""
+
+from __future__ import annotations
+
+from .hw import HwProfile
+from .models import ModelShape
+from .planfile import format_size
+
+
+def layout_str(deg: dict) -> str:
+    return " ".join(f"{k.upper()}={deg[k]}" for k in ("pp", "tp", "cp", "ep", "dp", "edp"))
+
+
+def summary_text(m: ModelShape, hw: HwProfile, seq: int, sol) -> str:
+    e, o = sol.estimate, sol.opts
+    chunks = f"{o.ep_overlap_chunks} EP chunk{'s' if o.ep_overlap_chunks > 1 else ''}"
+    lines = [
+        f"{m.name} at {format_size(seq)} tokens on {sol.world}x {hw.name}  "
+        f"({o.recompute} recompute, {o.lm_head} LM head, {chunks})",
+        f"layout   {layout_str(sol.degrees)}",
+        f"predict  {e.total_gb:.1f} GB peak of {hw.usable_gb:.1f} usable; step {e.step_time_s:.3f} s, "
+        f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {e.tflops_per_gpu:.0f} TFLOP/s/GPU, MFU "
+        f"{100 * e.mfu_hardware:.1f}% hardware / {100 * e.mfu_model:.1f}% model (dense peak {hw.peak_bf16_tflops:g})",
+    ]
+    width = max(len(sol.decisions[k].constraint) for k in ("tp", "ep", "cp", "pp"))
+    for k in ("tp", "ep", "cp", "pp"):
+        d = sol.decisions[k]
+        lines.append(f"{k.upper()}={d.value:<4} {d.constraint:<{width}}  {d.reason}")
+    return "\n".join(lines) + "\n"
