@@ -48,16 +48,27 @@ def _configs(kernel: str) -> list[triton.Config]:
     flatten = (False, True) if kernel == "stats" else (None,)
     if _VENDOR == "interpreter":  # one config, no timing: the loop shape comes from the environment (tests)
         flatten = (os.environ.get("KERNELS_LM_HEAD_FLATTEN", "1") == "1",) if kernel == "stats" else (None,)
-    return [
-        triton.Config(
-            {"BLOCK_T": c.block_t, "BLOCK_V": c.block_v, "BLOCK_K": c.block_k}
-            | ({} if f is None else {"FLATTEN": f}),
-            num_warps=c.num_warps,
-            num_stages=c.num_stages,
-        )
-        for c in tile_configs(_VENDOR, _ARCH, kernel)
-        for f in flatten
-    ]
+    configs = []
+    for c in tile_configs(_VENDOR, _ARCH, kernel):
+        for f in flatten:
+            cfg = triton.Config(
+                {"BLOCK_T": c.block_t, "BLOCK_V": c.block_v, "BLOCK_K": c.block_k}
+                | ({} if f is None else {"FLATTEN": f}),
+                num_warps=c.num_warps,
+                num_stages=c.num_stages,
+            )
+            cfg.elem_bytes = c.elem_bytes
+            configs.append(cfg)
+    return configs
+
+
+def _prune_by_width(configs, named_args, **kwargs):
+    """Keep the tiles sized for this operand width (fp32 tiles would waste a bf16 run; bf16 tiles overflow SMEM
+    with fp32 operands)."""
+    if _VENDOR == "interpreter":
+        return configs
+    width = 4 if kwargs.get("DOT_FP32", named_args.get("DOT_FP32")) else 2
+    return [c for c in configs if c.elem_bytes == width]
 
 
 def _even_k(args) -> bool:
@@ -99,7 +110,8 @@ def _online_update(acc, offs_v, v_end, tgt, inv_temp, m2, s, wy, tz, WITH_ENTROP
     return m2_new, s, wy, tz
 
 
-@triton.autotune(configs=_configs("stats"), key=["H", "DOT_FP32", "WITH_ENTROPY"])
+@triton.autotune(configs=_configs("stats"), key=["H", "DOT_FP32", "WITH_ENTROPY"],
+                 prune_configs_by={"early_config_prune": _prune_by_width})
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
 def _stats_kernel(
@@ -160,7 +172,8 @@ def _stats_kernel(
     tl.store(tz_ptr + out, tz, mask=t_mask)
 
 
-@triton.autotune(configs=_configs("dlogits"), key=["H", "DOT_FP32"])
+@triton.autotune(configs=_configs("dlogits"), key=["H", "DOT_FP32"],
+                 prune_configs_by={"early_config_prune": _prune_by_width})
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
 def _dlogits_kernel(
@@ -214,8 +227,8 @@ def _num_sms(device: torch.device) -> int:
 
 
 def _dot_fp32(t: torch.Tensor) -> bool:
-    # fp32 inputs take the exact (ieee) fp32 dot; under the interpreter every dot runs in fp32 (numpy's bf16
-    # matmul there is not trustworthy).
+    # fp32 inputs take the exact (ieee) fp32 dot; under the interpreter every dot runs in fp32 (bf16 operands to
+    # tl.dot give wrong results there).
     return t.dtype == torch.float32 or _VENDOR == "interpreter"
 
 

@@ -21,6 +21,7 @@ class TileConfig:
     block_k: int  # hidden-size slice per MMA step
     num_warps: int
     num_stages: int
+    elem_bytes: int = 2  # operand width the tile is sized for: 2 (bf16/fp16) or 4 (fp32, exact ieee dot)
 
     def smem_bytes(self, elem_bytes: int = 2) -> int:
         """Shared memory the software pipeline holds: one A and one B slice per stage."""
@@ -38,14 +39,19 @@ class TileConfig:
 #   block_k = 64: 64 bf16 = 128 bytes, one full 128-byte swizzle row for the TMA/ldmatrix path.
 #   num_stages: SMEM per stage = (BT+BV)*BK*2 B: 128x128 -> 32 KiB, 4 stages = 128 KiB; 128x256 -> 48 KiB,
 #     3 stages = 144 KiB; both under the 227 KiB a Hopper CTA may use, one CTA per SM.
-HOPPER_STATS = (TileConfig(128, 128, 64, 8, 4), TileConfig(128, 256, 64, 8, 3))
-HOPPER_DLOGITS = (TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 8, 4))
+#   fp32 operands (exact ieee dot on the FMA units, no tensor cores): 4-byte operands double the SMEM per stage,
+#     so 128x128 with block_k = 32 and 2 stages = (128+128)*32*4*2 = 64 KiB.
+HOPPER_FP32 = TileConfig(128, 128, 32, 8, 2, elem_bytes=4)
+HOPPER_STATS = (TileConfig(128, 128, 64, 8, 4), TileConfig(128, 256, 64, 8, 3), HOPPER_FP32)
+HOPPER_DLOGITS = (TileConfig(128, 256, 64, 8, 3), TileConfig(128, 128, 64, 8, 4), HOPPER_FP32)
 
 # NVIDIA Ampere/Ada (sm_80/89): mma.sync, 32-thread warps, up to 164 KiB (A100) / 99 KiB (Ada) SMEM per CTA.
 #   128x128 tile over 4 warps = 2x2 warps of 64x64 each; accumulator 16,384 / 128 threads = 128 registers.
 #   block_k = 32, 3 stages: (128+128)*32*2*3 = 48 KiB, fits Ada's 99 KiB with two CTAs per SM.
-AMPERE_STATS = (TileConfig(128, 128, 32, 4, 3),)
-AMPERE_DLOGITS = (TileConfig(128, 128, 32, 4, 3),)
+#   fp32 operands: 64x64, block_k = 32, 2 stages = (64+64)*32*4*2 = 32 KiB.
+AMPERE_FP32 = TileConfig(64, 64, 32, 4, 2, elem_bytes=4)
+AMPERE_STATS = (TileConfig(128, 128, 32, 4, 3), AMPERE_FP32)
+AMPERE_DLOGITS = (TileConfig(128, 128, 32, 4, 3), AMPERE_FP32)
 
 # AMD CDNA3 (MI300X/MI325X): wavefronts are 64 lanes; a workgroup holds at most 1024 threads = 16 wavefronts,
 # so num_warps (= wavefronts here) <= 16. LDS is 64 KiB per CU.
@@ -53,8 +59,11 @@ AMPERE_DLOGITS = (TileConfig(128, 128, 32, 4, 3),)
 #     occupancy at 2 workgroups per CU (512 VGPRs per SIMD lane budget / ~128 used).
 #   block_k = 32: (128+128)*32*2 B = 16 KiB per stage; num_stages = 2 (the AMD pipeliner's double buffer)
 #     = 32 KiB, half the LDS, so two workgroups fit per CU.
-CDNA_STATS = (TileConfig(128, 128, 32, 8, 2),)
-CDNA_DLOGITS = (TileConfig(128, 128, 32, 8, 2),)
+#   fp32 operands: 64x64 over 4 wavefronts (256 lanes, 16 accumulator VGPRs a lane), block_k = 32, 2 stages =
+#     (64+64)*32*4*2 = 32 KiB of LDS.
+CDNA_FP32 = TileConfig(64, 64, 32, 4, 2, elem_bytes=4)
+CDNA_STATS = (TileConfig(128, 128, 32, 8, 2), CDNA_FP32)
+CDNA_DLOGITS = (TileConfig(128, 128, 32, 8, 2), CDNA_FP32)
 
 # Triton's CPU interpreter (TRITON_INTERPRET=1): numpy executes whole tiles, so bigger tiles run faster; these
 # stay small enough that the test shapes (V of a few hundred, H of ~50) still span several vocab and K tiles,
@@ -64,7 +73,8 @@ INTERPRETER_DLOGITS = (TileConfig(16, 64, 32, 1, 1),)
 
 
 def tile_configs(vendor: str, arch_major: int, kernel: str) -> tuple[TileConfig, ...]:
-    """Candidate tiles for `kernel` ("stats" | "dlogits"); vendor is "nvidia", "amd" or "interpreter"."""
+    """Candidate tiles for `kernel` ("stats" | "dlogits"), both operand widths (filter on elem_bytes); vendor is
+    "nvidia", "amd" or "interpreter" (whose one tile serves both widths)."""
     if kernel not in ("stats", "dlogits"):
         raise ValueError(f"kernel must be 'stats' or 'dlogits', got {kernel!r}")
     stats = kernel == "stats"
