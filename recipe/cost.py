@@ -329,13 +329,23 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
         kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else 2 * m.num_kv_heads * m.head_dim / tp)
         attn_bytes = (m.num_full_attn_layers + m.num_sliding_layers) / pp * s * (cp - 1) * kv_tok * BF16
         cp_bytes = attn_bytes * passes
+        t_chain = 0.0
         if m.linear_attn is not None:
+            # Gated DeltaNet: exact state passing. Each of the 2·cp sequence segments starts from the exact
+            # fp32 state the previous segment ended with (and the conv's last k−1 inputs), so the chunked scan
+            # computes bit for bit what one process would; the backward passes dstate the other way. Bytes are
+            # tiny; the cost is the chain: the inter-chunk recurrence (2·dk·dv FLOPs per token and head, each
+            # way) runs segment after segment, so (1 − 1/cp) of it is exposed. See docs/cost_model.md.
             la = m.linear_attn
-            io = (2 * la.num_k_heads * la.head_k_dim + 2 * la.num_v_heads * la.head_v_dim
-                  + 2 * la.num_v_heads) / tp
-            cp_bytes += m.num_linear_attn_layers / pp * s * io * BF16 * (cp - 1) / cp * passes
+            nv = la.num_v_heads / tp
+            state = nv * la.head_k_dim * la.head_v_dim * FP32
+            halo = (la.conv_kernel - 1) * (2 * la.num_k_heads * la.head_k_dim + la.num_v_heads * la.head_v_dim) / tp
+            n_lin = m.num_linear_attn_layers / pp
+            cp_bytes += n_lin * 2 * (state + halo * BF16) * passes
+            recurrence_flops = 2 * la.head_k_dim * la.head_v_dim * nv * s * cp  # the whole sequence, one way
+            t_chain = n_lin * passes * recurrence_flops * (1 - 1 / cp) / rate + n_lin * passes * 2 * cp * 10e-6
         comm["cp"] = cp_bytes
-        t_cp = cp_bytes / bw
+        t_cp = cp_bytes / bw + t_chain
     # TP with sequence parallel: per layer an all-gather and a reduce-scatter around the mixer and the FFN
     t_tp = 0.0
     if tp > 1:

@@ -164,7 +164,6 @@ def solve_cp(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, ep: int
         est = estimate(m, hw, world, lay, o)
         tried[c] = est
         if est.fits:
-            c, est = _mesh_tie_break(m, hw, world, pp, tp, ep, opts, auto_chunks, c, est, tried)
             prev = tried.get(max((k for k in tried if k < c), default=0))
             if c == 1:
                 reason = (f"the full {opts.micro_batch_tokens:,}-token sequence fits: peak {est.total_gb:.1f} GB "
@@ -183,25 +182,6 @@ def solve_cp(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, ep: int
                          rejected=rejected)
             return d, est, tried
     return None, None, tried
-
-
-def _mesh_tie_break(m, hw, world, pp, tp, ep, opts, auto_chunks, c, est, tried):
-    """On a switchless mesh (xGMI) a CP group of g GPUs uses only g−1 of a GPU's links; once CP is needed at all,
-    a larger in-node group can be faster. Taken only when it is at least PP_TIE_BREAK faster."""
-    if c == 1 or hw.intra_node.topology != "mesh":
-        return c, est
-    ranks = world // (pp * tp)
-    best_c, best = c, est
-    for c2 in cp_candidates(m, opts.micro_batch_tokens, ranks, tp):
-        if c2 <= c or c2 * tp > hw.gpus_per_node:
-            continue
-        o = _opts_for(opts, opts.micro_batch_tokens / c2, ep, auto_chunks)
-        e2 = estimate(m, hw, world, Layout(pp=pp, tp=tp, cp=c2, ep=ep), o)
-        tried[c2] = e2
-        # seconds per token: a larger cp puts more GPUs on each sequence (dp shrinks)
-        if e2.fits and e2.step_time_s * c2 < best.step_time_s * best_c * (1 - PP_TIE_BREAK):
-            best_c, best = c2, e2
-    return best_c, best
 
 
 def _sequence_split(m, hw, world, pp, t, opts, auto_chunks):
@@ -229,6 +209,22 @@ def _sequence_split(m, hw, world, pp, t, opts, auto_chunks):
             ep_d, _ = solve_ep(m, hw, world, pp, t, cp2.value, opts, auto_chunks)
             ep_d = ep_d if ep_d.value >= e else _forced_ep(m, world // pp, e, cp2.value)
             cp_d, est = cp2, est2
+    # the converse: a smaller ep needs fewer all-to-alls but holds a larger unsharded expert layer; if the next CP
+    # step makes room for it and that is at least PP_TIE_BREAK faster per token, take it
+    nxt = [c for c in cp_candidates(m, opts.micro_batch_tokens, ranks // t, t) if c > cp_d.value]
+    if nxt and ep_d.value > 1:
+        c2 = nxt[0]
+        ep2, est2 = solve_ep(m, hw, world, pp, t, c2, opts, auto_chunks)
+        gain = 1 - _per_token(est2, world, pp, t, c2) / _per_token(est, world, pp, t, cp_d.value)
+        if ep2.value < ep_d.value and est2.fits and gain >= PP_TIE_BREAK:
+            cp_d = Decision(c2, "activation memory, for a smaller EP",
+                            f"cp={cp_d.value} fits with ep={ep_d.value}; cp={c2} makes room for ep={ep2.value}'s "
+                            f"unsharded expert layer and is {100 * gain:.0f}% faster per token (fewer all-to-alls)",
+                            {"local_tokens": opts.micro_batch_tokens // c2,
+                             "activations_gb": round(est2.memory_gb["activations"], 2),
+                             "headroom_gb": round(est2.headroom_gb, 2)},
+                            rejected=f"cp={cp_d.value} with ep={ep_d.value}: {est.step_time_s:.3f} s/step")
+            ep_d, est = ep2, est2
     return cp_d, ep_d, est, tried
 
 
