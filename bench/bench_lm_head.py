@@ -83,6 +83,15 @@ def make_methods(modes_wanted):
         return lp, (lp * adv).sum()
 
     methods["ours"] = {"ce": ours_ce, "rl": ours_rl, "fwd": lambda h, w, t, adv: kernels.linear_logprobs(h, w, t)}
+    other = "fused" if kernels.lm_head.DEFAULT_IMPL == "split" else "split"
+
+    def other_rl(h, w, t, adv):
+        lp = kernels.linear_logprobs(h, w, t, impl=other)
+        return lp, (lp * adv).sum()
+
+    methods[f"ours ({other})"] = {"ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, impl=other),
+                                  "rl": other_rl,
+                                  "fwd": lambda h, w, t, adv: kernels.linear_logprobs(h, w, t, impl=other)}
 
     def naive_ce(h, w, t):
         return F.cross_entropy((h @ w.T).float(), t)
@@ -170,33 +179,52 @@ def _time_ms(fn, reps=10):
 
 
 def profile_ours(h, w, t):
-    """Where our time goes: the stats kernel, and one backward chunk of each step scaled to the whole."""
+    """Where our time goes: the forward stats (fused kernel; split = GEMM + stream), and one backward chunk of
+    each step scaled to the whole."""
     from kernels import lm_head, lm_head_triton as kt
 
     T, H = h.shape
     V = w.shape[0]
     a = torch.randn(8192, 8192, device=h.device, dtype=torch.bfloat16)
     ceiling = 2 * 8192**3 / _time_ms(lambda: a @ a) / 1e9
+    del a
     tgt = t.long()
-    with torch.no_grad():
-        ms_stats = _time_ms(lambda: kt.token_stats(h, w, tgt, 1.0, False), reps=3)
-        lse = kt.token_stats(h, w, tgt, 1.0, False)[0]
-    Tc, Vc = lm_head._chunk_sizes(T, V, 2, None, None)
-    n_chunks = math.ceil(T / Tc) * math.ceil(V / Vc)
-    coef = torch.randn(Tc, device=h.device)
-    dz = torch.empty(Tc, Vc, device=h.device, dtype=torch.bfloat16)
-    hc, wc = h[:Tc].detach(), w[:Vc].detach()
-    acc_w = torch.empty(Vc, H, device=h.device)
-    acc_h = torch.zeros(Tc, H, device=h.device)
-    ms_dz = _time_ms(lambda: kt.dlogits(hc, wc, tgt[:Tc], 0, lse[:Tc], coef, coef * 0, coef, 1.0, dz))
-    ms_dw = _time_ms(lambda: lm_head._gemm_acc(acc_w, dz.T, hc, first=False))
-    ms_dh = _time_ms(lambda: lm_head._gemm_acc(acc_h, dz, wc, first=False))
+    hd, wd = h.detach(), w.detach()
     gemm = 2 * T * V * H / 1e9
-    print(f"# profile T={T} V={V}: cuBLAS 8192^3 bf16 {ceiling:.0f} TF/s | stats kernel {ms_stats:.1f} ms "
-          f"({gemm / ms_stats:.0f} TF/s, config {kt._stats_kernel.best_config}) | backward x{n_chunks} chunks "
-          f"[{Tc}x{Vc}]: dlogits {ms_dz * n_chunks:.1f} ms ({gemm / (ms_dz * n_chunks):.0f} TF/s, config "
-          f"{kt._dlogits_kernel.best_config}), dW GEMM {ms_dw * n_chunks:.1f} ms, dH GEMM {ms_dh * n_chunks:.1f} ms",
-          flush=True)
+    line = f"# profile T={T} V={V}: cuBLAS 8192^3 bf16 {ceiling:.0f} TF/s"
+    with torch.no_grad():
+        for impl in ("fused", "split"):
+            if impl == "fused":
+                ms = _time_ms(lambda: kt.token_stats(hd, wd, tgt, 1.0, False), reps=3)
+            else:
+                ms = _time_ms(lambda: lm_head._split_token_stats(kt, hd, wd, tgt, 1.0, False, None, None), reps=3)
+            line += f" | fwd {impl} {ms:.1f} ms ({gemm / ms:.0f} TF/s)"
+        lse = kt.token_stats(hd, wd, tgt, 1.0, False)[0]
+        for impl in ("fused", "split"):
+            Tc, Vc = lm_head._chunk_sizes(T, V, impl, None, None)
+            n = math.ceil(T / Tc) * math.ceil(V / Vc)
+            coef = torch.randn(Tc, device=h.device)
+            one = torch.ones(1, device=h.device)
+            dz = torch.empty(Tc, Vc, device=h.device, dtype=torch.float16)
+            hc, wc = hd[:Tc], wd[:Vc]
+            if impl == "fused":
+                ms_dz = _time_ms(lambda: kt.dlogits(hc, wc, tgt[:Tc], 0, lse[:Tc], coef, coef * 0, coef, 1.0, one, dz))
+            else:
+                z = torch.empty(Tc, Vc, device=h.device)
+                ms_z = _time_ms(lambda: lm_head._logits_fp32(hc, wc, z))
+                ms_dz = _time_ms(lambda: kt.dlogits_from_logits(z, tgt[:Tc], 0, lse[:Tc], coef, coef * 0, coef, 1.0,
+                                                                one, dz))
+                line += f" | split logits GEMM {ms_z * n:.1f} ms ({lm_head._LOGITS_MM}) + dz stream {ms_dz * n:.1f} ms"
+                ms_dz += ms_z
+            acc_w = torch.empty(Vc, H, device=h.device)
+            acc_h = torch.zeros(Tc, H, device=h.device)
+            h16, w16 = hc.half(), wc.half()
+            ms_dw = _time_ms(lambda: lm_head._gemm_acc(acc_w, dz.T, h16, first=False))
+            ms_dh = _time_ms(lambda: lm_head._gemm_acc(acc_h, dz, w16, first=False))
+            line += (f" | bwd {impl} x{n} [{Tc}x{Vc}]: dlogits {ms_dz * n:.1f} ms, dW {ms_dw * n:.1f} ms, "
+                     f"dH {ms_dh * n:.1f} ms")
+    line += f" | configs stats {kt._stats_kernel.best_config} dlogits {kt._dlogits_kernel.best_config}"
+    print(line, flush=True)
 
 
 def main(argv=None):
@@ -269,6 +297,7 @@ def main(argv=None):
 
 def print_table(rows):
     ours = {(r["T"], r["V"], r["mode"]): r.get("ms") for r in rows if r["method"] == "ours"}
+    print(f"# ours = impl {kernels.lm_head.DEFAULT_IMPL!r} (the default on CUDA)")
     hdr = (f"| T | V | mode | method | ms | TF/s | peak GiB | err loss/logp | err dH | err dW | peer/ours time |\n"
            f"|---|---|---|---|---|---|---|---|---|---|---|")
     print(hdr)
@@ -277,7 +306,7 @@ def print_table(rows):
             v = r.get(k)
             return "—" if v is None or (isinstance(v, float) and math.isnan(v)) else format(v, fmt)
         o = ours.get((r["T"], r["V"], r["mode"]))
-        ratio = "—" if (r.get("ms") is None or not o or r["method"] == "ours") else f"{r['ms'] / o:.2f}"
+        ratio = "—" if (r.get("ms") is None or not o or r["method"].startswith("ours")) else f"{r['ms'] / o:.2f}"
         ms = f(("ms"), ".1f") if r.get("ms") is not None else r.get("note", "—")
         print(f"| {r['T']} | {r['V']} | {r['mode']} | {r['method']} | {ms} | {f('tflops', '.0f')} | "
               f"{f('peak_gib', '.2f')} | {f('err_out', '.1e')} | {f('err_dh', '.1e')} | {f('err_dw', '.1e')} | "

@@ -34,6 +34,7 @@ from kernels import lm_head_chunked
 
 BACKWARD_SCRATCH_BYTES = 128 * 2**20  # the dZ tile's budget; see _chunk_sizes
 DEFAULT_CHUNK_VOCAB = 8192
+DEFAULT_IMPL = "split"  # on CUDA; see _pick_impl and docs/BENCHMARKS.md for the measurement behind it
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -55,6 +56,17 @@ def _pick_backend(hidden: torch.Tensor, backend: str | None) -> str:
     if backend == "triton" and not hidden.is_cuda and os.environ.get("TRITON_INTERPRET", "0") != "1":
         raise ValueError("backend='triton' on CPU tensors needs TRITON_INTERPRET=1 set before triton is imported")
     return backend
+
+
+def _pick_impl(hidden: torch.Tensor, backend: str, impl: str | None) -> str:
+    """"fused": the logits GEMM runs inside the Triton kernels (nothing of [T, V] size in memory, not even a
+    chunk, in the forward). "split": the GEMM library writes an fp32 logits chunk and a streaming Triton kernel
+    reads it once (faster where cuBLAS outruns Triton's GEMM). Both exist in both backends."""
+    if impl is None:
+        impl = DEFAULT_IMPL if (backend == "triton" and hidden.is_cuda) else "fused"
+    if impl not in ("fused", "split"):
+        raise ValueError(f"impl must be 'fused', 'split' or None, got {impl!r}")
+    return impl
 
 
 def _tp_info(tp_group) -> tuple[int, int]:
@@ -115,7 +127,7 @@ def _gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) 
 
 class _TokenStats(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, hidden_TH, weight_VH, target_T, temperature, with_entropy, tp_group, backend,
+    def forward(ctx, hidden_TH, weight_VH, target_T, temperature, with_entropy, tp_group, backend, impl,
                 chunk_tokens, chunk_vocab):
         rank, _ = _tp_info(tp_group)
         V = weight_VH.shape[0]
@@ -123,13 +135,17 @@ class _TokenStats(torch.autograd.Function):
         tgt_T = target_T.long() - vocab_start
         inv_temp = 1.0 / temperature
         kmod = _backend_module(backend)
-        lse_T, ent_T, tz_T = kmod.token_stats(hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy)
+        if impl == "split":
+            lse_T, ent_T, tz_T = _split_token_stats(kmod, hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy,
+                                                    chunk_tokens, chunk_vocab)
+        else:
+            lse_T, ent_T, tz_T = kmod.token_stats(hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy)
         if tp_group is not None:
             lse_T, ent_T, tz_T = _combine_over_group(lse_T, ent_T, tz_T, tp_group)
         if not with_entropy:
             ent_T = torch.zeros_like(lse_T)
         ctx.save_for_backward(hidden_TH, weight_VH, tgt_T, lse_T, ent_T)
-        ctx.cfg = (inv_temp, with_entropy, tp_group, backend, chunk_tokens, chunk_vocab)
+        ctx.cfg = (inv_temp, with_entropy, tp_group, backend, impl, chunk_tokens, chunk_vocab)
         if not with_entropy:
             ctx.mark_non_differentiable(ent_T)
         return tz_T, lse_T, ent_T
@@ -137,7 +153,7 @@ class _TokenStats(torch.autograd.Function):
     @staticmethod
     def backward(ctx, g_tz, g_lse, g_ent):
         hidden_TH, weight_VH, tgt_T, lse_T, ent_T = ctx.saved_tensors
-        inv_temp, with_entropy, tp_group, backend, chunk_tokens, chunk_vocab = ctx.cfg
+        inv_temp, with_entropy, tp_group, backend, impl, chunk_tokens, chunk_vocab = ctx.cfg
         zeros = torch.zeros_like(lse_T)
         g_tz = zeros if g_tz is None else g_tz.float()
         g_lse = zeros if g_lse is None else g_lse.float()
@@ -146,54 +162,126 @@ class _TokenStats(torch.autograd.Function):
         b_T = (-g_ent).contiguous()
         c_T = g_tz.contiguous()
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        dH_TH, dW_VH = _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp,
-                                        backend, chunk_tokens, chunk_vocab, need_h, need_w, tp_group)
-        return dH_TH, dW_VH, None, None, None, None, None, None, None
+        dH_TH, dW_VH = _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend,
+                                        impl, chunk_tokens, chunk_vocab, need_h, need_w, tp_group)
+        return dH_TH, dW_VH, None, None, None, None, None, None, None, None
 
 
-def _chunk_sizes(T: int, V: int, elem_bytes: int, chunk_tokens, chunk_vocab) -> tuple[int, int]:
-    # Worked example (bf16, T=65,536, V=248,320, H=2048): Vc = 8192 -> Tc = 128 MiB / (8192 x 2 B) = 8192: dZ
-    # is 128 MiB, the dW chunk accumulator 8192 x 2048 x 4 B = 64 MiB; both GEMMs are 8192 x 2048 x 8192
+def _chunk_sizes(T: int, V: int, impl: str, chunk_tokens, chunk_vocab) -> tuple[int, int]:
+    # Worked example (bf16, T=65,536, V=248,320, H=2048), fused: Vc = 8192, Tc = 128 MiB / (8192 x 2 B) = 8192:
+    # dZ is 128 MiB, the dW chunk accumulator 8192 x 2048 x 4 B = 64 MiB; both GEMMs are 8192 x 2048 x 8192
     # (275 GFLOP, ~0.35 ms), large enough for cuBLAS to run near peak, and the fp32 dH accumulator is read and
     # written once per vocab chunk: 31 x 2 x 0.5 GiB = 31 GiB of traffic, ~7 ms at 4.3 TB/s.
+    # Split: the fp32 logits chunk (4 B) sits beside dZ (2 B), so Tc = 128 MiB / (8192 x 4 B) = 4096: 128 MiB of
+    # logits + 64 MiB of dZ; the GEMMs are 4096 x 8192 x 2048 (137 GFLOP), still cuBLAS-sized.
     Vc = min(V, chunk_vocab or DEFAULT_CHUNK_VOCAB)
     if chunk_tokens is None:
-        chunk_tokens = max(256, BACKWARD_SCRATCH_BYTES // (Vc * elem_bytes) // 256 * 256)
+        per_elem = 4 if impl == "split" else 2
+        chunk_tokens = max(256, BACKWARD_SCRATCH_BYTES // (Vc * per_elem) // 256 * 256)
     return min(T, chunk_tokens), Vc
 
 
-def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend,
+_LOGITS_MM = None  # which fp32-output GEMM call works here; found on first use
+
+
+def _logits_fp32(h_tH: torch.Tensor, w_vH: torch.Tensor, out_tv: torch.Tensor) -> None:
+    """out = h @ w.T in fp32 from 16-bit operands (cuBLAS accumulates in fp32; only the output width differs
+    from a plain bf16 GEMM), or from fp32 operands."""
+    global _LOGITS_MM
+    if h_tH.dtype == torch.float32 or not h_tH.is_cuda:
+        torch.mm(h_tH.float(), w_vH.float().T, out=out_tv)
+        return
+    if _LOGITS_MM in (None, "mm_out_dtype"):
+        try:
+            torch.mm(h_tH, w_vH.T, out_dtype=torch.float32, out=out_tv)
+            _LOGITS_MM = "mm_out_dtype"
+            return
+        except (TypeError, RuntimeError):
+            _LOGITS_MM = "addmm_out_dtype"
+    out_tv.zero_()
+    _gemm_acc(out_tv, h_tH, w_vH.T, first=False)
+
+
+def _split_token_stats(kmod, hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy, chunk_tokens, chunk_vocab):
+    """Forward of the split path: fp32 logits chunk from the GEMM library, one streaming pass for the stats;
+    chunks are merged like vocab splits."""
+    T, V = hidden_TH.shape[0], weight_VH.shape[0]
+    Tc, Vc = _chunk_sizes(T, V, "split", chunk_tokens, chunk_vocab)
+    num_splits = -(-V // Vc)
+    parts_3ST = torch.empty((3, num_splits, T), dtype=torch.float32, device=hidden_TH.device)
+    z_buf = torch.empty((Tc, Vc), dtype=torch.float32, device=hidden_TH.device)
+    for si, v0 in enumerate(range(0, V, Vc)):
+        v1 = min(v0 + Vc, V)
+        for t0 in range(0, T, Tc):
+            t1 = min(t0 + Tc, T)
+            z_tv = z_buf[: t1 - t0, : v1 - v0]
+            _logits_fp32(hidden_TH[t0:t1], weight_VH[v0:v1], z_tv)
+            kmod.stats_from_logits(z_tv, tgt_T[t0:t1] - v0, inv_temp, with_entropy, parts_3ST[0, si, t0:t1],
+                                   parts_3ST[1, si, t0:t1], parts_3ST[2, si, t0:t1])
+    if num_splits == 1:
+        return parts_3ST[0, 0], parts_3ST[1, 0], parts_3ST[2, 0]
+    return lm_head_chunked.combine_splits(parts_3ST[0], parts_3ST[1], parts_3ST[2])
+
+
+def _pow2_scale(max_abs: torch.Tensor, target: float = 2.0**14) -> torch.Tensor:
+    """A power of two s (1-element fp32 tensor, no host sync) with max_abs * s in [target/2, target]: multiplying
+    by it is exact, and it moves values into fp16's range (max 65504, full precision down to 6.1e-5)."""
+    safe = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
+    return torch.exp2(torch.floor(torch.log2(target / safe))).clamp(2.0**-100, 2.0**100).reshape(1)
+
+
+def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend, impl,
                      chunk_tokens, chunk_vocab, need_h, need_w, tp_group):
+    """Vocab-outer, token-inner. For 16-bit inputs the dZ tile and both GEMMs run in fp16 with power-of-two
+    scales (exact to apply and undo): fp16 keeps 11 significant bits where bf16 keeps 8, so the dZ operand
+    rounds 8x finer; the scales keep every operand inside fp16's range. fp32 inputs run in fp32 throughout."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
     kmod = _backend_module(backend)
-    Tc, Vc = _chunk_sizes(T, V, hidden_TH.element_size(), chunk_tokens, chunk_vocab)
+    Tc, Vc = _chunk_sizes(T, V, impl, chunk_tokens, chunk_vocab)
     dev = hidden_TH.device
-    dH32_TH = torch.empty((T, H), dtype=torch.float32, device=dev) if need_h else None
+    f32 = dict(dtype=torch.float32, device=dev)
+    if hidden_TH.dtype == torch.float32:
+        gemm_dtype = torch.float32
+        dz_scale = h_scale = w_scale = torch.ones(1, **f32)
+    else:
+        gemm_dtype = torch.float16
+        # |dlogit| <= (|a| + |b| (|lse| + 1) + |c|) / temperature, since p |x| <= |lse| + 1 (p = exp(x - lse)).
+        bound = (a_T.abs().amax() + b_T.abs().amax() * (lse_T.abs().amax() + 1) + c_T.abs().amax()) * inv_temp
+        dz_scale = _pow2_scale(bound)
+        h_scale = _pow2_scale(hidden_TH.abs().amax().float())
+        w_scale = _pow2_scale(weight_VH.abs().amax().float())
+    dH32_TH = torch.empty((T, H), **f32) if need_h else None
     dW_VH = torch.empty_like(weight_VH) if need_w else None
-    dZ_buf = torch.empty((Tc, Vc), dtype=hidden_TH.dtype, device=dev)
-    multi_t = T > Tc
-    dW32_buf = torch.empty((Vc, H), dtype=torch.float32, device=dev) if (need_w and multi_t) else None
+    dZ_buf = torch.empty((Tc, Vc), dtype=gemm_dtype, device=dev)
+    z_buf = torch.empty((Tc, Vc), **f32) if impl == "split" else None
+    dW32_buf = torch.empty((Vc, H), **f32) if need_w else None
     for v0 in range(0, V, Vc):
         v1 = min(v0 + Vc, V)
         w_vH = weight_VH[v0:v1]
+        w_g = w_vH if gemm_dtype == w_vH.dtype else (w_vH.float() * w_scale).to(gemm_dtype)
         for t0 in range(0, T, Tc):
             t1 = min(t0 + Tc, T)
+            h_tH = hidden_TH[t0:t1]
             dZ_tv = dZ_buf[: t1 - t0, : v1 - v0]
-            kmod.dlogits(hidden_TH[t0:t1], w_vH, tgt_T[t0:t1], v0, lse_T[t0:t1], a_T[t0:t1], b_T[t0:t1],
-                         c_T[t0:t1], inv_temp, dZ_tv)
+            rows = (tgt_T[t0:t1], v0, lse_T[t0:t1], a_T[t0:t1], b_T[t0:t1], c_T[t0:t1], inv_temp, dz_scale)
+            if impl == "split":
+                z_tv = z_buf[: t1 - t0, : v1 - v0]
+                _logits_fp32(h_tH, w_vH, z_tv)
+                kmod.dlogits_from_logits(z_tv, *rows, dZ_tv)
+            else:
+                kmod.dlogits(h_tH, w_vH, *rows, dZ_tv)
             if need_w:
-                if multi_t:
-                    _gemm_acc(dW32_buf[: v1 - v0], dZ_tv.T, hidden_TH[t0:t1], first=(t0 == 0))
-                else:
-                    torch.mm(dZ_tv.T, hidden_TH, out=dW_VH[v0:v1])  # K = all tokens: one fp32-accumulated GEMM
+                h_g = h_tH if gemm_dtype == h_tH.dtype else (h_tH.float() * h_scale).to(gemm_dtype)
+                _gemm_acc(dW32_buf[: v1 - v0], dZ_tv.T, h_g, first=(t0 == 0))
             if need_h:
-                _gemm_acc(dH32_TH[t0:t1], dZ_tv, w_vH, first=(v0 == 0))
-        if need_w and multi_t:
-            dW_VH[v0:v1].copy_(dW32_buf[: v1 - v0])
-    del dZ_buf, dW32_buf
+                _gemm_acc(dH32_TH[t0:t1], dZ_tv, w_g, first=(v0 == 0))
+        if need_w:
+            dW_VH[v0:v1].copy_(dW32_buf[: v1 - v0].mul_(1.0 / (dz_scale * h_scale)))
+    del dZ_buf, dW32_buf, z_buf
     dH_TH = None
     if need_h:
+        dH32_TH.mul_(1.0 / (dz_scale * w_scale))
         if tp_group is not None:
             dist.all_reduce(dH32_TH, group=tp_group)  # hidden is replicated over the group: sum the partials
         if hidden_TH.dtype == torch.float32:
@@ -205,7 +293,7 @@ def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp
     return dH_TH, dW_VH
 
 
-def _token_stats(hidden, weight, target, temperature, with_entropy, tp_group, backend, chunk_tokens,
+def _token_stats(hidden, weight, target, temperature, with_entropy, tp_group, backend, impl, chunk_tokens,
                  chunk_vocab):
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"need hidden [T, H] and weight [V, H]; got {tuple(hidden.shape)} and "
@@ -217,14 +305,15 @@ def _token_stats(hidden, weight, target, temperature, with_entropy, tp_group, ba
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
     backend = _pick_backend(hidden, backend)
+    impl = _pick_impl(hidden, backend, impl)
     hidden = hidden.contiguous()
     weight = weight.contiguous()
     return _TokenStats.apply(hidden, weight, target, float(temperature), bool(with_entropy), tp_group,
-                             backend, chunk_tokens, chunk_vocab)
+                             backend, impl, chunk_tokens, chunk_vocab)
 
 
 def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100, reduction: str = "mean",
-                         z_loss: float = 0.0, temperature: float = 1.0, tp_group=None, backend=None,
+                         z_loss: float = 0.0, temperature: float = 1.0, tp_group=None, backend=None, impl=None,
                          chunk_tokens=None, chunk_vocab=None):
     """Cross-entropy of softmax(hidden @ weight.T / temperature) against target, plus z_loss * lse^2.
 
@@ -234,8 +323,8 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100, re
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
-    tz_T, lse_T, _ = _token_stats(hidden, weight, target, temperature, False, tp_group, backend, chunk_tokens,
-                                  chunk_vocab)
+    tz_T, lse_T, _ = _token_stats(hidden, weight, target, temperature, False, tp_group, backend, impl,
+                                  chunk_tokens, chunk_vocab)
     valid_T = target != ignore_index
     loss_T = lse_T - tz_T
     if z_loss:
@@ -249,14 +338,14 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100, re
 
 
 def linear_logprobs(hidden, weight, target, *, temperature: float = 1.0, with_entropy: bool = False,
-                    tp_group=None, backend=None, chunk_tokens=None, chunk_vocab=None):
+                    tp_group=None, backend=None, impl=None, chunk_tokens=None, chunk_vocab=None):
     """Per-token log p(target) under softmax(hidden @ weight.T / temperature), fp32 [T], differentiable.
 
     Negative targets (padding) give 0 and no gradient. with_entropy=True also returns the per-token entropy
     [T] (differentiable): (logprobs, entropy).
     """
     tz_T, lse_T, ent_T = _token_stats(hidden, weight, target, temperature, with_entropy, tp_group, backend,
-                                      chunk_tokens, chunk_vocab)
+                                      impl, chunk_tokens, chunk_vocab)
     valid_T = target >= 0
     logp_T = torch.where(valid_T, tz_T - lse_T, torch.zeros_like(lse_T))
     if with_entropy:

@@ -63,13 +63,41 @@ def combine_splits(lse_ST, ent_ST, tz_ST):
     return lse_T, ent_T, tz_ST.sum(0)
 
 
-def dlogits(hidden_TH, weight_VH, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, out_TV):
-    """out_TV = (p * (a + b x) + c * onehot(target)) * inv_temp with p = exp(x - lse), for one chunk."""
-    x_TV = (hidden_TH.float() @ weight_VH.float().T) * inv_temp
+def dlogits(hidden_TH, weight_VH, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, scale, out_TV):
+    """out_TV = scale * (p * (a + b x) + c * onehot(target)) * inv_temp with p = exp(x - lse), for one chunk."""
+    z_TV = hidden_TH.float() @ weight_VH.float().T
+    return dlogits_from_logits(z_TV, tgt_T, v_off, lse_T, a_T, b_T, c_T, inv_temp, scale, out_TV)
+
+
+def stats_from_logits(z_TV, tgt_T, inv_temp: float, with_entropy: bool, lse_T, ent_T, tz_T) -> None:
+    """Per-row (lse, entropy, target x) of an fp32 logits chunk, written into the given vectors."""
+    lse, ent, tz = token_stats_of_logits(z_TV * inv_temp, tgt_T, with_entropy)
+    lse_T.copy_(lse)
+    ent_T.copy_(ent)
+    tz_T.copy_(tz)
+
+
+def token_stats_of_logits(x_TV, tgt_T, with_entropy: bool):
+    lse_T = torch.logsumexp(x_TV, 1)
+    ent_T = torch.zeros_like(lse_T)
+    if with_entropy:
+        m_T = x_TV.amax(1, keepdim=True)
+        e_TV = torch.exp(x_TV - m_T)
+        s_T = e_TV.sum(1)
+        ent_T = torch.log(s_T) - (e_TV * (x_TV - m_T)).sum(1) / s_T
+    V = x_TV.shape[1]
+    hit = (tgt_T >= 0) & (tgt_T < V)
+    tz_T = torch.where(hit, x_TV.gather(1, tgt_T.clamp(0, V - 1)[:, None])[:, 0], 0.0)
+    return lse_T, ent_T, tz_T
+
+
+def dlogits_from_logits(z_TV, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, scale, out_TV):
+    """out_TV = scale * dloss/dlogit from an fp32 logits chunk."""
+    x_TV = z_TV * inv_temp
     dz_TV = torch.exp(x_TV - lse_T[:, None]) * (a_T[:, None] + b_T[:, None] * x_TV)
     local = tgt_T - v_off
-    hit = (local >= 0) & (local < weight_VH.shape[0])
+    hit = (local >= 0) & (local < z_TV.shape[1])
     rows = torch.nonzero(hit)[:, 0]
     dz_TV[rows, local[rows]] += c_T[rows]
-    out_TV.copy_(dz_TV * inv_temp)
+    out_TV.copy_(dz_TV * (inv_temp * scale))
     return out_TV

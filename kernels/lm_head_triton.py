@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.lm_head_chunked import combine_splits
-from kernels.tiles import tile_configs
+from kernels.tiles import STREAM_TILE, tile_configs
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -177,7 +177,7 @@ def _stats_kernel(
 @triton.heuristics({"EVEN_K": _even_k})
 @triton.jit
 def _dlogits_kernel(
-    h_ptr, w_ptr, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, dz_ptr,
+    h_ptr, w_ptr, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, scale_ptr, dz_ptr,
     T, V, H, stride_h, stride_w, stride_dz, v_off, inv_temp,
     DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_T: tl.constexpr = 8,
@@ -206,6 +206,15 @@ def _dlogits_kernel(
     for k0 in range(0, H, BLOCK_K):
         acc = _mma_step(h_rows, w_rows, k0 + offs_k, H, acc, DOT_FP32, EVEN_K)
 
+    _dlogits_epilogue(acc, rows, offs_t, offs_v, t_mask, v_mask, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, scale_ptr,
+                      dz_ptr, stride_dz, v_off, inv_temp)
+
+
+@triton.jit
+def _dlogits_epilogue(acc, rows, offs_t, offs_v, t_mask, v_mask, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, scale_ptr,
+                      dz_ptr, stride_dz, v_off, inv_temp):
+    """dz = scale * (p (a + b x) + c [v == target]) / temperature, stored in dz's dtype. `scale` is a power of
+    two that moves the tile's values into fp16's range (undone, exactly, after the GEMMs); 1 otherwise."""
     lse = tl.load(lse_ptr + rows)
     ca = tl.load(a_ptr + rows)
     cb = tl.load(b_ptr + rows)
@@ -215,9 +224,53 @@ def _dlogits_kernel(
     p = tl.exp2((x - lse[:, None]) * 1.4426950408889634)
     dz = p * (ca[:, None] + cb[:, None] * x)
     dz += tl.where(offs_v[None, :] == tgt[:, None], cc[:, None], 0.0)
-    dz = dz * inv_temp
+    dz = dz * (inv_temp * tl.load(scale_ptr))
     ptrs = dz_ptr + offs_t[:, None] * stride_dz + offs_v[None, :]
     tl.store(ptrs, dz.to(dz_ptr.dtype.element_ty), mask=t_mask[:, None] & v_mask[None, :])
+
+
+@triton.jit
+def _logits_stats_kernel(
+    z_ptr, stride_z, tgt_ptr, lse_ptr, ent_ptr, tz_ptr, T, V, inv_temp,
+    WITH_ENTROPY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Split path, forward: one read of an fp32 logits chunk [T, V] (from cuBLAS), online stats per row."""
+    pid = tl.program_id(0)
+    offs_t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    rows = tl.minimum(offs_t, T - 1)
+    tgt = tl.load(tgt_ptr + rows)
+    m2 = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    s = tl.zeros([BLOCK_T], tl.float32)
+    wy = tl.zeros([BLOCK_T], tl.float32)
+    tz = tl.zeros([BLOCK_T], tl.float32)
+    for v0 in range(0, V, BLOCK_V):
+        offs_v = v0 + tl.arange(0, BLOCK_V)
+        z = tl.load(z_ptr + rows[:, None] * stride_z + offs_v[None, :], mask=offs_v[None, :] < V, other=0.0)
+        m2, s, wy, tz = _online_update(z, offs_v, V, tgt, inv_temp, m2, s, wy, tz, WITH_ENTROPY)
+    tl.store(lse_ptr + offs_t, (m2 + tl.log2(s)) * 0.6931471805599453, mask=t_mask)
+    tl.store(ent_ptr + offs_t, tl.where(s > 0, tl.log(s) - wy / s, 0.0), mask=t_mask)
+    tl.store(tz_ptr + offs_t, tz, mask=t_mask)
+
+
+@triton.jit
+def _logits_dz_kernel(
+    z_ptr, stride_z, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, scale_ptr, dz_ptr, stride_dz, T, V, v_off, inv_temp,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """Split path, backward: fp32 logits chunk (from cuBLAS) -> dlogits chunk, elementwise."""
+    pid = tl.program_id(0)
+    num_v = tl.cdiv(V, BLOCK_V)
+    pid_t = pid // num_v
+    pid_v = pid % num_v
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    t_mask = offs_t < T
+    v_mask = offs_v < V
+    rows = tl.minimum(offs_t, T - 1)
+    z = tl.load(z_ptr + rows[:, None] * stride_z + offs_v[None, :], mask=v_mask[None, :], other=0.0)
+    _dlogits_epilogue(z, rows, offs_t, offs_v, t_mask, v_mask, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, scale_ptr,
+                      dz_ptr, stride_dz, v_off, inv_temp)
 
 
 def _num_sms(device: torch.device) -> int:
@@ -261,15 +314,36 @@ def token_stats(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool
     return combine_splits(lse_ST, ent_ST, tz_ST)
 
 
-def dlogits(hidden_TH, weight_VH, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, out_TV):
-    """out_TV[t, v] = dloss/dlogit for this token chunk and vocab chunk (weight_VH is the chunk's rows; tgt_T
-    is the target index local to the rank, v_off the chunk's first row)."""
+def dlogits(hidden_TH, weight_VH, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, scale, out_TV):
+    """out_TV[t, v] = scale * dloss/dlogit for this token chunk and vocab chunk (weight_VH is the chunk's rows;
+    tgt_T is the target index local to the rank, v_off the chunk's first row; scale a 1-element fp32 tensor)."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
     grid = lambda meta: (triton.cdiv(T, meta["BLOCK_T"]) * triton.cdiv(V, meta["BLOCK_V"]),)  # noqa: E731
     _dlogits_kernel[grid](
-        hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, out_TV,
+        hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, scale, out_TV,
         T, V, H, hidden_TH.stride(0), weight_VH.stride(0), out_TV.stride(0), v_off, inv_temp,
         DOT_FP32=_dot_fp32(hidden_TH),
+    )
+    return out_TV
+
+
+def stats_from_logits(z_TV, tgt_T, inv_temp: float, with_entropy: bool, lse_T, ent_T, tz_T) -> None:
+    """Split path: per-row (lse, entropy, target x) of an fp32 logits chunk, written into the given vectors."""
+    T, V = z_TV.shape
+    bt, bv, warps = STREAM_TILE[_VENDOR]
+    _logits_stats_kernel[(triton.cdiv(T, bt),)](
+        z_TV, z_TV.stride(0), tgt_T, lse_T, ent_T, tz_T, T, V, inv_temp,
+        WITH_ENTROPY=with_entropy, BLOCK_T=bt, BLOCK_V=bv, num_warps=warps,
+    )
+
+
+def dlogits_from_logits(z_TV, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, scale, out_TV):
+    """Split path: out_TV = scale * dloss/dlogit from an fp32 logits chunk."""
+    T, V = z_TV.shape
+    bt, bv, warps = STREAM_TILE[_VENDOR]
+    _logits_dz_kernel[(triton.cdiv(T, bt) * triton.cdiv(V, bv),)](
+        z_TV, z_TV.stride(0), tgt_T, lse_T, a_T, b_T, c_T, scale, out_TV, out_TV.stride(0), T, V, v_off, inv_temp,
+        BLOCK_T=bt, BLOCK_V=bv, num_warps=warps,
     )
     return out_TV

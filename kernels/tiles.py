@@ -72,6 +72,14 @@ INTERPRETER_STATS = (TileConfig(16, 64, 32, 1, 1),)
 INTERPRETER_DLOGITS = (TileConfig(16, 64, 32, 1, 1),)
 
 
+# Elementwise kernels of the split path (logits already in memory, fp32, from a cuBLAS GEMM): pure streaming.
+#   NVIDIA: 16 rows x 512 columns over 8 warps = 8192 values / 256 threads = 32 a thread, as 8 x 16-byte loads
+#     (4 fp32 each): enough bytes in flight per SM (64 KiB with 2 resident programs) to cover HBM latency.
+#   AMD: the same tile over 8 wavefronts = 512 lanes, 16 values a lane (4 x 16-byte loads).
+#   Interpreter: small, so the tests cross row and column tile edges.
+STREAM_TILE = {"nvidia": (16, 512, 8), "amd": (16, 512, 8), "interpreter": (8, 64, 1)}  # (rows, cols, warps)
+
+
 def tile_configs(vendor: str, arch_major: int, kernel: str) -> tuple[TileConfig, ...]:
     """Candidate tiles for `kernel` ("stats" | "dlogits"), both operand widths (filter on elem_bytes); vendor is
     "nvidia", "amd" or "interpreter" (whose one tile serves both widths)."""

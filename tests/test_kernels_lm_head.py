@@ -63,7 +63,7 @@ def check_cross_entropy(T, H, V, *, backend, tol, ignore_frac=0.2, logit_scale=3
     hidden, weight, target = _inputs(T, H, V, logit_scale=logit_scale, device=device, dtype=dtype)
     ignore = torch.rand(T, device=device) < ignore_frac
     target = torch.where(ignore, torch.full_like(target, -100), target)
-    chunk = {k: kw.pop(k) for k in ("chunk_tokens", "chunk_vocab") if k in kw}
+    chunk = {k: kw.pop(k) for k in ("chunk_tokens", "chunk_vocab", "impl") if k in kw}
     up = None
     if kw.get("reduction") == "none":
         up = [torch.randn(T, device=device)]
@@ -78,7 +78,7 @@ def check_cross_entropy(T, H, V, *, backend, tol, ignore_frac=0.2, logit_scale=3
 
 
 def check_logprobs(T, H, V, *, backend, tol, with_entropy=True, temperature=1.0, logit_scale=3.0, device="cpu",
-                   dtype=torch.float32, grad_tol=None, **chunk):
+                   dtype=torch.float32, grad_tol=None, **chunk):  # chunk: chunk_tokens / chunk_vocab / impl
     hidden, weight, target = _inputs(T, H, V, logit_scale=logit_scale, device=device, dtype=dtype)
     target[: max(1, T // 7)] = -100  # padding rows: logp 0, no gradient
     ups = [torch.randn(T, device=device) for _ in range(2 if with_entropy else 1)]
@@ -128,6 +128,22 @@ def test_cross_entropy_torch(T, H, V, reduction):
 ])
 def test_cross_entropy_options_torch(kw):
     check_cross_entropy(37, 48, 301, backend="torch", tol=2e-5, **kw)
+
+
+@pytest.mark.parametrize("impl", ["fused", "split"])
+@pytest.mark.parametrize("reduction", ["mean", "none"])
+def test_bf16_inputs_fp16_scaled_gemms_torch(impl, reduction):
+    # 16-bit inputs: dZ and the backward GEMMs run in fp16 with power-of-two scales; the error is bf16 output
+    # rounding (~1e-3), and the |z| ~ 100 case checks the scales keep fp16 in range.
+    for scale in (3.0, 100.0):
+        check_cross_entropy(37, 48, 301, backend="torch", tol=1e-5, grad_tol=3e-3, dtype=torch.bfloat16,
+                            reduction=reduction, impl=impl, logit_scale=scale, chunk_tokens=16, chunk_vocab=128)
+
+
+def test_split_impl_torch():
+    check_cross_entropy(37, 48, 301, backend="torch", tol=2e-5, impl="split", chunk_tokens=16, chunk_vocab=128,
+                        z_loss=1e-3, temperature=0.8)
+    check_logprobs(29, 40, 257, backend="torch", tol=2e-5, impl="split", chunk_tokens=16, chunk_vocab=100)
 
 
 @pytest.mark.parametrize("with_entropy", [False, True])
@@ -197,6 +213,10 @@ def interpreter_checks() -> None:
                dict(reduction="sum", logit_scale=100.0)):
         print("ce", kw, check_cross_entropy(37, 40, 301, backend="triton", tol=2e-5, **small, **kw))
     print("ce splits", check_cross_entropy(20, 40, 8300, backend="triton", tol=2e-5))  # 3 vocab splits
+    for impl in ("fused", "split"):  # split: fp32 logits chunk from torch, streaming Triton kernels
+        print(impl, "bf16", check_cross_entropy(37, 40, 301, backend="triton", tol=1e-5, grad_tol=3e-3, impl=impl,
+                                                dtype=torch.bfloat16, logit_scale=30.0, **small))
+    print("split", check_logprobs(29, 40, 257, backend="triton", tol=2e-5, impl="split", temperature=0.9, **small))
     print("lp", check_logprobs(29, 40, 257, backend="triton", tol=2e-5, temperature=1.3, **small))
     print("lp |z|~100", check_logprobs(17, 32, 200, backend="triton", tol=1e-3, grad_tol=1e-4, logit_scale=100.0))
     check_all_ignored("triton")
