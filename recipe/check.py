@@ -108,7 +108,11 @@ def check_plan(path: str | Path) -> PlanCheck:
     lay = plan.layout
 
     # today's solve of the same inputs (done first: the divisibility lines show the solved value)
-    fresh, solve_error = _resolve(plan, base)
+    try:
+        fresh, solve_error = _resolve(plan, base)
+    except ValueError as e:  # inputs no solve can use (e.g. a GPU count that fills no whole node)
+        res.problems.append(Problem(res.file, "inputs", None, None, "invalid", _one_line(str(e))))
+        return res
     res.fresh = fresh
     solved_layout = fresh.layout if fresh is not None else None
 
