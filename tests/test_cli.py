@@ -1,0 +1,234 @@
+"""The `recipe` command line: plans written and read back, the views, and bad input as one line on stderr."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+from importlib import resources
+
+import pytest
+from typer.testing import CliRunner
+
+from recipe.cli import app
+from recipe.plan import load_plan, parse_plan
+
+runner = CliRunner()
+SOLVE = ["solve", "--model", "qwen35-35b", "--seq", "128k", "--hw", "mi300x"]
+
+
+def run(*args: str):
+    return runner.invoke(app, list(args))
+
+
+def assert_one_line_error(result, *needles: str):
+    assert result.exit_code != 0, result.output
+    assert result.exception is None or isinstance(result.exception, SystemExit), repr(result.exception)
+    err = result.stderr.strip()
+    assert "Traceback" not in result.output and "Traceback" not in err
+    assert len(err.splitlines()) == 1, err
+    for n in needles:
+        assert n in err, err
+    return err
+
+
+# ---- solve -----------------------------------------------------------------------------------------------------
+def test_solve_writes_a_yaml_plan_that_loads(tmp_path):
+    out = tmp_path / "plan.yaml"
+    r = run(*SOLVE, "--gpus", "32", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert f"wrote {out}" in r.stdout.replace("\n", "")
+    plan = load_plan(out)
+    assert plan.inputs.model == "qwen35-35b" and plan.inputs.seq_len == 131_072 and plan.inputs.hw == "mi300x"
+    lay = plan.layout
+    assert lay.world == 32 == lay.pp * lay.ep * lay.etp * lay.edp
+    assert plan.launch.nnodes * plan.launch.nproc_per_node == 32 and plan.launch.backend == "nccl"
+    assert plan.train.recompute == "full" and plan.train.lm_head == "fused"
+    mem = plan.prediction.memory_gb
+    assert mem.total <= mem.usable
+    assert set(plan.reasons.model_dump()) == {"tp", "ep", "cp", "pp"}
+    assert out.read_text().startswith("# recipe plan: qwen35-35b at 128k tokens on 32x mi300x")
+
+
+def test_solve_without_gpus_finds_the_smallest_count(tmp_path):
+    out = tmp_path / "p.yaml"
+    r = run(*SOLVE, "-o", str(out))
+    assert r.exit_code == 0, r.output
+    plan = load_plan(out)
+    assert plan.inputs.gpus is None and plan.layout.world >= 1
+    assert plan.prediction.memory_gb.total <= plan.prediction.memory_gb.usable
+
+
+def test_solve_json_to_stdout():
+    r = run(*SOLVE, "--gpus", "16", "--format", "json", "-o", "-")
+    assert r.exit_code == 0, r.output
+    data = json.loads(r.stdout)
+    assert data["schema"] == 1 and data["layout"]["pp"] * data["layout"]["tp"] * data["layout"]["cp"] * data[
+        "layout"]["dp"] == 16
+    assert parse_plan(r.stdout).inputs.gpus == 16
+
+
+def test_solve_explain_shows_each_decision_and_the_bar():
+    r = run("solve", "--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--gpus", "32", "--explain")
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    for dim in ("TP", "EP", "CP", "PP"):
+        assert re.search(rf"^\s*{dim}=\d+", out, re.M), dim
+    assert "memory per GPU" in out and "█" in out
+    assert re.search(r"\| \d+\.\d / \d+\.\d GB", out)  # the bar ends at the usable limit
+    for comp in ("weights", "grads", "master", "optimizer", "activations", "lm_head", "overhead"):
+        assert comp in out
+    assert "rejected alternative" in out and "cp=1: peak" in out
+    assert "step time" in out and "LM head: fused keeps" in out
+
+
+def test_solve_options_change_the_plan(tmp_path):
+    base = json.loads(run(*SOLVE, "--gpus", "8", "--seq", "32k", "-f", "json", "-o", "-").stdout)
+    naive = json.loads(run(*SOLVE, "--gpus", "8", "--seq", "32k", "--lm-head", "naive", "-f", "json",
+                           "-o", "-").stdout)
+    assert naive["train"]["lm_head"] == "naive"
+    assert naive["prediction"]["memory_gb"]["lm_head"] > base["prediction"]["memory_gb"]["lm_head"]
+    short = json.loads(run(*SOLVE, "--gpus", "8", "--layers", "4", "-f", "json", "-o", "-").stdout)
+    assert short["inputs"]["layers"] == 4
+
+
+# ---- -o: atomic replace, untouched on failure ------------------------------------------------------------------
+def test_output_replaces_existing_file_atomically(tmp_path):
+    out = tmp_path / "plan.yaml"
+    out.write_text("old contents\n")
+    inode = out.stat().st_ino
+    r = run(*SOLVE, "--gpus", "32", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    load_plan(out)
+    assert out.stat().st_ino != inode  # a rename over the old file, not a rewrite in place
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]  # no temporary left behind
+
+
+def test_failed_solve_leaves_existing_output_byte_identical(tmp_path):
+    out = tmp_path / "plan.yaml"
+    run(*SOLVE, "--gpus", "32", "-o", str(out))
+    before = out.read_bytes()
+    r = run("solve", "--model", "deepseek-v3", "--seq", "1m", "--gpus", "8", "--hw", "h100", "-o", str(out))
+    assert r.exit_code != 0
+    assert out.read_bytes() == before
+    r = run(*SOLVE, "--seq", "12x", "-o", str(out))
+    assert r.exit_code != 0 and out.read_bytes() == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["plan.yaml"]
+
+
+def test_output_onto_a_directory_is_an_error(tmp_path):
+    assert_one_line_error(run(*SOLVE, "--gpus", "32", "-o", str(tmp_path)), "is a directory")
+
+
+# ---- bad input: one line, non-zero, no traceback ----------------------------------------------------------------
+@pytest.mark.parametrize("args, needles", [
+    (["--model", "qwen35-35", "--seq", "128k", "--hw", "h100"], ["unknown model", "did you mean qwen35-35b"]),
+    (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h10"], ["unknown hardware profile", "did you mean h100"]),
+    (["--model", "qwen35-35b", "--seq", "12x", "--hw", "h100"], ["malformed size '12x'"]),
+    (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--gpus", "5000"], ["--gpus must be between"]),
+    (["--model", "qwen35-35b", "--seq", "32k", "--hw", "h100", "--gpus", "12"], ["12 GPUs"]),
+    (["--model", "deepseek-v3", "--seq", "1m", "--gpus", "8", "--hw", "h100"],
+     ["does not fit on 8x h100", "GB over"]),
+    (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--recompute", "some"], ["--recompute"]),
+    (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--format", "toml"], ["--format"]),
+    (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--layers", "99"], ["--layers 99"]),
+])
+def test_bad_input_is_one_line(args, needles):
+    assert_one_line_error(run("solve", *args), *needles)
+
+
+def test_infeasible_exits_1_and_bad_input_exits_2():
+    assert run("solve", "--model", "deepseek-v3", "--seq", "1m", "--gpus", "8", "--hw", "h100").exit_code == 1
+    assert run("solve", "--model", "nope", "--seq", "1k", "--hw", "h100").exit_code == 2
+
+
+def test_bad_model_config_and_profile_files(tmp_path):
+    cfg = tmp_path / "config.json"
+    cfg.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 64}))
+    assert_one_line_error(run("solve", "--model", str(cfg), "--seq", "8k", "--hw", "h100"), "missing field")
+    prof = tmp_path / "mine.yaml"
+    prof.write_text("name: mine\nvendor: nvidia\n")
+    assert_one_line_error(run("solve", "--model", "qwen35-35b", "--seq", "8k", "--hw", str(prof)), "mine.yaml")
+
+
+# ---- the other commands ----------------------------------------------------------------------------------------
+def test_hw_lists_profiles_and_shows_sources():
+    r = run("hw")
+    assert r.exit_code == 0
+    for name in ("h100", "h200", "b200", "mi300x", "mi325x", "mi355x", "cpu"):
+        assert name in r.stdout
+    assert "989.4" in r.stdout and "1979 " not in r.stdout
+    r = run("hw", "mi300x")
+    assert r.exit_code == 0 and "peak_bf16_tflops:" in r.stdout and "datasheet" in r.stdout
+    assert_one_line_error(run("hw", "mi30"), "did you mean")
+
+
+def test_models_lists_totals_and_active():
+    r = run("models")
+    assert r.exit_code == 0
+    row = next(line for line in r.stdout.splitlines() if "qwen35-35b" in line)
+    counts = [float(x) for x in re.findall(r"(\d+\.\d+)B", row)]
+    assert counts[0] == 34.66
+    assert abs(counts[1] - 3.46) <= 0.01  # ≈3.46B active (3.455B)
+    r = run("models", "qwen35-35b")
+    assert r.exit_code == 0 and "32,212,254,720" in r.stdout and "mtp" in r.stdout
+
+
+def test_sweep_shows_the_solver_rank():
+    r = run("sweep", "--model", "qwen35-35b", "--seq", "128k", "--hw", "mi300x", "--gpus", "32")
+    assert r.exit_code == 0, r.output
+    m = re.search(r"(\d+) grid points, (\d+) fit .* ranks #(\d+) \((\d+\.\d+)× the grid optimum", r.stdout.replace(
+        "\n", " "))
+    assert m, r.stdout
+    n_points, n_fit, rank, ratio = int(m[1]), int(m[2]), int(m[3]), float(m[4])
+    assert 1 <= rank <= n_fit <= n_points and ratio <= 1.05
+    assert "◀ solver" in r.stdout or rank > 15
+
+
+def test_compare_three_parts():
+    r = run("compare", "--model", "qwen35-35b", "--seq", "128k", "--hw", "h100,mi300x,mi355x")
+    assert r.exit_code == 0, r.output
+    out = r.stdout
+    for name in ("h100", "mi300x", "mi355x"):
+        assert name in out
+    for label in ("layout", "activations GB", "peak / usable GB", "tok/s/GPU", "MFU hw / model",
+                  "what each technique buys", "full recompute", "fused LM head", "context parallel",
+                  "FSDP2 sharding", "chunked EP overlap"):
+        assert label in out, label
+    assert_one_line_error(run("compare", "--model", "qwen35-35b", "--seq", "128k", "--hw", "h100,mi3000x"),
+                          "unknown hardware profile")
+
+
+def test_compare_plot(tmp_path):
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "mem.png"
+    r = run("compare", "--model", "qwen35-35b", "--seq", "128k", "--hw", "h100,mi300x", "--plot", str(png))
+    assert r.exit_code == 0, r.output
+    assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+# ---- a real process, from a directory that is not the repository ---------------------------------------------
+def _recipe_argv() -> list[str]:
+    exe = shutil.which("recipe", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
+    return [exe] if exe else [sys.executable, "-c", "from recipe.cli import main; main()"]
+
+
+def test_real_process_from_a_temp_cwd(tmp_path):
+    """hw_profiles resolve from the installed package, not the working directory."""
+    assert (resources.files("hw_profiles") / "mi300x.yaml").is_file()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    p = subprocess.run(_recipe_argv() + SOLVE + ["-o", "plan.yaml"], cwd=tmp_path, env=env, capture_output=True,
+                       text=True, timeout=60)
+    assert p.returncode == 0, p.stderr
+    assert load_plan(tmp_path / "plan.yaml").inputs.hw == "mi300x"
+    bad = subprocess.run(_recipe_argv() + ["solve", "--model", "qwen35-35b", "--seq", "12x", "--hw", "mi300x"],
+                         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+    assert bad.returncode == 2
+    assert bad.stderr.strip().count("\n") == 0 and "Traceback" not in bad.stderr
+    assert "torch" not in subprocess.run(
+        [sys.executable, "-c", "import sys, recipe.cli, recipe.solver, recipe.sweep, recipe.plan; "
+                               "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))"],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60).stdout

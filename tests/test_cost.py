@@ -1,0 +1,264 @@
+"""The cost model against the seed's arithmetic and hand-worked cases; relations, not calibrated GB."""
+
+from __future__ import annotations
+
+import itertools
+
+import pytest
+
+import recipe.sweep as sweep_mod
+from recipe.cost import (BF16, BYTES_UNSHARDED, FP32, GB, Layout, TrainOptions, default_ep_chunks, ep_overlap_time,
+                         estimate, forward_flops_per_token, layer_params, layer_working_set, lm_head_bytes,
+                         overlap_efficiency, stage_params)
+from recipe.hw import all_profiles, load_profile
+from recipe.models import PRESETS, active_matmul_params, param_counts, total_params
+from recipe.plan import Inputs, build_plan, load_plan, parse_plan, dumps
+from recipe.solver import Decision, Solution
+
+Q35 = PRESETS["qwen35-35b"]
+H100 = load_profile("h100")
+MI300X = load_profile("mi300x")
+
+
+def opts(seq: int, **kw) -> TrainOptions:
+    return TrainOptions(micro_batch_tokens=seq, **kw)
+
+
+# ---- LM head: the seed's 16.27 / 32.55 GB -------------------------------------------------------------------
+def test_unfused_logits_seed_arithmetic():
+    """65,536 tokens × 124,160 vocab (248,320 on a TP=2 shard) × 2 bytes = 16.27 GB; with the gradient 32.55 GB."""
+    assert Q35.vocab_size == 248_320 and Q35.vocab_size // 2 == 124_160
+    per_copy = 65_536 * 124_160 * 2
+    assert round(per_copy / GB, 2) == 16.27
+    unfused = lm_head_bytes(Q35, 65_536, tp=2, fused=False)
+    assert unfused == 2 * per_copy
+    assert round(unfused / GB, 2) == 32.55
+
+
+def test_fused_head_is_a_tile_not_the_logits():
+    fused = lm_head_bytes(Q35, 65_536, tp=2, fused=True)
+    assert fused < 0.1 * lm_head_bytes(Q35, 65_536, tp=2, fused=False)
+    # the fp32 dH term grows with s; the tile does not
+    assert lm_head_bytes(Q35, 131_072, 2, True) - fused == pytest.approx(65_536 * Q35.hidden_size * FP32)
+
+
+def test_plan_reports_unfused_head_at_tp2():
+    """A plan at 128K tokens, CP=2 (65,536 local tokens), TP=2 records the seed's 32.55 GB."""
+    world, layout, o = 32, Layout(tp=2, cp=2, ep=8), opts(131_072, ep_overlap_chunks=32)
+    est = estimate(Q35, MI300X, world, layout, o)
+    assert round(est.lm_head_unfused_gb, 2) == 32.55
+    decisions = {k: Decision(getattr(layout, k), "test", "hand-built layout") for k in ("tp", "ep", "cp", "pp")}
+    sol = Solution(world=world, layout=layout, opts=o, estimate=est, decisions=decisions)
+    inputs = Inputs(model="qwen35-35b", seq_len=131_072, hw="mi300x", gpus=world)
+    plan = build_plan(inputs, Q35, MI300X, sol)
+    assert plan.prediction.lm_head_unfused_gb == 32.55
+    assert parse_plan(dumps(plan)).prediction.lm_head_unfused_gb == 32.55
+    assert plan.layout.dp == 8 and plan.layout.edp == 4
+
+
+# ---- FLOPs: 6N / 8N, the quadratic term ---------------------------------------------------------------------
+def test_forward_matmul_flops_are_2n():
+    f = forward_flops_per_token(Q35, 131_072)
+    assert f["matmul_layers"] + f["head"] == pytest.approx(2 * active_matmul_params(Q35), rel=1e-9)
+
+
+def test_full_recompute_is_8n_vs_6n():
+    est = estimate(Q35, H100, 32, Layout(cp=2, ep=8), opts(131_072))
+    f = est.flops_per_token
+    assert f["model"] == pytest.approx(3 * f["forward"])  # 6N: forward 2N + backward 4N
+    assert f["hardware"] == pytest.approx(4 * f["forward"])  # 8N: the recompute forward again
+    assert f["hardware"] / f["model"] == pytest.approx(4 / 3)  # +33%
+    # matmul part alone, N = active matmul params: 8N / 6N
+    n = active_matmul_params(Q35)
+    assert 4 * (f["matmul_layers"] + f["head"]) == pytest.approx(8 * n)
+    no_rc = estimate(Q35, H100, 32, Layout(cp=2, ep=8), opts(131_072, recompute="none", lm_head="naive"))
+    assert no_rc.flops_per_token["hardware"] == pytest.approx(no_rc.flops_per_token["model"])
+
+
+def test_attention_quadratic_term_only_for_full_attention_layers():
+    # qwen35-35b: 10 full-attention layers of 16 heads × (256 + 256), causal → seq/2 keys on average
+    for seq in (8192, 131_072):
+        f = forward_flops_per_token(Q35, seq)
+        assert f["attention"] == pytest.approx(2 * 16 * (256 + 256) * 10 * seq / 2)
+    # Gated DeltaNet is linear in the sequence: its per-token FLOPs do not depend on seq
+    assert forward_flops_per_token(Q35, 8192)["linear_attention"] == forward_flops_per_token(Q35, 262_144)[
+        "linear_attention"]
+    # doubling seq doubles the per-token attention term and leaves the matmuls alone
+    a, b = forward_flops_per_token(Q35, 65_536), forward_flops_per_token(Q35, 131_072)
+    assert b["attention"] == pytest.approx(2 * a["attention"])
+    assert b["matmul_layers"] == a["matmul_layers"]
+    # gpt-oss: the sliding layers see at most their 128-token window, the full layers seq/2
+    g = PRESETS["gpt-oss-120b"]
+    fg = forward_flops_per_token(g, 131_072)
+    assert fg["attention"] == pytest.approx(2 * 64 * (64 + 64) * (18 * 131_072 / 2 + 18 * 128))
+
+
+# ---- MFU over the dense peak only -----------------------------------------------------------------------------
+def test_mfu_is_over_the_dense_peak():
+    """186 TFLOP/s on an H100 is 18.8% of the 989.4 dense peak (9.4% against the 2:4-sparse 1979 would be wrong)."""
+    assert H100.peak_bf16_tflops == pytest.approx(989.4)
+    assert round(100 * 186 / H100.peak_bf16_tflops, 1) == 18.8
+    est = estimate(Q35, H100, 32, Layout(cp=2, ep=8), opts(131_072))
+    assert est.mfu_hardware == pytest.approx(est.tflops_per_gpu / H100.peak_bf16_tflops)
+    assert est.mfu_model == pytest.approx(est.mfu_hardware * 3 / 4)
+
+
+@pytest.mark.parametrize("name, dense_max", [("h100", 1000), ("h200", 1000), ("b200", 2300), ("mi300x", 1310),
+                                             ("mi325x", 1310), ("mi355x", 2600)])
+def test_no_profile_uses_a_sparse_peak(name, dense_max):
+    assert load_profile(name).peak_bf16_tflops < dense_max
+
+
+def test_every_profile_cites_its_peak():
+    for p in all_profiles():
+        assert "peak_bf16_tflops" in p.sources and p.usable_gb < p.hbm_gb + 1e-9
+
+
+# ---- chunked EP overlap --------------------------------------------------------------------------------------
+def test_overlap_efficiency_seed_figures():
+    assert [round(overlap_efficiency(k), 2) for k in (8, 16, 32)] == [0.89, 0.94, 0.97]
+    assert overlap_efficiency(1) == 0.5
+
+
+def test_ep_overlap_time_is_max_plus_one_ramp():
+    # comm = gemm: perfect overlap would cost 1.0; k chunks add one ramp/drain of 1/k → efficiency k/(k+1)
+    for k in (1, 2, 8, 16, 32):
+        assert 1.0 / ep_overlap_time(1.0, 1.0, k) == pytest.approx(overlap_efficiency(k))
+    assert ep_overlap_time(3.0, 1.0, 1) == 4.0  # k=1: serial
+    assert ep_overlap_time(3.0, 1.0, 4) == 3.25  # comm-bound: the gemm hides, one chunk of it shows
+
+
+def test_default_ep_chunks_2048_token_chunks():
+    assert [default_ep_chunks(s, 8) for s in (16_384, 32_768, 65_536)] == [8, 16, 32]
+    assert default_ep_chunks(1 << 20, 8) == 32  # capped
+    assert default_ep_chunks(1024, 8) == 1
+    assert default_ep_chunks(65_536, 1) == 1  # no EP, nothing to overlap
+
+
+def test_chunked_overlap_lowers_exposed_ep_time():
+    lay = Layout(cp=2, ep=8)
+    t = [estimate(Q35, H100, 32, lay, opts(131_072, ep_overlap_chunks=k)).time_s["ep_exposed"] for k in (1, 8, 32)]
+    assert t[0] > t[1] > t[2] >= 0
+
+
+# ---- the grid: 3 values over 4 dimensions is 81 configs ------------------------------------------------------
+def test_three_values_per_dimension_is_81(monkeypatch):
+    monkeypatch.setattr(sweep_mod, "pp_candidates", lambda m, world: [1, 2, 4])
+    monkeypatch.setattr(sweep_mod, "tp_candidates", lambda m, hw, ranks: [1, 2, 4])
+    monkeypatch.setattr(sweep_mod, "ep_candidates", lambda m, ranks: [2, 4, 8])
+    monkeypatch.setattr(sweep_mod, "cp_candidates", lambda m, seq, ranks, tp: [1, 2, 4])
+    pts = sweep_mod.grid(Q35, H100, 64, opts(32_768))
+    assert len(pts) == 3 ** 4 == 81 == len(list(itertools.product([1, 2, 4], repeat=4)))
+    assert len({p.layout for p in pts}) == 81
+
+
+# ---- memory by component and its sharding group --------------------------------------------------------------
+PERSISTENT = ("weights", "grads", "master", "optimizer")
+
+
+def test_persistent_state_16_bytes_per_param_over_the_world():
+    """With pp=1 every parameter ends up on world/... ranks: dense over tp·dp·cp, experts over ep·edp."""
+    world = 32
+    est = estimate(Q35, H100, world, Layout(cp=2, ep=8), opts(131_072))
+    per_param = {"weights": BF16, "grads": BF16, "master": FP32, "optimizer": 2 * FP32}
+    for k, b in per_param.items():
+        assert est.memory_gb[k] == pytest.approx(total_params(Q35) * b / world / GB)
+    assert sum(per_param.values()) == 16
+
+
+def test_sharding_groups_hand_worked_tiny():
+    """tiny-moe on 8 ranks, tp=1, cp=2, ep=2 → dp=4, edp=4. Dense state and FSDP traffic go over dp·cp = 8
+    ranks; routed experts are split by ep=2 first and their FSDP shards spread over edp=4."""
+    m = PRESETS["tiny-moe"]
+    c = param_counts(m)
+    dense = total_params(m) - c["routed_experts"]
+    experts = c["routed_experts"]
+    world, lay = 8, Layout(cp=2, ep=2)
+    assert (lay.dp(world), lay.edp(world)) == (4, 4)
+    est = estimate(m, H100, world, lay, opts(4096))
+    assert est.memory_gb["master"] == pytest.approx((dense / (1 * 4 * 2) + experts / (2 * 4)) * FP32 / GB)
+    # FSDP2 per step: gather bf16 twice (forward, backward) and reduce-scatter fp32 over each group
+    fsdp = dense * (8 - 1) / 8 * (2 * BF16 + FP32) + experts / 2 * (4 - 1) / 4 * (2 * BF16 + FP32)
+    assert est.comm_bytes["fsdp"] == pytest.approx(fsdp)
+    # the unsharded FSDP2 unit: one layer's dense part whole, its experts only the ep-local E/ep
+    layer_dense, layer_expert = layer_params(m)
+    assert layer_expert == pytest.approx(experts / m.num_layers)
+    s = 4096 / 2
+    expected_acts = (m.num_layers * s * m.hidden_size * BF16 + layer_working_set(m, s, 1, 2)
+                     + (layer_dense + layer_expert / 2) * BYTES_UNSHARDED)
+    assert est.memory_gb["activations"] == pytest.approx(expected_acts / GB)
+
+
+def test_experts_split_by_ep_not_by_dp_cp():
+    """At pp=2 a stage holds half the layers; its experts are divided over ep·edp = world/pp whatever ep is."""
+    world = 32
+    for ep in (1, 4, 8, 16):
+        est = estimate(Q35, H100, world, Layout(pp=2, ep=ep), opts(8192))
+        dense, experts, ends = stage_params(Q35, 2)
+        local = (dense + ends) / (world // 2) + experts / (world // 2)
+        assert est.memory_gb["weights"] == pytest.approx(local * BF16 / GB)
+    assert experts == pytest.approx(param_counts(Q35)["routed_experts"] / 2)
+
+
+def test_unsharded_expert_layer_shrinks_with_ep():
+    a = [estimate(Q35, MI300X, 32, Layout(ep=ep), opts(8192)).memory_gb["activations"] for ep in (1, 2, 8, 32)]
+    assert a == sorted(a, reverse=True)
+    _, layer_expert = layer_params(Q35)
+    assert (a[0] - a[1]) * GB == pytest.approx(layer_expert / 2 * BYTES_UNSHARDED)
+
+
+def test_activations_scale_about_inverse_cp_persistent_does_not():
+    ests = {cp: estimate(Q35, MI300X, 32, Layout(cp=cp, ep=8), opts(131_072)) for cp in (1, 2, 4, 8)}
+    for k in PERSISTENT:
+        assert len({round(e.memory_gb[k], 9) for e in ests.values()}) == 1, k
+    acts = [ests[c].memory_gb["activations"] for c in (1, 2, 4, 8)]
+    for lo, hi in zip(acts, acts[1:]):
+        assert 0.45 < hi / lo < 0.6
+    # the checkpoint term exactly: one layer input per layer, s/cp·h·2 bytes
+    ck = lambda c: Q35.num_layers * 131_072 / c * Q35.hidden_size * BF16  # noqa: E731
+    assert ck(1) / GB == pytest.approx(21.47, abs=0.01)
+    d12 = (acts[0] - acts[1]) * GB
+    ws = layer_working_set(Q35, 131_072, 1, 1) - layer_working_set(Q35, 65_536, 1, 2)
+    assert d12 == pytest.approx(ck(1) - ck(2) + ws)
+
+
+def test_recompute_none_keeps_every_layer():
+    lay, o = Layout(cp=2, ep=8), opts(32_768)
+    full = estimate(Q35, MI300X, 32, lay, o).memory_gb["activations"]
+    none = estimate(Q35, MI300X, 32, lay, o.model_copy(update={"recompute": "none"})).memory_gb["activations"]
+    assert none > 5 * full
+
+
+def test_total_is_the_sum_and_fits_against_usable():
+    est = estimate(Q35, H100, 32, Layout(cp=2, ep=8), opts(131_072))
+    parts = ("weights", "grads", "master", "optimizer", "activations", "lm_head", "overhead")
+    assert est.memory_gb["total"] == pytest.approx(sum(est.memory_gb[k] for k in parts))
+    assert est.memory_gb["usable"] == pytest.approx(H100.hbm_gb * H100.usable_memory_fraction)
+    assert est.fits == (est.memory_gb["total"] <= est.memory_gb["usable"])
+
+
+# ---- time -----------------------------------------------------------------------------------------------------
+def test_pp_bubble_fraction():
+    m, o = Q35, opts(8192, micro_batches=8)
+    for p in (2, 4):
+        est = estimate(m, H100, 32, Layout(pp=p, ep=8), o)
+        t = est.time_s
+        assert t["pp_bubble"] / (est.step_time_s - t["optimizer"]) == pytest.approx((p - 1) / (8 + p - 1))
+    assert estimate(m, H100, 32, Layout(ep=8), o).time_s["pp_bubble"] == 0
+
+
+def test_ep_all_to_all_bytes_hand_worked():
+    """Per micro-batch per MoE layer per pass: dispatch + combine, s·k·h·2 bytes each, (ep−1)/ep leaves the rank;
+    three passes under full recompute (forward, recompute, backward)."""
+    s, ep = 65_536, 8
+    est = estimate(Q35, H100, 32, Layout(cp=2, ep=ep), opts(131_072))
+    expected = 3 * 40 * 2 * s * 8 * 2048 * BF16 * (ep - 1) / ep
+    assert est.comm_bytes["ep_all_to_all"] == pytest.approx(expected)
+
+
+def test_tokens_and_step_time_consistent():
+    world, lay, o = 32, Layout(cp=2, ep=8), opts(131_072)
+    est = estimate(Q35, H100, world, lay, o)
+    # dp·cp ranks share one 131,072-token micro-batch per dp rank: tokens/s/GPU = seq·dp / step / world
+    assert est.tokens_per_s_per_gpu == pytest.approx(131_072 * lay.dp(world) / est.step_time_s / world)
+    assert est.step_time_s == pytest.approx(sum(est.time_s.values()))

@@ -1,0 +1,202 @@
+"""The solver: physical sense, the preset × profile × sequence × GPU-count matrix against the full grid,
+odd world sizes, infeasible messages."""
+
+from __future__ import annotations
+
+import functools
+
+import pytest
+
+from recipe.cost import TrainOptions
+from recipe.hw import load_profile
+from recipe.models import PRESETS
+from recipe.solver import InfeasibleError, Solution, solve
+from recipe.sweep import GridPoint, grid, rank_of, ranked
+
+MODELS = [n for n in PRESETS if n != "tiny-moe"]
+PROFILES = ["h100", "mi300x", "mi355x", "b200"]
+SEQS = [8192, 32_768, 131_072, 262_144]
+WORLDS = [8, 16, 32, 64]
+
+
+@functools.lru_cache(maxsize=None)
+def _hw(name: str):
+    return load_profile(name)
+
+
+@functools.lru_cache(maxsize=None)
+def solved(model: str, hw: str, seq: int, world: int) -> Solution | None:
+    try:
+        return solve(PRESETS[model], _hw(hw), world, TrainOptions(micro_batch_tokens=seq))
+    except InfeasibleError:
+        return None
+
+
+# ---- physical sense ------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("model", MODELS)
+def test_cp_never_grows_with_hbm(model):
+    """h100 (80 GB) >= mi300x (192 GB) >= mi355x (288 GB) in CP, for the same model, sequence and GPU count."""
+    for seq in SEQS:
+        for w in WORLDS:
+            sols = [solved(model, h, seq, w) for h in ("h100", "mi300x", "mi355x")]
+            fits = [s is not None for s in sols]
+            assert fits == sorted(fits), (model, seq, w, fits)  # more memory never loses feasibility
+            cps = [s.layout.cp for s in sols if s is not None]
+            assert cps == sorted(cps, reverse=True), (model, seq, w, cps)
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_cp_never_shrinks_when_the_sequence_grows(model):
+    for h in PROFILES:
+        for w in WORLDS:
+            sols = [solved(model, h, seq, w) for seq in SEQS]
+            fits = [s is not None for s in sols]
+            assert fits == sorted(fits, reverse=True), (model, h, w, fits)  # longer never fits where shorter did not
+            cps = [s.layout.cp for s in sols if s is not None]
+            assert cps == sorted(cps), (model, h, w, cps)
+
+
+def _min_fitting_cp(model: str, hw: str, s: Solution) -> int:
+    """The smallest CP that fits at the solver's own pp, tp and ep: the memory rule alone."""
+    from recipe.cost import Layout, default_ep_chunks, estimate
+    from recipe.solver import cp_candidates
+
+    m, o, lay = PRESETS[model], s.opts, s.layout
+    for c in cp_candidates(m, o.micro_batch_tokens, s.world // (lay.pp * lay.tp), lay.tp):
+        oc = o.model_copy(update={"ep_overlap_chunks": default_ep_chunks(o.micro_batch_tokens / c, lay.ep)})
+        if estimate(m, _hw(hw), s.world, Layout(pp=lay.pp, tp=lay.tp, cp=c, ep=lay.ep), oc).fits:
+            return c
+    raise AssertionError("the solver's own layout must fit")
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_cp_is_the_memory_minimum(model):
+    """CP is the smallest that fits at the solver's own pp, tp and ep; the one exception is a step up that makes
+    room for a smaller EP, which the decision says."""
+    for h in PROFILES:
+        for seq in SEQS:
+            for w in WORLDS:
+                s = solved(model, h, seq, w)
+                if s is None:
+                    continue
+                c_min = _min_fitting_cp(model, h, s)
+                d = s.decisions["cp"]
+                if "smaller EP" in d.constraint:
+                    assert s.layout.cp >= c_min and "faster per token" in d.reason, (model, h, seq, w)
+                else:
+                    assert s.layout.cp == c_min, (model, h, seq, w, s.layout.cp, c_min)
+
+
+def test_cp_rejected_alternative_is_true():
+    """The CP decision's rejected alternative says 'cp=c: peak X GB > usable'; that must be true of X."""
+    bad = []
+    for model in MODELS:
+        for h in PROFILES:
+            for seq in SEQS:
+                for w in WORLDS:
+                    s = solved(model, h, seq, w)
+                    rej = s.decisions["cp"].rejected if s else ""
+                    if "peak" in rej:
+                        peak = float(rej.split("peak ")[1].split(" GB")[0])
+                        if peak <= _hw(h).usable_gb:
+                            bad.append((model, h, seq, w, rej))
+    assert not bad, f"{len(bad)} plans reject a CP that fits, e.g. {bad[0]}"
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_every_plan_fits_usable_hbm(model):
+    for h in PROFILES:
+        usable = _hw(h).usable_gb
+        for seq in SEQS:
+            for w in WORLDS:
+                s = solved(model, h, seq, w)
+                if s is not None:
+                    assert s.estimate.fits and s.estimate.total_gb <= usable, (model, h, seq, w)
+                    deg = s.degrees
+                    assert deg["pp"] * deg["tp"] * deg["cp"] * deg["dp"] == w
+                    assert deg["pp"] * deg["ep"] * deg["etp"] * deg["edp"] == w
+
+
+# ---- against the full grid -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("model", MODELS)
+def test_solver_matches_grid(model):
+    """Feasible whenever any grid point is, and within 5% of the grid optimum's time per token."""
+    for h in PROFILES:
+        hw = _hw(h)
+        for seq in SEQS:
+            o = TrainOptions(micro_batch_tokens=seq)
+            for w in WORLDS:
+                feas = [p for p in grid(PRESETS[model], hw, w, o) if p.estimate.fits]
+                s = solved(model, h, seq, w)
+                case = (model, h, seq, w)
+                if not feas:
+                    assert s is None, case  # the solver must not invent a layout the grid lacks
+                    continue
+                assert s is not None, f"{case}: the grid has {len(feas)} fitting layouts, the solver none"
+                best = min(p.seconds_per_token(w, o) for p in feas)
+                mine = GridPoint(s.layout, s.estimate).seconds_per_token(w, o)
+                assert mine <= best * 1.05, f"{case}: {mine / best:.3f}× the grid optimum"
+
+
+def test_sweep_ranks_the_solver_choice():
+    m, hw, w = PRESETS["qwen35-35b"], _hw("mi300x"), 32
+    o = TrainOptions(micro_batch_tokens=131_072)
+    s = solve(m, hw, w, o)
+    pts = ranked(grid(m, hw, w, o), w, o)
+    r = rank_of(pts, s.layout)
+    assert r >= 1 and pts[r - 1].estimate.fits
+    fits = [p.estimate.fits for p in pts]
+    assert fits == sorted(fits, reverse=True)  # feasible first
+    assert rank_of(pts, type(s.layout)(pp=3, tp=3)) == 0
+
+
+# ---- worked cases --------------------------------------------------------------------------------------------
+def test_qwen35_128k_h100_32_needs_cp_mi300x_does_not():
+    """The seed's setting: 32 H100s need CP at 128K tokens; 192 GB and 288 GB parts hold the whole sequence."""
+    h = solved("qwen35-35b", "h100", 131_072, 32)
+    assert h.layout.cp >= 2 and h.decisions["cp"].constraint == "activation memory"
+    assert "cp=1" in h.decisions["cp"].rejected
+    for part in ("mi300x", "mi355x"):
+        s = solved("qwen35-35b", part, 131_072, 32)
+        assert s.layout.cp == 1, (part, s.degrees)
+        assert "fits" in s.decisions["cp"].reason
+    assert h.layout.ep <= _hw("h100").gpus_per_node  # the all-to-all stays inside a node
+
+
+def test_decisions_name_their_constraint():
+    s = solved("qwen35-35b", "h100", 131_072, 32)
+    assert set(s.decisions) == {"tp", "ep", "cp", "pp"}
+    for k, d in s.decisions.items():
+        assert d.value == getattr(s.layout, k) and d.constraint and d.reason
+
+
+@pytest.mark.parametrize("world", [6, 12, 24])
+def test_odd_world_sizes_resolve(world):
+    """--gpus N: whatever the user has free; the degrees multiply to N."""
+    m, hw = PRESETS["qwen35-35b"], _hw("mi300x")
+    s = solve(m, hw, world, TrainOptions(micro_batch_tokens=32_768))
+    deg = s.degrees
+    assert s.world == world
+    assert deg["pp"] * deg["tp"] * deg["cp"] * deg["dp"] == world
+    assert deg["pp"] * deg["ep"] * deg["etp"] * deg["edp"] == world
+    assert m.num_experts % deg["ep"] == 0 and world % deg["ep"] == 0
+    assert s.estimate.fits
+
+
+def test_infeasible_names_constraint_and_shortfall():
+    m, hw = PRESETS["deepseek-v3"], _hw("h100")
+    with pytest.raises(InfeasibleError) as e:
+        solve(m, hw, 8, TrainOptions(micro_batch_tokens=1 << 20))
+    msg = str(e.value)
+    assert "does not fit on 8x h100" in msg
+    assert "GB over" in msg and "persistent state" in msg and "activations" in msg
+    assert "\n" not in msg
+    # the shortfall it names is the peak minus usable of the layout it quotes
+    peak = float(msg.split("peaks at ")[1].split(" GB")[0])
+    over = float(msg.split("(")[2].split(" GB over")[0])
+    assert over == pytest.approx(peak - hw.usable_gb, abs=0.11)
+
+
+def test_world_out_of_range():
+    with pytest.raises(InfeasibleError, match="--gpus must be between 1 and"):
+        solve(PRESETS["qwen35-35b"], _hw("h100"), 0, TrainOptions(micro_batch_tokens=8192))
