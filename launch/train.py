@@ -153,7 +153,16 @@ def _single_process_layout(plan) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
+    """CLI entry: user errors (plan, data, checkpoint, layout) print one line and return 2."""
     args = _parse(argv)
+    try:
+        return _run(args)
+    except (ValueError, FileNotFoundError) as e:  # PlanError, RolloutFormatError and checkpoint errors included
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+
+
+def _run(args: argparse.Namespace) -> int:
     from recipe.plan import load_plan
 
     plan = load_plan(args.plan)

@@ -151,6 +151,8 @@ def test_cli_runs_a_plan(tmp_path, capsys):
     assert [x["step"] for x in lines] == [1, 2]
     assert (tmp_path / "hf" / "model.safetensors").exists()
     assert "grad_norm=" in capsys.readouterr().out
+    assert main([str(plan_path), "--data", str(tmp_path / "missing.jsonl"), "--device", "cpu"]) == 2
+    assert "error: cannot read rollouts" in capsys.readouterr().err
 
 
 def _tiny_plan(plan_mod) -> str:
