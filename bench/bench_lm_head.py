@@ -204,7 +204,7 @@ def profile_ours(h, w, t):
             Tc, Vc = lm_head._chunk_sizes(T, V, impl, None, None)
             n = math.ceil(T / Tc) * math.ceil(V / Vc)
             coef = torch.randn(Tc, device=h.device)
-            one = torch.ones(1, device=h.device)
+            one = torch.ones((), device=h.device)
             dz = torch.empty(Tc, Vc, device=h.device, dtype=torch.float16)
             hc, wc = hd[:Tc], wd[:Vc]
             if impl == "fused":

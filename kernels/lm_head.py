@@ -34,7 +34,7 @@ from kernels import lm_head_chunked
 
 BACKWARD_SCRATCH_BYTES = 128 * 2**20  # the dZ tile's budget; see _chunk_sizes
 DEFAULT_CHUNK_VOCAB = 8192
-DEFAULT_IMPL = "split"  # on CUDA; see _pick_impl and docs/BENCHMARKS.md for the measurement behind it
+DEFAULT_IMPL = "fused"  # on CUDA; "split" measured no faster on H200 (docs/BENCHMARKS.md), and holds a chunk
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -224,10 +224,15 @@ def _split_token_stats(kmod, hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy
 
 
 def _pow2_scale(max_abs: torch.Tensor, target: float = 2.0**14) -> torch.Tensor:
-    """A power of two s (1-element fp32 tensor, no host sync) with max_abs * s in [target/2, target]: multiplying
+    """A power of two s (0-dim fp32 tensor, no host sync) with max_abs * s in (target/2, target]: multiplying
     by it is exact, and it moves values into fp16's range (max 65504, full precision down to 6.1e-5)."""
+    max_abs = max_abs.float()
     safe = torch.where(max_abs > 0, max_abs, torch.ones_like(max_abs))
-    return torch.exp2(torch.floor(torch.log2(target / safe))).clamp(2.0**-100, 2.0**100).reshape(1)
+    return torch.exp2(torch.floor(torch.log2(target / safe))).clamp(2.0**-100, 2.0**100).reshape(())
+
+
+def _amax(x: torch.Tensor) -> torch.Tensor:
+    return torch.linalg.vector_norm(x, float("inf"))  # max |x| in one pass, no |x| temporary
 
 
 def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend, impl,
@@ -243,14 +248,18 @@ def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp
     f32 = dict(dtype=torch.float32, device=dev)
     if hidden_TH.dtype == torch.float32:
         gemm_dtype = torch.float32
-        dz_scale = h_scale = w_scale = torch.ones(1, **f32)
+        dz_scale = h_scale = w_scale = torch.ones((), **f32)
     else:
         gemm_dtype = torch.float16
         # |dlogit| <= (|a| + |b| (|lse| + 1) + |c|) / temperature, since p |x| <= |lse| + 1 (p = exp(x - lse)).
-        bound = (a_T.abs().amax() + b_T.abs().amax() * (lse_T.abs().amax() + 1) + c_T.abs().amax()) * inv_temp
+        bound = (_amax(a_T) + _amax(b_T) * (_amax(lse_T) + 1) + _amax(c_T)) * inv_temp
         dz_scale = _pow2_scale(bound)
-        h_scale = _pow2_scale(hidden_TH.abs().amax().float())
-        w_scale = _pow2_scale(weight_VH.abs().amax().float())
+        h_scale = _pow2_scale(_amax(hidden_TH))
+        w_scale = _pow2_scale(_amax(weight_VH))
+        # 16-bit operands of the backward GEMMs, scaled by a power of two and converted in one pass each
+        h_buf = torch.empty((Tc, H), dtype=gemm_dtype, device=dev)
+        w_buf = torch.empty((Vc, H), dtype=gemm_dtype, device=dev)
+        # (bf16 x 0-dim fp32 computes in bf16, exact for a power of two, then casts to fp16 on the write)
     dH32_TH = torch.empty((T, H), **f32) if need_h else None
     dW_VH = torch.empty_like(weight_VH) if need_w else None
     dZ_buf = torch.empty((Tc, Vc), dtype=gemm_dtype, device=dev)
@@ -259,7 +268,7 @@ def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp
     for v0 in range(0, V, Vc):
         v1 = min(v0 + Vc, V)
         w_vH = weight_VH[v0:v1]
-        w_g = w_vH if gemm_dtype == w_vH.dtype else (w_vH.float() * w_scale).to(gemm_dtype)
+        w_g = w_vH if gemm_dtype == w_vH.dtype else torch.mul(w_vH, w_scale, out=w_buf[: v1 - v0])
         for t0 in range(0, T, Tc):
             t1 = min(t0 + Tc, T)
             h_tH = hidden_TH[t0:t1]
@@ -272,7 +281,7 @@ def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp
             else:
                 kmod.dlogits(h_tH, w_vH, *rows, dZ_tv)
             if need_w:
-                h_g = h_tH if gemm_dtype == h_tH.dtype else (h_tH.float() * h_scale).to(gemm_dtype)
+                h_g = h_tH if gemm_dtype == h_tH.dtype else torch.mul(h_tH, h_scale, out=h_buf[: t1 - t0])
                 _gemm_acc(dW32_buf[: v1 - v0], dZ_tv.T, h_g, first=(t0 == 0))
             if need_h:
                 _gemm_acc(dH32_TH[t0:t1], dZ_tv, w_g, first=(v0 == 0))

@@ -309,12 +309,13 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
+@pytest.mark.parametrize("impl", ["fused", "split"])
 @pytest.mark.parametrize("T,H,V", [(1000, 256, 5003), (4099, 512, 32771)])
-def test_gpu_bf16_cross_entropy(T, H, V):
+def test_gpu_bf16_cross_entropy(T, H, V, impl):
     # bf16 operands, fp32 logits and accumulators: loss at fp32 accuracy; gradients limited by the bf16 dlogits
     # tile and the bf16 output rounding (the issue's bar: dH 7e-3, dW 2e-3).
     errs = check_cross_entropy(T, H, V, backend="triton", tol=1e-5, device="cuda", dtype=torch.bfloat16,
-                               z_loss=1e-4, chunk_tokens=1024, chunk_vocab=4096, grad_tol=2e-3)
+                               z_loss=1e-4, chunk_tokens=1024, chunk_vocab=4096, grad_tol=2e-3, impl=impl)
     print(errs)
 
 
@@ -322,8 +323,9 @@ def test_gpu_bf16_cross_entropy(T, H, V):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_logprobs_entropy(dtype):
-    grad_tol = 1e-5 if dtype == torch.float32 else 2e-3
-    print(check_logprobs(3001, 256, 20011, backend="triton", tol=1e-5, device="cuda", dtype=dtype,
+    # logits of size ~90 (logit_scale 30): fp32 rounding of the logits shows in the entropy at ~2e-5
+    grad_tol = 5e-5 if dtype == torch.float32 else 2e-3
+    print(check_logprobs(3001, 256, 20011, backend="triton", tol=1e-4, device="cuda", dtype=dtype,
                          temperature=0.9, logit_scale=30.0, grad_tol=grad_tol))
 
 
