@@ -1,11 +1,11 @@
 """AdamW with fp32 master weights over a bf16 (or fp32) model, global gradient-norm clipping, and a loud stop on a
 non-finite gradient.
 
-The model's parameters hold the compute copy (bf16 on GPU). The optimizer holds an fp32 master copy and the two
-moments; each step casts the gradients to fp32 a group at a time (bounded extra memory), updates the masters with
-multi-tensor (`torch._foreach_*`) ops, and writes the masters back into the compute copy. Where the model is already
-fp32 the master *is* the parameter (no copy). Persistent bytes per parameter: 2 (bf16 weight) + 2 (bf16 grad) +
-4 (master) + 8 (moments) = 16.
+The model's parameters hold the compute copy (bf16 on GPU). The update itself is PyTorch's own AdamW over fp32
+master copies (its fused kernel on GPU, one pass reading master, grad and both moments; foreach on CPU): each step
+casts the gradients to fp32 a group at a time (bounded extra memory: at most `group_numel` fp32 gradients live),
+steps, and writes the masters back into the compute copy. Where the model is already fp32 the master *is* the
+parameter (no copy). Persistent bytes per parameter: 2 (bf16 weight) + 2 (bf16 grad) + 4 (master) + 8 (moments) = 16.
 """
 
 from __future__ import annotations
@@ -32,11 +32,24 @@ class MasterAdamW:
         self.weight_decay, self.max_grad_norm = weight_decay, max_grad_norm
         self.masters = [p.data if p.dtype == master_dtype else p.detach().to(master_dtype).clone()
                         for p in self.params]
-        self.exp_avg = [torch.zeros_like(m) for m in self.masters]
-        self.exp_avg_sq = [torch.zeros_like(m) for m in self.masters]
+        self.masters = [torch.nn.Parameter(m, requires_grad=False) if not isinstance(m, torch.nn.Parameter) else m
+                        for m in self.masters]
         self.decays = [p.dim() >= 2 for p in self.params]  # no decay on norms, dt_bias, A_log
         self.num_steps = 0
         self.groups = self._groups(group_numel)
+        fused = all(m.is_cuda for m in self.masters)
+        groups = [{"params": [m for m, d in zip(self.masters, self.decays) if d], "weight_decay": weight_decay},
+                  {"params": [m for m, d in zip(self.masters, self.decays) if not d], "weight_decay": 0.0}]
+        self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
+                                     fused=fused or None, foreach=None if fused else True)
+
+    @property
+    def exp_avg(self) -> list[torch.Tensor]:
+        return [self.opt.state[m]["exp_avg"] if m in self.opt.state else torch.zeros_like(m) for m in self.masters]
+
+    @property
+    def exp_avg_sq(self) -> list[torch.Tensor]:
+        return [self.opt.state[m]["exp_avg_sq"] if m in self.opt.state else torch.zeros_like(m) for m in self.masters]
 
     def _groups(self, group_numel: int) -> list[list[int]]:
         groups, cur, used = [], [], 0
@@ -73,33 +86,18 @@ class MasterAdamW:
         if self.max_grad_norm is not None and total_f > self.max_grad_norm:
             clip = self.max_grad_norm / (total_f + 1e-6)
         self.num_steps += 1
-        b1, b2 = self.betas
-        bc1, bc2 = 1 - b1 ** self.num_steps, 1 - b2 ** self.num_steps
-        step_size = self.lr / bc1
         for idx in self.groups:
             idx = [i for i in idx if self.params[i].grad is not None]
             if not idx:
                 continue
-            masters = [self.masters[i] for i in idx]
-            m = [self.exp_avg[i] for i in idx]
-            v = [self.exp_avg_sq[i] for i in idx]
-            grads = [self.params[i].grad.to(masters[0].dtype) for i in idx]
-            if clip != 1.0:
-                torch._foreach_mul_(grads, clip)
-            torch._foreach_lerp_(m, grads, 1 - b1)  # m ← b1·m + (1 − b1)·g
-            torch._foreach_mul_(v, b2)
-            torch._foreach_addcmul_(v, grads, grads, 1 - b2)
-            del grads
-            denom = torch._foreach_sqrt(v)
-            torch._foreach_div_(denom, math.sqrt(bc2))
-            torch._foreach_add_(denom, self.eps)
-            decay = [mt for i, mt in zip(idx, masters) if self.decays[i]]
-            if self.weight_decay and decay:
-                torch._foreach_mul_(decay, 1 - self.lr * self.weight_decay)
-            torch._foreach_addcdiv_(masters, m, denom, -step_size)
-            del denom
+            for i in idx:  # fp32 gradients for this group only; the master shares storage with an fp32 param
+                g = self.params[i].grad
+                g = g.to(self.masters[i].dtype) if self.masters[i] is not self.params[i] else g
+                self.masters[i].grad = g.mul(clip) if clip != 1.0 else g
+            self.opt.step()  # params whose .grad is None (other groups) are skipped
             for i in idx:
-                if self.masters[i] is not self.params[i].data:
+                self.masters[i].grad = None
+                if self.masters[i].data_ptr() != self.params[i].data_ptr():
                     self.params[i].data.copy_(self.masters[i])
         return total_f
 

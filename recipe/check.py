@@ -168,14 +168,12 @@ def divisibility(m, lay, seq: int) -> list[tuple[str, int, str]]:
         out.append(("ep", lay.ep, f"{m.num_experts} experts of {m.name} are not divisible by ep={lay.ep}"))
     if m.num_layers % lay.pp:
         out.append(("pp", lay.pp, f"{m.num_layers} layers of {m.name} are not divisible into pp={lay.pp} stages"))
-    if seq % cp:
-        out.append(("cp", cp, f"sequence {seq} is not divisible by cp={cp}"))
-    elif cp > 1 and seq % (2 * cp):
-        out.append(("cp", cp, f"sequence {seq} does not split into 2·cp={2 * cp} equal chunks (causal load "
-                              f"balancing)"))
-    if m.linear_attn is not None and m.linear_attn.num_k_heads % (cp * tp):
-        out.append(("cp", cp, f"{m.linear_attn.num_k_heads} linear-attention key heads of {m.name} are not "
-                              f"divisible by cp·tp={cp}·{tp}={cp * tp}"))
+    if m.linear_attn is not None and m.linear_attn.num_k_heads % tp:
+        out.append(("tp", tp, f"{m.linear_attn.num_k_heads} linear-attention key heads of {m.name} are not "
+                              f"divisible by tp={tp}"))
+    from .solver import cp_violations
+
+    out += [("cp", cp, why) for why in cp_violations(m, seq, cp)]
     return out
 
 

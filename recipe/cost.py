@@ -30,7 +30,14 @@ BYTES_UNSHARDED = 2 * BF16 + FP32
 # The fused LM-head kernel keeps a [chunk × V] tile of logits / dlogits; its chunk is sized to this budget.
 FUSED_HEAD_BUDGET_B = 1.0 * GB
 EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (the seed's figure)
-ADAM_BYTES_MOVED = 28  # per local parameter: read p, g, m, v (fp32) and write p, m, v
+# The optimizer step per local parameter: cast the bf16 gradient to fp32 (2 + 4 bytes), fused AdamW (read master,
+# grad, both moments, write master and moments: 28), write the bf16 compute copy back (4 + 2): 40 bytes.
+ADAM_BYTES_MOVED = 40
+# Gradients in flight during a recomputed layer's backward, as a fraction of the larger block's saved activations.
+# Calibrated: with 0.5 the predicted peak of 4 Qwen3.5-35B layers on one H200 at 32K/64K/128K tokens is within 4%
+# of the measured peak allocated (docs/BENCHMARKS.md, "Memory prediction against measurement").
+BACKWARD_TRANSIENT = 0.5
+HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -121,7 +128,7 @@ def layer_params(m: ModelShape) -> tuple[float, float]:
 
 # ---- activations ---------------------------------------------------------------------------------------------
 def attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
-    """Bytes saved by one full-attention layer's forward (and as much again for their gradients in its backward).
+    """Bytes saved by one full-attention layer's forward for its backward.
 
     q (+ output gate), k, v, attention output, softmax statistics; with CP the K/V of the whole sequence is
     all-gathered (exact CP), so k and v count at s·cp."""
@@ -140,12 +147,12 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
         out = s * nh * m.head_dim * BF16
     stats = s * nh * FP32
     io = 2 * s * h * BF16  # normed input and projected output
-    return 2 * (q + kv + out + stats + io)
+    return q + kv + out + stats + io
 
 
 def linear_attention_working_set(m: ModelShape, s: float, tp: int) -> float:
     """Gated DeltaNet: projections, conv output, fp32 copies inside the chunked rule, one fp32 state per chunk,
-    the in-chunk [C × C] matrices, gated-norm output; doubled for the backward's gradients."""
+    the in-chunk [C × C] matrices, gated-norm output."""
     la = m.linear_attn
     nk, nv = la.num_k_heads / tp, la.num_v_heads / tp
     kd, vd = nk * la.head_k_dim, nv * la.head_v_dim
@@ -156,12 +163,12 @@ def linear_attention_working_set(m: ModelShape, s: float, tp: int) -> float:
     states = (s / la.chunk_size) * nv * la.head_k_dim * la.head_v_dim * FP32
     in_chunk = s * la.chunk_size * nv * FP32
     out = s * 2 * vd * BF16 + 2 * s * m.hidden_size * BF16
-    return 2 * (proj + conv + fp32_inputs + wy + states + in_chunk + out)
+    return proj + conv + fp32_inputs + wy + states + in_chunk + out
 
 
 def moe_working_set(m: ModelShape, s: float) -> float:
     """Router logits (fp32), top-k weights and indices, tokens permuted ×k, expert gate/up/act intermediates,
-    expert outputs and the combine; doubled for the backward. Under balanced EP a rank receives about s·k token
+    expert outputs and the combine. Under balanced EP a rank receives about s·k token
     copies whatever ep is, so this does not shrink with ep (etp splits the intermediates)."""
     h, k = m.hidden_size, m.top_k
     router = s * m.num_experts * FP32 + s * k * (8 + FP32)
@@ -169,23 +176,29 @@ def moe_working_set(m: ModelShape, s: float) -> float:
     inter = s * k * m.expert_ffn * 3 * BF16  # gate, up, act(gate)·up
     out = s * k * h * BF16 + s * h * BF16
     shared = s * m.shared_expert_ffn * 3 * BF16 if m.shared_expert_ffn else 0.0
-    return 2 * (router + permuted + inter + out + shared)
+    return router + permuted + inter + out + shared
 
 
 def dense_ffn_working_set(m: ModelShape, s: float, tp: int) -> float:
-    return 2 * (s * m.dense_ffn / tp * 3 * BF16 + 2 * s * m.hidden_size * BF16) if m.first_dense_layers else 0.0
+    return (s * m.dense_ffn / tp * 3 * BF16 + 2 * s * m.hidden_size * BF16) if m.first_dense_layers else 0.0
 
 
-def layer_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
-    """The largest decoder layer's recompute working set: its mixer and its FFN together (the checkpoint unit is
-    the decoder layer, so both are live during that layer's backward)."""
+def layer_saved(m: ModelShape, s: float, tp: int, cp: int) -> tuple[float, float]:
+    """(mixer, FFN) bytes one decoder layer's forward saves for its backward: the largest mixer and FFN kinds."""
     mixers = []
     if m.num_full_attn_layers or m.num_sliding_layers:
         mixers.append(attention_working_set(m, s, tp, cp))
     if m.num_linear_attn_layers:
         mixers.append(linear_attention_working_set(m, s, tp))
     ffn = max(moe_working_set(m, s) if m.num_moe_layers else 0.0, dense_ffn_working_set(m, s, tp))
-    return max(mixers) + ffn
+    return max(mixers), ffn
+
+
+def layer_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
+    """One layer's recompute working set during its backward: everything its forward saved (mixer and FFN: the
+    checkpoint unit is the decoder layer) plus the gradients in flight, BACKWARD_TRANSIENT of the larger block."""
+    mixer, ffn = layer_saved(m, s, tp, cp)
+    return mixer + ffn + BACKWARD_TRANSIENT * max(mixer, ffn)
 
 
 def lm_head_bytes(m: ModelShape, s: float, tp: int, fused: bool) -> float:
@@ -279,12 +292,13 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     unsharded = (layer_dense / tp + layer_expert / (ep * etp)) * BYTES_UNSHARDED
     if dp * cp == 1 and edp == 1:
         unsharded = 0.0  # nothing to gather: the single copy is already whole
-    working = layer_working_set(m, s / 1, tp, cp)
+    working = layer_working_set(m, s, tp, cp)
     if recompute:
         checkpoints = L * in_flight * s * m.hidden_size * BF16 / tp
         acts = checkpoints + working + unsharded
     else:
-        acts = L * in_flight * working / 2 + working / 2 + unsharded  # every layer keeps its forward activations
+        mixer, ffn = layer_saved(m, s, tp, cp)  # every layer keeps what its forward saved
+        acts = L * in_flight * (mixer + ffn) + BACKWARD_TRANSIENT * max(mixer, ffn) + unsharded
     mem["activations"] = acts
     head_unsharded = m.vocab_size / tp * m.hidden_size * BYTES_UNSHARDED if dp * cp > 1 else 0.0
     mem["lm_head"] = lm_head_bytes(m, s, tp, fused) + head_unsharded
@@ -368,7 +382,7 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     t_mb = max(t_mb_serial, t_fsdp)  # FSDP2 prefetch hides its traffic under the layer compute
     mb = opts.micro_batches
     t_bubble = t_mb * (pp - 1)  # 1F1B: (p−1) extra slots over m micro-batches, (p−1)/(m+p−1) of the step
-    t_opt = local_params * ADAM_BYTES_MOVED / (hw.hbm_bw_tb_s * 1e12)
+    t_opt = local_params * ADAM_BYTES_MOVED / (hw.hbm_bw_tb_s * 1e12 * HBM_EFFICIENCY)
     step = t_mb * mb + t_bubble + t_opt
     time_parts = {"compute": t_compute_mb * mb, "ep_exposed": t_ep_exposed * mb, "cp": t_cp * mb, "tp": t_tp * mb,
                   "pp_p2p": t_pp * mb, "fsdp_exposed": max(0.0, t_fsdp - t_mb_serial) * mb,

@@ -15,7 +15,7 @@ from .hw import HwProfile
 from .models import ModelShape, param_counts
 
 MAX_WORLD = 4096
-PP_TIE_BREAK = 0.05  # a deeper pipeline is taken only if it is at least this much faster per token
+PP_TIE_BREAK = 0.03  # a deeper pipeline (or wider TP, or larger CP for a cheaper EP) must be this much faster per token
 
 
 class InfeasibleError(ValueError):
@@ -61,17 +61,23 @@ def tp_candidates(m: ModelShape, hw: HwProfile, ranks: int) -> list[int]:
     return out
 
 
-def cp_candidates(m: ModelShape, seq: int, ranks: int, tp: int) -> list[int]:
-    """CP splits the sequence into 2·cp chunks (causal load balancing: rank i takes chunks i and 2cp−1−i); Gated
-    DeltaNet's exact CP is a head all-to-all, so cp·tp must divide its key heads."""
+def cp_violations(m: ModelShape, seq: int, cp: int) -> list[str]:
+    """Why `cp` cannot split this sequence (empty if it can). CP cuts the sequence into 2·cp equal segments (causal
+    load balancing: rank i takes segments i and 2cp−1−i); Gated DeltaNet passes its exact state from segment to
+    segment, so each segment must also be a whole number of delta-rule chunks."""
+    if cp == 1:
+        return []
     out = []
-    for c in divisors(ranks):
-        if seq % (2 * c) and c > 1:
-            continue
-        if m.linear_attn is not None and m.linear_attn.num_k_heads % (c * tp):
-            continue
-        out.append(c)
+    if seq % (2 * cp):
+        out.append(f"sequence {seq} does not split into 2·cp={2 * cp} equal segments (causal load balancing)")
+    elif m.linear_attn is not None and (seq // (2 * cp)) % m.linear_attn.chunk_size:
+        out.append(f"segments of {seq // (2 * cp)} tokens are not whole {m.linear_attn.chunk_size}-token "
+                   f"delta-rule chunks")
     return out
+
+
+def cp_candidates(m: ModelShape, seq: int, ranks: int, tp: int) -> list[int]:
+    return [c for c in divisors(ranks) if not cp_violations(m, seq, c)]
 
 
 def ep_candidates(m: ModelShape, ranks: int) -> list[int]:
@@ -335,16 +341,16 @@ def _infeasible_message(m: ModelShape, hw: HwProfile, world: int, opts: TrainOpt
     seq = opts.micro_batch_tokens
     if closest is None:
         return (f"{world} GPUs: no layout divides them for {m.name} at {seq:,} tokens (cp must split the sequence "
-                f"into 2·cp equal parts{' and divide the linear-attention heads' if m.linear_attn else ''}, "
+                f"into 2·cp equal segments{' of whole delta-rule chunks' if m.linear_attn else ''}, "
                 f"ep must divide {m.num_experts} experts, pp the {m.num_layers} layers)")
     short, p, c, e = closest
     persistent = sum(e.memory_gb[k] for k in ("weights", "grads", "master", "optimizer"))
     excluded = [x for x in divisors(world) if x > 1 and x not in cp_candidates(m, seq, world, 1)]
     why = ""
     if excluded:
-        rules = [f"split {seq:,} tokens into 2·cp equal parts"]
+        rules = [f"split {seq:,} tokens into 2·cp equal segments"]
         if m.linear_attn is not None:
-            rules.append(f"divide the {m.linear_attn.num_k_heads} linear-attention key heads")
+            rules.append(f"make each a whole number of {m.linear_attn.chunk_size}-token delta-rule chunks")
         why = (f"; {world} GPUs leave no larger cp: cp={'/'.join(map(str, excluded))} would not "
                f"{' and '.join(rules)}")
     if suggest:
@@ -373,14 +379,18 @@ def world_candidates(hw: HwProfile) -> list[int]:
 
 def solve_min_gpus(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks: bool = True) -> Solution:
     """The smallest GPU count (1, 2, 4, then whole nodes) at which some layout fits."""
-    last = None
     persistent_b = sum(param_counts(m).values()) * 16  # weights, grads, master, Adam: sharded over all ranks
     for w in world_candidates(hw):
-        if persistent_b / w / GB + hw.overhead_gb > hw.usable_gb:
-            continue  # persistent state alone does not fit on w GPUs
+        # lower bounds that need no solve: persistent state is sharded over all w ranks; even at cp = w every
+        # rank keeps its slice of each layer's checkpointed input
+        floor_b = persistent_b / w + m.num_layers * opts.micro_batch_tokens / w * m.hidden_size * BF16
+        if floor_b / GB + hw.overhead_gb > hw.usable_gb:
+            continue
         try:
-            return solve(m, hw, w, opts, auto_chunks)
-        except InfeasibleError as e:
-            last = e
+            return solve(m, hw, w, opts, auto_chunks, suggest=False)
+        except InfeasibleError:
+            continue
     raise InfeasibleError(f"{m.name} at {opts.micro_batch_tokens:,} tokens fits on no count of {hw.name} up to "
-                          f"{MAX_WORLD}: {last}")
+                          f"{MAX_WORLD} GPUs (persistent state {persistent_b / GB:,.0f} GB in all; the checkpointed "
+                          f"layer inputs alone are {m.num_layers * opts.micro_batch_tokens * m.hidden_size * BF16 / GB:,.0f}"
+                          f" GB) — shorten --seq or use --micro-batch-tokens")

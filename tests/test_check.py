@@ -178,10 +178,14 @@ def test_divisibility_rules_one_by_one():
     assert any("vocab" in w for _, _, w in divisibility(PRESETS["mixtral-8x7b"], lay(tp=3), 3 * 32768))
     assert [f for f, _, _ in divisibility(m, lay(ep=3), 131072)] == ["ep"]
     assert [f for f, _, _ in divisibility(m, lay(pp=3), 131072)] == ["pp"]
-    assert any("sequence 131071 is not divisible by cp=2" in w for _, _, w in divisibility(m, lay(cp=2), 131071))
-    split = divisibility(m, lay(cp=2), 6)  # 6 tokens: divisible by cp=2, not into 2·cp=4 chunks
+    assert any("sequence 131071 does not split into 2·cp=4" in w for _, _, w in divisibility(m, lay(cp=2), 131071))
+    split = divisibility(m, lay(cp=2), 6)  # 6 tokens: divisible by cp=2, not into 2·cp=4 segments
     assert any("2·cp=4" in w for _, _, w in split)
-    assert any("linear-attention key heads" in w for _, _, w in divisibility(m, lay(cp=8, tp=4), 131072))
+    # Gated DeltaNet passes its exact state between segments: each must be whole 64-token chunks
+    assert any("delta-rule chunks" in w for _, _, w in divisibility(m, lay(cp=2), 4 * 96))
+    assert divisibility(m, lay(cp=2), 4 * 128) == []
+    assert divisibility(m, lay(cp=32), 131072) == []  # no head limit on CP (16 key heads, cp=32 is fine)
+    assert any("linear-attention key heads" in w for _, _, w in divisibility(m, lay(tp=32), 131072))
 
 
 # ---- unusable input ------------------------------------------------------------------------------------------
