@@ -12,7 +12,7 @@ from recipe.cost import (BF16, BYTES_UNSHARDED, FP32, GB, Layout, TrainOptions, 
                          overlap_efficiency, stage_params)
 from recipe.hw import all_profiles, load_profile
 from recipe.models import PRESETS, active_matmul_params, param_counts, total_params
-from recipe.plan import Inputs, build_plan, load_plan, parse_plan, dumps
+from recipe.plan import Inputs, build_plan, dumps, parse_plan
 from recipe.solver import Decision, Solution
 
 Q35 = PRESETS["qwen35-35b"]

@@ -58,13 +58,12 @@ def test_qwen35_35b_four_layers_matches_design():
     assert m4.name == "qwen35-35b@4L"
     assert abs(_b(total_params(m4)) - 4.38) < 0.005
     assert abs(active_matmul_params(m4) / 1e6 - 752) < 1
-    assert with_layers_rejects(0) and with_layers_rejects(41)
 
 
-def with_layers_rejects(n: int) -> bool:
+@pytest.mark.parametrize("n", [0, -1, 41])
+def test_with_layers_rejects_out_of_range(n):
     with pytest.raises(ValueError, match="--layers"):
         Q35.with_layers(n)
-    return True
 
 
 @pytest.mark.parametrize("name, published_b, rel", [
