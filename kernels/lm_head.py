@@ -14,7 +14,7 @@ upstream gradients (g_tz, g_lse, g_ent) and, per logit, dloss/dx_v = p_v (a + b 
 
 Forward: one pass over vocab tiles per token block (online lse with a running max; one logits GEMM).
 Backward: vocab-outer loop. For each vocab chunk Vc, for each token chunk Tc: recompute the logits tile and
-write dZ [Tc, Vc] (Triton; bf16 for bf16 inputs), then two cuBLAS GEMMs:
+write dZ [Tc, Vc] (Triton; fp16 with a power-of-two scale for 16-bit inputs), then two cuBLAS GEMMs:
     dW[Vc]  = sum over token chunks of dZ^T h    (fp32 accumulator for the chunk, written to dW once)
     dH32   += dZ w[Vc]                           (fp32 [T, H] accumulator, cast to the input dtype once)
 No bf16 read-modify-write anywhere; 3 logits-sized GEMMs in the backward, 4 in all.
