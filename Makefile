@@ -8,7 +8,7 @@ TRITON_CPU ?= triton==3.8.0
 
 install:
 	$(PY) -m pip install -q "$(TORCH_CPU)" "$(TRITON_CPU)"
-	$(PY) -m pip install -q -e ".[train,test,hf,data]"
+	$(PY) -m pip install -q -e ".[train,test,hf,data,plot]"
 
 test:
 	$(PY) -m pytest -x -q tests

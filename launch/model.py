@@ -178,20 +178,9 @@ class GatedDeltaNet(nn.Module):
         self.norm = GatedRMSNorm(la.head_v_dim, s.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, s.hidden_size, bias=False)
 
-    def causal_conv(self, x_TC: torch.Tensor, positions_T: torch.Tensor,
-                    cu_seqlens: torch.Tensor | None = None) -> torch.Tensor:
-        """Depthwise causal conv + SiLU; a tap reaching before its document's first token reads zero. On GPU with
-        flash-linear-attention (the delta rule's backend), its varlen conv kernel does this in one pass; the
-        shifted-tap torch version below is the reference everywhere else (tests compare the two)."""
+    def causal_conv(self, x_TC: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
+        """Depthwise causal conv + SiLU; a tap reaching before its document's first token reads zero."""
         w_CK = self.conv1d.weight[:, 0, :]
-        if cu_seqlens is not None and x_TC.is_cuda and self.backend != "torch":
-            from launch.gated_delta import fla_status
-
-            if fla_status(self.head_k_dim)[0]:
-                from fla.modules.causal_conv1d import causal_conv1d
-
-                y, _ = causal_conv1d(x_TC.unsqueeze(0), w_CK, activation="silu", cu_seqlens=cu_seqlens.long())
-                return y.squeeze(0)
         width = w_CK.shape[1]
         out = x_TC * w_CK[:, width - 1]
         for shift in range(1, width):
@@ -202,7 +191,7 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, rope, packing: Packing):
         T = x_TD.shape[0]
-        qkv = self.causal_conv(self.in_proj_qkv(x_TD), packing.positions, packing.cu_seqlens)
+        qkv = self.causal_conv(self.in_proj_qkv(x_TD), packing.positions)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)

@@ -235,13 +235,19 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
 
 
 # ---- communication -------------------------------------------------------------------------------------------
-def group_bw(hw: HwProfile, group: int, stride: int) -> float:
+def gpus_per_node_used(hw: HwProfile, world: int) -> int:
+    """GPUs per node a job of `world` GPUs runs on: the largest divisor of world that a node holds (12 GPUs on
+    8-GPU nodes run as 2 nodes × 6), so every world size gets a launchable layout."""
+    return max(d for d in range(1, min(world, hw.gpus_per_node) + 1) if world % d == 0)
+
+
+def group_bw(hw: HwProfile, group: int, stride: int, node: int | None = None) -> float:
     """Per-GPU bandwidth (bytes/s) of a collective over `group` ranks spaced `stride` apart in the rank order:
-    intra-node when the group fits inside a node; on a mesh (xGMI) an all-to-all among fewer than all GPUs of a
-    node uses only the links between them."""
+    intra-node when the group fits inside a node of `node` GPUs (default: a full node); on a mesh (xGMI) an
+    all-to-all among fewer than all GPUs of a node uses only the links between them."""
     if group <= 1:
         return float("inf")
-    if group * stride > hw.gpus_per_node:
+    if group * stride > (node or hw.gpus_per_node):
         return hw.inter_node_bw_gb_s * GB
     bw = hw.intra_node.bw_gb_s * GB
     if hw.intra_node.topology == "mesh":
@@ -270,6 +276,7 @@ def default_ep_chunks(s_local: float, ep: int) -> int:
 def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions) -> Estimate:
     pp, tp, cp, ep, etp = layout.pp, layout.tp, layout.cp, layout.ep, layout.etp
     dp, edp = layout.dp(world), layout.edp(world)
+    node = gpus_per_node_used(hw, world)
     s = opts.micro_batch_tokens / cp  # tokens per rank per micro-batch (TP with sequence parallel: s/tp outside)
     L = m.num_layers / pp
     recompute = opts.recompute == "full"
@@ -329,7 +336,7 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     # EP all-to-all: dispatch + combine per MoE layer per pass; tokens leaving the rank: s·k·h·(ep−1)/ep
     n_moe_local = m.num_moe_layers / pp
     a2a_bytes = s * m.top_k * m.hidden_size * BF16 * (ep - 1) / ep
-    t_ep_layer_comm = 2 * a2a_bytes / group_bw(hw, ep, 1) if ep > 1 else 0.0
+    t_ep_layer_comm = 2 * a2a_bytes / group_bw(hw, ep, 1, node) if ep > 1 else 0.0
     expert_flops_tok = 2 * param_counts(m)["routed_experts"] * m.top_k / m.num_experts / max(m.num_moe_layers, 1)
     t_ep_layer_gemm = s * expert_flops_tok / (tp * etp) / rate
     chunks = opts.ep_overlap_chunks if ep > 1 else 1
@@ -339,7 +346,7 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     # CP: full attention all-gathers K/V (and reduce-scatters dK/dV); Gated DeltaNet runs a head all-to-all
     t_cp = 0.0
     if cp > 1:
-        bw = group_bw(hw, cp, tp)
+        bw = group_bw(hw, cp, tp, node)
         kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else 2 * m.num_kv_heads * m.head_dim / tp)
         attn_bytes = (m.num_full_attn_layers + m.num_sliding_layers) / pp * s * (cp - 1) * kv_tok * BF16
         cp_bytes = attn_bytes * passes
@@ -365,18 +372,18 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     if tp > 1:
         tp_bytes = L * 4 * s * m.hidden_size * BF16 * (tp - 1) / tp * passes
         comm["tp"] = tp_bytes
-        t_tp = tp_bytes / group_bw(hw, tp, 1)
+        t_tp = tp_bytes / group_bw(hw, tp, 1, node)
     # FSDP2: all-gather bf16 params in forward and again in backward, reduce-scatter fp32 grads; overlapped
     fsdp_dense = (dense + ends) / tp * (dp * cp - 1) / (dp * cp) * (2 * BF16 + FP32)
     fsdp_expert = experts / (ep * etp) * (edp - 1) / edp * (2 * BF16 + FP32)
     comm["fsdp"] = fsdp_dense + fsdp_expert
-    t_fsdp = fsdp_dense / group_bw(hw, dp * cp, tp) + fsdp_expert / group_bw(hw, edp, ep * etp)
+    t_fsdp = fsdp_dense / group_bw(hw, dp * cp, tp, node) + fsdp_expert / group_bw(hw, edp, ep * etp, node)
     # PP: activations to the next stage and gradients back
     t_pp = 0.0
     if pp > 1:
         pp_bytes = 2 * s * m.hidden_size * BF16 / tp
         comm["pp"] = pp_bytes
-        t_pp = pp_bytes / group_bw(hw, pp, world // pp)
+        t_pp = pp_bytes / group_bw(hw, pp, world // pp, node)
 
     t_mb_serial = t_compute_mb + t_ep_exposed + t_cp + t_tp + t_pp
     t_mb = max(t_mb_serial, t_fsdp)  # FSDP2 prefetch hides its traffic under the layer compute

@@ -81,9 +81,9 @@ def format_size(n: int) -> str:
 
 # ---- building, writing, loading -------------------------------------------------------------------------------
 def launch_block(hw: HwProfile, world: int) -> dict:
-    nproc = min(world, hw.gpus_per_node)
-    if world % nproc:
-        raise ValueError(f"{world} GPUs do not fill whole nodes of {hw.gpus_per_node}")
+    from .cost import gpus_per_node_used
+
+    nproc = gpus_per_node_used(hw, world)
     env = {}
     if hw.vendor == "nvidia":
         env["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # less fragmentation at long sequences

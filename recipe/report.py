@@ -133,7 +133,7 @@ def models_table(models: list[ModelShape]) -> Table:
 
 
 def _count(n: float) -> str:
-    return f"{n / 1e9:.2f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
+    return f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
 def compare_table(rows: list[tuple[HwProfile, Solution]]) -> Table:
