@@ -129,7 +129,8 @@ def test_output_onto_a_directory_is_an_error(tmp_path):
     (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h10"], ["unknown hardware profile", "did you mean h100"]),
     (["--model", "qwen35-35b", "--seq", "12x", "--hw", "h100"], ["malformed size '12x'"]),
     (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--gpus", "5000"], ["--gpus must be between"]),
-    (["--model", "qwen35-35b", "--seq", "32k", "--hw", "h100", "--gpus", "12"], ["12 GPUs"]),
+    (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--gpus", "7"],
+     ["7 GPUs leave no larger cp", "cp=7 would not split", "12 GPUs fit"]),
     (["--model", "deepseek-v3", "--seq", "1m", "--gpus", "8", "--hw", "h100"],
      ["does not fit on 8x h100", "GB over"]),
     (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--recompute", "some"], ["--recompute"]),
@@ -171,8 +172,8 @@ def test_models_lists_totals_and_active():
     assert r.exit_code == 0
     row = next(line for line in r.stdout.splitlines() if "qwen35-35b" in line)
     counts = [float(x) for x in re.findall(r"(\d+\.\d+)B", row)]
-    assert counts[0] == 34.66
-    assert abs(counts[1] - 3.46) <= 0.01  # ≈3.46B active (3.455B)
+    assert counts[0] == 34.661  # ≈34.66B text parameters
+    assert counts[1] == 3.455  # ≈3.46B active
     r = run("models", "qwen35-35b")
     assert r.exit_code == 0 and "32,212,254,720" in r.stdout and "mtp" in r.stdout
 
@@ -232,3 +233,15 @@ def test_real_process_from_a_temp_cwd(tmp_path):
         [sys.executable, "-c", "import sys, recipe.cli, recipe.solver, recipe.sweep, recipe.plan; "
                                "print(' '.join(m for m in sys.modules if m.split('.')[0] in ('torch', 'triton')))"],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60).stdout
+
+
+def test_any_world_size_gets_a_launch_block(tmp_path):
+    """12 GPUs on 8-GPU nodes: two nodes of six, a layout whose degrees multiply to 12."""
+    from recipe.plan import load_plan
+
+    out = tmp_path / "p.yaml"
+    r = run("solve", "--model", "qwen35-35b", "--seq", "32k", "--hw", "h100", "--gpus", "12", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    plan = load_plan(out)
+    assert (plan.launch.nnodes, plan.launch.nproc_per_node) == (2, 6)
+    assert plan.layout.world == 12
