@@ -9,14 +9,6 @@ from launch.data import (RolloutFormatError, make_batch, pack_rollouts, read_rol
                          write_jsonl)
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one intra-op thread. With two threads on a loaded 2-core machine, OpenMP barriers in small
-    matmuls turn 2 ms into 300 ms."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 GOOD = {"input_ids": [5, 6, 7, 8], "loss_mask": [0, 0, 1, 1], "advantages": 0.5,
         "old_logprobs": [0.0, -1.0, -2.0, -3.0]}

@@ -13,14 +13,6 @@ from launch.rl import token_logprobs  # noqa: E402
 from recipe.models import from_hf_config  # noqa: E402
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one intra-op thread. With two threads on a loaded 2-core machine, OpenMP barriers in small
-    matmuls turn 2 ms into 300 ms."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 COMMON = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
               num_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, rms_norm_eps=1e-6)

@@ -8,14 +8,6 @@ import torch
 from launch.rl import LossConfig, aggregate, kl_penalty, policy_loss, token_logprobs
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _one_thread():
-    """Tiny shapes: one intra-op thread. With two threads on a loaded 2-core machine, OpenMP barriers in small
-    matmuls turn 2 ms into 300 ms."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
 
 LN = math.log
 

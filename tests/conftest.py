@@ -1,0 +1,18 @@
+"""Shared test settings."""
+
+import pytest
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _one_torch_thread():
+    """Tiny shapes: one intra-op thread. With two threads on a loaded 2-core machine, OpenMP barriers in small
+    matmuls turn 2 ms into 300 ms. (torch is imported only where it is installed; recipe/ tests need none.)"""
+    try:
+        import torch
+    except ImportError:
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
