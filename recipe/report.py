@@ -6,7 +6,7 @@ from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
 
-from .cost import Estimate, overlap_efficiency
+from .cost import Estimate
 from .hw import HwProfile
 from .models import ModelShape, active_params, param_counts, total_params
 from .planfile import format_size
@@ -169,10 +169,6 @@ def techniques_table(rows: list[tuple[HwProfile, dict]]) -> Table:
     for key, label in labels.items():
         t.add_row(label, *[info[key] for _, info in rows])
     return t
-
-
-def overlap_note(chunks: int) -> str:
-    return f"k={chunks}: efficiency {overlap_efficiency(chunks):.2f}"
 
 
 def console(stderr: bool = False) -> Console:

@@ -205,6 +205,7 @@ def _sequence_split(m, hw, world, pp, t, opts, auto_chunks):
         return None, None, None, tried
     ep_d, _ = solve_ep(m, hw, world, pp, t, cp_d.value, opts, auto_chunks)
     cp_d, est, tried = solve_cp(m, hw, world, pp, t, ep_d.value, opts, auto_chunks)
+    assert cp_d is not None, "solve_ep only picks an ep that fits at the cp it was given"
     # a larger ep shrinks the unsharded expert layer: if that lets a smaller cp fit, it may be the faster split
     for e in ep_candidates(m, ranks):
         if e <= ep_d.value or cp_d.value == 1:
@@ -212,9 +213,8 @@ def _sequence_split(m, hw, world, pp, t, opts, auto_chunks):
         cp2, est2, _ = solve_cp(m, hw, world, pp, t, e, opts, auto_chunks)
         if cp2 is not None and cp2.value < cp_d.value and (_per_token(est2, world, pp, t, cp2.value)
                                                            < _per_token(est, world, pp, t, cp_d.value)):
-            ep_d, _ = solve_ep(m, hw, world, pp, t, cp2.value, opts, auto_chunks)
-            ep_d = ep_d if ep_d.value >= e else _forced_ep(m, world // pp, e, cp2.value)
-            cp_d, est = cp2, est2
+            cp_d = cp2  # EP again at the shorter local sequence: e fits there, so some ep does
+            ep_d, est = solve_ep(m, hw, world, pp, t, cp_d.value, opts, auto_chunks)
     # the converse: a smaller ep needs fewer all-to-alls but holds a larger unsharded expert layer; if the next CP
     # step makes room for it and that is at least PP_TIE_BREAK faster per token, take it
     nxt = [c for c in cp_candidates(m, opts.micro_batch_tokens, ranks // t, t) if c > cp_d.value]
@@ -232,12 +232,6 @@ def _sequence_split(m, hw, world, pp, t, opts, auto_chunks):
                             rejected=f"cp={cp_d.value} with ep={ep_d.value}: {est.step_time_s:.3f} s/step")
             ep_d, est = ep2, est2
     return cp_d, ep_d, est, tried
-
-
-def _forced_ep(m: ModelShape, ranks: int, ep: int, cp: int) -> Decision:
-    n = _ep_numbers(m, ranks, ep)
-    return Decision(ep, "expert memory", f"{n['experts_per_rank']} experts/rank: the unsharded expert layer "
-                    f"({n['unsharded_expert_layer_gb']:.2f} GB) must shrink for cp={cp} to fit", n)
 
 
 def _per_token(est: Estimate, world: int, pp: int, tp: int, cp: int) -> float:
