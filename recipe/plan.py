@@ -42,6 +42,13 @@ class Inputs(_Strict):
     micro_batches: int = Field(1, gt=0, le=1_000_000)
     ep_overlap_chunks: int | None = Field(None, gt=0, le=4096)  # None: chosen from the local sequence
 
+    @model_validator(mode="after")
+    def _whole_sequences(self) -> "Inputs":
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < self.seq_len:
+            raise ValueError(f"micro_batch_tokens {self.micro_batch_tokens} < seq_len {self.seq_len}: a micro-batch "
+                             f"holds whole sequences")
+        return self
+
 
 class SolverInfo(_Strict):
     version: str

@@ -43,6 +43,10 @@ class SolveInputs(Record):
             v = getattr(self, n)
             if v is not None and (not isinstance(v, int) or not 0 < v <= MAX_INT):
                 raise ValueError(f"{n} must be a positive integer, got {v!r}")
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < self.seq_len:
+            raise ValueError(f"--micro-batch-tokens {self.micro_batch_tokens:,} < --seq {self.seq_len:,}: a micro-batch "
+                             f"holds whole (packed) sequences; CP splits a long sequence across GPUs, micro-batches "
+                             f"never do")
 
 def _relative(spec: str, base_dir: Path | None) -> str:
     """A path-like spec is looked up next to the plan first, then from the working directory."""

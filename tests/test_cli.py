@@ -134,6 +134,8 @@ def test_output_onto_a_directory_is_an_error(tmp_path):
     (["--model", "deepseek-v3", "--seq", "1m", "--gpus", "8", "--hw", "h100"],
      ["does not fit on 8x h100", "GB over"]),
     (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--recompute", "some"], ["--recompute"]),
+    (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--micro-batch-tokens", "32k"],
+     ["--micro-batch-tokens 32,768 < --seq 131,072"]),
     (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--format", "toml"], ["--format"]),
     (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--layers", "99"], ["--layers 99"]),
 ])
