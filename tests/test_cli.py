@@ -247,3 +247,31 @@ def test_any_world_size_gets_a_launch_block(tmp_path):
     plan = load_plan(out)
     assert (plan.launch.nnodes, plan.launch.nproc_per_node) == (2, 6)
     assert plan.layout.world == 12
+
+
+def test_solve_never_tracebacks_on_random_options():
+    """Random sizes, GPU counts, depths and options: exit 0, 1 or 2, and on failure exactly one line, never a
+    traceback."""
+    from hypothesis import HealthCheck, given, settings
+    from hypothesis import strategies as st
+
+    sizes = st.one_of(st.sampled_from(["4k", "128k", "1m", "0", "-8k", "1.5k", "12x", "", " 64K ", "9" * 30]),
+                      st.text(max_size=8))
+    counts = st.one_of(st.none(), st.integers(min_value=-3, max_value=5000).map(str), st.sampled_from(["x", "1e3"]))
+
+    @settings(max_examples=60, deadline=None, suppress_health_check=list(HealthCheck))
+    @given(model=st.sampled_from(["tiny-moe", "qwen35-35b", "mixtral-8x7b", "nope", "/no/such/config.json"]),
+           hw=st.sampled_from(["cpu", "h100", "mi355x", "h1OO"]), seq=sizes, gpus=counts, layers=counts,
+           mbt=st.one_of(st.none(), sizes))
+    def check(model, hw, seq, gpus, layers, mbt):
+        args = ["solve", "--model", model, "--seq", seq, "--hw", hw]
+        for flag, v in (("--gpus", gpus), ("--layers", layers), ("--micro-batch-tokens", mbt)):
+            if v is not None:
+                args += [flag, v]
+        r = run(*args)
+        assert r.exit_code in (0, 1, 2), (args, r.exit_code, r.output)
+        assert "Traceback" not in r.output, (args, r.output)
+        if r.exit_code == 1 or (r.exit_code == 2 and "error:" in r.output):
+            assert len([ln for ln in r.output.splitlines() if ln.startswith("error:")]) == 1, (args, r.output)
+
+    check()
