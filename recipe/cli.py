@@ -127,6 +127,9 @@ def solve(
         raise UserError(f"--format must be 'yaml' or 'json', got {fmt!r}")
     inputs = _inputs(model, seq, hw, gpus, layers, recompute, lm_head, micro_batch_tokens, micro_batches, ep_chunks)
     m, prof, sol = solve_inputs(inputs)
+    if inputs.seq_len > m.max_position:
+        sys.stderr.write(f"note: {inputs.seq_len:,} tokens exceed {m.name}'s max_position_embeddings "
+                         f"{m.max_position:,}: the plan assumes you extend its positions (e.g. YaRN)\n")
     plan = plan_dict(inputs, m, prof, sol)
     text = dumps(plan, fmt)
     if str(output) == "-":
