@@ -49,7 +49,8 @@ def _sync(device):
         torch.cuda.synchronize()
 
 
-def _time(fn, device, reps: int) -> float:
+def _times(fn, device, reps: int) -> list[float]:
+    """Wall seconds of each of `reps` calls, the device synchronized around each."""
     times = []
     for _ in range(reps):
         _sync(device)
@@ -57,7 +58,11 @@ def _time(fn, device, reps: int) -> float:
         fn()
         _sync(device)
         times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return times
+
+
+def _time(fn, device, reps: int) -> float:
+    return statistics.median(_times(fn, device, reps))
 
 
 def run_ours(shape, T: int, device, steps: int, profile: bool) -> dict:
@@ -73,13 +78,9 @@ def run_ours(shape, T: int, device, steps: int, profile: bool) -> dict:
     trainer.step(batch)  # warm-up: Triton compilation and autotuning, allocator growth
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        metrics = trainer.step(batch)
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+    last = {}
+    times = _times(lambda: last.update(trainer.step(batch)), device, steps)
+    metrics = last
     out = {"impl": "ours", "tokens": T, "step_s": statistics.median(times), "step_s_all": times,
            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
     if device.type == "cuda":
@@ -205,13 +206,7 @@ def run_hf(shape, T: int, device, steps: int) -> dict:
     step()
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    times = []
-    for _ in range(steps):
-        _sync(device)
-        t0 = time.perf_counter()
-        step()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
+    times = _times(step, device, steps)
     out = {"impl": "transformers", "tokens": T, "step_s": statistics.median(times), "step_s_all": times}
     if device.type == "cuda":
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30

@@ -18,8 +18,8 @@ from .cost import TrainOptions
 from .hw import HwProfile, load_profile
 from .models import ModelShape, resolve_model
 
-from .planfile import (MAX_INT, SCHEMA_VERSION, SolveInputs, _relative, dumps, fingerprint, format_size,  # noqa: F401
-                       launch_block, parse_size, plan_dict, write_atomic)
+from .planfile import MAX_INT, SCHEMA_VERSION, _relative, plan_dict
+from .planfile import dumps, format_size, parse_size, write_atomic  # noqa: F401  (re-exported: plan I/O in one place)
 
 
 class PlanError(ValueError):
