@@ -4,7 +4,9 @@ Peers: torch naive (bf16 logits + fp32 CE), torch.compile of the same, Liger-Ker
 Cross-Entropy (default settings). Modes:
   ce  -- mean cross-entropy, forward + backward;
   rl  -- per-token log-probs, backward of sum(logp * advantage) with random per-token advantages (exact
-         per-token gradients, what a PPO/GRPO loss needs);
+         per-token gradients, what a PPO/GRPO loss needs). Ours hands that per-token loss to the head
+         (kernels.linear_policy_loss, three GEMMs); "ours, generic 4-GEMM" is linear_logprobs + autograd, as the
+         peers run it;
   fwd -- per-token log-probs, forward only under no_grad (rollout scoring).
 Columns: median time over --reps timed runs (CUDA events, after a warm-up and a memory run); TF/s of model FLOPs
 (2*T*V*H per logits-sized GEMM: 3 for fwd+bwd, 1 for fwd, whatever a method recomputes); peak memory above the
@@ -79,19 +81,18 @@ def make_methods(modes_wanted):
         return kernels.linear_cross_entropy(h, w, t)
 
     def ours_rl(h, w, t, adv):
+        # the fused policy loss: the per-token loss (here logp * advantage) is handed to the head, which then
+        # needs three logits-sized GEMMs instead of four
+        loss, lp, _ = kernels.linear_policy_loss(h, w, t, lambda lp, ent, t0, t1: lp * adv[t0:t1])
+        return lp, loss
+
+    def generic_rl(h, w, t, adv):
         lp = kernels.linear_logprobs(h, w, t)
         return lp, (lp * adv).sum()
 
     methods["ours"] = {"ce": ours_ce, "rl": ours_rl, "fwd": lambda h, w, t, adv: kernels.linear_logprobs(h, w, t)}
-    other = "fused" if kernels.lm_head.DEFAULT_IMPL == "split" else "split"
-
-    def other_rl(h, w, t, adv):
-        lp = kernels.linear_logprobs(h, w, t, impl=other)
-        return lp, (lp * adv).sum()
-
-    methods[f"ours ({other})"] = {"ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, impl=other),
-                                  "rl": other_rl,
-                                  "fwd": lambda h, w, t, adv: kernels.linear_logprobs(h, w, t, impl=other)}
+    methods["ours, generic 4-GEMM"] = {"ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, impl="fused"),
+                                       "rl": generic_rl}
 
     def naive_ce(h, w, t):
         return F.cross_entropy((h @ w.T).float(), t)
@@ -179,9 +180,9 @@ def _time_ms(fn, reps=10):
 
 
 def profile_ours(h, w, t):
-    """Where our time goes: the forward stats (fused kernel; split = GEMM + stream), and one backward chunk of
-    each step scaled to the whole."""
-    from kernels import lm_head, lm_head_triton as kt
+    """Where our time goes: each step of the eager path (three GEMMs) timed alone on one chunk or group and scaled
+    to the whole T; and the generic path's fused forward (forward-only log-probs)."""
+    from kernels import lm_head, lm_head_eager, lm_head_triton as kt
 
     T, H = h.shape
     V = w.shape[0]
@@ -193,37 +194,33 @@ def profile_ours(h, w, t):
     gemm = 2 * T * V * H / 1e9
     line = f"# profile T={T} V={V}: cuBLAS 8192^3 bf16 {ceiling:.0f} TF/s"
     with torch.no_grad():
-        for impl in ("fused", "split"):
-            if impl == "fused":
-                ms = _time_ms(lambda: kt.token_stats(hd, wd, tgt, 1.0, False), reps=3)
-            else:
-                ms = _time_ms(lambda: lm_head._split_token_stats(kt, hd, wd, tgt, 1.0, False, None, None), reps=3)
-            line += f" | fwd {impl} {ms:.1f} ms ({gemm / ms:.0f} TF/s)"
-        lse = kt.token_stats(hd, wd, tgt, 1.0, False)[0]
-        for impl in ("fused", "split"):
-            Tc, Vc = lm_head._chunk_sizes(T, V, impl, None, None)
-            n = math.ceil(T / Tc) * math.ceil(V / Vc)
-            coef = torch.randn(Tc, device=h.device)
-            one = torch.ones((), device=h.device)
-            dz = torch.empty(Tc, Vc, device=h.device, dtype=torch.float16)
-            hc, wc = hd[:Tc], wd[:Vc]
-            if impl == "fused":
-                ms_dz = _time_ms(lambda: kt.dlogits(hc, wc, tgt[:Tc], 0, lse[:Tc], coef, coef * 0, coef, 1.0, one, dz))
-            else:
-                z = torch.empty(Tc, Vc, device=h.device)
-                ms_z = _time_ms(lambda: lm_head._logits_fp32(hc, wc, z))
-                ms_dz = _time_ms(lambda: kt.dlogits_from_logits(z, tgt[:Tc], 0, lse[:Tc], coef, coef * 0, coef, 1.0,
-                                                                one, dz))
-                line += f" | split logits GEMM {ms_z * n:.1f} ms ({lm_head._LOGITS_MM}) + dz stream {ms_dz * n:.1f} ms"
-                ms_dz += ms_z
-            acc_w = torch.empty(Vc, H, device=h.device)
-            acc_h = torch.zeros(Tc, H, device=h.device)
-            h16, w16 = hc.half(), wc.half()
-            ms_dw = _time_ms(lambda: lm_head._gemm_acc(acc_w, dz.T, h16, first=False))
-            ms_dh = _time_ms(lambda: lm_head._gemm_acc(acc_h, dz, w16, first=False))
-            line += (f" | bwd {impl} x{n} [{Tc}x{Vc}]: dlogits {ms_dz * n:.1f} ms, dW {ms_dw * n:.1f} ms, "
-                     f"dH {ms_dh * n:.1f} ms")
-    line += f" | configs stats {kt._stats_kernel.best_config} dlogits {kt._dlogits_kernel.best_config}"
+        ms = _time_ms(lambda: kt.token_stats(hd, wd, tgt, 1.0, False), reps=3)
+        line += f" | generic fwd stats kernel {ms:.1f} ms ({gemm / ms:.0f} TF/s)"
+        Tg, Tl = lm_head_eager.chunk_sizes(T, V, None)
+        nl, ng = T / Tl, T / Tg
+        z = torch.empty(Tl, V, device=h.device)
+        ms_z = _time_ms(lambda: lm_head._logits_fp32(hd[:Tl], wd, z)) * nl
+        f32 = dict(device=h.device, dtype=torch.float32)
+        lse, ent, tz = (torch.empty(Tl, **f32) for _ in range(3))
+        ms_st = _time_ms(lambda: kt.stats_from_logits(z, tgt[:Tl], 1.0, False, lse, ent, tz)) * nl
+        coef = torch.randn(Tl, **f32)
+        one = torch.ones((), **f32)
+        dz = torch.empty(Tg, V, device=h.device, dtype=torch.float16)
+        ms_dz = _time_ms(lambda: kt.dlogits_from_logits(z, tgt[:Tl], 0, lse, coef, coef * 0, coef, 1.0, one,
+                                                        dz[:Tl])) * nl
+        w16, h16 = wd.half(), hd[:Tg].half()
+        out = torch.zeros(Tg, H, **f32)
+        ms_dh = _time_ms(lambda: lm_head._gemm_acc(out, dz, w16, first=False)) * ng
+        acc = torch.zeros(V, H, **f32)
+        ms_dw = _time_ms(lambda: lm_head._gemm_acc(acc, dz.T, h16, first=False, alpha=0.5)) * ng
+        del z, dz, w16, acc
+        total = ms_z + ms_st + ms_dz + ms_dh + ms_dw
+        line += (f" | eager [Tg={Tg}, Tl={Tl}]: logits GEMM {ms_z:.1f} ms ({gemm / ms_z:.0f} TF/s), stats stream "
+                 f"{ms_st:.1f} ms ({T * V * 4 / ms_st / 1e9:.2f} TB/s), dz stream {ms_dz:.1f} ms "
+                 f"({T * V * 6 / ms_dz / 1e9:.2f} TB/s), dH GEMM {ms_dh:.1f} ms ({gemm / ms_dh:.0f} TF/s), "
+                 f"dW GEMM {ms_dw:.1f} ms ({gemm / ms_dw:.0f} TF/s); sum {total:.1f} ms")
+    line += (f" | configs stats {kt._stats_kernel.best_config} stream-stats {kt._logits_stats_kernel.best_config} "
+             f"stream-dz {kt._logits_dz_kernel.best_config}")
     print(line, flush=True)
 
 
@@ -298,7 +295,8 @@ def main(argv=None):
 
 def print_table(rows):
     ours = {(r["T"], r["V"], r["mode"]): r.get("ms") for r in rows if r["method"] == "ours"}
-    print(f"# ours = impl {kernels.lm_head.DEFAULT_IMPL!r} (the default on CUDA)")
+    print("# ours = the defaults on CUDA: ce and rl the eager three-GEMM path (rl: the fused policy loss), fwd the "
+          f"generic {kernels.lm_head.DEFAULT_IMPL!r} forward")
     hdr = (f"| T | V | mode | method | ms | TF/s | peak GiB | err loss/logp | err dH | err dW | peer/ours time |\n"
            f"|---|---|---|---|---|---|---|---|---|---|---|")
     print(hdr)

@@ -65,7 +65,8 @@ def _pick_impl(hidden: torch.Tensor, backend: str, impl: str | None) -> str:
     if impl is None:
         impl = DEFAULT_IMPL if (backend == "triton" and hidden.is_cuda) else "fused"
     if impl not in ("fused", "split"):
-        raise ValueError(f"impl must be 'fused', 'split' or None, got {impl!r}")
+        raise ValueError(f"impl must be 'fused', 'split' or None here ('eager' is for losses: linear_cross_entropy "
+                         f"with reduction mean or sum, linear_policy_loss), got {impl!r}")
     return impl
 
 
@@ -106,23 +107,24 @@ def _downcast_in_place(x32: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 
 _MIXED_ADDMM_OK = True  # torch.addmm(..., out_dtype=fp32) with 16-bit operands (CUDA, torch >= 2.8)
 
 
-def _gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool) -> None:
-    """acc (fp32) = a @ b (first) or acc += a @ b, a and b in the input dtype, fp32 accumulation throughout:
-    one cuBLAS call with a 16-bit A/B and an fp32 C, so no 16-bit partial result is ever rounded and re-read."""
+def _gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool, alpha: float = 1.0) -> None:
+    """acc (fp32) = alpha a @ b (first) or acc += alpha a @ b, a and b in the input dtype, fp32 accumulation
+    throughout: one cuBLAS call with a 16-bit A/B and an fp32 C, so no 16-bit partial result is ever rounded and
+    re-read."""
     global _MIXED_ADDMM_OK
     if first:
         acc.zero_()  # (a memset of the chunk; cheaper than a second code path with beta = 0)
     if a.dtype == torch.float32:
-        acc.addmm_(a, b)
+        acc.addmm_(a, b, alpha=alpha)
         return
     if acc.is_cuda and _MIXED_ADDMM_OK:
         try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, out=acc)
+            torch.addmm(acc, a, b, out_dtype=torch.float32, alpha=alpha, out=acc)
             return
         except (TypeError, RuntimeError) as e:
             _MIXED_ADDMM_OK = False
             warnings.warn(f"addmm with out_dtype=float32 unavailable ({e}); falling back to fp32 GEMMs (slow)")
-    acc.addmm_(a.float(), b.float())
+    acc.addmm_(a.float(), b.float(), alpha=alpha)
 
 
 class _TokenStats(torch.autograd.Function):
@@ -302,8 +304,7 @@ def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp
     return dH_TH, dW_VH
 
 
-def _token_stats(hidden, weight, target, temperature, with_entropy, tp_group, backend, impl, chunk_tokens,
-                 chunk_vocab):
+def _check_inputs(hidden, weight, target, temperature):
     if hidden.dim() != 2 or weight.dim() != 2 or hidden.shape[1] != weight.shape[1]:
         raise ValueError(f"need hidden [T, H] and weight [V, H]; got {tuple(hidden.shape)} and "
                          f"{tuple(weight.shape)}")
@@ -313,10 +314,14 @@ def _token_stats(hidden, weight, target, temperature, with_entropy, tp_group, ba
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if hidden.dtype != weight.dtype:
         hidden = hidden.to(weight.dtype)
+    return hidden.contiguous(), weight.contiguous()
+
+
+def _token_stats(hidden, weight, target, temperature, with_entropy, tp_group, backend, impl, chunk_tokens,
+                 chunk_vocab):
+    hidden, weight = _check_inputs(hidden, weight, target, temperature)
     backend = _pick_backend(hidden, backend)
     impl = _pick_impl(hidden, backend, impl)
-    hidden = hidden.contiguous()
-    weight = weight.contiguous()
     return _TokenStats.apply(hidden, weight, target, float(temperature), bool(with_entropy), tp_group,
                              backend, impl, chunk_tokens, chunk_vocab)
 
@@ -332,6 +337,28 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100, re
     """
     if reduction not in ("mean", "sum", "none"):
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
+    if impl is None and reduction != "none":
+        impl = "eager"
+    if impl == "eager":
+        if reduction == "none":
+            raise ValueError("impl='eager' needs reduction 'mean' or 'sum' (the per-token gradient must be known "
+                             "in the forward)")
+        from kernels.lm_head_eager import eager_loss
+
+        valid_T = target != ignore_index
+        weight_T = valid_T.float()
+        if reduction == "mean":
+            weight_T = weight_T / valid_T.sum().clamp_min(1)
+
+        def token_loss(tz, lse, ent, t0, t1):
+            per = lse - tz
+            if z_loss:
+                per = per + z_loss * lse.square()
+            return per * weight_T[t0:t1]
+
+        loss, *_ = eager_loss(hidden, weight, target, token_loss, temperature=temperature, tp_group=tp_group,
+                              backend=backend, chunk_tokens=chunk_tokens)
+        return loss
     tz_T, lse_T, _ = _token_stats(hidden, weight, target, temperature, False, tp_group, backend, impl,
                                   chunk_tokens, chunk_vocab)
     valid_T = target != ignore_index
@@ -360,3 +387,30 @@ def linear_logprobs(hidden, weight, target, *, temperature: float = 1.0, with_en
     if with_entropy:
         return logp_T, ent_T
     return logp_T
+
+
+def linear_policy_loss(hidden, weight, target, token_loss, *, temperature: float = 1.0, with_entropy: bool = False,
+                       tp_group=None, backend=None, chunk_tokens=None):
+    """A loss on per-token log-probs (and entropies) of softmax(hidden @ weight.T / temperature), fused into the
+    head: three logits-sized GEMMs instead of four (kernels/lm_head_eager.py).
+
+    token_loss(logp, ent, t0, t1) -> [t1 - t0] per-token contributions for tokens [t0, t1), whose sum over all
+    tokens is the loss: logp and ent are fp32 [t1 - t0] (ent None unless with_entropy), differentiable; any
+    normalizer must be fixed beforehand (token-mean: divide by the mask's sum). It is called once per chunk, in
+    token order, under autograd. Negative targets (padding) give logp 0 and no gradient.
+    Returns (loss, logp [T], entropy [T] or None); loss is differentiable in hidden and weight, logp and entropy
+    are detached (for metrics).
+    """
+    from kernels.lm_head_eager import eager_loss
+
+    valid_T = target >= 0
+
+    def on_stats(tz, lse, ent, t0, t1):
+        logp = torch.where(valid_T[t0:t1], tz - lse, torch.zeros_like(lse))
+        return token_loss(logp, ent, t0, t1)
+
+    loss, tz_T, lse_T, ent_T = eager_loss(hidden, weight, target, on_stats, temperature=temperature,
+                                          with_entropy=with_entropy, tp_group=tp_group, backend=backend,
+                                          chunk_tokens=chunk_tokens)
+    logp_T = torch.where(valid_T, tz_T - lse_T, torch.zeros_like(lse_T))
+    return loss, logp_T, (ent_T if with_entropy else None)

@@ -24,7 +24,7 @@ import triton
 import triton.language as tl
 
 from kernels.lm_head_chunked import combine_splits
-from kernels.tiles import STREAM_TILE, tile_configs
+from kernels.tiles import STREAM_TILES, tile_configs
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -229,36 +229,50 @@ def _dlogits_epilogue(acc, rows, offs_t, offs_v, t_mask, v_mask, tgt_ptr, lse_pt
     tl.store(ptrs, dz.to(dz_ptr.dtype.element_ty), mask=t_mask[:, None] & v_mask[None, :])
 
 
+def _stream_configs() -> list[triton.Config]:
+    return [triton.Config({"BLOCK_T": bt, "BLOCK_V": bv}, num_warps=w) for bt, bv, w in STREAM_TILES[_VENDOR]]
+
+
+@triton.autotune(configs=_stream_configs(), key=["V", "NUM_SPLITS", "WITH_ENTROPY"])
 @triton.jit
 def _logits_stats_kernel(
-    z_ptr, stride_z, tgt_ptr, lse_ptr, ent_ptr, tz_ptr, T, V, inv_temp,
+    z_ptr, stride_z, tgt_ptr, lse_ptr, ent_ptr, tz_ptr, T, V, inv_temp, NUM_SPLITS,
     WITH_ENTROPY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Split path, forward: one read of an fp32 logits chunk [T, V] (from cuBLAS), online stats per row."""
+    """One read of an fp32 logits chunk [T, V] (from cuBLAS), online stats per row over vocab split s of
+    NUM_SPLITS; per-split results at [s, T] (merged by combine_splits). Splits of one row block are adjacent
+    program ids."""
     pid = tl.program_id(0)
-    offs_t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    pid_s = pid % NUM_SPLITS
+    pid_t = pid // NUM_SPLITS
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     t_mask = offs_t < T
     rows = tl.minimum(offs_t, T - 1)
     tgt = tl.load(tgt_ptr + rows)
+    per_split = tl.cdiv(tl.cdiv(V, NUM_SPLITS), BLOCK_V) * BLOCK_V
+    v_begin = pid_s * per_split
+    v_end = tl.minimum(v_begin + per_split, V)
     m2 = tl.full([BLOCK_T], float("-inf"), tl.float32)
     s = tl.zeros([BLOCK_T], tl.float32)
     wy = tl.zeros([BLOCK_T], tl.float32)
     tz = tl.zeros([BLOCK_T], tl.float32)
-    for v0 in range(0, V, BLOCK_V):
+    for v0 in range(v_begin, v_end, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
-        z = tl.load(z_ptr + rows[:, None] * stride_z + offs_v[None, :], mask=offs_v[None, :] < V, other=0.0)
-        m2, s, wy, tz = _online_update(z, offs_v, V, tgt, inv_temp, m2, s, wy, tz, WITH_ENTROPY)
-    tl.store(lse_ptr + offs_t, (m2 + tl.log2(s)) * 0.6931471805599453, mask=t_mask)
-    tl.store(ent_ptr + offs_t, tl.where(s > 0, tl.log(s) - wy / s, 0.0), mask=t_mask)
-    tl.store(tz_ptr + offs_t, tz, mask=t_mask)
+        z = tl.load(z_ptr + rows[:, None] * stride_z + offs_v[None, :], mask=offs_v[None, :] < v_end, other=0.0)
+        m2, s, wy, tz = _online_update(z, offs_v, v_end, tgt, inv_temp, m2, s, wy, tz, WITH_ENTROPY)
+    out = pid_s.to(tl.int64) * T + offs_t
+    tl.store(lse_ptr + out, (m2 + tl.log2(s)) * 0.6931471805599453, mask=t_mask)
+    tl.store(ent_ptr + out, tl.where(s > 0, tl.log(s) - wy / s, 0.0), mask=t_mask)
+    tl.store(tz_ptr + out, tz, mask=t_mask)
 
 
+@triton.autotune(configs=_stream_configs(), key=["V"])
 @triton.jit
 def _logits_dz_kernel(
     z_ptr, stride_z, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, scale_ptr, dz_ptr, stride_dz, T, V, v_off, inv_temp,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """Split path, backward: fp32 logits chunk (from cuBLAS) -> dlogits chunk, elementwise."""
+    """fp32 logits chunk (from cuBLAS) -> dlogits chunk, elementwise."""
     pid = tl.program_id(0)
     num_v = tl.cdiv(V, BLOCK_V)
     pid_t = pid // num_v
@@ -328,22 +342,37 @@ def dlogits(hidden_TH, weight_VH, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_t
     return out_TV
 
 
+def stream_splits(num_tokens: int, num_vocab: int, device: torch.device) -> int:
+    """Vocab splits of the streaming stats kernel: enough programs (>= 4 per SM at 16-row blocks) to keep HBM
+    busy when a chunk has few rows (the eager path reads [512, V] chunks: 32 row blocks), each split >= 4096
+    columns."""
+    row_blocks = triton.cdiv(num_tokens, 16)
+    return max(1, min(triton.cdiv(4 * _num_sms(device), row_blocks), triton.cdiv(num_vocab, 4096)))
+
+
 def stats_from_logits(z_TV, tgt_T, inv_temp: float, with_entropy: bool, lse_T, ent_T, tz_T) -> None:
-    """Split path: per-row (lse, entropy, target x) of an fp32 logits chunk, written into the given vectors."""
+    """Per-row (lse, entropy, target x) of an fp32 logits chunk, written into the given vectors."""
     T, V = z_TV.shape
-    bt, bv, warps = STREAM_TILE[_VENDOR]
-    _logits_stats_kernel[(triton.cdiv(T, bt),)](
-        z_TV, z_TV.stride(0), tgt_T, lse_T, ent_T, tz_T, T, V, inv_temp,
-        WITH_ENTROPY=with_entropy, BLOCK_T=bt, BLOCK_V=bv, num_warps=warps,
-    )
+    S = stream_splits(T, V, z_TV.device)
+    if S == 1:
+        parts = (lse_T, ent_T, tz_T)
+    else:
+        parts = torch.empty((3, S, T), dtype=torch.float32, device=z_TV.device).unbind(0)
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_T"]) * S,)  # noqa: E731
+    _logits_stats_kernel[grid](z_TV, z_TV.stride(0), tgt_T, *parts, T, V, inv_temp, S,
+                               WITH_ENTROPY=with_entropy)
+    if S > 1:
+        lse, ent, tz = combine_splits(*parts)
+        lse_T.copy_(lse)
+        ent_T.copy_(ent)
+        tz_T.copy_(tz)
 
 
 def dlogits_from_logits(z_TV, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, scale, out_TV):
-    """Split path: out_TV = scale * dloss/dlogit from an fp32 logits chunk."""
+    """out_TV = scale * dloss/dlogit from an fp32 logits chunk (out_TV may have any row stride)."""
     T, V = z_TV.shape
-    bt, bv, warps = STREAM_TILE[_VENDOR]
-    _logits_dz_kernel[(triton.cdiv(T, bt) * triton.cdiv(V, bv),)](
+    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_T"]) * triton.cdiv(V, meta["BLOCK_V"]),)  # noqa: E731
+    _logits_dz_kernel[grid](
         z_TV, z_TV.stride(0), tgt_T, lse_T, a_T, b_T, c_T, scale, out_TV, out_TV.stride(0), T, V, v_off, inv_temp,
-        BLOCK_T=bt, BLOCK_V=bv, num_warps=warps,
     )
     return out_TV

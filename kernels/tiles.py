@@ -72,12 +72,21 @@ INTERPRETER_STATS = (TileConfig(16, 64, 32, 1, 1),)
 INTERPRETER_DLOGITS = (TileConfig(16, 64, 32, 1, 1),)
 
 
-# Elementwise kernels of the split path (logits already in memory, fp32, from a cuBLAS GEMM): pure streaming.
-#   NVIDIA: 16 rows x 512 columns over 8 warps = 8192 values / 256 threads = 32 a thread, as 8 x 16-byte loads
-#     (4 fp32 each): enough bytes in flight per SM (64 KiB with 2 resident programs) to cover HBM latency.
-#   AMD: the same tile over 8 wavefronts = 512 lanes, 16 values a lane (4 x 16-byte loads).
+# Streaming kernels over an fp32 logits chunk already in memory (from a cuBLAS GEMM): pure bandwidth. Candidates
+# (rows, cols, warps), timed once per vocab size by triton.autotune:
+#   NVIDIA: 16 x 512 over 8 warps = 8192 values / 256 threads = 32 a thread, as 8 x 16-byte loads (4 fp32 each);
+#     8 x 1024 keeps that but walks a row's vocab in half the iterations; 32 x 512 over 16 warps doubles the bytes
+#     in flight per program (64 KiB of fp32 loads) for when few programs are resident. Each keeps >= 32 KiB in
+#     flight per SM with 2 resident programs, what HBM3e's latency x bandwidth per SM (~4.8 TB/s / 132 SMs x
+#     ~1 us = 36 KiB) asks for.
+#   AMD: the same tiles over 8 wavefronts = 512 lanes, 16 values a lane (4 x 16-byte loads); 16 wavefronts is
+#     the 1024-lane workgroup limit.
 #   Interpreter: small, so the tests cross row and column tile edges.
-STREAM_TILE = {"nvidia": (16, 512, 8), "amd": (16, 512, 8), "interpreter": (8, 64, 1)}  # (rows, cols, warps)
+STREAM_TILES = {
+    "nvidia": ((16, 512, 8), (8, 1024, 8), (32, 512, 16)),
+    "amd": ((16, 512, 8), (8, 1024, 8), (32, 512, 16)),
+    "interpreter": ((8, 64, 1),),
+}  # (rows, cols, warps)
 
 
 def tile_configs(vendor: str, arch_major: int, kernel: str) -> tuple[TileConfig, ...]:

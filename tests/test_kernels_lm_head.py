@@ -95,6 +95,43 @@ def check_logprobs(T, H, V, *, backend, tol, with_entropy=True, temperature=1.0,
     return errs
 
 
+def check_policy_loss(T, H, V, *, backend, tol, temperature=1.0, logit_scale=3.0, device="cpu",
+                      dtype=torch.float32, grad_tol=None, adv_spread=1.0, chunk_tokens=None):
+    """linear_policy_loss with a clipped-surrogate-like loss plus an entropy term against the float64 reference.
+    adv_spread > 1 gives the token chunks advantages of very different sizes (chunk-wise fp16 scales differ)."""
+    hidden, weight, target = _inputs(T, H, V, logit_scale=logit_scale, device=device, dtype=dtype)
+    target[: max(1, T // 7)] = -100
+    adv = torch.randn(T, device=device) * adv_spread ** torch.linspace(-1, 1, T, device=device)
+    old = torch.randn(T, device=device) * 0.1 - 5.0
+
+    def per_token(logp, ent, adv, old):
+        ratio = torch.exp(logp - old)
+        return -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv) - 0.01 * ent
+
+    def token_loss(logp, ent, t0, t1):
+        return per_token(logp, ent, adv[t0:t1], old[t0:t1])
+
+    hidden.grad = weight.grad = None
+    loss, logp, ent = kernels.linear_policy_loss(hidden, weight, target, token_loss, temperature=temperature,
+                                                 with_entropy=True, backend=backend, chunk_tokens=chunk_tokens)
+    loss.backward()
+
+    def ref_fn(h, w, t):
+        lp, en = linear_logprobs_reference(h, w, t, with_entropy=True, temperature=temperature)
+        return per_token(lp, en, adv.double(), old.double()).sum(), lp, en
+
+    h64 = hidden.detach().double().requires_grad_()
+    w64 = weight.detach().double().requires_grad_()
+    ref, rlp, ren = ref_fn(h64, w64, target)
+    ref.backward()
+    errs = {"loss": _rel(loss, ref), "logp": _rel(logp, rlp), "ent": _rel(ent, ren), "dH": _rel(hidden.grad, h64.grad),
+            "dW": _rel(weight.grad, w64.grad)}
+    limits = {k: (grad_tol or tol) if k in ("dH", "dW") else tol for k in errs}
+    assert all(errs[k] <= limits[k] for k in errs), f"{errs} > {limits} (T={T} H={H} V={V})"
+    assert (logp[: max(1, T // 7)] == 0).all() and not logp.requires_grad
+    return errs
+
+
 def check_all_ignored(backend, device="cpu"):
     hidden, weight, target = _inputs(9, 24, 70, device=device)
     target = torch.full_like(target, -100)
@@ -181,6 +218,45 @@ def test_activation_checkpoint_non_reentrant():
     assert _rel(dh, hidden.grad) < 1e-6 and _rel(dw, weight.grad) < 1e-6
 
 
+@pytest.mark.parametrize("T,H,V", SHAPES)
+@pytest.mark.parametrize("chunk_tokens", [None, 8, 5])
+@pytest.mark.parametrize("kw", [dict(reduction="mean"), dict(reduction="sum", z_loss=1e-3, temperature=0.7)])
+def test_eager_cross_entropy_torch(T, H, V, chunk_tokens, kw):
+    check_cross_entropy(T, H, V, backend="torch", tol=2e-6, impl="eager", chunk_tokens=chunk_tokens, **kw)
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 7])
+def test_policy_loss_torch(chunk_tokens):
+    check_policy_loss(37, 48, 301, backend="torch", tol=2e-6, chunk_tokens=chunk_tokens, temperature=1.3)
+
+
+def test_policy_loss_bf16_mixed_chunk_scales_torch():
+    # advantages spanning 1e-3..1e3 across the token chunks: each chunk's fp16 dlogits get their own power-of-two
+    # scale and are brought to the group's smallest before the GEMMs; gradients stay at the bf16 output floor
+    check_policy_loss(64, 48, 301, backend="torch", tol=2e-5, grad_tol=3e-3, dtype=torch.bfloat16,
+                      adv_spread=1e3, chunk_tokens=32)
+
+
+def test_eager_equals_generic_path():
+    # the three-GEMM eager path and the four-GEMM generic path (stats, then autograd's backward) agree
+    hidden, weight, target = _inputs(41, 32, 211)
+    target[::6] = -100
+    adv = torch.randn(41)
+    loss, logp, _ = kernels.linear_policy_loss(hidden, weight, target, lambda lp, ent, a, b: lp * adv[a:b],
+                                               chunk_tokens=16)
+    loss.backward()
+    dh, dw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    logp2 = kernels.linear_logprobs(hidden, weight, target)
+    (logp2 * adv).sum().backward()
+    assert _rel(logp, logp2) < 1e-6 and _rel(dh, hidden.grad) < 1e-6 and _rel(dw, weight.grad) < 1e-6
+    # and the loss may be scaled after the fact (backward multiplies the stored gradients by the upstream grad)
+    hidden.grad = weight.grad = None
+    loss, _, _ = kernels.linear_policy_loss(hidden, weight, target, lambda lp, ent, a, b: lp * adv[a:b])
+    (0.25 * loss).backward()
+    assert _rel(hidden.grad, 0.25 * dh) < 1e-6 and _rel(weight.grad, 0.25 * dw) < 1e-6
+
+
 def test_bad_arguments():
     hidden, weight, target = _inputs(4, 8, 10)
     with pytest.raises(ValueError, match="reduction"):
@@ -189,6 +265,10 @@ def test_bad_arguments():
         kernels.linear_logprobs(hidden, weight, target, temperature=0.0)
     with pytest.raises(ValueError, match=r"\[T, H\]"):
         kernels.linear_logprobs(hidden, weight[:, :5], target)
+    with pytest.raises(ValueError, match="eager"):
+        kernels.linear_cross_entropy(hidden, weight, target, reduction="none", impl="eager")
+    with pytest.raises(ValueError, match=r"\[T, H\]"):
+        kernels.linear_policy_loss(hidden, weight[:, :5], target, lambda lp, ent, a, b: lp)
 
 
 def test_no_triton_import_on_cpu_path():
@@ -220,6 +300,12 @@ def interpreter_checks() -> None:
     print("lp", check_logprobs(29, 40, 257, backend="triton", tol=2e-5, temperature=1.3, **small))
     print("lp |z|~100", check_logprobs(17, 32, 200, backend="triton", tol=1e-3, grad_tol=1e-4, logit_scale=100.0))
     check_all_ignored("triton")
+    print("eager ce", check_cross_entropy(37, 40, 301, backend="triton", tol=2e-5, impl="eager", chunk_tokens=12,
+                                          reduction="mean", z_loss=1e-3, temperature=0.7))
+    print("eager ce splits", check_cross_entropy(20, 40, 8300, backend="triton", tol=2e-5, impl="eager"))
+    print("eager bf16", check_cross_entropy(37, 40, 301, backend="triton", tol=1e-5, grad_tol=3e-3, impl="eager",
+                                            dtype=torch.bfloat16, logit_scale=30.0, chunk_tokens=12))
+    print("policy", check_policy_loss(29, 40, 257, backend="triton", tol=2e-5, chunk_tokens=8, temperature=1.3))
     print("interpreter checks passed")
 
 
@@ -266,6 +352,15 @@ def _dist_worker(rank: int, world: int, port: int) -> None:
         errs = (_rel(lp, ref[0]), _rel(ent, ref[1]), _rel(hidden.grad, rdh),
                 _rel(w_local.grad, rdw[rank * V_local:(rank + 1) * V_local]))
         assert max(errs) < 1e-5, f"TP logprobs rank {rank}: {errs}"
+        # the fused policy loss, vocab-parallel: same numbers on both ranks, each its own dW rows
+        hidden.grad = w_local.grad = None
+        loss, lp2, ent2 = kernels.linear_policy_loss(
+            hidden, w_local, target, lambda lp, en, a, b: lp * up_lp[a:b] + en * up_ent[a:b], with_entropy=True,
+            temperature=1.2, tp_group=dist.group.WORLD, chunk_tokens=8)
+        loss.backward()
+        errs = (_rel(lp2, ref[0]), _rel(ent2, ref[1]), _rel(hidden.grad, rdh),
+                _rel(w_local.grad, rdw[rank * V_local:(rank + 1) * V_local]))
+        assert max(errs) < 1e-5, f"TP policy loss rank {rank}: {errs}"
 
         # FSDP2: the head's weight is a sharded DTensor parameter; inside forward FSDP hands the kernel the
         # gathered plain tensor (no .full_tensor()), and the reduce-scatter of its gradient is FSDP's.
@@ -309,7 +404,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("impl", ["fused", "split"])
+@pytest.mark.parametrize("impl", ["fused", "split", "eager"])
 @pytest.mark.parametrize("T,H,V", [(1000, 256, 5003), (4099, 512, 32771)])
 def test_gpu_bf16_cross_entropy(T, H, V, impl):
     # bf16 operands, fp32 logits and accumulators: loss at fp32 accuracy; gradients limited by the bf16 dlogits
@@ -327,6 +422,16 @@ def test_gpu_logprobs_entropy(dtype):
     grad_tol = 5e-5 if dtype == torch.float32 else 2e-3
     print(check_logprobs(3001, 256, 20011, backend="triton", tol=1e-4, device="cuda", dtype=dtype,
                          temperature=0.9, logit_scale=30.0, grad_tol=grad_tol))
+
+
+@pytest.mark.gpu
+@needs_cuda
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_gpu_policy_loss(dtype):
+    grad_tol = 5e-5 if dtype == torch.float32 else 2e-3
+    print(check_policy_loss(3001, 256, 20011, backend="triton", tol=1e-4, device="cuda", dtype=dtype,
+                            temperature=0.9, logit_scale=30.0, grad_tol=grad_tol, adv_spread=100.0,
+                            chunk_tokens=1024))
 
 
 if __name__ == "__main__" and sys.argv[1:] == ["interpreter"]:
