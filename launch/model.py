@@ -18,6 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
 from launch.gated_delta import gated_delta_rule
 from launch.moe import MoE
 from recipe.models import ModelShape
@@ -66,17 +67,18 @@ class RMSNorm(nn.Module):
 
 
 class GatedRMSNorm(nn.Module):
-    """RMSNorm over each value head's channels, then a SiLU gate (Gated DeltaNet's output norm)."""
+    """RMSNorm over each value head's channels, then a SiLU gate (Gated DeltaNet's output norm). fp32 inside; the
+    normalized x is cast to x's dtype before the weight multiplies it (kernels.gdn_fused: one fused Triton kernel
+    on GPU, the torch reference on CPU)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim))
+        self.backend = "auto"  # auto | torch | triton (kernels/gdn_fused.py)
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return (self.weight * x32.type_as(x) * F.silu(gate.float())).type_as(x)
+        return gated_rms_norm(x, gate, self.weight, self.eps, backend=self.backend)
 
 
 def rope_cos_sin(positions_T: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
@@ -167,6 +169,7 @@ class GatedDeltaNet(nn.Module):
         self.key_dim, self.value_dim = la.num_k_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
         self.chunk_size, self.conv_kernel = la.chunk_size, la.conv_kernel
         self.backend = "auto"  # delta-rule backend: auto | torch | fla (launch/gated_delta.py)
+        self.conv_backend = "auto"  # conv + SiLU: auto | torch | triton (kernels/gdn_fused.py)
         conv_dim = 2 * self.key_dim + self.value_dim
         self.in_proj_qkv = nn.Linear(s.hidden_size, conv_dim, bias=False)
         self.in_proj_z = nn.Linear(s.hidden_size, self.value_dim, bias=False)
@@ -179,15 +182,9 @@ class GatedDeltaNet(nn.Module):
         self.out_proj = nn.Linear(self.value_dim, s.hidden_size, bias=False)
 
     def causal_conv(self, x_TC: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
-        """Depthwise causal conv + SiLU; a tap reaching before its document's first token reads zero."""
-        w_CK = self.conv1d.weight[:, 0, :]
-        width = w_CK.shape[1]
-        out = x_TC * w_CK[:, width - 1]
-        for shift in range(1, width):
-            shifted = F.pad(x_TC[:-shift], (0, 0, shift, 0))
-            valid_T1 = (positions_T >= shift).unsqueeze(1).to(x_TC.dtype)
-            out = out + shifted * valid_T1 * w_CK[:, width - 1 - shift]
-        return F.silu(out)
+        """Depthwise causal conv + SiLU; a tap reaching before its document's first token reads zero
+        (kernels.gdn_fused.causal_conv1d_silu: one fused Triton kernel on GPU, the torch reference on CPU)."""
+        return causal_conv1d_silu(x_TC, self.conv1d.weight[:, 0, :], positions_T, backend=self.conv_backend)
 
     def forward(self, x_TD: torch.Tensor, rope, packing: Packing):
         T = x_TD.shape[0]

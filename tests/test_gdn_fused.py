@@ -1,0 +1,180 @@
+"""Fused Gated DeltaNet ops (kernels.gdn_fused): the Triton kernels against the torch reference, forward and backward.
+
+The Triton kernels run on CPU tensors under TRITON_INTERPRET=1 in a subprocess (the variable must be set before
+triton is imported, and other tests in this process may import it first; as tests/test_kernels_lm_head.py does).
+fp32 inputs: outputs and every gradient within 1e-5 (relative L2) of torch autograd through the fp32 reference.
+bf16 inputs: within bf16 rounding of an fp64 reference, and no worse than the torch path itself on the same
+inputs; the gated norm's bf16 output matches the torch path bit for bit (same roundings, same order).
+Shapes: odd T and C (not multiples of the tiles), packed documents with lengths 1 and < W, document starts inside
+a tile, a shard whose first token is mid-document, T < W, non-contiguous inputs, and partial requires_grad.
+The GPU comparison at the real shape (T = C = 8192, bf16) is in tests/test_model_gpu.py.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.gdn_fused import (causal_conv1d_silu, causal_conv1d_silu_torch, gated_rms_norm,
+                               gated_rms_norm_torch)
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def _rel(x, ref) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _positions(lengths) -> torch.Tensor:
+    return torch.cat([torch.arange(n) for n in lengths])
+
+
+def _run(fn, leaves, dy, *args, **kw):
+    """Output and gradients of the leaves that require them (None for the others)."""
+    leaves = [x.detach().requires_grad_(x.requires_grad) for x in leaves]  # detach keeps strides (views)
+    y = fn(*leaves, *args, **kw)
+    y.backward(dy.to(y.dtype))
+    return [y.detach()] + [x.grad for x in leaves]
+
+
+def _compare(fn_ours, fn_ref, leaves, dy, args, dtype, tol32, name):
+    """Triton (interpreter) vs the torch reference on `leaves` cast to dtype; returns the errors."""
+    cast = [x.detach().to(dtype).requires_grad_(x.requires_grad) for x in leaves]
+    ours = _run(fn_ours, cast, dy, *args, backend="triton")
+    names = ["out"] + [f"d{i}" for i in range(len(leaves))]
+    if dtype == torch.float32:
+        ref = _run(fn_ref, cast, dy, *args)
+        errs = {n: _rel(a, b) for n, a, b in zip(names, ours, ref) if b is not None}
+        assert all(e <= tol32 for e in errs.values()), f"{name} fp32: {errs}"
+        assert all(a is None for a, b in zip(ours, ref) if b is None)
+        return errs
+    # 16-bit: fp64 reference from the same (rounded) inputs; the torch path on the 16-bit inputs sets the bar
+    ref64 = _run(fn_ref, [x.detach().double().requires_grad_(x.requires_grad) for x in cast], dy.double(), *args)
+    torch16 = _run(fn_ref, cast, dy, *args)
+    errs = {}
+    for n, a, b, t in zip(names, ours, ref64, torch16):
+        if b is None:
+            assert a is None
+            continue
+        assert a.dtype == t.dtype, f"{name} {n}: dtype {a.dtype} != torch path's {t.dtype}"
+        errs[n] = (_rel(a, b), _rel(t, b))
+        assert errs[n][0] <= max(1.25 * errs[n][1], 4e-3), f"{name} bf16 {n}: ours, torch vs fp64 = {errs[n]}"
+    return errs
+
+
+def conv_checks() -> None:
+    g = torch.Generator().manual_seed(0)
+    cases = [  # (name, positions, C, W)
+        ("packed", _positions([1, 2, 5, 3, 1, 12, 13]), 19, 4),  # len-1 docs, docs < W, starts inside 8-row tiles
+        ("one doc", _positions([29]), 8, 4),                     # C a tile multiple
+        ("mid-doc shard", torch.arange(10) + 2, 11, 4),          # first row's taps reach before t = 0
+        ("T < W", _positions([2]), 5, 3),
+        ("W = 2", _positions([6, 1, 9]), 13, 2),
+    ]
+    for name, pos, C, W in cases:
+        T = pos.shape[0]
+        x_big = torch.randn(T, 2 * C, generator=g)
+        x = x_big[:, ::2]  # non-contiguous view
+        w = torch.randn(C, W, generator=g) * 0.6
+        dy = torch.randn(T, C, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            partial = ((True, False), (False, True)) if (name == "packed" and dtype == torch.float32) else ()
+            for rg in ((True, True),) + partial:
+                leaves = [x.detach().requires_grad_(rg[0]), w.clone().requires_grad_(rg[1])]
+                errs = _compare(causal_conv1d_silu, causal_conv1d_silu_torch, leaves, dy, (pos,), dtype, 1e-5,
+                                f"conv {name} {rg}")
+                if rg == (True, True):
+                    print("conv", name, dtype, errs)
+
+
+def norm_checks() -> None:
+    g = torch.Generator().manual_seed(1)
+    for shape in ((13, 3, 24), (7, 128), (1, 5)):
+        D = shape[-1]
+        x = torch.randn(shape, generator=g) * 3.0
+        gate_big = torch.randn(*shape[:-1], 2 * D, generator=g) * 2.0
+        gate = gate_big[..., D:]  # non-contiguous view (z is a slice of a projection in some layouts)
+        w = 1.0 + 0.3 * torch.randn(D, generator=g)
+        dy = torch.randn(shape, generator=g)
+        for dtype in (torch.float32, torch.bfloat16):
+            partial = ((True, False, True), (False, True, False)) if (D == 24 and dtype == torch.float32) else ()
+            for rg in ((True, True, True),) + partial:
+                leaves = [x.clone().requires_grad_(rg[0]), gate.detach().requires_grad_(rg[1]),
+                          w.clone().requires_grad_(rg[2])]
+                errs = _compare(gated_rms_norm, gated_rms_norm_torch, leaves, dy, (1e-6,), dtype, 1e-5,
+                                f"norm {shape} {rg}")
+                if rg == (True, True, True):
+                    print("norm", shape, dtype, errs)
+        # bf16 output bit for bit (normalized x and weight product rounded to bf16 as the reference does), with a
+        # bf16 weight (the model's) and an fp32 one (no rounding of the product)
+        for w_dtype in (torch.bfloat16, torch.float32):
+            xb, gb = x.bfloat16(), gate.bfloat16()
+            ours = gated_rms_norm(xb, gb, w.to(w_dtype), 1e-6, backend="triton")
+            ref = gated_rms_norm_torch(xb, gb, w.to(w_dtype), 1e-6)
+            assert ours.dtype == ref.dtype == torch.bfloat16
+            frac = (ours == ref).float().mean().item()
+            assert frac >= 0.995, f"norm {shape} weight {w_dtype}: {frac:.4f} of bf16 outputs equal"
+            assert _rel(ours, ref) < 2e-3
+
+
+def interpreter_checks() -> None:
+    """Run in a subprocess with TRITON_INTERPRET=1 (see __main__ below)."""
+    assert os.environ.get("TRITON_INTERPRET") == "1"
+    # The CPU path (backend "auto", also through the model) never imports triton.
+    import launch.model  # noqa: F401  (the model module imports kernels.gdn_fused too)
+    causal_conv1d_silu(torch.randn(5, 3), torch.randn(3, 4), torch.arange(5))
+    gated_rms_norm(torch.randn(5, 3), torch.randn(5, 3), torch.ones(3), 1e-6)
+    assert "triton" not in sys.modules, "the CPU path imported triton"
+    conv_checks()
+    norm_checks()
+    print("interpreter checks passed")
+
+
+def _env(**extra) -> dict:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
+    env.update(extra)
+    return env
+
+
+def test_triton_kernels_interpreter():
+    out = subprocess.run([sys.executable, __file__, "interpreter"], cwd=REPO, capture_output=True, text=True,
+                         env=_env(TRITON_INTERPRET="1"), timeout=300)
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    assert "interpreter checks passed" in out.stdout
+
+
+def test_torch_path_is_the_model_conv():
+    """The dispatcher's CPU path is the reference, including T < W (the shift loop stops at T)."""
+    g = torch.Generator().manual_seed(2)
+    x, w = torch.randn(2, 6, generator=g), torch.randn(6, 4, generator=g)
+    pos = torch.tensor([0, 1])
+    y = causal_conv1d_silu(x, w, pos)
+    expect = torch.nn.functional.silu(x * w[:, 3] + torch.cat([torch.zeros(1, 6), x[:1] * w[:, 2]]))
+    assert torch.allclose(y, expect, atol=1e-6)
+
+
+def test_bad_arguments():
+    x, w, pos = torch.randn(5, 3), torch.randn(3, 4), torch.arange(5)
+    with pytest.raises(ValueError, match="backend"):
+        causal_conv1d_silu(x, w, pos, backend="cuda")
+    with pytest.raises(ValueError, match=r"\[C, W\]"):
+        causal_conv1d_silu(x, w[:2], pos)
+    with pytest.raises(ValueError, match="positions"):
+        causal_conv1d_silu(x, w, pos[:4])
+    with pytest.raises(ValueError, match="one shape"):
+        gated_rms_norm(x, x[:, :2], torch.ones(3), 1e-6)
+    if os.environ.get("TRITON_INTERPRET", "0") != "1":
+        with pytest.raises(ValueError, match="TRITON_INTERPRET"):
+            gated_rms_norm(x, x, torch.ones(3), 1e-6, backend="triton")
+
+
+if __name__ == "__main__" and sys.argv[1:] == ["interpreter"]:
+    torch.set_num_threads(1)
+    interpreter_checks()
