@@ -72,21 +72,25 @@ INTERPRETER_STATS = (TileConfig(16, 64, 32, 1, 1),)
 INTERPRETER_DLOGITS = (TileConfig(16, 64, 32, 1, 1),)
 
 
-# Streaming kernels over an fp32 logits chunk already in memory (from a cuBLAS GEMM): pure bandwidth. Candidates
-# (rows, cols, warps), timed once per vocab size by triton.autotune:
-#   NVIDIA: 16 x 512 over 8 warps = 8192 values / 256 threads = 32 a thread, as 8 x 16-byte loads (4 fp32 each);
-#     8 x 1024 keeps that but walks a row's vocab in half the iterations; 32 x 512 over 16 warps doubles the bytes
-#     in flight per program (64 KiB of fp32 loads) for when few programs are resident. Each keeps >= 32 KiB in
-#     flight per SM with 2 resident programs, what HBM3e's latency x bandwidth per SM (~4.8 TB/s / 132 SMs x
-#     ~1 us = 36 KiB) asks for.
-#   AMD: the same tiles over 8 wavefronts = 512 lanes, 16 values a lane (4 x 16-byte loads); 16 wavefronts is
-#     the 1024-lane workgroup limit.
+# Streaming kernels over an fp32 logits chunk already in memory (from a cuBLAS GEMM): pure bandwidth.
+# Stats kernel: candidates (rows, cols, warps) timed once per vocab size by triton.autotune. Each lane keeps four
+# running accumulators (max, sum, entropy sum, target), so the tiles hold 32 values per thread (4 x 32 = 128
+# accumulator registers, under the 255 cap with the loaded tile beside them):
+#   NVIDIA: 8 x 1024 over 8 warps (256 threads), 4 x 1024 over 4 warps, 16 x 512 over 8 warps; each thread's 32
+#     fp32 values are 8 x 16-byte loads. With 2+ programs resident an SM has >= 32 KiB of loads in flight, what
+#     HBM3e's bandwidth x latency per SM asks for (~4.8 TB/s / 132 SMs x ~1 us = 36 KiB).
+#   AMD: the same tiles; 8 wavefronts are 512 lanes, 16 values a lane (4 x 16-byte loads), within the
+#     1024-lane workgroup limit.
 #   Interpreter: small, so the tests cross row and column tile edges.
 STREAM_TILES = {
-    "nvidia": ((16, 512, 8), (8, 1024, 8), (32, 512, 16)),
-    "amd": ((16, 512, 8), (8, 1024, 8), (32, 512, 16)),
+    "nvidia": ((8, 1024, 8), (4, 1024, 4), (16, 512, 8)),
+    "amd": ((8, 1024, 8), (4, 1024, 4), (16, 512, 8)),
     "interpreter": ((8, 64, 1),),
 }  # (rows, cols, warps)
+# dlogits kernel (rows swept left to right by one program, in place; fixed, not autotuned): 4 rows x 1024 columns
+# over 8 warps = 16 values a thread (4 x 16-byte loads); T = 2048 rows give 512 programs, ~4 per SM on a 132-SM
+# H100/H200 (64 KiB in flight per SM); AMD: 8 wavefronts x 64 lanes, 8 values a lane.
+DZ_ROWS_TILE = {"nvidia": (4, 1024, 8), "amd": (4, 1024, 8), "interpreter": (4, 64, 1)}
 
 
 def tile_configs(vendor: str, arch_major: int, kernel: str) -> tuple[TileConfig, ...]:

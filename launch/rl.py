@@ -72,17 +72,60 @@ def kl_penalty(logp_T: torch.Tensor, ref_logp_T: torch.Tensor, estimator: str) -
     return torch.exp(log_r) - log_r - 1.0
 
 
-def aggregate(x_T: torch.Tensor, mask_T: torch.Tensor, seq_id_T: torch.Tensor | None, how: str) -> torch.Tensor:
-    mask = mask_T.to(x_T.dtype)
+def token_weights(mask_T: torch.Tensor, seq_id_T: torch.Tensor | None, how: str) -> torch.Tensor:
+    """w_T with aggregate(x) = Σ_t w_t x_t, fixed by the masks alone (which is what lets the fused head take the
+    loss token by token): token_mean w = m / Σ m; seq_mean w = m / (tokens of t's sequence · sequences with
+    tokens). All-masked gives w = 0."""
+    mask = mask_T.float()
     if how == "token_mean":
-        return (x_T * mask).sum() / mask.sum().clamp(min=1.0)
+        return mask / mask.sum().clamp(min=1.0)
+    if how != "seq_mean":
+        raise ValueError(f"aggregation must be token_mean or seq_mean, got {how!r}")
     if seq_id_T is None:
         raise ValueError("seq_mean aggregation needs seq_id_T")
     num_seqs = int(seq_id_T.max()) + 1 if seq_id_T.numel() else 0
-    sums = torch.zeros(num_seqs, dtype=x_T.dtype, device=x_T.device).index_add_(0, seq_id_T, x_T * mask)
-    counts = torch.zeros(num_seqs, dtype=x_T.dtype, device=x_T.device).index_add_(0, seq_id_T, mask)
-    has = counts > 0
-    return (sums[has] / counts[has]).mean() if bool(has.any()) else x_T.sum() * 0.0
+    counts = torch.zeros(num_seqs, dtype=mask.dtype, device=mask.device).index_add_(0, seq_id_T, mask)
+    num_with_tokens = (counts > 0).sum().clamp(min=1)
+    return mask / (counts[seq_id_T].clamp(min=1.0) * num_with_tokens)
+
+
+def aggregate(x_T: torch.Tensor, mask_T: torch.Tensor, seq_id_T: torch.Tensor | None, how: str) -> torch.Tensor:
+    return (token_weights(mask_T, seq_id_T, how).to(x_T.dtype) * torch.where(mask_T.bool(), x_T, 0.0)).sum()
+
+
+def token_losses(logp_T: torch.Tensor, advantages_T: torch.Tensor, mask_T: torch.Tensor, cfg: LossConfig, *,
+                 old_logp_T: torch.Tensor | None = None, ref_logp_T: torch.Tensor | None = None,
+                 rollout_logp_T: torch.Tensor | None = None, entropy_T: torch.Tensor | None = None
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor | None]]:
+    """Per-token loss l_t (the module docstring's formula) and its parts; the one place the formula lives (the
+    unfused policy_loss and the fused head both call it). Masked-out tokens (prompts, padding) get neutral inputs
+    (advantage 0, old/ref/rollout log-probs equal to the current ones) so whatever a rollout file holds there, NaN
+    included, reaches neither the loss nor, through 0 · NaN in autograd, the gradients."""
+    mask = mask_T.bool()
+    cur = logp_T.detach()
+    advantages_T = torch.where(mask, advantages_T, 0.0)
+    old = cur if old_logp_T is None else torch.where(mask, old_logp_T, cur)
+    ref_logp_T = None if ref_logp_T is None else torch.where(mask, ref_logp_T, cur)
+    rollout_logp_T = None if rollout_logp_T is None else torch.where(mask, rollout_logp_T, old)
+    log_ratio = logp_T - old
+    ratio = torch.exp(log_ratio)
+    surr1 = ratio * advantages_T
+    surr2 = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages_T
+    pg_T = -torch.minimum(surr1, surr2)
+    tis_w = None
+    if rollout_logp_T is not None and cfg.tis_cap is not None:
+        tis_w = torch.exp(old - rollout_logp_T).clamp(max=cfg.tis_cap).detach()
+        pg_T = pg_T * tis_w
+    loss_T = pg_T
+    kl_T = None
+    if ref_logp_T is not None and cfg.kl_coef:
+        kl_T = kl_penalty(logp_T, ref_logp_T, cfg.kl_estimator)
+        loss_T = loss_T + cfg.kl_coef * kl_T
+    if cfg.entropy_coef:
+        if entropy_T is None:
+            raise ValueError("entropy_coef > 0 needs entropy_T (token_logprobs(..., with_entropy=True))")
+        loss_T = loss_T - cfg.entropy_coef * entropy_T
+    return loss_T, dict(pg=pg_T, kl=kl_T, tis_w=tis_w, surr1=surr1, surr2=surr2, log_ratio=log_ratio)
 
 
 def policy_loss(logp_T: torch.Tensor, advantages_T: torch.Tensor, mask_T: torch.Tensor, cfg: LossConfig, *,
@@ -95,44 +138,69 @@ def policy_loss(logp_T: torch.Tensor, advantages_T: torch.Tensor, mask_T: torch.
     rollout_logp: the rollout engine's own log-probs; with cfg.tis_cap the per-token surrogate is weighted by
     min(exp(old_logp − rollout_logp), cap), detached (truncated importance sampling).
     """
-    mask = mask_T.bool()
-    old = logp_T.detach() if old_logp_T is None else old_logp_T
-    log_ratio = logp_T - old
-    ratio = torch.exp(log_ratio)
-    surr1 = ratio * advantages_T
-    surr2 = torch.clamp(ratio, 1.0 - cfg.clip_low, 1.0 + cfg.clip_high) * advantages_T
-    pg_T = -torch.minimum(surr1, surr2)
-    if rollout_logp_T is not None and cfg.tis_cap is not None:
-        tis_w = torch.exp(old - rollout_logp_T).clamp(max=cfg.tis_cap).detach()
-        pg_T = pg_T * tis_w
-    else:
-        tis_w = None
-    loss_T = pg_T
-    kl_T = None
-    if ref_logp_T is not None and cfg.kl_coef:
-        kl_T = kl_penalty(logp_T, ref_logp_T, cfg.kl_estimator)
-        loss_T = loss_T + cfg.kl_coef * kl_T
-    if cfg.entropy_coef:
-        if entropy_T is None:
-            raise ValueError("entropy_coef > 0 needs entropy_T (token_logprobs(..., with_entropy=True))")
-        loss_T = loss_T - cfg.entropy_coef * entropy_T
-    loss = aggregate(loss_T, mask, seq_id_T, cfg.aggregation)
+    loss_T, parts = token_losses(logp_T, advantages_T, mask_T, cfg, old_logp_T=old_logp_T, ref_logp_T=ref_logp_T,
+                                 rollout_logp_T=rollout_logp_T, entropy_T=entropy_T)
+    loss = aggregate(loss_T, mask_T, seq_id_T, cfg.aggregation)
+    return loss, _metrics(loss, parts, mask_T, entropy_T)
 
+
+def _metrics(loss, parts, mask_T, entropy_T) -> dict[str, torch.Tensor]:
     with torch.no_grad():
+        mask = mask_T.bool()
         m = mask.float()
         n = m.sum().clamp(min=1.0)
-        clipped = (surr2 < surr1) & mask  # the clipped branch is the one taken (and carries no gradient)
+        clipped = (parts["surr2"] < parts["surr1"]) & mask  # the clipped branch is taken (and carries no gradient)
+        log_ratio = parts["log_ratio"]
         metrics = {
             "loss": loss.detach(),
-            "pg_loss": (pg_T * m).sum() / n,
+            "pg_loss": (parts["pg"] * m).sum() / n,
             "clip_frac": clipped.float().sum() / n,
             "approx_kl": ((torch.exp(-log_ratio) + log_ratio - 1.0) * m).sum() / n,  # k3 of KL(old ‖ new)
             "num_tokens": m.sum(),
         }
         if entropy_T is not None:
             metrics["entropy"] = (entropy_T * m).sum() / n
-        if kl_T is not None:
-            metrics["kl_ref"] = (kl_T * m).sum() / n
-        if tis_w is not None:
-            metrics["tis_weight"] = (tis_w * m).sum() / n
-    return loss, metrics
+        if parts["kl"] is not None:
+            metrics["kl_ref"] = (parts["kl"] * m).sum() / n
+        if parts["tis_w"] is not None:
+            metrics["tis_weight"] = (parts["tis_w"] * m).sum() / n
+    return {k: v.detach() for k, v in metrics.items()}
+
+
+def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor,
+                      advantages_T: torch.Tensor, mask_T: torch.Tensor, cfg: LossConfig, *, temperature: float = 1.0,
+                      old_logp_T: torch.Tensor | None = None, ref_logp_T: torch.Tensor | None = None,
+                      rollout_logp_T: torch.Tensor | None = None, seq_id_T: torch.Tensor | None = None
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """policy_loss(token_logprobs(...)) with the loss handed to the LM head (kernels.linear_policy_loss): the head
+    knows each token's gradient as soon as its log-prob is known and runs three logits-sized GEMMs, not four.
+    Same per-token formula (token_losses) and weights (token_weights); metrics from the detached log-probs."""
+    w_T = token_weights(mask_T, seq_id_T, cfg.aggregation)
+    mask_b = mask_T.bool()
+
+    def sl(x, t0, t1):
+        return None if x is None else x[t0:t1]
+
+    def token_loss(logp, ent, t0, t1):
+        loss_t, _ = token_losses(logp, advantages_T[t0:t1], mask_b[t0:t1], cfg, old_logp_T=sl(old_logp_T, t0, t1),
+                                 ref_logp_T=sl(ref_logp_T, t0, t1), rollout_logp_T=sl(rollout_logp_T, t0, t1),
+                                 entropy_T=ent)
+        return torch.where(mask_b[t0:t1], loss_t, 0.0) * w_T[t0:t1]
+
+    loss, logp_T, ent_T = kernels.linear_policy_loss(hidden_TD, weight_VD, targets_T, token_loss,
+                                                     temperature=temperature, with_entropy=True)
+    _, parts = token_losses(logp_T, advantages_T, mask_T, cfg, old_logp_T=old_logp_T, ref_logp_T=ref_logp_T,
+                            rollout_logp_T=rollout_logp_T, entropy_T=ent_T)
+    return loss, _metrics(loss, parts, mask_T, ent_T)
+
+
+def fused_nll_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor, mask_T: torch.Tensor,
+                   *, temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SFT objective through the fused head: token-mean negative log-likelihood over mask_T, plus metrics."""
+    w_T = token_weights(mask_T, None, "token_mean")
+    loss, _, ent_T = kernels.linear_policy_loss(hidden_TD, weight_VD, targets_T,
+                                                lambda logp, ent, t0, t1: -logp * w_T[t0:t1],
+                                                temperature=temperature, with_entropy=True)
+    m = mask_T.float()
+    n = m.sum().clamp(min=1.0)
+    return loss, {"loss": loss.detach(), "entropy": ((ent_T * m).sum() / n).detach(), "num_tokens": m.sum()}

@@ -25,7 +25,7 @@ from launch.data import Batch, make_batch, pack_rollouts, read_rollouts, synthet
 from launch.model import Transformer, build_model
 from launch.optim import MasterAdamW, NonFiniteError
 from launch.recompute import apply_recompute
-from launch.rl import LossConfig, policy_loss, token_logprobs
+from launch.rl import LossConfig, fused_nll_loss, fused_policy_loss, policy_loss, token_logprobs
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -66,9 +66,15 @@ class Trainer:
     def loss_terms(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one micro-batch (its own aggregation) and its metrics."""
         hidden_TD = self.model(batch.input_ids, batch.packing)
-        logp_T, entropy_T = token_logprobs(hidden_TD, self.model.lm_head.weight, batch.targets, mode=self.lm_head,
-                                           temperature=self.cfg.temperature, with_entropy=True)
-        mask = batch.loss_mask
+        weight, mask, temp = self.model.lm_head.weight, batch.loss_mask, self.cfg.temperature
+        if self.lm_head == "fused":  # the loss goes into the head: three logits-sized GEMMs (kernels/lm_head_eager.py)
+            if self.cfg.objective == "sft":
+                return fused_nll_loss(hidden_TD, weight, batch.targets, mask, temperature=temp)
+            return fused_policy_loss(hidden_TD, weight, batch.targets, batch.advantages, mask, self.cfg.loss,
+                                     temperature=temp, old_logp_T=batch.old_logprobs, ref_logp_T=batch.ref_logprobs,
+                                     rollout_logp_T=batch.rollout_logprobs, seq_id_T=batch.seq_id)
+        logp_T, entropy_T = token_logprobs(hidden_TD, weight, batch.targets, mode=self.lm_head, temperature=temp,
+                                           with_entropy=True)
         if self.cfg.objective == "sft":
             n = mask.sum().clamp(min=1)
             loss = -(logp_T * mask).sum() / n

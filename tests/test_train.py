@@ -111,7 +111,11 @@ def test_nonfinite_loss_and_gradient_are_reported_with_the_step():
     batch = _fixed_batch()
     trainer.step(batch)
     bad = make_batch(synthetic_rollouts(1, 2, TINY.vocab_size, seed=0))
-    bad.advantages[3] = float("nan")
+    masked_out = int((~bad.loss_mask.bool()).nonzero()[0])
+    bad.advantages[masked_out] = float("nan")  # a NaN where the loss mask is 0 (a prompt token) is ignored ...
+    trainer.step(bad)
+    trainer.step_num = 1
+    bad.advantages[int(bad.loss_mask.bool().nonzero()[0])] = float("nan")  # ... one on a trained token is not
     before = [p.detach().clone() for p in trainer.model.parameters()]
     with pytest.raises(NonFiniteError, match="step 2: loss is nan"):
         trainer.step(bad)
