@@ -82,7 +82,7 @@ def test_bf16_train_step_runs_and_learns():
 def _fused_vs_torch(fn, inputs, dy, args):
     """(ours bf16, torch path bf16, torch path fp32 from the same bf16 inputs): outputs and input gradients."""
     def run(backend, dtype):
-        leaves = [x.to(dtype).requires_grad_() for x in inputs]
+        leaves = [x.detach().clone().to(dtype).requires_grad_() for x in inputs]  # fresh leaves: no shared .grad
         y = fn(*leaves, *args, backend=backend)
         y.backward(dy.to(dtype))
         return [y.detach()] + [x.grad for x in leaves]
