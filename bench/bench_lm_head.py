@@ -223,6 +223,23 @@ def profile_ours(h, w, t):
     print(line, flush=True)
 
 
+def trace_ours(h, w, t):
+    """torch.profiler's table of one mean-CE forward + backward (after a warm-up): every kernel's total time."""
+    from torch.profiler import ProfilerActivity, profile
+
+    def once():
+        h.grad = w.grad = None
+        kernels.linear_cross_entropy(h, w, t).backward()
+
+    once()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        once()
+        torch.cuda.synchronize()
+    print(f"# trace T={h.shape[0]} V={w.shape[0]}", flush=True)
+    print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--tokens", type=int, nargs="+", default=[65536, 16384])
@@ -234,6 +251,8 @@ def main(argv=None):
     ap.add_argument("--logit-std", type=float, default=2.0, help="std of the logits the random weights give")
     ap.add_argument("--out", type=str, default=None, help="append one JSON line per measurement here")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step breakdown of our time")
+    ap.add_argument("--trace", action="store_true",
+                    help="only print torch.profiler's kernel table for one run of ours (ce) per shape")
     args = ap.parse_args(argv)
 
     dev = torch.device("cuda")
@@ -253,6 +272,9 @@ def main(argv=None):
             t = torch.randint(0, V, (T,), device=dev, generator=g)
             adv = torch.randn(T, device=dev, generator=g)
             ref = None
+            if args.trace:
+                trace_ours(h, w, t)
+                continue
             if "ours" in methods and not args.no_profile:
                 profile_ours(h, w, t)
             if T == max(args.tokens):
