@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
+import kernels.lm_head_eager  # noqa: E402
 
 GIB = 2**30
 
@@ -251,10 +252,14 @@ def main(argv=None):
     ap.add_argument("--logit-std", type=float, default=2.0, help="std of the logits the random weights give")
     ap.add_argument("--out", type=str, default=None, help="append one JSON line per measurement here")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step breakdown of our time")
+    ap.add_argument("--eager-scratch-gib", type=float, default=None,
+                    help="the eager path's logits buffer (kernels.lm_head_eager.EAGER_SCRATCH_BYTES), GiB")
     ap.add_argument("--trace", action="store_true",
                     help="only print torch.profiler's kernel table for one run of ours (ce) per shape")
     args = ap.parse_args(argv)
 
+    if args.eager_scratch_gib:
+        kernels.lm_head_eager.EAGER_SCRATCH_BYTES = int(args.eager_scratch_gib * 2**30)
     dev = torch.device("cuda")
     print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
           f"triton {__import__('triton').__version__}", flush=True)

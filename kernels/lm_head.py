@@ -112,19 +112,18 @@ def _gemm_acc(acc: torch.Tensor, a: torch.Tensor, b: torch.Tensor, first: bool, 
     throughout: one cuBLAS call with a 16-bit A/B and an fp32 C, so no 16-bit partial result is ever rounded and
     re-read."""
     global _MIXED_ADDMM_OK
-    if first:
-        acc.zero_()  # (a memset of the chunk; cheaper than a second code path with beta = 0)
+    beta = 0.0 if first else 1.0  # beta = 0: the GEMM never reads acc (no memset, no read of C)
     if a.dtype == torch.float32:
-        acc.addmm_(a, b, alpha=alpha)
+        acc.addmm_(a, b, beta=beta, alpha=alpha)
         return
     if acc.is_cuda and _MIXED_ADDMM_OK:
         try:
-            torch.addmm(acc, a, b, out_dtype=torch.float32, alpha=alpha, out=acc)
+            torch.addmm(acc, a, b, out_dtype=torch.float32, beta=beta, alpha=alpha, out=acc)
             return
         except (TypeError, RuntimeError) as e:
             _MIXED_ADDMM_OK = False
             warnings.warn(f"addmm with out_dtype=float32 unavailable ({e}); falling back to fp32 GEMMs (slow)")
-    acc.addmm_(a.float(), b.float(), alpha=alpha)
+    acc.addmm_(a.float(), b.float(), beta=beta, alpha=alpha)
 
 
 class _TokenStats(torch.autograd.Function):

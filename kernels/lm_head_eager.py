@@ -91,7 +91,7 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
         h_scale_f, w_scale_f = float(h_scale), float(w_scale)
     else:
         w_g, h_buf, h_scale_f, w_scale_f = weight_VH, None, 1.0, 1.0
-    dW32 = torch.zeros((V, H), **f32) if need_w else None
+    dW32 = torch.empty((V, H), **f32) if need_w else None  # the first group's GEMM writes it (beta = 0)
     dH32 = torch.empty((T, H), **f32) if (need_h and tp_group is not None) else None
     dH = torch.empty_like(hidden_TH) if (need_h and tp_group is None) else None
     z_buf = torch.empty((Tg, V), **f32)
@@ -125,12 +125,12 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
             if dH32 is not None:
                 _lh._gemm_acc(dH32[g0:g1], dz_gV, w_g, first=True, alpha=1.0 / (s * w_scale_f))
             else:
-                out = torch.zeros((g1 - g0, H), **f32)
-                _lh._gemm_acc(out, dz_gV, w_g, first=False, alpha=1.0 / (s * w_scale_f))
+                out = torch.empty((g1 - g0, H), **f32)
+                _lh._gemm_acc(out, dz_gV, w_g, first=True, alpha=1.0 / (s * w_scale_f))
                 dH[g0:g1].copy_(out)
         if need_w:
             h_g = hidden_TH[g0:g1] if not half else torch.mul(hidden_TH[g0:g1], h_scale, out=h_buf[: g1 - g0])
-            _lh._gemm_acc(dW32, dz_gV.T, h_g, first=False, alpha=1.0 / (s * h_scale_f))
+            _lh._gemm_acc(dW32, dz_gV.T, h_g, first=(g0 == 0), alpha=1.0 / (s * h_scale_f))
     del z_buf, dz_buf, w_g, h_buf
     if dH32 is not None:
         dist.all_reduce(dH32, group=tp_group)
