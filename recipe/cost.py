@@ -151,19 +151,19 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
 
 
 def linear_attention_working_set(m: ModelShape, s: float, tp: int) -> float:
-    """Gated DeltaNet: projections, conv output, fp32 copies inside the chunked rule, one fp32 state per chunk,
-    the in-chunk [C × C] matrices, gated-norm output."""
+    """Gated DeltaNet, as launch/model.py runs it on GPU (fused conv and gated norm, kernels/gdn_fused.py;
+    flash-linear-attention's chunked rule, which takes bf16 q/k/v and recomputes its WY factors in the backward):
+    the q/k/v projection before and after the conv, z, beta and the fp32 log decay, the rule's in-chunk [C x C]
+    matrices and output, the gated-norm output, the block's input and output. The fused kernels save only their
+    inputs; the rule's backward transients are BACKWARD_TRANSIENT's."""
     la = m.linear_attn
     nk, nv = la.num_k_heads / tp, la.num_v_heads / tp
     kd, vd = nk * la.head_k_dim, nv * la.head_v_dim
-    proj = s * (2 * kd + 2 * vd + 2 * nv) * BF16  # q, k, v, z, beta, alpha
-    conv = s * (2 * kd + vd) * BF16
-    fp32_inputs = s * (2 * kd + vd + 2 * nv) * FP32  # q, k, v, g, beta in fp32 inside the rule
-    wy = s * nv * (la.head_k_dim + la.head_v_dim) * FP32  # w, u of the WY representation
-    states = (s / la.chunk_size) * nv * la.head_k_dim * la.head_v_dim * FP32
+    proj = s * (2 * kd + vd + vd) * BF16 + s * 2 * nv * FP32  # qkv (conv input), z; beta, g
+    conv = s * (2 * kd + vd) * BF16  # conv output: the rule's q, k, v
     in_chunk = s * la.chunk_size * nv * FP32
-    out = s * 2 * vd * BF16 + 2 * s * m.hidden_size * BF16
-    return proj + conv + fp32_inputs + wy + states + in_chunk + out
+    out = s * vd * BF16 * 2 + 2 * s * m.hidden_size * BF16  # rule output, norm output; block input and output
+    return proj + conv + in_chunk + out
 
 
 def moe_working_set(m: ModelShape, s: float) -> float:

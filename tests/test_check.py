@@ -154,10 +154,10 @@ def test_misfit_when_committed_layout_does_not_fit(tmp_path):
 
 
 def test_divisibility_violation_is_named(tmp_path):
-    p = write_plan(tmp_path / "q122.yaml", Inputs(model="qwen35-122b", seq_len=131072, hw="h100"))
+    p = write_plan(tmp_path / "q122.yaml", Inputs(model="qwen35-122b", seq_len=131072, hw="h100", gpus=48))
     lay = load_plan(p).layout
     world = lay.world
-    assert world % 3 == 0
+    assert world % (3 * lay.pp * lay.etp) == 0
     edit(p, layout={"ep": 3, "edp": world // (3 * lay.pp * lay.etp)})
     r = check(str(p))
     assert r.exit_code == 1, r.output
