@@ -260,7 +260,13 @@ def main() -> None:
                "--layers", str(args.layers), "--steps", str(args.steps), "--device", args.device]
         if impl == "ours" and T == args.profile_seq:
             cmd.append("--profile")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy())
+        env = os.environ.copy()
+        if impl == "hf":
+            # transformers' 32K step peaks at ~117 GiB with a 30 GiB fp32-logits allocation; without expandable
+            # segments the caching allocator's fragmentation leaves no 30 GiB block on a 140 GiB H200 (measured:
+            # OOM with 11.7 GiB free). Ours runs under the default allocator.
+            env.setdefault("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")
+        proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
         line = next((ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT ")), None)
         if line is None:
             res = {"impl": impl, "tokens": T, "error": (proc.stderr or proc.stdout)[-1500:]}
