@@ -92,8 +92,16 @@ def make_methods(modes_wanted):
         return lp, (lp * adv).sum()
 
     methods["ours"] = {"ce": ours_ce, "rl": ours_rl, "fwd": lambda h, w, t, adv: kernels.linear_logprobs(h, w, t)}
-    methods["ours, generic 4-GEMM"] = {"ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, impl="fused"),
+    generic = kernels.lm_head.DEFAULT_IMPL
+    methods["ours, generic 4-GEMM"] = {"ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, impl=generic),
                                        "rl": generic_rl}
+    other = "split" if kernels.lm_head.DEFAULT_IMPL == "fused" else "fused"
+    def other_rl(h, w, t, adv):
+        lp = kernels.linear_logprobs(h, w, t, impl=other)
+        return lp, (lp * adv).sum()
+
+    methods[f"ours, generic ({other})"] = {"fwd": lambda h, w, t, adv: kernels.linear_logprobs(h, w, t, impl=other),
+                                          "rl": other_rl}
 
     def naive_ce(h, w, t):
         return F.cross_entropy((h @ w.T).float(), t)
@@ -321,8 +329,8 @@ def main(argv=None):
 
 def print_table(rows):
     ours = {(r["T"], r["V"], r["mode"]): r.get("ms") for r in rows if r["method"] == "ours"}
-    print("# ours = the defaults on CUDA: ce and rl the eager three-GEMM path (rl: the fused policy loss), fwd the "
-          f"generic {kernels.lm_head.DEFAULT_IMPL!r} forward")
+    print("# ours = the defaults on CUDA: ce and rl the eager three-GEMM path (rl: the fused policy loss), fwd and the "
+          f"generic path impl={kernels.lm_head.DEFAULT_IMPL!r}")
     hdr = (f"| T | V | mode | method | ms | TF/s | peak GiB | err loss/logp | err dH | err dW | peer/ours time |\n"
            f"|---|---|---|---|---|---|---|---|---|---|---|")
     print(hdr)

@@ -33,8 +33,13 @@ import torch.distributed as dist
 from kernels import lm_head_chunked
 
 BACKWARD_SCRATCH_BYTES = 128 * 2**20  # the dZ tile's budget; see _chunk_sizes
+SPLIT_FORWARD_SCRATCH_BYTES = 2**30  # the split forward's fp32 logits chunk of whole vocabulary rows
 DEFAULT_CHUNK_VOCAB = 8192
-DEFAULT_IMPL = "fused"  # on CUDA; "split" measured no faster on H200 (docs/BENCHMARKS.md), and holds a chunk
+# On CUDA: "split" (cuBLAS fp32 logits over whole vocabulary rows + the lane-wise streaming stats kernel) measured
+# 132 / 78 ms for no-grad log-probs at T = 65,536, V = 248,320 / 151,936 on an H200 against the fused Triton
+# kernel's 150 / 96 ms, and 511 / 314 ms against 526 / 312 ms for log-probs + autograd (docs/BENCHMARKS.md); it
+# holds a 1 GiB logits chunk in the forward where "fused" holds nothing of [T, V] size.
+DEFAULT_IMPL = "split"
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
 
@@ -61,7 +66,7 @@ def _pick_backend(hidden: torch.Tensor, backend: str | None) -> str:
 def _pick_impl(hidden: torch.Tensor, backend: str, impl: str | None) -> str:
     """"fused": the logits GEMM runs inside the Triton kernels (nothing of [T, V] size in memory, not even a
     chunk, in the forward). "split": the GEMM library writes an fp32 logits chunk and a streaming Triton kernel
-    reads it once (faster where cuBLAS outruns Triton's GEMM). Both exist in both backends."""
+    reads it once (faster where cuBLAS outruns Triton's GEMM: the CUDA default). Both exist in both backends."""
     if impl is None:
         impl = DEFAULT_IMPL if (backend == "triton" and hidden.is_cuda) else "fused"
     if impl not in ("fused", "split"):
@@ -207,7 +212,13 @@ def _split_token_stats(kmod, hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy
     """Forward of the split path: fp32 logits chunk from the GEMM library, one streaming pass for the stats;
     chunks are merged like vocab splits."""
     T, V = hidden_TH.shape[0], weight_VH.shape[0]
-    Tc, Vc = _chunk_sizes(T, V, "split", chunk_tokens, chunk_vocab)
+    if chunk_tokens is None and chunk_vocab is None:
+        # whole vocabulary rows (the stats kernel splits the vocabulary itself): one logits GEMM of Tc x V x H per
+        # chunk, large enough for cuBLAS's best tiles. V = 248,320: Tc = 1 GiB / (4 B x V) -> 1024 tokens.
+        Vc = V
+        Tc = min(T, max(256, SPLIT_FORWARD_SCRATCH_BYTES // (4 * V) // 256 * 256))
+    else:
+        Tc, Vc = _chunk_sizes(T, V, "split", chunk_tokens, chunk_vocab)
     num_splits = -(-V // Vc)
     parts_3ST = torch.empty((3, num_splits, T), dtype=torch.float32, device=hidden_TH.device)
     z_buf = torch.empty((Tc, Vc), dtype=torch.float32, device=hidden_TH.device)
