@@ -298,7 +298,11 @@ def interpreter_checks() -> None:
                                                 dtype=torch.bfloat16, logit_scale=30.0, **small))
     print("split", check_logprobs(29, 40, 257, backend="triton", tol=2e-5, impl="split", temperature=0.9, **small))
     print("lp", check_logprobs(29, 40, 257, backend="triton", tol=2e-5, temperature=1.3, **small))
-    print("lp |z|~100", check_logprobs(17, 32, 200, backend="triton", tol=1e-3, grad_tol=1e-4, logit_scale=100.0))
+    # entropy at |z| ~ 100: the kernels measure x - max in the log2 units of their exp2 weights; measuring it in
+    # natural units put the rounding of max * ln 2 into a peaked row's entropy (up to 1e-2 relative, seen)
+    print("lp |z|~100", check_logprobs(17, 32, 200, backend="triton", tol=3e-4, grad_tol=1e-4, logit_scale=100.0))
+    print("split |z|~100", check_logprobs(17, 32, 200, backend="triton", tol=3e-4, grad_tol=1e-4, logit_scale=100.0,
+                                          impl="split"))
     check_all_ignored("triton")
     print("eager ce", check_cross_entropy(37, 40, 301, backend="triton", tol=2e-5, impl="eager", chunk_tokens=12,
                                           reduction="mean", z_loss=1e-3, temperature=0.7))
