@@ -27,8 +27,9 @@ BYTES_OPTIMIZER = 2 * FP32  # Adam exp_avg and exp_avg_sq
 # FSDP2's unsharded working set per parameter of the layer in use: the gathered bf16 layer, the next layer
 # prefetched, and the unsharded fp32 gradient before its reduce-scatter.
 BYTES_UNSHARDED = 2 * BF16 + FP32
-# The fused LM-head kernel keeps a [chunk × V] tile of logits / dlogits; its chunk is sized to this budget.
-FUSED_HEAD_BUDGET_B = 1.0 * GB
+# The fused head's eager path (kernels/lm_head_eager.py, what the trainer runs) holds one group of fp32 logits
+# [Tg, V], with Tg sized to this budget (its EAGER_SCRATCH_BYTES).
+FUSED_HEAD_BUDGET_B = 2.0 * 2**30
 EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (the seed's figure)
 # The optimizer step per local parameter: cast the bf16 gradient to fp32 (2 + 4 bytes), fused AdamW (read master,
 # grad, both moments, write master and moments: 28), write the bf16 compute copy back (4 + 2): 40 bytes.
@@ -91,6 +92,7 @@ class Estimate:
     mfu_model: float
     flops_per_token: dict[str, float] = field(default_factory=dict)
     comm_bytes: dict[str, float] = field(default_factory=dict)  # per GPU per step
+    lm_head_own_gb: float = 0.0  # what the head holds while it runs (memory_gb["lm_head"]: what it adds to the peak)
 
     @property
     def total_gb(self) -> float:
@@ -202,12 +204,13 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
 
 
 def lm_head_bytes(m: ModelShape, s: float, tp: int, fused: bool) -> float:
-    """Logit memory of the LM head. Fused: a [chunk × V/tp] fp32 tile within the kernel's budget plus the fp32
-    dH. Unfused: logits and their gradient, [s × V/tp] in bf16, twice (DESIGN.md)."""
+    """What the LM head holds while it runs. Fused (the eager path: the loss handed to the head, three GEMMs):
+    one group of fp32 logits within the kernel's budget, the fp32 dW accumulator and the fp16 copy of W
+    ((V/tp)·h·6), and dH (fp32, s·h·4). Unfused: logits and their gradient, [s × V/tp] in bf16, twice (DESIGN.md)."""
     v = m.vocab_size / tp
     if not fused:
         return 2 * s * v * BF16
-    return min(FUSED_HEAD_BUDGET_B, s * v * (FP32 + BF16)) + s * m.hidden_size * FP32
+    return min(FUSED_HEAD_BUDGET_B, s * v * FP32) + v * m.hidden_size * (FP32 + BF16) + s * m.hidden_size * FP32
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------------------------
@@ -308,7 +311,13 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
         acts = L * in_flight * (mixer + ffn) + BACKWARD_TRANSIENT * max(mixer, ffn) + unsharded
     mem["activations"] = acts
     head_unsharded = m.vocab_size / tp * m.hidden_size * BYTES_UNSHARDED if dp * cp > 1 else 0.0
-    mem["lm_head"] = lm_head_bytes(m, s, tp, fused) + head_unsharded
+    head = lm_head_bytes(m, s, tp, fused) + head_unsharded
+    head_own = head
+    if recompute and fused:
+        # the fused head runs (forward and its gradients) at the end of the forward, when only the checkpoints are
+        # live: it raises the peak only by what it needs beyond a layer's recompute working set
+        head = max(0.0, head - (working + unsharded))
+    mem["lm_head"] = head
     mem["overhead"] = hw.overhead_gb * GB
     total = sum(mem.values())
     memory_gb = {k: v / GB for k, v in mem.items()}
@@ -320,7 +329,7 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     f = forward_flops_per_token(m, opts.micro_batch_tokens)
     fwd = sum(f.values())
     model_flops_tok = 3 * fwd
-    head_passes = 4 if fused else 3  # the fused head recomputes its logits tile in the backward
+    head_passes = 3  # the fused head's eager path forms its gradients in the forward: three GEMMs, as unfused
     hw_flops_tok = (4 if recompute else 3) * (fwd - f["head"]) + head_passes * f["head"]
     tokens_per_rank_step = s * opts.micro_batches  # tokens this rank's stage processes per step
     # per-GPU work: TP splits matmuls; PP splits layers (the head counted on its stage: the largest stage)
@@ -406,5 +415,5 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
         time_s=time_parts, tokens_per_s_per_gpu=tok_s, tflops_per_gpu=hw_tflops,
         mfu_hardware=hw_tflops * 1e12 / peak, mfu_model=model_tflops * 1e12 / peak,
         flops_per_token={"forward": fwd, "model": model_flops_tok, "hardware": hw_flops_tok, **f},
-        comm_bytes=comm,
+        comm_bytes=comm, lm_head_own_gb=head_own / GB,
     )

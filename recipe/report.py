@@ -69,8 +69,9 @@ def summary(m: ModelShape, hw: HwProfile, seq: int, sol: Solution, explain: bool
     if explain:
         parts += [Text(""), Text("memory per GPU", style="bold"), memory_bar(e.memory_gb), memory_legend(),
                   memory_table(e), Text(""), decisions_table(sol), Text(""), time_table(e)]
-        parts.append(Text(f"LM head: fused keeps {e.memory_gb['lm_head']:.2f} GB; materialized logits and their "
-                          f"gradient would take {e.lm_head_unfused_gb:.2f} GB"))
+        parts.append(Text(f"LM head: fused it holds {e.lm_head_own_gb:.2f} GB while it runs (at the end of the "
+                          f"forward; {e.memory_gb['lm_head']:.2f} GB beyond a layer's working set); materialized "
+                          f"logits and their gradient would take {e.lm_head_unfused_gb:.2f} GB"))
     return Group(*parts)
 
 

@@ -44,6 +44,15 @@ class Solution:
         return self.layout.degrees(self.world)
 
 
+
+def _over(peak_gb: float, usable_gb: float) -> str:
+    """'X GB > Y' with as many decimals as it takes for X and Y to differ (172.84 > 172.80 is not '172.8 > 172.8')."""
+    for digits in (1, 2, 3):
+        a, b = f"{peak_gb:.{digits}f}", f"{usable_gb:.{digits}f}"
+        if a != b:
+            return f"{a} GB > {b}"
+    return f"{peak_gb:.4f} GB > {usable_gb:.4f}"
+
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -178,7 +187,7 @@ def solve_cp(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, ep: int
             else:
                 reason = (f"activations at s/cp={opts.micro_batch_tokens // c:,} tokens leave peak "
                           f"{est.total_gb:.1f} GB of {hw.usable_gb:.1f} GB usable")
-                rejected = f"cp={max(k for k in tried if k < c)}: peak {prev.total_gb:.1f} GB > {hw.usable_gb:.1f}"
+                rejected = f"cp={max(k for k in tried if k < c)}: peak {_over(prev.total_gb, hw.usable_gb)}"
             d = Decision(value=c, constraint="activation memory", reason=reason,
                          numbers={"local_tokens": opts.micro_batch_tokens // c,
                                   "activations_gb": round(est.memory_gb["activations"], 2),
@@ -275,7 +284,7 @@ def solve_tp(m: ModelShape, hw: HwProfile, world: int, pp: int, opts: TrainOptio
         fail_cp, fail_est = first_fail
         d = Decision(t, "per-layer memory", f"tp={t} is the smallest tensor split at which some cp fits",
                      {"peak_gb": round(est.total_gb, 2)},
-                     rejected=f"tp=1, cp={fail_cp}: peak {fail_est.total_gb:.1f} GB > {hw.usable_gb:.1f}")
+                     rejected=f"tp=1, cp={fail_cp}: peak {_over(fail_est.total_gb, hw.usable_gb)}")
     return d, ep_d, cp_d, est
 
 
