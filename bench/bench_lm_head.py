@@ -205,7 +205,7 @@ def profile_ours(h, w, t):
     with torch.no_grad():
         ms = _time_ms(lambda: kt.token_stats(hd, wd, tgt, 1.0, False), reps=3)
         line += f" | generic fwd stats kernel {ms:.1f} ms ({gemm / ms:.0f} TF/s)"
-        Tg = lm_head_eager.chunk_sizes(T, V, None)
+        Tg = lm_head_eager.group_size(T, V, None)
         ng = T / Tg
         z = torch.randn(Tg, V, device=h.device) * 2.0
         ms_z = _time_ms(lambda: lm_head._logits_fp32(hd[:Tg], wd, z)) * ng

@@ -24,7 +24,7 @@ scales (11 significant bits, 8x finer than bf16), fp32 accumulation everywhere, 
 What it costs: an fp32 [V, H] dW accumulator (1.9 GiB at V = 248,320, H = 2048), an fp16 copy of W (0.95 GiB)
 and the group's logits buffer (EAGER_SCRATCH_BYTES), all freed before the forward returns except dH and dW, which the
 backward scales by the upstream gradient of the loss (a scalar).
-Vocab-parallel: the statistics of each chunk are combined over tp_group before the loss sees them (all ranks run
+Vocab-parallel: the statistics of each group are combined over tp_group before the loss sees them (all ranks run
 the same token_loss on the same numbers), and dH is summed over the group at the end.
 """
 
@@ -42,7 +42,7 @@ EAGER_SCRATCH_BYTES = 2 * 2**30  # the group's fp32 logits [Tg, V]; its dZ is wr
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 
-def chunk_sizes(T: int, V: int, chunk_tokens: int | None) -> int:
+def group_size(T: int, V: int, chunk_tokens: int | None) -> int:
     """Tg, tokens per group. Worked example, V = 248,320: 4·Tg·V bytes <= 2 GiB gives Tg = 2048 (a multiple of
     256): the logits GEMM is 2048 x 248,320 x 2048 (2.1 TFLOP), and so are the dH and dW GEMMs; the dW GEMM's fp32
     C (1.9 GiB read + written) is touched T / 2048 = 32 times at T = 65,536, 121 GB, mostly under the GEMM's own
@@ -82,7 +82,7 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
     kmod = _lh._backend_module(backend)
     dev = hidden_TH.device
     f32 = dict(dtype=torch.float32, device=dev)
-    Tg = chunk_sizes(T, V, chunk_tokens)
+    Tg = group_size(T, V, chunk_tokens)
     if half:
         h_scale = _lh._pow2_scale(_lh._amax(hidden_TH))
         w_scale = _lh._pow2_scale(_lh._amax(weight_VH))
