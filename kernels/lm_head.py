@@ -17,7 +17,8 @@ Backward: vocab-outer loop. For each vocab chunk Vc, for each token chunk Tc: re
 write dZ [Tc, Vc] (Triton; fp16 with a power-of-two scale for 16-bit inputs), then two cuBLAS GEMMs:
     dW[Vc]  = sum over token chunks of dZ^T h    (fp32 accumulator for the chunk, written to dW once)
     dH32   += dZ w[Vc]                           (fp32 [T, H] accumulator, cast to the input dtype once)
-No bf16 read-modify-write anywhere; 3 logits-sized GEMMs in the backward, 4 in all.
+No bf16 read-modify-write anywhere; 3 logits-sized GEMMs in the backward, 4 in all. When the loss itself is known
+in the forward (mean/sum cross-entropy, linear_policy_loss) kernels/lm_head_eager.py does it in 3.
 Vocab-parallel: stats are combined over tp_group (max/sum of exp), dH is all-reduced over it.
 """
 
