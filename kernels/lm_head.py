@@ -185,7 +185,7 @@ def _chunk_sizes(T: int, V: int, impl: str, chunk_tokens, chunk_vocab) -> tuple[
     if chunk_tokens is None:
         per_elem = 4 if impl == "split" else 2
         chunk_tokens = max(256, BACKWARD_SCRATCH_BYTES // (Vc * per_elem) // 256 * 256)
-    return min(T, chunk_tokens), Vc
+    return max(1, min(T, chunk_tokens)), Vc
 
 
 _LOGITS_MM = None  # which fp32-output GEMM call works here; found on first use
@@ -217,7 +217,7 @@ def _split_token_stats(kmod, hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy
         # whole vocabulary rows (the stats kernel splits the vocabulary itself): one logits GEMM of Tc x V x H per
         # chunk, large enough for cuBLAS's best tiles. V = 248,320: Tc = 1 GiB / (4 B x V) -> 1024 tokens.
         Vc = V
-        Tc = min(T, max(256, SPLIT_FORWARD_SCRATCH_BYTES // (4 * V) // 256 * 256))
+        Tc = max(1, min(T, max(256, SPLIT_FORWARD_SCRATCH_BYTES // (4 * V) // 256 * 256)))
     else:
         Tc, Vc = _chunk_sizes(T, V, "split", chunk_tokens, chunk_vocab)
     num_splits = -(-V // Vc)
@@ -255,6 +255,8 @@ def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp
     rounds 8x finer; the scales keep every operand inside fp16's range. fp32 inputs run in fp32 throughout."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
+    if T == 0:  # no tokens: the chunk loops below never write their accumulators
+        return (torch.zeros_like(hidden_TH) if need_h else None), (torch.zeros_like(weight_VH) if need_w else None)
     kmod = _backend_module(backend)
     Tc, Vc = _chunk_sizes(T, V, impl, chunk_tokens, chunk_vocab)
     dev = hidden_TH.device

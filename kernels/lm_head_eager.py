@@ -61,7 +61,9 @@ def _coefficients(token_loss: TokenLoss, tz, lse, ent, t0: int, t1: int, with_en
     with torch.enable_grad():
         contrib = token_loss(leaves[0], leaves[1], leaves[2] if with_entropy else None, t0, t1)
         total = contrib.sum()
-        grads = torch.autograd.grad(total, leaves if with_entropy else leaves[:2], allow_unused=True)
+        wrt = leaves if with_entropy else leaves[:2]
+        # a loss that does not depend on the head's outputs (a constant) has no gradient
+        grads = torch.autograd.grad(total, wrt, allow_unused=True) if total.requires_grad else [None] * len(wrt)
     g_tz, g_lse = (torch.zeros_like(lse) if g is None else g.float() for g in grads[:2])
     g_ent = grads[2] if with_entropy and grads[2] is not None else torch.zeros_like(lse)
     a = (g_lse + g_ent * (lse - ent)).contiguous()
@@ -91,7 +93,8 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
         h_scale_f, w_scale_f = float(h_scale), float(w_scale)
     else:
         w_g, h_buf, h_scale_f, w_scale_f = weight_VH, None, 1.0, 1.0
-    dW32 = torch.empty((V, H), **f32) if need_w else None  # the first group's GEMM writes it (beta = 0)
+    # the first group's GEMM writes it (beta = 0); no tokens, no group: zeros
+    dW32 = (torch.empty if T else torch.zeros)((V, H), **f32) if need_w else None
     dH32 = torch.empty((T, H), **f32) if (need_h and tp_group is not None) else None
     dH = torch.empty_like(hidden_TH) if (need_h and tp_group is None) else None
     z_buf = torch.empty((Tg, V), **f32)

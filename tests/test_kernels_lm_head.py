@@ -257,6 +257,26 @@ def test_eager_equals_generic_path():
     assert _rel(hidden.grad, 0.25 * dh) < 1e-6 and _rel(weight.grad, 0.25 * dw) < 1e-6
 
 
+@pytest.mark.parametrize("impl", ["fused", "split", "eager"])
+def test_no_tokens_give_zero_loss_and_zero_gradients(impl):
+    hidden, weight, _ = _inputs(0, 8, 10)
+    target = torch.zeros(0, dtype=torch.long)
+    kernels.linear_cross_entropy(hidden, weight, target, impl=impl).backward()
+    assert (weight.grad == 0).all() and hidden.grad.shape == (0, 8)
+    if impl != "eager":
+        weight.grad = None
+        lp, ent = kernels.linear_logprobs(hidden, weight, target, impl=impl, with_entropy=True)
+        (lp.sum() + ent.sum()).backward()
+        assert (weight.grad == 0).all()
+
+
+def test_policy_loss_that_ignores_the_head_has_no_gradient():
+    hidden, weight, target = _inputs(7, 8, 10)
+    loss, logp, _ = kernels.linear_policy_loss(hidden, weight, target, lambda lp, ent, t0, t1: torch.ones(t1 - t0))
+    loss.backward()
+    assert loss.item() == 7.0 and (hidden.grad == 0).all() and (weight.grad == 0).all() and logp.shape == (7,)
+
+
 def test_bad_arguments():
     hidden, weight, target = _inputs(4, 8, 10)
     with pytest.raises(ValueError, match="reduction"):
