@@ -245,6 +245,8 @@ def _pow2_scale(max_abs: torch.Tensor, target: float = 2.0**14) -> torch.Tensor:
 
 
 def _amax(x: torch.Tensor) -> torch.Tensor:
+    if x.numel() == 0:  # (the inf norm has no identity; nothing to bound)
+        return torch.zeros((), dtype=torch.float32, device=x.device)
     return torch.linalg.vector_norm(x, float("inf"))  # max |x| in one pass, no |x| temporary
 
 

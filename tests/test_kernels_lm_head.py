@@ -258,8 +258,9 @@ def test_eager_equals_generic_path():
 
 
 @pytest.mark.parametrize("impl", ["fused", "split", "eager"])
-def test_no_tokens_give_zero_loss_and_zero_gradients(impl):
-    hidden, weight, _ = _inputs(0, 8, 10)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_no_tokens_give_zero_loss_and_zero_gradients(impl, dtype):
+    hidden, weight, _ = _inputs(0, 8, 10, dtype=dtype)
     target = torch.zeros(0, dtype=torch.long)
     kernels.linear_cross_entropy(hidden, weight, target, impl=impl).backward()
     assert (weight.grad == 0).all() and hidden.grad.shape == (0, 8)
