@@ -92,6 +92,22 @@ def _cast(v, dtype: tl.constexpr):
 
 # ------------------------------------------------------------------------------------------- causal conv + SiLU
 @triton.jit
+def _conv_pre(x_ptr, w_ptr, pos_T, t_T, t_ok_T, c_C, c_ok_C, C, W: tl.constexpr, BLOCK_T: tl.constexpr,
+              BLOCK_C: tl.constexpr):
+    """Pre-activation of rows t_T: sum over taps s of w[c, W-1-s] * x[t-s, c], a tap reaching before the row's
+    document start (position < s) or the sequence start reading zero. fp32 [BLOCK_T, BLOCK_C]."""
+    pre_TC = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
+    for s in tl.static_range(W):
+        w_C = tl.load(w_ptr + c_C * W + (W - 1 - s), mask=c_ok_C, other=0.0).to(tl.float32)
+        live_T = t_ok_T & (pos_T >= s) & (t_T >= s)
+        src_T = (t_T - s).to(tl.int64)
+        x_TC = tl.load(x_ptr + src_T[:, None] * C + c_C[None, :], mask=live_T[:, None] & c_ok_C[None, :],
+                       other=0.0).to(tl.float32)
+        pre_TC += x_TC * w_C[None, :]
+    return pre_TC
+
+
+@triton.jit
 def _conv_fwd_kernel(x_ptr, w_ptr, pos_ptr, y_ptr, T, C,
                      W: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_C: tl.constexpr):
     pid_t = tl.program_id(0)
@@ -101,14 +117,7 @@ def _conv_fwd_kernel(x_ptr, w_ptr, pos_ptr, y_ptr, T, C,
     t_ok_T = t_T < T
     c_ok_C = c_C < C
     pos_T = tl.load(pos_ptr + t_T, mask=t_ok_T, other=0)
-    pre_TC = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-    for s in tl.static_range(W):
-        w_C = tl.load(w_ptr + c_C * W + (W - 1 - s), mask=c_ok_C, other=0.0).to(tl.float32)
-        live_T = t_ok_T & (pos_T >= s) & (t_T >= s)
-        src_T = (t_T - s).to(tl.int64)
-        x_TC = tl.load(x_ptr + src_T[:, None] * C + c_C[None, :], mask=live_T[:, None] & c_ok_C[None, :],
-                       other=0.0).to(tl.float32)
-        pre_TC += x_TC * w_C[None, :]
+    pre_TC = _conv_pre(x_ptr, w_ptr, pos_T, t_T, t_ok_T, c_C, c_ok_C, C, W, BLOCK_T, BLOCK_C)
     y_TC = pre_TC / (1.0 + tl.exp(-pre_TC))
     out = t_T.to(tl.int64)[:, None] * C + c_C[None, :]
     tl.store(y_ptr + out, _cast(y_TC, y_ptr.dtype.element_ty), mask=t_ok_T[:, None] & c_ok_C[None, :])
@@ -142,14 +151,7 @@ def _conv_bwd_kernel(x_ptr, w_ptr, pos_ptr, dy_ptr, dx_ptr, dwp_ptr, T, C, ROWS_
             r_T = t_T + s
             r_ok_T = t_ok_T & (r_T < T)
             pos_T = tl.load(pos_ptr + r_T, mask=r_ok_T, other=0)
-            pre_TC = tl.zeros((BLOCK_T, BLOCK_C), dtype=tl.float32)
-            for s2 in tl.static_range(W):
-                w2_C = tl.load(w_ptr + c_C * W + (W - 1 - s2), mask=c_ok_C, other=0.0).to(tl.float32)
-                live_T = r_ok_T & (pos_T >= s2) & (r_T >= s2)
-                src_T = (r_T - s2).to(tl.int64)
-                xs_TC = tl.load(x_ptr + src_T[:, None] * C + c_C[None, :], mask=live_T[:, None] & c_ok_C[None, :],
-                                other=0.0).to(tl.float32)
-                pre_TC += xs_TC * w2_C[None, :]
+            pre_TC = _conv_pre(x_ptr, w_ptr, pos_T, r_T, r_ok_T, c_C, c_ok_C, C, W, BLOCK_T, BLOCK_C)
             dy_TC = tl.load(dy_ptr + r_T.to(tl.int64)[:, None] * C + c_C[None, :],
                             mask=r_ok_T[:, None] & c_ok_C[None, :], other=0.0).to(tl.float32)
             sig_TC = 1.0 / (1.0 + tl.exp(-pre_TC))
