@@ -97,6 +97,7 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
     dW32 = (torch.empty if T else torch.zeros)((V, H), **f32) if need_w else None
     dH32 = torch.empty((T, H), **f32) if (need_h and tp_group is not None) else None
     dH = torch.empty_like(hidden_TH) if (need_h and tp_group is None) else None
+    dH_buf = torch.empty((Tg, H), **f32) if dH is not None else None  # one group's fp32 dH, cast into dH
     z_buf = torch.empty((Tg, V), **f32)
     # dZ lives in z's storage: fp16 row r at the front of fp32 row r (row stride 2V), or z itself for fp32
     dz_buf = z_buf.view(torch.float16)[:, :V] if half else z_buf
@@ -128,13 +129,13 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
             if dH32 is not None:
                 _lh._gemm_acc(dH32[g0:g1], dz_gV, w_g, first=True, alpha=1.0 / (s * w_scale_f))
             else:
-                out = torch.empty((g1 - g0, H), **f32)
+                out = dH_buf[: g1 - g0]
                 _lh._gemm_acc(out, dz_gV, w_g, first=True, alpha=1.0 / (s * w_scale_f))
                 dH[g0:g1].copy_(out)
         if need_w:
             h_g = hidden_TH[g0:g1] if not half else torch.mul(hidden_TH[g0:g1], h_scale, out=h_buf[: g1 - g0])
             _lh._gemm_acc(dW32, dz_gV.T, h_g, first=(g0 == 0), alpha=1.0 / (s * h_scale_f))
-    del z_buf, dz_buf, w_g, h_buf
+    del z_buf, dz_buf, w_g, h_buf, dH_buf
     if dH32 is not None:
         dist.all_reduce(dH32, group=tp_group)
         dH = dH32
