@@ -34,7 +34,8 @@ import torch.distributed as dist
 from kernels import lm_head_chunked
 
 BACKWARD_SCRATCH_BYTES = 128 * 2**20  # the dZ tile's budget; see _chunk_sizes
-SPLIT_FORWARD_SCRATCH_BYTES = 2**30  # the split forward's fp32 logits chunk of whole vocabulary rows
+FORWARD_PARTS_BYTES = 256 * 2**20  # the split forward's per-tile statistics of one token chunk
+LN2 = 0.6931471805599453
 DEFAULT_CHUNK_VOCAB = 8192
 # On CUDA: "split" (cuBLAS fp32 logits over whole vocabulary rows + the lane-wise streaming stats kernel) measured
 # 132 / 78 ms for no-grad log-probs at T = 65,536, V = 248,320 / 151,936 on an H200 against the fused Triton
@@ -210,27 +211,29 @@ def _logits_fp32(h_tH: torch.Tensor, w_vH: torch.Tensor, out_tv: torch.Tensor) -
 
 
 def _split_token_stats(kmod, hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy, chunk_tokens, chunk_vocab):
-    """Forward of the split path: fp32 logits chunk from the GEMM library, one streaming pass for the stats;
-    chunks are merged like vocab splits."""
+    """Forward of the split path: the logits GEMM with the statistics in its epilogue (logits_tiles, the eager
+    path's kernel, here writing no logits), per token chunk of whole vocabulary rows (or per vocab chunk when
+    chunk_vocab is given); chunks are merged like vocab splits."""
     T, V = hidden_TH.shape[0], weight_VH.shape[0]
-    if chunk_tokens is None and chunk_vocab is None:
-        # whole vocabulary rows (the stats kernel splits the vocabulary itself): one logits GEMM of Tc x V x H per
-        # chunk, large enough for cuBLAS's best tiles. V = 248,320: Tc = 1 GiB / (4 B x V) -> 1024 tokens.
-        Vc = V
-        Tc = max(1, min(T, max(256, SPLIT_FORWARD_SCRATCH_BYTES // (4 * V) // 256 * 256)))
+    Vc = V if chunk_vocab is None else min(V, int(chunk_vocab))
+    if chunk_tokens is None:
+        # the per-tile statistics [4, num_tiles, Tc] fill FORWARD_PARTS_BYTES: V = 248,320 in 256-wide tiles is 970
+        # tiles, Tc = 256 MiB / (16 B x 970) -> 16,384 tokens: GEMMs of 16,384 x 248,320 x H
+        Tc = max(256, FORWARD_PARTS_BYTES // (16 * -(-Vc // 256)) // 256 * 256)
     else:
-        Tc, Vc = _chunk_sizes(T, V, "split", chunk_tokens, chunk_vocab)
+        Tc = int(chunk_tokens)
+    Tc = max(1, min(T, Tc))
     num_splits = -(-V // Vc)
     parts_3ST = torch.empty((3, num_splits, T), dtype=torch.float32, device=hidden_TH.device)
-    z_buf = torch.empty((Tc, Vc), dtype=torch.float32, device=hidden_TH.device)
     for si, v0 in enumerate(range(0, V, Vc)):
         v1 = min(v0 + Vc, V)
         for t0 in range(0, T, Tc):
             t1 = min(t0 + Tc, T)
-            z_tv = z_buf[: t1 - t0, : v1 - v0]
-            _logits_fp32(hidden_TH[t0:t1], weight_VH[v0:v1], z_tv)
-            kmod.stats_from_logits(z_tv, tgt_T[t0:t1] - v0, inv_temp, with_entropy, parts_3ST[0, si, t0:t1],
-                                   parts_3ST[1, si, t0:t1], parts_3ST[2, si, t0:t1])
+            _, lse2, ent, tz, _ = kmod.logits_tiles(hidden_TH[t0:t1], weight_VH[v0:v1], tgt_T[t0:t1] - v0, inv_temp,
+                                                    with_entropy)
+            torch.mul(lse2, LN2, out=parts_3ST[0, si, t0:t1])
+            parts_3ST[1, si, t0:t1] = ent
+            parts_3ST[2, si, t0:t1] = tz
     if num_splits == 1:
         return parts_3ST[0, 0], parts_3ST[1, 0], parts_3ST[2, 0]
     return lm_head_chunked.combine_splits(parts_3ST[0], parts_3ST[1], parts_3ST[2])

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import torch
 
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 STATS_CHUNK_TOKENS = 4096
 STATS_CHUNK_VOCAB = 4096
 
@@ -69,28 +71,6 @@ def dlogits(hidden_TH, weight_VH, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_t
     return dlogits_from_logits(z_TV, tgt_T, v_off, lse_T, a_T, b_T, c_T, inv_temp, scale, out_TV)
 
 
-def stats_from_logits(z_TV, tgt_T, inv_temp: float, with_entropy: bool, lse_T, ent_T, tz_T) -> None:
-    """Per-row (lse, entropy, target x) of an fp32 logits chunk, written into the given vectors."""
-    lse, ent, tz = token_stats_of_logits(z_TV * inv_temp, tgt_T, with_entropy)
-    lse_T.copy_(lse)
-    ent_T.copy_(ent)
-    tz_T.copy_(tz)
-
-
-def token_stats_of_logits(x_TV, tgt_T, with_entropy: bool):
-    lse_T = torch.logsumexp(x_TV, 1)
-    ent_T = torch.zeros_like(lse_T)
-    if with_entropy:
-        m_T = x_TV.amax(1, keepdim=True)
-        e_TV = torch.exp(x_TV - m_T)
-        s_T = e_TV.sum(1)
-        ent_T = torch.log(s_T) - (e_TV * (x_TV - m_T)).sum(1) / s_T
-    V = x_TV.shape[1]
-    hit = (tgt_T >= 0) & (tgt_T < V)
-    tz_T = torch.where(hit, x_TV.gather(1, tgt_T.clamp(0, V - 1)[:, None])[:, 0], 0.0)
-    return lse_T, ent_T, tz_T
-
-
 def dlogits_from_logits(z_TV, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, scale, out_TV):
     """out_TV = scale * dloss/dlogit from an fp32 logits chunk."""
     x_TV = z_TV * inv_temp
@@ -101,3 +81,73 @@ def dlogits_from_logits(z_TV, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp:
     dz_TV[rows, local[rows]] += c_T[rows]
     out_TV.copy_(dz_TV * (inv_temp * scale))
     return out_TV
+
+
+LOGITS_TILE_VOCAB = 4096  # the tile width of logits_tiles here (tests shrink it to cross tile edges)
+
+
+def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, config=None):
+    """The Triton logits_tiles in torch, tile by tile: per [T, tile] logits block, each row's max m2 and the
+    block's own lse2 (log2 units: x2 = x log2 e), entropy and target x; e = exp2(x2 - m2) written into e_TV (its
+    dtype) when given. Returns (m2 [num_tiles, T], lse2 [T], ent [T], tz [T], tile width)."""
+    T = hidden_TH.shape[0]
+    V = weight_VH.shape[0]
+    tile = LOGITS_TILE_VOCAB
+    n_tiles = -(-V // tile)
+    f32 = dict(dtype=torch.float32, device=hidden_TH.device)
+    m2_NT, lse2_NT, ent_NT, tz_NT = (torch.zeros((n_tiles, T), **f32) for _ in range(4))
+    h_TH = hidden_TH.float()
+    for i, v0 in enumerate(range(0, V, tile)):
+        v1 = min(v0 + tile, V)
+        x_Tv = (h_TH @ weight_VH[v0:v1].float().T) * inv_temp
+        x2_Tv = x_Tv * LOG2E
+        m2_NT[i] = x2_Tv.amax(1)
+        y2_Tv = x2_Tv - m2_NT[i][:, None]
+        e_Tv = torch.exp2(y2_Tv)
+        s_T = e_Tv.sum(1)
+        lse2_NT[i] = m2_NT[i] + torch.log2(s_T)
+        if with_entropy:
+            ent_NT[i] = torch.log(s_T) - (e_Tv * y2_Tv).sum(1) * LN2 / s_T
+        local = tgt_T - v0
+        hit = (local >= 0) & (local < v1 - v0)
+        tz_NT[i] = torch.where(hit, x_Tv.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0], 0.0)
+        if e_TV is not None:
+            e_TV[:, v0:v1] = e_Tv
+    lse2_T, ent_T, tz_T = combine_tiles(lse2_NT, ent_NT, tz_NT, with_entropy)
+    return m2_NT, lse2_T, ent_T, tz_T, tile
+
+
+def combine_tiles(lse2_NT, ent_NT, tz_NT, with_entropy: bool):
+    """combine_splits for per-tile stats with lse in log2 units: (lse2 [T], entropy [T] or zeros, tz [T])."""
+    if lse2_NT.shape[0] == 1:
+        return lse2_NT[0], (ent_NT[0] if with_entropy else torch.zeros_like(ent_NT[0])), tz_NT[0]
+    max_T = lse2_NT.amax(0)
+    q_NT = torch.exp2(lse2_NT - max_T)  # the tile's share of the mass, times sum_T
+    sum_T = q_NT.sum(0)
+    lse2_T = max_T + torch.log2(sum_T)
+    if with_entropy:
+        log_q_NT = torch.where(q_NT > 0, (lse2_NT - lse2_T) * LN2, 0.0)
+        ent_T = (q_NT * (ent_NT - log_q_NT)).sum(0) / sum_T
+    else:
+        ent_T = torch.zeros_like(lse2_T)
+    return lse2_T, ent_T, tz_NT.sum(0)
+
+
+def dlogits_from_tiles(e_TV, m2_NT, tile_v: int, tgt_T, lse2_T, a_T, b_T, c_T, inv_temp: float, scale,
+                       has_b: bool = True) -> None:
+    """In place over e_TV: scale * dloss/dlogit with p = e exp2(m2 - lse2) and x = (m2 + log2 e) ln 2."""
+    T, V = e_TV.shape
+    for i, v0 in enumerate(range(0, V, tile_v)):
+        v1 = min(v0 + tile_v, V)
+        e_Tv = e_TV[:, v0:v1].float()
+        p_Tv = e_Tv * torch.exp2(m2_NT[i] - lse2_T)[:, None]
+        coef = a_T[:, None]
+        if has_b:
+            x_Tv = torch.where(e_Tv > 0, (m2_NT[i][:, None] + torch.log2(e_Tv)) * LN2, 0.0)
+            coef = coef + b_T[:, None] * x_Tv
+        dz_Tv = p_Tv * coef
+        local = tgt_T - v0
+        hit = (local >= 0) & (local < v1 - v0)
+        rows = torch.nonzero(hit)[:, 0]
+        dz_Tv[rows, local[rows]] += c_T[rows]
+        e_TV[:, v0:v1] = dz_Tv * (inv_temp * scale)

@@ -37,18 +37,20 @@ import torch.distributed as dist
 
 from kernels import lm_head as _lh
 
-EAGER_SCRATCH_BYTES = 2 * 2**30  # the group's fp32 logits [Tg, V]; its dZ is written into the same storage
+EAGER_SCRATCH_BYTES = 2 * 2**30  # the group's tile weights [Tg, V]; its dZ is written into the same storage
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 
-def group_size(T: int, V: int, chunk_tokens: int | None) -> int:
-    """Tg, tokens per group. Worked example, V = 248,320: 4·Tg·V bytes <= 2 GiB gives Tg = 2048 (a multiple of
-    256): the logits GEMM is 2048 x 248,320 x 2048 (2.1 TFLOP), and so are the dH and dW GEMMs; the dW GEMM's fp32
-    C (1.9 GiB read + written) is touched T / 2048 = 32 times at T = 65,536, 121 GB, mostly under the GEMM's own
-    compute. V = 151,936: Tg = 3328."""
+def group_size(T: int, V: int, chunk_tokens: int | None, elem_bytes: int = 2) -> int:
+    """Tg, tokens per group: the group's tile weights [Tg, V] (elem_bytes each: 2 for 16-bit inputs, 4 for fp32)
+    fill EAGER_SCRATCH_BYTES, in multiples of 256. Worked example, V = 248,320, bf16: 2 B x Tg x V <= 2 GiB gives
+    Tg = 4096: the logits GEMM is 4096 x 248,320 x 2048 (4.2 TFLOP), and so are the dH and dW GEMMs; the dW GEMM's
+    fp32 C (1.9 GiB read + written) is touched T / 4096 = 16 times at T = 65,536. V = 151,936: Tg = 6912."""
     if chunk_tokens is None:
-        Tg = max(256, EAGER_SCRATCH_BYTES // (4 * V) // 256 * 256)
+        Tg = max(256, EAGER_SCRATCH_BYTES // (elem_bytes * V) // 256 * 256)
     else:
         Tg = int(chunk_tokens)
     return max(1, min(T, Tg))
@@ -84,7 +86,8 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
     kmod = _lh._backend_module(backend)
     dev = hidden_TH.device
     f32 = dict(dtype=torch.float32, device=dev)
-    Tg = group_size(T, V, chunk_tokens)
+    e_dtype = torch.float16 if half else torch.float32
+    Tg = group_size(T, V, chunk_tokens, 2 if half else 4)
     if half:
         h_scale = _lh._pow2_scale(_lh._amax(hidden_TH))
         w_scale = _lh._pow2_scale(_lh._amax(weight_VH))
@@ -98,24 +101,23 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
     dH32 = torch.empty((T, H), **f32) if (need_h and tp_group is not None) else None
     dH = torch.empty_like(hidden_TH) if (need_h and tp_group is None) else None
     dH_buf = torch.empty((Tg, H), **f32) if dH is not None else None  # one group's fp32 dH, cast into dH
-    z_buf = torch.empty((Tg, V), **f32)
-    # dZ lives in z's storage: fp16 row r at the front of fp32 row r (row stride 2V), or z itself for fp32
-    dz_buf = z_buf.view(torch.float16)[:, :V] if half else z_buf
+    # the group's tile weights e = exp(x - tile max), then its dZ in the same place (fp16 for 16-bit inputs)
+    e_buf = torch.empty((Tg, V), dtype=e_dtype, device=dev)
     tz_T, lse_T, ent_T = (torch.empty(T, **f32) for _ in range(3))
     loss = torch.zeros((), **f32)
     for g0 in range(0, T, Tg):
         g1 = min(g0 + Tg, T)
-        z_gV, dz_gV = z_buf[: g1 - g0], dz_buf[: g1 - g0]
-        _lh._logits_fp32(hidden_TH[g0:g1], weight_VH, z_gV)
-        lse, ent, tz = lse_T[g0:g1], ent_T[g0:g1], tz_T[g0:g1]
-        kmod.stats_from_logits(z_gV, tgt_T[g0:g1], inv_temp, with_entropy, lse, ent, tz)
+        dz_gV = e_buf[: g1 - g0]
+        m2, lse2, ent, tz, tile_v = kmod.logits_tiles(hidden_TH[g0:g1], weight_VH, tgt_T[g0:g1], inv_temp,
+                                                      with_entropy, dz_gV)
+        lse = torch.mul(lse2, LN2, out=lse_T[g0:g1])
         if tp_group is not None:
-            lse_c, ent_c, tz_c = _lh._combine_over_group(lse, ent, tz, tp_group)
+            lse_c, ent, tz = _lh._combine_over_group(lse, ent, tz, tp_group)
             lse.copy_(lse_c)
-            ent.copy_(ent_c)
-            tz.copy_(tz_c)
-        if not with_entropy:
-            ent.zero_()
+            lse2 = lse * LOG2E
+        ent_T[g0:g1].copy_(ent) if with_entropy else ent_T[g0:g1].zero_()
+        tz_T[g0:g1].copy_(tz)
+        ent, tz = ent_T[g0:g1], tz_T[g0:g1]
         a, b, c, part = _coefficients(token_loss, tz, lse, ent, g0, g1, with_entropy)
         loss += part
         if half:  # |dlogit| <= (|a| + |b| (|lse| + 1) + |c|) / temperature (p |x| <= |lse| + 1)
@@ -123,7 +125,7 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
             scale = _lh._pow2_scale(bound)
         else:
             scale = torch.ones((), **f32)
-        kmod.dlogits_from_logits(z_gV, tgt_T[g0:g1], 0, lse, a, b, c, inv_temp, scale, dz_gV)  # in place
+        kmod.dlogits_from_tiles(dz_gV, m2, tile_v, tgt_T[g0:g1], lse2, a, b, c, inv_temp, scale, with_entropy)
         s = float(scale)  # one host sync per group: cuBLAS takes alpha from the host
         if need_h:
             if dH32 is not None:
@@ -135,7 +137,7 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
         if need_w:
             h_g = hidden_TH[g0:g1] if not half else torch.mul(hidden_TH[g0:g1], h_scale, out=h_buf[: g1 - g0])
             _lh._gemm_acc(dW32, dz_gV.T, h_g, first=(g0 == 0), alpha=1.0 / (s * h_scale_f))
-    del z_buf, dz_buf, w_g, h_buf, dH_buf
+    del e_buf, w_g, h_buf, dH_buf
     if dH32 is not None:
         dist.all_reduce(dH32, group=tp_group)
         dH = dH32

@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lm_head_chunked import combine_splits
-from kernels.tiles import DZ_ROWS_TILE, STREAM_TILES, tile_configs
+from kernels.lm_head_chunked import combine_splits, combine_tiles
+from kernels.tiles import DZ_ROWS_TILE, DZ_TILES, logits_tile_config, tile_configs
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -232,71 +232,6 @@ def _dlogits_epilogue(acc, rows, offs_t, offs_v, t_mask, v_mask, tgt_ptr, lse_pt
     tl.store(ptrs, dz.to(dz_ptr.dtype.element_ty), mask=t_mask[:, None] & v_mask[None, :])
 
 
-def _stream_configs() -> list[triton.Config]:
-    return [triton.Config({"BLOCK_T": bt, "BLOCK_V": bv}, num_warps=w) for bt, bv, w in STREAM_TILES[_VENDOR]]
-
-
-@triton.autotune(configs=_stream_configs(), key=["V", "NUM_SPLITS", "WITH_ENTROPY"])
-@triton.jit
-def _logits_stats_kernel(
-    z_ptr, stride_z, tgt_ptr, lse_ptr, ent_ptr, tz_ptr, T, V, inv_temp, NUM_SPLITS,
-    WITH_ENTROPY: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
-):
-    """One read of an fp32 logits chunk [T, V] (from cuBLAS): per-row stats over vocab split s of NUM_SPLITS,
-    written at [s, T] (merged by combine_splits). Splits of one row block are adjacent program ids.
-
-    Every lane of the [BLOCK_T, BLOCK_V] tile keeps its own running (max, sum exp, sum exp * (x - max), target x)
-    over the columns it visits; the lanes are merged once, after the loop. No reduction inside the loop means no
-    barrier between a tile's load and the next one's, so the loads of successive tiles overlap (a per-tile row
-    reduction measured 1.4 TB/s; this form streams)."""
-    pid = tl.program_id(0)
-    pid_s = pid % NUM_SPLITS
-    pid_t = pid // NUM_SPLITS
-    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < T
-    rows = tl.minimum(offs_t, T - 1)
-    tgt = tl.load(tgt_ptr + rows)
-    per_split = tl.cdiv(tl.cdiv(V, NUM_SPLITS), BLOCK_V) * BLOCK_V
-    v_begin = pid_s * per_split
-    v_end = tl.minimum(v_begin + per_split, V)
-    m2 = tl.full([BLOCK_T, BLOCK_V], float("-inf"), tl.float32)  # lane max of x, log2 units
-    s = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)  # lane sum of exp2(x2 - m2)
-    wy = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)  # lane sum of exp2(x2 - m2) * (x - lane max), natural units
-    tzl = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
-    for v0 in range(v_begin, v_end, BLOCK_V):
-        offs_v = v0 + tl.arange(0, BLOCK_V)
-        vm = offs_v[None, :] < v_end
-        z = tl.load(z_ptr + rows[:, None] * stride_z + offs_v[None, :], mask=vm, other=0.0)
-        x = z * inv_temp
-        x2 = tl.where(vm, x * 1.4426950408889634, float("-inf"))
-        m_new = tl.maximum(m2, x2)
-        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # lanes with nothing yet: no -inf - -inf
-        alpha = tl.exp2(m2 - m_ref)
-        e = tl.exp2(x2 - m_ref)
-        if WITH_ENTROPY:
-            shift = tl.where(s > 0, (m2 - m_ref) * 0.6931471805599453, 0.0)
-            y = tl.where(vm, (x2 - m_ref) * 0.6931471805599453, 0.0)  # log2 units, as e (see _online_update)
-            wy = alpha * (wy + shift * s) + e * y
-        s = s * alpha + e
-        m2 = m_new
-        tzl += tl.where(offs_v[None, :] == tgt[:, None], x, 0.0)
-    mx = tl.max(m2, 1)
-    mx_ref = tl.where(mx == float("-inf"), 0.0, mx)
-    lane_scale = tl.exp2(m2 - mx_ref[:, None])
-    tot = tl.sum(s * lane_scale, 1)
-    lse = (mx + tl.log2(tot)) * 0.6931471805599453  # -inf for an empty split
-    out = pid_s.to(tl.int64) * T + offs_t
-    tl.store(lse_ptr + out, lse, mask=t_mask)
-    if WITH_ENTROPY:
-        # lane y are measured from the lane max: move them to the row max, then ent = log S - WY / S
-        lane_shift = tl.where(s > 0, (m2 - mx_ref[:, None]) * 0.6931471805599453, 0.0)
-        wy_tot = tl.sum(lane_scale * (wy + lane_shift * s), 1)
-        tl.store(ent_ptr + out, tl.where(tot > 0, tl.log(tot) - wy_tot / tot, 0.0), mask=t_mask)
-    else:
-        tl.store(ent_ptr + out, tl.zeros([BLOCK_T], tl.float32), mask=t_mask)
-    tl.store(tz_ptr + out, tl.sum(tzl, 1), mask=t_mask)
-
-
 @triton.jit
 def _logits_dz_kernel(
     z_ptr, stride_z, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, scale_ptr, dz_ptr, stride_dz, T, V, v_off, inv_temp,
@@ -376,32 +311,6 @@ def dlogits(hidden_TH, weight_VH, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_t
     return out_TV
 
 
-def stream_splits(num_tokens: int, num_vocab: int, device: torch.device) -> int:
-    """Vocab splits of the streaming stats kernel: enough programs (>= 4 per SM at 16-row blocks) to keep HBM
-    busy when a chunk has few rows (the eager path reads [512, V] chunks: 32 row blocks), each split >= 4096
-    columns."""
-    row_blocks = triton.cdiv(num_tokens, 16)
-    return max(1, min(triton.cdiv(4 * _num_sms(device), row_blocks), triton.cdiv(num_vocab, 4096)))
-
-
-def stats_from_logits(z_TV, tgt_T, inv_temp: float, with_entropy: bool, lse_T, ent_T, tz_T) -> None:
-    """Per-row (lse, entropy, target x) of an fp32 logits chunk, written into the given vectors."""
-    T, V = z_TV.shape
-    S = stream_splits(T, V, z_TV.device)
-    if S == 1:
-        parts = (lse_T, ent_T, tz_T)
-    else:
-        parts = torch.empty((3, S, T), dtype=torch.float32, device=z_TV.device).unbind(0)
-    grid = lambda meta: (triton.cdiv(T, meta["BLOCK_T"]) * S,)  # noqa: E731
-    _logits_stats_kernel[grid](z_TV, z_TV.stride(0), tgt_T, *parts, T, V, inv_temp, S,
-                               WITH_ENTROPY=with_entropy)
-    if S > 1:
-        lse, ent, tz = combine_splits(*parts)
-        lse_T.copy_(lse)
-        ent_T.copy_(ent)
-        tz_T.copy_(tz)
-
-
 def dlogits_from_logits(z_TV, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp: float, scale, out_TV):
     """out_TV = scale * dloss/dlogit from an fp32 logits chunk. out_TV may have any row stride and may be z_TV
     itself, or a 2-byte view of z_TV's storage with row stride 2V (in place, see _logits_dz_kernel)."""
@@ -412,3 +321,217 @@ def dlogits_from_logits(z_TV, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp:
         BLOCK_T=bt, BLOCK_V=bv, num_warps=warps,
     )
     return out_TV
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Logits GEMM with the statistics in its epilogue (the eager path, kernels/lm_head_eager.py; docs/kernels.md,
+# "Tile statistics in the GEMM epilogue").
+
+
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit
+def _logits_tiles_kernel(
+    h_ptr, w_ptr, tgt_ptr, e_ptr, m2_ptr, lse2_ptr, ent_ptr, tz_ptr,
+    T, V, H, stride_h, stride_w, stride_e, inv_temp,
+    WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+    SUBTILE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One [BLOCK_T, BLOCK_V] logits tile per program, x = (h . w) * inv_temp in fp32 registers, then per row of the
+    tile: its max and the lse of the tile's own softmax (both in log2 units, x2 = x log2 e), its entropy and the target's x if the tile holds
+    it, stored at [tile, row] ([num_tiles, T] arrays, merged like vocab splits); and, if WRITE_E, the tile's
+    weights e = exp(x - tile max) in (0, 1] in e's dtype (fp16 keeps 11 significant bits at any magnitude: unlike
+    x itself, whose fp16 rounding would grow with |x|). The token blocks of one vocab tile are adjacent program
+    ids: the weight tile comes from HBM once and the [T, H] hidden block (16 MiB at T = 4096) stays in L2."""
+    pid = tl.program_id(0)
+    num_t = tl.cdiv(T, BLOCK_T)
+    pid_v = pid // num_t
+    pid_t = pid % num_t
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    rows = tl.minimum(offs_t, T - 1)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    h_rows = h_ptr + rows[:, None] * stride_h
+    w_rows = w_ptr + tl.minimum(offs_v, V - 1).to(tl.int64)[:, None] * stride_w
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        acc = _mma_step(h_rows, w_rows, k0 + offs_k, H, acc, DOT_FP32, EVEN_K)
+    _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr,
+                   tz_ptr, inv_temp, WRITE_E, WITH_ENTROPY, SUBTILE, BLOCK_V)
+
+
+@triton.jit
+def _half_tile(acc, offs_v, V, inv_temp):
+    """x, and x2 = x log2 e with columns past V at -inf, for one column block of a tile."""
+    x = acc * inv_temp
+    return x, tl.where((offs_v < V)[None, :], x * 1.4426950408889634, float("-inf"))
+
+
+@triton.jit
+def _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr,
+                   tz_ptr, inv_temp, WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
+    """Per row of the [BLOCK_T, BLOCK_V] tile: max m2 and lse2 of the tile's softmax (log2 units, x2 = x log2 e),
+    its entropy, the target's x; e = exp2(x2 - m2) stored when WRITE_E. SUBTILE: the tile is taken in two column
+    halves, so the exp tile beside the accumulator is half as large (fewer live registers)."""
+    tgt = tl.load(tgt_ptr + rows)
+    if SUBTILE:
+        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, BLOCK_V // 2]), [0, 2, 1]))
+        offs_v0 = pid_v * BLOCK_V + tl.arange(0, BLOCK_V // 2)
+        offs_v1 = offs_v0 + BLOCK_V // 2
+        x0, x2_0 = _half_tile(acc0, offs_v0, V, inv_temp)
+        x1, x2_1 = _half_tile(acc1, offs_v1, V, inv_temp)
+        m2 = tl.maximum(tl.max(x2_0, 1), tl.max(x2_1, 1))
+        e0 = tl.exp2(x2_0 - m2[:, None])
+        e1 = tl.exp2(x2_1 - m2[:, None])
+        s = tl.sum(e0, 1) + tl.sum(e1, 1)
+        tz = tl.sum(tl.where(offs_v0[None, :] == tgt[:, None], x0, 0.0), 1)
+        tz += tl.sum(tl.where(offs_v1[None, :] == tgt[:, None], x1, 0.0), 1)
+        if WITH_ENTROPY:
+            wy = tl.sum(e0 * tl.where((offs_v0 < V)[None, :], x2_0 - m2[:, None], 0.0), 1)
+            wy += tl.sum(e1 * tl.where((offs_v1 < V)[None, :], x2_1 - m2[:, None], 0.0), 1)
+        if WRITE_E:
+            row_ptrs = e_ptr + offs_t[:, None] * stride_e
+            tl.store(row_ptrs + offs_v0[None, :], e0.to(e_ptr.dtype.element_ty),
+                     mask=t_mask[:, None] & (offs_v0 < V)[None, :])
+            tl.store(row_ptrs + offs_v1[None, :], e1.to(e_ptr.dtype.element_ty),
+                     mask=t_mask[:, None] & (offs_v1 < V)[None, :])
+    else:
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        x, x2 = _half_tile(acc, offs_v, V, inv_temp)
+        m2 = tl.max(x2, 1)  # finite: every tile holds at least one column
+        e = tl.exp2(x2 - m2[:, None])
+        s = tl.sum(e, 1)  # >= 1 (the max itself)
+        tz = tl.sum(tl.where(offs_v[None, :] == tgt[:, None], x, 0.0), 1)
+        if WITH_ENTROPY:
+            wy = tl.sum(e * tl.where((offs_v < V)[None, :], x2 - m2[:, None], 0.0), 1)
+        if WRITE_E:
+            ptrs = e_ptr + offs_t[:, None] * stride_e + offs_v[None, :]
+            tl.store(ptrs, e.to(e_ptr.dtype.element_ty), mask=t_mask[:, None] & (offs_v < V)[None, :])
+    out = pid_v.to(tl.int64) * T + offs_t
+    tl.store(m2_ptr + out, m2, mask=t_mask)
+    tl.store(lse2_ptr + out, m2 + tl.log2(s), mask=t_mask)
+    tl.store(tz_ptr + out, tz, mask=t_mask)
+    if WITH_ENTROPY:  # the weights' own log2 units (see _online_update), then ln 2 once per row
+        tl.store(ent_ptr + out, tl.log(s) - wy * 0.6931471805599453 / s, mask=t_mask)
+
+
+@triton.jit
+def _logits_tiles_tma_kernel(
+    h_desc, w_desc, tgt_ptr, e_ptr, m2_ptr, lse2_ptr, ent_ptr, tz_ptr,
+    T, V, H, stride_e, inv_temp, NUM_PROGRAMS,
+    WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
+    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """_logits_tiles_kernel for Hopper: persistent (one program per SM walks tiles NUM_PROGRAMS apart, the token
+    blocks of a vocab tile consecutive), operands through TMA descriptors (no address arithmetic or load
+    registers; rows past T or V read as zeros). The tile loop and the K loop are one flattened loop, so the next
+    tile's loads are in flight during this tile's epilogue."""
+    pid = tl.program_id(0)
+    num_t = tl.cdiv(T, BLOCK_T)
+    num_tiles = num_t * tl.cdiv(V, BLOCK_V)
+    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        pid_v = tile // num_t
+        pid_t = tile % num_t
+        acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            a = h_desc.load([pid_t * BLOCK_T, k0])
+            b = w_desc.load([pid_v * BLOCK_V, k0])
+            acc = tl.dot(a, b.T, acc)
+        offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < T
+        rows = tl.minimum(offs_t, T - 1)
+        _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr,
+                       tz_ptr, inv_temp, WRITE_E, WITH_ENTROPY, SUBTILE, BLOCK_V)
+
+
+@triton.jit
+def _tiles_dz_kernel(
+    e_ptr, stride_e, m2_ptr, tgt_ptr, lse2_ptr, a_ptr, b_ptr, c_ptr, scale_ptr, T, V, inv_temp,
+    HAS_B: tl.constexpr, TILE_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """In place: the tile weights e -> dz = scale * (p (a + b x) + c [v == target]) * inv_temp, with
+    p = e * exp2(m2 - lse2) and (only when b is used) x = (m2 + log2 e) ln 2 (m2: the tile's max, log2 units). BLOCK_V divides TILE_V, so each
+    program's columns share one tile max per row. Elementwise: each element is read and written by one program."""
+    pid = tl.program_id(0)
+    num_v = tl.cdiv(V, BLOCK_V)
+    pid_t = pid // num_v
+    pid_v = pid % num_v
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    rows = tl.minimum(offs_t, T - 1)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = t_mask[:, None] & (offs_v < V)[None, :]
+    m2 = tl.load(m2_ptr + ((pid_v * BLOCK_V) // TILE_V).to(tl.int64) * T + rows)
+    lse2 = tl.load(lse2_ptr + rows)
+    ptrs = e_ptr + offs_t[:, None] * stride_e + offs_v[None, :]
+    e = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    p = e * tl.exp2(m2 - lse2)[:, None]
+    coef = tl.load(a_ptr + rows)[:, None]
+    if HAS_B:
+        x = tl.where(e > 0, (m2[:, None] + tl.log2(e)) * 0.6931471805599453, 0.0)  # e = 0 underflowed: p x = 0
+        coef = coef + tl.load(b_ptr + rows)[:, None] * x
+    dz = p * coef
+    tgt = tl.load(tgt_ptr + rows)
+    dz += tl.where(offs_v[None, :] == tgt[:, None], tl.load(c_ptr + rows)[:, None], 0.0)
+    dz = dz * (inv_temp * tl.load(scale_ptr))
+    tl.store(ptrs, dz.to(e_ptr.dtype.element_ty), mask=mask)
+
+
+def _use_tma(hidden_TH, weight_VH, dot_fp32: bool) -> bool:
+    """TMA descriptors: NVIDIA Hopper or later, 16-bit operands, rows 16-byte aligned (H a multiple of 8)."""
+    return (_VENDOR == "nvidia" and _ARCH >= 9 and not dot_fp32 and hidden_TH.shape[1] % 8 == 0
+            and hidden_TH.data_ptr() % 16 == 0 and weight_VH.data_ptr() % 16 == 0)
+
+
+def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, config=None,
+                 tma=None, subtile=None, warp_specialize=False):
+    """One logits GEMM with the statistics in its epilogue. Returns (m2 [num_tiles, T] tile maxima and lse2 [T],
+    both in log2 units; ent [T] (zeros unless with_entropy), tz [T], tile width); writes the tile weights into e_TV
+    (fp16 or fp32, row stride free) when given. config, tma, subtile, warp_specialize: overrides for benchmarks."""
+    T, H = hidden_TH.shape
+    V = weight_VH.shape[0]
+    dot_fp32 = _dot_fp32(hidden_TH)
+    c = config or logits_tile_config(_VENDOR, 4 if dot_fp32 and _VENDOR != "interpreter" else 2)
+    n_tiles = triton.cdiv(V, c.block_v)
+    parts = torch.empty((4, n_tiles, T), dtype=torch.float32, device=hidden_TH.device)
+    m2_NT, lse2_NT, ent_NT, tz_NT = parts.unbind(0)
+    e_arg = e_TV if e_TV is not None else parts
+    grid_tiles = triton.cdiv(T, c.block_t) * n_tiles
+    if _use_tma(hidden_TH, weight_VH, dot_fp32) if tma is None else tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        h_desc = TensorDescriptor.from_tensor(hidden_TH, [c.block_t, c.block_k])
+        w_desc = TensorDescriptor.from_tensor(weight_VH, [c.block_v, c.block_k])
+        progs = min(grid_tiles, _num_sms(hidden_TH.device))
+        logits_tiles.last_kernel = _logits_tiles_tma_kernel[(progs,)](
+            h_desc, w_desc, tgt_T, e_arg, m2_NT, lse2_NT, ent_NT, tz_NT,
+            T, V, H, e_arg.stride(0), inv_temp, progs,
+            WRITE_E=e_TV is not None, WITH_ENTROPY=with_entropy, SUBTILE=c.block_v >= 256 if subtile is None else subtile,
+            WARP_SPECIALIZE=warp_specialize, BLOCK_T=c.block_t, BLOCK_V=c.block_v, BLOCK_K=c.block_k,
+            num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+    else:
+        logits_tiles.last_kernel = _logits_tiles_kernel[(grid_tiles,)](
+            hidden_TH, weight_VH, tgt_T, e_arg, m2_NT, lse2_NT, ent_NT, tz_NT,
+            T, V, H, hidden_TH.stride(0), weight_VH.stride(0), e_arg.stride(0), inv_temp,
+            WRITE_E=e_TV is not None, WITH_ENTROPY=with_entropy, DOT_FP32=dot_fp32,
+            SUBTILE=c.block_v >= 256 if subtile is None else subtile, BLOCK_T=c.block_t, BLOCK_V=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
+        )
+    lse2_T, ent_T, tz_T = combine_tiles(lse2_NT, ent_NT, tz_NT, with_entropy)
+    return m2_NT, lse2_T, ent_T, tz_T, c.block_v
+
+
+logits_tiles.last_kernel = None  # the compiled kernel of the latest call (registers and spills, for benchmarks)
+
+
+def dlogits_from_tiles(e_TV, m2_NT, tile_v: int, tgt_T, lse2_T, a_T, b_T, c_T, inv_temp: float, scale,
+                       has_b: bool = True) -> None:
+    """In place over e_TV (logits_tiles' weights): scale * dloss/dlogit."""
+    T, V = e_TV.shape
+    bt, bv, warps = DZ_TILES[_VENDOR]
+    bv = min(bv, tile_v)
+    _tiles_dz_kernel[(triton.cdiv(T, bt) * triton.cdiv(V, bv),)](
+        e_TV, e_TV.stride(0), m2_NT, tgt_T, lse2_T, a_T, b_T, c_T, scale, T, V, inv_temp,
+        HAS_B=has_b, TILE_V=tile_v, BLOCK_T=bt, BLOCK_V=bv, num_warps=warps,
+    )

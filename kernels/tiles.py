@@ -72,25 +72,44 @@ INTERPRETER_STATS = (TileConfig(16, 64, 32, 1, 1),)
 INTERPRETER_DLOGITS = (TileConfig(16, 64, 32, 1, 1),)
 
 
-# Streaming kernels over an fp32 logits chunk already in memory (from a cuBLAS GEMM): pure bandwidth.
-# Stats kernel: candidates (rows, cols, warps) timed once per vocab size by triton.autotune. Each lane keeps four
-# running accumulators (max, sum, entropy sum, target), so the tiles hold 32 values per thread (4 x 32 = 128
-# accumulator registers, under the 255 cap with the loaded tile beside them):
-#   NVIDIA: 8 x 1024 over 8 warps (256 threads), 4 x 1024 over 4 warps, 16 x 512 over 8 warps; each thread's 32
-#     fp32 values are 8 x 16-byte loads. With 2+ programs resident an SM has >= 32 KiB of loads in flight, what
-#     HBM3e's bandwidth x latency per SM asks for (~4.8 TB/s / 132 SMs x ~1 us = 36 KiB).
-#   AMD: the same tiles; 8 wavefronts are 512 lanes, 16 values a lane (4 x 16-byte loads), within the
-#     1024-lane workgroup limit.
-#   Interpreter: small, so the tests cross row and column tile edges.
-STREAM_TILES = {
-    "nvidia": ((8, 1024, 8), (4, 1024, 4), (16, 512, 8)),
-    "amd": ((8, 1024, 8), (4, 1024, 4), (16, 512, 8)),
-    "interpreter": ((8, 64, 1),),
-}  # (rows, cols, warps)
-# dlogits kernel (rows swept left to right by one program, in place; fixed, not autotuned): 4 rows x 1024 columns
-# over 8 warps = 16 values a thread (4 x 16-byte loads); T = 2048 rows give 512 programs, ~4 per SM on a 132-SM
-# H100/H200 (64 KiB in flight per SM); AMD: 8 wavefronts x 64 lanes, 8 values a lane.
+# dlogits from an fp32 logits chunk already in memory (from a cuBLAS GEMM; the split backward), pure bandwidth; rows
+# swept left to right by one program (fixed, not autotuned): 4 rows x 1024 columns over 8 warps = 16 values a thread
+# (4 x 16-byte loads); 4096 rows give 1024 programs, ~8 per SM on a 132-SM H100/H200; AMD: 8 wavefronts x 64
+# lanes, 8 values a lane.
 DZ_ROWS_TILE = {"nvidia": (4, 1024, 8), "amd": (4, 1024, 8), "interpreter": (4, 64, 1)}
+
+
+# Logits GEMM with the statistics in its epilogue (kernels/lm_head_triton.py, _logits_tiles_kernel and, on Hopper
+# with 16-bit operands, the persistent TMA variant _logits_tiles_tma_kernel): a GEMM tile whose epilogue reduces
+# each row of the tile (max, sum of exp, entropy sum, target) and stores the fp16 weights.
+#   NVIDIA Hopper, 16-bit operands: 128 x 256 x 64 over 8 warps (two warpgroups of 64 rows), 3 stages:
+#     (128 + 256) * 64 * 2 B * 3 = 144 KiB of SMEM. 128 x 256 reads 2*128*256 / ((128 + 256) * 2) = 85 FLOP per
+#     operand byte against 64 for 128 x 128. Its accumulator is 128 registers a thread, so the epilogue takes the
+#     tile in two 128-column halves (SUBTILE) to keep the exp tile beside it under the 255 cap: 0 spills where the
+#     whole-tile epilogue spilled 64 registers. Measured (bench/sweep_logits_tiles.py, H200, Tg x V x 2048):
+#     6.84 ms at 4096 x 248,320 (609 TF/s; cuBLAS bf16-output GEMM alone 6.18 ms) against 8.54 ms for 128 x 128
+#     pointer loads and 7.77 ms for cuBLAS fp32 output + a streaming statistics pass.
+#   fp32 operands (exact ieee dot, FMA units): the stats kernel's fp32 tile.
+#   AMD CDNA3: the stats kernel's tile (8 wavefronts, 32 accumulator VGPRs a lane, 32 KiB of the 64 KiB LDS).
+#   Interpreter: the test shapes span several vocab tiles, so the tile merge is exercised.
+LOGITS_TILES = {
+    ("nvidia", 2): TileConfig(128, 256, 64, 8, 3),
+    ("nvidia", 4): HOPPER_FP32,
+    ("amd", 2): TileConfig(128, 128, 32, 8, 2),
+    ("amd", 4): CDNA_FP32,
+    ("interpreter", 2): TileConfig(16, 64, 32, 1, 1),
+}
+# In-place dz pass over the tile weights (elementwise; columns of one program inside one stats tile): 16 rows x
+# 256 columns over 4 warps = 32 values a thread, 4 x 16-byte loads of fp16; AMD: 4 wavefronts x 64 lanes, 16 values
+# a lane. The column width is capped at the stats tile's (both powers of two, so it divides it).
+DZ_TILES = {"nvidia": (16, 256, 4), "amd": (16, 256, 4), "interpreter": (4, 32, 1)}  # (rows, cols, warps)
+
+
+def logits_tile_config(vendor: str, elem_bytes: int) -> TileConfig:
+    """The epilogue-statistics GEMM's tile for a vendor ("nvidia", "amd", "interpreter") and operand width."""
+    if vendor == "interpreter":
+        return LOGITS_TILES[("interpreter", 2)]
+    return LOGITS_TILES[(vendor, 4 if elem_bytes == 4 else 2)]
 
 
 def tile_configs(vendor: str, arch_major: int, kernel: str) -> tuple[TileConfig, ...]:

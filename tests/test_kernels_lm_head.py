@@ -250,6 +250,22 @@ def test_policy_loss_bf16_mixed_chunk_scales_torch():
                       adv_spread=1e3, chunk_tokens=32)
 
 
+def test_eager_tile_statistics_across_tiles_torch(monkeypatch):
+    # 64-wide logits tiles: each row's statistics are merged over 5 tiles (the last one partial: V = 301 = 4 * 64 +
+    # 45), and the fp32 / fp16 tile weights e = exp(x - tile max) become dlogits with each tile's own max.
+    # |z| ~ 100 (x ~ 140 at temperature 0.7): fp32 carries x2 ~ 200 (log2 units) to ~1e-5, so p to ~1e-5 relative.
+    # (The policy loss with its entropy term is not checked at |z| ~ 100: there a one-hot row's gradient is a
+    # cancellation, x - lse + ent ~ 0 from terms of ~140, and fp32 leaves 6e-3 relative error on some draws on every
+    # path, the previous fp32-logits one included.)
+    monkeypatch.setattr(kernels.lm_head_chunked, "LOGITS_TILE_VOCAB", 64)
+    for scale, tol in ((3.0, 2e-6), (100.0, 3e-5)):
+        check_cross_entropy(37, 48, 301, backend="torch", tol=tol, impl="eager", chunk_tokens=16, reduction="mean",
+                            z_loss=1e-3, temperature=0.7, logit_scale=scale)
+    # (the loss is a sum of terms of random sign: 1e-5, not 2e-6, relative to a sum that can come out small)
+    check_policy_loss(37, 48, 301, backend="torch", tol=1e-5, chunk_tokens=16, temperature=1.3)
+    check_policy_loss(37, 48, 301, backend="torch", tol=2e-5, grad_tol=3e-3, chunk_tokens=16, dtype=torch.bfloat16)
+
+
 def test_eager_equals_generic_path():
     # the three-GEMM eager path and the four-GEMM generic path (stats, then autograd's backward) agree
     hidden, weight, target = _inputs(41, 32, 211)
@@ -319,6 +335,37 @@ def _env(**extra) -> dict:
     return env
 
 
+def check_tile_kernels() -> None:
+    """The epilogue-statistics GEMM, all its variants (pointer loads or the persistent TMA kernel, whole-tile or
+    two-half epilogue), and the in-place dz pass, against the torch versions with the same tile width; |z| ~ 30."""
+    from kernels import lm_head_chunked as kc, lm_head_triton as kt
+    from kernels.tiles import TileConfig
+
+    hidden, weight, target = _inputs(37, 40, 301, logit_scale=30.0)
+    hidden, weight = hidden.detach(), weight.detach()
+    target[::5] = 500  # outside this rank's rows: no target column
+    old = kc.LOGITS_TILE_VOCAB
+    kc.LOGITS_TILE_VOCAB = 64
+    try:
+        e_ref = torch.empty(37, 301)
+        m2_r, lse2_r, ent_r, tz_r, _ = kc.logits_tiles(hidden, weight, target, 0.7, True, e_ref)
+        a, b, c = torch.randn(3, 37)
+        dz_ref = e_ref.clone()
+        kc.dlogits_from_tiles(dz_ref, m2_r, 64, target, lse2_r, a, b, c, 0.7, 4.0)
+        for tma in (False, True):
+            for sub in (False, True):
+                e = torch.full((37, 301), float("nan"))
+                m2, lse2, ent, tz, tile = kt.logits_tiles(hidden, weight, target, 0.7, True, e, tma=tma, subtile=sub,
+                                                          config=TileConfig(16, 64, 16, 1, 1))
+                assert tile == 64
+                for got, ref in ((m2, m2_r), (lse2, lse2_r), (ent, ent_r), (tz, tz_r), (e, e_ref)):
+                    assert _rel(got, ref) < 1e-5, (tma, sub, _rel(got, ref))
+                kt.dlogits_from_tiles(e, m2, tile, target, lse2, a, b, c, 0.7, torch.tensor(4.0))
+                assert _rel(e, dz_ref) < 1e-5, (tma, sub, _rel(e, dz_ref))
+    finally:
+        kc.LOGITS_TILE_VOCAB = old
+
+
 def interpreter_checks() -> None:
     """Run in a subprocess with TRITON_INTERPRET=1 (see __main__ below)."""
     assert os.environ.get("TRITON_INTERPRET") == "1"
@@ -338,6 +385,7 @@ def interpreter_checks() -> None:
     print("split |z|~100", check_logprobs(17, 32, 200, backend="triton", tol=3e-4, grad_tol=1e-4, logit_scale=100.0,
                                           impl="split"))
     check_all_ignored("triton")
+    check_tile_kernels()
     print("eager ce", check_cross_entropy(37, 40, 301, backend="triton", tol=2e-5, impl="eager", chunk_tokens=12,
                                           reduction="mean", z_loss=1e-3, temperature=0.7))
     print("eager ce splits", check_cross_entropy(20, 40, 8300, backend="triton", tol=2e-5, impl="eager"))

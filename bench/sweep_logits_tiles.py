@@ -1,0 +1,111 @@
+"""Sweep: the eager path's logits GEMM with the statistics in its epilogue (kernels.lm_head_triton.logits_tiles),
+tile configurations against cuBLAS, one group of Tg tokens, one GPU.
+
+Rows: cuBLAS bf16-output GEMM (the floor a fused epilogue would like to reach), cuBLAS fp32-output GEMM (the
+previous eager path's first step, before a streaming statistics pass of ~1.2 ms), and logits_tiles for each
+candidate (fp16 tile weights written, statistics in the epilogue), with registers and spills from the compiled
+kernel; then the in-place dz pass over the tile weights. Each candidate's lse and target logit are checked against
+the fp32 cuBLAS logits, and its weights for NaN (the buffer is NaN-poisoned first), before it is timed.
+
+Usage: python bench/sweep_logits_tiles.py [--vocab 248320 151936] [--hidden 2048] [--tokens 4096]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import sys
+from pathlib import Path
+
+import torch
+import triton
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from kernels import lm_head, lm_head_triton as kt  # noqa: E402
+from kernels.tiles import TileConfig  # noqa: E402
+
+# (tile, TMA persistent kernel, epilogue in two column halves, warp specialization)
+CANDIDATES = [
+    (TileConfig(128, 128, 64, 8, 4), False, False, False),
+    (TileConfig(128, 256, 64, 8, 3), False, True, False),
+    (TileConfig(128, 128, 64, 8, 4), True, False, False),
+    (TileConfig(128, 256, 64, 8, 3), True, True, False),
+    (TileConfig(128, 256, 64, 8, 4), True, True, False),
+    (TileConfig(128, 256, 64, 8, 3), True, False, False),
+    (TileConfig(128, 128, 64, 8, 4), True, False, True),
+    (TileConfig(128, 256, 64, 8, 3), True, True, True),
+    (TileConfig(128, 128, 64, 4, 4), True, False, True),
+]
+
+
+def bench(fn, reps=20):
+    return triton.testing.do_bench(fn, warmup=25, rep=reps * 10, return_mode="median")
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--vocab", type=int, nargs="+", default=[248320, 151936])
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--tokens", type=int, default=None, help="Tg (default: the eager path's group size)")
+    args = ap.parse_args()
+    from kernels.lm_head_eager import group_size
+
+    dev = torch.device("cuda")
+    H = args.hidden
+    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | triton {triton.__version__}")
+    rows = []
+    for V in args.vocab:
+        T = args.tokens or group_size(1 << 30, V, None, 2)
+        g = torch.Generator(device=dev).manual_seed(V)
+        h = torch.randn(T, H, device=dev, generator=g).bfloat16()
+        w = (torch.randn(V, H, device=dev, generator=g) * (2.0 / math.sqrt(H))).bfloat16()
+        tgt = torch.randint(0, V, (T,), device=dev, generator=g)
+        tf = 2 * T * V * H / 1e9
+        z = torch.empty(T, V, device=dev)
+        lm_head._logits_fp32(h, w, z)
+        ref_lse = torch.logsumexp(z, 1)
+        ref_tz = z.gather(1, tgt[:, None])[:, 0]
+        ms = bench(lambda: h @ w.T)
+        rows.append((V, T, "cuBLAS bf16 out", ms, tf / ms, "", ""))
+        ms_z = bench(lambda: lm_head._logits_fp32(h, w, z))
+        f32 = dict(device=dev, dtype=torch.float32)
+        rows.append((V, T, "cuBLAS fp32 out", ms_z, tf / ms_z, "", ""))
+        del z
+        e = torch.empty(T, V, device=dev, dtype=torch.float16)
+        for c, tma, sub, ws in CANDIDATES:
+            for ent_on in (False, True):
+                name = (f"{'TMA persistent' if tma else 'pointers'} {c.block_t}x{c.block_v}x{c.block_k} "
+                        f"w{c.num_warps} s{c.num_stages}" + (" subtile" if sub else "") + (" ws" if ws else "")
+                        + (" +ent" if ent_on else ""))
+                kw = dict(config=c, tma=tma, subtile=sub, warp_specialize=ws)
+                try:
+                    e.fill_(float("nan"))
+                    m2, lse2, en, tz2, tile = kt.logits_tiles(h, w, tgt, 1.0, ent_on, e, **kw)
+                    err = ((lse2 * kt.LN2 - ref_lse).abs().max().item(), (tz2 - ref_tz).abs().max().item())
+                    bad = (not torch.isfinite(e).all().item()) or max(err) > 1e-3
+                    fn = lambda: kt.logits_tiles(h, w, tgt, 1.0, ent_on, e, **kw)  # noqa: E731
+                    ms = bench(fn)
+                    ck = kt.logits_tiles.last_kernel
+                    regs = f"{getattr(ck, 'n_regs', '?')} regs, {getattr(ck, 'n_spills', '?')} spills"
+                    rows.append((V, T, name, ms, tf / ms, f"err lse {err[0]:.1e} tz {err[1]:.1e}" + (
+                        " BAD" if bad else ""), regs))
+                except Exception as ex:  # a config that does not compile (shared memory) is skipped
+                    rows.append((V, T, name, float("nan"), float("nan"), f"{type(ex).__name__}: {str(ex)[:80]}", ""))
+                print(rows[-1], flush=True)
+        # the dz pass, in place over the weights
+        m2, lse2, en, tz2, tile = kt.logits_tiles(h, w, tgt, 1.0, False, e)
+        a = torch.full((T,), 1.0 / T, **f32)
+        one = torch.ones((), **f32)
+        ms = bench(lambda: kt.dlogits_from_tiles(e, m2, tile, tgt, lse2, a, a, -a, 1.0, one, False))
+        rows.append((V, T, f"dz in place (fp16, tile {tile})", ms, float("nan"),
+                     f"{T * V * 4 / ms / 1e9:.2f} TB/s", ""))
+        print(rows[-1], flush=True)
+        del e, h, w
+        torch.cuda.empty_cache()
+    print("| V | Tg | step | ms | TF/s | note | registers |\n|---|---|---|---|---|---|---|")
+    for V, T, name, ms, tfs, note, regs in rows:
+        print(f"| {V} | {T} | {name} | {ms:.3f} | {tfs:.0f} | {note} | {regs} |")
+
+
+if __name__ == "__main__":
+    main()
