@@ -205,7 +205,7 @@ def profile_ours(h, w, t):
     with torch.no_grad():
         ms = _time_ms(lambda: kt.token_stats(hd, wd, tgt, 1.0, False), reps=3)
         line += f" | generic fwd stats kernel {ms:.1f} ms ({gemm / ms:.0f} TF/s)"
-        Tg = lm_head_eager.group_size(T, V, None, 2)
+        Tg = lm_head_eager.group_size(T, V, None, 4)  # two buffers of fp16 weights share the budget
         ng = T / Tg
         f32 = dict(device=h.device, dtype=torch.float32)
         e = torch.empty(Tg, V, device=h.device, dtype=torch.float16)
@@ -231,8 +231,10 @@ def profile_ours(h, w, t):
     print(line, flush=True)
 
 
-def trace_ours(h, w, t):
-    """torch.profiler's table of one mean-CE forward + backward (after a warm-up): every kernel's total time."""
+def trace_ours(h, w, t, chrome_path=None):
+    """torch.profiler's table of one mean-CE forward + backward (after a warm-up): every kernel's total time; and
+    the GPU's idle time between kernels, the largest gaps with the kernels around them (chrome trace to
+    chrome_path when given)."""
     from torch.profiler import ProfilerActivity, profile
 
     def once():
@@ -246,6 +248,24 @@ def trace_ours(h, w, t):
         torch.cuda.synchronize()
     print(f"# trace T={h.shape[0]} V={w.shape[0]}", flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
+    kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
+                  if e.device_type == torch.autograd.DeviceType.CUDA)
+    if kern:
+        busy, gaps, end = 0.0, [], kern[0][0]
+        prev = ""
+        for s0, s1, name in kern:
+            if s0 > end:
+                gaps.append((s0 - end, prev[:50], name[:50]))
+            busy += max(0.0, s1 - max(s0, end))
+            end = max(end, s1)
+            prev = name
+        span = end - kern[0][0]
+        print(f"# GPU span {span / 1e3:.1f} ms, busy {busy / 1e3:.1f} ms, idle {(span - busy) / 1e3:.1f} ms in "
+              f"{len(gaps)} gaps; largest:", flush=True)
+        for g, a, b in sorted(gaps, reverse=True)[:12]:
+            print(f"#   {g / 1e3:.2f} ms after {a} before {b}", flush=True)
+    if chrome_path:
+        prof.export_chrome_trace(chrome_path)
 
 
 def main(argv=None):
@@ -262,7 +282,8 @@ def main(argv=None):
     ap.add_argument("--eager-scratch-gib", type=float, default=None,
                     help="the eager path's logits buffer (kernels.lm_head_eager.EAGER_SCRATCH_BYTES), GiB")
     ap.add_argument("--trace", action="store_true",
-                    help="only print torch.profiler's kernel table for one run of ours (ce) per shape")
+                    help="only print torch.profiler's kernel table and GPU idle gaps for one run of ours (ce) per shape")
+    ap.add_argument("--chrome-trace", type=str, default=None, help="with --trace: write the chrome trace here")
     args = ap.parse_args(argv)
 
     if args.eager_scratch_gib:
@@ -285,7 +306,7 @@ def main(argv=None):
             adv = torch.randn(T, device=dev, generator=g)
             ref = None
             if args.trace:
-                trace_ours(h, w, t)
+                trace_ours(h, w, t, args.chrome_trace and f"{args.chrome_trace}.{T}.{V}.json")
                 continue
             if "ours" in methods and not args.no_profile:
                 profile_ours(h, w, t)

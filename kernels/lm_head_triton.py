@@ -23,8 +23,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lm_head_chunked import combine_splits, combine_tiles
-from kernels.tiles import DZ_ROWS_TILE, DZ_TILES, logits_tile_config, tile_configs
+from kernels.lm_head_chunked import combine_splits
+from kernels.tiles import DZ_ROWS_TILE, DZ_TILES, MERGE_TILES, logits_tile_config, tile_configs
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
@@ -478,6 +478,57 @@ def _tiles_dz_kernel(
     tl.store(ptrs, dz.to(e_ptr.dtype.element_ty), mask=mask)
 
 
+@triton.jit
+def _merge_tiles_kernel(lse2_ptr, ent_ptr, tz_ptr, out_lse2_ptr, out_ent_ptr, out_tz_ptr, T, N,
+                        WITH_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per row, merge the N tiles' (lse2, entropy, target x) ([N, T] arrays, rows contiguous) like vocab splits, in
+    one pass: running max m, S = sum 2^(l - m), A = sum 2^(l - m) ent, B = sum 2^(l - m) (l - m); then
+    lse2 = m + log2 S and, with q = 2^(l - lse2) a tile's share, entropy = sum q ent - sum q ln q
+    = A / S - (B / S - log2 S) ln 2."""
+    pid = tl.program_id(0)
+    offs_t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    S = tl.zeros([BLOCK_T], tl.float32)
+    A = tl.zeros([BLOCK_T], tl.float32)
+    B = tl.zeros([BLOCK_T], tl.float32)
+    tz = tl.zeros([BLOCK_T], tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask = (offs_n < N)[:, None] & t_mask[None, :]
+        idx = offs_n.to(tl.int64)[:, None] * T + offs_t[None, :]
+        l = tl.load(lse2_ptr + idx, mask=mask, other=float("-inf"))
+        tz += tl.sum(tl.load(tz_ptr + idx, mask=mask, other=0.0), 0)
+        m_new = tl.maximum(m, tl.max(l, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no tile with mass yet: no -inf - -inf
+        alpha = tl.exp2(m - m_ref)  # 0 while m = -inf
+        w = tl.exp2(l - m_ref[None, :])  # masked or empty tiles: 0
+        if WITH_ENTROPY:
+            d = tl.where(w > 0, l - m_ref[None, :], 0.0)
+            ent = tl.load(ent_ptr + idx, mask=mask, other=0.0)
+            B = alpha * (B + tl.where(S > 0, m - m_ref, 0.0) * S) + tl.sum(w * d, 0)
+            A = alpha * A + tl.sum(w * ent, 0)
+        S = alpha * S + tl.sum(w, 0)
+        m = m_new
+    log2_s = tl.log2(S)
+    tl.store(out_lse2_ptr + offs_t, m + log2_s, mask=t_mask)
+    tl.store(out_tz_ptr + offs_t, tz, mask=t_mask)
+    if WITH_ENTROPY:
+        tl.store(out_ent_ptr + offs_t, A / S - (B / S - log2_s) * 0.6931471805599453, mask=t_mask)
+    else:
+        tl.store(out_ent_ptr + offs_t, tl.zeros([BLOCK_T], tl.float32), mask=t_mask)
+
+
+def merge_tiles(lse2_NT, ent_NT, tz_NT, with_entropy: bool):
+    """combine_tiles in one Triton pass: (lse2 [T], entropy [T] or zeros, tz [T])."""
+    N, T = lse2_NT.shape
+    out = torch.empty((3, T), dtype=torch.float32, device=lse2_NT.device)
+    bn, bt, warps = MERGE_TILES[_VENDOR]
+    _merge_tiles_kernel[(triton.cdiv(T, bt),)](lse2_NT, ent_NT, tz_NT, out[0], out[1], out[2], T, N,
+                                              WITH_ENTROPY=with_entropy, BLOCK_N=bn, BLOCK_T=bt, num_warps=warps)
+    return out[0], out[1], out[2]
+
+
 def _use_tma(hidden_TH, weight_VH, dot_fp32: bool) -> bool:
     """TMA descriptors: NVIDIA Hopper or later, 16-bit operands, rows 16-byte aligned (H a multiple of 8)."""
     return (_VENDOR == "nvidia" and _ARCH >= 9 and not dot_fp32 and hidden_TH.shape[1] % 8 == 0
@@ -518,7 +569,7 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
             WRITE_E=e_TV is not None, WITH_ENTROPY=with_entropy, DOT_FP32=dot_fp32,
             SUBTILE=c.block_v >= 256 if subtile is None else subtile, BLOCK_T=c.block_t, BLOCK_V=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
         )
-    lse2_T, ent_T, tz_T = combine_tiles(lse2_NT, ent_NT, tz_NT, with_entropy)
+    lse2_T, ent_T, tz_T = merge_tiles(lse2_NT, ent_NT, tz_NT, with_entropy)
     return m2_NT, lse2_T, ent_T, tz_T, c.block_v
 
 

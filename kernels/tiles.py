@@ -103,6 +103,11 @@ LOGITS_TILES = {
 # 256 columns over 4 warps = 32 values a thread, 4 x 16-byte loads of fp16; AMD: 4 wavefronts x 64 lanes, 16 values
 # a lane. The column width is capped at the stats tile's (both powers of two, so it divides it).
 DZ_TILES = {"nvidia": (16, 256, 4), "amd": (16, 256, 4), "interpreter": (4, 32, 1)}  # (rows, cols, warps)
+# Merge of the per-tile statistics ([num_tiles, T] arrays, rows contiguous): one program per 64 rows walks the tiles
+# 32 at a time, a [32, 64] block = 2048 values over 4 warps, 16 a thread (4 x 16-byte loads of each array); 4096
+# rows are 64 programs, each reading 3 x 970 x 64 x 4 B = 745 KB at V = 248,320. Interpreter: small, so the loop
+# crosses several blocks and a masked tail.
+MERGE_TILES = {"nvidia": (32, 64, 4), "amd": (32, 64, 4), "interpreter": (4, 8, 1)}  # (tiles, rows, warps)
 
 
 def logits_tile_config(vendor: str, elem_bytes: int) -> TileConfig:

@@ -362,6 +362,15 @@ def check_tile_kernels() -> None:
                     assert _rel(got, ref) < 1e-5, (tma, sub, _rel(got, ref))
                 kt.dlogits_from_tiles(e, m2, tile, target, lse2, a, b, c, 0.7, torch.tensor(4.0))
                 assert _rel(e, dz_ref) < 1e-5, (tma, sub, _rel(e, dz_ref))
+        # the one-pass merge against torch's, 13 tiles (a masked tail of 1 at 4 per block), a row with -inf tiles
+        lse2_NT = torch.randn(13, 37) * 30
+        lse2_NT[:7, 5] = float("-inf")
+        ent_NT, tz_NT = torch.rand(13, 37) * 3, torch.randn(13, 37)
+        for ent_on in (False, True):
+            for got, ref in zip(kt.merge_tiles(lse2_NT, ent_NT, tz_NT, ent_on),
+                                kc.combine_tiles(lse2_NT, ent_NT, tz_NT, ent_on)):
+                err = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()  # (entropy off: zeros, 0 / 1e-30)
+                assert err < 1e-6, (ent_on, err)
     finally:
         kc.LOGITS_TILE_VOCAB = old
 
