@@ -42,6 +42,7 @@ import torch.distributed as dist
 from kernels import lm_head as _lh
 
 EAGER_SCRATCH_BYTES = 2 * 2**30  # the group buffers of tile weights [Tg, V] (dZ is written over them), together
+PIPELINE = True  # two group buffers, software-pipelined (eager_run); False: one buffer, the host waits for each scale
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -120,7 +121,7 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
     # each group's tile weights e = exp(x - tile max), then its dZ in the same place (fp16 for 16-bit inputs): two
     # buffers of Tg tokens, half the budget each, when there are two groups or more
     Tg = group_size(T, V, chunk_tokens, elem)
-    n_buf = 1 if Tg >= T else 2
+    n_buf = 1 if (Tg >= T or not PIPELINE) else 2
     if n_buf == 2 and chunk_tokens is None:
         Tg = group_size(T, V, None, 2 * elem)
     bufs = [torch.empty((Tg, V), dtype=e_dtype, device=dev) for _ in range(n_buf)]

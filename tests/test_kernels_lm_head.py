@@ -523,7 +523,10 @@ def test_gpu_logprobs_entropy(dtype):
 @needs_cuda
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_gpu_policy_loss(dtype):
-    grad_tol = 5e-5 if dtype == torch.float32 else 2e-3
+    # fp32: the entropy term's gradient is a cancellation (x - lse + ent at |x| ~ 30); its error is 4.6e-5 with p
+    # from exp(x - lse) and 5.1e-5 with p = e exp(m - lse) from the tile weights (measured on the torch path, which
+    # runs the same arithmetic, at this shape)
+    grad_tol = 7e-5 if dtype == torch.float32 else 2e-3
     print(check_policy_loss(3001, 256, 20011, backend="triton", tol=1e-4, device="cuda", dtype=dtype,
                             temperature=0.9, logit_scale=30.0, grad_tol=grad_tol, adv_spread=100.0,
                             chunk_tokens=1024))
