@@ -205,7 +205,7 @@ def profile_ours(h, w, t):
     with torch.no_grad():
         ms = _time_ms(lambda: kt.token_stats(hd, wd, tgt, 1.0, False), reps=3)
         line += f" | generic fwd stats kernel {ms:.1f} ms ({gemm / ms:.0f} TF/s)"
-        Tg = lm_head_eager.group_size(T, V, None, 4)  # two buffers of fp16 weights share the budget
+        Tg = lm_head_eager.group_size(T, V, None, 2)
         ng = T / Tg
         f32 = dict(device=h.device, dtype=torch.float32)
         e = torch.empty(Tg, V, device=h.device, dtype=torch.float16)

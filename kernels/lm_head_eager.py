@@ -19,14 +19,12 @@ before the head runs). Then, per group of Tg tokens:
     dH[group] = dZ @ W16   cuBLAS, fp32 accumulation inside one call  (GEMM 2)
     dW32 += dZ^T @ h16     cuBLAS, fp32 C: the only cross-group accumulation (GEMM 3)
 
-Two group buffers are software-pipelined (eager_run): group g+1's first three steps are queued before group g's
-GEMMs, whose alpha needs the host value of s, so reading s never drains the GPU's queue (docs/kernels.md, "Tile
-statistics in the GEMM epilogue").
+(docs/kernels.md, "Tile statistics in the GEMM epilogue").
 
 Exactness is the generic path's: fp32 logits and statistics, fp16 e / dZ / h / W operands with exact power-of-two
 scales (11 significant bits, 8x finer than bf16), fp32 accumulation everywhere, no 16-bit read-modify-write.
 What it costs: an fp32 [V, H] dW accumulator (1.9 GiB at V = 248,320, H = 2048), an fp16 copy of W (0.95 GiB)
-and the two group buffers (EAGER_SCRATCH_BYTES together), all freed before the forward returns except dH and dW,
+and the group buffer (EAGER_SCRATCH_BYTES), all freed before the forward returns except dH and dW,
 which the backward scales by the upstream gradient of the loss (a scalar).
 Vocab-parallel: the statistics of each group are combined over tp_group before the loss sees them (all ranks run
 the same token_loss on the same numbers), and dH is summed over the group at the end.
@@ -41,8 +39,7 @@ import torch.distributed as dist
 
 from kernels import lm_head as _lh
 
-EAGER_SCRATCH_BYTES = 2 * 2**30  # the group buffers of tile weights [Tg, V] (dZ is written over them), together
-PIPELINE = True  # two group buffers, software-pipelined (eager_run); False: one buffer, the host waits for each scale
+EAGER_SCRATCH_BYTES = 2 * 2**30  # the group buffer of tile weights [Tg, V] (dZ is written over them)
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
 
@@ -50,11 +47,10 @@ TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch
 
 
 def group_size(T: int, V: int, chunk_tokens: int | None, elem_bytes: int = 2) -> int:
-    """Tg, tokens per group: a buffer of tile weights [Tg, V] (elem_bytes each) fills EAGER_SCRATCH_BYTES, in
-    multiples of 256 (eager_run asks with elem_bytes doubled when it holds two buffers). Worked example,
-    V = 248,320, bf16, two buffers: 4 B x Tg x V <= 2 GiB gives Tg = 2048: the logits GEMM is 2048 x 248,320 x 2048
-    (2.1 TFLOP), and so are the dH and dW GEMMs; the dW GEMM's fp32 C (1.9 GiB read + written) is touched
-    T / 2048 = 32 times at T = 65,536. V = 151,936: Tg = 3328."""
+    """Tg, tokens per group: the group's tile weights [Tg, V] (elem_bytes each: 2 for 16-bit inputs, 4 for fp32)
+    fill EAGER_SCRATCH_BYTES, in multiples of 256. Worked example, V = 248,320, bf16: 2 B x Tg x V <= 2 GiB gives
+    Tg = 4096: the logits GEMM is 4096 x 248,320 x 2048 (4.2 TFLOP), and so are the dH and dW GEMMs; the dW GEMM's
+    fp32 C (1.9 GiB read + written) is touched T / 4096 = 16 times at T = 65,536. V = 151,936: Tg = 6912."""
     if chunk_tokens is None:
         Tg = max(256, EAGER_SCRATCH_BYTES // (elem_bytes * V) // 256 * 256)
     else:
@@ -79,34 +75,10 @@ def _coefficients(token_loss: TokenLoss, tz, lse, ent, t0: int, t1: int, with_en
     return a, b, g_tz.contiguous(), total.detach().float()
 
 
-class _HostScalar:
-    """A 0-dim device tensor's value, copied to pinned host memory behind the work already queued, and read
-    only when wanted: by then the GPU is usually past it, so the read does not drain the queue."""
-
-    def __init__(self, t: torch.Tensor):
-        if t.is_cuda:
-            self.host = torch.empty((), dtype=t.dtype, pin_memory=True)
-            self.host.copy_(t, non_blocking=True)
-            self.event = torch.cuda.Event()
-            self.event.record()
-        else:
-            self.host, self.event = t, None
-
-    def get(self) -> float:
-        if self.event is not None:
-            self.event.synchronize()
-        return float(self.host)
-
-
 def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: float, with_entropy: bool, tp_group,
               backend: str, chunk_tokens, need_h: bool, need_w: bool):
     """The loss and its gradients in one pass. tgt_T: local target index (outside [0, V) matches nothing).
-    Returns loss (0-d fp32), tz, lse, ent [T] (combined over tp_group), dH [T, H] or None, dW [V, H] or None.
-
-    Two group buffers, software-pipelined: the front of group g+1 (logits GEMM, statistics, coefficients, dZ) is
-    queued before the back of group g (the dH and dW GEMMs, whose cuBLAS alpha holds the host value of group g's
-    dZ scale). The host reads that scale while the GPU runs group g+1's front, so the queue never drains; stream
-    order keeps group g+2's front (same buffer as g) after group g's back."""
+    Returns loss (0-d fp32), tz, lse, ent [T] (combined over tp_group), dH [T, H] or None, dW [V, H] or None."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
     in_dtype = hidden_TH.dtype
@@ -118,13 +90,9 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
     f32 = dict(dtype=torch.float32, device=dev)
     e_dtype = torch.float16 if half else torch.float32
     elem = 2 if half else 4
-    # each group's tile weights e = exp(x - tile max), then its dZ in the same place (fp16 for 16-bit inputs): two
-    # buffers of Tg tokens, half the budget each, when there are two groups or more
+    # the group's tile weights e = exp(x - tile max), then its dZ in the same place (fp16 for 16-bit inputs)
     Tg = group_size(T, V, chunk_tokens, elem)
-    n_buf = 1 if (Tg >= T or not PIPELINE) else 2
-    if n_buf == 2 and chunk_tokens is None:
-        Tg = group_size(T, V, None, 2 * elem)
-    bufs = [torch.empty((Tg, V), dtype=e_dtype, device=dev) for _ in range(n_buf)]
+    e_buf = torch.empty((Tg, V), dtype=e_dtype, device=dev)
     if half:
         h_scale_f = float(_lh._pow2_scale(_lh._amax(hidden_TH)))
         w_scale_f = float(_lh._pow2_scale(_lh._amax(weight_VH)))
@@ -142,9 +110,11 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
     tz_T, lse_T, ent_T = (torch.empty(T, **f32) for _ in range(3))
     loss = torch.zeros((), **f32)
 
-    def front(g0, g1, e_gV):
+    for g0 in range(0, T, Tg):
+        g1 = min(g0 + Tg, T)
+        dz_gV = e_buf[: g1 - g0]
         m2, lse2, ent, tz, tile_v = kmod.logits_tiles(hidden_TH[g0:g1], weight_VH, tgt_T[g0:g1], inv_temp,
-                                                      with_entropy, e_gV)
+                                                      with_entropy, dz_gV)
         lse = torch.mul(lse2, LN2, out=lse_T[g0:g1])
         if tp_group is not None:
             lse_c, ent, tz = _lh._combine_over_group(lse, ent, tz, tp_group)
@@ -160,11 +130,10 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
             scale = _lh._pow2_scale(bound)
         else:
             scale = torch.ones((), **f32)
-        kmod.dlogits_from_tiles(e_gV, m2, tile_v, tgt_T[g0:g1], lse2, a, b, c, inv_temp, scale, with_entropy)
-        return g0, g1, e_gV, _HostScalar(scale)
-
-    def back(g0, g1, dz_gV, scale):
-        s = scale.get()  # cuBLAS takes alpha from the host
+        kmod.dlogits_from_tiles(dz_gV, m2, tile_v, tgt_T[g0:g1], lse2, a, b, c, inv_temp, scale, with_entropy)
+        # one host sync per group: cuBLAS takes alpha from the host. (Two buffers, software-pipelined so that the
+        # host reads the scale while the GPU runs the next group, measured no faster: docs/BENCHMARKS.md.)
+        s = float(scale)
         if need_h:
             if dH32 is not None:
                 _lh._gemm_acc(dH32[g0:g1], dz_gV, w_g, first=True, alpha=1.0 / (s * w_scale_f))
@@ -175,17 +144,7 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
         if need_w:
             h_g = hidden_TH[g0:g1] if not half else torch.mul(hidden_TH[g0:g1], h_scale_f, out=h_buf[: g1 - g0])
             _lh._gemm_acc(dW32, dz_gV.T, h_g, first=(g0 == 0), alpha=1.0 / (s * h_scale_f))
-
-    pending = None
-    for i, g0 in enumerate(range(0, T, Tg)):
-        g1 = min(g0 + Tg, T)
-        done = front(g0, g1, bufs[i % n_buf][: g1 - g0])
-        if pending is not None:
-            back(*pending)
-        pending = done
-    if pending is not None:
-        back(*pending)
-    del bufs, w_g, h_buf, dH_buf
+    del e_buf, w_g, h_buf, dH_buf
     if dH32 is not None:
         dist.all_reduce(dH32, group=tp_group)
         dH = dH32
