@@ -27,8 +27,8 @@ BYTES_OPTIMIZER = 2 * FP32  # Adam exp_avg and exp_avg_sq
 # FSDP2's unsharded working set per parameter of the layer in use: the gathered bf16 layer, the next layer
 # prefetched, and the unsharded fp32 gradient before its reduce-scatter.
 BYTES_UNSHARDED = 2 * BF16 + FP32
-# The fused head's eager path (kernels/lm_head_eager.py, what the trainer runs) holds one group of fp32 logits
-# [Tg, V], with Tg sized to this budget (its EAGER_SCRATCH_BYTES).
+# The fused head's eager path (kernels/lm_head_eager.py, what the trainer runs) holds one group's fp16 tile weights
+# [Tg, V] (its dlogits are written over them), with Tg sized to this budget (its EAGER_SCRATCH_BYTES).
 FUSED_HEAD_BUDGET_B = 2.0 * 2**30
 EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (the seed's figure)
 # The optimizer step per local parameter: cast the bf16 gradient to fp32 (2 + 4 bytes), fused AdamW (read master,
@@ -205,12 +205,12 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
 
 def lm_head_bytes(m: ModelShape, s: float, tp: int, fused: bool) -> float:
     """What the LM head holds while it runs. Fused (the eager path: the loss handed to the head, three GEMMs):
-    one group of fp32 logits within the kernel's budget, the fp32 dW accumulator and the fp16 copy of W
+    one group's fp16 tile weights within the kernel's budget, the fp32 dW accumulator and the fp16 copy of W
     ((V/tp)·h·6), and dH (fp32, s·h·4). Unfused: logits and their gradient, [s × V/tp] in bf16, twice (DESIGN.md)."""
     v = m.vocab_size / tp
     if not fused:
         return 2 * s * v * BF16
-    return min(FUSED_HEAD_BUDGET_B, s * v * FP32) + v * m.hidden_size * (FP32 + BF16) + s * m.hidden_size * FP32
+    return min(FUSED_HEAD_BUDGET_B, s * v * BF16) + v * m.hidden_size * (FP32 + BF16) + s * m.hidden_size * FP32
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------------------------
