@@ -12,6 +12,10 @@ import torch
 
 LOG2E = 1.4426950408889634
 LN2 = 0.6931471805599453
+# logits_tiles stores its tile weights times 2^14: e in (0, 1] lands in (0, 2^14], inside fp16's normal range down
+# to e = 2^-28 (unscaled, fp16 would go subnormal, losing bits, below e = 2^-14)
+E_LOG2 = 14.0
+E_SCALE = 2.0**E_LOG2
 STATS_CHUNK_TOKENS = 4096
 STATS_CHUNK_VOCAB = 4096
 
@@ -88,8 +92,8 @@ LOGITS_TILE_VOCAB = 4096  # the tile width of logits_tiles here (tests shrink it
 
 def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, config=None):
     """The Triton logits_tiles in torch, tile by tile: per [T, tile] logits block, each row's max m2 and the
-    block's own lse2 (log2 units: x2 = x log2 e), entropy and target x; e = exp2(x2 - m2) written into e_TV (its
-    dtype) when given. Returns (m2 [num_tiles, T], lse2 [T], ent [T], tz [T], tile width)."""
+    block's own lse2 (log2 units: x2 = x log2 e), entropy and target x; 2^14 e = 2^(x2 - m2 + 14) written into
+    e_TV (its dtype) when given. Returns (m2 [num_tiles, T], lse2 [T], ent [T], tz [T], tile width)."""
     T = hidden_TH.shape[0]
     V = weight_VH.shape[0]
     tile = LOGITS_TILE_VOCAB
@@ -112,7 +116,7 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
         hit = (local >= 0) & (local < v1 - v0)
         tz_NT[i] = torch.where(hit, x_Tv.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0], 0.0)
         if e_TV is not None:
-            e_TV[:, v0:v1] = e_Tv
+            e_TV[:, v0:v1] = e_Tv * E_SCALE
     lse2_T, ent_T, tz_T = combine_tiles(lse2_NT, ent_NT, tz_NT, with_entropy)
     return m2_NT, lse2_T, ent_T, tz_T, tile
 
@@ -135,15 +139,15 @@ def combine_tiles(lse2_NT, ent_NT, tz_NT, with_entropy: bool):
 
 def dlogits_from_tiles(e_TV, m2_NT, tile_v: int, tgt_T, lse2_T, a_T, b_T, c_T, inv_temp: float, scale,
                        has_b: bool = True) -> None:
-    """In place over e_TV: scale * dloss/dlogit with p = e exp2(m2 - lse2) and x = (m2 + log2 e) ln 2."""
+    """In place over e_TV (2^14 e): scale * dloss/dlogit with p = e exp2(m2 - lse2), x = (m2 + log2 e) ln 2."""
     T, V = e_TV.shape
     for i, v0 in enumerate(range(0, V, tile_v)):
         v1 = min(v0 + tile_v, V)
         e_Tv = e_TV[:, v0:v1].float()
-        p_Tv = e_Tv * torch.exp2(m2_NT[i] - lse2_T)[:, None]
+        p_Tv = e_Tv * torch.exp2(m2_NT[i] - lse2_T - E_LOG2)[:, None]
         coef = a_T[:, None]
         if has_b:
-            x_Tv = torch.where(e_Tv > 0, (m2_NT[i][:, None] + torch.log2(e_Tv)) * LN2, 0.0)
+            x_Tv = torch.where(e_Tv > 0, (m2_NT[i][:, None] + torch.log2(e_Tv) - E_LOG2) * LN2, 0.0)
             coef = coef + b_T[:, None] * x_Tv
         dz_Tv = p_Tv * coef
         local = tgt_T - v0

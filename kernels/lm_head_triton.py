@@ -372,7 +372,8 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, strid
                    tz_ptr, inv_temp, WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr,
                    BLOCK_V: tl.constexpr):
     """Per row of the [BLOCK_T, BLOCK_V] tile: max m2 and lse2 of the tile's softmax (log2 units, x2 = x log2 e),
-    its entropy, the target's x; e = exp2(x2 - m2) stored when WRITE_E. SUBTILE: the tile is taken in two column
+    its entropy, the target's x; 2^14 e = 2^(x2 - m2 + 14) stored when WRITE_E (in (0, 2^14]: fp16 keeps full
+    precision down to e = 2^-28, as far below the tile's max as the scaled dZ keeps below the group's). SUBTILE: the tile is taken in two column
     halves, so the exp tile beside the accumulator is half as large (fewer live registers)."""
     tgt = tl.load(tgt_ptr + rows)
     if SUBTILE:
@@ -392,9 +393,9 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, strid
             wy += tl.sum(e1 * tl.where((offs_v1 < V)[None, :], x2_1 - m2[:, None], 0.0), 1)
         if WRITE_E:
             row_ptrs = e_ptr + offs_t[:, None] * stride_e
-            tl.store(row_ptrs + offs_v0[None, :], e0.to(e_ptr.dtype.element_ty),
+            tl.store(row_ptrs + offs_v0[None, :], (e0 * 16384.0).to(e_ptr.dtype.element_ty),
                      mask=t_mask[:, None] & (offs_v0 < V)[None, :])
-            tl.store(row_ptrs + offs_v1[None, :], e1.to(e_ptr.dtype.element_ty),
+            tl.store(row_ptrs + offs_v1[None, :], (e1 * 16384.0).to(e_ptr.dtype.element_ty),
                      mask=t_mask[:, None] & (offs_v1 < V)[None, :])
     else:
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
@@ -407,7 +408,7 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, strid
             wy = tl.sum(e * tl.where((offs_v < V)[None, :], x2 - m2[:, None], 0.0), 1)
         if WRITE_E:
             ptrs = e_ptr + offs_t[:, None] * stride_e + offs_v[None, :]
-            tl.store(ptrs, e.to(e_ptr.dtype.element_ty), mask=t_mask[:, None] & (offs_v < V)[None, :])
+            tl.store(ptrs, (e * 16384.0).to(e_ptr.dtype.element_ty), mask=t_mask[:, None] & (offs_v < V)[None, :])
     out = pid_v.to(tl.int64) * T + offs_t
     tl.store(m2_ptr + out, m2, mask=t_mask)
     tl.store(lse2_ptr + out, m2 + tl.log2(s), mask=t_mask)
@@ -466,10 +467,10 @@ def _tiles_dz_kernel(
     lse2 = tl.load(lse2_ptr + rows)
     ptrs = e_ptr + offs_t[:, None] * stride_e + offs_v[None, :]
     e = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
-    p = e * tl.exp2(m2 - lse2)[:, None]
+    p = e * tl.exp2(m2 - lse2 - 14.0)[:, None]  # e is stored times 2^14
     coef = tl.load(a_ptr + rows)[:, None]
     if HAS_B:
-        x = tl.where(e > 0, (m2[:, None] + tl.log2(e)) * 0.6931471805599453, 0.0)  # e = 0 underflowed: p x = 0
+        x = tl.where(e > 0, (m2[:, None] + tl.log2(e) - 14.0) * 0.6931471805599453, 0.0)  # e = 0: p x = 0
         coef = coef + tl.load(b_ptr + rows)[:, None] * x
     dz = p * coef
     tgt = tl.load(tgt_ptr + rows)

@@ -266,6 +266,30 @@ def test_eager_tile_statistics_across_tiles_torch(monkeypatch):
     check_policy_loss(37, 48, 301, backend="torch", tol=2e-5, grad_tol=3e-3, chunk_tokens=16, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize("backend", ["torch"])
+def test_eager_tail_of_a_peaked_softmax_keeps_fp16_precision(backend):
+    # One vocab row dominates every token by 17 nats (e = exp(x - tile max) ~ 2^-24.5 for all the others). Stored
+    # unscaled, fp16 would flush those weights to 0 or its one-bit subnormal 2^-24, and the dW rows of the other
+    # tokens, made only of such weights, would be off by 37% (measured); stored times 2^14 they keep 11 bits.
+    g = torch.Generator().manual_seed(5)
+    T, H, V = 64, 32, 300
+    u = torch.randn(H, generator=g)
+    hidden = (u + 0.05 * torch.randn(T, H, generator=g)).bfloat16()
+    weight = 0.02 * torch.randn(V, H, generator=g)
+    weight[0] = 17.0 * u / u.square().sum()
+    weight = weight.bfloat16()
+    target = torch.randint(1, V, (T,), generator=g)
+    target[::2] = 0
+    h, w = hidden.clone().requires_grad_(), weight.clone().requires_grad_()
+    kernels.linear_cross_entropy(h, w, target, backend=backend).backward()
+    h64, w64 = hidden.double().requires_grad_(), weight.double().requires_grad_()
+    linear_cross_entropy_reference(h64, w64, target).backward()
+    tail = torch.ones(V, dtype=torch.bool)
+    tail[0] = False
+    tail[target] = False  # rows with a one-hot term are not made of tail weights only
+    assert _rel(w.grad[tail], w64.grad[tail]) < 6e-3  # bf16 output rounding: ~2e-3
+
+
 def test_eager_equals_generic_path():
     # the three-GEMM eager path and the four-GEMM generic path (stats, then autograd's backward) agree
     hidden, weight, target = _inputs(41, 32, 211)
@@ -395,6 +419,7 @@ def interpreter_checks() -> None:
                                           impl="split"))
     check_all_ignored("triton")
     check_tile_kernels()
+    test_eager_tail_of_a_peaked_softmax_keeps_fp16_precision("triton")
     print("eager ce", check_cross_entropy(37, 40, 301, backend="triton", tol=2e-5, impl="eager", chunk_tokens=12,
                                           reduction="mean", z_loss=1e-3, temperature=0.7))
     print("eager ce splits", check_cross_entropy(20, 40, 8300, backend="triton", tol=2e-5, impl="eager"))
