@@ -337,11 +337,12 @@ def _logits_tiles_kernel(
     SUBTILE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_T, BLOCK_V] logits tile per program, x = (h . w) * inv_temp in fp32 registers, then per row of the
-    tile: its max and the lse of the tile's own softmax (both in log2 units, x2 = x log2 e), its entropy and the target's x if the tile holds
-    it, stored at [tile, row] ([num_tiles, T] arrays, merged like vocab splits); and, if WRITE_E, the tile's
-    weights e = exp(x - tile max) in (0, 1] in e's dtype (fp16 keeps 11 significant bits at any magnitude: unlike
-    x itself, whose fp16 rounding would grow with |x|). The token blocks of one vocab tile are adjacent program
-    ids: the weight tile comes from HBM once and the [T, H] hidden block (16 MiB at T = 4096) stays in L2."""
+    tile: its max and the lse of the tile's own softmax (both in log2 units, x2 = x log2 e), its entropy and the
+    target's x if the tile holds it, stored at [tile, row] ([num_tiles, T] arrays, merged like vocab splits); and,
+    if WRITE_E, the tile's weights 2^14 e, e = exp(x - tile max) in (0, 1], in e's dtype (fp16 keeps 11
+    significant bits at any magnitude: unlike x itself, whose fp16 rounding would grow with |x|). The token blocks
+    of one vocab tile are adjacent program ids: the weight tile comes from HBM once and the [T, H] hidden block
+    (16 MiB at T = 4096) stays in L2. (The persistent TMA variant below is what Hopper runs.)"""
     pid = tl.program_id(0)
     num_t = tl.cdiv(T, BLOCK_T)
     pid_v = pid // num_t
@@ -373,8 +374,9 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, strid
                    BLOCK_V: tl.constexpr):
     """Per row of the [BLOCK_T, BLOCK_V] tile: max m2 and lse2 of the tile's softmax (log2 units, x2 = x log2 e),
     its entropy, the target's x; 2^14 e = 2^(x2 - m2 + 14) stored when WRITE_E (in (0, 2^14]: fp16 keeps full
-    precision down to e = 2^-28, as far below the tile's max as the scaled dZ keeps below the group's). SUBTILE: the tile is taken in two column
-    halves, so the exp tile beside the accumulator is half as large (fewer live registers)."""
+    precision down to e = 2^-28, as far below the tile's max as the scaled dZ keeps below the group's).
+    SUBTILE: the tile is taken in two column halves, so the exp tile beside the accumulator is half as large
+    (fewer live registers)."""
     tgt = tl.load(tgt_ptr + rows)
     if SUBTILE:
         acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, BLOCK_V // 2]), [0, 2, 1]))
@@ -451,9 +453,10 @@ def _tiles_dz_kernel(
     e_ptr, stride_e, m2_ptr, tgt_ptr, lse2_ptr, a_ptr, b_ptr, c_ptr, scale_ptr, T, V, inv_temp,
     HAS_B: tl.constexpr, TILE_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
-    """In place: the tile weights e -> dz = scale * (p (a + b x) + c [v == target]) * inv_temp, with
-    p = e * exp2(m2 - lse2) and (only when b is used) x = (m2 + log2 e) ln 2 (m2: the tile's max, log2 units). BLOCK_V divides TILE_V, so each
-    program's columns share one tile max per row. Elementwise: each element is read and written by one program."""
+    """In place: the tile weights (2^14 e) -> dz = scale * (p (a + b x) + c [v == target]) * inv_temp, with
+    p = e * exp2(m2 - lse2) and (only when b is used) x = (m2 + log2 e) ln 2 (m2: the tile's max, log2 units).
+    BLOCK_V divides TILE_V, so each program's columns share one tile max per row. Elementwise: each element is
+    read and written by one program."""
     pid = tl.program_id(0)
     num_v = tl.cdiv(V, BLOCK_V)
     pid_t = pid // num_v
@@ -550,6 +553,11 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
     m2_NT, lse2_NT, ent_NT, tz_NT = parts.unbind(0)
     e_arg = e_TV if e_TV is not None else parts
     grid_tiles = triton.cdiv(T, c.block_t) * n_tiles
+    meta = dict(WRITE_E=e_TV is not None, WITH_ENTROPY=with_entropy,
+                SUBTILE=c.block_v >= 256 if subtile is None else subtile,  # 128-register accumulators: halves
+                BLOCK_T=c.block_t, BLOCK_V=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps,
+                num_stages=c.num_stages)
+    outs = (tgt_T, e_arg, m2_NT, lse2_NT, ent_NT, tz_NT)
     if _use_tma(hidden_TH, weight_VH, dot_fp32) if tma is None else tma:
         from triton.tools.tensor_descriptor import TensorDescriptor
 
@@ -557,19 +565,12 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
         w_desc = TensorDescriptor.from_tensor(weight_VH, [c.block_v, c.block_k])
         progs = min(grid_tiles, _num_sms(hidden_TH.device))
         logits_tiles.last_kernel = _logits_tiles_tma_kernel[(progs,)](
-            h_desc, w_desc, tgt_T, e_arg, m2_NT, lse2_NT, ent_NT, tz_NT,
-            T, V, H, e_arg.stride(0), inv_temp, progs,
-            WRITE_E=e_TV is not None, WITH_ENTROPY=with_entropy, SUBTILE=c.block_v >= 256 if subtile is None else subtile,
-            WARP_SPECIALIZE=warp_specialize, BLOCK_T=c.block_t, BLOCK_V=c.block_v, BLOCK_K=c.block_k,
-            num_warps=c.num_warps, num_stages=c.num_stages,
-        )
+            h_desc, w_desc, *outs, T, V, H, e_arg.stride(0), inv_temp, progs,
+            WARP_SPECIALIZE=warp_specialize, **meta)
     else:
         logits_tiles.last_kernel = _logits_tiles_kernel[(grid_tiles,)](
-            hidden_TH, weight_VH, tgt_T, e_arg, m2_NT, lse2_NT, ent_NT, tz_NT,
-            T, V, H, hidden_TH.stride(0), weight_VH.stride(0), e_arg.stride(0), inv_temp,
-            WRITE_E=e_TV is not None, WITH_ENTROPY=with_entropy, DOT_FP32=dot_fp32,
-            SUBTILE=c.block_v >= 256 if subtile is None else subtile, BLOCK_T=c.block_t, BLOCK_V=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages,
-        )
+            hidden_TH, weight_VH, *outs, T, V, H, hidden_TH.stride(0), weight_VH.stride(0), e_arg.stride(0),
+            inv_temp, DOT_FP32=dot_fp32, **meta)
     lse2_T, ent_T, tz_T = merge_tiles(lse2_NT, ent_NT, tz_NT, with_entropy)
     return m2_NT, lse2_T, ent_T, tz_T, c.block_v
 

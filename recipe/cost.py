@@ -206,7 +206,8 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
 def lm_head_bytes(m: ModelShape, s: float, tp: int, fused: bool) -> float:
     """What the LM head holds while it runs. Fused (the eager path: the loss handed to the head, three GEMMs):
     one group's fp16 tile weights within the kernel's budget, the fp32 dW accumulator and the fp16 copy of W
-    ((V/tp)·h·6), and dH (fp32, s·h·4). Unfused: logits and their gradient, [s × V/tp] in bf16, twice (DESIGN.md)."""
+    ((V/tp)·h·6), and dH (fp32, s·h·4). Unfused: logits and their gradient, [s × V/tp] in bf16, twice
+    (DESIGN.md)."""
     v = m.vocab_size / tp
     if not fused:
         return 2 * s * v * BF16
