@@ -12,8 +12,8 @@ before the head runs). Then, per group of Tg tokens:
 
     z -> tile stats, e     h_group @ W^T in fp32 registers (GEMM 1, Triton, persistent TMA kernel on Hopper); per
                            [128, 256] tile, the epilogue keeps each row's max m, log-sum-exp, entropy and target x
-                           ([num_tiles, Tg] arrays, merged like vocab splits) and stores e = exp(x - m) in fp16 (in
-                           (0, 1]: 11 significant bits whatever |x| is)
+                           ([num_tiles, Tg] arrays, merged like vocab splits) and stores 2^14 e, e = exp(x - m),
+                           in fp16 (e is in (0, 1]: 11 significant bits whatever |x| is)
     (a, b, c)              autograd of token_loss on the group's [Tg] vectors (the coefficients of lm_head.py)
     dZ = s . dloss/dz      p = e exp(m - lse), fp16 with a power-of-two scale s, written over e in place
     dH[group] = dZ @ W16   cuBLAS, fp32 accumulation inside one call  (GEMM 2)
@@ -24,8 +24,8 @@ before the head runs). Then, per group of Tg tokens:
 Exactness is the generic path's: fp32 logits and statistics, fp16 e / dZ / h / W operands with exact power-of-two
 scales (11 significant bits, 8x finer than bf16), fp32 accumulation everywhere, no 16-bit read-modify-write.
 What it costs: an fp32 [V, H] dW accumulator (1.9 GiB at V = 248,320, H = 2048), an fp16 copy of W (0.95 GiB)
-and the group buffer (EAGER_SCRATCH_BYTES), all freed before the forward returns except dH and dW,
-which the backward scales by the upstream gradient of the loss (a scalar).
+and the group buffer (EAGER_SCRATCH_BYTES), all freed before the forward returns except dH and dW, which the
+backward scales by the upstream gradient of the loss (a scalar).
 Vocab-parallel: the statistics of each group are combined over tp_group before the loss sees them (all ranks run
 the same token_loss on the same numbers), and dH is summed over the group at the end.
 """
@@ -120,7 +120,10 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
             lse_c, ent, tz = _lh._combine_over_group(lse, ent, tz, tp_group)
             lse.copy_(lse_c)
             lse2 = lse * LOG2E
-        ent_T[g0:g1].copy_(ent) if with_entropy else ent_T[g0:g1].zero_()
+        if with_entropy:
+            ent_T[g0:g1].copy_(ent)
+        else:
+            ent_T[g0:g1].zero_()
         tz_T[g0:g1].copy_(tz)
         ent, tz = ent_T[g0:g1], tz_T[g0:g1]
         a, b, c, part = _coefficients(token_loss, tz, lse, ent, g0, g1, with_entropy)
