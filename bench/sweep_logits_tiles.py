@@ -24,17 +24,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import lm_head, lm_head_triton as kt  # noqa: E402
 from kernels.tiles import TileConfig  # noqa: E402
 
-# (tile, TMA persistent kernel, epilogue in two column halves, warp specialization)
+# (tile, TMA persistent kernel, epilogue in two column halves, warp specialization, weights through TMA stores)
 CANDIDATES = [
-    (TileConfig(128, 128, 64, 8, 4), False, False, False),
-    (TileConfig(128, 256, 64, 8, 3), False, True, False),
-    (TileConfig(128, 128, 64, 8, 4), True, False, False),
-    (TileConfig(128, 256, 64, 8, 3), True, True, False),
-    (TileConfig(128, 256, 64, 8, 4), True, True, False),
-    (TileConfig(128, 256, 64, 8, 3), True, False, False),
-    (TileConfig(128, 128, 64, 8, 4), True, False, True),
-    (TileConfig(128, 256, 64, 8, 3), True, True, True),
-    (TileConfig(128, 128, 64, 4, 4), True, False, True),
+    (TileConfig(128, 128, 64, 8, 4), False, False, False, False),
+    (TileConfig(128, 256, 64, 8, 3), False, True, False, False),
+    (TileConfig(128, 128, 64, 8, 4), True, False, False, False),
+    (TileConfig(128, 256, 64, 8, 3), True, True, False, False),
+    (TileConfig(128, 256, 64, 8, 3), True, True, False, True),
+    (TileConfig(128, 256, 64, 8, 3), True, True, True, True),
+    (TileConfig(128, 256, 64, 8, 4), True, True, False, False),
+    (TileConfig(128, 256, 64, 8, 3), True, False, False, False),
+    (TileConfig(128, 128, 64, 8, 4), True, False, True, False),
+    (TileConfig(128, 256, 64, 8, 3), True, True, True, False),
 ]
 
 
@@ -72,12 +73,13 @@ def main():
         rows.append((V, T, "cuBLAS fp32 out", ms_z, tf / ms_z, "", ""))
         del z
         e = torch.empty(T, V, device=dev, dtype=torch.float16)
-        for c, tma, sub, ws in CANDIDATES:
+        for c, tma, sub, ws, e_tma in CANDIDATES:
             for ent_on in (False, True):
                 name = (f"{'TMA persistent' if tma else 'pointers'} {c.block_t}x{c.block_v}x{c.block_k} "
                         f"w{c.num_warps} s{c.num_stages}" + (" subtile" if sub else "") + (" ws" if ws else "")
+                        + (" e-TMA" if e_tma else "")
                         + (" +ent" if ent_on else ""))
-                kw = dict(config=c, tma=tma, subtile=sub, warp_specialize=ws)
+                kw = dict(config=c, tma=tma, subtile=sub, warp_specialize=ws, e_tma=e_tma)
                 try:
                     e.fill_(float("nan"))
                     m2, lse2, en, tz2, tile = kt.logits_tiles(h, w, tgt, 1.0, ent_on, e, **kw)

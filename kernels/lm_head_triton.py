@@ -357,8 +357,8 @@ def _logits_tiles_kernel(
     acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
     for k0 in range(0, H, BLOCK_K):
         acc = _mma_step(h_rows, w_rows, k0 + offs_k, H, acc, DOT_FP32, EVEN_K)
-    _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr,
-                   tz_ptr, inv_temp, WRITE_E, WITH_ENTROPY, SUBTILE, BLOCK_V)
+    _tile_epilogue(acc, pid_v, 0, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr,
+                   tz_ptr, inv_temp, WRITE_E, False, WITH_ENTROPY, SUBTILE, BLOCK_V)
 
 
 @triton.jit
@@ -369,14 +369,15 @@ def _half_tile(acc, offs_v, V, inv_temp):
 
 
 @triton.jit
-def _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr,
-                   tz_ptr, inv_temp, WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr,
-                   BLOCK_V: tl.constexpr):
+def _tile_epilogue(acc, pid_v, t0, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr, lse2_ptr,
+                   ent_ptr, tz_ptr, inv_temp, WRITE_E: tl.constexpr, E_TMA: tl.constexpr,
+                   WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_V: tl.constexpr):
     """Per row of the [BLOCK_T, BLOCK_V] tile: max m2 and lse2 of the tile's softmax (log2 units, x2 = x log2 e),
     its entropy, the target's x; 2^14 e = 2^(x2 - m2 + 14) stored when WRITE_E (in (0, 2^14]: fp16 keeps full
     precision down to e = 2^-28, as far below the tile's max as the scaled dZ keeps below the group's).
     SUBTILE: the tile is taken in two column halves, so the exp tile beside the accumulator is half as large
-    (fewer live registers)."""
+    (fewer live registers). E_TMA: e_ptr is a TMA descriptor of e (fp16) and the weights leave through TMA stores
+    from row t0 (rows past T and columns past V are clipped by the copy engine)."""
     tgt = tl.load(tgt_ptr + rows)
     if SUBTILE:
         acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, BLOCK_V // 2]), [0, 2, 1]))
@@ -394,11 +395,15 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, strid
             wy = tl.sum(e0 * tl.where((offs_v0 < V)[None, :], x2_0 - m2[:, None], 0.0), 1)
             wy += tl.sum(e1 * tl.where((offs_v1 < V)[None, :], x2_1 - m2[:, None], 0.0), 1)
         if WRITE_E:
-            row_ptrs = e_ptr + offs_t[:, None] * stride_e
-            tl.store(row_ptrs + offs_v0[None, :], (e0 * 16384.0).to(e_ptr.dtype.element_ty),
-                     mask=t_mask[:, None] & (offs_v0 < V)[None, :])
-            tl.store(row_ptrs + offs_v1[None, :], (e1 * 16384.0).to(e_ptr.dtype.element_ty),
-                     mask=t_mask[:, None] & (offs_v1 < V)[None, :])
+            if E_TMA:
+                e_ptr.store([t0, pid_v * BLOCK_V], (e0 * 16384.0).to(tl.float16))
+                e_ptr.store([t0, pid_v * BLOCK_V + BLOCK_V // 2], (e1 * 16384.0).to(tl.float16))
+            else:
+                row_ptrs = e_ptr + offs_t[:, None] * stride_e
+                tl.store(row_ptrs + offs_v0[None, :], (e0 * 16384.0).to(e_ptr.dtype.element_ty),
+                         mask=t_mask[:, None] & (offs_v0 < V)[None, :])
+                tl.store(row_ptrs + offs_v1[None, :], (e1 * 16384.0).to(e_ptr.dtype.element_ty),
+                         mask=t_mask[:, None] & (offs_v1 < V)[None, :])
     else:
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         x, x2 = _half_tile(acc, offs_v, V, inv_temp)
@@ -409,8 +414,12 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, strid
         if WITH_ENTROPY:
             wy = tl.sum(e * tl.where((offs_v < V)[None, :], x2 - m2[:, None], 0.0), 1)
         if WRITE_E:
-            ptrs = e_ptr + offs_t[:, None] * stride_e + offs_v[None, :]
-            tl.store(ptrs, (e * 16384.0).to(e_ptr.dtype.element_ty), mask=t_mask[:, None] & (offs_v < V)[None, :])
+            if E_TMA:
+                e_ptr.store([t0, pid_v * BLOCK_V], (e * 16384.0).to(tl.float16))
+            else:
+                ptrs = e_ptr + offs_t[:, None] * stride_e + offs_v[None, :]
+                tl.store(ptrs, (e * 16384.0).to(e_ptr.dtype.element_ty),
+                         mask=t_mask[:, None] & (offs_v < V)[None, :])
     out = pid_v.to(tl.int64) * T + offs_t
     tl.store(m2_ptr + out, m2, mask=t_mask)
     tl.store(lse2_ptr + out, m2 + tl.log2(s), mask=t_mask)
@@ -423,8 +432,8 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, strid
 def _logits_tiles_tma_kernel(
     h_desc, w_desc, tgt_ptr, e_ptr, m2_ptr, lse2_ptr, ent_ptr, tz_ptr,
     T, V, H, stride_e, inv_temp, NUM_PROGRAMS,
-    WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr, WARP_SPECIALIZE: tl.constexpr,
-    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    WRITE_E: tl.constexpr, E_TMA: tl.constexpr, WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """_logits_tiles_kernel for Hopper: persistent (one program per SM walks tiles NUM_PROGRAMS apart, the token
     blocks of a vocab tile consecutive), operands through TMA descriptors (no address arithmetic or load
@@ -444,8 +453,8 @@ def _logits_tiles_tma_kernel(
         offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
         t_mask = offs_t < T
         rows = tl.minimum(offs_t, T - 1)
-        _tile_epilogue(acc, pid_v, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr,
-                       tz_ptr, inv_temp, WRITE_E, WITH_ENTROPY, SUBTILE, BLOCK_V)
+        _tile_epilogue(acc, pid_v, pid_t * BLOCK_T, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr,
+                       lse2_ptr, ent_ptr, tz_ptr, inv_temp, WRITE_E, E_TMA, WITH_ENTROPY, SUBTILE, BLOCK_V)
 
 
 @triton.jit
@@ -540,10 +549,11 @@ def _use_tma(hidden_TH, weight_VH, dot_fp32: bool) -> bool:
 
 
 def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, config=None,
-                 tma=None, subtile=None, warp_specialize=False):
+                 tma=None, subtile=None, warp_specialize=False, e_tma=False):
     """One logits GEMM with the statistics in its epilogue. Returns (m2 [num_tiles, T] tile maxima and lse2 [T],
     both in log2 units; ent [T] (zeros unless with_entropy), tz [T], tile width); writes the tile weights into e_TV
-    (fp16 or fp32, row stride free) when given. config, tma, subtile, warp_specialize: overrides for benchmarks."""
+    (fp16 or fp32, row stride free) when given. config, tma, subtile, warp_specialize, e_tma (the weights leave
+    through TMA stores: an fp16 e_TV with 16-byte aligned rows; not yet timed): overrides for benchmarks."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
     dot_fp32 = _dot_fp32(hidden_TH)
@@ -564,9 +574,13 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
         h_desc = TensorDescriptor.from_tensor(hidden_TH, [c.block_t, c.block_k])
         w_desc = TensorDescriptor.from_tensor(weight_VH, [c.block_v, c.block_k])
         progs = min(grid_tiles, _num_sms(hidden_TH.device))
+        e_tma = e_tma and e_TV is not None and e_TV.dtype == torch.float16 and (e_TV.stride(0) * 2) % 16 == 0
+        if e_tma:
+            e_desc = TensorDescriptor.from_tensor(e_TV, [c.block_t, c.block_v // 2 if meta["SUBTILE"] else c.block_v])
+            outs = (tgt_T, e_desc) + outs[2:]
         logits_tiles.last_kernel = _logits_tiles_tma_kernel[(progs,)](
             h_desc, w_desc, *outs, T, V, H, e_arg.stride(0), inv_temp, progs,
-            WARP_SPECIALIZE=warp_specialize, **meta)
+            E_TMA=e_tma, WARP_SPECIALIZE=warp_specialize, **meta)
     else:
         logits_tiles.last_kernel = _logits_tiles_kernel[(grid_tiles,)](
             hidden_TH, weight_VH, *outs, T, V, H, hidden_TH.stride(0), weight_VH.stride(0), e_arg.stride(0),

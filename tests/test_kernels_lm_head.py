@@ -386,6 +386,17 @@ def check_tile_kernels() -> None:
                     assert _rel(got, ref) < 1e-5, (tma, sub, _rel(got, ref))
                 kt.dlogits_from_tiles(e, m2, tile, target, lse2, a, b, c, 0.7, torch.tensor(4.0))
                 assert _rel(e, dz_ref) < 1e-5, (tma, sub, _rel(e, dz_ref))
+        # the weights leaving through TMA stores (fp16, rows 16-byte aligned: V = 304), whole-tile and two halves;
+        # the last tile is 48 columns and rows past T = 37 are clipped by the copy
+        hidden2, weight2, target2 = _inputs(37, 40, 304, logit_scale=30.0)
+        hidden2, weight2 = hidden2.detach(), weight2.detach()
+        e2_ref = torch.empty(37, 304)
+        kc.logits_tiles(hidden2, weight2, target2, 0.7, False, e2_ref)
+        for sub in (False, True):
+            e16 = torch.full((40, 304), float("nan"), dtype=torch.float16)[:37]
+            kt.logits_tiles(hidden2, weight2, target2, 0.7, False, e16, tma=True, subtile=sub, e_tma=True,
+                            config=TileConfig(16, 64, 16, 1, 1))
+            assert _rel(e16.float(), e2_ref) < 1e-3, (sub, _rel(e16.float(), e2_ref))
         # the one-pass merge against torch's, 13 tiles (a masked tail of 1 at 4 per block), a row with -inf tiles
         lse2_NT = torch.randn(13, 37) * 30
         lse2_NT[:7, 5] = float("-inf")
