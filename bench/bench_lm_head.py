@@ -192,6 +192,7 @@ def profile_ours(h, w, t):
     """Where our time goes: each step of the eager path (three GEMMs) timed alone on one chunk or group and scaled
     to the whole T; and the generic path's fused forward (forward-only log-probs)."""
     from kernels import lm_head, lm_head_eager, lm_head_triton as kt
+    from kernels.tiles import logits_tile_config
 
     T, H = h.shape
     V = w.shape[0]
@@ -227,7 +228,7 @@ def profile_ours(h, w, t):
         line += (f" | eager [Tg={Tg}]: logits GEMM + tile stats {ms_z:.1f} ms ({gemm / ms_z:.0f} TF/s), dz stream "
                  f"{ms_dz:.1f} ms ({T * V * 4 / ms_dz / 1e9:.2f} TB/s), dH GEMM {ms_dh:.1f} ms ({gemm / ms_dh:.0f} "
                  f"TF/s), dW GEMM {ms_dw:.1f} ms ({gemm / ms_dw:.0f} TF/s); sum {total:.1f} ms")
-    line += f" | configs stats {kt._stats_kernel.best_config} tiles {kt.logits_tile_config(kt._VENDOR, 2)}"
+    line += f" | configs stats {kt._stats_kernel.best_config} tiles {logits_tile_config(kt._VENDOR, 2)}"
     print(line, flush=True)
 
 

@@ -1,0 +1,292 @@
+"""Triton kernels of the eager LM-head path (kernels/lm_head_eager.py): the logits GEMM with the statistics in
+its epilogue, the tile merge, and the in-place dZ pass over the tile weights (docs/kernels.md, "Tile statistics in
+the GEMM epilogue"). Re-exported by kernels/lm_head_triton.py, the triton backend module.
+
+Shape legend: T tokens (a group), H hidden size, V vocab rows held by this rank, N = ceil(V / tile width) tiles.
+x = (h . w_v) / temperature in fp32 registers; x2 = x log2 e; statistics in log2 units where named *2.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.tiles import DZ_TILES, MERGE_TILES, logits_tile_config
+from kernels.triton_common import _ARCH, _VENDOR, _dot_fp32, _even_k, _mma_step, _num_sms
+
+
+@triton.heuristics({"EVEN_K": _even_k})
+@triton.jit
+def _logits_tiles_kernel(
+    h_ptr, w_ptr, tgt_ptr, e_ptr, m2_ptr, lse2_ptr, ent_ptr, tz_ptr,
+    T, V, H, stride_h, stride_w, stride_e, inv_temp,
+    WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
+    SUBTILE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """One [BLOCK_T, BLOCK_V] logits tile per program, x = (h . w) * inv_temp in fp32 registers, then per row of the
+    tile: its max and the lse of the tile's own softmax (both in log2 units, x2 = x log2 e), its entropy and the
+    target's x if the tile holds it, stored at [tile, row] ([num_tiles, T] arrays, merged like vocab splits); and,
+    if WRITE_E, the tile's weights 2^14 e, e = exp(x - tile max) in (0, 1], in e's dtype (fp16 keeps 11
+    significant bits at any magnitude: unlike x itself, whose fp16 rounding would grow with |x|). The token blocks
+    of one vocab tile are adjacent program ids: the weight tile comes from HBM once and the [T, H] hidden block
+    (16 MiB at T = 4096) stays in L2. (The persistent TMA variant below is what Hopper runs.)"""
+    pid = tl.program_id(0)
+    num_t = tl.cdiv(T, BLOCK_T)
+    pid_v = pid // num_t
+    pid_t = pid % num_t
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    rows = tl.minimum(offs_t, T - 1)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    h_rows = h_ptr + rows[:, None] * stride_h
+    w_rows = w_ptr + tl.minimum(offs_v, V - 1).to(tl.int64)[:, None] * stride_w
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        acc = _mma_step(h_rows, w_rows, k0 + offs_k, H, acc, DOT_FP32, EVEN_K)
+    _tile_epilogue(acc, pid_v, 0, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr,
+                   tz_ptr, inv_temp, WRITE_E, False, WITH_ENTROPY, SUBTILE, BLOCK_V)
+
+
+@triton.jit
+def _half_tile(acc, offs_v, V, inv_temp):
+    """x, and x2 = x log2 e with columns past V at -inf, for one column block of a tile."""
+    x = acc * inv_temp
+    return x, tl.where((offs_v < V)[None, :], x * 1.4426950408889634, float("-inf"))
+
+
+@triton.jit
+def _tile_epilogue(acc, pid_v, t0, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr, lse2_ptr,
+                   ent_ptr, tz_ptr, inv_temp, WRITE_E: tl.constexpr, E_TMA: tl.constexpr,
+                   WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_V: tl.constexpr):
+    """Per row of the [BLOCK_T, BLOCK_V] tile: max m2 and lse2 of the tile's softmax (log2 units, x2 = x log2 e),
+    its entropy, the target's x; 2^14 e = 2^(x2 - m2 + 14) stored when WRITE_E (in (0, 2^14]: fp16 keeps full
+    precision down to e = 2^-28, as far below the tile's max as the scaled dZ keeps below the group's).
+    SUBTILE: the tile is taken in two column halves, so the exp tile beside the accumulator is half as large
+    (fewer live registers). E_TMA: e_ptr is a TMA descriptor of e (fp16) and the weights leave through TMA stores
+    from row t0 (rows past T and columns past V are clipped by the copy engine)."""
+    tgt = tl.load(tgt_ptr + rows)
+    if SUBTILE:
+        acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, BLOCK_V // 2]), [0, 2, 1]))
+        offs_v0 = pid_v * BLOCK_V + tl.arange(0, BLOCK_V // 2)
+        offs_v1 = offs_v0 + BLOCK_V // 2
+        x0, x2_0 = _half_tile(acc0, offs_v0, V, inv_temp)
+        x1, x2_1 = _half_tile(acc1, offs_v1, V, inv_temp)
+        m2 = tl.maximum(tl.max(x2_0, 1), tl.max(x2_1, 1))
+        e0 = tl.exp2(x2_0 - m2[:, None])
+        e1 = tl.exp2(x2_1 - m2[:, None])
+        s = tl.sum(e0, 1) + tl.sum(e1, 1)
+        tz = tl.sum(tl.where(offs_v0[None, :] == tgt[:, None], x0, 0.0), 1)
+        tz += tl.sum(tl.where(offs_v1[None, :] == tgt[:, None], x1, 0.0), 1)
+        if WITH_ENTROPY:
+            wy = tl.sum(e0 * tl.where((offs_v0 < V)[None, :], x2_0 - m2[:, None], 0.0), 1)
+            wy += tl.sum(e1 * tl.where((offs_v1 < V)[None, :], x2_1 - m2[:, None], 0.0), 1)
+        if WRITE_E:
+            if E_TMA:
+                e_ptr.store([t0, pid_v * BLOCK_V], (e0 * 16384.0).to(tl.float16))
+                e_ptr.store([t0, pid_v * BLOCK_V + BLOCK_V // 2], (e1 * 16384.0).to(tl.float16))
+            else:
+                row_ptrs = e_ptr + offs_t[:, None] * stride_e
+                tl.store(row_ptrs + offs_v0[None, :], (e0 * 16384.0).to(e_ptr.dtype.element_ty),
+                         mask=t_mask[:, None] & (offs_v0 < V)[None, :])
+                tl.store(row_ptrs + offs_v1[None, :], (e1 * 16384.0).to(e_ptr.dtype.element_ty),
+                         mask=t_mask[:, None] & (offs_v1 < V)[None, :])
+    else:
+        offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+        x, x2 = _half_tile(acc, offs_v, V, inv_temp)
+        m2 = tl.max(x2, 1)  # finite: every tile holds at least one column
+        e = tl.exp2(x2 - m2[:, None])
+        s = tl.sum(e, 1)  # >= 1 (the max itself)
+        tz = tl.sum(tl.where(offs_v[None, :] == tgt[:, None], x, 0.0), 1)
+        if WITH_ENTROPY:
+            wy = tl.sum(e * tl.where((offs_v < V)[None, :], x2 - m2[:, None], 0.0), 1)
+        if WRITE_E:
+            if E_TMA:
+                e_ptr.store([t0, pid_v * BLOCK_V], (e * 16384.0).to(tl.float16))
+            else:
+                ptrs = e_ptr + offs_t[:, None] * stride_e + offs_v[None, :]
+                tl.store(ptrs, (e * 16384.0).to(e_ptr.dtype.element_ty),
+                         mask=t_mask[:, None] & (offs_v < V)[None, :])
+    out = pid_v.to(tl.int64) * T + offs_t
+    tl.store(m2_ptr + out, m2, mask=t_mask)
+    tl.store(lse2_ptr + out, m2 + tl.log2(s), mask=t_mask)
+    tl.store(tz_ptr + out, tz, mask=t_mask)
+    if WITH_ENTROPY:  # the weights' own log2 units (see _online_update), then ln 2 once per row
+        tl.store(ent_ptr + out, tl.log(s) - wy * 0.6931471805599453 / s, mask=t_mask)
+
+
+@triton.jit
+def _logits_tiles_tma_kernel(
+    h_desc, w_desc, tgt_ptr, e_ptr, m2_ptr, lse2_ptr, ent_ptr, tz_ptr,
+    T, V, H, stride_e, inv_temp, NUM_PROGRAMS,
+    WRITE_E: tl.constexpr, E_TMA: tl.constexpr, WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr,
+    WARP_SPECIALIZE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """_logits_tiles_kernel for Hopper: persistent (one program per SM walks tiles NUM_PROGRAMS apart, the token
+    blocks of a vocab tile consecutive), operands through TMA descriptors (no address arithmetic or load
+    registers; rows past T or V read as zeros). The tile loop and the K loop are one flattened loop, so the next
+    tile's loads are in flight during this tile's epilogue."""
+    pid = tl.program_id(0)
+    num_t = tl.cdiv(T, BLOCK_T)
+    num_tiles = num_t * tl.cdiv(V, BLOCK_V)
+    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=True, warp_specialize=WARP_SPECIALIZE):
+        pid_v = tile // num_t
+        pid_t = tile % num_t
+        acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+        for k0 in range(0, H, BLOCK_K):
+            a = h_desc.load([pid_t * BLOCK_T, k0])
+            b = w_desc.load([pid_v * BLOCK_V, k0])
+            acc = tl.dot(a, b.T, acc)
+        offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+        t_mask = offs_t < T
+        rows = tl.minimum(offs_t, T - 1)
+        _tile_epilogue(acc, pid_v, pid_t * BLOCK_T, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr,
+                       lse2_ptr, ent_ptr, tz_ptr, inv_temp, WRITE_E, E_TMA, WITH_ENTROPY, SUBTILE, BLOCK_V)
+
+
+@triton.jit
+def _tiles_dz_kernel(
+    e_ptr, stride_e, m2_ptr, tgt_ptr, lse2_ptr, a_ptr, b_ptr, c_ptr, scale_ptr, T, V, inv_temp,
+    HAS_B: tl.constexpr, TILE_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+):
+    """In place: the tile weights (2^14 e) -> dz = scale * (p (a + b x) + c [v == target]) * inv_temp, with
+    p = e * exp2(m2 - lse2) and (only when b is used) x = (m2 + log2 e) ln 2 (m2: the tile's max, log2 units).
+    BLOCK_V divides TILE_V, so each program's columns share one tile max per row. Elementwise: each element is
+    read and written by one program."""
+    pid = tl.program_id(0)
+    num_v = tl.cdiv(V, BLOCK_V)
+    pid_t = pid // num_v
+    pid_v = pid % num_v
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    rows = tl.minimum(offs_t, T - 1)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    mask = t_mask[:, None] & (offs_v < V)[None, :]
+    m2 = tl.load(m2_ptr + ((pid_v * BLOCK_V) // TILE_V).to(tl.int64) * T + rows)
+    lse2 = tl.load(lse2_ptr + rows)
+    ptrs = e_ptr + offs_t[:, None] * stride_e + offs_v[None, :]
+    e = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
+    p = e * tl.exp2(m2 - lse2 - 14.0)[:, None]  # e is stored times 2^14
+    coef = tl.load(a_ptr + rows)[:, None]
+    if HAS_B:
+        x = tl.where(e > 0, (m2[:, None] + tl.log2(e) - 14.0) * 0.6931471805599453, 0.0)  # e = 0: p x = 0
+        coef = coef + tl.load(b_ptr + rows)[:, None] * x
+    dz = p * coef
+    tgt = tl.load(tgt_ptr + rows)
+    dz += tl.where(offs_v[None, :] == tgt[:, None], tl.load(c_ptr + rows)[:, None], 0.0)
+    dz = dz * (inv_temp * tl.load(scale_ptr))
+    tl.store(ptrs, dz.to(e_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def _merge_tiles_kernel(lse2_ptr, ent_ptr, tz_ptr, out_lse2_ptr, out_ent_ptr, out_tz_ptr, T, N,
+                        WITH_ENTROPY: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Per row, merge the N tiles' (lse2, entropy, target x) ([N, T] arrays, rows contiguous) like vocab splits, in
+    one pass: running max m, S = sum 2^(l - m), A = sum 2^(l - m) ent, B = sum 2^(l - m) (l - m); then
+    lse2 = m + log2 S and, with q = 2^(l - lse2) a tile's share, entropy = sum q ent - sum q ln q
+    = A / S - (B / S - log2 S) ln 2."""
+    pid = tl.program_id(0)
+    offs_t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    t_mask = offs_t < T
+    m = tl.full([BLOCK_T], float("-inf"), tl.float32)
+    S = tl.zeros([BLOCK_T], tl.float32)
+    A = tl.zeros([BLOCK_T], tl.float32)
+    B = tl.zeros([BLOCK_T], tl.float32)
+    tz = tl.zeros([BLOCK_T], tl.float32)
+    for n0 in range(0, N, BLOCK_N):
+        offs_n = n0 + tl.arange(0, BLOCK_N)
+        mask = (offs_n < N)[:, None] & t_mask[None, :]
+        idx = offs_n.to(tl.int64)[:, None] * T + offs_t[None, :]
+        l = tl.load(lse2_ptr + idx, mask=mask, other=float("-inf"))
+        tz += tl.sum(tl.load(tz_ptr + idx, mask=mask, other=0.0), 0)
+        m_new = tl.maximum(m, tl.max(l, 0))
+        m_ref = tl.where(m_new == float("-inf"), 0.0, m_new)  # no tile with mass yet: no -inf - -inf
+        alpha = tl.exp2(m - m_ref)  # 0 while m = -inf
+        w = tl.exp2(l - m_ref[None, :])  # masked or empty tiles: 0
+        if WITH_ENTROPY:
+            d = tl.where(w > 0, l - m_ref[None, :], 0.0)
+            ent = tl.load(ent_ptr + idx, mask=mask, other=0.0)
+            B = alpha * (B + tl.where(S > 0, m - m_ref, 0.0) * S) + tl.sum(w * d, 0)
+            A = alpha * A + tl.sum(w * ent, 0)
+        S = alpha * S + tl.sum(w, 0)
+        m = m_new
+    log2_s = tl.log2(S)
+    tl.store(out_lse2_ptr + offs_t, m + log2_s, mask=t_mask)
+    tl.store(out_tz_ptr + offs_t, tz, mask=t_mask)
+    if WITH_ENTROPY:
+        tl.store(out_ent_ptr + offs_t, A / S - (B / S - log2_s) * 0.6931471805599453, mask=t_mask)
+    else:
+        tl.store(out_ent_ptr + offs_t, tl.zeros([BLOCK_T], tl.float32), mask=t_mask)
+
+
+def merge_tiles(lse2_NT, ent_NT, tz_NT, with_entropy: bool):
+    """combine_tiles in one Triton pass: (lse2 [T], entropy [T] or zeros, tz [T])."""
+    N, T = lse2_NT.shape
+    out = torch.empty((3, T), dtype=torch.float32, device=lse2_NT.device)
+    bn, bt, warps = MERGE_TILES[_VENDOR]
+    _merge_tiles_kernel[(triton.cdiv(T, bt),)](lse2_NT, ent_NT, tz_NT, out[0], out[1], out[2], T, N,
+                                              WITH_ENTROPY=with_entropy, BLOCK_N=bn, BLOCK_T=bt, num_warps=warps)
+    return out[0], out[1], out[2]
+
+
+def _use_tma(hidden_TH, weight_VH, dot_fp32: bool) -> bool:
+    """TMA descriptors: NVIDIA Hopper or later, 16-bit operands, rows 16-byte aligned (H a multiple of 8)."""
+    return (_VENDOR == "nvidia" and _ARCH >= 9 and not dot_fp32 and hidden_TH.shape[1] % 8 == 0
+            and hidden_TH.data_ptr() % 16 == 0 and weight_VH.data_ptr() % 16 == 0)
+
+
+def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, config=None,
+                 tma=None, subtile=None, warp_specialize=False, e_tma=False):
+    """One logits GEMM with the statistics in its epilogue. Returns (m2 [num_tiles, T] tile maxima and lse2 [T],
+    both in log2 units; ent [T] (zeros unless with_entropy), tz [T], tile width); writes the tile weights into e_TV
+    (fp16 or fp32, row stride free) when given. config, tma, subtile, warp_specialize, e_tma (the weights leave
+    through TMA stores: an fp16 e_TV with 16-byte aligned rows; not yet timed): overrides for benchmarks."""
+    T, H = hidden_TH.shape
+    V = weight_VH.shape[0]
+    dot_fp32 = _dot_fp32(hidden_TH)
+    c = config or logits_tile_config(_VENDOR, 4 if dot_fp32 and _VENDOR != "interpreter" else 2)
+    n_tiles = triton.cdiv(V, c.block_v)
+    parts = torch.empty((4, n_tiles, T), dtype=torch.float32, device=hidden_TH.device)
+    m2_NT, lse2_NT, ent_NT, tz_NT = parts.unbind(0)
+    e_arg = e_TV if e_TV is not None else parts
+    grid_tiles = triton.cdiv(T, c.block_t) * n_tiles
+    meta = dict(WRITE_E=e_TV is not None, WITH_ENTROPY=with_entropy,
+                SUBTILE=c.block_v >= 256 if subtile is None else subtile,  # 128-register accumulators: halves
+                BLOCK_T=c.block_t, BLOCK_V=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps,
+                num_stages=c.num_stages)
+    outs = (tgt_T, e_arg, m2_NT, lse2_NT, ent_NT, tz_NT)
+    if _use_tma(hidden_TH, weight_VH, dot_fp32) if tma is None else tma:
+        from triton.tools.tensor_descriptor import TensorDescriptor
+
+        h_desc = TensorDescriptor.from_tensor(hidden_TH, [c.block_t, c.block_k])
+        w_desc = TensorDescriptor.from_tensor(weight_VH, [c.block_v, c.block_k])
+        progs = min(grid_tiles, _num_sms(hidden_TH.device))
+        e_tma = e_tma and e_TV is not None and e_TV.dtype == torch.float16 and (e_TV.stride(0) * 2) % 16 == 0
+        if e_tma:
+            e_desc = TensorDescriptor.from_tensor(e_TV, [c.block_t, c.block_v // 2 if meta["SUBTILE"] else c.block_v])
+            outs = (tgt_T, e_desc) + outs[2:]
+        logits_tiles.last_kernel = _logits_tiles_tma_kernel[(progs,)](
+            h_desc, w_desc, *outs, T, V, H, e_arg.stride(0), inv_temp, progs,
+            E_TMA=e_tma, WARP_SPECIALIZE=warp_specialize, **meta)
+    else:
+        logits_tiles.last_kernel = _logits_tiles_kernel[(grid_tiles,)](
+            hidden_TH, weight_VH, *outs, T, V, H, hidden_TH.stride(0), weight_VH.stride(0), e_arg.stride(0),
+            inv_temp, DOT_FP32=dot_fp32, **meta)
+    lse2_T, ent_T, tz_T = merge_tiles(lse2_NT, ent_NT, tz_NT, with_entropy)
+    return m2_NT, lse2_T, ent_T, tz_T, c.block_v
+
+
+logits_tiles.last_kernel = None  # the compiled kernel of the latest call (registers and spills, for benchmarks)
+
+
+def dlogits_from_tiles(e_TV, m2_NT, tile_v: int, tgt_T, lse2_T, a_T, b_T, c_T, inv_temp: float, scale,
+                       has_b: bool = True) -> None:
+    """In place over e_TV (logits_tiles' weights): scale * dloss/dlogit."""
+    T, V = e_TV.shape
+    bt, bv, warps = DZ_TILES[_VENDOR]
+    bv = min(bv, tile_v)
+    _tiles_dz_kernel[(triton.cdiv(T, bt) * triton.cdiv(V, bv),)](
+        e_TV, e_TV.stride(0), m2_NT, tgt_T, lse2_T, a_T, b_T, c_T, scale, T, V, inv_temp,
+        HAS_B=has_b, TILE_V=tile_v, BLOCK_T=bt, BLOCK_V=bv, num_warps=warps,
+    )

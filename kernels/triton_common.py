@@ -1,0 +1,56 @@
+"""Triton helpers shared by the LM-head kernel modules: the vendor the kernels are built for, the K-loop MMA step,
+and launch facts. Imported lazily (never at package import), so the CPU path needs no triton."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import triton
+import triton.language as tl
+
+LOG2E = 1.4426950408889634
+LN2 = 0.6931471805599453
+
+
+def _vendor() -> tuple[str, int]:
+    if os.environ.get("TRITON_INTERPRET", "0") == "1":
+        return "interpreter", 0
+    if torch.version.hip is not None:
+        return "amd", 9
+    if torch.cuda.is_available():
+        return "nvidia", torch.cuda.get_device_capability()[0]
+    return "nvidia", 9
+
+
+_VENDOR, _ARCH = _vendor()
+
+
+def _even_k(args) -> bool:
+    return args["H"] % args["BLOCK_K"] == 0
+
+
+@triton.jit
+def _mma_step(h_rows, w_rows, kk, H, acc, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr):
+    """acc += h[rows, kk] @ w[rows_v, kk]^T, fp32 accumulation."""
+    if EVEN_K:
+        a = tl.load(h_rows + kk[None, :])
+        b = tl.load(w_rows + kk[None, :])
+    else:
+        a = tl.load(h_rows + kk[None, :], mask=kk[None, :] < H, other=0.0)
+        b = tl.load(w_rows + kk[None, :], mask=kk[None, :] < H, other=0.0)
+    if DOT_FP32:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), acc, input_precision="ieee")
+    return tl.dot(a, tl.trans(b), acc)
+
+
+def _num_sms(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def _dot_fp32(t: torch.Tensor) -> bool:
+    # fp32 inputs take the exact (ieee) fp32 dot; under the interpreter every dot runs in fp32 (bf16 operands to
+    # tl.dot give wrong results there).
+    return t.dtype == torch.float32 or _VENDOR == "interpreter"
