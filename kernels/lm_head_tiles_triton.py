@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.tiles import DZ_TILES, MERGE_TILES, logits_tile_config
-from kernels.triton_common import _ARCH, _VENDOR, _dot_fp32, _even_k, _mma_step, _num_sms
+from kernels.triton_common import _ARCH, _VENDOR, _dot_fp32, _even_k, _mma_step, _num_sms, _token_rows
 
 
 @triton.heuristics({"EVEN_K": _even_k})
@@ -35,9 +35,7 @@ def _logits_tiles_kernel(
     num_t = tl.cdiv(T, BLOCK_T)
     pid_v = pid // num_t
     pid_t = pid % num_t
-    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < T
-    rows = tl.minimum(offs_t, T - 1)
+    offs_t, t_mask, rows = _token_rows(pid_t, T, BLOCK_T)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     h_rows = h_ptr + rows[:, None] * stride_h
     w_rows = w_ptr + tl.minimum(offs_v, V - 1).to(tl.int64)[:, None] * stride_w
@@ -138,9 +136,7 @@ def _logits_tiles_tma_kernel(
             a = h_desc.load([pid_t * BLOCK_T, k0])
             b = w_desc.load([pid_v * BLOCK_V, k0])
             acc = tl.dot(a, b.T, acc)
-        offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-        t_mask = offs_t < T
-        rows = tl.minimum(offs_t, T - 1)
+        offs_t, t_mask, rows = _token_rows(pid_t, T, BLOCK_T)
         _tile_epilogue(acc, pid_v, pid_t * BLOCK_T, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr,
                        lse2_ptr, ent_ptr, tz_ptr, inv_temp, WRITE_E, E_TMA, WITH_ENTROPY, SUBTILE, BLOCK_V)
 
@@ -158,9 +154,7 @@ def _tiles_dz_kernel(
     num_v = tl.cdiv(V, BLOCK_V)
     pid_t = pid // num_v
     pid_v = pid % num_v
-    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < T
-    rows = tl.minimum(offs_t, T - 1)
+    offs_t, t_mask, rows = _token_rows(pid_t, T, BLOCK_T)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     mask = t_mask[:, None] & (offs_v < V)[None, :]
     m2 = tl.load(m2_ptr + ((pid_v * BLOCK_V) // TILE_V).to(tl.int64) * T + rows)

@@ -28,7 +28,7 @@ from kernels.lm_head_chunked import combine_splits
 # the eager path's kernels, under the same backend module (kmod.logits_tiles, kmod.dlogits_from_tiles)
 from kernels.lm_head_tiles_triton import dlogits_from_tiles, logits_tiles, merge_tiles  # noqa: F401
 from kernels.tiles import DZ_ROWS_TILE, tile_configs
-from kernels.triton_common import _ARCH, _VENDOR, _dot_fp32, _even_k, _mma_step, _num_sms
+from kernels.triton_common import _ARCH, _VENDOR, _dot_fp32, _even_k, _mma_step, _num_sms, _token_rows
 
 
 def _configs(kernel: str) -> list[triton.Config]:
@@ -97,9 +97,7 @@ def _stats_kernel(
     pid_s = pid % NUM_SPLITS
     pid_t = pid // NUM_SPLITS
 
-    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < T
-    rows = tl.minimum(offs_t, T - 1)  # clamped rows load without a mask; their results are never stored
+    offs_t, t_mask, rows = _token_rows(pid_t, T, BLOCK_T)
     tgt = tl.load(tgt_ptr + rows)
     offs_k = tl.arange(0, BLOCK_K)
     h_rows = h_ptr + rows[:, None] * stride_h
@@ -166,11 +164,9 @@ def _dlogits_kernel(
     pid_t = first_t + (pid % group_size)
     pid_v = (pid % (GROUP_T * num_v)) // group_size
 
-    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    offs_t, t_mask, rows = _token_rows(pid_t, T, BLOCK_T)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    t_mask = offs_t < T
     v_mask = offs_v < V
-    rows = tl.minimum(offs_t, T - 1)
     h_rows = h_ptr + rows[:, None] * stride_h
     w_rows = w_ptr + tl.minimum(offs_v, V - 1).to(tl.int64)[:, None] * stride_w
     offs_k = tl.arange(0, BLOCK_K)
@@ -214,9 +210,7 @@ def _logits_dz_kernel(
     all read by this program already (this tile or earlier ones); the barrier makes every thread's load of the
     tile land before any thread's store. Not autotuned: timing configs would run an in-place kernel repeatedly."""
     pid = tl.program_id(0)
-    offs_t = pid.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
-    t_mask = offs_t < T
-    rows = tl.minimum(offs_t, T - 1)
+    offs_t, t_mask, rows = _token_rows(pid, T, BLOCK_T)
     for v0 in range(0, V, BLOCK_V):
         offs_v = v0 + tl.arange(0, BLOCK_V)
         v_mask = offs_v < V

@@ -54,3 +54,11 @@ def _dot_fp32(t: torch.Tensor) -> bool:
     # fp32 inputs take the exact (ieee) fp32 dot; under the interpreter every dot runs in fp32 (bf16 operands to
     # tl.dot give wrong results there).
     return t.dtype == torch.float32 or _VENDOR == "interpreter"
+
+
+@triton.jit
+def _token_rows(pid_t, T, BLOCK_T: tl.constexpr):
+    """Token block pid_t: its row indices (int64, so T x stride never overflows), which are < T, and the indices
+    clamped to T - 1 (clamped rows load without a mask; their results are never stored)."""
+    offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
+    return offs_t, offs_t < T, tl.minimum(offs_t, T - 1)
