@@ -13,7 +13,7 @@ import triton
 import triton.language as tl
 
 from kernels.tiles import DZ_TILES, MERGE_TILES, logits_tile_config
-from kernels.triton_common import _ARCH, _VENDOR, _dot_fp32, _even_k, _mma_step, _num_sms, _token_rows
+from kernels.triton_common import _ARCH, _VENDOR, _dot_fp32, _even_k, _logits_tile, _num_sms, _token_rows
 
 
 @triton.heuristics({"EVEN_K": _even_k})
@@ -37,12 +37,8 @@ def _logits_tiles_kernel(
     pid_t = pid % num_t
     offs_t, t_mask, rows = _token_rows(pid_t, T, BLOCK_T)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    h_rows = h_ptr + rows[:, None] * stride_h
-    w_rows = w_ptr + tl.minimum(offs_v, V - 1).to(tl.int64)[:, None] * stride_w
-    offs_k = tl.arange(0, BLOCK_K)
-    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        acc = _mma_step(h_rows, w_rows, k0 + offs_k, H, acc, DOT_FP32, EVEN_K)
+    acc = _logits_tile(h_ptr, w_ptr, rows, offs_v, V, H, stride_h, stride_w, DOT_FP32, EVEN_K, BLOCK_T, BLOCK_V,
+                       BLOCK_K)
     _tile_epilogue(acc, pid_v, 0, offs_t, t_mask, rows, T, V, tgt_ptr, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr,
                    tz_ptr, inv_temp, WRITE_E, False, WITH_ENTROPY, SUBTILE, BLOCK_V)
 

@@ -28,7 +28,7 @@ from kernels.lm_head_chunked import combine_splits
 # the eager path's kernels, under the same backend module (kmod.logits_tiles, kmod.dlogits_from_tiles)
 from kernels.lm_head_tiles_triton import dlogits_from_tiles, logits_tiles, merge_tiles  # noqa: F401
 from kernels.tiles import DZ_ROWS_TILE, tile_configs
-from kernels.triton_common import _ARCH, _VENDOR, _dot_fp32, _even_k, _mma_step, _num_sms, _token_rows
+from kernels.triton_common import _ARCH, _VENDOR, _dot_fp32, _even_k, _logits_tile, _mma_step, _num_sms, _token_rows
 
 
 def _configs(kernel: str) -> list[triton.Config]:
@@ -167,13 +167,8 @@ def _dlogits_kernel(
     offs_t, t_mask, rows = _token_rows(pid_t, T, BLOCK_T)
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     v_mask = offs_v < V
-    h_rows = h_ptr + rows[:, None] * stride_h
-    w_rows = w_ptr + tl.minimum(offs_v, V - 1).to(tl.int64)[:, None] * stride_w
-    offs_k = tl.arange(0, BLOCK_K)
-
-    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
-    for k0 in range(0, H, BLOCK_K):
-        acc = _mma_step(h_rows, w_rows, k0 + offs_k, H, acc, DOT_FP32, EVEN_K)
+    acc = _logits_tile(h_ptr, w_ptr, rows, offs_v, V, H, stride_h, stride_w, DOT_FP32, EVEN_K, BLOCK_T, BLOCK_V,
+                       BLOCK_K)
 
     _dlogits_epilogue(acc, rows, offs_t, offs_v, t_mask, v_mask, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, scale_ptr,
                       dz_ptr, stride_dz, v_off, inv_temp)

@@ -62,3 +62,17 @@ def _token_rows(pid_t, T, BLOCK_T: tl.constexpr):
     clamped to T - 1 (clamped rows load without a mask; their results are never stored)."""
     offs_t = pid_t.to(tl.int64) * BLOCK_T + tl.arange(0, BLOCK_T)
     return offs_t, offs_t < T, tl.minimum(offs_t, T - 1)
+
+
+@triton.jit
+def _logits_tile(h_ptr, w_ptr, rows, offs_v, V, H, stride_h, stride_w, DOT_FP32: tl.constexpr,
+                 EVEN_K: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The [BLOCK_T, BLOCK_V] tile h[rows] @ w[offs_v]^T in fp32 over the whole hidden size, by pointer loads
+    (vocab rows past V are clamped to V - 1 and must be masked by the caller)."""
+    h_rows = h_ptr + rows[:, None] * stride_h
+    w_rows = w_ptr + tl.minimum(offs_v, V - 1).to(tl.int64)[:, None] * stride_w
+    offs_k = tl.arange(0, BLOCK_K)
+    acc = tl.zeros([BLOCK_T, BLOCK_V], tl.float32)
+    for k0 in range(0, H, BLOCK_K):
+        acc = _mma_step(h_rows, w_rows, k0 + offs_k, H, acc, DOT_FP32, EVEN_K)
+    return acc
