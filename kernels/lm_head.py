@@ -35,12 +35,12 @@ from kernels import lm_head_chunked
 
 BACKWARD_SCRATCH_BYTES = 128 * 2**20  # the dZ tile's budget; see _chunk_sizes
 FORWARD_PARTS_BYTES = 256 * 2**20  # the split forward's per-tile statistics of one token chunk
-LN2 = 0.6931471805599453
 DEFAULT_CHUNK_VOCAB = 8192
-# On CUDA: "split" (cuBLAS fp32 logits over whole vocabulary rows + the lane-wise streaming stats kernel) measured
-# 132 / 78 ms for no-grad log-probs at T = 65,536, V = 248,320 / 151,936 on an H200 against the fused Triton
-# kernel's 150 / 96 ms, and 511 / 314 ms against 526 / 312 ms for log-probs + autograd (docs/BENCHMARKS.md); it
-# holds a 1 GiB logits chunk in the forward where "fused" holds nothing of [T, V] size.
+# On CUDA: "split" (forward: the logits GEMM with the statistics in its epilogue, kernels/lm_head_tiles_triton.py;
+# backward: cuBLAS fp32 logits chunks + the streaming dlogits kernel) measured 116 / 70.5 ms for no-grad log-probs
+# at T = 65,536, V = 248,320 / 151,936 on an H200 against the fused Triton kernels' 144 / 91 ms, and 486 / 296 ms
+# against 499 / 308 ms for log-probs + autograd (docs/BENCHMARKS.md); its forward holds 0.25 GiB of tile
+# statistics where "fused" holds nothing of [T, V] size.
 DEFAULT_IMPL = "split"
 _HAS_TRITON = importlib.util.find_spec("triton") is not None
 
@@ -231,7 +231,7 @@ def _split_token_stats(kmod, hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy
             t1 = min(t0 + Tc, T)
             _, lse2, ent, tz, _ = kmod.logits_tiles(hidden_TH[t0:t1], weight_VH[v0:v1], tgt_T[t0:t1] - v0, inv_temp,
                                                     with_entropy)
-            torch.mul(lse2, LN2, out=parts_3ST[0, si, t0:t1])
+            torch.mul(lse2, lm_head_chunked.LN2, out=parts_3ST[0, si, t0:t1])
             parts_3ST[1, si, t0:t1] = ent
             parts_3ST[2, si, t0:t1] = tz
     if num_splits == 1:

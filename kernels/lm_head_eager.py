@@ -38,10 +38,9 @@ import torch
 import torch.distributed as dist
 
 from kernels import lm_head as _lh
+from kernels.lm_head_chunked import LN2, LOG2E
 
 EAGER_SCRATCH_BYTES = 2 * 2**30  # the group buffer of tile weights [Tg, V] (dZ is written over them)
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 

@@ -79,7 +79,7 @@ INTERPRETER_DLOGITS = (TileConfig(16, 64, 32, 1, 1),)
 DZ_ROWS_TILE = {"nvidia": (4, 1024, 8), "amd": (4, 1024, 8), "interpreter": (4, 64, 1)}
 
 
-# Logits GEMM with the statistics in its epilogue (kernels/lm_head_triton.py, _logits_tiles_kernel and, on Hopper
+# Logits GEMM with the statistics in its epilogue (kernels/lm_head_tiles_triton.py, _logits_tiles_kernel and, on Hopper
 # with 16-bit operands, the persistent TMA variant _logits_tiles_tma_kernel): a GEMM tile whose epilogue reduces
 # each row of the tile (max, sum of exp, entropy sum, target) and stores the fp16 weights.
 #   NVIDIA Hopper, 16-bit operands: 128 x 256 x 64 over 8 warps (two warpgroups of 64 rows), 3 stages:

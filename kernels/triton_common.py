@@ -9,9 +9,6 @@ import torch
 import triton
 import triton.language as tl
 
-LOG2E = 1.4426950408889634
-LN2 = 0.6931471805599453
-
 
 def _vendor() -> tuple[str, int]:
     if os.environ.get("TRITON_INTERPRET", "0") == "1":
