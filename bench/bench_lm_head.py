@@ -103,6 +103,14 @@ def make_methods(modes_wanted):
     methods[f"ours, generic ({other})"] = {"fwd": lambda h, w, t, adv: kernels.linear_logprobs(h, w, t, impl=other),
                                           "rl": other_rl}
 
+    def lean_rl(h, w, t, adv):
+        lp = kernels.linear_logprobs(h, w, t, impl="lean")
+        return lp, (lp * adv).sum()
+
+    # the lean backward: five logits-sized GEMMs, nothing beside dH and dW but a few MiB (kernels/lm_head_lean.py)
+    methods["ours, lean"] = {"ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, impl="lean"),
+                             "rl": lean_rl}
+
     def naive_ce(h, w, t):
         return F.cross_entropy((h @ w.T).float(), t)
 

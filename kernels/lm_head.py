@@ -68,12 +68,14 @@ def _pick_backend(hidden: torch.Tensor, backend: str | None) -> str:
 def _pick_impl(hidden: torch.Tensor, backend: str, impl: str | None) -> str:
     """"fused": the logits GEMM runs inside the Triton kernels (nothing of [T, V] size in memory, not even a
     chunk, in the forward). "split": the GEMM library writes an fp32 logits chunk and a streaming Triton kernel
-    reads it once (faster where cuBLAS outruns Triton's GEMM: the CUDA default). Both exist in both backends."""
+    reads it once (faster where cuBLAS outruns Triton's GEMM: the CUDA default). "lean": split's forward and a
+    backward in two passes that holds nothing beside dH and dW but a few MiB (kernels/lm_head_lean.py; five
+    logits-sized GEMMs in all). All exist in both backends."""
     if impl is None:
         impl = DEFAULT_IMPL if (backend == "triton" and hidden.is_cuda) else "fused"
-    if impl not in ("fused", "split"):
-        raise ValueError(f"impl must be 'fused', 'split' or None here ('eager' is for losses: linear_cross_entropy "
-                         f"with reduction mean or sum, linear_policy_loss), got {impl!r}")
+    if impl not in ("fused", "split", "lean"):
+        raise ValueError(f"impl must be 'fused', 'split', 'lean' or None here ('eager' is for losses: "
+                         f"linear_cross_entropy with reduction mean or sum, linear_policy_loss), got {impl!r}")
     return impl
 
 
@@ -143,7 +145,7 @@ class _TokenStats(torch.autograd.Function):
         tgt_T = target_T.long() - vocab_start
         inv_temp = 1.0 / temperature
         kmod = _backend_module(backend)
-        if impl == "split":
+        if impl in ("split", "lean"):
             lse_T, ent_T, tz_T = _split_token_stats(kmod, hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy,
                                                     chunk_tokens, chunk_vocab)
         else:
@@ -170,6 +172,12 @@ class _TokenStats(torch.autograd.Function):
         b_T = (-g_ent).contiguous()
         c_T = g_tz.contiguous()
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        if impl == "lean":
+            from kernels.lm_head_lean import lean_backward
+
+            dH_TH, dW_VH = lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend,
+                                         with_entropy, need_h, need_w, tp_group)
+            return dH_TH, dW_VH, None, None, None, None, None, None, None, None
         dH_TH, dW_VH = _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend,
                                         impl, chunk_tokens, chunk_vocab, need_h, need_w, tp_group)
         return dH_TH, dW_VH, None, None, None, None, None, None, None, None
@@ -253,6 +261,19 @@ def _amax(x: torch.Tensor) -> torch.Tensor:
     return torch.linalg.vector_norm(x, float("inf"))  # max |x| in one pass, no |x| temporary
 
 
+def _backward_operands(hidden_TH, weight_VH, lse_T, a_T, b_T, c_T, inv_temp):
+    """(GEMM dtype, dZ scale, h scale, w scale) of a backward: fp32 inputs run in fp32 with unit scales; 16-bit
+    inputs give fp16 dZ, h and w operands, each times a power of two (0-dim tensors, no host sync) that moves it
+    into fp16's range: |dlogit| <= (|a| + |b| (|lse| + 1) + |c|) / temperature, since p |x| <= |lse| + 1."""
+    one = torch.ones((), dtype=torch.float32, device=hidden_TH.device)
+    if hidden_TH.dtype == torch.float32:
+        return torch.float32, one, one, one
+    bound = (_amax(a_T) + _amax(b_T) * (_amax(lse_T) + 1) + _amax(c_T)) * inv_temp
+    if hidden_TH.dtype == torch.float16:  # the inputs are the GEMM operands as they are: no conversion, no scale
+        return torch.float16, _pow2_scale(bound), one, one
+    return torch.float16, _pow2_scale(bound), _pow2_scale(_amax(hidden_TH)), _pow2_scale(_amax(weight_VH))
+
+
 def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend, impl,
                      chunk_tokens, chunk_vocab, need_h, need_w, tp_group):
     """Vocab-outer, token-inner. For 16-bit inputs the dZ tile and both GEMMs run in fp16 with power-of-two
@@ -266,16 +287,8 @@ def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp
     Tc, Vc = _chunk_sizes(T, V, impl, chunk_tokens, chunk_vocab)
     dev = hidden_TH.device
     f32 = dict(dtype=torch.float32, device=dev)
-    if hidden_TH.dtype == torch.float32:
-        gemm_dtype = torch.float32
-        dz_scale = h_scale = w_scale = torch.ones((), **f32)
-    else:
-        gemm_dtype = torch.float16
-        # |dlogit| <= (|a| + |b| (|lse| + 1) + |c|) / temperature, since p |x| <= |lse| + 1 (p = exp(x - lse)).
-        bound = (_amax(a_T) + _amax(b_T) * (_amax(lse_T) + 1) + _amax(c_T)) * inv_temp
-        dz_scale = _pow2_scale(bound)
-        h_scale = _pow2_scale(_amax(hidden_TH))
-        w_scale = _pow2_scale(_amax(weight_VH))
+    gemm_dtype, dz_scale, h_scale, w_scale = _backward_operands(hidden_TH, weight_VH, lse_T, a_T, b_T, c_T, inv_temp)
+    if gemm_dtype != torch.float32:
         # 16-bit operands of the backward GEMMs, scaled by a power of two and converted in one pass each
         h_buf = torch.empty((Tc, H), dtype=gemm_dtype, device=dev)
         w_buf = torch.empty((Vc, H), dtype=gemm_dtype, device=dev)

@@ -90,16 +90,25 @@ def dlogits_from_logits(z_TV, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp:
 LOGITS_TILE_VOCAB = 4096  # the tile width of logits_tiles here (tests shrink it to cross tile edges)
 
 
-def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, config=None):
+def tile_vocab(hidden_TH) -> int:
+    """The vocab width of logits_tiles' tiles (its statistics are [T / this] per token)."""
+    return LOGITS_TILE_VOCAB
+
+
+def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, config=None,
+                 parts=None):
     """The Triton logits_tiles in torch, tile by tile: per [T, tile] logits block, each row's max m2 and the
     block's own lse2 (log2 units: x2 = x log2 e), entropy and target x; 2^14 e = 2^(x2 - m2 + 14) written into
-    e_TV (its dtype) when given. Returns (m2 [num_tiles, T], lse2 [T], ent [T], tz [T], tile width)."""
+    e_TV (its dtype) when given. Returns (m2 [num_tiles, T], lse2 [T], ent [T], tz [T], tile width). parts: a
+    flat fp32 buffer of at least 4 T num_tiles elements for the per-tile statistics (else allocated)."""
     T = hidden_TH.shape[0]
     V = weight_VH.shape[0]
     tile = LOGITS_TILE_VOCAB
     n_tiles = -(-V // tile)
-    f32 = dict(dtype=torch.float32, device=hidden_TH.device)
-    m2_NT, lse2_NT, ent_NT, tz_NT = (torch.zeros((n_tiles, T), **f32) for _ in range(4))
+    if parts is None:
+        parts = torch.zeros(4 * n_tiles * T, dtype=torch.float32, device=hidden_TH.device)
+    m2_NT, lse2_NT, ent_NT, tz_NT = parts[: 4 * n_tiles * T].view(4, n_tiles, T).unbind(0)
+    ent_NT.zero_()  # (written only with entropy)
     h_TH = hidden_TH.float()
     for i, v0 in enumerate(range(0, V, tile)):
         v1 = min(v0 + tile, V)

@@ -226,18 +226,31 @@ def _use_tma(hidden_TH, weight_VH, dot_fp32: bool) -> bool:
             and hidden_TH.data_ptr() % 16 == 0 and weight_VH.data_ptr() % 16 == 0)
 
 
+def tile_vocab(hidden_TH) -> int:
+    """The vocab width of logits_tiles' tiles for these inputs (its statistics are [T / this] per token)."""
+    return _tile_config(hidden_TH).block_v
+
+
+def _tile_config(hidden_TH):
+    return logits_tile_config(_VENDOR, 4 if _dot_fp32(hidden_TH) and _VENDOR != "interpreter" else 2)
+
+
 def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, config=None,
-                 tma=None, subtile=None, warp_specialize=False, e_tma=False):
+                 tma=None, subtile=None, warp_specialize=False, e_tma=False, parts=None):
     """One logits GEMM with the statistics in its epilogue. Returns (m2 [num_tiles, T] tile maxima and lse2 [T],
     both in log2 units; ent [T] (zeros unless with_entropy), tz [T], tile width); writes the tile weights into e_TV
     (fp16 or fp32, row stride free) when given. config, tma, subtile, warp_specialize, e_tma (the weights leave
-    through TMA stores: an fp16 e_TV with 16-byte aligned rows; not yet timed): overrides for benchmarks."""
+    through TMA stores: an fp16 e_TV with 16-byte aligned rows; timed slower): overrides for benchmarks. parts: a
+    flat fp32 buffer of at least 4 T ceil(V / tile_vocab) elements for the per-tile statistics (else allocated)."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
     dot_fp32 = _dot_fp32(hidden_TH)
-    c = config or logits_tile_config(_VENDOR, 4 if dot_fp32 and _VENDOR != "interpreter" else 2)
+    c = config or _tile_config(hidden_TH)
     n_tiles = triton.cdiv(V, c.block_v)
-    parts = torch.empty((4, n_tiles, T), dtype=torch.float32, device=hidden_TH.device)
+    if parts is None:
+        parts = torch.empty((4, n_tiles, T), dtype=torch.float32, device=hidden_TH.device)
+    else:
+        parts = parts[: 4 * n_tiles * T].view(4, n_tiles, T)
     m2_NT, lse2_NT, ent_NT, tz_NT = parts.unbind(0)
     e_arg = e_TV if e_TV is not None else parts
     grid_tiles = triton.cdiv(T, c.block_t) * n_tiles

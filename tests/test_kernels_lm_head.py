@@ -310,7 +310,67 @@ def test_eager_equals_generic_path():
     assert _rel(hidden.grad, 0.25 * dh) < 1e-6 and _rel(weight.grad, 0.25 * dw) < 1e-6
 
 
-@pytest.mark.parametrize("impl", ["fused", "split", "eager"])
+def _small_lean_chunks(L, kc=None, grain=4, tile=16):
+    """Shrink the lean backward's chunks (and the torch path's logits tile) so that tiny shapes cross every kind
+    of chunk: pass H over several token x vocab chunks inside dW's bytes, pass W's chunks in their own unwritten
+    rows, then the tail buffer. Returns a restore function."""
+    old = (L.GRAIN, L.PASS_H_CHUNKS, L.PASS_W_CHUNKS, kc.LOGITS_TILE_VOCAB if kc else None)
+    L.GRAIN, L.PASS_H_CHUNKS, L.PASS_W_CHUNKS = grain, (4 * grain, 16 * grain), (4 * grain, 16 * grain)
+    if kc:
+        kc.LOGITS_TILE_VOCAB = tile
+
+    def restore():
+        L.GRAIN, L.PASS_H_CHUNKS, L.PASS_W_CHUNKS = old[:3]
+        if kc:
+            kc.LOGITS_TILE_VOCAB = old[3]
+    return restore
+
+
+def test_lean_plan_uses_own_rows_then_a_small_tail():
+    from kernels import lm_head_lean as L
+
+    # the bar's shape: pass H fits in dW's bytes at its wanted chunks; pass W runs in its own rows except the last
+    # rows, whose scratch is the one external buffer (4.3 MiB at H = 2048)
+    H, V, T = 2048, 248320, 65536
+    need_h, need_w = L._needs(H, 2, True, 256)
+    assert L.fit_chunks(V * H * 2, need_h, T, V, L.PASS_H_CHUNKS) == (16384, 16384)
+    plan = L.plan_vocab_pass(V, T, H * 2, need_w)
+    assert plan[0][:3] == (0, 8192, 8192) and plan[-1][1] == V
+    assert all(a[1] == b[0] for a, b in zip(plan, plan[1:]))  # contiguous, in order
+    for v0, v1, tc, own in plan:  # an own chunk's scratch fits in the rows after it
+        assert (not own) or need_w(tc, v1 - v0) <= (V - v1) * H * 2
+    tail = [c for c in plan if not c[3]]
+    assert 0 < sum(v1 - v0 for v0, v1, _, _ in tail) <= 2048 and need_w(512, 256) < 4.5 * 2**20
+    assert len(plan) < 80
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_backward_torch(dtype):
+    # the scratch lives in the outputs' own bytes: any overlap with rows already written would corrupt them
+    from kernels import lm_head_chunked as kc, lm_head_lean as L
+
+    restore = _small_lean_chunks(L, kc)
+    try:
+        gt = 3e-3 if dtype == torch.bfloat16 else None  # bf16: the outputs' own rounding
+        check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6 if dtype == torch.float32 else 1e-5, grad_tol=gt,
+                            impl="lean", reduction="mean", z_loss=1e-3, temperature=0.7, dtype=dtype)
+        check_logprobs(29, 40, 257, backend="torch", tol=2e-5, grad_tol=gt, impl="lean", temperature=0.9,
+                       dtype=dtype)
+        check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6, impl="lean", reduction="none")
+        # one gradient only: dH alone (a frozen head) borrows no storage; dW alone starts in its own rows
+        hidden, weight, target = _inputs(23, 16, 77)
+        ref_loss, rdh, rdw = _ref_grads(linear_cross_entropy_reference, hidden, weight, target)
+        for frozen in ("weight", "hidden"):
+            h = hidden.detach().clone().requires_grad_(frozen != "hidden")
+            w = weight.detach().clone().requires_grad_(frozen != "weight")
+            kernels.linear_cross_entropy(h, w, target, impl="lean", backend="torch").backward()
+            got, ref = (h.grad, rdh) if frozen == "weight" else (w.grad, rdw)
+            assert _rel(got, ref) < 2e-6 and (w.grad if frozen == "weight" else h.grad) is None
+    finally:
+        restore()
+
+
+@pytest.mark.parametrize("impl", ["fused", "split", "eager", "lean"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_tokens_give_zero_loss_and_zero_gradients(impl, dtype):
     hidden, weight, _ = _inputs(0, 8, 10, dtype=dtype)
@@ -437,6 +497,15 @@ def interpreter_checks() -> None:
     print("eager bf16", check_cross_entropy(37, 40, 301, backend="triton", tol=1e-5, grad_tol=3e-3, impl="eager",
                                             dtype=torch.bfloat16, logit_scale=30.0, chunk_tokens=12))
     print("policy", check_policy_loss(29, 40, 257, backend="triton", tol=2e-5, chunk_tokens=8, temperature=1.3))
+    from kernels import lm_head_lean
+
+    restore = _small_lean_chunks(lm_head_lean, grain=16)  # several chunks of each kind, tail included
+    try:
+        print("lean bf16", check_cross_entropy(37, 40, 301, backend="triton", tol=1e-5, grad_tol=3e-3, impl="lean",
+                                               dtype=torch.bfloat16, logit_scale=30.0))
+        print("lean lp", check_logprobs(29, 40, 257, backend="triton", tol=2e-5, impl="lean", temperature=1.3))
+    finally:
+        restore()
     print("interpreter checks passed")
 
 
@@ -535,7 +604,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 
 @pytest.mark.gpu
 @needs_cuda
-@pytest.mark.parametrize("impl", ["fused", "split", "eager"])
+@pytest.mark.parametrize("impl", ["fused", "split", "eager", "lean"])
 @pytest.mark.parametrize("T,H,V", [(1000, 256, 5003), (4099, 512, 32771)])
 def test_gpu_bf16_cross_entropy(T, H, V, impl):
     # bf16 operands, fp32 logits and accumulators: loss at fp32 accuracy; gradients limited by the bf16 dlogits
@@ -543,6 +612,33 @@ def test_gpu_bf16_cross_entropy(T, H, V, impl):
     errs = check_cross_entropy(T, H, V, backend="triton", tol=1e-5, device="cuda", dtype=torch.bfloat16,
                                z_loss=1e-4, chunk_tokens=1024, chunk_vocab=4096, grad_tol=2e-3, impl=impl)
     print(errs)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_gpu_lean_holds_its_outputs_and_a_few_mib():
+    # impl="lean": the peak above the inputs over forward + backward is dH + dW (the gradients autograd returns)
+    # plus the tail buffer (2.3 MiB at H = 1024) and [T] vectors; the generic backward holds an fp32 dH beside them
+    from kernels import lm_head_lean, lm_head_triton
+
+    T, H, V = 8192, 1024, 50257
+    hidden, weight, target = _inputs(T, H, V, device="cuda", dtype=torch.bfloat16)
+    outputs = (T + V) * H * 2
+    _, need_w = lm_head_lean._needs(H, 2, True, lm_head_triton.tile_vocab(hidden))
+    peaks = {}
+    for impl in ("lean", "split"):
+        for timed in (False, True):  # the first run warms up (compilation, cuBLAS workspaces)
+            hidden.grad = weight.grad = None
+            torch.cuda.synchronize()
+            torch.cuda.empty_cache()
+            base = torch.cuda.memory_allocated()
+            torch.cuda.reset_peak_memory_stats()
+            kernels.linear_cross_entropy(hidden, weight, target, impl=impl).backward()
+            torch.cuda.synchronize()
+            peaks[impl] = torch.cuda.max_memory_allocated() - base
+    print({k: f"{(v - outputs) / 2**20:.2f} MiB above the outputs" for k, v in peaks.items()})
+    assert peaks["lean"] <= outputs + need_w(512, 256) + 2**20
+    assert peaks["split"] > outputs + T * H * 4  # (the comparison is meaningful: fp32 dH beside the outputs)
 
 
 @pytest.mark.gpu
