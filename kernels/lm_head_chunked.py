@@ -164,3 +164,12 @@ def dlogits_from_tiles(e_TV, m2_NT, tile_v: int, tgt_T, lse2_T, a_T, b_T, c_T, i
         rows = torch.nonzero(hit)[:, 0]
         dz_Tv[rows, local[rows]] += c_T[rows]
         e_TV[:, v0:v1] = dz_Tv * (inv_temp * scale)
+
+
+def dw_acc(acc_VH, dz_TV, h_TH, scale, first: bool) -> None:
+    """acc (fp32 [V, H]) = (first) or += dz^T @ (h * scale) in fp32: the Triton dw_acc in torch."""
+    upd = dz_TV.float().T @ (h_TH.float() * scale)
+    if first:
+        acc_VH.copy_(upd)
+    else:
+        acc_VH.add_(upd)

@@ -17,9 +17,11 @@ generic backward, in exchange for memory: the accumulators are chunk-sized.
 
 Where the scratch lives. Pass H runs first, while dW's storage (V H 2 bytes) is not yet written: its dZ tile, dH32
 chunk, fp16 W chunk and tile statistics are views of those bytes. Pass W then writes dW chunk by chunk from row 0
-and keeps its scratch in the rows it has not written yet (the rows after the chunk); chunks shrink as those rows
-run out, and the last few hundred rows (whose scratch cannot fit behind them) use one small external buffer,
-TAIL_GRAINS chunks: 512 tokens x 256 rows, 4.3 MiB at H = 2048. The stream orders every reuse of those bytes.
+and keeps its scratch in the rows it has not written yet (the rows after the chunk). Chunks shrink as those rows
+run out; once an fp16 copy of h no longer fits behind a cuBLAS-sized chunk, the dW GEMM becomes a Triton kernel that
+reads h as it is (dw_acc), and the last few hundred rows, whose scratch cannot fit behind them, use one small
+external buffer (TAIL_GRAINS chunks: 2048 tokens x 128 rows, 1.5 MiB at H = 2048). The stream orders every reuse of
+those bytes.
 """
 
 from __future__ import annotations
@@ -36,7 +38,10 @@ from kernels.lm_head_chunked import LOG2E
 GRAIN = 256  # chunk sizes are multiples of this (tests shrink it to exercise the carving)
 PASS_H_CHUNKS = (16384, 16384)  # (Tc, Vc) wanted in pass H: 4 token chunks at T = 65,536, so W is converted 4 times
 PASS_W_CHUNKS = (8192, 8192)  # (Tc, Vc) wanted in pass W: 128 MiB dZ + 64 MiB dW32 + 32 MiB h16 at H = 2048
-TAIL_GRAINS = (2, 1)  # (Tc, Vc) of pass W's last chunks, in grains: their scratch is the one external buffer
+CUBLAS_LEAST = (8, 4)  # in GRAINs: pass W's cuBLAS chunks stay >= 2048 x 1024; smaller ones go direct (no h16)
+DIRECT_CHUNKS = (16384, 4096)  # (Tc, Vc) wanted of a direct chunk (dZ and dW32 only)
+DIRECT_LEAST = (8, 1)  # in GRAINs
+TAIL_GRAINS = (8, 0.5)  # (Tc, Vc) of the last chunks: 2048 x 128, 0.5 MiB dZ + 1 MiB dW32 of external buffer
 EXTERNAL_BYTES = 64 * 2**20  # pass H's scratch when dW is not wanted (no storage to borrow)
 _ALIGN = 256  # bytes: each carved tensor starts on this boundary (TMA wants 16, cuBLAS likes 256)
 
@@ -76,40 +81,60 @@ def _shrink(tc: int, vc: int, t_min: int, v_min: int) -> tuple[int, int] | None:
     return None
 
 
-def fit_chunks(budget: int, need: NeedFn, T: int, V: int, want: tuple[int, int]) -> tuple[int, int] | None:
-    """The largest (Tc, Vc), from `want` down by halving, whose need(Tc, Vc) fits in budget bytes."""
-    t_min, v_min = min(T, GRAIN), min(V, GRAIN)
-    sizes: tuple[int, int] | None = (min(T, want[0]), min(V, want[1]))
+def _largest(fits: Callable[[int, int], bool], T: int, V: int, want: tuple[int, int],
+             least: tuple[int, int] = (1, 1)) -> tuple[int, int] | None:
+    """The largest (Tc, Vc), from `want` down by halving to `least` (in GRAINs), for which fits(Tc, Vc)."""
+    t_min, v_min = min(T, least[0] * GRAIN), min(V, least[1] * GRAIN)
+    sizes: tuple[int, int] | None = (min(T, max(want[0], t_min)), min(V, max(want[1], v_min)))
     while sizes is not None:
-        if need(*sizes) <= budget:
+        if fits(*sizes):
             return sizes
         sizes = _shrink(*sizes, t_min, v_min)
     return None
 
 
-def plan_vocab_pass(V: int, T: int, row_bytes: int, need: NeedFn,
-                    want: tuple[int, int] | None = None) -> list[tuple[int, int, int, bool]]:
-    """Pass W's chunks [(v0, v1, Tc, own)]: own = the scratch fits in dW's rows [v1, V), not yet written (row_bytes
-    each); else it goes to the external tail buffer. Chunks take the largest sizes that fit behind them."""
-    want = want or PASS_W_CHUNKS
+def fit_chunks(budget: int, need: NeedFn, T: int, V: int, want: tuple[int, int]) -> tuple[int, int] | None:
+    """The largest (Tc, Vc), from `want` down by halving, whose need(Tc, Vc) fits in budget bytes."""
+    return _largest(lambda tc, vc: need(tc, vc) <= budget, T, V, want)
+
+
+def tail_chunks(T: int, V: int) -> tuple[int, int]:
+    """(Tc, Vc) of pass W's last chunks, whose scratch is the external buffer."""
+    return min(T, int(TAIL_GRAINS[0] * GRAIN)), min(V, max(1, int(TAIL_GRAINS[1] * GRAIN)))
+
+
+def plan_vocab_pass(V: int, T: int, row_bytes: int, need_w: NeedFn, need_direct: NeedFn | None = None
+                    ) -> list[tuple[int, int, int, bool, bool]]:
+    """Pass W's chunks [(v0, v1, Tc, own, direct)], rows in order. own: the scratch fits in dW's rows [v1, V), not
+    yet written (row_bytes each); else it is the external tail buffer. direct: the dW GEMM reads h as it is
+    (kmod.dw_acc, scratch need_direct) instead of cuBLAS on an fp16 copy of h (need_w): the chunks that cannot
+    hold a cuBLAS-sized copy of h behind them. need_direct None: inputs that need no copy (fp32)."""
     chunks = []
     v0 = 0
     while v0 < V:
         R = V - v0
-        t_min, v_min = min(T, GRAIN), min(R, GRAIN)
-        sizes: tuple[int, int] | None = (min(T, want[0]), min(R, want[1]))
-        while sizes is not None and need(*sizes) > (R - sizes[1]) * row_bytes:
-            sizes = _shrink(*sizes, t_min, v_min)
+
+        def behind(need):
+            return lambda tc, vc: need(tc, vc) <= (R - vc) * row_bytes
+
+        direct = False
+        sizes = _largest(behind(need_w), T, R, PASS_W_CHUNKS, CUBLAS_LEAST if need_direct else (1, 1))
+        if sizes is None and need_direct is not None:
+            direct = True
+            sizes = _largest(behind(need_direct), T, R, DIRECT_CHUNKS, DIRECT_LEAST)
+        own = sizes is not None
         if sizes is None:
-            sizes = (min(T, TAIL_GRAINS[0] * GRAIN), min(R, TAIL_GRAINS[1] * GRAIN))
-        chunks.append((v0, v0 + sizes[1], sizes[0], sizes is not None and need(*sizes) <= (R - sizes[1]) * row_bytes))
+            direct = need_direct is not None
+            sizes = tail_chunks(T, R)
+        chunks.append((v0, v0 + sizes[1], sizes[0], own, direct))
         v0 += sizes[1]
     return chunks
 
 
 def _needs(H: int, ge: int, convert: bool, tile: int):
-    """Scratch bytes of one chunk of each pass (ge: bytes per GEMM operand element; convert: 16-bit inputs are
-    copied to fp16 operands), with one alignment's slack per carved tensor."""
+    """Scratch bytes of one chunk (ge: bytes per GEMM operand element; convert: 16-bit inputs are copied to fp16
+    operands), with one alignment's slack per carved tensor: pass H; pass W with cuBLAS on an fp16 copy of h;
+    pass W with the direct dW kernel (no copy)."""
     def parts(tc, vc):
         return 16 * tc * -(-vc // tile) + _ALIGN
 
@@ -119,7 +144,10 @@ def _needs(H: int, ge: int, convert: bool, tile: int):
     def need_w(tc, vc):  # dZ, dW32, h16, tile statistics
         return tc * vc * ge + vc * H * 4 + (tc * H * ge if convert else 0) + parts(tc, vc) + 3 * _ALIGN
 
-    return need_h, need_w
+    def need_direct(tc, vc):  # dZ, dW32, tile statistics
+        return tc * vc * ge + vc * H * 4 + parts(tc, vc) + 3 * _ALIGN
+
+    return need_h, need_w, need_direct
 
 
 def lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: float, backend: str,
@@ -135,7 +163,7 @@ def lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: f
                                                                     inv_temp)
     ge = gemm_dtype.itemsize
     convert = gemm_dtype != hidden_TH.dtype
-    need_h_fn, need_w_fn = _needs(H, ge, convert, kmod.tile_vocab(hidden_TH))
+    need_h_fn, need_w_fn, need_direct_fn = _needs(H, ge, convert, kmod.tile_vocab(hidden_TH))
     lse2_T = lse_T * LOG2E
     dH = torch.empty_like(hidden_TH) if need_h else None
     dW = torch.empty_like(weight_VH) if need_w else None
@@ -182,18 +210,23 @@ def lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: f
         row_bytes = H * dW.element_size()
         inv = 1.0 / (dz_scale * h_scale)
         tail = None
-        for v0, v1, Tc, own in plan_vocab_pass(V, T, row_bytes, need_w_fn):
+        plan = plan_vocab_pass(V, T, row_bytes, need_w_fn, need_direct_fn if convert else None)
+        for v0, v1, Tc, own, direct in plan:
             if own:
                 region = _bytes_of(dW, v1)
             else:
                 if tail is None:
-                    tail = torch.empty(need_w_fn(min(T, TAIL_GRAINS[0] * GRAIN), min(V, TAIL_GRAINS[1] * GRAIN)),
+                    tail = torch.empty((need_direct_fn if convert else need_w_fn)(*tail_chunks(T, V)),
                                        dtype=torch.uint8, device=dev)
                 region = tail
             for t0 in range(0, T, Tc):
                 t1 = min(t0 + Tc, T)
                 arena = _Arena(region)
                 dW32 = arena.take((v1 - v0, H), torch.float32)
+                if direct:  # h read as it is, converted in registers
+                    dz = dz_tile(arena, t0, t1, v0, v1, Tc, v1 - v0)
+                    kmod.dw_acc(dW32, dz, hidden_TH[t0:t1], h_scale, first=(t0 == 0))
+                    continue
                 h_g = hidden_TH[t0:t1]
                 if convert:
                     h_g = torch.mul(h_g, h_scale, out=arena.take((t1 - t0, H), gemm_dtype))

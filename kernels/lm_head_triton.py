@@ -27,7 +27,7 @@ import triton.language as tl
 from kernels.lm_head_chunked import combine_splits
 # the eager path's kernels, under the same backend module (kmod.logits_tiles, kmod.dlogits_from_tiles)
 from kernels.lm_head_tiles_triton import dlogits_from_tiles, logits_tiles, merge_tiles, tile_vocab  # noqa: F401
-from kernels.tiles import DZ_ROWS_TILE, tile_configs
+from kernels.tiles import DW_ACC_TILES, DZ_ROWS_TILE, tile_configs
 from kernels.triton_common import _ARCH, _VENDOR, _dot_fp32, _even_k, _logits_tile, _mma_step, _num_sms, _token_rows
 
 
@@ -268,3 +268,47 @@ def dlogits_from_logits(z_TV, tgt_T, v_off: int, lse_T, a_T, b_T, c_T, inv_temp:
         BLOCK_T=bt, BLOCK_V=bv, num_warps=warps,
     )
     return out_TV
+
+
+@triton.jit
+def _dw_acc_kernel(dz_ptr, h_ptr, acc_ptr, scale_ptr, T, V, H, stride_dz, stride_h, stride_acc,
+                   FIRST: tl.constexpr, DOT_FP32: tl.constexpr,
+                   BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[V, H] (fp32) = or += dz[T, V]^T @ (h[T, H] x scale): dz fp16, h bf16/fp16 converted in registers
+    (times a power of two: exact), fp32 accumulation over all T inside the program, one fp32 read-modify-write."""
+    pid_v = tl.program_id(0)
+    pid_h = tl.program_id(1)
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    v_mask = offs_v < V
+    h_mask = offs_h < H
+    scale = tl.load(scale_ptr)
+    acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
+    for k0 in range(0, T, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < T
+        rows = offs_k.to(tl.int64)[:, None]
+        a = tl.load(dz_ptr + rows * stride_dz + offs_v[None, :], mask=k_mask[:, None] & v_mask[None, :], other=0.0)
+        b = tl.load(h_ptr + rows * stride_h + offs_h[None, :], mask=k_mask[:, None] & h_mask[None, :], other=0.0)
+        b = b.to(tl.float32) * scale
+        if DOT_FP32:
+            acc = tl.dot(tl.trans(a.to(tl.float32)), b, acc, input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(a), b.to(tl.float16), acc)
+    ptrs = acc_ptr + offs_v.to(tl.int64)[:, None] * stride_acc + offs_h[None, :]
+    mask = v_mask[:, None] & h_mask[None, :]
+    if not FIRST:
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, acc, mask=mask)
+
+
+def dw_acc(acc_VH, dz_TV, h_TH, scale, first: bool) -> None:
+    """acc (fp32 [V, H]) = (first) or += dz^T @ (h * scale), with dz fp16 and h 16-bit: the dW GEMM of the lean
+    backward without an fp16 copy of h (kernels/lm_head_lean.py)."""
+    T, V = dz_TV.shape
+    H = h_TH.shape[1]
+    c = DW_ACC_TILES[_VENDOR]
+    grid = (triton.cdiv(V, c.block_t), triton.cdiv(H, c.block_v))
+    _dw_acc_kernel[grid](dz_TV, h_TH, acc_VH, scale, T, V, H, dz_TV.stride(0), h_TH.stride(0), acc_VH.stride(0),
+                         FIRST=first, DOT_FP32=_VENDOR == "interpreter", BLOCK_V=c.block_t, BLOCK_H=c.block_v,
+                         BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)

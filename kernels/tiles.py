@@ -110,6 +110,16 @@ DZ_TILES = {"nvidia": (16, 256, 4), "amd": (16, 256, 4), "interpreter": (4, 32, 
 MERGE_TILES = {"nvidia": (32, 64, 4), "amd": (32, 64, 4), "interpreter": (4, 8, 1)}  # (tiles, rows, warps)
 
 
+# dW accumulation of the lean backward's small chunks (kernels/lm_head_triton.py, _dw_acc_kernel): acc[Vc, H] +=
+# dZ[Tc, Vc]^T (h[Tc, H] x s), h converted to fp16 in registers. A plain GEMM tile over (vocab, hidden) with K = tokens:
+#   NVIDIA: 128 x 128 x 64 over 8 warps (two 64-row wgmma slices), 3 stages = (128 + 128) x 64 x 2 B x 3 = 96 KiB of
+#     SMEM; at Vc = 1024, H = 2048 that is 8 x 16 = 128 programs, one wave on a 132-SM H100/H200.
+#   AMD CDNA3: 128 x 128 x 32 over 8 wavefronts, 2 stages = 32 KiB of the 64 KiB LDS (the stats tile's shape).
+#   Interpreter: small, so the test shapes cross several K steps and masked edges.
+DW_ACC_TILES = {"nvidia": TileConfig(128, 128, 64, 8, 3), "amd": TileConfig(128, 128, 32, 8, 2),
+                "interpreter": TileConfig(16, 16, 16, 1, 1)}  # (block_v, block_h, block_k = tokens, ...)
+
+
 def logits_tile_config(vendor: str, elem_bytes: int) -> TileConfig:
     """The epilogue-statistics GEMM's tile for a vendor ("nvidia", "amd", "interpreter") and operand width."""
     if vendor == "interpreter":

@@ -332,16 +332,18 @@ def test_lean_plan_uses_own_rows_then_a_small_tail():
     # the bar's shape: pass H fits in dW's bytes at its wanted chunks; pass W runs in its own rows except the last
     # rows, whose scratch is the one external buffer (4.3 MiB at H = 2048)
     H, V, T = 2048, 248320, 65536
-    need_h, need_w = L._needs(H, 2, True, 256)
+    need_h, need_w, need_direct = L._needs(H, 2, True, 256)
     assert L.fit_chunks(V * H * 2, need_h, T, V, L.PASS_H_CHUNKS) == (16384, 16384)
-    plan = L.plan_vocab_pass(V, T, H * 2, need_w)
+    plan = L.plan_vocab_pass(V, T, H * 2, need_w, need_direct)
     assert plan[0][:3] == (0, 8192, 8192) and plan[-1][1] == V
     assert all(a[1] == b[0] for a, b in zip(plan, plan[1:]))  # contiguous, in order
-    for v0, v1, tc, own in plan:  # an own chunk's scratch fits in the rows after it
-        assert (not own) or need_w(tc, v1 - v0) <= (V - v1) * H * 2
+    for v0, v1, tc, own, direct in plan:  # an own chunk's scratch fits in the rows after it
+        assert (not own) or (need_direct if direct else need_w)(tc, v1 - v0) <= (V - v1) * H * 2
+    kinds = [(own, direct) for _, _, _, own, direct in plan]
+    assert kinds.index((True, True)) > kinds.index((True, False)) and kinds[-1] == (False, True)
     tail = [c for c in plan if not c[3]]
-    assert 0 < sum(v1 - v0 for v0, v1, _, _ in tail) <= 2048 and need_w(512, 256) < 4.5 * 2**20
-    assert len(plan) < 80
+    assert 0 < sum(c[1] - c[0] for c in tail) <= 2048 and need_direct(*L.tail_chunks(T, V)) < 1.6 * 2**20
+    assert sum(-(-T // c[2]) for c in plan) < 1100  # launches: chunks x token chunks
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
@@ -351,6 +353,8 @@ def test_lean_backward_torch(dtype):
 
     restore = _small_lean_chunks(L, kc)
     try:
+        kinds = {c[3:] for c in L.plan_vocab_pass(301, 37, 48 * 2, *L._needs(48, 2, True, 16)[1:])}  # bf16 case
+        assert kinds == {(True, False), (True, True), (False, True)}  # cuBLAS in own rows, direct, tail
         gt = 3e-3 if dtype == torch.bfloat16 else None  # bf16: the outputs' own rounding
         check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6 if dtype == torch.float32 else 1e-5, grad_tol=gt,
                             impl="lean", reduction="mean", z_loss=1e-3, temperature=0.7, dtype=dtype)
@@ -506,6 +510,15 @@ def interpreter_checks() -> None:
         print("lean lp", check_logprobs(29, 40, 257, backend="triton", tol=2e-5, impl="lean", temperature=1.3))
     finally:
         restore()
+    from kernels import lm_head_chunked as kc, lm_head_triton as kt
+
+    dz, h, scale = torch.randn(37, 45).half(), torch.randn(37, 40).bfloat16(), torch.tensor(4.0)
+    for first in (True, False):  # the direct dW kernel against torch: odd shapes, both write modes
+        got = torch.randn(45, 40)
+        ref = got.clone()
+        kt.dw_acc(got, dz, h, scale, first)
+        kc.dw_acc(ref, dz, h, scale, first)
+        assert _rel(got, ref) < 1e-6, (first, _rel(got, ref))
     print("interpreter checks passed")
 
 
