@@ -142,7 +142,7 @@ class _TokenStats(torch.autograd.Function):
         rank, _ = _tp_info(tp_group)
         V = weight_VH.shape[0]
         vocab_start = rank * V  # equal shards (V_global = V * tp), as vocab-parallel layers pad the vocab
-        tgt_T = target_T.long() - vocab_start
+        tgt_T = target_T.long() - vocab_start if vocab_start else target_T.long()  # (no copy of an int64 target)
         inv_temp = 1.0 / temperature
         kmod = _backend_module(backend)
         if impl in ("split", "lean"):
@@ -154,7 +154,7 @@ class _TokenStats(torch.autograd.Function):
             lse_T, ent_T, tz_T = _combine_over_group(lse_T, ent_T, tz_T, tp_group)
         if not with_entropy:
             ent_T = torch.zeros_like(lse_T)
-        ctx.save_for_backward(hidden_TH, weight_VH, tgt_T, lse_T, ent_T)
+        ctx.save_for_backward(hidden_TH, weight_VH, tgt_T, lse_T, ent_T if with_entropy else None)
         ctx.cfg = (inv_temp, with_entropy, tp_group, backend, impl, chunk_tokens, chunk_vocab)
         if not with_entropy:
             ctx.mark_non_differentiable(ent_T)
@@ -164,20 +164,22 @@ class _TokenStats(torch.autograd.Function):
     def backward(ctx, g_tz, g_lse, g_ent):
         hidden_TH, weight_VH, tgt_T, lse_T, ent_T = ctx.saved_tensors
         inv_temp, with_entropy, tp_group, backend, impl, chunk_tokens, chunk_vocab = ctx.cfg
-        zeros = torch.zeros_like(lse_T)
-        g_tz = zeros if g_tz is None else g_tz.float()
-        g_lse = zeros if g_lse is None else g_lse.float()
-        g_ent = zeros if (g_ent is None or not with_entropy) else g_ent.float()
-        a_T = (g_lse + g_ent * (lse_T - ent_T)).contiguous()
-        b_T = (-g_ent).contiguous()
-        c_T = g_tz.contiguous()
+        # dloss/dx = p (a + b x) + c [target]; without an entropy gradient b = 0 and a = g_lse itself (no [T] copies:
+        # the lean backward counts every MiB)
+        g_tz = torch.zeros_like(lse_T) if g_tz is None else g_tz.float().contiguous()
+        g_lse = torch.zeros_like(lse_T) if g_lse is None else g_lse.float().contiguous()
+        has_b = with_entropy and g_ent is not None
+        a_T = (g_lse + g_ent.float() * (lse_T - ent_T)).contiguous() if has_b else g_lse
+        c_T = g_tz
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if impl == "lean":
             from kernels.lm_head_lean import lean_backward
 
+            b_T = (-g_ent.float()).contiguous() if has_b else None
             dH_TH, dW_VH = lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend,
-                                         with_entropy, need_h, need_w, tp_group)
+                                         need_h, need_w, tp_group)
             return dH_TH, dW_VH, None, None, None, None, None, None, None, None
+        b_T = (-g_ent.float()).contiguous() if has_b else torch.zeros_like(lse_T)
         dH_TH, dW_VH = _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend,
                                         impl, chunk_tokens, chunk_vocab, need_h, need_w, tp_group)
         return dH_TH, dW_VH, None, None, None, None, None, None, None, None
@@ -232,18 +234,21 @@ def _split_token_stats(kmod, hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy
         Tc = int(chunk_tokens)
     Tc = max(1, min(T, Tc))
     num_splits = -(-V // Vc)
-    parts_3ST = torch.empty((3, num_splits, T), dtype=torch.float32, device=hidden_TH.device)
+    if num_splits == 1:  # three separate vectors: the loss may keep lse alone (the lean backward counts MiB)
+        parts_3ST = [torch.empty((1, T), dtype=torch.float32, device=hidden_TH.device) for _ in range(3)]
+    else:
+        parts_3ST = torch.empty((3, num_splits, T), dtype=torch.float32, device=hidden_TH.device)
     for si, v0 in enumerate(range(0, V, Vc)):
         v1 = min(v0 + Vc, V)
         for t0 in range(0, T, Tc):
             t1 = min(t0 + Tc, T)
             _, lse2, ent, tz, _ = kmod.logits_tiles(hidden_TH[t0:t1], weight_VH[v0:v1], tgt_T[t0:t1] - v0, inv_temp,
                                                     with_entropy)
-            torch.mul(lse2, lm_head_chunked.LN2, out=parts_3ST[0, si, t0:t1])
-            parts_3ST[1, si, t0:t1] = ent
-            parts_3ST[2, si, t0:t1] = tz
+            torch.mul(lse2, lm_head_chunked.LN2, out=parts_3ST[0][si, t0:t1])
+            parts_3ST[1][si, t0:t1] = ent
+            parts_3ST[2][si, t0:t1] = tz
     if num_splits == 1:
-        return parts_3ST[0, 0], parts_3ST[1, 0], parts_3ST[2, 0]
+        return parts_3ST[0][0], parts_3ST[1][0], parts_3ST[2][0]
     return lm_head_chunked.combine_splits(parts_3ST[0], parts_3ST[1], parts_3ST[2])
 
 
@@ -268,7 +273,10 @@ def _backward_operands(hidden_TH, weight_VH, lse_T, a_T, b_T, c_T, inv_temp):
     one = torch.ones((), dtype=torch.float32, device=hidden_TH.device)
     if hidden_TH.dtype == torch.float32:
         return torch.float32, one, one, one
-    bound = (_amax(a_T) + _amax(b_T) * (_amax(lse_T) + 1) + _amax(c_T)) * inv_temp
+    bound = _amax(a_T) + _amax(c_T)
+    if b_T is not None:
+        bound = bound + _amax(b_T) * (_amax(lse_T) + 1)
+    bound = bound * inv_temp
     if hidden_TH.dtype == torch.float16:  # the inputs are the GEMM operands as they are: no conversion, no scale
         return torch.float16, _pow2_scale(bound), one, one
     return torch.float16, _pow2_scale(bound), _pow2_scale(_amax(hidden_TH)), _pow2_scale(_amax(weight_VH))

@@ -96,11 +96,12 @@ def tile_vocab(hidden_TH) -> int:
 
 
 def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, config=None,
-                 parts=None):
+                 parts=None, merge=True):
     """The Triton logits_tiles in torch, tile by tile: per [T, tile] logits block, each row's max m2 and the
     block's own lse2 (log2 units: x2 = x log2 e), entropy and target x; 2^14 e = 2^(x2 - m2 + 14) written into
     e_TV (its dtype) when given. Returns (m2 [num_tiles, T], lse2 [T], ent [T], tz [T], tile width). parts: a
-    flat fp32 buffer of at least 4 T num_tiles elements for the per-tile statistics (else allocated)."""
+    flat fp32 buffer of at least 4 T num_tiles elements for the per-tile statistics (else allocated). merge=False:
+    lse2, ent, tz come back as None."""
     T = hidden_TH.shape[0]
     V = weight_VH.shape[0]
     tile = LOGITS_TILE_VOCAB
@@ -126,6 +127,8 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
         tz_NT[i] = torch.where(hit, x_Tv.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0], 0.0)
         if e_TV is not None:
             e_TV[:, v0:v1] = e_Tv * E_SCALE
+    if not merge:
+        return m2_NT, None, None, None, tile
     lse2_T, ent_T, tz_T = combine_tiles(lse2_NT, ent_NT, tz_NT, with_entropy)
     return m2_NT, lse2_T, ent_T, tz_T, tile
 

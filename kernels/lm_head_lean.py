@@ -19,9 +19,9 @@ Where the scratch lives. Pass H runs first, while dW's storage (V H 2 bytes) is 
 chunk, fp16 W chunk and tile statistics are views of those bytes. Pass W then writes dW chunk by chunk from row 0
 and keeps its scratch in the rows it has not written yet (the rows after the chunk). Chunks shrink as those rows
 run out; once an fp16 copy of h no longer fits behind a cuBLAS-sized chunk, the dW GEMM becomes a Triton kernel that
-reads h as it is (dw_acc), and the last few hundred rows, whose scratch cannot fit behind them, use one small
-external buffer (TAIL_GRAINS chunks: 2048 tokens x 128 rows, 1.5 MiB at H = 2048). The stream orders every reuse of
-those bytes.
+reads h as it is (dw_acc); those chunks shrink down to 4 rows, and the last few dozen rows, whose scratch cannot
+fit behind them, use one small external buffer (TAIL_GRAINS chunks: 8192 tokens x 4 rows, 0.22 MiB at H = 2048).
+The stream orders every reuse of those bytes.
 """
 
 from __future__ import annotations
@@ -40,8 +40,9 @@ PASS_H_CHUNKS = (16384, 16384)  # (Tc, Vc) wanted in pass H: 4 token chunks at T
 PASS_W_CHUNKS = (8192, 8192)  # (Tc, Vc) wanted in pass W: 128 MiB dZ + 64 MiB dW32 + 32 MiB h16 at H = 2048
 CUBLAS_LEAST = (8, 4)  # in GRAINs: pass W's cuBLAS chunks stay >= 2048 x 1024; smaller ones go direct (no h16)
 DIRECT_CHUNKS = (16384, 4096)  # (Tc, Vc) wanted of a direct chunk (dZ and dW32 only)
-DIRECT_LEAST = (8, 1)  # in GRAINs
-TAIL_GRAINS = (8, 0.5)  # (Tc, Vc) of the last chunks: 2048 x 128, 0.5 MiB dZ + 1 MiB dW32 of external buffer
+DIRECT_LEAST = (32, 1 / 64)  # in GRAINs: 8192 tokens x 4 rows
+TAIL_GRAINS = DIRECT_LEAST  # (Tc, Vc) of the last chunks: 8192 x 4, 64 KiB dZ + 32 KiB dW32 + 128 KiB statistics,
+#                             the external buffer (their scratch cannot fit behind them)
 EXTERNAL_BYTES = 64 * 2**20  # pass H's scratch when dW is not wanted (no storage to borrow)
 _ALIGN = 256  # bytes: each carved tensor starts on this boundary (TMA wants 16, cuBLAS likes 256)
 
@@ -72,19 +73,23 @@ def _bytes_of(t: torch.Tensor, first_row: int = 0) -> torch.Tensor:
 
 def _shrink(tc: int, vc: int, t_min: int, v_min: int) -> tuple[int, int] | None:
     """Halve the larger of the two chunk sizes (multiples of GRAIN, not below the minimum); None at the minimum."""
+    def half(n, least):  # multiples of GRAIN down to GRAIN, then plain halving (the tail's few rows)
+        n2 = n // 2 // GRAIN * GRAIN if n >= 2 * GRAIN else n // 2
+        return max(least, n2)
+
     if vc >= tc and vc > v_min:
-        return tc, max(v_min, vc // 2 // GRAIN * GRAIN)
+        return tc, half(vc, v_min)
     if tc > t_min:
-        return max(t_min, tc // 2 // GRAIN * GRAIN), vc
+        return half(tc, t_min), vc
     if vc > v_min:
-        return tc, max(v_min, vc // 2 // GRAIN * GRAIN)
+        return tc, half(vc, v_min)
     return None
 
 
 def _largest(fits: Callable[[int, int], bool], T: int, V: int, want: tuple[int, int],
-             least: tuple[int, int] = (1, 1)) -> tuple[int, int] | None:
+             least: tuple[float, float] = (1, 1)) -> tuple[int, int] | None:
     """The largest (Tc, Vc), from `want` down by halving to `least` (in GRAINs), for which fits(Tc, Vc)."""
-    t_min, v_min = min(T, least[0] * GRAIN), min(V, least[1] * GRAIN)
+    t_min, v_min = min(T, max(1, int(least[0] * GRAIN))), min(V, max(1, int(least[1] * GRAIN)))
     sizes: tuple[int, int] | None = (min(T, max(want[0], t_min)), min(V, max(want[1], v_min)))
     while sizes is not None:
         if fits(*sizes):
@@ -100,7 +105,7 @@ def fit_chunks(budget: int, need: NeedFn, T: int, V: int, want: tuple[int, int])
 
 def tail_chunks(T: int, V: int) -> tuple[int, int]:
     """(Tc, Vc) of pass W's last chunks, whose scratch is the external buffer."""
-    return min(T, int(TAIL_GRAINS[0] * GRAIN)), min(V, max(1, int(TAIL_GRAINS[1] * GRAIN)))
+    return min(T, max(1, int(TAIL_GRAINS[0] * GRAIN))), min(V, max(1, int(TAIL_GRAINS[1] * GRAIN)))
 
 
 def plan_vocab_pass(V: int, T: int, row_bytes: int, need_w: NeedFn, need_direct: NeedFn | None = None
@@ -151,8 +156,8 @@ def _needs(H: int, ge: int, convert: bool, tile: int):
 
 
 def lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: float, backend: str,
-                  with_entropy: bool, need_h: bool, need_w: bool, tp_group):
-    """(dH [T, H] or None, dW [V, H] or None) in the inputs' dtypes; see the module docstring."""
+                  need_h: bool, need_w: bool, tp_group):
+    """(dH [T, H] or None, dW [V, H] or None) in the inputs' dtypes; see the module docstring. b_T None: b = 0."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
     if T == 0 or not (need_h or need_w):
@@ -164,7 +169,6 @@ def lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: f
     ge = gemm_dtype.itemsize
     convert = gemm_dtype != hidden_TH.dtype
     need_h_fn, need_w_fn, need_direct_fn = _needs(H, ge, convert, kmod.tile_vocab(hidden_TH))
-    lse2_T = lse_T * LOG2E
     dH = torch.empty_like(hidden_TH) if need_h else None
     dW = torch.empty_like(weight_VH) if need_w else None
 
@@ -174,9 +178,10 @@ def lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: f
         parts = arena.take((16 * tc * -(-vc // kmod.tile_vocab(hidden_TH)) // 4,), torch.float32)
         tgt = tgt_T[t0:t1] - v0
         m2, _, _, _, tile = kmod.logits_tiles(hidden_TH[t0:t1], weight_VH[v0:v1], tgt, inv_temp, False, dz,
-                                              parts=parts)
-        kmod.dlogits_from_tiles(dz, m2, tile, tgt, lse2_T[t0:t1], a_T[t0:t1], b_T[t0:t1], c_T[t0:t1], inv_temp,
-                                dz_scale, with_entropy)
+                                              parts=parts, merge=False)
+        b = a_T if b_T is None else b_T  # (not read without b)
+        kmod.dlogits_from_tiles(dz, m2, tile, tgt, lse_T[t0:t1] * LOG2E, a_T[t0:t1], b[t0:t1], c_T[t0:t1], inv_temp,
+                                dz_scale, b_T is not None)
         return dz
 
     if need_h:  # pass H, token-outer; scratch: dW's storage while it is unwritten

@@ -236,12 +236,13 @@ def _tile_config(hidden_TH):
 
 
 def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, config=None,
-                 tma=None, subtile=None, warp_specialize=False, e_tma=False, parts=None):
+                 tma=None, subtile=None, warp_specialize=False, e_tma=False, parts=None, merge=True):
     """One logits GEMM with the statistics in its epilogue. Returns (m2 [num_tiles, T] tile maxima and lse2 [T],
     both in log2 units; ent [T] (zeros unless with_entropy), tz [T], tile width); writes the tile weights into e_TV
     (fp16 or fp32, row stride free) when given. config, tma, subtile, warp_specialize, e_tma (the weights leave
     through TMA stores: an fp16 e_TV with 16-byte aligned rows; timed slower): overrides for benchmarks. parts: a
-    flat fp32 buffer of at least 4 T ceil(V / tile_vocab) elements for the per-tile statistics (else allocated)."""
+    flat fp32 buffer of at least 4 T ceil(V / tile_vocab) elements for the per-tile statistics (else allocated).
+    merge=False: no merged row statistics (lse2, ent, tz returned as None)."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
     dot_fp32 = _dot_fp32(hidden_TH)
@@ -276,6 +277,8 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
         logits_tiles.last_kernel = _logits_tiles_kernel[(grid_tiles,)](
             hidden_TH, weight_VH, *outs, T, V, H, hidden_TH.stride(0), weight_VH.stride(0), e_arg.stride(0),
             inv_temp, DOT_FP32=dot_fp32, **meta)
+    if not merge:  # (the caller wants the weights and the tile maxima only)
+        return m2_NT, None, None, None, c.block_v
     lse2_T, ent_T, tz_T = merge_tiles(lse2_NT, ent_NT, tz_NT, with_entropy)
     return m2_NT, lse2_T, ent_T, tz_T, c.block_v
 
