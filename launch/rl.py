@@ -24,15 +24,16 @@ import kernels
 
 
 def token_logprobs(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor, *,
-                   mode: Literal["fused", "naive"] = "fused", temperature: float = 1.0,
+                   mode: Literal["fused", "lean", "naive"] = "fused", temperature: float = 1.0,
                    with_entropy: bool = False):
     """log p(target_t) [T] fp32 (and entropy [T]). `fused` streams the vocabulary through kernels.linear_logprobs
-    (no [T, V] logits); `naive` materializes fp32 logits. Negative targets give 0 and no gradient."""
-    if mode == "fused":
+    (no [T, V] logits); `lean` too, with the backward that holds nothing beside its two gradients but ~2 MiB
+    (kernels/lm_head_lean.py); `naive` materializes fp32 logits. Negative targets give 0 and no gradient."""
+    if mode in ("fused", "lean"):
         return kernels.linear_logprobs(hidden_TD, weight_VD, targets_T, temperature=temperature,
-                                       with_entropy=with_entropy)
+                                       with_entropy=with_entropy, impl="lean" if mode == "lean" else None)
     if mode != "naive":
-        raise ValueError(f"lm_head must be 'fused' or 'naive', got {mode!r}")
+        raise ValueError(f"lm_head must be 'fused', 'lean' or 'naive', got {mode!r}")
     logits_TV = F.linear(hidden_TD, weight_VD).float() / temperature
     logp_TV = torch.log_softmax(logits_TV, dim=-1)
     valid_T = targets_T >= 0

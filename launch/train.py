@@ -55,8 +55,8 @@ class TrainConfig:
 
 class Trainer:
     def __init__(self, model: Transformer, cfg: TrainConfig, *, recompute: str = "full", lm_head: str = "fused"):
-        if lm_head not in ("fused", "naive"):
-            raise ValueError(f"lm_head must be fused or naive, got {lm_head!r}")
+        if lm_head not in ("fused", "lean", "naive"):
+            raise ValueError(f"lm_head must be fused, lean or naive, got {lm_head!r}")
         self.model = apply_recompute(model, recompute)
         self.cfg, self.lm_head = cfg, lm_head
         self.optimizer = MasterAdamW(self.model.named_parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,

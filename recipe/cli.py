@@ -56,7 +56,8 @@ Gpus = Annotated[Optional[int], typer.Option("--gpus", "-g", help="world size to
                                                                    "smallest count that fits")]
 Layers = Annotated[Optional[int], typer.Option("--layers", help="a reduced-depth model: first N layers")]
 Recompute = Annotated[str, typer.Option("--recompute", help="full | none")]
-LmHead = Annotated[str, typer.Option("--lm-head", help="fused | naive")]
+LmHead = Annotated[str, typer.Option("--lm-head", help="fused (the loss in the head, 3 GEMMs) | lean (the two gradients "
+                                                      "and ~2 MiB, 5 GEMMs) | naive (materialized logits)")]
 Mbt = Annotated[Optional[str], typer.Option("--micro-batch-tokens", help="tokens per micro-batch (default: --seq)")]
 Mb = Annotated[int, typer.Option("--micro-batches", help="micro-batches per DP rank per optimizer step")]
 Chunks = Annotated[Optional[int], typer.Option("--ep-chunks", help="EP all-to-all overlap chunks (1 = off; "
@@ -64,12 +65,13 @@ Chunks = Annotated[Optional[int], typer.Option("--ep-chunks", help="EP all-to-al
 
 
 def _inputs(model, seq, hw, gpus, layers, recompute, lm_head, mbt, micro_batches, ep_chunks):
+    from .cost import HEAD_MODES
     from .planfile import SolveInputs, parse_size
 
     if recompute not in ("full", "none"):
         raise UserError(f"--recompute must be 'full' or 'none', got {recompute!r}")
-    if lm_head not in ("fused", "naive"):
-        raise UserError(f"--lm-head must be 'fused' or 'naive', got {lm_head!r}")
+    if lm_head not in HEAD_MODES:
+        raise UserError(f"--lm-head must be one of {', '.join(HEAD_MODES)}, got {lm_head!r}")
     if gpus is not None and gpus <= 0:
         raise UserError(f"--gpus must be positive, got {gpus}")
     if micro_batches <= 0:

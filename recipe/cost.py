@@ -30,6 +30,14 @@ BYTES_UNSHARDED = 2 * BF16 + FP32
 # The fused head's eager path (kernels/lm_head_eager.py, what the trainer runs) holds one group's fp16 tile weights
 # [Tg, V] (its dlogits are written over them), with Tg sized to this budget (its EAGER_SCRATCH_BYTES).
 FUSED_HEAD_BUDGET_B = 2.0 * 2**30
+# The lean head (kernels/lm_head_lean.py, `lm_head: lean`): its forward holds the per-tile statistics of one token chunk
+# (at most this, kernels.lm_head.FORWARD_PARTS_BYTES), its backward the two bf16 gradients and ~2 MiB beside them.
+LEAN_FORWARD_BYTES = 256 * 2**20
+LEAN_EXTRA_BYTES = 4 * 2**20
+# Its time as head passes (one pass = one logits-sized GEMM): five GEMMs, measured 2.2x the eager head's three at
+# T = 65,536 on an H200 (737 / 510 ms against 336 / 211 at V = 248,320 / 151,936; docs/BENCHMARKS.md, session 4).
+LEAN_HEAD_PASSES = 6.6
+HEAD_MODES = ("fused", "lean", "naive")
 EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (the seed's figure)
 # The optimizer step per local parameter: cast the bf16 gradient to fp32 (2 + 4 bytes), fused AdamW (read master,
 # grad, both moments, write master and moments: 28), write the bf16 compute copy back (4 + 2): 40 bytes.
@@ -45,7 +53,7 @@ HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measu
 class TrainOptions(Record):
     micro_batch_tokens: int  # tokens of one packed micro-batch (before CP)
     recompute: Literal["full", "none"] = "full"
-    lm_head: Literal["fused", "naive"] = "fused"
+    lm_head: Literal["fused", "lean", "naive"] = "fused"
     ep_overlap_chunks: int = 1  # 1 = off
     micro_batches: int = 1  # micro-batches per DP rank per optimizer step
 
@@ -56,8 +64,8 @@ class TrainOptions(Record):
                 raise ValueError(f"{n} must be a positive integer, got {v!r}")
         if self.recompute not in ("full", "none"):
             raise ValueError(f"recompute must be 'full' or 'none', got {self.recompute!r}")
-        if self.lm_head not in ("fused", "naive"):
-            raise ValueError(f"lm_head must be 'fused' or 'naive', got {self.lm_head!r}")
+        if self.lm_head not in HEAD_MODES:
+            raise ValueError(f"lm_head must be one of {', '.join(HEAD_MODES)}, got {self.lm_head!r}")
 
 
 @dataclass(frozen=True)
@@ -203,14 +211,19 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
     return mixer + ffn + BACKWARD_TRANSIENT * max(mixer, ffn)
 
 
-def lm_head_bytes(m: ModelShape, s: float, tp: int, fused: bool) -> float:
-    """What the LM head holds while it runs. Fused (the eager path: the loss handed to the head, three GEMMs):
+def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
+    """What the LM head holds while it runs. "fused" (the eager path: the loss handed to the head, three GEMMs):
     one group's fp16 tile weights within the kernel's budget, the fp32 dW accumulator and the fp16 copy of W
-    ((V/tp)·h·6), and dH (fp32, s·h·4). Unfused: logits and their gradient, [s × V/tp] in bf16, twice
-    (DESIGN.md)."""
+    ((V/tp)·h·6), and dH (fp32, s·h·4). "lean" (five GEMMs): its two bf16 gradients ((V/tp + s)·h·2) and a few MiB,
+    or its forward's tile statistics if those are more. "naive": logits and their gradient, [s × V/tp] in bf16,
+    twice (DESIGN.md)."""
     v = m.vocab_size / tp
-    if not fused:
+    if mode == "naive":
         return 2 * s * v * BF16
+    if mode == "lean":
+        return max(min(LEAN_FORWARD_BYTES, 16 * s * -(-v // 256)), (v + s) * m.hidden_size * BF16 + LEAN_EXTRA_BYTES)
+    if mode != "fused":
+        raise ValueError(f"lm_head mode must be one of {', '.join(HEAD_MODES)}, got {mode!r}")
     return min(FUSED_HEAD_BUDGET_B, s * v * BF16) + v * m.hidden_size * (FP32 + BF16) + s * m.hidden_size * FP32
 
 
@@ -284,7 +297,7 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     s = opts.micro_batch_tokens / cp  # tokens per rank per micro-batch (TP with sequence parallel: s/tp outside)
     L = m.num_layers / pp
     recompute = opts.recompute == "full"
-    fused = opts.lm_head == "fused"
+    in_head = opts.lm_head != "naive"  # the head's gradients leave it at once: nothing of [s, V] outlives it
     in_flight = min(pp, opts.micro_batches) if pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches
 
     # persistent state: dense params over tp, then FSDP2 over dp·cp; routed experts over ep·etp, FSDP2 over edp
@@ -312,11 +325,12 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
         acts = L * in_flight * (mixer + ffn) + BACKWARD_TRANSIENT * max(mixer, ffn) + unsharded
     mem["activations"] = acts
     head_unsharded = m.vocab_size / tp * m.hidden_size * BYTES_UNSHARDED if dp * cp > 1 else 0.0
-    head = lm_head_bytes(m, s, tp, fused) + head_unsharded
+    head = lm_head_bytes(m, s, tp, opts.lm_head) + head_unsharded
     head_own = head
-    if recompute and fused:
-        # the fused head runs (forward and its gradients) at the end of the forward, when only the checkpoints are
-        # live: it raises the peak only by what it needs beyond a layer's recompute working set
+    if recompute and in_head:
+        # the fused head runs (forward and its gradients) at the end of the forward, the lean head's backward at the
+        # start of the backward: either way only the checkpoints are live, so it raises the peak only by what it
+        # needs beyond a layer's recompute working set
         head = max(0.0, head - (working + unsharded))
     mem["lm_head"] = head
     mem["overhead"] = hw.overhead_gb * GB
@@ -324,13 +338,14 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     memory_gb = {k: v / GB for k, v in mem.items()}
     memory_gb["total"] = total / GB
     memory_gb["usable"] = hw.usable_gb
-    unfused = lm_head_bytes(m, s, tp, fused=False) / GB
+    unfused = lm_head_bytes(m, s, tp, "naive") / GB
 
     # FLOPs (per token, full sequence context for attention)
     f = forward_flops_per_token(m, opts.micro_batch_tokens)
     fwd = sum(f.values())
     model_flops_tok = 3 * fwd
-    head_passes = 3  # the fused head's eager path forms its gradients in the forward: three GEMMs, as unfused
+    # the fused head's eager path forms its gradients in the forward: three GEMMs, as unfused; the lean head five
+    head_passes = LEAN_HEAD_PASSES if opts.lm_head == "lean" else 3
     hw_flops_tok = (4 if recompute else 3) * (fwd - f["head"]) + head_passes * f["head"]
     tokens_per_rank_step = s * opts.micro_batches  # tokens this rank's stage processes per step
     # per-GPU work: TP splits matmuls; PP splits layers (the head counted on its stage: the largest stage)

@@ -37,7 +37,7 @@ class Inputs(_Strict):
     gpus: int | None = Field(None, gt=0, le=MAX_INT)  # None: the smallest count that fits
     layers: int | None = Field(None, gt=0, le=100_000)
     recompute: Literal["full", "none"] = "full"
-    lm_head: Literal["fused", "naive"] = "fused"
+    lm_head: Literal["fused", "lean", "naive"] = "fused"
     micro_batch_tokens: int | None = Field(None, gt=0, le=MAX_INT)  # None: seq_len
     micro_batches: int = Field(1, gt=0, le=1_000_000)
     ep_overlap_chunks: int | None = Field(None, gt=0, le=4096)  # None: chosen from the local sequence
@@ -86,7 +86,7 @@ class Optimizer(_Strict):
 
 class TrainSpec(_Strict):
     recompute: Literal["full", "none"]
-    lm_head: Literal["fused", "naive"]
+    lm_head: Literal["fused", "lean", "naive"]
     ep_overlap_chunks: int = Field(gt=0, le=4096)
     micro_batch_tokens: int = Field(gt=0, le=MAX_INT)
     micro_batches: int = Field(gt=0, le=1_000_000)

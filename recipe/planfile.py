@@ -33,7 +33,7 @@ class SolveInputs(Record):
     gpus: int | None = None  # None: the smallest count that fits
     layers: int | None = None
     recompute: Literal["full", "none"] = "full"
-    lm_head: Literal["fused", "naive"] = "fused"
+    lm_head: Literal["fused", "lean", "naive"] = "fused"
     micro_batch_tokens: int | None = None  # None: seq_len
     micro_batches: int = 1
     ep_overlap_chunks: int | None = None  # None: chosen from the local sequence

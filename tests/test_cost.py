@@ -30,20 +30,42 @@ def test_unfused_logits_seed_arithmetic():
     assert Q35.vocab_size == 248_320 and Q35.vocab_size // 2 == 124_160
     per_copy = 65_536 * 124_160 * 2
     assert round(per_copy / GB, 2) == 16.27
-    unfused = lm_head_bytes(Q35, 65_536, tp=2, fused=False)
+    unfused = lm_head_bytes(Q35, 65_536, tp=2, mode="naive")
     assert unfused == 2 * per_copy
     assert round(unfused / GB, 2) == 32.55
 
 
 def test_fused_head_is_a_tile_not_the_logits():
-    fused = lm_head_bytes(Q35, 65_536, tp=2, fused=True)
+    fused = lm_head_bytes(Q35, 65_536, tp=2, mode="fused")
     # hand-worked: the 2 GiB logits group + fp32 dW and fp16 W copies of the 124,160-row shard + fp32 dH
     v, h = 124_160, Q35.hidden_size
     assert fused == pytest.approx(2 * 2**30 + v * h * 6 + 65_536 * h * 4)
     assert round(fused / GB, 2) == 4.21  # 2.15 + 1.53 + 0.54 GB
-    assert fused < 0.15 * lm_head_bytes(Q35, 65_536, tp=2, fused=False)
+    assert fused < 0.15 * lm_head_bytes(Q35, 65_536, tp=2, mode="naive")
     # the fp32 dH term grows with s; the logits group does not
-    assert lm_head_bytes(Q35, 131_072, 2, True) - fused == pytest.approx(65_536 * Q35.hidden_size * FP32)
+    assert lm_head_bytes(Q35, 131_072, 2, "fused") - fused == pytest.approx(65_536 * Q35.hidden_size * FP32)
+
+
+def test_lean_head_holds_its_two_gradients():
+    # hand-worked: dW of the 124,160-row shard and dH of 65,536 tokens in bf16, plus 4 MiB; its forward's tile
+    # statistics (16 B x 65,536 x 485 tiles = 0.51 GB, capped at 256 MiB) are less
+    v, h = 124_160, Q35.hidden_size
+    lean = lm_head_bytes(Q35, 65_536, tp=2, mode="lean")
+    assert lean == pytest.approx((v + 65_536) * h * 2 + 4 * 2**20)
+    assert round(lean / GB, 2) == 0.78 and lean < 0.2 * lm_head_bytes(Q35, 65_536, tp=2, mode="fused")
+    # a few tokens on a large shard: the forward's statistics bound it
+    assert lm_head_bytes(Q35, 512, tp=1, mode="lean") == pytest.approx((248_320 + 512) * h * 2 + 4 * 2**20)
+    with pytest.raises(ValueError, match="lm_head mode"):
+        lm_head_bytes(Q35, 512, tp=1, mode="liger")
+    # in the estimate: the head's component shrinks, its time grows by the measured 2.2x (6.6 passes against 3)
+    m4 = Q35.with_layers(4)
+    f = estimate(m4, load_profile("h200"), 1, Layout(), opts(65_536, recompute="none"))
+    le = estimate(m4, load_profile("h200"), 1, Layout(), opts(65_536, recompute="none", lm_head="lean"))
+    assert le.memory_gb["lm_head"] == pytest.approx(lm_head_bytes(m4, 65_536, 1, "lean") / GB)
+    assert f.memory_gb["lm_head"] - le.memory_gb["lm_head"] > 3.5
+    assert le.step_time_s > f.step_time_s
+    with pytest.raises(ValueError, match="lm_head must be one of fused, lean, naive"):
+        opts(512, lm_head="liger")
 
 
 def test_fused_head_adds_only_what_exceeds_the_layer_working_set():
@@ -53,7 +75,7 @@ def test_fused_head_adds_only_what_exceeds_the_layer_working_set():
     full = estimate(m4, load_profile("h200"), 1, Layout(), opts(32_768))
     assert full.memory_gb["lm_head"] == 0.0
     none = estimate(m4, load_profile("h200"), 1, Layout(), opts(32_768, recompute="none"))
-    assert none.memory_gb["lm_head"] == pytest.approx(lm_head_bytes(m4, 32_768, 1, True) / GB)
+    assert none.memory_gb["lm_head"] == pytest.approx(lm_head_bytes(m4, 32_768, 1, "fused") / GB)
 
 
 def test_plan_reports_unfused_head_at_tp2():

@@ -87,15 +87,24 @@ def test_on_policy_ratio_is_one_and_approx_kl_zero():
     assert torch.allclose(logp.grad, -adv / 6)
 
 
-def test_naive_and_fused_head_agree():
+def test_naive_fused_and_lean_heads_agree():
     g = torch.Generator().manual_seed(0)
     h, w = torch.randn(9, 16, generator=g), torch.randn(40, 16, generator=g)
     tgt = torch.tensor([3, 0, 39, 7, -1, 12, 5, 5, 1])
+    up_lp, up_ent = torch.randn(9, generator=g), torch.randn(9, generator=g)
     for temperature in (1.0, 0.7):
-        a, ea = token_logprobs(h, w, tgt, mode="naive", temperature=temperature, with_entropy=True)
-        b, eb = token_logprobs(h, w, tgt, mode="fused", temperature=temperature, with_entropy=True)
-        assert torch.allclose(a, b, atol=1e-5) and torch.allclose(ea, eb, atol=1e-4)
-        assert a[4] == 0
+        grads = {}
+        for mode in ("naive", "fused", "lean"):
+            hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
+            lp, ent = token_logprobs(hh, ww, tgt, mode=mode, temperature=temperature, with_entropy=True)
+            ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
+            grads[mode] = (lp.detach(), ent.detach(), hh.grad, ww.grad)
+        a = grads["naive"]
+        for mode in ("fused", "lean"):
+            b = grads[mode]
+            assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(a[1], b[1], atol=1e-4), mode
+            assert torch.allclose(a[2], b[2], atol=1e-4) and torch.allclose(a[3], b[3], atol=1e-4), mode
+        assert a[0][4] == 0
     ref = torch.log_softmax(h @ w.T, -1)[torch.arange(9), tgt.clamp(min=0)]
     assert torch.allclose(token_logprobs(h, w, tgt, mode="naive")[:4], ref[:4], atol=1e-6)
     with pytest.raises(ValueError, match="lm_head must be"):

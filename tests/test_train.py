@@ -77,6 +77,23 @@ def test_micro_batches_give_the_same_step(aggregation):
             assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7)
 
 
+def test_lean_head_gives_the_fused_step():
+    # lm_head: lean (linear_logprobs with the two-pass backward, policy loss in torch) against the loss handed to
+    # the head: the same loss, gradients and metrics
+    rollouts = synthetic_rollouts(2, 2, TINY.vocab_size, response_len=(5, 30), seed=4)
+    cfg = TrainConfig(lr=1e-3)
+    fused = Trainer(build_model(TINY, seed=5), cfg, recompute="full", lm_head="fused")
+    lean = Trainer(build_model(TINY, seed=5), cfg, recompute="full", lm_head="lean")
+    m1, m2 = fused.step(make_batch(rollouts)), lean.step(make_batch(rollouts))
+    assert m1["loss"] == pytest.approx(m2["loss"], abs=1e-6)
+    assert m1["grad_norm"] == pytest.approx(m2["grad_norm"], rel=1e-4)
+    for a, b in zip(fused.model.parameters(), lean.model.parameters()):
+        if a.grad is not None:
+            assert torch.allclose(a.grad, b.grad, rtol=1e-4, atol=1e-7)
+    with pytest.raises(ValueError, match="lm_head must be fused, lean or naive"):
+        Trainer(build_model(TINY, seed=5), cfg, lm_head="liger")
+
+
 def test_master_adamw_matches_torch_adamw():
     torch.manual_seed(0)
     w = [torch.randn(5, 3, requires_grad=True), torch.randn(4, requires_grad=True)]
