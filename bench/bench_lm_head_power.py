@@ -1,0 +1,105 @@
+"""Bench: mean cross-entropy fwd+bwd, ours against Liger-Kernel and a bare cuBLAS GEMM, each run back to back for a
+few seconds (interleaved, twice), with the GPU's power draw, SM clock and clock-event reasons sampled by nvidia-smi.
+
+Why: at T = 65,536 the fused heads run at the board's power cap, so their times follow energy per step, not
+scheduling; a sustained, interleaved A/B shows that (and measures the gap more steadily than 5-run medians).
+
+Usage: python bench/bench_lm_head_power.py [--tokens 65536] [--vocab 248320] [--hidden 2048] [--seconds 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import math
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+import kernels  # noqa: E402
+
+QUERY = "timestamp,power.draw,clocks.sm,clocks_event_reasons.active"
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--tokens", type=int, default=65536)
+    ap.add_argument("--vocab", type=int, default=248320)
+    ap.add_argument("--hidden", type=int, default=2048)
+    ap.add_argument("--seconds", type=float, default=4.0, help="how long each method runs back to back")
+    args = ap.parse_args(argv)
+    dev = "cuda"
+    T, H, V = args.tokens, args.hidden, args.vocab
+    g = torch.Generator(device=dev).manual_seed(1)
+    h = torch.randn(T, H, device=dev, generator=g).bfloat16().requires_grad_()
+    w = (torch.randn(V, H, device=dev, generator=g) * (2 / math.sqrt(H))).bfloat16().requires_grad_()
+    t = torch.randint(0, V, (T,), device=dev, generator=g)
+    a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
+
+    def ours():
+        h.grad = w.grad = None
+        kernels.linear_cross_entropy(h, w, t).backward()
+
+    methods = {"ours": ours}
+    try:
+        from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
+
+        liger = LigerFusedLinearCrossEntropyLoss(reduction="mean")
+
+        def lig():
+            h.grad = w.grad = None
+            liger(w, h, t).backward()
+
+        methods["liger"] = lig
+    except ImportError as e:
+        print(f"liger-kernel not importable: {e}")
+    methods["cuBLAS 40 x 8192^3 bf16"] = lambda: [a @ a for _ in range(40)]
+    order = list(methods) + [m for m in methods if not m.startswith("cuBLAS")]  # then the heads once more
+
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
+                           stdout=subprocess.PIPE, text=True)
+    marks = []
+    for name in order:
+        fn = methods[name]
+        fn()
+        torch.cuda.synchronize()
+        t0, n = time.time(), 0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        while time.time() - t0 < args.seconds:
+            fn()
+            n += 1
+        end.record()
+        torch.cuda.synchronize()
+        marks.append((name, t0 + 0.5, time.time(), start.elapsed_time(end) / n))  # (skip the first 0.5 s)
+        time.sleep(1.0)
+    smi.terminate()
+    samples = []
+    for line in smi.communicate()[0].strip().splitlines():
+        ts, p, c, r = (x.strip() for x in line.split(","))
+        # nvidia-smi prints local wall time, as naive datetime.timestamp() reads it
+        samples.append((datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(p), float(c), r))
+    ours_ms = [ms for name, _, _, ms in marks if name == "ours"]
+    print(f"# {torch.cuda.get_device_name()} | T={T} V={V} H={H} | mean CE fwd+bwd, {args.seconds:.0f} s each")
+    print("| method | ms / iter | ours / method time | power W (median, max) | SM MHz (median) | clock-event reasons |")
+    print("|---|---|---|---|---|---|")
+    for i, (name, a0, a1, ms) in enumerate(marks):
+        sel = [s for s in samples if a0 <= s[0] <= a1]
+        ref = ours_ms[0] if i < len(methods) else ours_ms[-1]
+        ratio = "—" if name == "ours" or name.startswith("cuBLAS") else f"{ref / ms:.3f}"
+        if not sel:
+            print(f"| {name} | {ms:.1f} | {ratio} | (no samples) | | |")
+            continue
+        print(f"| {name} | {ms:.1f} | {ratio} | {statistics.median(s[1] for s in sel):.0f}, "
+              f"{max(s[1] for s in sel):.0f} | {statistics.median(s[2] for s in sel):.0f} | "
+              f"{' '.join(sorted(set(s[3] for s in sel)))} |")
+    print("# reasons: 0x4 = the software power cap (nvidia-smi -q -d PERFORMANCE names each bit)")
+
+
+if __name__ == "__main__":
+    main()
