@@ -170,18 +170,18 @@ class _TokenStats(torch.autograd.Function):
         g_lse = torch.zeros_like(lse_T) if g_lse is None else g_lse.float().contiguous()
         has_b = with_entropy and g_ent is not None
         a_T = (g_lse + g_ent.float() * (lse_T - ent_T)).contiguous() if has_b else g_lse
+        b_T = (-g_ent.float()).contiguous() if has_b else None
         c_T = g_tz
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         if impl == "lean":
             from kernels.lm_head_lean import lean_backward
 
-            b_T = (-g_ent.float()).contiguous() if has_b else None
             dH_TH, dW_VH = lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend,
                                          need_h, need_w, tp_group)
-            return dH_TH, dW_VH, None, None, None, None, None, None, None, None
-        b_T = (-g_ent.float()).contiguous() if has_b else torch.zeros_like(lse_T)
-        dH_TH, dW_VH = _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend,
-                                        impl, chunk_tokens, chunk_vocab, need_h, need_w, tp_group)
+        else:  # (its dlogits kernels read b whatever it is)
+            dH_TH, dW_VH = _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T,
+                                            torch.zeros_like(lse_T) if b_T is None else b_T, c_T, inv_temp, backend,
+                                            impl, chunk_tokens, chunk_vocab, need_h, need_w, tp_group)
         return dH_TH, dW_VH, None, None, None, None, None, None, None, None
 
 
@@ -234,22 +234,21 @@ def _split_token_stats(kmod, hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy
         Tc = int(chunk_tokens)
     Tc = max(1, min(T, Tc))
     num_splits = -(-V // Vc)
-    if num_splits == 1:  # three separate vectors: the loss may keep lse alone (the lean backward counts MiB)
-        parts_3ST = [torch.empty((1, T), dtype=torch.float32, device=hidden_TH.device) for _ in range(3)]
-    else:
-        parts_3ST = torch.empty((3, num_splits, T), dtype=torch.float32, device=hidden_TH.device)
+    # three separate [S, T] arrays: the loss may keep lse alone (the lean backward counts MiB)
+    lse_ST, ent_ST, tz_ST = (torch.empty((num_splits, T), dtype=torch.float32, device=hidden_TH.device)
+                             for _ in range(3))
     for si, v0 in enumerate(range(0, V, Vc)):
         v1 = min(v0 + Vc, V)
         for t0 in range(0, T, Tc):
             t1 = min(t0 + Tc, T)
             _, lse2, ent, tz, _ = kmod.logits_tiles(hidden_TH[t0:t1], weight_VH[v0:v1], tgt_T[t0:t1] - v0, inv_temp,
                                                     with_entropy)
-            torch.mul(lse2, lm_head_chunked.LN2, out=parts_3ST[0][si, t0:t1])
-            parts_3ST[1][si, t0:t1] = ent
-            parts_3ST[2][si, t0:t1] = tz
+            torch.mul(lse2, lm_head_chunked.LN2, out=lse_ST[si, t0:t1])
+            ent_ST[si, t0:t1] = ent
+            tz_ST[si, t0:t1] = tz
     if num_splits == 1:
-        return parts_3ST[0][0], parts_3ST[1][0], parts_3ST[2][0]
-    return lm_head_chunked.combine_splits(parts_3ST[0], parts_3ST[1], parts_3ST[2])
+        return lse_ST[0], ent_ST[0], tz_ST[0]
+    return lm_head_chunked.combine_splits(lse_ST, ent_ST, tz_ST)
 
 
 def _pow2_scale(max_abs: torch.Tensor, target: float = 2.0**14) -> torch.Tensor:

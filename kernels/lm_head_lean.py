@@ -43,7 +43,7 @@ DIRECT_CHUNKS = (16384, 4096)  # (Tc, Vc) wanted of a direct chunk (dZ and dW32 
 DIRECT_LEAST = (32, 1 / 64)  # in GRAINs: 8192 tokens x 4 rows
 TAIL_GRAINS = DIRECT_LEAST  # (Tc, Vc) of the last chunks: 8192 x 4, 64 KiB dZ + 32 KiB dW32 + 128 KiB statistics,
 #                             the external buffer (their scratch cannot fit behind them)
-EXTERNAL_BYTES = 64 * 2**20  # pass H's scratch when dW is not wanted (no storage to borrow)
+EXTERNAL_BYTES = 64 * 2**20  # the most pass H allocates when it has no dW to borrow (its chunks fit this)
 _ALIGN = 256  # bytes: each carved tensor starts on this boundary (TMA wants 16, cuBLAS likes 256)
 
 NeedFn = Callable[[int, int], int]
@@ -136,12 +136,17 @@ def plan_vocab_pass(V: int, T: int, row_bytes: int, need_w: NeedFn, need_direct:
     return chunks
 
 
+def _parts_floats(tc: int, vc: int, tile: int) -> int:
+    """fp32 elements of logits_tiles' per-tile statistics for a [tc, vc] chunk: 4 per token per tile."""
+    return 4 * tc * -(-vc // tile)
+
+
 def _needs(H: int, ge: int, convert: bool, tile: int):
     """Scratch bytes of one chunk (ge: bytes per GEMM operand element; convert: 16-bit inputs are copied to fp16
     operands), with one alignment's slack per carved tensor: pass H; pass W with cuBLAS on an fp16 copy of h;
     pass W with the direct dW kernel (no copy)."""
     def parts(tc, vc):
-        return 16 * tc * -(-vc // tile) + _ALIGN
+        return 4 * _parts_floats(tc, vc, tile) + _ALIGN
 
     def need_h(tc, vc):  # dZ, dH32, W16, tile statistics
         return tc * vc * ge + tc * H * 4 + (vc * H * ge if convert else 0) + parts(tc, vc) + 3 * _ALIGN
@@ -168,30 +173,29 @@ def lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: f
                                                                     inv_temp)
     ge = gemm_dtype.itemsize
     convert = gemm_dtype != hidden_TH.dtype
-    need_h_fn, need_w_fn, need_direct_fn = _needs(H, ge, convert, kmod.tile_vocab(hidden_TH))
+    tile = kmod.tile_vocab(hidden_TH)
+    need_h_fn, need_w_fn, need_direct_fn = _needs(H, ge, convert, tile)
     dH = torch.empty_like(hidden_TH) if need_h else None
     dW = torch.empty_like(weight_VH) if need_w else None
 
     def dz_tile(arena, t0, t1, v0, v1, tc, vc):
         """dZ for tokens [t0, t1) x vocab rows [v0, v1), scaled by dz_scale, in a [rows, v1 - v0] arena tensor."""
         dz = arena.take((t1 - t0, v1 - v0), gemm_dtype)
-        parts = arena.take((16 * tc * -(-vc // kmod.tile_vocab(hidden_TH)) // 4,), torch.float32)
+        parts = arena.take((_parts_floats(tc, vc, tile),), torch.float32)
         tgt = tgt_T[t0:t1] - v0
-        m2, _, _, _, tile = kmod.logits_tiles(hidden_TH[t0:t1], weight_VH[v0:v1], tgt, inv_temp, False, dz,
-                                              parts=parts, merge=False)
+        m2, _, _, _, tile_v = kmod.logits_tiles(hidden_TH[t0:t1], weight_VH[v0:v1], tgt, inv_temp, False, dz,
+                                                parts=parts, merge=False)
         b = a_T if b_T is None else b_T  # (not read without b)
-        kmod.dlogits_from_tiles(dz, m2, tile, tgt, lse_T[t0:t1] * LOG2E, a_T[t0:t1], b[t0:t1], c_T[t0:t1], inv_temp,
+        kmod.dlogits_from_tiles(dz, m2, tile_v, tgt, lse_T[t0:t1] * LOG2E, a_T[t0:t1], b[t0:t1], c_T[t0:t1], inv_temp,
                                 dz_scale, b_T is not None)
         return dz
 
     if need_h:  # pass H, token-outer; scratch: dW's storage while it is unwritten
-        if need_w and fit_chunks(dW.numel() * dW.element_size(), need_h_fn, T, V, PASS_H_CHUNKS) is not None:
+        sizes = fit_chunks(dW.numel() * dW.element_size(), need_h_fn, T, V, PASS_H_CHUNKS) if need_w else None
+        if sizes is not None:
             region = _bytes_of(dW)
-        else:
-            region = torch.empty(EXTERNAL_BYTES, dtype=torch.uint8, device=dev)
-        sizes = fit_chunks(region.numel(), need_h_fn, T, V, PASS_H_CHUNKS)
-        if sizes is None:  # a hidden size too large for EXTERNAL_BYTES at the smallest chunks
-            sizes = (min(T, GRAIN), min(V, GRAIN))
+        else:  # no dW to borrow, or too small: a buffer of its own (the smallest chunks if EXTERNAL_BYTES is short)
+            sizes = fit_chunks(EXTERNAL_BYTES, need_h_fn, T, V, PASS_H_CHUNKS) or (min(T, GRAIN), min(V, GRAIN))
             region = torch.empty(need_h_fn(*sizes), dtype=torch.uint8, device=dev)
         Tc, Vc = sizes
         inv = 1.0 / (dz_scale * w_scale)
