@@ -4,7 +4,12 @@ few seconds (interleaved, twice), with the GPU's power draw, SM clock and clock-
 Why: at T = 65,536 the fused heads run at the board's power cap, so their times follow energy per step, not
 scheduling; a sustained, interleaved A/B shows that (and measures the gap more steadily than 5-run medians).
 
+An A/B of a kernel change: --baseline FILE names a copy of kernels/lm_head_tiles_triton.py as it was (e.g.
+`git show HEAD~1:kernels/lm_head_tiles_triton.py > /tmp/old.py`); the row "ours, baseline" runs the same head with
+that file's logits_tiles and dlogits_from_tiles, interleaved with the rest.
+
 Usage: python bench/bench_lm_head_power.py [--tokens 65536] [--vocab 248320] [--hidden 2048] [--seconds 4]
+       [--rounds 2] [--baseline FILE]
 """
 
 from __future__ import annotations
@@ -32,6 +37,8 @@ def main(argv=None):
     ap.add_argument("--vocab", type=int, default=248320)
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--seconds", type=float, default=4.0, help="how long each method runs back to back")
+    ap.add_argument("--rounds", type=int, default=2, help="how many times the heads are interleaved")
+    ap.add_argument("--baseline", default=None, help="an earlier kernels/lm_head_tiles_triton.py to A/B against")
     args = ap.parse_args(argv)
     dev = "cuda"
     T, H, V = args.tokens, args.hidden, args.vocab
@@ -46,6 +53,27 @@ def main(argv=None):
         kernels.linear_cross_entropy(h, w, t).backward()
 
     methods = {"ours": ours}
+    if args.baseline:
+        import importlib.util
+
+        from kernels import lm_head_triton as kt
+
+        spec = importlib.util.spec_from_file_location("lm_head_baseline", args.baseline)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
+        names = ("logits_tiles", "dlogits_from_tiles")
+
+        def ours_baseline():
+            mine = [getattr(kt, n) for n in names]
+            for n in names:
+                setattr(kt, n, getattr(base, n))
+            try:
+                ours()
+            finally:
+                for n, f in zip(names, mine):
+                    setattr(kt, n, f)
+
+        methods["ours, baseline"] = ours_baseline
     try:
         from liger_kernel.transformers.fused_linear_cross_entropy import LigerFusedLinearCrossEntropyLoss
 
@@ -59,7 +87,8 @@ def main(argv=None):
     except ImportError as e:
         print(f"liger-kernel not importable: {e}")
     methods["cuBLAS 40 x 8192^3 bf16"] = lambda: [a @ a for _ in range(40)]
-    order = list(methods) + [m for m in methods if not m.startswith("cuBLAS")]  # then the heads once more
+    heads = [m for m in methods if not m.startswith("cuBLAS")]
+    order = list(methods) + heads * (args.rounds - 1)  # then the heads again, interleaved
 
     smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
                            stdout=subprocess.PIPE, text=True)
@@ -90,7 +119,7 @@ def main(argv=None):
     print("|---|---|---|---|---|---|")
     for i, (name, a0, a1, ms) in enumerate(marks):
         sel = [s for s in samples if a0 <= s[0] <= a1]
-        ref = ours_ms[0] if i < len(methods) else ours_ms[-1]
+        ref = ours_ms[0] if i < len(methods) else ours_ms[1 + (i - len(methods)) // len(heads)]
         ratio = "—" if name == "ours" or name.startswith("cuBLAS") else f"{ref / ms:.3f}"
         if not sel:
             print(f"| {name} | {ms:.1f} | {ratio} | (no samples) | | |")
@@ -98,6 +127,10 @@ def main(argv=None):
         print(f"| {name} | {ms:.1f} | {ratio} | {statistics.median(s[1] for s in sel):.0f}, "
               f"{max(s[1] for s in sel):.0f} | {statistics.median(s[2] for s in sel):.0f} | "
               f"{' '.join(sorted(set(s[3] for s in sel)))} |")
+    for name in heads:
+        runs = [ms for n, _, _, ms in marks if n == name]
+        print(f"# {name}: median {statistics.median(runs):.1f} ms over {len(runs)} rounds"
+              + ("" if name == "ours" else f", ours / it {statistics.median(ours_ms) / statistics.median(runs):.3f}"))
     print("# reasons: 0x4 = the software power cap (nvidia-smi -q -d PERFORMANCE names each bit)")
 
 

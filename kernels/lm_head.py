@@ -227,9 +227,10 @@ def _split_token_stats(kmod, hidden_TH, weight_VH, tgt_T, inv_temp, with_entropy
     T, V = hidden_TH.shape[0], weight_VH.shape[0]
     Vc = V if chunk_vocab is None else min(V, int(chunk_vocab))
     if chunk_tokens is None:
-        # the per-tile statistics [4, num_tiles, Tc] fill FORWARD_PARTS_BYTES: V = 248,320 in 256-wide tiles is 970
-        # tiles, Tc = 256 MiB / (16 B x 970) -> 16,384 tokens: GEMMs of 16,384 x 248,320 x H
-        Tc = max(256, FORWARD_PARTS_BYTES // (16 * -(-Vc // 256)) // 256 * 256)
+        # the per-tile statistics [3, num_tiles, Tc] fill FORWARD_PARTS_BYTES: V = 248,320 in 256-wide tiles is 970
+        # tiles, Tc = 256 MiB / (12 B x 970) -> 23,040 tokens: GEMMs of 23,040 x 248,320 x H
+        parts_bytes = 4 * lm_head_chunked.PARTS_PER_TILE
+        Tc = max(256, FORWARD_PARTS_BYTES // (parts_bytes * -(-Vc // 256)) // 256 * 256)
     else:
         Tc = int(chunk_tokens)
     Tc = max(1, min(T, Tc))

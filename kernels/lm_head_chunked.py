@@ -16,6 +16,8 @@ LN2 = 0.6931471805599453
 # to e = 2^-28 (unscaled, fp16 would go subnormal, losing bits, below e = 2^-14)
 E_LOG2 = 14.0
 E_SCALE = 2.0**E_LOG2
+# logits_tiles' per-tile statistics, fp32 [num_tiles, T] each: the tile's max, its own lse, its entropy
+PARTS_PER_TILE = 3
 STATS_CHUNK_TOKENS = 4096
 STATS_CHUNK_VOCAB = 4096
 
@@ -95,26 +97,41 @@ def tile_vocab(hidden_TH) -> int:
     return LOGITS_TILE_VOCAB
 
 
+def target_logits(hidden_TH, weight_VH, tgt_T, inv_temp: float, out=None):
+    """tz [T] fp32: each token's logit at its target (0 where the target is outside [0, V)), one gathered dot a
+    token in fp32, chunked like the rest so no [T, H] fp32 copy exists."""
+    T, V = hidden_TH.shape[0], weight_VH.shape[0]
+    out = torch.empty(T, dtype=torch.float32, device=hidden_TH.device) if out is None else out
+    for t0 in range(0, T, STATS_CHUNK_TOKENS):
+        t1 = min(t0 + STATS_CHUNK_TOKENS, T)
+        tgt = tgt_T[t0:t1]
+        hit = (tgt >= 0) & (tgt < V)
+        w_tH = weight_VH[tgt.clamp(0, max(V - 1, 0))].float()
+        tz = (hidden_TH[t0:t1].float() * w_tH).sum(1) * inv_temp
+        out[t0:t1] = torch.where(hit, tz, 0.0)
+    return out
+
+
 def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, config=None,
                  parts=None, merge=True):
     """The Triton logits_tiles in torch, tile by tile: per [T, tile] logits block, each row's max m2 and the
-    block's own lse2 (log2 units: x2 = x log2 e), entropy and target x; 2^14 e = 2^(x2 - m2 + 14) written into
-    e_TV (its dtype) when given. Returns (m2 [num_tiles, T], lse2 [T], ent [T], tz [T], tile width). parts: a
-    flat fp32 buffer of at least 4 T num_tiles elements for the per-tile statistics (else allocated). merge=False:
-    lse2, ent, tz come back as None."""
+    block's own lse2 (log2 units: x2 = x log2 e) and entropy; 2^14 e = 2^(x2 - m2 + 14) written into e_TV (its
+    dtype) when given. Returns (m2 [num_tiles, T], lse2 [T], ent [T], tz [T] (target_logits), tile width). parts:
+    a flat fp32 buffer of at least PARTS_PER_TILE T num_tiles elements for the per-tile statistics (else
+    allocated). merge=False: lse2, ent, tz come back as None."""
     T = hidden_TH.shape[0]
     V = weight_VH.shape[0]
     tile = LOGITS_TILE_VOCAB
     n_tiles = -(-V // tile)
+    n_parts = PARTS_PER_TILE * n_tiles * T
     if parts is None:
-        parts = torch.zeros(4 * n_tiles * T, dtype=torch.float32, device=hidden_TH.device)
-    m2_NT, lse2_NT, ent_NT, tz_NT = parts[: 4 * n_tiles * T].view(4, n_tiles, T).unbind(0)
+        parts = torch.zeros(n_parts, dtype=torch.float32, device=hidden_TH.device)
+    m2_NT, lse2_NT, ent_NT = parts[:n_parts].view(PARTS_PER_TILE, n_tiles, T).unbind(0)
     ent_NT.zero_()  # (written only with entropy)
     h_TH = hidden_TH.float()
     for i, v0 in enumerate(range(0, V, tile)):
         v1 = min(v0 + tile, V)
-        x_Tv = (h_TH @ weight_VH[v0:v1].float().T) * inv_temp
-        x2_Tv = x_Tv * LOG2E
+        x2_Tv = (h_TH @ weight_VH[v0:v1].float().T) * (inv_temp * LOG2E)
         m2_NT[i] = x2_Tv.amax(1)
         y2_Tv = x2_Tv - m2_NT[i][:, None]
         e_Tv = torch.exp2(y2_Tv)
@@ -122,21 +139,18 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
         lse2_NT[i] = m2_NT[i] + torch.log2(s_T)
         if with_entropy:
             ent_NT[i] = torch.log(s_T) - (e_Tv * y2_Tv).sum(1) * LN2 / s_T
-        local = tgt_T - v0
-        hit = (local >= 0) & (local < v1 - v0)
-        tz_NT[i] = torch.where(hit, x_Tv.gather(1, local.clamp(0, v1 - v0 - 1)[:, None])[:, 0], 0.0)
         if e_TV is not None:
             e_TV[:, v0:v1] = e_Tv * E_SCALE
     if not merge:
         return m2_NT, None, None, None, tile
-    lse2_T, ent_T, tz_T = combine_tiles(lse2_NT, ent_NT, tz_NT, with_entropy)
-    return m2_NT, lse2_T, ent_T, tz_T, tile
+    lse2_T, ent_T = combine_tiles(lse2_NT, ent_NT, with_entropy)
+    return m2_NT, lse2_T, ent_T, target_logits(hidden_TH, weight_VH, tgt_T, inv_temp), tile
 
 
-def combine_tiles(lse2_NT, ent_NT, tz_NT, with_entropy: bool):
-    """combine_splits for per-tile stats with lse in log2 units: (lse2 [T], entropy [T] or zeros, tz [T])."""
+def combine_tiles(lse2_NT, ent_NT, with_entropy: bool):
+    """combine_splits for per-tile stats with lse in log2 units: (lse2 [T], entropy [T] or zeros)."""
     if lse2_NT.shape[0] == 1:
-        return lse2_NT[0], (ent_NT[0] if with_entropy else torch.zeros_like(ent_NT[0])), tz_NT[0]
+        return lse2_NT[0], (ent_NT[0] if with_entropy else torch.zeros_like(ent_NT[0]))
     max_T = lse2_NT.amax(0)
     q_NT = torch.exp2(lse2_NT - max_T)  # the tile's share of the mass, times sum_T
     sum_T = q_NT.sum(0)
@@ -146,7 +160,7 @@ def combine_tiles(lse2_NT, ent_NT, tz_NT, with_entropy: bool):
         ent_T = (q_NT * (ent_NT - log_q_NT)).sum(0) / sum_T
     else:
         ent_T = torch.zeros_like(lse2_T)
-    return lse2_T, ent_T, tz_NT.sum(0)
+    return lse2_T, ent_T
 
 
 def dlogits_from_tiles(e_TV, m2_NT, tile_v: int, tgt_T, lse2_T, a_T, b_T, c_T, inv_temp: float, scale,

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import lm_head as _lh
-from kernels.lm_head_chunked import LOG2E
+from kernels.lm_head_chunked import LOG2E, PARTS_PER_TILE
 
 GRAIN = 256  # chunk sizes are multiples of this (tests shrink it to exercise the carving)
 PASS_H_CHUNKS = (16384, 16384)  # (Tc, Vc) wanted in pass H: 4 token chunks at T = 65,536, so W is converted 4 times
@@ -137,8 +137,8 @@ def plan_vocab_pass(V: int, T: int, row_bytes: int, need_w: NeedFn, need_direct:
 
 
 def _parts_floats(tc: int, vc: int, tile: int) -> int:
-    """fp32 elements of logits_tiles' per-tile statistics for a [tc, vc] chunk: 4 per token per tile."""
-    return 4 * tc * -(-vc // tile)
+    """fp32 elements of logits_tiles' per-tile statistics for a [tc, vc] chunk: PARTS_PER_TILE per token per tile."""
+    return PARTS_PER_TILE * tc * -(-vc // tile)
 
 
 def _needs(H: int, ge: int, convert: bool, tile: int):

@@ -26,7 +26,8 @@ import triton.language as tl
 
 from kernels.lm_head_chunked import combine_splits
 # the eager path's kernels, under the same backend module (kmod.logits_tiles, kmod.dlogits_from_tiles)
-from kernels.lm_head_tiles_triton import dlogits_from_tiles, logits_tiles, merge_tiles, tile_vocab  # noqa: F401
+from kernels.lm_head_tiles_triton import (  # noqa: F401
+    dlogits_from_tiles, logits_tiles, merge_tiles, target_logits, tile_vocab)
 from kernels.tiles import DW_ACC_TILES, DZ_ROWS_TILE, tile_configs
 from kernels.triton_common import _ARCH, _VENDOR, _dot_fp32, _even_k, _logits_tile, _mma_step, _num_sms, _token_rows
 

@@ -81,7 +81,7 @@ DZ_ROWS_TILE = {"nvidia": (4, 1024, 8), "amd": (4, 1024, 8), "interpreter": (4, 
 
 # Logits GEMM with the statistics in its epilogue (kernels/lm_head_tiles_triton.py, _logits_tiles_kernel and, on Hopper
 # with 16-bit operands, the persistent TMA variant _logits_tiles_tma_kernel): a GEMM tile whose epilogue reduces
-# each row of the tile (max, sum of exp, entropy sum, target) and stores the fp16 weights.
+# each row of the tile (max, sum of exp, entropy sum) and stores the fp16 weights.
 #   NVIDIA Hopper, 16-bit operands: 128 x 256 x 64 over 8 warps (two warpgroups of 64 rows), 3 stages:
 #     (128 + 256) * 64 * 2 B * 3 = 144 KiB of SMEM. 128 x 256 reads 2*128*256 / ((128 + 256) * 2) = 85 FLOP per
 #     operand byte against 64 for 128 x 128. Its accumulator is 128 registers a thread, so the epilogue takes the
@@ -108,6 +108,10 @@ DZ_TILES = {"nvidia": (16, 256, 4), "amd": (16, 256, 4), "interpreter": (4, 32, 
 # rows are 64 programs, each reading 3 x 970 x 64 x 4 B = 745 KB at V = 248,320. Interpreter: small, so the loop
 # crosses several blocks and a masked tail.
 MERGE_TILES = {"nvidia": (32, 64, 4), "amd": (32, 64, 4), "interpreter": (4, 8, 1)}  # (tiles, rows, warps)
+# Target logits (one gathered dot a token, h . w[target]): 16 rows x 256 columns over 4 warps = 32 bf16 values a
+# thread of each operand (4 x 16-byte loads); 4096 rows are 256 programs, two per SM; each row of w is one 4 KiB read
+# at H = 2048. AMD: 4 wavefronts x 64 lanes, 16 values a lane. Interpreter: H of ~50 crosses two K blocks.
+TARGET_TILES = {"nvidia": (16, 256, 4), "amd": (16, 256, 4), "interpreter": (4, 32, 1)}  # (rows, cols, warps)
 
 
 # dW accumulation of the lean backward's small chunks (kernels/lm_head_triton.py, _dw_acc_kernel): acc[Vc, H] +=

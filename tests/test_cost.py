@@ -48,7 +48,7 @@ def test_fused_head_is_a_tile_not_the_logits():
 
 def test_lean_head_holds_its_two_gradients():
     # hand-worked: dW of the 124,160-row shard and dH of 65,536 tokens in bf16, plus 4 MiB; its forward's tile
-    # statistics (16 B x 65,536 x 485 tiles = 0.51 GB, capped at 256 MiB) are less
+    # statistics (12 B x 65,536 x 485 tiles = 0.38 GB, capped at 256 MiB) are less
     v, h = 124_160, Q35.hidden_size
     lean = lm_head_bytes(Q35, 65_536, tp=2, mode="lean")
     assert lean == pytest.approx((v + 65_536) * h * 2 + 4 * 2**20)

@@ -432,11 +432,17 @@ def check_tile_kernels() -> None:
     hidden, weight, target = _inputs(37, 40, 301, logit_scale=30.0)
     hidden, weight = hidden.detach(), weight.detach()
     target[::5] = 500  # outside this rank's rows: no target column
+    target[1] = -100  # ignored
     old = kc.LOGITS_TILE_VOCAB
     kc.LOGITS_TILE_VOCAB = 64
     try:
         e_ref = torch.empty(37, 301)
         m2_r, lse2_r, ent_r, tz_r, _ = kc.logits_tiles(hidden, weight, target, 0.7, True, e_ref)
+        # the target logit (a gathered dot, not the tiles): float64 reference, 0 where the target is not a row here
+        x64 = hidden.double() @ weight.double().T * 0.7
+        hit = (target >= 0) & (target < 301)
+        tz64 = torch.where(hit, x64.gather(1, target.clamp(0, 300)[:, None])[:, 0], 0.0)
+        assert _rel(tz_r, tz64) < 1e-6 and _rel(kt.target_logits(hidden, weight, target, 0.7), tz64) < 1e-6
         a, b, c = torch.randn(3, 37)
         dz_ref = e_ref.clone()
         kc.dlogits_from_tiles(dz_ref, m2_r, 64, target, lse2_r, a, b, c, 0.7, 4.0)
@@ -464,10 +470,9 @@ def check_tile_kernels() -> None:
         # the one-pass merge against torch's, 13 tiles (a masked tail of 1 at 4 per block), a row with -inf tiles
         lse2_NT = torch.randn(13, 37) * 30
         lse2_NT[:7, 5] = float("-inf")
-        ent_NT, tz_NT = torch.rand(13, 37) * 3, torch.randn(13, 37)
+        ent_NT = torch.rand(13, 37) * 3
         for ent_on in (False, True):
-            for got, ref in zip(kt.merge_tiles(lse2_NT, ent_NT, tz_NT, ent_on),
-                                kc.combine_tiles(lse2_NT, ent_NT, tz_NT, ent_on)):
+            for got, ref in zip(kt.merge_tiles(lse2_NT, ent_NT, ent_on), kc.combine_tiles(lse2_NT, ent_NT, ent_on)):
                 err = ((got - ref).norm() / ref.norm().clamp_min(1e-30)).item()  # (entropy off: zeros, 0 / 1e-30)
                 assert err < 1e-6, (ent_on, err)
     finally:
