@@ -9,7 +9,10 @@ An A/B of a kernel change: --baseline FILE names a copy of kernels/lm_head_tiles
 that file's logits_tiles and dlogits_from_tiles, interleaved with the rest.
 
 Usage: python bench/bench_lm_head_power.py [--tokens 65536] [--vocab 248320] [--hidden 2048] [--seconds 4]
-       [--rounds 2] [--baseline FILE]
+       [--rounds 2] [--baseline FILE] [--group-tokens N ...]
+
+--group-tokens adds a row "ours, Tg=N" per N: the eager path with N tokens a group instead of the default, which
+fills kernels.lm_head_eager.EAGER_SCRATCH_BYTES.
 """
 
 from __future__ import annotations
@@ -39,6 +42,7 @@ def main(argv=None):
     ap.add_argument("--seconds", type=float, default=4.0, help="how long each method runs back to back")
     ap.add_argument("--rounds", type=int, default=2, help="how many times the heads are interleaved")
     ap.add_argument("--baseline", default=None, help="an earlier kernels/lm_head_tiles_triton.py to A/B against")
+    ap.add_argument("--group-tokens", type=int, nargs="*", default=[], help="eager group sizes to A/B")
     args = ap.parse_args(argv)
     dev = "cuda"
     T, H, V = args.tokens, args.hidden, args.vocab
@@ -53,6 +57,12 @@ def main(argv=None):
         kernels.linear_cross_entropy(h, w, t).backward()
 
     methods = {"ours": ours}
+    for n in args.group_tokens:
+        def ours_tg(n=n):
+            h.grad = w.grad = None
+            kernels.linear_cross_entropy(h, w, t, chunk_tokens=n).backward()
+
+        methods[f"ours, Tg={n}"] = ours_tg
     if args.baseline:
         import importlib.util
 

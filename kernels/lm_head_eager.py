@@ -40,18 +40,24 @@ import torch.distributed as dist
 from kernels import lm_head as _lh
 from kernels.lm_head_chunked import LN2, LOG2E
 
-EAGER_SCRATCH_BYTES = 2 * 2**30  # the group buffer of tile weights [Tg, V] (dZ is written over them)
+EAGER_SCRATCH_BYTES = 2 * 2**30  # the most the group buffer of tile weights [Tg, V] holds (dZ is written over them)
+# The most tokens a group: the logits GEMM keeps the group's hidden block in L2 while it sweeps the vocabulary, and
+# at H = 2048 4096 rows (16 MiB) measured best on an H200: at V = 151,936 a 6912-token group (the 2 GiB budget)
+# ran its GEMM at 612 TF/s against 647 for 4096, and the whole mean CE 0.5% slower sustained; 2048 tokens, whose dW
+# GEMM reads and writes its fp32 C twice as often, 2.6 to 3% slower at both vocab sizes (docs/BENCHMARKS.md).
+EAGER_GROUP_TOKENS = 4096
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
 
 def group_size(T: int, V: int, chunk_tokens: int | None, elem_bytes: int = 2) -> int:
-    """Tg, tokens per group: the group's tile weights [Tg, V] (elem_bytes each: 2 for 16-bit inputs, 4 for fp32)
-    fill EAGER_SCRATCH_BYTES, in multiples of 256. Worked example, V = 248,320, bf16: 2 B x Tg x V <= 2 GiB gives
-    Tg = 4096: the logits GEMM is 4096 x 248,320 x 2048 (4.2 TFLOP), and so are the dH and dW GEMMs; the dW GEMM's
-    fp32 C (1.9 GiB read + written) is touched T / 4096 = 16 times at T = 65,536. V = 151,936: Tg = 6912."""
+    """Tg, tokens per group: EAGER_GROUP_TOKENS, or fewer (multiples of 256) where the group's tile weights [Tg, V]
+    (elem_bytes each: 2 for 16-bit inputs, 4 for fp32) would not fit EAGER_SCRATCH_BYTES. Worked example,
+    V = 248,320, bf16: 2 B x 4096 x V = 1.9 GiB fits, so Tg = 4096: the logits GEMM is 4096 x 248,320 x 2048
+    (4.2 TFLOP), and so are the dH and dW GEMMs; the dW GEMM's fp32 C (1.9 GiB read + written) is touched
+    T / 4096 = 16 times at T = 65,536. V = 151,936: also 4096 (1.16 GiB)."""
     if chunk_tokens is None:
-        Tg = max(256, EAGER_SCRATCH_BYTES // (elem_bytes * V) // 256 * 256)
+        Tg = min(EAGER_GROUP_TOKENS, max(256, EAGER_SCRATCH_BYTES // (elem_bytes * V) // 256 * 256))
     else:
         Tg = int(chunk_tokens)
     return max(1, min(T, Tg))
@@ -59,7 +65,8 @@ def group_size(T: int, V: int, chunk_tokens: int | None, elem_bytes: int = 2) ->
 
 def _coefficients(token_loss: TokenLoss, tz, lse, ent, t0: int, t1: int, with_entropy: bool):
     """Per-token (a, b, c) of dloss/dx_v = p_v (a + b x_v) + c [v == target] (kernels/lm_head.py), from the
-    gradients of the group's loss contributions with respect to tz, lse and ent; and the contributions' sum."""
+    gradients of the group's loss contributions with respect to tz, lse and ent; and the contributions' sum.
+    Without the entropy b = 0 and is returned as None (a = g_lse: nothing else to form)."""
     leaves = [tz.detach().requires_grad_(), lse.detach().requires_grad_(), ent.detach().requires_grad_()]
     with torch.enable_grad():
         contrib = token_loss(leaves[0], leaves[1], leaves[2] if with_entropy else None, t0, t1)
@@ -67,11 +74,11 @@ def _coefficients(token_loss: TokenLoss, tz, lse, ent, t0: int, t1: int, with_en
         wrt = leaves if with_entropy else leaves[:2]
         # a loss that does not depend on the head's outputs (a constant) has no gradient
         grads = torch.autograd.grad(total, wrt, allow_unused=True) if total.requires_grad else [None] * len(wrt)
-    g_tz, g_lse = (torch.zeros_like(lse) if g is None else g.float() for g in grads[:2])
-    g_ent = grads[2] if with_entropy and grads[2] is not None else torch.zeros_like(lse)
-    a = (g_lse + g_ent * (lse - ent)).contiguous()
-    b = (-g_ent).contiguous()
-    return a, b, g_tz.contiguous(), total.detach().float()
+    g_tz, g_lse = (torch.zeros_like(lse) if g is None else g.float().contiguous() for g in grads[:2])
+    if not with_entropy or grads[2] is None:
+        return g_lse, None, g_tz, total.detach().float()
+    g_ent = grads[2].float()
+    return (g_lse + g_ent * (lse - ent)).contiguous(), (-g_ent).contiguous(), g_tz, total.detach().float()
 
 
 def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: float, with_entropy: bool, tp_group,
@@ -106,7 +113,8 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
     dH32 = torch.empty((T, H), **f32) if (need_h and tp_group is not None) else None
     dH = torch.empty_like(hidden_TH) if (need_h and tp_group is None) else None
     dH_buf = torch.empty((Tg, H), **f32) if dH is not None else None  # one group's fp32 dH, cast into dH
-    tz_T, lse_T, ent_T = (torch.empty(T, **f32) for _ in range(3))
+    tz_T, lse_T = torch.empty(T, **f32), torch.empty(T, **f32)
+    ent_T = (torch.empty if with_entropy else torch.zeros)(T, **f32)
     loss = torch.zeros((), **f32)
 
     for g0 in range(0, T, Tg):
@@ -121,18 +129,19 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
             lse2 = lse * LOG2E
         if with_entropy:
             ent_T[g0:g1].copy_(ent)
-        else:
-            ent_T[g0:g1].zero_()
         tz_T[g0:g1].copy_(tz)
         ent, tz = ent_T[g0:g1], tz_T[g0:g1]
         a, b, c, part = _coefficients(token_loss, tz, lse, ent, g0, g1, with_entropy)
         loss.add_(part)
         if half:  # |dlogit| <= (|a| + |b| (|lse| + 1) + |c|) / temperature (p |x| <= |lse| + 1)
-            bound = (_lh._amax(a) + _lh._amax(b) * (_lh._amax(lse) + 1) + _lh._amax(c)) * inv_temp
-            scale = _lh._pow2_scale(bound)
+            bound = _lh._amax(a) + _lh._amax(c)
+            if b is not None:
+                bound = bound + _lh._amax(b) * (_lh._amax(lse) + 1)
+            scale = _lh._pow2_scale(bound * inv_temp)
         else:
             scale = torch.ones((), **f32)
-        kmod.dlogits_from_tiles(dz_gV, m2, tile_v, tgt_T[g0:g1], lse2, a, b, c, inv_temp, scale, with_entropy)
+        kmod.dlogits_from_tiles(dz_gV, m2, tile_v, tgt_T[g0:g1], lse2, a, a if b is None else b, c, inv_temp, scale,
+                                b is not None)
         # one host sync per group: cuBLAS takes alpha from the host. (Two buffers, software-pipelined so that the
         # host reads the scale while the GPU runs the next group, measured no faster: docs/BENCHMARKS.md.)
         s = float(scale)

@@ -28,8 +28,13 @@ BYTES_OPTIMIZER = 2 * FP32  # Adam exp_avg and exp_avg_sq
 # prefetched, and the unsharded fp32 gradient before its reduce-scatter.
 BYTES_UNSHARDED = 2 * BF16 + FP32
 # The fused head's eager path (kernels/lm_head_eager.py, what the trainer runs) holds one group's fp16 tile weights
-# [Tg, V] (its dlogits are written over them), with Tg sized to this budget (its EAGER_SCRATCH_BYTES).
+# [Tg, V] (its dlogits are written over them): Tg = 4096 tokens (its EAGER_GROUP_TOKENS), fewer where that would pass
+# this budget (its EAGER_SCRATCH_BYTES), in multiples of 256.
 FUSED_HEAD_BUDGET_B = 2.0 * 2**30
+FUSED_HEAD_GROUP_TOKENS = 4096
+# The split forward's per-tile statistics: 3 fp32 numbers per token per 256-wide vocab tile (kernels.lm_head_chunked.
+# PARTS_PER_TILE).
+TILE_STATS_BYTES = 12
 # The lean head (kernels/lm_head_lean.py, `lm_head: lean`): its forward holds the per-tile statistics of one token chunk
 # (at most this, kernels.lm_head.FORWARD_PARTS_BYTES), its backward the two bf16 gradients and ~2 MiB beside them.
 LEAN_FORWARD_BYTES = 256 * 2**20
@@ -213,7 +218,7 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
 
 def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
     """What the LM head holds while it runs. "fused" (the eager path: the loss handed to the head, three GEMMs):
-    one group's fp16 tile weights within the kernel's budget, the fp32 dW accumulator and the fp16 copy of W
+    one group's fp16 tile weights (4096 tokens, or fewer within the kernel's budget), the fp32 dW accumulator and the fp16 copy of W
     ((V/tp)·h·6), and dH (fp32, s·h·4). "lean" (five GEMMs): its two bf16 gradients ((V/tp + s)·h·2) and a few MiB,
     or its forward's tile statistics if those are more. "naive": logits and their gradient, [s × V/tp] in bf16,
     twice (DESIGN.md)."""
@@ -221,10 +226,12 @@ def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
     if mode == "naive":
         return 2 * s * v * BF16
     if mode == "lean":
-        return max(min(LEAN_FORWARD_BYTES, 16 * s * -(-v // 256)), (v + s) * m.hidden_size * BF16 + LEAN_EXTRA_BYTES)
+        return max(min(LEAN_FORWARD_BYTES, TILE_STATS_BYTES * s * -(-v // 256)),
+                   (v + s) * m.hidden_size * BF16 + LEAN_EXTRA_BYTES)
     if mode != "fused":
         raise ValueError(f"lm_head mode must be one of {', '.join(HEAD_MODES)}, got {mode!r}")
-    return min(FUSED_HEAD_BUDGET_B, s * v * BF16) + v * m.hidden_size * (FP32 + BF16) + s * m.hidden_size * FP32
+    group = min(FUSED_HEAD_GROUP_TOKENS, max(256, FUSED_HEAD_BUDGET_B // (BF16 * v) // 256 * 256))
+    return min(s, group) * v * BF16 + v * m.hidden_size * (FP32 + BF16) + s * m.hidden_size * FP32
 
 
 # ---- FLOPs ---------------------------------------------------------------------------------------------------
