@@ -87,8 +87,9 @@ DZ_ROWS_TILE = {"nvidia": (4, 1024, 8), "amd": (4, 1024, 8), "interpreter": (4, 
 #     operand byte against 64 for 128 x 128. Its accumulator is 128 registers a thread, so the epilogue takes the
 #     tile in two 128-column halves (SUBTILE) to keep the exp tile beside it under the 255 cap: 0 spills where the
 #     whole-tile epilogue spilled 64 registers. Measured (bench/sweep_logits_tiles.py, H200, Tg x V x 2048):
-#     6.84 ms at 4096 x 248,320 (609 TF/s; cuBLAS bf16-output GEMM alone 6.18 ms) against 8.54 ms for 128 x 128
-#     pointer loads and 7.77 ms for cuBLAS fp32 output + a streaming statistics pass.
+#     6.41 ms at 4096 x 248,320 (649 TF/s; cuBLAS bf16-output GEMM alone 6.13 ms; the first epilogue, ~25
+#     instructions a logit against ~9 now, 6.84 ms) against 8.54 ms for 128 x 128 pointer loads and 7.77 ms for
+#     cuBLAS fp32 output + a streaming statistics pass.
 #   fp32 operands (exact ieee dot, FMA units): the stats kernel's fp32 tile.
 #   AMD CDNA3: the stats kernel's tile (8 wavefronts, 32 accumulator VGPRs a lane, 32 KiB of the 64 KiB LDS).
 #   Interpreter: the test shapes span several vocab tiles, so the tile merge is exercised.
