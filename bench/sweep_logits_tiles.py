@@ -7,7 +7,10 @@ candidate (fp16 tile weights written, statistics in the epilogue), with register
 kernel; then the in-place dz pass over the tile weights. Each candidate's lse and target logit are checked against
 the fp32 cuBLAS logits, and its weights for NaN (the buffer is NaN-poisoned first), before it is timed.
 
-Usage: python bench/sweep_logits_tiles.py [--vocab 248320 151936] [--hidden 2048] [--tokens 4096]
+--baseline FILE adds rows for an earlier copy of kernels/lm_head_tiles_triton.py (its default tile, with and
+without the entropy), timed in the same process: an A/B of an epilogue change.
+
+Usage: python bench/sweep_logits_tiles.py [--vocab 248320 151936] [--hidden 2048] [--tokens 4096] [--baseline FILE]
 """
 
 from __future__ import annotations
@@ -48,7 +51,15 @@ def main():
     ap.add_argument("--vocab", type=int, nargs="+", default=[248320, 151936])
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--tokens", type=int, default=None, help="Tg (default: the eager path's group size)")
+    ap.add_argument("--baseline", default=None, help="an earlier kernels/lm_head_tiles_triton.py to time beside")
     args = ap.parse_args()
+    base = None
+    if args.baseline:
+        import importlib.util
+
+        spec = importlib.util.spec_from_file_location("lm_head_baseline", args.baseline)
+        base = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(base)
     from kernels.lm_head_eager import group_size
 
     dev = torch.device("cuda")
@@ -73,6 +84,16 @@ def main():
         rows.append((V, T, "cuBLAS fp32 out", ms_z, tf / ms_z, "", ""))
         del z
         e = torch.empty(T, V, device=dev, dtype=torch.float16)
+        for ent_on in (False, True) if base is not None else ():
+            e.fill_(float("nan"))
+            m2, lse2, en, tz2, tile = base.logits_tiles(h, w, tgt, 1.0, ent_on, e)
+            err = ((lse2 * math.log(2) - ref_lse).abs().max().item(), (tz2 - ref_tz).abs().max().item())
+            ms = bench(lambda: base.logits_tiles(h, w, tgt, 1.0, ent_on, e))  # noqa: B023
+            ck = base.logits_tiles.last_kernel
+            rows.append((V, T, f"baseline {args.baseline}" + (" +ent" if ent_on else ""), ms, tf / ms,
+                         f"err lse {err[0]:.1e} tz {err[1]:.1e}",
+                         f"{getattr(ck, 'n_regs', '?')} regs, {getattr(ck, 'n_spills', '?')} spills"))
+            print(rows[-1], flush=True)
         for c, tma, sub, ws, e_tma in CANDIDATES:
             for ent_on in (False, True):
                 name = (f"{'TMA persistent' if tma else 'pointers'} {c.block_t}x{c.block_v}x{c.block_k} "
