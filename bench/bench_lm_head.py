@@ -6,7 +6,8 @@ Cross-Entropy (default settings). Modes:
   rl  -- per-token log-probs, backward of sum(logp * advantage) with random per-token advantages (exact
          per-token gradients, what a PPO/GRPO loss needs). Ours hands that per-token loss to the head
          (kernels.linear_policy_loss, three GEMMs); "ours, generic 4-GEMM" is linear_logprobs + autograd, as the
-         peers run it;
+         peers run it; "ours, lean" the lean head (four GEMMs with the loss handed over; "lean generic 5-GEMM":
+         linear_logprobs(impl="lean") + autograd);
   fwd -- per-token log-probs, forward only under no_grad (rollout scoring).
 Columns: median time over --reps timed runs (CUDA events, after a warm-up and a memory run); TF/s of model FLOPs
 (2*T*V*H per logits-sized GEMM: 3 for fwd+bwd, 1 for fwd, whatever a method recomputes); peak memory above the
@@ -104,12 +105,18 @@ def make_methods(modes_wanted):
                                           "rl": other_rl}
 
     def lean_rl(h, w, t, adv):
+        loss, lp, _ = kernels.linear_policy_loss(h, w, t, lambda lp, ent, t0, t1: lp * adv[t0:t1], impl="lean")
+        return lp, loss
+
+    def lean_generic_rl(h, w, t, adv):
         lp = kernels.linear_logprobs(h, w, t, impl="lean")
         return lp, (lp * adv).sum()
 
-    # the lean backward: five logits-sized GEMMs, nothing beside dH and dW but a few MiB (kernels/lm_head_lean.py)
+    # the lean head: nothing beside dH and dW but a few MiB (kernels/lm_head_lean.py); with the loss handed to it
+    # four logits-sized GEMMs, under an autograd loss on its log-probs five
     methods["ours, lean"] = {"ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, impl="lean"),
                              "rl": lean_rl}
+    methods["ours, lean generic 5-GEMM"] = {"rl": lean_generic_rl}
 
     def naive_ce(h, w, t):
         return F.cross_entropy((h @ w.T).float(), t)

@@ -378,7 +378,7 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100, re
         raise ValueError(f"reduction must be 'mean', 'sum' or 'none', got {reduction!r}")
     if impl is None and reduction != "none":
         impl = "eager"
-    if impl == "eager":
+    if impl == "eager" or (impl == "lean" and reduction != "none"):  # the loss handed to the head
         if reduction == "none":
             raise ValueError("impl='eager' needs reduction 'mean' or 'sum' (the per-token gradient must be known "
                              "in the forward)")
@@ -396,7 +396,7 @@ def linear_cross_entropy(hidden, weight, target, *, ignore_index: int = -100, re
             return per * weight_T[t0:t1]
 
         loss, *_ = eager_loss(hidden, weight, target, token_loss, temperature=temperature, tp_group=tp_group,
-                              backend=backend, chunk_tokens=chunk_tokens)
+                              backend=backend, chunk_tokens=chunk_tokens, lean=impl == "lean")
         return loss
     tz_T, lse_T, _ = _token_stats(hidden, weight, target, temperature, False, tp_group, backend, impl,
                                   chunk_tokens, chunk_vocab)
@@ -429,9 +429,10 @@ def linear_logprobs(hidden, weight, target, *, temperature: float = 1.0, with_en
 
 
 def linear_policy_loss(hidden, weight, target, token_loss, *, temperature: float = 1.0, with_entropy: bool = False,
-                       tp_group=None, backend=None, chunk_tokens=None):
+                       tp_group=None, backend=None, chunk_tokens=None, impl=None):
     """A loss on per-token log-probs (and entropies) of softmax(hidden @ weight.T / temperature), fused into the
-    head: three logits-sized GEMMs instead of four (kernels/lm_head_eager.py).
+    head: three logits-sized GEMMs instead of four (kernels/lm_head_eager.py). impl="lean": four GEMMs and nothing
+    beside the two gradients but a few MiB (kernels/lm_head_lean.py, lean_eager_run); None or "eager": three.
 
     token_loss(logp, ent, t0, t1) -> [t1 - t0] per-token contributions for tokens [t0, t1), whose sum over all
     tokens is the loss: logp and ent are fp32 [t1 - t0] (ent None unless with_entropy), differentiable; any
@@ -442,6 +443,8 @@ def linear_policy_loss(hidden, weight, target, token_loss, *, temperature: float
     """
     from kernels.lm_head_eager import eager_loss
 
+    if impl not in (None, "eager", "lean"):
+        raise ValueError(f"linear_policy_loss: impl must be 'eager' or 'lean', got {impl!r}")
     valid_T = target >= 0
 
     def on_stats(tz, lse, ent, t0, t1):
@@ -450,6 +453,6 @@ def linear_policy_loss(hidden, weight, target, token_loss, *, temperature: float
 
     loss, tz_T, lse_T, ent_T = eager_loss(hidden, weight, target, on_stats, temperature=temperature,
                                           with_entropy=with_entropy, tp_group=tp_group, backend=backend,
-                                          chunk_tokens=chunk_tokens)
+                                          chunk_tokens=chunk_tokens, lean=impl == "lean")
     logp_T = torch.where(valid_T, tz_T - lse_T, torch.zeros_like(lse_T))
     return loss, logp_T, (ent_T if with_entropy else None)

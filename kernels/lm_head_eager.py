@@ -168,13 +168,17 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
 class _EagerLoss(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, target_T, token_loss, temperature, with_entropy, tp_group, backend,
-                chunk_tokens):
+                chunk_tokens, lean):
         rank, _ = _lh._tp_info(tp_group)
         V = weight_VH.shape[0]
         tgt_T = target_T.long() - rank * V  # equal vocab shards
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
-        loss, tz_T, lse_T, ent_T, dH, dW = eager_run(hidden_TH, weight_VH, tgt_T, token_loss, 1.0 / temperature,
-                                                     with_entropy, tp_group, backend, chunk_tokens, need_h, need_w)
+        if lean:
+            from kernels.lm_head_lean import lean_eager_run as run
+        else:
+            run = eager_run
+        loss, tz_T, lse_T, ent_T, dH, dW = run(hidden_TH, weight_VH, tgt_T, token_loss, 1.0 / temperature,
+                                               with_entropy, tp_group, backend, chunk_tokens, need_h, need_w)
         ctx.grads = (dH, dW)  # intermediates, not inputs or outputs: held on ctx until the backward
         ctx.mark_non_differentiable(tz_T, lse_T, ent_T)
         return loss, tz_T, lse_T, ent_T
@@ -187,14 +191,15 @@ class _EagerLoss(torch.autograd.Function):
         if g != 1.0:
             dH = None if dH is None else dH.mul_(g)
             dW = None if dW is None else dW.mul_(g)
-        return dH, dW, None, None, None, None, None, None, None
+        return dH, dW, None, None, None, None, None, None, None, None
 
 
 def eager_loss(hidden, weight, target, token_loss: TokenLoss, *, temperature=1.0, with_entropy=False,
-               tp_group=None, backend=None, chunk_tokens=None):
+               tp_group=None, backend=None, chunk_tokens=None, lean=False):
     """(loss, tz, lse, ent): loss = sum of token_loss over chunks, differentiable in hidden and weight; tz, lse,
-    ent [T] fp32 detached (ent zeros unless with_entropy)."""
+    ent [T] fp32 detached (ent zeros unless with_entropy). lean: kernels/lm_head_lean.py's lean_eager_run (four
+    GEMMs, nothing beside the two gradients but a few MiB) instead of the three-GEMM eager_run."""
     hidden, weight = _lh._check_inputs(hidden, weight, target, temperature)
     backend = _lh._pick_backend(hidden, backend)
     return _EagerLoss.apply(hidden, weight, target, token_loss, float(temperature), bool(with_entropy), tp_group,
-                            backend, chunk_tokens)
+                            backend, chunk_tokens, bool(lean))

@@ -33,7 +33,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import lm_head as _lh
-from kernels.lm_head_chunked import LOG2E, PARTS_PER_TILE
+from kernels.lm_head_chunked import LN2, LOG2E, PARTS_PER_TILE
 
 GRAIN = 256  # chunk sizes are multiples of this (tests shrink it to exercise the carving)
 PASS_H_CHUNKS = (16384, 16384)  # (Tc, Vc) wanted in pass H: 4 token chunks at T = 65,536, so W is converted 4 times
@@ -160,86 +160,229 @@ def _needs(H: int, ge: int, convert: bool, tile: int):
     return need_h, need_w, need_direct
 
 
-def lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: float, backend: str,
-                  need_h: bool, need_w: bool, tp_group):
-    """(dH [T, H] or None, dW [V, H] or None) in the inputs' dtypes; see the module docstring. b_T None: b = 0."""
-    T, H = hidden_TH.shape
-    V = weight_VH.shape[0]
-    if T == 0 or not (need_h or need_w):
-        return (torch.zeros_like(hidden_TH) if need_h else None), (torch.zeros_like(weight_VH) if need_w else None)
-    kmod = _lh._backend_module(backend)
-    dev = hidden_TH.device
-    gemm_dtype, dz_scale, h_scale, w_scale = _lh._backward_operands(hidden_TH, weight_VH, lse_T, a_T, b_T, c_T,
-                                                                    inv_temp)
-    ge = gemm_dtype.itemsize
-    convert = gemm_dtype != hidden_TH.dtype
-    tile = kmod.tile_vocab(hidden_TH)
-    need_h_fn, need_w_fn, need_direct_fn = _needs(H, ge, convert, tile)
-    dH = torch.empty_like(hidden_TH) if need_h else None
-    dW = torch.empty_like(weight_VH) if need_w else None
+class _Passes:
+    """The two passes over one head's inputs, once the per-token lse and coefficients (a, b, c) are known."""
 
-    def dz_tile(arena, t0, t1, v0, v1, tc, vc):
+    def __init__(self, hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: float, kmod, tp_group):
+        self.h, self.w, self.tgt, self.lse, self.a, self.b, self.c = hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T
+        self.inv_temp, self.kmod, self.tp_group = inv_temp, kmod, tp_group
+        self.gemm_dtype, self.dz_scale, self.h_scale, self.w_scale = _lh._backward_operands(
+            hidden_TH, weight_VH, lse_T, a_T, b_T, c_T, inv_temp)
+        self.convert = self.gemm_dtype != hidden_TH.dtype
+        self.tile = kmod.tile_vocab(hidden_TH)
+        self.need_h, self.need_w, self.need_direct = _needs(hidden_TH.shape[1], self.gemm_dtype.itemsize,
+                                                            self.convert, self.tile)
+
+    def dz_tile(self, arena, t0, t1, v0, v1, tc, vc):
         """dZ for tokens [t0, t1) x vocab rows [v0, v1), scaled by dz_scale, in a [rows, v1 - v0] arena tensor."""
-        dz = arena.take((t1 - t0, v1 - v0), gemm_dtype)
-        parts = arena.take((_parts_floats(tc, vc, tile),), torch.float32)
-        tgt = tgt_T[t0:t1] - v0
-        m2, _, _, _, tile_v = kmod.logits_tiles(hidden_TH[t0:t1], weight_VH[v0:v1], tgt, inv_temp, False, dz,
-                                                parts=parts, merge=False)
-        b = a_T if b_T is None else b_T  # (not read without b)
-        kmod.dlogits_from_tiles(dz, m2, tile_v, tgt, lse_T[t0:t1] * LOG2E, a_T[t0:t1], b[t0:t1], c_T[t0:t1], inv_temp,
-                                dz_scale, b_T is not None)
+        dz = arena.take((t1 - t0, v1 - v0), self.gemm_dtype)
+        parts = arena.take((_parts_floats(tc, vc, self.tile),), torch.float32)
+        tgt = self.tgt[t0:t1] - v0
+        m2, _, _, _, tile_v = self.kmod.logits_tiles(self.h[t0:t1], self.w[v0:v1], tgt, self.inv_temp, False, dz,
+                                                     parts=parts, merge=False)
+        b = self.a if self.b is None else self.b  # (not read without b)
+        self.kmod.dlogits_from_tiles(dz, m2, tile_v, tgt, self.lse[t0:t1] * LOG2E, self.a[t0:t1], b[t0:t1],
+                                     self.c[t0:t1], self.inv_temp, self.dz_scale, self.b is not None)
         return dz
 
-    if need_h:  # pass H, token-outer; scratch: dW's storage while it is unwritten
-        sizes = fit_chunks(dW.numel() * dW.element_size(), need_h_fn, T, V, PASS_H_CHUNKS) if need_w else None
-        if sizes is not None:
-            region = _bytes_of(dW)
-        else:  # no dW to borrow, or too small: a buffer of its own (the smallest chunks if EXTERNAL_BYTES is short)
-            sizes = fit_chunks(EXTERNAL_BYTES, need_h_fn, T, V, PASS_H_CHUNKS) or (min(T, GRAIN), min(V, GRAIN))
-            region = torch.empty(need_h_fn(*sizes), dtype=torch.uint8, device=dev)
+    def pass_h(self, dH, region):
+        """Token-outer: dH chunk by chunk, each summed over vocab chunks in fp32; scratch: the byte region (dW's
+        storage while it is unwritten, or a buffer of its own)."""
+        T, H = self.h.shape
+        V = self.w.shape[0]
+        sizes = fit_chunks(region.numel(), self.need_h, T, V, PASS_H_CHUNKS) or (min(T, GRAIN), min(V, GRAIN))
         Tc, Vc = sizes
-        inv = 1.0 / (dz_scale * w_scale)
+        inv = 1.0 / (self.dz_scale * self.w_scale)
         for t0 in range(0, T, Tc):
             t1 = min(t0 + Tc, T)
             for v0 in range(0, V, Vc):
                 v1 = min(v0 + Vc, V)
                 arena = _Arena(region)
                 dH32 = arena.take((Tc, H), torch.float32)[: t1 - t0]
-                w_g = weight_VH[v0:v1]
-                if convert:
-                    w_g = torch.mul(w_g, w_scale, out=arena.take((v1 - v0, H), gemm_dtype))
-                dz = dz_tile(arena, t0, t1, v0, v1, Tc, Vc)
+                w_g = self.w[v0:v1]
+                if self.convert:
+                    w_g = torch.mul(w_g, self.w_scale, out=arena.take((v1 - v0, H), self.gemm_dtype))
+                dz = self.dz_tile(arena, t0, t1, v0, v1, Tc, Vc)
                 _lh._gemm_acc(dH32, dz, w_g, first=(v0 == 0))
             dH32.mul_(inv)
-            if tp_group is not None:
-                dist.all_reduce(dH32, group=tp_group)  # hidden is replicated over the group: sum the partials
+            if self.tp_group is not None:
+                dist.all_reduce(dH32, group=self.tp_group)  # hidden is replicated over the group: sum the partials
             dH[t0:t1].copy_(dH32)
 
-    if need_w:  # pass W, vocab-outer; scratch: dW's rows after the chunk, then the tail buffer
+    def pass_w(self, dW):
+        """Vocab-outer: dW chunk by chunk from row 0, each summed over token chunks in fp32; scratch: dW's rows
+        after the chunk (not yet written), then the tail buffer."""
+        T, H = self.h.shape
+        V = self.w.shape[0]
         row_bytes = H * dW.element_size()
-        inv = 1.0 / (dz_scale * h_scale)
+        inv = 1.0 / (self.dz_scale * self.h_scale)
         tail = None
-        plan = plan_vocab_pass(V, T, row_bytes, need_w_fn, need_direct_fn if convert else None)
+        plan = plan_vocab_pass(V, T, row_bytes, self.need_w, self.need_direct if self.convert else None)
         for v0, v1, Tc, own, direct in plan:
             if own:
                 region = _bytes_of(dW, v1)
             else:
                 if tail is None:
-                    tail = torch.empty((need_direct_fn if convert else need_w_fn)(*tail_chunks(T, V)),
-                                       dtype=torch.uint8, device=dev)
+                    tail = torch.empty((self.need_direct if self.convert else self.need_w)(*tail_chunks(T, V)),
+                                       dtype=torch.uint8, device=self.h.device)
                 region = tail
             for t0 in range(0, T, Tc):
                 t1 = min(t0 + Tc, T)
                 arena = _Arena(region)
                 dW32 = arena.take((v1 - v0, H), torch.float32)
                 if direct:  # h read as it is, converted in registers
-                    dz = dz_tile(arena, t0, t1, v0, v1, Tc, v1 - v0)
-                    kmod.dw_acc(dW32, dz, hidden_TH[t0:t1], h_scale, first=(t0 == 0))
+                    dz = self.dz_tile(arena, t0, t1, v0, v1, Tc, v1 - v0)
+                    self.kmod.dw_acc(dW32, dz, self.h[t0:t1], self.h_scale, first=(t0 == 0))
                     continue
-                h_g = hidden_TH[t0:t1]
-                if convert:
-                    h_g = torch.mul(h_g, h_scale, out=arena.take((t1 - t0, H), gemm_dtype))
-                dz = dz_tile(arena, t0, t1, v0, v1, Tc, v1 - v0)
+                h_g = self.h[t0:t1]
+                if self.convert:
+                    h_g = torch.mul(h_g, self.h_scale, out=arena.take((t1 - t0, H), self.gemm_dtype))
+                dz = self.dz_tile(arena, t0, t1, v0, v1, Tc, v1 - v0)
                 _lh._gemm_acc(dW32, dz.T, h_g, first=(t0 == 0))
             dW[v0:v1].copy_(dW32.mul_(inv))
+
+
+def _zero_grads(hidden_TH, weight_VH, need_h: bool, need_w: bool):
+    return (torch.zeros_like(hidden_TH) if need_h else None), (torch.zeros_like(weight_VH) if need_w else None)
+
+
+def lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: float, backend: str,
+                  need_h: bool, need_w: bool, tp_group):
+    """(dH [T, H] or None, dW [V, H] or None) in the inputs' dtypes; see the module docstring. b_T None: b = 0."""
+    T = hidden_TH.shape[0]
+    if T == 0 or not (need_h or need_w):
+        return _zero_grads(hidden_TH, weight_VH, need_h, need_w)
+    passes = _Passes(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, _lh._backend_module(backend),
+                     tp_group)
+    dH = torch.empty_like(hidden_TH) if need_h else None
+    dW = torch.empty_like(weight_VH) if need_w else None
+    if need_h:  # pass H first, in dW's storage while it is unwritten (else a buffer of its own)
+        region = _bytes_of(dW) if need_w else None
+        if region is None or fit_chunks(region.numel(), passes.need_h, T, weight_VH.shape[0], PASS_H_CHUNKS) is None:
+            sizes = fit_chunks(EXTERNAL_BYTES, passes.need_h, T, weight_VH.shape[0], PASS_H_CHUNKS)
+            region = torch.empty(passes.need_h(*(sizes or (min(T, GRAIN), min(weight_VH.shape[0], GRAIN)))),
+                                 dtype=torch.uint8, device=hidden_TH.device)
+        passes.pass_h(dH, region)
+    if need_w:
+        passes.pass_w(dW)
     return dH, dW
+
+
+GROUP_DH_VOCAB = 8192  # vocab rows of W converted to fp16 at a time for a group's dH GEMM (32 MiB at H = 2048)
+
+
+def _group_need(tc: int, V: int, H: int, e_bytes: int, tile: int, need_h: bool, convert: bool) -> int:
+    """Scratch bytes of one token group of lean_eager_run's first pass: its tile weights [tc, V] (dZ is written over
+    them), their statistics and, with dH, the group's fp32 dH and (16-bit inputs) one fp16 chunk of W."""
+    need = tc * V * e_bytes + 4 * _parts_floats(tc, V, tile) + 4 * _ALIGN
+    if need_h:
+        need += tc * H * 4 + (min(V, GROUP_DH_VOCAB) * H * 2 if convert else 0)
+    return need
+
+
+def _group_tokens(budget: int, T: int, V: int, H: int, e_bytes: int, tile: int, need_h: bool, convert: bool,
+                  want: int | None) -> int:
+    """The largest group, up to `want` (default EAGER_GROUP_TOKENS) and in multiples of GRAIN when it is that large,
+    whose scratch fits budget bytes (the need is affine in the group's tokens); 1 if none does."""
+    from kernels.lm_head_eager import EAGER_GROUP_TOKENS
+
+    tc = min(T, int(want) if want else EAGER_GROUP_TOKENS)
+    fixed = _group_need(0, V, H, e_bytes, tile, need_h, convert)
+    fit = max(0, budget - fixed) // (_group_need(1, V, H, e_bytes, tile, need_h, convert) - fixed)
+    if fit < tc:
+        tc = fit // GRAIN * GRAIN if fit >= GRAIN else fit
+    return max(1, tc)
+
+
+def lean_eager_run(hidden_TH, weight_VH, tgt_T, token_loss, inv_temp: float, with_entropy: bool, tp_group,
+                   backend: str, chunk_tokens, need_h: bool, need_w: bool):
+    """The lean head with the loss handed to it (docs/kernels.md, "Four GEMMs when the loss is known"): a first
+    pass in token groups is the eager path's (the logits GEMM with its tile statistics, the loss's coefficients,
+    dZ, and dH = dZ W summed over the vocabulary in fp32), its scratch in dW's storage, not yet written; then pass W
+    as in lean_backward. Four logits-sized GEMMs; nothing beside dH and dW but [T] vectors and the tail buffer.
+    Returns what kernels/lm_head_eager.py's eager_run does: (loss, tz, lse, ent, dH or None, dW or None).
+
+    The fp16 copy of W that the eager path's dH GEMM reads would not fit, so W is converted GROUP_DH_VOCAB rows at a
+    time and the group's dH32 accumulates over those chunks (cuBLAS's fp32 C): the same fp16 operands, so the same
+    errors as the eager path."""
+    from kernels.lm_head_eager import _coefficients
+
+    T, H = hidden_TH.shape
+    V = weight_VH.shape[0]
+    in_dtype = hidden_TH.dtype
+    if hidden_TH.element_size() != 2 and in_dtype != torch.float32:  # fp64 and the like: the kernels run in fp32
+        hidden_TH, weight_VH = hidden_TH.float(), weight_VH.float()
+    kmod = _lh._backend_module(backend)
+    dev = hidden_TH.device
+    f32 = dict(dtype=torch.float32, device=dev)
+    tz_T, lse_T, a_T, c_T = (torch.empty(T, **f32) for _ in range(4))
+    ent_T = (torch.empty if with_entropy else torch.zeros)(T, **f32)
+    b_T = None
+    loss = torch.zeros((), **f32)
+    if T == 0:
+        return (loss, tz_T, lse_T, ent_T) + _zero_grads(hidden_TH, weight_VH, need_h, need_w)
+    dH = torch.empty_like(hidden_TH) if need_h else None
+    dW = torch.empty_like(weight_VH) if need_w else None
+    half = hidden_TH.element_size() == 2
+    e_dtype = torch.float16 if half else torch.float32
+    convert = half and weight_VH.dtype != torch.float16  # bf16 W: fp16 chunks for the dH GEMM
+    one = torch.ones((), **f32)
+    w_scale = _lh._pow2_scale(_lh._amax(weight_VH)) if convert else one
+    tile = kmod.tile_vocab(hidden_TH)
+    sizes = (V, H, e_dtype.itemsize, tile, need_h, convert)
+    region = _bytes_of(dW) if dW is not None else None
+    Tg = _group_tokens(region.numel() if region is not None else 0, T, *sizes, chunk_tokens)
+    if region is None or _group_need(Tg, *sizes) > region.numel():
+        Tg = _group_tokens(EXTERNAL_BYTES, T, *sizes, chunk_tokens)
+        region = torch.empty(_group_need(Tg, *sizes), dtype=torch.uint8, device=dev)
+    for g0 in range(0, T, Tg):
+        g1 = min(g0 + Tg, T)
+        arena = _Arena(region)
+        e = arena.take((g1 - g0, V), e_dtype)
+        parts = arena.take((_parts_floats(g1 - g0, V, tile),), torch.float32)
+        m2, lse2, ent, tz, tile_v = kmod.logits_tiles(hidden_TH[g0:g1], weight_VH, tgt_T[g0:g1], inv_temp,
+                                                      with_entropy, e, parts=parts)
+        lse = torch.mul(lse2, LN2, out=lse_T[g0:g1])
+        if tp_group is not None:
+            lse_c, ent, tz = _lh._combine_over_group(lse, ent, tz, tp_group)
+            lse.copy_(lse_c)
+            lse2 = lse * LOG2E
+        if with_entropy:
+            ent_T[g0:g1].copy_(ent)
+        tz_T[g0:g1].copy_(tz)
+        a, b, c, part = _coefficients(token_loss, tz_T[g0:g1], lse, ent_T[g0:g1], g0, g1, with_entropy)
+        loss.add_(part)
+        a_T[g0:g1].copy_(a)
+        c_T[g0:g1].copy_(c)
+        if b is not None:
+            if b_T is None:
+                b_T = torch.zeros(T, **f32)
+            b_T[g0:g1].copy_(b)
+        if not need_h:
+            continue
+        scale = one
+        if half:  # |dlogit| <= (|a| + |b| (|lse| + 1) + |c|) / temperature (p |x| <= |lse| + 1)
+            bound = _lh._amax(a) + _lh._amax(c)
+            if b is not None:
+                bound = bound + _lh._amax(b) * (_lh._amax(lse) + 1)
+            scale = _lh._pow2_scale(bound * inv_temp)
+        kmod.dlogits_from_tiles(e, m2, tile_v, tgt_T[g0:g1], lse2, a, a if b is None else b, c, inv_temp, scale,
+                                b is not None)
+        dH32 = arena.take((g1 - g0, H), torch.float32)
+        if convert:  # fp32 C across the chunks of W: no 16-bit partial sums; the scales come off once, on device
+            w16 = arena.take((min(V, GROUP_DH_VOCAB), H), torch.float16)
+            for v0 in range(0, V, GROUP_DH_VOCAB):
+                v1 = min(v0 + GROUP_DH_VOCAB, V)
+                w_c = torch.mul(weight_VH[v0:v1], w_scale, out=w16[: v1 - v0])
+                _lh._gemm_acc(dH32, e[:, v0:v1], w_c, first=(v0 == 0))
+        else:
+            _lh._gemm_acc(dH32, e, weight_VH, first=True)
+        dH32.div_(scale * w_scale)
+        if tp_group is not None:
+            dist.all_reduce(dH32, group=tp_group)  # hidden is replicated over the group: sum the partials
+        dH[g0:g1].copy_(dH32)
+    if need_w:
+        _Passes(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, kmod, tp_group).pass_w(dW)
+    if in_dtype != hidden_TH.dtype:
+        dH, dW = (None if g is None else g.to(in_dtype) for g in (dH, dW))
+    return loss, tz_T, lse_T, ent_T, dH, dW

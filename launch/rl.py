@@ -171,11 +171,12 @@ def _metrics(loss, parts, mask_T, entropy_T) -> dict[str, torch.Tensor]:
 def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor,
                       advantages_T: torch.Tensor, mask_T: torch.Tensor, cfg: LossConfig, *, temperature: float = 1.0,
                       old_logp_T: torch.Tensor | None = None, ref_logp_T: torch.Tensor | None = None,
-                      rollout_logp_T: torch.Tensor | None = None, seq_id_T: torch.Tensor | None = None
-                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                      rollout_logp_T: torch.Tensor | None = None, seq_id_T: torch.Tensor | None = None,
+                      impl: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """policy_loss(token_logprobs(...)) with the loss handed to the LM head (kernels.linear_policy_loss): the head
-    knows each token's gradient as soon as its log-prob is known and runs three logits-sized GEMMs, not four.
-    Same per-token formula (token_losses) and weights (token_weights); metrics from the detached log-probs."""
+    knows each token's gradient as soon as its log-prob is known and runs three logits-sized GEMMs, not four
+    (impl="lean": four, holding nothing beside the two gradients but a few MiB). Same per-token formula
+    (token_losses) and weights (token_weights); metrics from the detached log-probs."""
     w_T = token_weights(mask_T, seq_id_T, cfg.aggregation)
     mask_b = mask_T.bool()
 
@@ -189,19 +190,21 @@ def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_
         return torch.where(mask_b[t0:t1], loss_t, 0.0) * w_T[t0:t1]
 
     loss, logp_T, ent_T = kernels.linear_policy_loss(hidden_TD, weight_VD, targets_T, token_loss,
-                                                     temperature=temperature, with_entropy=True)
+                                                     temperature=temperature, with_entropy=True, impl=impl)
     _, parts = token_losses(logp_T, advantages_T, mask_T, cfg, old_logp_T=old_logp_T, ref_logp_T=ref_logp_T,
                             rollout_logp_T=rollout_logp_T, entropy_T=ent_T)
     return loss, _metrics(loss, parts, mask_T, ent_T)
 
 
 def fused_nll_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor, mask_T: torch.Tensor,
-                   *, temperature: float = 1.0) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SFT objective through the fused head: token-mean negative log-likelihood over mask_T, plus metrics."""
+                   *, temperature: float = 1.0, impl: str | None = None
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SFT objective through the fused head (impl as fused_policy_loss's): token-mean negative log-likelihood over
+    mask_T, plus metrics."""
     w_T = token_weights(mask_T, None, "token_mean")
     loss, _, ent_T = kernels.linear_policy_loss(hidden_TD, weight_VD, targets_T,
                                                 lambda logp, ent, t0, t1: -logp * w_T[t0:t1],
-                                                temperature=temperature, with_entropy=True)
+                                                temperature=temperature, with_entropy=True, impl=impl)
     m = mask_T.float()
     n = m.sum().clamp(min=1.0)
     return loss, {"loss": loss.detach(), "entropy": ((ent_T * m).sum() / n).detach(), "num_tokens": m.sum()}

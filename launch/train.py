@@ -67,12 +67,13 @@ class Trainer:
         """Loss of one micro-batch (its own aggregation) and its metrics."""
         hidden_TD = self.model(batch.input_ids, batch.packing)
         weight, mask, temp = self.model.lm_head.weight, batch.loss_mask, self.cfg.temperature
-        if self.lm_head == "fused":  # the loss goes into the head: three logits-sized GEMMs (kernels/lm_head_eager.py)
+        if self.lm_head in ("fused", "lean"):  # the loss goes into the head: three logits-sized GEMMs
+            impl = "lean" if self.lm_head == "lean" else None  # (lean: four, and only the gradients in memory)
             if self.cfg.objective == "sft":
-                return fused_nll_loss(hidden_TD, weight, batch.targets, mask, temperature=temp)
+                return fused_nll_loss(hidden_TD, weight, batch.targets, mask, temperature=temp, impl=impl)
             return fused_policy_loss(hidden_TD, weight, batch.targets, batch.advantages, mask, self.cfg.loss,
                                      temperature=temp, old_logp_T=batch.old_logprobs, ref_logp_T=batch.ref_logprobs,
-                                     rollout_logp_T=batch.rollout_logprobs, seq_id_T=batch.seq_id)
+                                     rollout_logp_T=batch.rollout_logprobs, seq_id_T=batch.seq_id, impl=impl)
         logp_T, entropy_T = token_logprobs(hidden_TD, weight, batch.targets, mode=self.lm_head, temperature=temp,
                                            with_entropy=True)
         if self.cfg.objective == "sft":

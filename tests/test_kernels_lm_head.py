@@ -109,7 +109,7 @@ def _rel_entropy(ent, ref, floor=1e-3) -> float:
 
 
 def check_policy_loss(T, H, V, *, backend, tol, temperature=1.0, logit_scale=3.0, device="cpu",
-                      dtype=torch.float32, grad_tol=None, adv_spread=1.0, chunk_tokens=None):
+                      dtype=torch.float32, grad_tol=None, adv_spread=1.0, chunk_tokens=None, impl=None):
     """linear_policy_loss with a clipped-surrogate-like loss plus an entropy term against the float64 reference.
     adv_spread > 1 gives the token chunks advantages of very different sizes (chunk-wise fp16 scales differ)."""
     hidden, weight, target = _inputs(T, H, V, logit_scale=logit_scale, device=device, dtype=dtype)
@@ -126,7 +126,8 @@ def check_policy_loss(T, H, V, *, backend, tol, temperature=1.0, logit_scale=3.0
 
     hidden.grad = weight.grad = None
     loss, logp, ent = kernels.linear_policy_loss(hidden, weight, target, token_loss, temperature=temperature,
-                                                 with_entropy=True, backend=backend, chunk_tokens=chunk_tokens)
+                                                 with_entropy=True, backend=backend, chunk_tokens=chunk_tokens,
+                                                 impl=impl)
     loss.backward()
 
     def ref_fn(h, w, t):
@@ -374,6 +375,59 @@ def test_lean_backward_torch(dtype):
         restore()
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_lean_with_the_loss_handed_over_torch(dtype):
+    # mean CE and a policy loss with impl="lean": the first pass in token groups inside dW's bytes (eager-style, W
+    # converted a chunk at a time for the dH GEMM), then pass W over every kind of chunk; several groups
+    from kernels import lm_head_chunked as kc, lm_head_lean as L
+
+    restore = _small_lean_chunks(L, kc)
+    try:
+        gt = {torch.bfloat16: 3e-3, torch.float16: 5e-4}.get(dtype)  # 16-bit: the outputs' own rounding
+        f32 = dtype == torch.float32
+        errs = check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6 if f32 else 1e-5, grad_tol=gt, impl="lean",
+                                   chunk_tokens=12, reduction="mean", z_loss=1e-3, temperature=0.7, dtype=dtype)
+        check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6 if f32 else 1e-5, grad_tol=gt, impl="lean",
+                            reduction="sum", dtype=dtype)
+        check_policy_loss(29, 40, 257, backend="torch", tol=2e-5, grad_tol=gt, chunk_tokens=8, temperature=1.3,
+                          dtype=dtype, impl="lean", adv_spread=1e3)
+        L.GROUP_DH_VOCAB, old_chunk = 64, L.GROUP_DH_VOCAB  # the dH GEMM over 5 chunks of W, the last partial
+        try:
+            errs2 = check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6 if f32 else 1e-5, grad_tol=gt,
+                                        impl="lean", chunk_tokens=12, dtype=dtype)
+        finally:
+            L.GROUP_DH_VOCAB = old_chunk
+        assert errs["dH"] < (gt or 2e-6) and errs2["dH"] < (gt or 2e-6)
+        # one gradient only: dH alone (a frozen head) borrows no storage; dW alone skips the dH GEMM
+        hidden, weight, target = _inputs(23, 16, 77)
+        ref_loss, rdh, rdw = _ref_grads(linear_cross_entropy_reference, hidden, weight, target)
+        for frozen in ("weight", "hidden"):
+            h = hidden.detach().clone().requires_grad_(frozen != "hidden")
+            w = weight.detach().clone().requires_grad_(frozen != "weight")
+            loss = kernels.linear_cross_entropy(h, w, target, impl="lean", backend="torch", chunk_tokens=8)
+            loss.backward()
+            got, ref = (h.grad, rdh) if frozen == "weight" else (w.grad, rdw)
+            assert _rel(got, ref) < 2e-6 and (w.grad if frozen == "weight" else h.grad) is None
+            assert _rel(loss, ref_loss) < 1e-6
+    finally:
+        restore()
+
+
+def test_lean_group_fits_in_the_weight_gradient():
+    # the bar's shape: 4096-token groups do not fit dW's 0.95 GiB, 1792 do (e 1792 x 248,320 x 2 B = 0.89 GB +
+    # 20.9 MB of statistics + 14.7 MB of dH32 + a 33.6 MB fp16 chunk of W = 0.959 GB <= 1.017 GB); a tiny budget
+    # falls to the last few tokens
+    from kernels import lm_head_lean as L
+
+    H, V, T = 2048, 248320, 65536
+    sizes = (V, H, 2, 256, True, True)
+    tg = L._group_tokens(V * H * 2, T, *sizes, None)
+    assert tg == 1792 and L._group_need(tg, *sizes) <= V * H * 2 < L._group_need(2048, *sizes)
+    assert L._group_tokens(V * H * 2, 300, *sizes, None) == 300  # a short batch: one group
+    # 10 tokens' weights of budget, no dH: each token also has 970 tiles x 12 B of statistics, so 9 fit (9.77)
+    assert L._group_tokens(10 * V * 2, T, V, H, 2, 256, False, True, None) == 9
+
+
 @pytest.mark.parametrize("impl", ["fused", "split", "eager", "lean"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_no_tokens_give_zero_loss_and_zero_gradients(impl, dtype):
@@ -513,6 +567,8 @@ def interpreter_checks() -> None:
         print("lean bf16", check_cross_entropy(37, 40, 301, backend="triton", tol=1e-5, grad_tol=3e-3, impl="lean",
                                                dtype=torch.bfloat16, logit_scale=30.0))
         print("lean lp", check_logprobs(29, 40, 257, backend="triton", tol=2e-5, impl="lean", temperature=1.3))
+        print("lean policy", check_policy_loss(29, 40, 257, backend="triton", tol=2e-5, chunk_tokens=8,
+                                               temperature=1.3, impl="lean"))
     finally:
         restore()
     from kernels import lm_head_chunked as kc, lm_head_triton as kt
@@ -587,6 +643,15 @@ def _dist_worker(rank: int, world: int, port: int) -> None:
         errs = (_rel(lp2, ref[0]), _rel(ent2, ref[1]), _rel(hidden.grad, rdh),
                 _rel(w_local.grad, rdw[rank * V_local:(rank + 1) * V_local]))
         assert max(errs) < 1e-5, f"TP policy loss rank {rank}: {errs}"
+        # and through the lean head (its first pass combines each group's statistics and sums dH over the group)
+        hidden.grad = w_local.grad = None
+        loss, lp3, ent3 = kernels.linear_policy_loss(
+            hidden, w_local, target, lambda lp, en, a, b: lp * up_lp[a:b] + en * up_ent[a:b], with_entropy=True,
+            temperature=1.2, tp_group=dist.group.WORLD, chunk_tokens=8, impl="lean")
+        loss.backward()
+        errs = (_rel(lp3, ref[0]), _rel(ent3, ref[1]), _rel(hidden.grad, rdh),
+                _rel(w_local.grad, rdw[rank * V_local:(rank + 1) * V_local]))
+        assert max(errs) < 1e-5, f"TP lean policy loss rank {rank}: {errs}"
 
         # FSDP2: the head's weight is a sharded DTensor parameter; inside forward FSDP hands the kernel the
         # gathered plain tensor (no .full_tensor()), and the reduce-scatter of its gradient is FSDP's.

@@ -118,10 +118,12 @@ def test_loss_config_validation():
         LossConfig(aggregation="batch_mean")
 
 
+@pytest.mark.parametrize("impl", [None, "lean"])
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
-def test_fused_policy_loss_equals_unfused(aggregation):
-    # the loss handed to the head (three GEMMs, gradients formed in the forward) against token_logprobs (naive,
-    # materialized logits) + policy_loss: same loss, metrics and gradients, with every optional term on
+def test_fused_policy_loss_equals_unfused(aggregation, impl):
+    # the loss handed to the head (three GEMMs, gradients formed in the forward; lean: four, in the gradients' own
+    # storage) against token_logprobs (naive, materialized logits) + policy_loss: same loss, metrics and gradients,
+    # with every optional term on
     from launch.rl import fused_nll_loss, fused_policy_loss
 
     g = torch.Generator().manual_seed(11)
@@ -143,7 +145,7 @@ def test_fused_policy_loss_equals_unfused(aggregation):
     loss_ref.backward()
     gh, gw = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
-    loss, m = fused_policy_loss(h, w, tgt, adv, mask, cfg, temperature=0.8, **kw)
+    loss, m = fused_policy_loss(h, w, tgt, adv, mask, cfg, temperature=0.8, impl=impl, **kw)
     loss.backward()
     assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-5)
     assert torch.allclose(h.grad, gh, rtol=1e-4, atol=1e-7) and torch.allclose(w.grad, gw, rtol=1e-4, atol=1e-7)
@@ -152,7 +154,7 @@ def test_fused_policy_loss_equals_unfused(aggregation):
         assert m[k].item() == pytest.approx(m_ref[k].item(), rel=1e-5, abs=1e-7), k
 
     h.grad = w.grad = None
-    nll, _ = fused_nll_loss(h, w, tgt, mask)
+    nll, _ = fused_nll_loss(h, w, tgt, mask, impl=impl)
     nll.backward()
     lp = token_logprobs(h.detach(), w.detach(), tgt, mode="naive")
     assert nll.item() == pytest.approx((-(lp * mask).sum() / mask.sum()).item(), rel=1e-5)

@@ -78,8 +78,8 @@ def test_micro_batches_give_the_same_step(aggregation):
 
 
 def test_lean_head_gives_the_fused_step():
-    # lm_head: lean (linear_logprobs with the two-pass backward, policy loss in torch) against the loss handed to
-    # the head: the same loss, gradients and metrics
+    # lm_head: lean (the loss handed to the lean head: four GEMMs, its scratch in the gradients' storage) against
+    # the three-GEMM fused head: the same loss, gradients and metrics
     rollouts = synthetic_rollouts(2, 2, TINY.vocab_size, response_len=(5, 30), seed=4)
     cfg = TrainConfig(lr=1e-3)
     fused = Trainer(build_model(TINY, seed=5), cfg, recompute="full", lm_head="fused")
