@@ -116,7 +116,9 @@ def make_methods(modes_wanted):
     # four logits-sized GEMMs, under an autograd loss on its log-probs five
     methods["ours, lean"] = {"ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, impl="lean"),
                              "rl": lean_rl}
-    methods["ours, lean generic 5-GEMM"] = {"rl": lean_generic_rl}
+    methods["ours, lean generic 5-GEMM"] = {  # (the bench's targets are never ignored: the mean is over all T)
+        "ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, impl="lean", reduction="none").mean(),
+        "rl": lean_generic_rl}
 
     def naive_ce(h, w, t):
         return F.cross_entropy((h @ w.T).float(), t)

@@ -268,7 +268,7 @@ def lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: f
     return dH, dW
 
 
-GROUP_DH_VOCAB = 8192  # vocab rows of W converted to fp16 at a time for a group's dH GEMM (32 MiB at H = 2048)
+GROUP_DH_VOCAB = 32768  # vocab rows of W converted to fp16 at a time for a group's dH GEMM (128 MiB at H = 2048)
 
 
 def _group_need(tc: int, V: int, H: int, e_bytes: int, tile: int, need_h: bool, convert: bool) -> int:
