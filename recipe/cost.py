@@ -39,8 +39,9 @@ TILE_STATS_BYTES = 12
 # (at most this, kernels.lm_head.FORWARD_PARTS_BYTES), its backward the two bf16 gradients and ~2 MiB beside them.
 LEAN_FORWARD_BYTES = 256 * 2**20
 LEAN_EXTRA_BYTES = 4 * 2**20
-# Its time as head passes (one pass = one logits-sized GEMM): five GEMMs, measured 2.2x the eager head's three at
-# T = 65,536 on an H200 (737 / 510 ms against 336 / 211 at V = 248,320 / 151,936; docs/BENCHMARKS.md, session 4).
+# Its time as head passes (one pass = one logits-sized GEMM): the trainer's lean head takes the loss (four GEMMs,
+# kernels/lm_head_lean.py: lean_eager_run), measured 2.0x to 2.3x the eager head's three at T = 65,536 on an H200
+# (651 to 746 / 440 to 551 ms against 328 / 204 at V = 248,320 / 151,936; docs/BENCHMARKS.md, session 5).
 LEAN_HEAD_PASSES = 6.6
 HEAD_MODES = ("fused", "lean", "naive")
 EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (the seed's figure)
