@@ -57,7 +57,7 @@ Gpus = Annotated[Optional[int], typer.Option("--gpus", "-g", help="world size to
 Layers = Annotated[Optional[int], typer.Option("--layers", help="a reduced-depth model: first N layers")]
 Recompute = Annotated[str, typer.Option("--recompute", help="full | none")]
 LmHead = Annotated[str, typer.Option("--lm-head", help="fused (the loss in the head, 3 GEMMs) | lean (the two gradients "
-                                                      "and ~2 MiB, 5 GEMMs) | naive (materialized logits)")]
+                                                      "and ~2 MiB, 4 GEMMs) | naive (materialized logits)")]
 Mbt = Annotated[Optional[str], typer.Option("--micro-batch-tokens", help="tokens per micro-batch (default: --seq)")]
 Mb = Annotated[int, typer.Option("--micro-batches", help="micro-batches per DP rank per optimizer step")]
 Chunks = Annotated[Optional[int], typer.Option("--ep-chunks", help="EP all-to-all overlap chunks (1 = off; "

@@ -35,8 +35,9 @@ FUSED_HEAD_GROUP_TOKENS = 4096
 # The split forward's per-tile statistics: 3 fp32 numbers per token per 256-wide vocab tile (kernels.lm_head_chunked.
 # PARTS_PER_TILE).
 TILE_STATS_BYTES = 12
-# The lean head (kernels/lm_head_lean.py, `lm_head: lean`): its forward holds the per-tile statistics of one token chunk
-# (at most this, kernels.lm_head.FORWARD_PARTS_BYTES), its backward the two bf16 gradients and ~2 MiB beside them.
+# The lean head (kernels/lm_head_lean.py, `lm_head: lean`): with the loss handed to it (what the trainer runs) it holds
+# the two bf16 gradients and ~2 MiB beside them; its five-GEMM form (log-probs under an autograd loss) also holds, in
+# its forward, the per-tile statistics of one token chunk (at most this, kernels.lm_head.FORWARD_PARTS_BYTES).
 LEAN_FORWARD_BYTES = 256 * 2**20
 LEAN_EXTRA_BYTES = 4 * 2**20
 # Its time as head passes (one pass = one logits-sized GEMM): the trainer's lean head takes the loss (four GEMMs,
@@ -220,8 +221,8 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
 def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
     """What the LM head holds while it runs. "fused" (the eager path: the loss handed to the head, three GEMMs):
     one group's fp16 tile weights (4096 tokens, or fewer within the kernel's budget), the fp32 dW accumulator and the fp16 copy of W
-    ((V/tp)·h·6), and dH (fp32, s·h·4). "lean" (five GEMMs): its two bf16 gradients ((V/tp + s)·h·2) and a few MiB,
-    or its forward's tile statistics if those are more. "naive": logits and their gradient, [s × V/tp] in bf16,
+    ((V/tp)·h·6), and dH (fp32, s·h·4). "lean" (four GEMMs, the loss handed over too): its two bf16 gradients
+    ((V/tp + s)·h·2) and a few MiB, or the five-GEMM form's forward tile statistics if those are more. "naive": logits and their gradient, [s × V/tp] in bf16,
     twice (DESIGN.md)."""
     v = m.vocab_size / tp
     if mode == "naive":
@@ -336,9 +337,8 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     head = lm_head_bytes(m, s, tp, opts.lm_head) + head_unsharded
     head_own = head
     if recompute and in_head:
-        # the fused head runs (forward and its gradients) at the end of the forward, the lean head's backward at the
-        # start of the backward: either way only the checkpoints are live, so it raises the peak only by what it
-        # needs beyond a layer's recompute working set
+        # the fused and lean heads run (forward and their gradients) at the end of the forward, when only the
+        # checkpoints are live, so they raise the peak only by what they need beyond a layer's recompute working set
         head = max(0.0, head - (working + unsharded))
     mem["lm_head"] = head
     mem["overhead"] = hw.overhead_gb * GB
@@ -352,7 +352,7 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     f = forward_flops_per_token(m, opts.micro_batch_tokens)
     fwd = sum(f.values())
     model_flops_tok = 3 * fwd
-    # the fused head's eager path forms its gradients in the forward: three GEMMs, as unfused; the lean head five
+    # the fused head's eager path forms its gradients in the forward: three GEMMs, as unfused; the lean head four
     head_passes = LEAN_HEAD_PASSES if opts.lm_head == "lean" else 3
     hw_flops_tok = (4 if recompute else 3) * (fwd - f["head"]) + head_passes * f["head"]
     tokens_per_rank_step = s * opts.micro_batches  # tokens this rank's stage processes per step

@@ -69,7 +69,7 @@ def summary(m: ModelShape, hw: HwProfile, seq: int, sol: Solution, explain: bool
     if explain:
         parts += [Text(""), Text("memory per GPU", style="bold"), memory_bar(e.memory_gb), memory_legend(),
                   memory_table(e), Text(""), decisions_table(sol), Text(""), time_table(e)]
-        when = {"fused": "at the end of the forward", "lean": "its backward at the start of the backward",
+        when = {"fused": "at the end of the forward", "lean": "at the end of the forward",
                 "naive": "its logits live from forward to backward"}[sol.opts.lm_head]
         parts.append(Text(f"LM head: {sol.opts.lm_head} it holds {e.lm_head_own_gb:.2f} GB while it runs ({when}; "
                           f"{e.memory_gb['lm_head']:.2f} GB beyond a layer's working set); materialized "
