@@ -22,6 +22,9 @@ run out; once an fp16 copy of h no longer fits behind a cuBLAS-sized chunk, the 
 reads h as it is (dw_acc); those chunks shrink down to 4 rows, and the last few dozen rows, whose scratch cannot
 fit behind them, use one small external buffer (TAIL_GRAINS chunks: 8192 tokens x 4 rows, 0.22 MiB at H = 2048).
 The stream orders every reuse of those bytes.
+
+With the loss handed over (lean_eager_run: linear_cross_entropy mean/sum and linear_policy_loss with impl="lean"),
+the forward's statistics and pass H are one pass in token groups, the eager path's, in dW's storage: four GEMMs.
 """
 
 from __future__ import annotations
