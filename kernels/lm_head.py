@@ -273,13 +273,19 @@ def _backward_operands(hidden_TH, weight_VH, lse_T, a_T, b_T, c_T, inv_temp):
     one = torch.ones((), dtype=torch.float32, device=hidden_TH.device)
     if hidden_TH.dtype == torch.float32:
         return torch.float32, one, one, one
+    dz_scale = _dz_scale(lse_T, a_T, b_T, c_T, inv_temp)
+    if hidden_TH.dtype == torch.float16:  # the inputs are the GEMM operands as they are: no conversion, no scale
+        return torch.float16, dz_scale, one, one
+    return torch.float16, dz_scale, _pow2_scale(_amax(hidden_TH)), _pow2_scale(_amax(weight_VH))
+
+
+def _dz_scale(lse_T, a_T, b_T, c_T, inv_temp: float) -> torch.Tensor:
+    """The power-of-two scale of an fp16 dZ for these tokens (0-dim, no host sync): |dlogit| <= (|a| + |b| (|lse| + 1)
+    + |c|) / temperature, since p |x| <= |lse| + 1. b_T None: b = 0."""
     bound = _amax(a_T) + _amax(c_T)
     if b_T is not None:
         bound = bound + _amax(b_T) * (_amax(lse_T) + 1)
-    bound = bound * inv_temp
-    if hidden_TH.dtype == torch.float16:  # the inputs are the GEMM operands as they are: no conversion, no scale
-        return torch.float16, _pow2_scale(bound), one, one
-    return torch.float16, _pow2_scale(bound), _pow2_scale(_amax(hidden_TH)), _pow2_scale(_amax(weight_VH))
+    return _pow2_scale(bound * inv_temp)
 
 
 def _backward_chunks(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp, backend, impl,

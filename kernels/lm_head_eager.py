@@ -81,6 +81,27 @@ def _coefficients(token_loss: TokenLoss, tz, lse, ent, t0: int, t1: int, with_en
     return (g_lse + g_ent * (lse - ent)).contiguous(), (-g_ent).contiguous(), g_tz, total.detach().float()
 
 
+def group_statistics(kmod, hidden_TH, weight_VH, tgt_T, g0: int, g1: int, inv_temp: float, with_entropy: bool,
+                     tp_group, token_loss: TokenLoss, e_gV, tz_T, lse_T, ent_T, loss, parts=None):
+    """The first steps of a token group [g0, g1): the logits GEMM with its tile statistics (the weights into e_gV),
+    the rows' lse, entropy and target logit (combined over tp_group) into tz_T, lse_T, ent_T[g0:g1], and the loss's
+    coefficients, its contribution added to loss. Returns (m2 tile maxima, lse2 in log2 units, tile width, a, b or
+    None, c)."""
+    m2, lse2, ent, tz, tile_v = kmod.logits_tiles(hidden_TH[g0:g1], weight_VH, tgt_T[g0:g1], inv_temp,
+                                                  with_entropy, e_gV, parts=parts)
+    lse = torch.mul(lse2, LN2, out=lse_T[g0:g1])
+    if tp_group is not None:
+        lse_c, ent, tz = _lh._combine_over_group(lse, ent, tz, tp_group)
+        lse.copy_(lse_c)
+        lse2 = lse * LOG2E
+    if with_entropy:
+        ent_T[g0:g1].copy_(ent)
+    tz_T[g0:g1].copy_(tz)
+    a, b, c, part = _coefficients(token_loss, tz_T[g0:g1], lse, ent_T[g0:g1], g0, g1, with_entropy)
+    loss.add_(part)
+    return m2, lse2, tile_v, a, b, c
+
+
 def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: float, with_entropy: bool, tp_group,
               backend: str, chunk_tokens, need_h: bool, need_w: bool):
     """The loss and its gradients in one pass. tgt_T: local target index (outside [0, V) matches nothing).
@@ -120,26 +141,10 @@ def eager_run(hidden_TH, weight_VH, tgt_T, token_loss: TokenLoss, inv_temp: floa
     for g0 in range(0, T, Tg):
         g1 = min(g0 + Tg, T)
         dz_gV = e_buf[: g1 - g0]
-        m2, lse2, ent, tz, tile_v = kmod.logits_tiles(hidden_TH[g0:g1], weight_VH, tgt_T[g0:g1], inv_temp,
-                                                      with_entropy, dz_gV)
-        lse = torch.mul(lse2, LN2, out=lse_T[g0:g1])
-        if tp_group is not None:
-            lse_c, ent, tz = _lh._combine_over_group(lse, ent, tz, tp_group)
-            lse.copy_(lse_c)
-            lse2 = lse * LOG2E
-        if with_entropy:
-            ent_T[g0:g1].copy_(ent)
-        tz_T[g0:g1].copy_(tz)
-        ent, tz = ent_T[g0:g1], tz_T[g0:g1]
-        a, b, c, part = _coefficients(token_loss, tz, lse, ent, g0, g1, with_entropy)
-        loss.add_(part)
-        if half:  # |dlogit| <= (|a| + |b| (|lse| + 1) + |c|) / temperature (p |x| <= |lse| + 1)
-            bound = _lh._amax(a) + _lh._amax(c)
-            if b is not None:
-                bound = bound + _lh._amax(b) * (_lh._amax(lse) + 1)
-            scale = _lh._pow2_scale(bound * inv_temp)
-        else:
-            scale = torch.ones((), **f32)
+        m2, lse2, tile_v, a, b, c = group_statistics(kmod, hidden_TH, weight_VH, tgt_T, g0, g1, inv_temp,
+                                                     with_entropy, tp_group, token_loss, dz_gV, tz_T, lse_T, ent_T,
+                                                     loss)
+        scale = _lh._dz_scale(lse_T[g0:g1], a, b, c, inv_temp) if half else torch.ones((), **f32)
         kmod.dlogits_from_tiles(dz_gV, m2, tile_v, tgt_T[g0:g1], lse2, a, a if b is None else b, c, inv_temp, scale,
                                 b is not None)
         # one host sync per group: cuBLAS takes alpha from the host. (Two buffers, software-pipelined so that the

@@ -36,7 +36,7 @@ import torch
 import torch.distributed as dist
 
 from kernels import lm_head as _lh
-from kernels.lm_head_chunked import LN2, LOG2E, PARTS_PER_TILE
+from kernels.lm_head_chunked import LOG2E, PARTS_PER_TILE
 
 GRAIN = 256  # chunk sizes are multiples of this (tests shrink it to exercise the carving)
 PASS_H_CHUNKS = (16384, 16384)  # (Tc, Vc) wanted in pass H: 4 token chunks at T = 65,536, so W is converted 4 times
@@ -308,7 +308,7 @@ def lean_eager_run(hidden_TH, weight_VH, tgt_T, token_loss, inv_temp: float, wit
     The fp16 copy of W that the eager path's dH GEMM reads would not fit, so W is converted GROUP_DH_VOCAB rows at a
     time and the group's dH32 accumulates over those chunks (cuBLAS's fp32 C): the same fp16 operands, so the same
     errors as the eager path."""
-    from kernels.lm_head_eager import _coefficients
+    from kernels.lm_head_eager import group_statistics
 
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
@@ -343,18 +343,9 @@ def lean_eager_run(hidden_TH, weight_VH, tgt_T, token_loss, inv_temp: float, wit
         arena = _Arena(region)
         e = arena.take((g1 - g0, V), e_dtype)
         parts = arena.take((_parts_floats(g1 - g0, V, tile),), torch.float32)
-        m2, lse2, ent, tz, tile_v = kmod.logits_tiles(hidden_TH[g0:g1], weight_VH, tgt_T[g0:g1], inv_temp,
-                                                      with_entropy, e, parts=parts)
-        lse = torch.mul(lse2, LN2, out=lse_T[g0:g1])
-        if tp_group is not None:
-            lse_c, ent, tz = _lh._combine_over_group(lse, ent, tz, tp_group)
-            lse.copy_(lse_c)
-            lse2 = lse * LOG2E
-        if with_entropy:
-            ent_T[g0:g1].copy_(ent)
-        tz_T[g0:g1].copy_(tz)
-        a, b, c, part = _coefficients(token_loss, tz_T[g0:g1], lse, ent_T[g0:g1], g0, g1, with_entropy)
-        loss.add_(part)
+        m2, lse2, tile_v, a, b, c = group_statistics(kmod, hidden_TH, weight_VH, tgt_T, g0, g1, inv_temp,
+                                                     with_entropy, tp_group, token_loss, e, tz_T, lse_T, ent_T,
+                                                     loss, parts=parts)
         a_T[g0:g1].copy_(a)
         c_T[g0:g1].copy_(c)
         if b is not None:
@@ -363,12 +354,7 @@ def lean_eager_run(hidden_TH, weight_VH, tgt_T, token_loss, inv_temp: float, wit
             b_T[g0:g1].copy_(b)
         if not need_h:
             continue
-        scale = one
-        if half:  # |dlogit| <= (|a| + |b| (|lse| + 1) + |c|) / temperature (p |x| <= |lse| + 1)
-            bound = _lh._amax(a) + _lh._amax(c)
-            if b is not None:
-                bound = bound + _lh._amax(b) * (_lh._amax(lse) + 1)
-            scale = _lh._pow2_scale(bound * inv_temp)
+        scale = _lh._dz_scale(lse_T[g0:g1], a, b, c, inv_temp) if half else one
         kmod.dlogits_from_tiles(e, m2, tile_v, tgt_T[g0:g1], lse2, a, a if b is None else b, c, inv_temp, scale,
                                 b is not None)
         dH32 = arena.take((g1 - g0, H), torch.float32)
