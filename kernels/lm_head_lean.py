@@ -272,26 +272,27 @@ def lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: f
 
 
 GROUP_DH_VOCAB = 32768  # vocab rows of W converted to fp16 at a time for a group's dH GEMM (128 MiB at H = 2048)
+EXTERNAL_DH_VOCAB = 8192  # the same with no dW storage to borrow (a frozen head): 32 MiB beside EXTERNAL_BYTES
 
 
-def _group_need(tc: int, V: int, H: int, e_bytes: int, tile: int, need_h: bool, convert: bool) -> int:
+def _group_need(tc: int, V: int, H: int, e_bytes: int, tile: int, need_h: bool, w_rows: int) -> int:
     """Scratch bytes of one token group of lean_eager_run's first pass: its tile weights [tc, V] (dZ is written over
-    them), their statistics and, with dH, the group's fp32 dH and (16-bit inputs) one fp16 chunk of W."""
+    them), their statistics and, with dH, the group's fp32 dH and w_rows of W in fp16 (0: W is used as it is)."""
     need = tc * V * e_bytes + 4 * _parts_floats(tc, V, tile) + 4 * _ALIGN
     if need_h:
-        need += tc * H * 4 + (min(V, GROUP_DH_VOCAB) * H * 2 if convert else 0)
+        need += tc * H * 4 + w_rows * H * 2
     return need
 
 
-def _group_tokens(budget: int, T: int, V: int, H: int, e_bytes: int, tile: int, need_h: bool, convert: bool,
+def _group_tokens(budget: int, T: int, V: int, H: int, e_bytes: int, tile: int, need_h: bool, w_rows: int,
                   want: int | None) -> int:
     """The largest group, up to `want` (default EAGER_GROUP_TOKENS) and in multiples of GRAIN when it is that large,
     whose scratch fits budget bytes (the need is affine in the group's tokens); 1 if none does."""
     from kernels.lm_head_eager import EAGER_GROUP_TOKENS
 
     tc = min(T, int(want) if want else EAGER_GROUP_TOKENS)
-    fixed = _group_need(0, V, H, e_bytes, tile, need_h, convert)
-    fit = max(0, budget - fixed) // (_group_need(1, V, H, e_bytes, tile, need_h, convert) - fixed)
+    fixed = _group_need(0, V, H, e_bytes, tile, need_h, w_rows)
+    fit = max(0, budget - fixed) // (_group_need(1, V, H, e_bytes, tile, need_h, w_rows) - fixed)
     if fit < tc:
         tc = fit // GRAIN * GRAIN if fit >= GRAIN else fit
     return max(1, tc)
@@ -332,11 +333,14 @@ def lean_eager_run(hidden_TH, weight_VH, tgt_T, token_loss, inv_temp: float, wit
     one = torch.ones((), **f32)
     w_scale = _lh._pow2_scale(_lh._amax(weight_VH)) if convert else one
     tile = kmod.tile_vocab(hidden_TH)
-    sizes = (V, H, e_dtype.itemsize, tile, need_h, convert)
+    w_rows = min(V, GROUP_DH_VOCAB) if convert and need_h else 0
+    sizes = (V, H, e_dtype.itemsize, tile, need_h, w_rows)
     region = _bytes_of(dW) if dW is not None else None
     Tg = _group_tokens(region.numel() if region is not None else 0, T, *sizes, chunk_tokens)
-    if region is None or _group_need(Tg, *sizes) > region.numel():
-        Tg = _group_tokens(EXTERNAL_BYTES, T, *sizes, chunk_tokens)
+    if region is None or _group_need(Tg, *sizes) > region.numel():  # a buffer of its own: EXTERNAL_BYTES of tokens
+        w_rows = min(V, EXTERNAL_DH_VOCAB) if convert and need_h else 0
+        sizes = sizes[:-1] + (w_rows,)
+        Tg = _group_tokens(EXTERNAL_BYTES + _group_need(0, *sizes), T, *sizes, chunk_tokens)
         region = torch.empty(_group_need(Tg, *sizes), dtype=torch.uint8, device=dev)
     for g0 in range(0, T, Tg):
         g1 = min(g0 + Tg, T)
@@ -359,9 +363,9 @@ def lean_eager_run(hidden_TH, weight_VH, tgt_T, token_loss, inv_temp: float, wit
                                 b is not None)
         dH32 = arena.take((g1 - g0, H), torch.float32)
         if convert:  # fp32 C across the chunks of W: no 16-bit partial sums; the scales come off once, on device
-            w16 = arena.take((min(V, GROUP_DH_VOCAB), H), torch.float16)
-            for v0 in range(0, V, GROUP_DH_VOCAB):
-                v1 = min(v0 + GROUP_DH_VOCAB, V)
+            w16 = arena.take((w_rows, H), torch.float16)
+            for v0 in range(0, V, w_rows):
+                v1 = min(v0 + w_rows, V)
                 w_c = torch.mul(weight_VH[v0:v1], w_scale, out=w16[: v1 - v0])
                 _lh._gemm_acc(dH32, e[:, v0:v1], w_c, first=(v0 == 0))
         else:

@@ -391,12 +391,19 @@ def test_lean_with_the_loss_handed_over_torch(dtype):
                             reduction="sum", dtype=dtype)
         check_policy_loss(29, 40, 257, backend="torch", tol=2e-5, grad_tol=gt, chunk_tokens=8, temperature=1.3,
                           dtype=dtype, impl="lean", adv_spread=1e3)
-        L.GROUP_DH_VOCAB, old_chunk = 64, L.GROUP_DH_VOCAB  # the dH GEMM over 5 chunks of W, the last partial
+        old_chunks = L.GROUP_DH_VOCAB, L.EXTERNAL_DH_VOCAB
+        L.GROUP_DH_VOCAB = L.EXTERNAL_DH_VOCAB = 64  # the dH GEMM over 5 chunks of W, the last partial
         try:
             errs2 = check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6 if f32 else 1e-5, grad_tol=gt,
                                         impl="lean", chunk_tokens=12, dtype=dtype)
+            # and a frozen head, whose group scratch is a buffer of its own
+            hidden, weight, target = _inputs(37, 48, 301, dtype=dtype)
+            w = weight.detach().requires_grad_(False)
+            kernels.linear_cross_entropy(hidden, w, target, impl="lean", backend="torch", chunk_tokens=12).backward()
+            _, rdh, _ = _ref_grads(linear_cross_entropy_reference, hidden, weight, target)
+            assert _rel(hidden.grad, rdh) < (gt or 2e-6)
         finally:
-            L.GROUP_DH_VOCAB = old_chunk
+            L.GROUP_DH_VOCAB, L.EXTERNAL_DH_VOCAB = old_chunks
         assert errs["dH"] < (gt or 2e-6) and errs2["dH"] < (gt or 2e-6)
         # one gradient only: dH alone (a frozen head) borrows no storage; dW alone skips the dH GEMM
         hidden, weight, target = _inputs(23, 16, 77)
@@ -420,12 +427,16 @@ def test_lean_group_fits_in_the_weight_gradient():
     from kernels import lm_head_lean as L
 
     H, V, T = 2048, 248320, 65536
-    sizes = (V, H, 2, 256, True, True)
+    sizes = (V, H, 2, 256, True, L.GROUP_DH_VOCAB)
     tg = L._group_tokens(V * H * 2, T, *sizes, None)
     assert tg == 1536 and L._group_need(tg, *sizes) <= V * H * 2 < L._group_need(1792, *sizes)
     assert L._group_tokens(V * H * 2, 300, *sizes, None) == 300  # a short batch: one group
     # 10 tokens' weights of budget, no dH: each token also has 970 tiles x 12 B of statistics, so 9 fit (9.77)
-    assert L._group_tokens(10 * V * 2, T, V, H, 2, 256, False, True, None) == 9
+    assert L._group_tokens(10 * V * 2, T, V, H, 2, 256, False, 0, None) == 9
+    # a frozen head (no dW to borrow): EXTERNAL_BYTES of tokens at 516,472 B each (weights, statistics, dH32): 129,
+    # beside a 32 MiB chunk of W
+    ext = (V, H, 2, 256, True, L.EXTERNAL_DH_VOCAB)
+    assert L._group_tokens(L.EXTERNAL_BYTES + L._group_need(0, *ext), T, *ext, None) == 129
 
 
 @pytest.mark.parametrize("impl", ["fused", "split", "eager", "lean"])
