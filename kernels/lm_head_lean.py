@@ -313,10 +313,6 @@ def lean_eager_run(hidden_TH, weight_VH, tgt_T, token_loss, inv_temp: float, wit
 
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
-    in_dtype = hidden_TH.dtype
-    if hidden_TH.element_size() != 2 and in_dtype != torch.float32:  # fp64 and the like: the kernels run in fp32
-        hidden_TH, weight_VH = hidden_TH.float(), weight_VH.float()
-    kmod = _lh._backend_module(backend)
     dev = hidden_TH.device
     f32 = dict(dtype=torch.float32, device=dev)
     tz_T, lse_T, a_T, c_T = (torch.empty(T, **f32) for _ in range(4))
@@ -325,6 +321,10 @@ def lean_eager_run(hidden_TH, weight_VH, tgt_T, token_loss, inv_temp: float, wit
     loss = torch.zeros((), **f32)
     if T == 0:
         return (loss, tz_T, lse_T, ent_T) + _zero_grads(hidden_TH, weight_VH, need_h, need_w)
+    in_dtype = hidden_TH.dtype
+    if hidden_TH.element_size() != 2 and in_dtype != torch.float32:  # fp64 and the like: the kernels run in fp32
+        hidden_TH, weight_VH = hidden_TH.float(), weight_VH.float()
+    kmod = _lh._backend_module(backend)
     dH = torch.empty_like(hidden_TH) if need_h else None
     dW = torch.empty_like(weight_VH) if need_w else None
     half = hidden_TH.element_size() == 2

@@ -375,7 +375,7 @@ def test_lean_backward_torch(dtype):
         restore()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_lean_with_the_loss_handed_over_torch(dtype):
     # mean CE and a policy loss with impl="lean": the first pass in token groups inside dW's bytes (eager-style, W
     # converted a chunk at a time for the dH GEMM), then pass W over every kind of chunk; several groups
@@ -384,7 +384,7 @@ def test_lean_with_the_loss_handed_over_torch(dtype):
     restore = _small_lean_chunks(L, kc)
     try:
         gt = {torch.bfloat16: 3e-3, torch.float16: 5e-4}.get(dtype)  # 16-bit: the outputs' own rounding
-        f32 = dtype == torch.float32
+        f32 = dtype in (torch.float32, torch.float64)  # (fp64 inputs run in fp32)
         errs = check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6 if f32 else 1e-5, grad_tol=gt, impl="lean",
                                    chunk_tokens=12, reduction="mean", z_loss=1e-3, temperature=0.7, dtype=dtype)
         check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6 if f32 else 1e-5, grad_tol=gt, impl="lean",
