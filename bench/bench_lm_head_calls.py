@@ -13,7 +13,6 @@ Usage: python bench/bench_lm_head_calls.py [--tokens 65536] [--vocab 248320] [--
 from __future__ import annotations
 
 import argparse
-import math
 import statistics
 import sys
 from pathlib import Path
@@ -22,6 +21,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
+from bench._lm_head_common import add_shape_args, head_inputs  # noqa: E402
 
 HEADS = {
     "eager": lambda h, w, t: kernels.linear_cross_entropy(h, w, t),
@@ -33,19 +33,14 @@ HEADS = {
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--vocab", type=int, default=248320)
-    ap.add_argument("--hidden", type=int, default=2048)
+    add_shape_args(ap)
     ap.add_argument("--calls", type=int, default=7, help="timed calls per head, after one warm-up call")
     ap.add_argument("--shift-mib", type=float, default=37.0, help="dummy allocation before call i: i x this MiB")
     ap.add_argument("--heads", nargs="+", default=list(HEADS), choices=list(HEADS))
     args = ap.parse_args(argv)
     dev = "cuda"
     T, H, V = args.tokens, args.hidden, args.vocab
-    g = torch.Generator(device=dev).manual_seed(1)
-    h = torch.randn(T, H, device=dev, generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(V, H, device=dev, generator=g) * (2 / math.sqrt(H))).bfloat16().requires_grad_()
-    t = torch.randint(0, V, (T,), device=dev, generator=g)
+    h, w, t = head_inputs(T, V, H)
     print(f"# {torch.cuda.get_device_name()} | T={T} V={V} H={H} | mean CE fwd+bwd, one call at a time")
     print("| head | calls, ms | median | max / min |\n|---|---|---|---|")
     for name in args.heads:

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import datetime
-import math
 import statistics
 import subprocess
 import sys
@@ -30,15 +29,14 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
+from bench._lm_head_common import add_shape_args, head_inputs, load_module  # noqa: E402
 
 QUERY = "timestamp,power.draw,clocks.sm,clocks_event_reasons.active"
 
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--tokens", type=int, default=65536)
-    ap.add_argument("--vocab", type=int, default=248320)
-    ap.add_argument("--hidden", type=int, default=2048)
+    add_shape_args(ap)
     ap.add_argument("--seconds", type=float, default=4.0, help="how long each method runs back to back")
     ap.add_argument("--rounds", type=int, default=2, help="how many times the heads are interleaved")
     ap.add_argument("--baseline", default=None, help="an earlier kernels/lm_head_tiles_triton.py to A/B against")
@@ -46,10 +44,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     dev = "cuda"
     T, H, V = args.tokens, args.hidden, args.vocab
-    g = torch.Generator(device=dev).manual_seed(1)
-    h = torch.randn(T, H, device=dev, generator=g).bfloat16().requires_grad_()
-    w = (torch.randn(V, H, device=dev, generator=g) * (2 / math.sqrt(H))).bfloat16().requires_grad_()
-    t = torch.randint(0, V, (T,), device=dev, generator=g)
+    h, w, t = head_inputs(T, V, H)
     a = torch.randn(8192, 8192, device=dev, dtype=torch.bfloat16)
 
     def ours():
@@ -64,13 +59,9 @@ def main(argv=None):
 
         methods[f"ours, Tg={n}"] = ours_tg
     if args.baseline:
-        import importlib.util
-
         from kernels import lm_head_triton as kt
 
-        spec = importlib.util.spec_from_file_location("lm_head_baseline", args.baseline)
-        base = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
+        base = load_module(args.baseline)
         names = ("logits_tiles", "dlogits_from_tiles")
 
         def ours_baseline():

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import collections
-import importlib.util
 import os
 import re
 import subprocess
@@ -25,6 +24,7 @@ import tempfile
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from bench._lm_head_common import load_module  # noqa: E402
 
 PTRS = ("e_ptr", "m2_ptr", "lse2_ptr", "ent_ptr", "tgt_ptr", "tz_ptr")
 
@@ -82,10 +82,7 @@ def main(argv=None):
 
     kernels_ = {"current": kt._logits_tiles_tma_kernel}
     if args.baseline:
-        spec = importlib.util.spec_from_file_location("lm_head_baseline", args.baseline)
-        base = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
-        kernels_["baseline"] = base._logits_tiles_tma_kernel
+        kernels_["baseline"] = load_module(args.baseline)._logits_tiles_tma_kernel
     rows = {}
     for name, fn in kernels_.items():
         sass, report = compile_sass(fn, args.entropy)

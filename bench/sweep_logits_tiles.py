@@ -26,6 +26,7 @@ import triton
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from kernels import lm_head, lm_head_triton as kt  # noqa: E402
 from kernels.tiles import TileConfig  # noqa: E402
+from bench._lm_head_common import load_module  # noqa: E402
 
 # (tile, TMA persistent kernel, epilogue in two column halves, warp specialization, weights through TMA stores)
 CANDIDATES = [
@@ -55,11 +56,7 @@ def main():
     args = ap.parse_args()
     base = None
     if args.baseline:
-        import importlib.util
-
-        spec = importlib.util.spec_from_file_location("lm_head_baseline", args.baseline)
-        base = importlib.util.module_from_spec(spec)
-        spec.loader.exec_module(base)
+        base = load_module(args.baseline)
     from kernels.lm_head_eager import group_size
 
     dev = torch.device("cuda")

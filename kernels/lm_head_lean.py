@@ -190,10 +190,14 @@ class _Passes:
 
     def pass_h(self, dH, region):
         """Token-outer: dH chunk by chunk, each summed over vocab chunks in fp32; scratch: the byte region (dW's
-        storage while it is unwritten, or a buffer of its own)."""
+        storage while it is unwritten), or, when it is None or too small, a buffer of its own of at most
+        EXTERNAL_BYTES (the smallest chunks if even those do not fit)."""
         T, H = self.h.shape
         V = self.w.shape[0]
-        sizes = fit_chunks(region.numel(), self.need_h, T, V, PASS_H_CHUNKS) or (min(T, GRAIN), min(V, GRAIN))
+        sizes = fit_chunks(region.numel(), self.need_h, T, V, PASS_H_CHUNKS) if region is not None else None
+        if sizes is None:
+            sizes = fit_chunks(EXTERNAL_BYTES, self.need_h, T, V, PASS_H_CHUNKS) or (min(T, GRAIN), min(V, GRAIN))
+            region = torch.empty(self.need_h(*sizes), dtype=torch.uint8, device=self.h.device)
         Tc, Vc = sizes
         inv = 1.0 / (self.dz_scale * self.w_scale)
         for t0 in range(0, T, Tc):
@@ -260,12 +264,7 @@ def lean_backward(hidden_TH, weight_VH, tgt_T, lse_T, a_T, b_T, c_T, inv_temp: f
     dH = torch.empty_like(hidden_TH) if need_h else None
     dW = torch.empty_like(weight_VH) if need_w else None
     if need_h:  # pass H first, in dW's storage while it is unwritten (else a buffer of its own)
-        region = _bytes_of(dW) if need_w else None
-        if region is None or fit_chunks(region.numel(), passes.need_h, T, weight_VH.shape[0], PASS_H_CHUNKS) is None:
-            sizes = fit_chunks(EXTERNAL_BYTES, passes.need_h, T, weight_VH.shape[0], PASS_H_CHUNKS)
-            region = torch.empty(passes.need_h(*(sizes or (min(T, GRAIN), min(weight_VH.shape[0], GRAIN)))),
-                                 dtype=torch.uint8, device=hidden_TH.device)
-        passes.pass_h(dH, region)
+        passes.pass_h(dH, _bytes_of(dW) if need_w else None)
     if need_w:
         passes.pass_w(dW)
     return dH, dW
