@@ -472,6 +472,8 @@ def test_bad_arguments():
         kernels.linear_cross_entropy(hidden, weight, target, reduction="none", impl="eager")
     with pytest.raises(ValueError, match=r"\[T, H\]"):
         kernels.linear_policy_loss(hidden, weight[:, :5], target, lambda lp, ent, a, b: lp)
+    with pytest.raises(ValueError, match="impl must be 'eager' or 'lean'"):
+        kernels.linear_policy_loss(hidden, weight, target, lambda lp, ent, a, b: lp, impl="split")
 
 
 def test_no_triton_import_on_cpu_path():
