@@ -4,9 +4,11 @@ Plain functions returning data; the CLI (recipe/check_cli.py) renders it. For ea
   1. schema: valid, unknown keys rejected (`load_plan`);
   2. divisibility of the committed layout against today's model shape;
   3. fit: the committed layout re-estimated with today's cost model, peak ≤ the profile's usable memory;
-  4. drift: the plan's inputs re-solved with today's profiles and solver; layout, train, launch, prediction and
-     the solver block (version, fingerprints) compared field by field. A changed profile, model shape or solver
-     version is named as the cause of every drifted field.
+  4. drift: the plan's inputs re-solved with today's profiles and solver — with the same pins (`inputs.pins`, the
+     degrees `recipe solve --pp/--tp/--cp/--ep` fixed), so a pinned plan is compared with today's pinned solve, and
+     `--fix` keeps its pins; layout, train, launch, prediction and the solver block (version, fingerprints) compared
+     field by field. A changed profile, model shape or solver version is named as the cause of every drifted
+     field; a layout degree that contradicts the plan's own pin is named as such.
 
 Kinds: `invalid` (unusable input: exit 2), `drift` and `misfit` (exit 1). Pure Python: never imports torch.
 """
@@ -180,6 +182,7 @@ def divisibility(m, lay, seq: int) -> list[tuple[str, int, str]]:
 def drift(file: str, plan: Plan, fresh: Plan) -> list[Problem]:
     """One problem per field where the committed plan differs from today's solve of its inputs."""
     cause = drift_cause(plan, fresh)
+    pins = plan.inputs.pins or {}
     old, new = plan.to_dict(), fresh.to_dict()
     out = []
     for key in ("version", "hw_fingerprint", "model_fingerprint"):
@@ -190,7 +193,12 @@ def drift(file: str, plan: Plan, fresh: Plan) -> list[Problem]:
         a, b = _flatten(old[block], block), _flatten(new[block], block)
         for k in _ordered_keys(a, b):
             if a.get(k) != b.get(k):
-                out.append(Problem(file, k, a.get(k), b.get(k), "drift", cause))
+                dim = k.removeprefix("layout.")
+                why = cause
+                if block == "layout" and dim in pins and a.get(k) != pins[dim]:
+                    why = (f"the plan pins {dim}={pins[dim]} (inputs.pins) but its layout has {dim}={a.get(k)}: "
+                           f"a hand edit")
+                out.append(Problem(file, k, a.get(k), b.get(k), "drift", why))
     return out
 
 

@@ -62,9 +62,13 @@ Mbt = Annotated[Optional[str], typer.Option("--micro-batch-tokens", help="tokens
 Mb = Annotated[int, typer.Option("--micro-batches", help="micro-batches per DP rank per optimizer step")]
 Chunks = Annotated[Optional[int], typer.Option("--ep-chunks", help="EP all-to-all overlap chunks (1 = off; "
                                                                    "default: from the local sequence)")]
+PinPP = Annotated[Optional[int], typer.Option("--pp", help="pin the pipeline degree; the rest is solved around it")]
+PinTP = Annotated[Optional[int], typer.Option("--tp", help="pin the tensor-parallel degree")]
+PinCP = Annotated[Optional[int], typer.Option("--cp", help="pin the context-parallel degree")]
+PinEP = Annotated[Optional[int], typer.Option("--ep", help="pin the expert-parallel degree")]
 
 
-def _inputs(model, seq, hw, gpus, layers, recompute, lm_head, mbt, micro_batches, ep_chunks):
+def _inputs(model, seq, hw, gpus, layers, recompute, lm_head, mbt, micro_batches, ep_chunks, pins=None):
     from .cost import HEAD_MODES
     from .planfile import SolveInputs, parse_size
 
@@ -78,10 +82,14 @@ def _inputs(model, seq, hw, gpus, layers, recompute, lm_head, mbt, micro_batches
         raise UserError(f"--micro-batches must be positive, got {micro_batches}")
     if ep_chunks is not None and ep_chunks <= 0:
         raise UserError(f"--ep-chunks must be positive, got {ep_chunks}")
+    pins = {k: v for k, v in (pins or {}).items() if v is not None}
+    for k, v in pins.items():
+        if v <= 0:
+            raise UserError(f"--{k} must be positive, got {v}")
     seq_len = parse_size(seq)
     return SolveInputs(model=model, seq_len=seq_len, hw=hw, gpus=gpus, layers=layers, recompute=recompute,
                   lm_head=lm_head, micro_batch_tokens=parse_size(mbt) if mbt else None,
-                  micro_batches=micro_batches, ep_overlap_chunks=ep_chunks)
+                  micro_batches=micro_batches, ep_overlap_chunks=ep_chunks, pins=pins or None)
 
 
 def solve_inputs(inputs, base_dir: Path | None = None):
@@ -101,7 +109,8 @@ def solve_inputs(inputs, base_dir: Path | None = None):
                         micro_batch_tokens=inputs.micro_batch_tokens or inputs.seq_len,
                         micro_batches=inputs.micro_batches)
     auto = inputs.ep_overlap_chunks is None
-    sol = solve(m, hw, inputs.gpus, opts, auto) if inputs.gpus else solve_min_gpus(m, hw, opts, auto)
+    pins = getattr(inputs, "pins", None)
+    sol = solve(m, hw, inputs.gpus, opts, auto, pins=pins) if inputs.gpus else solve_min_gpus(m, hw, opts, auto, pins)
     return m, hw, sol
 
 
@@ -118,16 +127,22 @@ def solve(
     micro_batch_tokens: Mbt = None,
     micro_batches: Mb = 1,
     ep_chunks: Chunks = None,
+    pp: PinPP = None,
+    tp: PinTP = None,
+    cp: PinCP = None,
+    ep: PinEP = None,
     output: Annotated[Optional[Path], typer.Option("--output", "-o", help="write the plan here ('-' = stdout)")] = None,
     fmt: Annotated[str, typer.Option("--format", "-f", help="plan format: yaml | json")] = "yaml",
     explain: Annotated[bool, typer.Option("--explain", help="each decision, memory bar, rejected alternatives")] = False,
 ):
-    """Solve PP, TP, EP and CP for a model, a sequence length and a hardware profile; write a plan."""
+    """Solve PP, TP, EP and CP for a model, a sequence length and a hardware profile; write a plan. --pp/--tp/--cp/--ep
+    pin degrees ("what if"): the others are solved around them."""
     from .planfile import dumps, plan_dict, write_atomic
 
     if fmt not in ("yaml", "json"):
         raise UserError(f"--format must be 'yaml' or 'json', got {fmt!r}")
-    inputs = _inputs(model, seq, hw, gpus, layers, recompute, lm_head, micro_batch_tokens, micro_batches, ep_chunks)
+    inputs = _inputs(model, seq, hw, gpus, layers, recompute, lm_head, micro_batch_tokens, micro_batches, ep_chunks,
+                     pins={"pp": pp, "tp": tp, "cp": cp, "ep": ep})
     m, prof, sol = solve_inputs(inputs)
     if inputs.seq_len > m.max_position:
         sys.stderr.write(f"note: {inputs.seq_len:,} tokens exceed {m.name}'s max_position_embeddings "

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -18,7 +18,7 @@ from .cost import TrainOptions
 from .hw import HwProfile, load_profile
 from .models import ModelShape, resolve_model
 
-from .planfile import MAX_INT, SCHEMA_VERSION, _relative, plan_dict
+from .planfile import MAX_INT, SCHEMA_VERSION, _inputs_block, _relative, plan_dict
 from .planfile import dumps, format_size, parse_size, write_atomic  # noqa: F401  (re-exported: plan I/O in one place)
 
 
@@ -41,6 +41,9 @@ class Inputs(_Strict):
     micro_batch_tokens: int | None = Field(None, gt=0, le=MAX_INT)  # None: seq_len
     micro_batches: int = Field(1, gt=0, le=1_000_000)
     ep_overlap_chunks: int | None = Field(None, gt=0, le=4096)  # None: chosen from the local sequence
+    # degrees fixed by the user (`recipe solve --ep 2`), re-solved with the same pins by `recipe check`;
+    # absent, null or {}: every degree solved
+    pins: dict[Literal["pp", "tp", "cp", "ep"], Annotated[int, Field(gt=0, le=MAX_INT)]] | None = None
 
     @model_validator(mode="after")
     def _whole_sequences(self) -> "Inputs":
@@ -169,7 +172,9 @@ class Plan(_Strict):
                             micro_batches=self.train.micro_batches)
 
     def to_dict(self) -> dict:
-        return plain(self)
+        data = plain(self)
+        data["inputs"] = _inputs_block(self.inputs)  # `pins` only when some degree is pinned
+        return data
 
 
 

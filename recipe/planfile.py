@@ -37,12 +37,21 @@ class SolveInputs(Record):
     micro_batch_tokens: int | None = None  # None: seq_len
     micro_batches: int = 1
     ep_overlap_chunks: int | None = None  # None: chosen from the local sequence
+    pins: dict[str, int] | None = None  # degrees fixed by the user ({"ep": 2}); None or {}: all solved
 
     def __post_init__(self) -> None:
         for n in ("seq_len", "gpus", "layers", "micro_batch_tokens", "micro_batches", "ep_overlap_chunks"):
             v = getattr(self, n)
             if v is not None and (not isinstance(v, int) or not 0 < v <= MAX_INT):
                 raise ValueError(f"{n} must be a positive integer, got {v!r}")
+        if self.pins:
+            from .solver import normalize_pins
+
+            pins = normalize_pins(self.pins)
+            big = [k for k, v in pins.items() if v > MAX_INT]
+            if big:
+                raise ValueError(f"--{big[0]} must be a positive integer up to {MAX_INT}, got {pins[big[0]]}")
+            object.__setattr__(self, "pins", pins)  # layout order: pp, tp, cp, ep
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < self.seq_len:
             raise ValueError(f"--micro-batch-tokens {self.micro_batch_tokens:,} < --seq {self.seq_len:,}: a micro-batch "
                              f"holds whole (packed) sequences; CP splits a long sequence across GPUs, micro-batches "
@@ -97,6 +106,14 @@ def launch_block(hw: HwProfile, world: int) -> dict:
             "backend": "gloo" if hw.collective == "gloo" else "nccl", "env": env}
 
 
+def _inputs_block(inputs) -> dict:
+    """The inputs as plain data; `pins` only when some degree is pinned (plans without pins stay as they were)."""
+    data = plain(inputs)
+    if not data.get("pins"):
+        data.pop("pins", None)
+    return data
+
+
 def plan_dict(inputs, m: ModelShape, hw: HwProfile, sol) -> dict:
     """The plan for a solution as plain data, in schema v1's key order."""
     e, d = sol.estimate, sol.decisions
@@ -109,7 +126,7 @@ def plan_dict(inputs, m: ModelShape, hw: HwProfile, sol) -> dict:
         "schema": SCHEMA_VERSION,
         "solver": {"version": __version__, "hw_fingerprint": fingerprint(hw.fingerprint_dict()),
                    "model_fingerprint": fingerprint(m.fingerprint_dict())},
-        "inputs": plain(inputs),
+        "inputs": _inputs_block(inputs),
         "layout": dict(sol.degrees),
         "train": {"recompute": sol.opts.recompute, "lm_head": sol.opts.lm_head,
                   "ep_overlap_chunks": sol.opts.ep_overlap_chunks, "micro_batch_tokens": sol.opts.micro_batch_tokens,

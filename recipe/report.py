@@ -51,7 +51,8 @@ def summary(m: ModelShape, hw: HwProfile, seq: int, sol: Solution, explain: bool
     head = Text.assemble(
         (f"{m.name}", "bold"), f" at {format_size(seq)} tokens on ", (f"{sol.world}x {hw.name}", "bold"),
         f"  ({sol.opts.recompute} recompute, {sol.opts.lm_head} LM head, "
-        f"{sol.opts.ep_overlap_chunks} EP chunk{'s' if sol.opts.ep_overlap_chunks > 1 else ''})")
+        f"{sol.opts.ep_overlap_chunks} EP chunk{'s' if sol.opts.ep_overlap_chunks > 1 else ''}"
+        + ("; pinned " + " ".join(f"{k}={v}" for k, v in sol.pins.items()) if sol.pins else "") + ")")
     lay = Text.assemble(("layout  ", "bold"), (layout_str(deg), "bold green"))
     perf = Text(f"predict {e.total_gb:.1f} GB peak of {hw.usable_gb:.1f} usable; step {e.step_time_s:.3f} s, "
                 f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {e.tflops_per_gpu:.0f} TFLOP/s/GPU, "

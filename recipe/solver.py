@@ -1,6 +1,7 @@
 """The solver: TP, EP and CP each from its one binding constraint, PP a final tie-break, DP and expert-DP what
 remains. Each `solve_*` returns a `Decision`: the value, the constraint that decided it, the numbers behind it and
-the alternative it rejected with its figure. The rules are derived in docs/solver.md.
+the alternative it rejected with its figure. The rules are derived in docs/solver.md. `pins` ("what if") fix
+any of pp, tp, cp, ep: a pinned dimension's only candidate is its pin and the others are solved around it.
 
 Pure Python: never imports torch.
 """
@@ -19,7 +20,10 @@ PP_TIE_BREAK = 0.03  # a deeper pipeline (or wider TP, or larger CP for a cheape
 
 
 class InfeasibleError(ValueError):
-    """No layout fits; the message names the binding constraint and by how much."""
+    """No layout fits; the message names the binding constraint and by how much. `miss`: (world, layout, estimate)
+    of the nearest miss when memory decided it, else None."""
+
+    miss: tuple | None = None
 
 
 @dataclass
@@ -38,6 +42,7 @@ class Solution:
     opts: TrainOptions
     estimate: Estimate
     decisions: dict[str, Decision]
+    pins: dict[str, int] = field(default_factory=dict)  # the degrees the user fixed (`--pp/--tp/--cp/--ep`)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -97,6 +102,101 @@ def pp_candidates(m: ModelShape, world: int) -> list[int]:
     return [p for p in divisors(world) if m.num_layers % p == 0]
 
 
+# ---- pins: degrees the user fixes ("what if") ------------------------------------------------------------------
+PIN_DIMS = ("pp", "tp", "cp", "ep")
+
+
+def normalize_pins(pins: dict | None) -> dict[str, int]:
+    """{dim: degree} in layout order (pp, tp, cp, ep); None, {} and None values mean unpinned. An unknown key or a
+    degree that is not a positive integer is unusable input (ValueError)."""
+    if not pins:
+        return {}
+    if not isinstance(pins, dict):
+        raise ValueError(f"pins must be a mapping of {', '.join(PIN_DIMS)} to degrees, got {type(pins).__name__}")
+    unknown = [str(k) for k in pins if k not in PIN_DIMS]
+    if unknown:
+        raise ValueError(f"unknown pin {unknown[0]!r}: the degrees that can be pinned are {', '.join(PIN_DIMS)}")
+    out = {}
+    for k in PIN_DIMS:
+        v = pins.get(k)
+        if v is None:
+            continue
+        if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+            raise ValueError(f"--{k} must be a positive integer, got {v!r}")
+        out[k] = v
+    return out
+
+
+def pin_str(pins: dict[str, int]) -> str:
+    return " ".join(f"{k}={v}" for k, v in pins.items())
+
+
+def pin_violations(m: ModelShape, hw: HwProfile, seq: int, pins: dict[str, int], world: int | None = None) -> list[str]:
+    """Why these pins cannot work (empty if they can): the divisibility rule each pinned degree breaks for the model,
+    the sequence and the node; with `world`, also for that GPU count (pp·tp·cp must divide it, ep must divide
+    world/pp — at pp = 1 when pp is not pinned: an ep that does not divide the world divides no world/pp)."""
+    out = []
+    pp, tp, cp, ep = (pins.get(k) for k in PIN_DIMS)
+    if pp is not None and m.num_layers % pp:
+        out.append(f"pp={pp} must divide the {m.num_layers} layers into equal stages")
+    if tp is not None:
+        split = [(m.num_heads, "attention heads"), (m.num_kv_heads, "KV heads"), (m.vocab_size, "vocab entries")]
+        if m.linear_attn is not None:
+            split.append((m.linear_attn.num_k_heads, "linear-attention key heads"))
+        bad = [f"{n:,} {what}" for n, what in split if n % tp]
+        if bad:
+            out.append(f"tp={tp} must divide the {', the '.join(bad)}")
+        if tp > hw.gpus_per_node:
+            out.append(f"tp={tp} must stay inside one node ({hw.gpus_per_node} GPUs per {hw.name} node)")
+    if cp is not None:
+        out += [f"cp={cp} must split the sequence: {why}" for why in cp_violations(m, seq, cp)]
+    if ep is not None and m.num_experts % ep:
+        out.append(f"ep={ep} must divide the {m.num_experts} experts")
+    if out or world is None:
+        return out
+    named = {k: pins[k] for k in ("pp", "tp", "cp") if k in pins}
+    prod = (pp or 1) * (tp or 1) * (cp or 1)
+    if world % prod:
+        if len(named) == 1:
+            out.append(f"{pin_str(named)} must divide the {world} GPUs")
+        else:
+            out.append(f"pinned {'·'.join(named)} = {'·'.join(map(str, named.values()))} = {prod} must divide the "
+                       f"{world} GPUs")
+    elif ep is not None and (world // (pp or 1)) % ep:
+        out.append(f"ep={ep} must divide world/pp = {world}/{pp or 1} = {world // (pp or 1)}")
+    return out
+
+
+def _pin_error(m: ModelShape, hw: HwProfile, seq: int, pins: dict[str, int], bad: list[str],
+               world: int | None = None) -> str:
+    where = f"{world}x {hw.name}" if world is not None else hw.name
+    return f"pinned {pin_str(pins)} cannot work for {m.name} at {seq:,} tokens on {where}: {'; '.join(bad)}"
+
+
+def _only(cands: list[int], pins: dict[str, int], key: str) -> list[int]:
+    v = pins.get(key)
+    return cands if v is None else [c for c in cands if c == v]
+
+
+def _pp_cands(m: ModelShape, world: int, pins: dict[str, int]) -> list[int]:
+    """pp candidates that leave room for the pinned tp·cp and ep."""
+    inner, ep = pins.get("tp", 1) * pins.get("cp", 1), pins.get("ep", 1)
+    return [p for p in _only(pp_candidates(m, world), pins, "pp") if (world // p) % inner == 0
+            and (world // p) % ep == 0]
+
+
+def _tp_cands(m: ModelShape, hw: HwProfile, ranks: int, pins: dict[str, int]) -> list[int]:
+    return [t for t in _only(tp_candidates(m, hw, ranks), pins, "tp") if (ranks // t) % pins.get("cp", 1) == 0]
+
+
+def _cp_cands(m: ModelShape, seq: int, ranks: int, tp: int, pins: dict[str, int]) -> list[int]:
+    return _only(cp_candidates(m, seq, ranks, tp), pins, "cp")
+
+
+def _ep_cands(m: ModelShape, ranks: int, pins: dict[str, int]) -> list[int]:
+    return _only(ep_candidates(m, ranks), pins, "ep")
+
+
 # ---- one rule per dimension ----------------------------------------------------------------------------------
 def _opts_for(base: TrainOptions, seq_local: float, ep: int, auto_chunks: bool) -> TrainOptions:
     if not auto_chunks:
@@ -112,14 +212,14 @@ def _ep_numbers(m: ModelShape, ranks: int, ep: int) -> dict:
             "expert_fsdp_gb_per_layer": round(layer_expert / ep * (edp - 1) / edp * (2 * BF16 + 4) / GB, 3)}
 
 
-def default_ep(m: ModelShape, hw: HwProfile, ranks: int) -> int:
-    """The starting point: the largest ep inside one node (the fast all-to-all domain)."""
-    cands = ep_candidates(m, ranks)
+def default_ep(m: ModelShape, hw: HwProfile, ranks: int, pins: dict[str, int] | None = None) -> int:
+    """The starting point: the largest ep inside one node (the fast all-to-all domain); a pinned ep is its own."""
+    cands = _ep_cands(m, ranks, pins or {})
     return max([e for e in cands if e <= hw.gpus_per_node] or cands[:1])
 
 
 def solve_ep(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, cp: int, opts: TrainOptions,
-             auto_chunks: bool) -> tuple[Decision, Estimate]:
+             auto_chunks: bool, pins: dict[str, int] | None = None) -> tuple[Decision, Estimate]:
     """EP: the exposed communication of the MoE layers — expert-parameter traffic against token traffic.
 
     Routed experts are most of an MoE model's parameters. Every rank all-gathers its E/ep experts per layer over
@@ -131,13 +231,13 @@ def solve_ep(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, cp: int
     go to the in-node, larger ep, whose unsharded expert layer is smaller."""
     ranks = world // pp
     scored = {}
-    for e in ep_candidates(m, ranks):
+    for e in _ep_cands(m, ranks, pins or {}):
         o = _opts_for(opts, opts.micro_batch_tokens / cp, e, auto_chunks)
         est = estimate(m, hw, world, Layout(pp=pp, tp=tp, cp=cp, ep=e), o)
         if est.fits:
             scored[e] = est
     if not scored:
-        e = default_ep(m, hw, ranks)
+        e = default_ep(m, hw, ranks, pins)
         o = _opts_for(opts, opts.micro_batch_tokens / cp, e, auto_chunks)
         est = estimate(m, hw, world, Layout(pp=pp, tp=tp, cp=cp, ep=e), o)
         return Decision(e, "expert memory and traffic", "no ep fits at this cp", _ep_numbers(m, ranks, e)), est
@@ -165,7 +265,7 @@ def solve_ep(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, cp: int
 
 
 def solve_cp(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, ep: int, opts: TrainOptions,
-             auto_chunks: bool) -> tuple[Decision | None, Estimate | None, dict]:
+             auto_chunks: bool, pins: dict[str, int] | None = None) -> tuple[Decision | None, Estimate | None, dict]:
     """CP: the smallest context-parallel degree at which the activations fit in what persistent state leaves.
 
     Persistent state under FSDP2 does not depend on cp (everything is sharded over all ranks of a stage), while the
@@ -173,13 +273,14 @@ def solve_cp(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, ep: int
     full sequence fits — no fixed window. Returns (decision, estimate, tried) — (None, None, tried) if none fits."""
     ranks = world // (pp * tp)
     tried = {}
-    for c in cp_candidates(m, opts.micro_batch_tokens, ranks, tp):
+    for c in _cp_cands(m, opts.micro_batch_tokens, ranks, tp, pins or {}):
         lay = Layout(pp=pp, tp=tp, cp=c, ep=ep)
         o = _opts_for(opts, opts.micro_batch_tokens / c, ep, auto_chunks)
         est = estimate(m, hw, world, lay, o)
         tried[c] = est
         if est.fits:
-            prev = tried.get(max((k for k in tried if k < c), default=0))
+            smaller = max((k for k in tried if k < c), default=0)  # none when cp is pinned
+            prev = tried.get(smaller)
             if c == 1:
                 reason = (f"the full {opts.micro_batch_tokens:,}-token sequence fits: peak {est.total_gb:.1f} GB "
                           f"of {hw.usable_gb:.1f} GB usable")
@@ -187,7 +288,7 @@ def solve_cp(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, ep: int
             else:
                 reason = (f"activations at s/cp={opts.micro_batch_tokens // c:,} tokens leave peak "
                           f"{est.total_gb:.1f} GB of {hw.usable_gb:.1f} GB usable")
-                rejected = f"cp={max(k for k in tried if k < c)}: peak {_over(prev.total_gb, hw.usable_gb)}"
+                rejected = f"cp={smaller}: peak {_over(prev.total_gb, hw.usable_gb)}" if prev is not None else ""
             d = Decision(value=c, constraint="activation memory", reason=reason,
                          numbers={"local_tokens": opts.micro_batch_tokens // c,
                                   "activations_gb": round(est.memory_gb["activations"], 2),
@@ -199,37 +300,47 @@ def solve_cp(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, ep: int
     return None, None, tried
 
 
-def _sequence_split(m, hw, world, pp, t, opts, auto_chunks):
+def _sequence_split(m, hw, world, pp, t, opts, auto_chunks, pins=None):
     """CP by memory at the in-node EP; EP by exposed communication at that local sequence; CP re-checked with the
-    chosen EP (a smaller ep holds a larger unsharded expert layer)."""
+    chosen EP (a smaller ep holds a larger unsharded expert layer). Pinned degrees are the only candidates of their
+    dimension. Returns (cp decision, ep decision, estimate, None), or (None, None, None, miss) where miss is
+    (layout, estimate) of the largest cp tried, the nearest miss at this tp (None if no cp divides)."""
+    pins = pins or {}
     ranks = world // pp
-    cp_d, est, tried = solve_cp(m, hw, world, pp, t, default_ep(m, hw, ranks), opts, auto_chunks)
-    for e in ep_candidates(m, ranks):
+    e0 = default_ep(m, hw, ranks, pins)
+    cp_d, est, tried = solve_cp(m, hw, world, pp, t, e0, opts, auto_chunks, pins)
+    e_tried = e0
+    for e in _ep_cands(m, ranks, pins):
         if cp_d is not None:
             break
-        if e > default_ep(m, hw, ranks):
+        if e > e0:
             # the in-node EP leaves too large an unsharded expert layer: spread the experts over more ranks
-            cp_d, est, tried = solve_cp(m, hw, world, pp, t, e, opts, auto_chunks)
+            cp_d, est, tried = solve_cp(m, hw, world, pp, t, e, opts, auto_chunks, pins)
+            e_tried = e
     if cp_d is None:
-        return None, None, None, tried
-    ep_d, _ = solve_ep(m, hw, world, pp, t, cp_d.value, opts, auto_chunks)
-    cp_d, est, tried = solve_cp(m, hw, world, pp, t, ep_d.value, opts, auto_chunks)
+        miss = None
+        if tried:
+            c = max(tried)
+            miss = (Layout(pp=pp, tp=t, cp=c, ep=e_tried), tried[c])
+        return None, None, None, miss
+    ep_d, _ = solve_ep(m, hw, world, pp, t, cp_d.value, opts, auto_chunks, pins)
+    cp_d, est, tried = solve_cp(m, hw, world, pp, t, ep_d.value, opts, auto_chunks, pins)
     assert cp_d is not None, "solve_ep only picks an ep that fits at the cp it was given"
     # a larger ep shrinks the unsharded expert layer: if that lets a smaller cp fit, it may be the faster split
-    for e in ep_candidates(m, ranks):
+    for e in _ep_cands(m, ranks, pins):
         if e <= ep_d.value or cp_d.value == 1:
             continue
-        cp2, est2, _ = solve_cp(m, hw, world, pp, t, e, opts, auto_chunks)
+        cp2, est2, _ = solve_cp(m, hw, world, pp, t, e, opts, auto_chunks, pins)
         if cp2 is not None and cp2.value < cp_d.value and (_per_token(est2, world, pp, t, cp2.value)
                                                            < _per_token(est, world, pp, t, cp_d.value)):
             cp_d = cp2  # EP again at the shorter local sequence: e fits there, so some ep does
-            ep_d, est = solve_ep(m, hw, world, pp, t, cp_d.value, opts, auto_chunks)
+            ep_d, est = solve_ep(m, hw, world, pp, t, cp_d.value, opts, auto_chunks, pins)
     # the converse: a smaller ep needs fewer all-to-alls but holds a larger unsharded expert layer; if the next CP
     # step makes room for it and that is at least PP_TIE_BREAK faster per token, take it
-    nxt = [c for c in cp_candidates(m, opts.micro_batch_tokens, ranks // t, t) if c > cp_d.value]
+    nxt = [c for c in _cp_cands(m, opts.micro_batch_tokens, ranks // t, t, pins) if c > cp_d.value]
     if nxt and ep_d.value > 1:
         c2 = nxt[0]
-        ep2, est2 = solve_ep(m, hw, world, pp, t, c2, opts, auto_chunks)
+        ep2, est2 = solve_ep(m, hw, world, pp, t, c2, opts, auto_chunks, pins)
         gain = 1 - _per_token(est2, world, pp, t, c2) / _per_token(est, world, pp, t, cp_d.value)
         if ep2.value < ep_d.value and est2.fits and gain >= PP_TIE_BREAK:
             cp_d = Decision(c2, "activation memory, for a smaller EP",
@@ -240,7 +351,7 @@ def _sequence_split(m, hw, world, pp, t, opts, auto_chunks):
                              "headroom_gb": round(est2.headroom_gb, 2)},
                             rejected=f"cp={cp_d.value} with ep={ep_d.value}: {est.step_time_s:.3f} s/step")
             ep_d, est = ep2, est2
-    return cp_d, ep_d, est, tried
+    return cp_d, ep_d, est, None
 
 
 def _per_token(est: Estimate, world: int, pp: int, tp: int, cp: int) -> float:
@@ -248,21 +359,21 @@ def _per_token(est: Estimate, world: int, pp: int, tp: int, cp: int) -> float:
     return est.step_time_s * pp * tp * cp
 
 
-def solve_tp(m: ModelShape, hw: HwProfile, world: int, pp: int, opts: TrainOptions, auto_chunks: bool):
+def solve_tp(m: ModelShape, hw: HwProfile, world: int, pp: int, opts: TrainOptions, auto_chunks: bool,
+             pins: dict[str, int] | None = None):
     """TP: 1 unless one layer does not fit at any CP, or a TP group inside the node splits a sequence more cheaply
     than the CP group it replaces (per-layer communication); then the smallest TP that fits, or the faster one
     if it is at least PP_TIE_BREAK faster per token. TP is the only dimension that shrinks one layer's width
     (heads, recompute working set, the vocab of the head)."""
     ranks = world // pp
-    first_fail = None
+    first_fail = None  # (layout, estimate) of the nearest miss at the first tp
     found = []
-    for t in tp_candidates(m, hw, ranks):
-        cp_d, ep_d, est, tried = _sequence_split(m, hw, world, pp, t, opts, auto_chunks)
+    for t in _tp_cands(m, hw, ranks, pins or {}):
+        cp_d, ep_d, est, miss = _sequence_split(m, hw, world, pp, t, opts, auto_chunks, pins)
         if cp_d is not None:
             found.append((t, cp_d, ep_d, est))
-        elif first_fail is None and tried:
-            c = max(tried)
-            first_fail = (c, tried[c])
+        elif first_fail is None and miss is not None:
+            first_fail = miss
     if not found:
         return None, None, None, first_fail
     base = found[0]
@@ -281,31 +392,45 @@ def solve_tp(m: ModelShape, hw: HwProfile, world: int, pp: int, opts: TrainOptio
         d = Decision(1, "per-layer memory", "one layer fits one GPU at some cp: no tensor split needed",
                      {"peak_gb": round(est.total_gb, 2)})
     else:
-        fail_cp, fail_est = first_fail
+        rejected = ""
+        if first_fail is not None:
+            fail_lay, fail_est = first_fail
+            rejected = f"tp={fail_lay.tp}, cp={fail_lay.cp}: peak {_over(fail_est.total_gb, hw.usable_gb)}"
         d = Decision(t, "per-layer memory", f"tp={t} is the smallest tensor split at which some cp fits",
-                     {"peak_gb": round(est.total_gb, 2)},
-                     rejected=f"tp=1, cp={fail_cp}: peak {_over(fail_est.total_gb, hw.usable_gb)}")
+                     {"peak_gb": round(est.total_gb, 2)}, rejected=rejected)
     return d, ep_d, cp_d, est
 
 
 def solve(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions, auto_chunks: bool = True,
-          suggest: bool = True) -> Solution:
-    """Solve every dimension for `world` GPUs. Raises InfeasibleError naming the constraint and the shortfall."""
+          suggest: bool = True, pins: dict[str, int] | None = None) -> Solution:
+    """Solve every dimension for `world` GPUs. Raises InfeasibleError naming the constraint and the shortfall.
+
+    `pins` ({"ep": 2}, keys among pp, tp, cp, ep) fixes those degrees: each pinned dimension has its pinned value as
+    its only candidate, the others are solved by their own rules around it, and a pinned dimension's decision says
+    "pinned by the user" with the pinned layout's figures and what the dimension's own rule would pick instead. A
+    pin that breaks a divisibility rule, or a pinned layout that does not fit, raises InfeasibleError naming it."""
+    pins = normalize_pins(pins)
     _check_world(m, world)
+    if pins:
+        bad = pin_violations(m, hw, opts.micro_batch_tokens, pins, world)
+        if bad:
+            raise InfeasibleError(_pin_error(m, hw, opts.micro_batch_tokens, pins, bad, world))
     results = []
-    closest = None  # (shortfall_gb, pp, cp, estimate) of the nearest miss
-    for p in pp_candidates(m, world):
-        tp_d, ep_d, cp_d, est = solve_tp(m, hw, world, p, opts, auto_chunks)
+    closest = None  # (shortfall_gb, layout, estimate) of the nearest miss
+    for p in _pp_cands(m, world, pins):
+        tp_d, ep_d, cp_d, est = solve_tp(m, hw, world, p, opts, auto_chunks, pins)
         if tp_d is None:
             if est is not None:
-                c, e = est
+                lay, e = est
                 short = e.total_gb - hw.usable_gb
                 if closest is None or short < closest[0]:
-                    closest = (short, p, c, e)
+                    closest = (short, lay, e)
             continue
         results.append((p, tp_d, ep_d, cp_d, est))
     if not results:
-        raise InfeasibleError(_infeasible_message(m, hw, world, opts, closest, suggest))
+        err = InfeasibleError(_infeasible_message(m, hw, world, opts, closest, suggest, pins, auto_chunks))
+        err.miss = (world, closest[1], closest[2]) if closest is not None else None
+        raise err
     base = results[0]
     per_tok = lambda r: _per_token(r[4], world, r[0], r[1].value, r[3].value)  # noqa: E731
     best = min(results, key=per_tok)
@@ -330,8 +455,70 @@ def solve(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions, auto_chu
     o = _opts_for(opts, opts.micro_batch_tokens / cp_d.value, ep_d.value, auto_chunks)
     est = estimate(m, hw, world, layout, o)
     assert est.fits, f"solver chose a layout that does not fit: {layout}"
-    return Solution(world=world, layout=layout, opts=o, estimate=est,
-                    decisions={"tp": tp_d, "ep": ep_d, "cp": cp_d, "pp": pp_d})
+    decisions = {"tp": tp_d, "ep": ep_d, "cp": cp_d, "pp": pp_d}
+    for k in pins:
+        decisions[k] = _pinned_decision(k, m, hw, world, layout, opts, est, auto_chunks)
+    return Solution(world=world, layout=layout, opts=o, estimate=est, decisions=decisions, pins=dict(pins))
+
+
+def _rule_choice(dim: str, m: ModelShape, hw: HwProfile, world: int, lay: Layout, opts: TrainOptions,
+                 auto_chunks: bool) -> tuple[int, Estimate] | None:
+    """What `dim`'s own rule picks with the other three degrees as in `lay`: EP by exposed communication
+    (`solve_ep`), CP, TP and PP the smallest candidate that fits (their memory rules, without the throughput
+    tie-breaks). None if nothing fits (cannot happen when `lay` fits: its own value is a candidate)."""
+    if dim == "ep":
+        d, e = solve_ep(m, hw, world, lay.pp, lay.tp, lay.cp, opts, auto_chunks)
+        return (d.value, e) if e.fits else None
+    if dim == "cp":
+        d, e, _ = solve_cp(m, hw, world, lay.pp, lay.tp, lay.ep, opts, auto_chunks)
+        return (d.value, e) if d is not None else None
+    if dim == "tp":
+        ranks = world // lay.pp
+        cands = [t for t in tp_candidates(m, hw, ranks) if (ranks // t) % lay.cp == 0]
+        layouts = [Layout(pp=lay.pp, tp=t, cp=lay.cp, ep=lay.ep) for t in cands]
+    else:
+        cands = [p for p in pp_candidates(m, world) if (world // p) % (lay.tp * lay.cp) == 0
+                 and (world // p) % lay.ep == 0]
+        layouts = [Layout(pp=p, tp=lay.tp, cp=lay.cp, ep=lay.ep) for p in cands]
+    for cand in layouts:
+        e = estimate(m, hw, world, cand, _opts_for(opts, opts.micro_batch_tokens / cand.cp, cand.ep, auto_chunks))
+        if e.fits:
+            return getattr(cand, dim), e
+    return None
+
+
+def _pinned_decision(dim: str, m: ModelShape, hw: HwProfile, world: int, lay: Layout, opts: TrainOptions,
+                     est: Estimate, auto_chunks: bool) -> Decision:
+    """A pinned dimension's decision: the pinned layout's peak and headroom, the dimension's own figures, and the
+    value its own rule would pick with the rest as solved (the rejected alternative, when it differs)."""
+    v = getattr(lay, dim)
+    n = {"peak_gb": round(est.total_gb, 2), "headroom_gb": round(est.headroom_gb, 2)}
+    if dim == "ep":
+        n.update(_ep_numbers(m, world // lay.pp, v))
+        n["exposed_moe_comm_s"] = round(est.time_s["ep_exposed"] + est.time_s["fsdp_exposed"], 4)
+        where = "inside one node" if v <= hw.gpus_per_node else f"across {-(-v // hw.gpus_per_node)} nodes"
+        detail = (f"{n['experts_per_rank']} experts/rank, {where}, unsharded expert layer "
+                  f"{n['unsharded_expert_layer_gb']:.2f} GB")
+    elif dim == "cp":
+        n.update(local_tokens=opts.micro_batch_tokens // v, activations_gb=round(est.memory_gb["activations"], 2))
+        detail = f"s/cp={n['local_tokens']:,} tokens, activations {n['activations_gb']:.1f} GB"
+    elif dim == "tp":
+        n.update(heads_per_rank=m.num_heads // v, tp_comm_s=round(est.time_s["tp"], 4))
+        detail = f"{n['heads_per_rank']} attention heads/rank, TP exchange {n['tp_comm_s']:.3f} s/step"
+    else:
+        n.update(layers_per_stage=m.num_layers // v, bubble=round((v - 1) / (opts.micro_batches + v - 1), 3))
+        detail = f"{n['layers_per_stage']} layers/stage, bubble {100 * n['bubble']:.0f}% of the step"
+    reason = f"{dim}={v} (peak {est.total_gb:.1f} GB of {hw.usable_gb:.1f} usable, {detail})"
+    rejected = ""
+    rule = _rule_choice(dim, m, hw, world, lay, opts, auto_chunks)
+    if rule is not None and rule[0] == v:
+        reason += f"; the {dim.upper()} rule picks the same here"
+    elif rule is not None:
+        rv, r_est = rule
+        rejected = (f"{dim}={rv}, the {dim.upper()} rule's choice with the rest as here: "
+                    f"{r_est.tokens_per_s_per_gpu:,.0f} tok/s/GPU against {est.tokens_per_s_per_gpu:,.0f}, peak "
+                    f"{r_est.total_gb:.1f} GB")
+    return Decision(v, "pinned by the user", reason, n, rejected)
 
 
 def _check_world(m: ModelShape, world: int) -> None:
@@ -339,14 +526,22 @@ def _check_world(m: ModelShape, world: int) -> None:
         raise InfeasibleError(f"--gpus must be between 1 and {MAX_WORLD}, got {world}")
 
 
+def _gb(x: float) -> str:
+    """GB with one decimal, or three where one would round a real shortfall to 0.0."""
+    return f"{x:.1f}" if abs(x) >= 0.05 else f"{x:.3f}"
+
+
 def _infeasible_message(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions, closest,
-                        suggest: bool = True) -> str:
+                        suggest: bool = True, pins: dict[str, int] | None = None, auto_chunks: bool = True) -> str:
     seq = opts.micro_batch_tokens
+    if pins:
+        return _pinned_infeasible_message(m, hw, world, opts, closest, suggest, pins, auto_chunks)
     if closest is None:
         return (f"{world} GPUs: no layout divides them for {m.name} at {seq:,} tokens (cp must split the sequence "
                 f"into 2·cp equal segments{' of whole delta-rule chunks' if m.linear_attn else ''}, "
                 f"ep must divide {m.num_experts} experts, pp the {m.num_layers} layers)")
-    short, p, c, e = closest
+    short, lay, e = closest
+    p, c = lay.pp, lay.cp
     persistent = sum(e.memory_gb[k] for k in ("weights", "grads", "master", "optimizer"))
     excluded = [x for x in divisors(world) if x > 1 and x not in cp_candidates(m, seq, world, 1)]
     why = ""
@@ -357,18 +552,52 @@ def _infeasible_message(m: ModelShape, hw: HwProfile, world: int, opts: TrainOpt
         why = (f"; {world} GPUs leave no larger cp: cp={'/'.join(map(str, excluded))} would not "
                f"{' and '.join(rules)}")
     if suggest:
-        nxt = _next_fitting(m, hw, world, opts)
+        nxt = _next_fitting(m, hw, world, opts, auto_chunks=auto_chunks)
         why += f" — {nxt} GPUs fit" if nxt else " — add GPUs or shorten --seq"
     return (f"{m.name} at {seq:,} tokens does not fit on {world}x {hw.name}: best layout tried (pp={p}, cp={c}) "
             f"peaks at {e.total_gb:.1f} GB against {hw.usable_gb:.1f} GB usable ({short:.1f} GB over; persistent "
             f"state {persistent:.1f} GB, activations {e.memory_gb['activations']:.1f} GB){why}")
 
 
-def _next_fitting(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions) -> int | None:
-    """The smallest larger GPU count (up to twice as many) at which some layout fits."""
-    for w in range(world + 1, 2 * world + 1):
+def _lay_str(lay: Layout) -> str:
+    return f"pp={lay.pp} tp={lay.tp} cp={lay.cp} ep={lay.ep}"
+
+
+def _miss_str(hw: HwProfile, lay: Layout, e: Estimate, what: str) -> str:
+    """'the pinned layout (pp=1 tp=1 cp=1 ep=8) peaks at X GB against Y GB usable (Z GB over; ...)'."""
+    persistent = sum(e.memory_gb[k] for k in ("weights", "grads", "master", "optimizer"))
+    return (f"{what} ({_lay_str(lay)}) peaks at {e.total_gb:.1f} GB against {hw.usable_gb:.1f} GB usable "
+            f"({_gb(e.total_gb - hw.usable_gb)} GB over; persistent state {persistent:.1f} GB, activations "
+            f"{e.memory_gb['activations']:.1f} GB)")
+
+
+def _pinned_infeasible_message(m, hw, world, opts, closest, suggest, pins, auto_chunks) -> str:
+    seq = opts.micro_batch_tokens
+    head = f"{m.name} at {seq:,} tokens with {pin_str(pins)} pinned does not fit on {world}x {hw.name}"
+    if closest is None:  # every pin divides (checked first), so some layout was tried; kept for safety
+        return f"{head}: no layout with these pins divides the {world} GPUs"
+    _, lay, e = closest
+    what = "the pinned layout" if len(pins) == len(PIN_DIMS) else "the closest layout with these pins"
+    msg = f"{head}: {_miss_str(hw, lay, e, what)}"
+    if suggest:
+        nxt = _next_fitting(m, hw, world, opts, pins, auto_chunks)
+        msg += f" — with these pins {nxt} GPUs fit" if nxt else " — add GPUs, shorten --seq or drop a pin"
         try:
-            solve(m, hw, w, opts, suggest=False)
+            free = solve(m, hw, world, opts, auto_chunks, suggest=False)
+            msg += f"; unpinned, {world} GPUs fit as {_lay_str(free.layout)}"
+        except InfeasibleError:
+            pass
+    return msg
+
+
+def _next_fitting(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions,
+                  pins: dict[str, int] | None = None, auto_chunks: bool = True) -> int | None:
+    """The smallest larger GPU count (up to twice as many) at which some layout (with these pins) fits."""
+    for w in range(world + 1, 2 * world + 1):
+        if pins and pin_violations(m, hw, opts.micro_batch_tokens, pins, w):
+            continue
+        try:
+            solve(m, hw, w, opts, auto_chunks, suggest=False, pins=pins)
             return w
         except InfeasibleError:
             continue
@@ -380,20 +609,44 @@ def world_candidates(hw: HwProfile) -> list[int]:
     return small + [hw.gpus_per_node * n for n in range(1, MAX_WORLD // hw.gpus_per_node + 1)]
 
 
-def solve_min_gpus(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks: bool = True) -> Solution:
-    """The smallest GPU count (1, 2, 4, then whole nodes) at which some layout fits."""
+def solve_min_gpus(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks: bool = True,
+                   pins: dict[str, int] | None = None) -> Solution:
+    """The smallest GPU count (1, 2, 4, then whole nodes) at which some layout fits — with `pins`, some layout with
+    those degrees (counts the pins do not divide are skipped)."""
+    pins = normalize_pins(pins)
+    seq = opts.micro_batch_tokens
+    if pins:
+        bad = pin_violations(m, hw, seq, pins)
+        if bad:
+            raise InfeasibleError(_pin_error(m, hw, seq, pins, bad))
     persistent_b = sum(param_counts(m).values()) * 16  # weights, grads, master, Adam: sharded over all ranks
+    nearest = None  # (shortfall, world, layout, estimate) over the counts tried, with pins
     for w in world_candidates(hw):
+        if pins and pin_violations(m, hw, seq, pins, w):
+            continue
         # lower bounds that need no solve: persistent state is sharded over all w ranks; even at cp = w every
         # rank keeps its slice of each layer's checkpointed input
-        floor_b = persistent_b / w + m.num_layers * opts.micro_batch_tokens / w * m.hidden_size * BF16
+        floor_b = persistent_b / w + m.num_layers * seq / w * m.hidden_size * BF16
         if floor_b / GB + hw.overhead_gb > hw.usable_gb:
             continue
         try:
-            return solve(m, hw, w, opts, auto_chunks, suggest=False)
-        except InfeasibleError:
+            return solve(m, hw, w, opts, auto_chunks, suggest=False, pins=pins)
+        except InfeasibleError as e:
+            if e.miss is not None:
+                short = e.miss[2].total_gb - hw.usable_gb
+                if nearest is None or short < nearest[0]:
+                    nearest = (short, *e.miss)
             continue
-    raise InfeasibleError(f"{m.name} at {opts.micro_batch_tokens:,} tokens fits on no count of {hw.name} up to "
+    if pins:
+        near = ""
+        if nearest is not None:
+            _, w, lay, e = nearest
+            what = "the pinned layout" if len(pins) == len(PIN_DIMS) else "the closest layout with these pins"
+            near = f"; nearest: on {w} GPUs {_miss_str(hw, lay, e, what)}"
+        raise InfeasibleError(f"{m.name} at {seq:,} tokens with {pin_str(pins)} pinned fits on no count of "
+                              f"{hw.name} up to {MAX_WORLD} GPUs{near} — drop a pin, shorten --seq or use "
+                              f"--micro-batch-tokens")
+    raise InfeasibleError(f"{m.name} at {seq:,} tokens fits on no count of {hw.name} up to "
                           f"{MAX_WORLD} GPUs (persistent state {persistent_b / GB:,.0f} GB in all; the checkpointed "
-                          f"layer inputs alone are {m.num_layers * opts.micro_batch_tokens * m.hidden_size * BF16 / GB:,.0f}"
+                          f"layer inputs alone are {m.num_layers * seq * m.hidden_size * BF16 / GB:,.0f}"
                           f" GB) — shorten --seq or use --micro-batch-tokens")

@@ -14,9 +14,10 @@ def layout_str(deg: dict) -> str:
 def summary_text(m: ModelShape, hw: HwProfile, seq: int, sol) -> str:
     e, o = sol.estimate, sol.opts
     chunks = f"{o.ep_overlap_chunks} EP chunk{'s' if o.ep_overlap_chunks > 1 else ''}"
+    pinned = "; pinned " + " ".join(f"{k}={v}" for k, v in sol.pins.items()) if sol.pins else ""
     lines = [
         f"{m.name} at {format_size(seq)} tokens on {sol.world}x {hw.name}  "
-        f"({o.recompute} recompute, {o.lm_head} LM head, {chunks})",
+        f"({o.recompute} recompute, {o.lm_head} LM head, {chunks}{pinned})",
         f"layout   {layout_str(sol.degrees)}",
         f"predict  {e.total_gb:.1f} GB peak of {hw.usable_gb:.1f} usable; step {e.step_time_s:.3f} s, "
         f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {e.tflops_per_gpu:.0f} TFLOP/s/GPU, MFU "
