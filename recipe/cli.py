@@ -299,6 +299,10 @@ from .check_cli import check as _check  # noqa: E402
 
 app.command("check")(_check)
 
+from .launch_cli import launch as _launch  # noqa: E402
+
+app.command("launch")(_launch)
+
 
 def main() -> None:  # pragma: no cover
     app()
