@@ -152,7 +152,7 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
         from launch.moe import permute
 
         order, token, counts = permute(top_e, moe.num_experts)
-        return moe.experts(xin[token], counts)
+        return moe.experts.ffn(xin[token], counts)
     measure("routed experts (grouped GEMMs)", wrap(experts_only), len(layers))
     w = model.lm_head.weight
 

@@ -3,9 +3,10 @@ plus an optional shared expert with a sigmoid gate.
 
 Shape legend: T tokens, D model dim, E experts, K top-k, I expert intermediate dim, M = T·K routed rows.
 
-The expert compute lives in its own submodule (`GroupedExperts`) whose input is the permuted rows and the per-expert
-row counts, so expert parallelism can wrap it later (dispatch all-to-all in a forward-pre hook, combine in a forward
-hook, as a torchtitan ParallelStyle does) without the MoE module holding any communication.
+The routed experts live in their own submodule (`GroupedExperts`): tokens and their top-k choices in, the weighted
+sum of their experts' outputs out. How the tokens reach the experts is a pluggable `token_dispatch` (None: every
+expert is local); expert parallelism (launch/expert_parallel.py) installs one that sends them across ranks, so this
+module holds no communication and the expert submodule is one FSDP unit called once per forward.
 Parameter names and layouts follow Hugging Face's fused-expert layout: gate_up_proj [E, 2I, D], down_proj [E, D, I].
 """
 
@@ -25,11 +26,22 @@ def _use_grouped_mm(x: torch.Tensor) -> bool:
 class GroupedExperts(nn.Module):
     def __init__(self, num_experts: int, dim: int, ffn: int):
         super().__init__()
-        self.num_experts, self.dim, self.ffn = num_experts, dim, ffn
+        self.num_experts, self.dim, self.ffn_dim = num_experts, dim, ffn
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, ffn))
+        # (module, x_TD, top_w_TK, top_e_TK) -> out_TD; None: all experts are local (launch/expert_parallel.py)
+        self.token_dispatch = None
 
-    def forward(self, x_MD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, top_w_TK: torch.Tensor, top_e_TK: torch.Tensor) -> torch.Tensor:
+        """Σ_k top_w_TK[t, k] · expert_{top_e_TK[t, k]}(x_TD[t]) for every token t."""
+        if self.token_dispatch is not None:
+            return self.token_dispatch(self, x_TD, top_w_TK, top_e_TK)
+        T, K = top_e_TK.shape
+        order_M, token_M, num_tokens_per_expert_E = permute(top_e_TK, self.num_experts)
+        y_MD = self.ffn(x_TD[token_M], num_tokens_per_expert_E)
+        return combine(y_MD, order_M, top_w_TK)
+
+    def ffn(self, x_MD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
         """Rows of x are sorted by expert; expert e owns the next num_tokens_per_expert_E[e] rows."""
         if _use_grouped_mm(x_MD):
             offsets_E = torch.cumsum(num_tokens_per_expert_E, 0, dtype=torch.int32)
@@ -78,8 +90,18 @@ def permute(top_e_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, tor
     token_M: its token, num_tokens_per_expert_E). Stable, so recompute reproduces the same order."""
     flat_e_M = top_e_TK.reshape(-1)
     order_M = torch.argsort(flat_e_M, stable=True)
-    num_tokens_per_expert_E = torch.bincount(flat_e_M, minlength=num_experts)
+    # a scatter-add, not bincount: bincount sizes its output from the largest id, a device-to-host sync on CUDA
+    num_tokens_per_expert_E = torch.zeros(num_experts, dtype=torch.int64, device=flat_e_M.device)
+    num_tokens_per_expert_E.scatter_add_(0, flat_e_M, torch.ones_like(flat_e_M))
     return order_M, order_M // top_e_TK.shape[1], num_tokens_per_expert_E
+
+
+def combine(y_MD: torch.Tensor, order_M: torch.Tensor, top_w_TK: torch.Tensor) -> torch.Tensor:
+    """Unpermute the expert outputs to (token, slot) order and take the weighted sum over slots (a gather and a
+    batched product, no atomics: deterministic, so recompute reproduces it bitwise)."""
+    T, K = top_w_TK.shape
+    y_TKD = torch.empty_like(y_MD).index_copy_(0, order_M, y_MD).view(T, K, y_MD.shape[-1])
+    return torch.bmm(top_w_TK.unsqueeze(1), y_TKD).squeeze(1).clone()  # a view would trip FSDP2's output hook
 
 
 class MoE(nn.Module):
@@ -93,13 +115,8 @@ class MoE(nn.Module):
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_ffn and shared_gate else None
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
-        T, D = x_TD.shape
         _, top_w_TK, top_e_TK = self.gate(x_TD)
-        order_M, token_M, num_tokens_per_expert_E = permute(top_e_TK, self.num_experts)
-        y_MD = self.experts(x_TD[token_M], num_tokens_per_expert_E)
-        # unpermute to (token, slot) order and take the weighted sum over slots (no atomics: deterministic)
-        y_slots = torch.empty_like(y_MD).index_copy_(0, order_M, y_MD).view(T, self.top_k, D)
-        out_TD = torch.bmm(top_w_TK.unsqueeze(1), y_slots).squeeze(1)
+        out_TD = self.experts(x_TD, top_w_TK, top_e_TK)
         if self.shared_expert is not None:
             shared_TD = self.shared_expert(x_TD)
             if self.shared_expert_gate is not None:

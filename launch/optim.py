@@ -6,6 +6,11 @@ master copies (its fused kernel on GPU, one pass reading master, grad and both m
 casts the gradients to fp32 a group at a time (bounded extra memory: at most `group_numel` fp32 gradients live),
 steps, and writes the masters back into the compute copy. Where the model is already fp32 the master *is* the
 parameter (no copy). Persistent bytes per parameter: 2 (bf16 weight) + 2 (bf16 grad) + 4 (master) + 8 (moments) = 16.
+
+Under FSDP2 (launch/parallel.py) the parameters are fp32 DTensor shards and bf16 exists only while a layer is
+gathered: the shard is its own master, its gradient arrives reduce-scattered in fp32, and the same 16 bytes per
+parameter are spread over the ranks. The gradient norm then sums each rank's local squares and all-reduces once
+over the world (parameters on the dense mesh and on the expert mesh alike), so clipping sees the whole model.
 """
 
 from __future__ import annotations
@@ -13,6 +18,17 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.distributed as dist
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
+def _replicas(t: torch.Tensor) -> int:
+    """How many ranks hold each element of t (a DTensor replicated along some mesh dimensions); 1 otherwise."""
+    placements = getattr(t, "placements", ())
+    return math.prod(t.device_mesh.size(i) for i, pl in enumerate(placements) if pl.is_replicate())
 
 
 class NonFiniteError(FloatingPointError):
@@ -30,17 +46,21 @@ class MasterAdamW:
         self.params = [p for _, p in named]
         self.lr, self.betas, self.eps = lr, betas, eps
         self.weight_decay, self.max_grad_norm = weight_decay, max_grad_norm
-        self.masters = [p.data if p.dtype == master_dtype else p.detach().to(master_dtype).clone()
+        # an fp32 parameter is its own master (one process in fp32, or an FSDP2 shard)
+        self.masters = [p if p.dtype == master_dtype else
+                        torch.nn.Parameter(p.detach().to(master_dtype).clone(), requires_grad=False)
                         for p in self.params]
-        self.masters = [torch.nn.Parameter(m, requires_grad=False) if not isinstance(m, torch.nn.Parameter) else m
-                        for m in self.masters]
         self.decays = [p.dim() >= 2 for p in self.params]  # no decay on norms, dt_bias, A_log
+        self.distributed = any(hasattr(p, "device_mesh") for p in self.params)
         self.num_steps = 0
         self.groups = self._groups(group_numel)
-        fused = all(m.is_cuda for m in self.masters)
-        groups = [{"params": [m for m, d in zip(self.masters, self.decays) if d], "weight_decay": weight_decay},
-                  {"params": [m for m, d in zip(self.masters, self.decays) if not d], "weight_decay": 0.0}]
-        self.opt = torch.optim.AdamW([g for g in groups if g["params"]], lr=lr, betas=betas, eps=eps,
+        # one parameter group per (decay, mesh): foreach kernels take DTensors of one mesh at a time
+        groups: dict[tuple, list] = {}
+        for m, d in zip(self.masters, self.decays):
+            groups.setdefault((d, id(getattr(m, "device_mesh", None))), []).append(m)
+        fused = all(m.is_cuda for m in self.masters) and not self.distributed
+        self.opt = torch.optim.AdamW([{"params": ps, "weight_decay": weight_decay if d else 0.0}
+                                      for (d, _), ps in groups.items()], lr=lr, betas=betas, eps=eps,
                                      fused=fused or None, foreach=None if fused else True)
 
     @property
@@ -63,14 +83,20 @@ class MasterAdamW:
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
-        norms = [torch.linalg.vector_norm(p.grad, dtype=torch.float32) for p in self.params if p.grad is not None]
-        if not norms:
+        """The global L2 norm of all gradients (all ranks' shards together when the parameters are DTensors)."""
+        squares = [torch.linalg.vector_norm(_local(p.grad), dtype=torch.float32).square() / _replicas(p.grad)
+                   for p in self.params if p.grad is not None]
+        if not squares:
             raise RuntimeError("no gradients: call backward() before step()")
-        return torch.linalg.vector_norm(torch.stack(norms))
+        total = torch.stack(squares).sum()
+        if self.distributed:
+            dist.all_reduce(total)  # every rank holds a disjoint part of every sharded gradient
+        return total.sqrt()
 
     def nonfinite_params(self) -> list[str]:
+        """Parameters whose gradient holds a NaN/inf in this rank's shard."""
         return [n for n, p in zip(self.names, self.params)
-                if p.grad is not None and not bool(torch.isfinite(p.grad).all())]
+                if p.grad is not None and not bool(torch.isfinite(_local(p.grad)).all())]
 
     @torch.no_grad()
     def step(self, grad_norm: torch.Tensor | None = None) -> float:
@@ -86,19 +112,27 @@ class MasterAdamW:
         if self.max_grad_norm is not None and total_f > self.max_grad_norm:
             clip = self.max_grad_norm / (total_f + 1e-6)
         self.num_steps += 1
+        own = [i for i, (m, p) in enumerate(zip(self.masters, self.params)) if m is p and p.grad is not None]
+        if own:  # fp32 parameters are their own masters: one update over all of them
+            if clip != 1.0:
+                torch._foreach_mul_([_local(self.params[i].grad) for i in own], clip)
+            self.opt.step()
+        held = {i: self.params[i].grad for i in own}
+        for i in own:  # out of the way of the grouped updates below
+            self.params[i].grad = None
         for idx in self.groups:
             idx = [i for i in idx if self.params[i].grad is not None]
             if not idx:
                 continue
-            for i in idx:  # fp32 gradients for this group only; the master shares storage with an fp32 param
-                g = self.params[i].grad
-                g = g.to(self.masters[i].dtype) if self.masters[i] is not self.params[i] else g
+            for i in idx:  # fp32 gradients for this group only (bounded extra memory)
+                g = self.params[i].grad.to(self.masters[i].dtype)
                 self.masters[i].grad = g.mul(clip) if clip != 1.0 else g
-            self.opt.step()  # params whose .grad is None (other groups) are skipped
+            self.opt.step()  # masters whose .grad is None (other groups) are skipped
             for i in idx:
                 self.masters[i].grad = None
-                if self.masters[i].data_ptr() != self.params[i].data_ptr():
-                    self.params[i].data.copy_(self.masters[i])
+                self.params[i].data.copy_(self.masters[i])
+        for i, g in held.items():
+            self.params[i].grad = g
         return total_f
 
     def zero_grad(self) -> None:

@@ -54,11 +54,16 @@ class TrainConfig:
 
 
 class Trainer:
-    def __init__(self, model: Transformer, cfg: TrainConfig, *, recompute: str = "full", lm_head: str = "fused"):
+    """`dp_rank`/`dp_size`/`dp_group`: this rank's share of each step's micro-batches (launch/parallel.py:
+    micro_batch_share) and the group its metrics are summed over; the model arrives already parallelized."""
+
+    def __init__(self, model: Transformer, cfg: TrainConfig, *, recompute: str = "full", lm_head: str = "fused",
+                 dp_rank: int = 0, dp_size: int = 1, dp_group=None):
         if lm_head not in ("fused", "lean", "naive"):
             raise ValueError(f"lm_head must be fused, lean or naive, got {lm_head!r}")
         self.model = apply_recompute(model, recompute)
         self.cfg, self.lm_head = cfg, lm_head
+        self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
         self.optimizer = MasterAdamW(self.model.named_parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                      weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
         self.step_num = 0
@@ -94,14 +99,30 @@ class Trainer:
         return [s / total if total else 1.0 / len(batches) for s in sizes]
 
     def forward_backward(self, batches: list[Batch]) -> dict[str, float]:
-        """Accumulate gradients over the micro-batches of one step; returns weighted metrics (no update)."""
+        """Accumulate gradients over this rank's share of the step's micro-batches (`batches`: the whole step, the
+        same list on every rank); returns the step's weighted metrics, summed over data-parallel ranks (no
+        update). Each loss is weighted by its micro-batch's share of the whole step, so the gradients summed over
+        ranks are the one-process gradient."""
+        from launch.parallel import micro_batch_share
+
+        weights = self._weights(batches)
         sums: dict[str, torch.Tensor] = {}
-        for batch, weight in zip(batches, self._weights(batches)):
+        for j in micro_batch_share(len(batches), self.dp_rank, self.dp_size):
+            batch, weight = (batches[j], weights[j]) if j is not None else (batches[0], 0.0)  # padding: weight 0
             loss, metrics = self.loss_terms(batch)
             (loss * weight).backward()
+            if j is None:
+                continue
             for k, v in metrics.items():
                 sums[k] = sums.get(k, 0.0) + (v if k == "num_tokens" else v * weight)
-        return {k: float(v) for k, v in sums.items()}  # device sync, once per step
+        keys = sorted(k for k in metrics)
+        out = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float32, device=loss.device).reshape(())
+                           for k in keys])
+        if self.dp_size > 1:
+            import torch.distributed as dist
+
+            dist.all_reduce(out, group=self.dp_group)
+        return dict(zip(keys, out.tolist()))  # device sync, once per step
 
     def step(self, batches: list[Batch] | Batch) -> dict[str, float]:
         """One optimizer step over the given micro-batches. Returns metrics incl. grad_norm, lr, step."""

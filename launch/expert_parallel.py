@@ -1,0 +1,306 @@
+"""Expert parallelism: routed tokens travel to the rank that holds their expert and back, in k chunks whose
+all-to-alls overlap the expert GEMMs of the chunk before.
+
+Shape legend: T local tokens, D model dim, K top-k, E experts, R ranks of the EP group, El = E/R local experts,
+I expert ffn dim, C chunks, M (token, slot) rows. "src-major": rows grouped by the rank they came from, then by
+local expert (what an all-to-all delivers); "expert-major": grouped by local expert, then by source rank (what the
+grouped GEMMs want).
+
+One call per MoE layer (`ExpertParallel.__call__`, installed as `GroupedExperts.token_dispatch` by
+`launch.parallel.parallelize`), so the experts stay one FSDP unit that is all-gathered once:
+
+    route:    per chunk, stable sort of its T_c·K slots by expert (rank j owns experts [j·El, (j+1)·El))
+    counts:   one all-to-all of the [R, C, El] row counts, one host sync: every split size of every chunk is known
+    forward:  D(0) ; for c: D(c+1) ‖ GEMM(c) ; C(c) ‖ GEMM(c+1) ; unpermute(c)
+    backward: D'(0); for c: D'(c+1) ‖ dX-GEMMs(c) ; C'(c) ‖ dX-GEMMs(c+1) ; then every dW GEMM (hides C'(C−1))
+
+D is the dispatch all-to-all, C the combine; in the backward D' sends each slot's output gradient (and its routing
+weight) to the expert, C' returns the input gradient (and the routing weight's gradient). On CUDA the all-to-alls
+run on a communication stream, ordered against the compute stream by events; on CPU (gloo) they run in place.
+
+Under full recompute the layer's forward runs twice. The recomputed forward re-issues the count exchange and the
+dispatch (the experts need their input rows again) but not the combine: nothing in the backward reads the layer's
+output, and the routing weights' gradient, dL/dw_tk = dL/dout_t · y_tk, is formed on the expert's rank from the
+output y_tk it holds and the dL/dout_t that D' brings anyway. So a layer costs five all-to-alls per step (D, C;
+D again; D', C'), against four without recompute: the minimum short of keeping the dispatched rows of every layer.
+
+The result equals one process's MoE (launch/moe.py) to fp32 rounding, and k chunks equal one chunk bitwise on CPU:
+the weight gradients are formed once, after all chunks, over the rows in one-chunk order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from launch.moe import permute
+
+
+def _use_grouped_mm(x: torch.Tensor) -> bool:
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+def _local(p: torch.Tensor) -> torch.Tensor:
+    return p.to_local() if hasattr(p, "to_local") else p
+
+
+# On CPU a GEMM of fewer than 4 rows takes another kernel (another summation order) than a taller one; padding each
+# expert's rows to 4 makes every row's result independent of how many rows share its expert, which is what makes k
+# chunks equal one chunk bitwise.
+_CPU_MIN_ROWS = 4
+
+
+def _per_expert(op, x_MD, counts: list[int], w_E):
+    outs = []
+    for e, x_e in enumerate(torch.split(x_MD, counts)):
+        n = x_e.shape[0]
+        if 0 < n < _CPU_MIN_ROWS:
+            x_e = torch.cat([x_e, x_e.new_zeros(_CPU_MIN_ROWS - n, x_e.shape[1])])
+        outs.append(op(x_e, w_E[e])[:n])
+    return torch.cat(outs)
+
+
+# ---- grouped GEMMs over experts (rows sorted by expert; counts on the host, offsets on the device) ------------
+def grouped_linear(x_MD, w_EOD, counts: list[int], offs_E) -> torch.Tensor:
+    """Per expert e: x_e @ w_eᵀ → [M, O]."""
+    if _use_grouped_mm(x_MD):
+        return torch._grouped_mm(x_MD, w_EOD.transpose(-2, -1), offs=offs_E)
+    return _per_expert(F.linear, x_MD, counts, w_EOD)
+
+
+def grouped_linear_dx(dy_MO, w_EOD, counts: list[int], offs_E) -> torch.Tensor:
+    """Per expert e: dy_e @ w_e → [M, D] (the input gradient of `grouped_linear`)."""
+    if _use_grouped_mm(dy_MO):
+        return torch._grouped_mm(dy_MO, w_EOD, offs=offs_E)
+    return _per_expert(torch.matmul, dy_MO, counts, w_EOD)
+
+
+def grouped_weight_grad(dy_MO, x_MD, counts: list[int], offs_E) -> torch.Tensor:
+    """Per expert e: dy_eᵀ @ x_e → [E, O, D] (the weight gradient of `grouped_linear`; zero for an idle expert)."""
+    if _use_grouped_mm(dy_MO):
+        return torch._grouped_mm(dy_MO.t(), x_MD, offs=offs_E)
+    return torch.stack([dy_e.t() @ x_e for dy_e, x_e in zip(torch.split(dy_MO, counts), torch.split(x_MD, counts))])
+
+
+def regroup_index(counts: torch.Tensor, perm: tuple[int, ...], total: int) -> torch.Tensor:
+    """Rows stored as contiguous segments in the row-major order of `counts` (one segment per entry, of that many
+    rows); returns the row index that lists the same segments in the order of `counts.permute(perm)`.
+    E.g. counts [[2, 1], [1, 2]] (src-major, R = 2 × El = 2: rows 0-1 s0e0, 2 s0e1, 3 s1e0, 4-5 s1e1) with perm
+    (1, 0) (expert-major: e0 from s0, s1, then e1 from s0, s1) → [0, 1, 3, 2, 4, 5]."""
+    flat = counts.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view(counts.shape)
+    c_t, s_t = counts.permute(perm).reshape(-1), starts.permute(perm).reshape(-1)
+    seg = torch.repeat_interleave(torch.arange(c_t.numel(), device=counts.device), c_t, output_size=total)
+    return s_t[seg] + torch.arange(total, device=counts.device) - (torch.cumsum(c_t, 0) - c_t)[seg]
+
+
+class ExpertParallel:
+    """The token dispatch for one EP group: `group` is the EP process group (its own, so the all-to-alls never
+    queue behind FSDP's collectives), `num_chunks` the k of the overlap (1: none), `comm_stream` the CUDA stream the
+    all-to-alls run on (None: the current stream; always None on CPU)."""
+
+    def __init__(self, group: dist.ProcessGroup, num_experts: int, num_chunks: int = 1, comm_stream=None):
+        self.group, self.num_ranks = group, dist.get_world_size(group)
+        if num_experts % self.num_ranks:
+            raise ValueError(f"ep={self.num_ranks} does not divide the {num_experts} experts")
+        if num_chunks < 1:
+            raise ValueError(f"ep_overlap_chunks must be ≥ 1, got {num_chunks}")
+        self.num_experts, self.num_chunks, self.comm_stream = num_experts, num_chunks, comm_stream
+
+    def __call__(self, experts, x_TD, top_w_TK, top_e_TK) -> torch.Tensor:
+        w1, w2 = _local(experts.gate_up_proj), _local(experts.down_proj)
+        if w1.shape[0] * self.num_ranks != self.num_experts:
+            raise ValueError(f"expert weights hold {w1.shape[0]} experts on this rank; ep={self.num_ranks} over "
+                             f"{self.num_experts} experts needs {self.num_experts // self.num_ranks}")
+        return _DispatchExpertsCombine.apply(x_TD, top_w_TK, top_e_TK, w1, w2, self)
+
+    # ---- communication -------------------------------------------------------------------------------------
+    def all_to_all(self, x, out_splits: list[int], in_splits: list[int], after=None):
+        """Rows of x (grouped by destination, in_splits of them each) to every rank; returns (received rows, an
+        event the consumer waits on, or None). On CUDA it runs on the comm stream once `after` (an event of the
+        compute stream) has fired."""
+        out = x.new_empty((sum(out_splits), *x.shape[1:]))
+        if self.comm_stream is None:
+            dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group)
+            return out, None
+        if after is None:
+            after = torch.cuda.Event()
+            after.record()
+        with torch.cuda.stream(self.comm_stream):
+            self.comm_stream.wait_event(after)
+            dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group)
+            done = torch.cuda.Event()
+            done.record(self.comm_stream)
+        x.record_stream(self.comm_stream)  # x's memory must outlive the transfer, whatever the compute stream does
+        return out, done
+
+    def mark(self):
+        """An event on the compute stream now (None on CPU)."""
+        if self.comm_stream is None:
+            return None
+        ev = torch.cuda.Event()
+        ev.record()
+        return ev
+
+    @staticmethod
+    def wait(pending):
+        out, done = pending
+        if done is not None:
+            torch.cuda.current_stream().wait_event(done)
+        return out
+
+    # ---- routing -------------------------------------------------------------------------------------------
+    def route(self, top_e_TK: torch.Tensor) -> "Route":
+        """Chunks of the local tokens, their slot orders and every split size (one count all-to-all, one host
+        sync)."""
+        T = top_e_TK.shape[0]
+        C, R, E = self.num_chunks, self.num_ranks, self.num_experts
+        El = E // R
+        bounds = [(c * T // C, (c + 1) * T // C) for c in range(C)]
+        orders, counts = [], []
+        for t0, t1 in bounds:
+            order_M, token_M, counts_E = permute(top_e_TK[t0:t1], E)
+            orders.append((order_M, token_M + t0))
+            counts.append(counts_E)
+        send_RCEl = torch.stack(counts).view(C, R, El).transpose(0, 1).contiguous()
+        recv_RCEl = torch.empty_like(send_RCEl)
+        dist.all_to_all_single(recv_RCEl, send_RCEl, group=self.group)
+        local_CEl = recv_RCEl.sum(0)
+        host = torch.stack([send_RCEl, recv_RCEl]).tolist()  # host sync: the split sizes of every chunk
+        return Route(bounds, orders, recv_RCEl,
+                     send=[[sum(host[0][r][c]) for r in range(R)] for c in range(C)],
+                     recv=[[sum(host[1][r][c]) for r in range(R)] for c in range(C)],
+                     local=[[sum(host[1][r][c][e] for r in range(R)) for e in range(El)] for c in range(C)],
+                     offs_CEl=torch.cumsum(local_CEl, 1).to(torch.int32),
+                     offs_El=torch.cumsum(local_CEl.sum(0), 0).to(torch.int32))
+
+
+@dataclass
+class Route:
+    """Where one layer's rows go: token bounds of each chunk, each chunk's (order_M, token_M), the [R, C, El] rows
+    received per (source rank, chunk, local expert) on the device, and on the host the split sizes per chunk (sent
+    to / received from each rank) and rows per local expert; group offsets for the grouped GEMMs on the device
+    (per chunk, and over all chunks for the weight gradients)."""
+
+    bounds: list[tuple[int, int]]
+    orders: list[tuple[torch.Tensor, torch.Tensor]]
+    recv_RCEl: torch.Tensor
+    send: list[list[int]]
+    recv: list[list[int]]
+    local: list[list[int]]
+    offs_CEl: torch.Tensor
+    offs_El: torch.Tensor
+
+
+# rows of a backward all-to-all carry D gradient columns plus one column for the routing weight (or its gradient),
+# padded to keep each bf16 row a multiple of 16 bytes (vectorized copies)
+_EXTRA = 8
+
+
+class _DispatchExpertsCombine(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_TD, top_w_TK, top_e_TK, w1_EFD, w2_EDI, ep: ExpertParallel):
+        # inside the backward pass (graph task running): this is the recompute of a checkpointed layer
+        recompute = torch._C._current_graph_task_id() != -1
+        rt = ep.route(top_e_TK)
+        C = len(rt.bounds)
+        sends = [x_TD[token_M] for _, token_M in rt.orders]  # [M_c, D] sorted by global expert
+        ready = ep.mark()  # after the sends: the dispatches read them
+        pending = {0: ep.all_to_all(sends[0], rt.recv[0], rt.send[0], ready)}
+        combined, saved = {}, []
+        out_TD = torch.zeros_like(x_TD)
+        for c in range(C):
+            if c + 1 < C:
+                pending[c + 1] = ep.all_to_all(sends[c + 1], rt.recv[c + 1], rt.send[c + 1], ready)
+            rows_src = ep.wait(pending.pop(c))
+            idx = regroup_index(rt.recv_RCEl[:, c], (1, 0), sum(rt.recv[c]))
+            x_em = rows_src[idx]
+            h_em = grouped_linear(x_em, w1_EFD, rt.local[c], rt.offs_CEl[c])
+            gate, up = h_em.chunk(2, dim=-1)
+            y_em = grouped_linear(F.silu(gate) * up, w2_EDI, rt.local[c], rt.offs_CEl[c])
+            saved += [x_em, h_em, y_em]
+            if recompute:
+                continue
+            y_src = torch.empty_like(y_em).index_copy_(0, idx, y_em)
+            combined[c] = ep.all_to_all(y_src, rt.send[c], rt.recv[c])
+            if c > 0:
+                _unpermute_into(out_TD, ep.wait(combined.pop(c - 1)), rt.orders[c - 1][0], top_w_TK,
+                                rt.bounds[c - 1])
+        if not recompute:
+            _unpermute_into(out_TD, ep.wait(combined.pop(C - 1)), rt.orders[C - 1][0], top_w_TK, rt.bounds[C - 1])
+        ctx.ep, ctx.rt_host = ep, (rt.bounds, rt.send, rt.recv, rt.local)
+        ctx.save_for_backward(top_w_TK, top_e_TK, w1_EFD, w2_EDI, rt.recv_RCEl, rt.offs_CEl, rt.offs_El, *saved)
+        return out_TD
+
+    @staticmethod
+    def backward(ctx, dout_TD):
+        top_w_TK, top_e_TK, w1, w2, recv_RCEl, offs_CEl, offs_El, *saved = ctx.saved_tensors
+        ep, (bounds, send, recv, local) = ctx.ep, ctx.rt_host
+        C, D, K, dtype = len(bounds), dout_TD.shape[1], top_w_TK.shape[1], saved[2].dtype
+        # the slot order of each chunk again (a stable sort by expert id: the order of the forward)
+        orders = [torch.argsort(top_e_TK[t0:t1].reshape(-1), stable=True) for t0, t1 in bounds]
+        # D': each slot gets its token's output gradient and its routing weight (column D)
+        sends = []
+        for (t0, t1), order_M in zip(bounds, orders):
+            rows = dout_TD.new_zeros(((t1 - t0) * K, D + _EXTRA), dtype=dtype)
+            rows[:, :D] = dout_TD[t0:t1].repeat_interleave(K, 0)
+            rows[:, D] = top_w_TK[t0:t1].reshape(-1)
+            sends.append(rows[order_M])
+        ready = ep.mark()
+        pending = {0: ep.all_to_all(sends[0], recv[0], send[0], ready)}
+        returned, g_parts, a_parts, dh_parts = {}, [], [], []
+        dx_TD = torch.zeros_like(dout_TD, dtype=dtype)
+        dw_TK = torch.zeros_like(top_w_TK)
+        for c in range(C):
+            if c + 1 < C:
+                pending[c + 1] = ep.all_to_all(sends[c + 1], recv[c + 1], send[c + 1], ready)
+            rows_src = ep.wait(pending.pop(c))
+            n = sum(recv[c])
+            idx = regroup_index(recv_RCEl[:, c], (1, 0), n)
+            rows = rows_src[idx]
+            dout, w = rows[:, :D], rows[:, D:D + 1]
+            h, y = saved[3 * c + 1], saved[3 * c + 2]
+            g = dout * w  # dL/dy of each slot
+            dw = (dout.float() * y.float()).sum(-1)  # dL/dw_tk = dL/dout_t · y_tk
+            gate, up = h.float().chunk(2, dim=-1)
+            sig = torch.sigmoid(gate)
+            silu = gate * sig
+            da = grouped_linear_dx(g, w2, local[c], offs_CEl[c]).float()
+            dh = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * silu], dim=-1).to(dtype)
+            g_parts.append(g), a_parts.append((silu * up).to(dtype)), dh_parts.append(dh)
+            back_em = dout_TD.new_zeros((n, D + _EXTRA), dtype=dtype)
+            back_em[:, :D] = grouped_linear_dx(dh, w1, local[c], offs_CEl[c])
+            back_em[:, D] = dw
+            back = torch.empty_like(back_em).index_copy_(0, idx, back_em)
+            returned[c] = ep.all_to_all(back, send[c], recv[c])
+            if c > 0:
+                _scatter_back(dx_TD, dw_TK, ep.wait(returned.pop(c - 1)), orders[c - 1], bounds[c - 1], D)
+        # weight gradients once, over every chunk's rows in one-chunk order (expert, source rank, chunk)
+        El = w1.shape[0]
+        perm = regroup_index(recv_RCEl.permute(1, 2, 0), (1, 2, 0), sum(map(sum, recv)))
+        per_expert = [sum(local[c][e] for c in range(C)) for e in range(El)]
+        xs = torch.cat(saved[0::3])[perm]
+        dw2 = grouped_weight_grad(torch.cat(g_parts)[perm], torch.cat(a_parts)[perm], per_expert, offs_El)
+        dw1 = grouped_weight_grad(torch.cat(dh_parts)[perm], xs, per_expert, offs_El)
+        _scatter_back(dx_TD, dw_TK, ep.wait(returned.pop(C - 1)), orders[C - 1], bounds[C - 1], D)
+        return dx_TD.to(dout_TD.dtype), dw_TK, None, dw1.to(w1.dtype), dw2.to(w2.dtype), None
+
+
+def _unpermute_into(out_TD, y_MD, order_M, top_w_TK, bounds) -> None:
+    t0, t1 = bounds
+    K = top_w_TK.shape[1]
+    y_TKD = torch.empty_like(y_MD).index_copy_(0, order_M, y_MD).view(t1 - t0, K, -1)
+    out_TD[t0:t1] = torch.bmm(top_w_TK[t0:t1].unsqueeze(1), y_TKD).squeeze(1)
+
+
+def _scatter_back(dx_TD, dw_TK, rows_M, order_M, bounds, D: int) -> None:
+    """C' rows (input gradient, then the routing weight's gradient in column D, per slot, sorted by expert) into
+    token order."""
+    t0, t1 = bounds
+    K = dw_TK.shape[1]
+    slots = torch.empty_like(rows_M).index_copy_(0, order_M, rows_M).view(t1 - t0, K, -1)
+    dx_TD[t0:t1] = slots[..., :D].sum(1)
+    dw_TK[t0:t1] = slots[..., D].to(dw_TK.dtype)

@@ -1,0 +1,196 @@
+"""The plan's layout on real ranks: device meshes, `parallelize(model, plan, meshes)`, and which micro-batches each
+data-parallel rank runs.
+
+Two meshes over the same ranks (docs/training.md, "Layouts"):
+
+    dense   (pp, dp, cp, tp)     attention / Gated DeltaNet / norms / router / shared expert / embedding / head:
+                                 FSDP2 shards them over dp×cp (every rank of a stage holds the same copy otherwise)
+    experts (pp, edp, ep, etp)   routed experts: split by ep (whole experts), FSDP2 shards each rank's experts over
+                                 edp = world / (pp·ep·etp)
+
+Both are row-major over the world (tp, then etp, innermost), so with tp = etp = 1 the ep ranks of a group are
+consecutive — one node for ep ≤ GPUs per node — and EP is folded over the dp×cp ranks: the ep ranks of a group are
+data-parallel ranks that hold different tokens and exchange them. The EP all-to-all runs on the expert mesh's own
+ep process group, never on one FSDP uses.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from datetime import timedelta
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from launch.expert_parallel import ExpertParallel
+from launch.recompute import apply_recompute
+
+# degrees this version runs; context, tensor and pipeline parallelism slot into parallelize() where marked
+RUNNABLE = ("dp", "ep", "edp")
+
+
+class LayoutError(ValueError):
+    """A layout that does not match the world it was started with, or that this version cannot run."""
+
+
+def check_layout(layout, world: int) -> None:
+    """One line naming every factor when the plan's layout cannot run on `world` ranks (before any group starts)."""
+    if layout.world != world:
+        raise LayoutError(f"the plan's layout needs pp·tp·cp·dp = {layout.pp}·{layout.tp}·{layout.cp}·{layout.dp} = "
+                          f"{layout.world} processes but this run has WORLD_SIZE={world}: start it with "
+                          f"--nproc-per-node {layout.world} or re-solve with --gpus {world}")
+    unsupported = [f"{k}={getattr(layout, k)}" for k in ("cp", "tp", "pp", "etp") if getattr(layout, k) != 1]
+    if unsupported:
+        raise LayoutError(f"this version runs data and expert parallelism only (dp, ep); the plan asks for "
+                          f"{', '.join(unsupported)}: re-solve with --cp 1 --tp 1 --pp 1")
+
+
+@dataclass
+class Meshes:
+    dense: "dist.DeviceMesh"  # (pp, dp, cp, tp)
+    experts: "dist.DeviceMesh"  # (pp, edp, ep, etp)
+
+    @property
+    def world(self) -> int:
+        return self.dense.size()
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's data-parallel coordinate (which micro-batches it runs)."""
+        return self.dense.get_local_rank("dp")
+
+    @property
+    def dp_size(self) -> int:
+        return self.dense.size(self.dense.mesh_dim_names.index("dp"))
+
+    @property
+    def dp_group(self) -> dist.ProcessGroup:
+        return self.dense.get_group("dp")
+
+    @property
+    def ep_group(self) -> dist.ProcessGroup:
+        return self.experts.get_group("ep")
+
+
+def init_distributed(device_type: str, timeout_s: float = 600.0) -> None:
+    """The default process group for this torchrun rank (NCCL on CUDA, gloo on CPU), with a timeout so that a rank
+    that dies does not leave the others waiting forever."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device_type == "cuda" else "gloo"
+    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+
+
+def build_meshes(layout, device_type: str) -> Meshes:
+    """The dense and expert meshes of the plan's layout over the initialized default group."""
+    backend = dist.get_backend()
+    dense = dist.init_device_mesh(device_type, (layout.pp, layout.dp, layout.cp, layout.tp),
+                                  mesh_dim_names=("pp", "dp", "cp", "tp"))
+    # the ep dimension gets a process group of its own even where it spans the world (the mesh would otherwise
+    # reuse the default group, which FSDP's collectives on the dense mesh also use)
+    experts = dist.init_device_mesh(device_type, (layout.pp, layout.edp, layout.ep, layout.etp),
+                                    mesh_dim_names=("pp", "edp", "ep", "etp"), backend_override={"ep": backend})
+    return Meshes(dense, experts)
+
+
+def parallelize(model: nn.Module, plan, meshes: Meshes | None, *, param_dtype: torch.dtype = torch.bfloat16,
+                ep_dispatch: bool | None = None) -> nn.Module:
+    """Apply the plan's layout to a model built whole on every rank (same seed, same weights), in this order:
+
+    1. tensor parallel (tp > 1: not in this version)
+    2. context parallel (cp > 1: not in this version)
+    3. expert parallel: each rank keeps its ep-th of the experts (a DTensor sharded on the ep mesh, so checkpoints
+       hold the whole tensor) and the token dispatch of launch/expert_parallel.py replaces the local one
+    4. activation recompute (plan.train.recompute): inside the FSDP unit, so the recomputed forward re-gathers its
+       parameters through FSDP's own hooks
+    5. FSDP2: routed experts of each layer over edp, each decoder layer over dp×cp, the root (embedding, final
+       norm, LM head) over dp×cp; bf16 parameters for compute, fp32 gradient reduction, gradients summed (the loss
+       is weighted by each micro-batch's share of the global batch), prefetch set explicitly
+
+    `meshes` None: one process (recompute only). `ep_dispatch` True runs the EP code path even at ep = 1 (one
+    process: the all-to-alls are local copies), for measuring it."""
+    layout = plan.layout
+    if meshes is not None:
+        check_layout(layout, meshes.world)
+    # 1-2: TP and CP slot in here.
+    # 3: expert parallel
+    ep = layout.ep
+    if ep_dispatch or ep > 1:
+        if meshes is None:
+            raise LayoutError("the expert-parallel path needs a process group (run under torchrun)")
+        _apply_expert_parallel(model, meshes, plan.train.ep_overlap_chunks)
+    # 4: activation recompute
+    apply_recompute(model, plan.train.recompute)
+    # 5: FSDP2
+    if meshes is not None and meshes.world > 1:
+        _apply_fsdp(model, meshes, param_dtype)
+    return model
+
+
+def moe_layers(model: nn.Module) -> list[nn.Module]:
+    return [m for m in model.modules() if hasattr(m, "token_dispatch")]
+
+
+def _apply_expert_parallel(model: nn.Module, meshes: Meshes, num_chunks: int) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    ep_mesh = meshes.experts["ep"]
+    ep, rank = ep_mesh.size(), ep_mesh.get_local_rank()
+    stream = None
+    if next(model.parameters()).is_cuda:
+        stream = torch.cuda.Stream()  # one communication stream for every layer's all-to-alls
+    for experts in moe_layers(model):
+        if experts.num_experts % ep:
+            raise LayoutError(f"ep={ep} does not divide the {experts.num_experts} experts")
+        per_rank = experts.num_experts // ep
+        if ep > 1:
+            for name in ("gate_up_proj", "down_proj"):
+                full = getattr(experts, name)
+                local = full.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
+                setattr(experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
+        experts.token_dispatch = ExpertParallel(meshes.ep_group, experts.num_experts, num_chunks, stream)
+
+
+def _apply_fsdp(model: nn.Module, meshes: Meshes, param_dtype: torch.dtype) -> None:
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.tensor import Shard
+
+    mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
+    dense_mesh = meshes.dense["dp"]  # dp×cp once cp > 1 (flattened)
+    edp_mesh = meshes.experts["edp"]
+    edp = edp_mesh.size()
+
+    def expert_placement(p):
+        # fewer local experts than edp ranks: shard inside each expert (dim 1) rather than pad whole experts
+        local_experts = p.to_local().shape[0] if hasattr(p, "to_local") else p.shape[0]
+        return Shard(1) if local_experts < edp else Shard(0)
+
+    layers = list(model.layers)
+    experts = [next(m for m in layer.modules() if hasattr(m, "token_dispatch")) for layer in layers]
+    for layer, ex in zip(layers, experts):
+        fully_shard(ex, mesh=edp_mesh, mp_policy=mp, shard_placement_fn=expert_placement)
+        fully_shard(layer, mesh=dense_mesh, mp_policy=mp)
+    fully_shard(model, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False)  # root: the head reads it next
+    for unit in [model, *layers, *experts]:
+        unit.set_gradient_divide_factor(1.0)  # sum, not mean: each rank's loss already carries its global share
+        unit.set_force_sum_reduction_for_comms(True)  # plain SUM on every backend (gloo has no PREMUL_SUM)
+    # explicit prefetch: the EP path syncs the host once per MoE layer (split sizes), which would otherwise delay
+    # issuing the next layer's all-gather until the GPU catches up
+    for i in range(len(layers)):
+        if i + 1 < len(layers):
+            layers[i].set_modules_to_forward_prefetch([layers[i + 1]])
+            experts[i].set_modules_to_forward_prefetch([experts[i + 1]])
+        if i > 0:
+            layers[i].set_modules_to_backward_prefetch([layers[i - 1]])
+            experts[i].set_modules_to_backward_prefetch([experts[i - 1]])
+
+
+def micro_batch_share(num_micro_batches: int, dp_rank: int, dp_size: int) -> list[int | None]:
+    """The global micro-batches data-parallel rank `dp_rank` runs: j = dp_rank, dp_rank + dp_size, …; every rank
+    runs the same number (⌈G/dp⌉, so each collective has all its ranks), a rank short of one repeats a micro-batch
+    with loss weight 0 (None here)."""
+    per_rank = math.ceil(num_micro_batches / dp_size)
+    mine = list(range(dp_rank, num_micro_batches, dp_size))
+    return mine + [None] * (per_rank - len(mine))
