@@ -213,14 +213,19 @@ def make_batch(rollouts: list[Rollout], device: torch.device | str = "cpu") -> B
     )
 
 
-def pack_rollouts(rollouts: list[Rollout], max_tokens: int) -> list[list[Rollout]]:
-    """Greedy in-order packing into micro-batches of at most `max_tokens` tokens."""
-    groups: list[list[Rollout]] = []
-    current, used = [], 0
+def pack_rollouts(rollouts: list[Rollout], max_tokens: int, num_ranks: int = 1) -> list[list[Rollout]]:
+    """Greedy in-order packing into micro-batches of at most `max_tokens` tokens. With `num_ranks` data-parallel
+    ranks the micro-batches are also cut at about 1/num_ranks of the step's tokens, so every rank gets a share
+    (the step's loss and gradient do not depend on how its rollouts are grouped: launch/train.py weights each
+    micro-batch by its share of the step)."""
     for i, r in enumerate(rollouts):
         if len(r) > max_tokens:
             raise ValueError(f"rollout {i} has {len(r)} tokens, more than micro_batch_tokens={max_tokens}")
-        if used + len(r) > max_tokens:
+    target = min(max_tokens, -(-sum(len(r) for r in rollouts) // num_ranks))
+    groups: list[list[Rollout]] = []
+    current, used = [], 0
+    for r in rollouts:
+        if current and (used >= target or used + len(r) > max_tokens):
             groups.append(current)
             current, used = [], 0
         current.append(r)

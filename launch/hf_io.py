@@ -164,12 +164,14 @@ def hf_config(shape: ModelShape) -> dict:
     return cfg
 
 
-def ours_to_hf(model: Transformer) -> dict[str, torch.Tensor]:
-    sd = {k: v.detach() for k, v in model.state_dict().items()}
+def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
+    """Our parameters (the model's own, or `state_dict`: the same names, e.g. full tensors gathered from shards) under
+    transformers' names and layout."""
+    sd = {k: v.detach() for k, v in (model.state_dict() if state_dict is None else state_dict).items()}
     if model.shape.arch == "qwen3_next":
         for name, m in model.named_modules():
             if isinstance(m, GatedDeltaNet):
-                _interleave_qwen3_next(sd, name + ".", m)
+                _interleave_qwen3_next(sd, name.replace("_checkpoint_wrapped_module.", "") + ".", m)
     out: dict[str, torch.Tensor] = {}
     for key, t in sd.items():
         if key.endswith("mlp.experts.gate_up_proj"):
@@ -190,13 +192,15 @@ def ours_to_hf(model: Transformer) -> dict[str, torch.Tensor]:
     return {k: v.contiguous().cpu() for k, v in out.items()}
 
 
-def export_hf_checkpoint(model: Transformer, out_dir: str | Path, dtype: torch.dtype | None = None) -> Path:
-    """Write `model.safetensors` + `config.json` (transformers' own layout for the arch) into `out_dir`."""
+def export_hf_checkpoint(model: Transformer, out_dir: str | Path, dtype: torch.dtype | None = None,
+                         state_dict: dict[str, torch.Tensor] | None = None) -> Path:
+    """Write `model.safetensors` + `config.json` (transformers' own layout for the arch) into `out_dir`, from the
+    model's parameters or from `state_dict` (full tensors under the model's names)."""
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    tensors = ours_to_hf(model)
+    tensors = ours_to_hf(model, state_dict)
     if dtype is not None:
         tensors = {k: v.to(dtype) for k, v in tensors.items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})

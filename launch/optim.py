@@ -63,14 +63,6 @@ class MasterAdamW:
                                       for (d, _), ps in groups.items()], lr=lr, betas=betas, eps=eps,
                                      fused=fused or None, foreach=None if fused else True)
 
-    @property
-    def exp_avg(self) -> list[torch.Tensor]:
-        return [self.opt.state[m]["exp_avg"] if m in self.opt.state else torch.zeros_like(m) for m in self.masters]
-
-    @property
-    def exp_avg_sq(self) -> list[torch.Tensor]:
-        return [self.opt.state[m]["exp_avg_sq"] if m in self.opt.state else torch.zeros_like(m) for m in self.masters]
-
     def _groups(self, group_numel: int) -> list[list[int]]:
         groups, cur, used = [], [], 0
         for i, p in enumerate(self.params):
@@ -139,6 +131,38 @@ class MasterAdamW:
         for p in self.params:
             p.grad = None
 
+    # ---- checkpoints (torch.distributed.checkpoint's Stateful protocol) --------------------------------------
     def state_dict(self) -> dict:
-        return {"num_steps": self.num_steps, "masters": dict(zip(self.names, self.masters)),
-                "exp_avg": dict(zip(self.names, self.exp_avg)), "exp_avg_sq": dict(zip(self.names, self.exp_avg_sq))}
+        """Everything the update needs, keyed by parameter name only (no optimizer groups, no layout): the fp32
+        masters, both moments and the step count. Sharded tensors stay DTensors, so a checkpoint written under one
+        layout loads under another (DCP reshards by name and global shape); the bf16 compute copy is not saved (it
+        is the masters, rounded)."""
+        self._ensure_state()
+        moments = [self.opt.state[m] for m in self.masters]
+        return {"step": torch.tensor(self.num_steps, dtype=torch.int64),
+                "master": dict(zip(self.names, self.masters)),
+                "exp_avg": {n: st["exp_avg"] for n, st in zip(self.names, moments)},
+                "exp_avg_sq": {n: st["exp_avg_sq"] for n, st in zip(self.names, moments)}}
+
+    @torch.no_grad()
+    def load_state_dict(self, state: dict) -> None:
+        """Take a state loaded in place by DCP (into the tensors `state_dict` returned): masters into the compute
+        copy, the step count into every parameter's Adam step."""
+        self.num_steps = int(state["step"])
+        for m, p in zip(self.masters, self.params):
+            self.opt.state[m]["step"].fill_(self.num_steps)
+            if m is not p:
+                p.data.copy_(m)
+
+    def _ensure_state(self) -> None:
+        """AdamW's per-parameter state as torch's AdamW creates it at its first step (zeros), so a checkpoint
+        loads into it before any step."""
+        for group in self.opt.param_groups:
+            on_device = bool(group.get("fused") or group.get("capturable"))
+            for m in group["params"]:
+                st = self.opt.state[m]
+                if not st:
+                    st["step"] = (torch.zeros((), dtype=torch.float32, device=_local(m).device) if on_device
+                                  else torch.tensor(0.0, dtype=torch.float32))
+                    st["exp_avg"] = torch.zeros_like(m, memory_format=torch.preserve_format)
+                    st["exp_avg_sq"] = torch.zeros_like(m, memory_format=torch.preserve_format)

@@ -12,17 +12,14 @@ the gradient.
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import sys
-import time
-from dataclasses import asdict, dataclass, field
-from pathlib import Path
+from dataclasses import dataclass, field
 
 import torch
 
-from launch.data import Batch, make_batch, pack_rollouts, read_rollouts, synthetic_rollouts
-from launch.model import Transformer, build_model
+from launch.data import Batch
+from launch.model import Transformer
 from launch.optim import MasterAdamW, NonFiniteError
 from launch.recompute import apply_recompute
 from launch.rl import LossConfig, fused_nll_loss, fused_policy_loss, policy_loss, token_logprobs
@@ -148,18 +145,20 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(prog="python -m launch.train", description=__doc__.split("\n\n")[0])
     p.add_argument("plan", help="plan YAML (recipe solve … -o plan.yaml)")
     p.add_argument("--data", help="rollouts (.jsonl or .parquet); default: synthetic GRPO-shaped rollouts")
-    p.add_argument("--steps", type=int, default=1)
+    p.add_argument("--steps", type=int, default=1, help="the run's total steps (a resumed run continues to it)")
     p.add_argument("--rollouts-per-step", type=int, default=0, help="0: every rollout in every step")
+    p.add_argument("--out", help="run folder: DIR/metrics.jsonl, DIR/checkpoints/step_N (default: neither)")
+    p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
+    p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only the last)")
     p.add_argument("--hf-checkpoint", help="Hugging Face safetensors directory to start from")
     p.add_argument("--export", help="write the trained weights as a Hugging Face checkpoint here")
-    p.add_argument("--metrics", help="append one JSON line of metrics per step to this file")
-    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
     p.add_argument("--dtype", choices=sorted(DTYPES), help="compute dtype (default: bf16 on GPU, fp32 on CPU)")
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--objective", choices=["rl", "sft"], default="rl")
     p.add_argument("--lr", type=float, default=TrainConfig.lr)
     p.add_argument("--weight-decay", type=float, default=TrainConfig.weight_decay)
-    p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--max-grad-norm", type=float, default=1.0, help="0: no clipping")
     p.add_argument("--temperature", type=float, default=1.0)
     p.add_argument("--clip-low", type=float, default=LossConfig.clip_low)
     p.add_argument("--clip-high", type=float, default=LossConfig.clip_high)
@@ -169,84 +168,32 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--aggregation", choices=["token_mean", "seq_mean"], default="token_mean")
     p.add_argument("--tis-cap", type=float, default=2.0, help="truncated IS cap; 0 turns the correction off")
     p.add_argument("--on-nonfinite", choices=["raise", "skip"], default="raise")
-    return p.parse_args(argv)
-
-
-def _single_process_layout(plan) -> None:
-    layout = plan.layout
-    degrees = {k: getattr(layout, k) for k in ("pp", "tp", "cp", "ep", "dp", "etp", "edp") if hasattr(layout, k)}
-    if any(v != 1 for v in degrees.values()):
-        raise ValueError("this training core runs one process; the plan's layout needs parallelize() over "
-                         + ", ".join(f"{k}={v}" for k, v in degrees.items()))
+    args = p.parse_args(argv)
+    for name in ("steps", "rollouts_per_step", "checkpoint_every", "max_grad_norm", "weight_decay"):
+        if getattr(args, name) < 0 or (name == "steps" and args.steps == 0):
+            p.error(f"--{name.replace('_', '-')} must be {'positive' if name == 'steps' else 'non-negative'}, "
+                    f"got {getattr(args, name)}")
+    if args.resume and not args.out:
+        p.error("--resume needs --out (the run folder holding the checkpoints)")
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
-    """CLI entry: user errors (plan, data, checkpoint, layout) print one line and return 2."""
+    """CLI entry: user errors (plan, layout, data, checkpoint, options) print one line and return 2."""
+    from launch import job
+
     args = _parse(argv)
     try:
-        return _run(args)
-    except (ValueError, FileNotFoundError) as e:  # PlanError, RolloutFormatError and checkpoint errors included
+        loss_cfg = LossConfig(clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef,
+                              kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef,
+                              aggregation=args.aggregation, tis_cap=args.tis_cap or None)
+        cfg = TrainConfig(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None,
+                          objective=args.objective, temperature=args.temperature, loss=loss_cfg,
+                          on_nonfinite=args.on_nonfinite)
+        return job.run(args, cfg, Trainer)
+    except (ValueError, FileNotFoundError) as e:  # PlanError, LayoutError, RolloutFormatError, CheckpointError …
         print(f"error: {e}", file=sys.stderr)
         return 2
-
-
-def _run(args: argparse.Namespace) -> int:
-    from recipe.plan import load_plan
-
-    plan = load_plan(args.plan)
-    _single_process_layout(plan)
-    shape = plan.model_shape()
-    device = torch.device(args.device)
-    dtype = DTYPES[args.dtype] if args.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
-    torch.manual_seed(args.seed)
-    model = build_model(shape, device=device, dtype=dtype, seed=args.seed)
-    if args.hf_checkpoint:
-        from launch.hf_io import load_hf_checkpoint
-
-        load_hf_checkpoint(model, args.hf_checkpoint)
-    loss_cfg = LossConfig(clip_low=args.clip_low, clip_high=args.clip_high, kl_coef=args.kl_coef,
-                          kl_estimator=args.kl_estimator, entropy_coef=args.entropy_coef,
-                          aggregation=args.aggregation, tis_cap=args.tis_cap or None)
-    cfg = TrainConfig(lr=args.lr, weight_decay=args.weight_decay, max_grad_norm=args.max_grad_norm or None,
-                      objective=args.objective, temperature=args.temperature, loss=loss_cfg,
-                      on_nonfinite=args.on_nonfinite)
-    trainer = Trainer(model, cfg, recompute=plan.train.recompute, lm_head=plan.train.lm_head)
-    if args.data:
-        rollouts = read_rollouts(args.data, vocab_size=shape.vocab_size)
-    else:
-        rollouts = synthetic_rollouts(8, 4, shape.vocab_size, seed=args.seed)
-    per_step = args.rollouts_per_step or len(rollouts)
-    metrics_file = open(args.metrics, "a") if args.metrics else None
-    try:
-        for step in range(args.steps):
-            start = (step * per_step) % len(rollouts)
-            chosen = (rollouts + rollouts)[start:start + per_step]
-            batches = [make_batch(g, device) for g in pack_rollouts(chosen, plan.train.micro_batch_tokens)]
-            t0 = time.perf_counter()
-            try:
-                metrics = trainer.step(batches)
-            except NonFiniteError as e:
-                print(f"error: {e}", file=sys.stderr)
-                return 2
-            metrics["step_time_s"] = time.perf_counter() - t0
-            print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()),
-                  flush=True)
-            if metrics_file:
-                metrics_file.write(json.dumps(metrics) + "\n")
-                metrics_file.flush()
-    finally:
-        if metrics_file:
-            metrics_file.close()
-    if args.export:
-        from launch.hf_io import export_hf_checkpoint
-
-        export_hf_checkpoint(model, args.export)
-        print(f"exported {Path(args.export)}")
-    return 0
-
-
-def config_dict(cfg: TrainConfig) -> dict:
-    return asdict(cfg)
 
 
 if __name__ == "__main__":

@@ -19,7 +19,7 @@ from .solver import InfeasibleError
 PROFILES = ("h100", "mi300x", "mi355x")
 SEQ_LENS = (32 * 1024, 128 * 1024)
 SKIP = ("tiny-moe",)  # only as tiny-cpu
-TINY = ("tiny-cpu.yaml", Inputs(model="tiny-moe", seq_len=4096, hw="cpu", gpus=1))  # runs on one process
+TINY = ("tiny-cpu.yaml", Inputs(model="tiny-moe", seq_len=4096, hw="cpu", gpus=2, pins={"ep": 2}))  # 2 processes, dp=2 ep=2
 
 
 def targets() -> list[tuple[str, Inputs]]:

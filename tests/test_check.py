@@ -81,7 +81,8 @@ def test_generated_plans_check_clean(tmp_path):
                 for s in ("32k", "128k")} | {"tiny-cpu.yaml"}
     assert {p.name for p in written} | {n.split()[1].rstrip(":") for n in skipped} == expected
     tiny_plan = load_plan(tmp_path / "tiny-cpu.yaml")
-    assert (tiny_plan.inputs.hw, tiny_plan.layout.world, tiny_plan.inputs.seq_len) == ("cpu", 1, 4096)
+    assert (tiny_plan.inputs.hw, tiny_plan.layout.world, tiny_plan.inputs.seq_len) == ("cpu", 2, 4096)
+    assert (tiny_plan.layout.dp, tiny_plan.layout.ep, tiny_plan.inputs.pins) == (2, 2, {"ep": 2})
     results = check_paths([tmp_path])
     assert exit_code(results) == 0, [p for r in results for p in r.problems][:3]
     assert all(r.peak_gb <= r.usable_gb for r in results)

@@ -101,8 +101,8 @@ def test_dry_run_one_node_cpu_plan(tmp_path, no_launch):
                "--objective", "sft", "--max-grad-norm", "0")
     assert r.exit_code == 0, r.output
     assert r.stdout == (
-        "OMP_NUM_THREADS=8\n"  # 8 cores, one process
-        f"{PY} -m torch.distributed.run --standalone --nproc-per-node 1 --max-restarts 0 -m launch.train "
+        "OMP_NUM_THREADS=4\n"  # 8 cores, two processes
+        f"{PY} -m torch.distributed.run --standalone --nproc-per-node 2 --max-restarts 0 -m launch.train "
         f"{CPU_PLAN} --out {out} --steps 5 --seed 3 --device cpu --lr 0.003 --objective sft --max-grad-norm 0.0\n")
     assert not out.exists()  # a dry run writes nothing
 
@@ -115,11 +115,11 @@ def test_torchrun_argv_one_node_cpu_plan_exact():
                            export="hf", kl_estimator="k1", aggregation="seq_mean", tis_cap=0.0,
                            rollouts_per_step=4, max_restarts=2)
     assert L.build_torchrun_argv("p.yaml", plan, opts) == [
-        PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--max-restarts", "2",
+        PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
         "-m", "launch.train", "p.yaml", "--out", "runs/x", "--steps", "10", "--data", "r.jsonl", "--dtype", "fp32",
         "--device", "cpu", "--resume", "--checkpoint-every", "5", "--export", "hf", "--kl-estimator", "k1",
         "--aggregation", "seq_mean", "--tis-cap", "0.0", "--rollouts-per-step", "4"]
-    assert L.launch_env(plan, plan.hw_profile(), cpu_count=8) == {"OMP_NUM_THREADS": "8"}
+    assert L.launch_env(plan, plan.hw_profile(), cpu_count=8) == {"OMP_NUM_THREADS": "4"}
 
 
 def test_dry_run_two_process_cpu_plan_splits_the_cores(tmp_path, no_launch):
@@ -456,9 +456,9 @@ def test_launch_runs_torchrun_with_the_merged_environment(tmp_path, monkeypatch)
     r = launch(str(CPU_PLAN), "--out", str(out), "--steps", "2")
     assert r.exit_code == 0, r.output
     (argv, env, new_session), = FakePopen.calls
-    assert argv == [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "1", "--max-restarts",
+    assert argv == [PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts",
                     "0", "-m", "launch.train", str(CPU_PLAN), "--out", str(out), "--steps", "2", "--device", "cpu"]
-    assert env["OMP_NUM_THREADS"] == "8" and env["RECIPE_TEST_MARK"] == "1" and new_session
+    assert env["OMP_NUM_THREADS"] == "4" and env["RECIPE_TEST_MARK"] == "1" and new_session
     assert r.stderr.startswith("+ ") and "launch.train" in r.stderr  # the command, echoed once
 
 
@@ -755,7 +755,7 @@ def test_progress_live_view_tensorboard_and_for_plan(tmp_path, monkeypatch):
     assert ("train/loss", 3.25, 1) in scalars and scalars[-1] == "closed"
     flops, peak = P.plan_rates(plan)
     assert flops > 0 and peak == plan.hw_profile().peak_bf16_tflops
-    assert p.rows[0]["tflops_per_gpu"] == pytest.approx(4096 / 0.5 * flops / 1e12)
+    assert p.rows[0]["tflops_per_gpu"] == pytest.approx(4096 / 0.5 / plan.layout.world * flops / 1e12)  # per GPU
 
 
 def test_progress_survives_a_closed_pipe(tmp_path):

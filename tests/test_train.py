@@ -158,12 +158,18 @@ def test_cli_runs_a_plan(tmp_path, capsys):
     data = tmp_path / "rollouts.jsonl"
     write_jsonl(synthetic_rollouts(2, 2, TINY.vocab_size, seed=0), data)
     rc = main([str(plan_path), "--data", str(data), "--steps", "2", "--lr", "1e-3", "--device", "cpu",
-               "--metrics", str(tmp_path / "m.jsonl"), "--export", str(tmp_path / "hf")])
+               "--out", str(tmp_path / "run"), "--export", str(tmp_path / "hf")])
     assert rc == 0
-    lines = [json.loads(x) for x in (tmp_path / "m.jsonl").read_text().splitlines()]
+    lines = [json.loads(x) for x in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     assert [x["step"] for x in lines] == [1, 2]
+    assert all(k in lines[0] for k in ("loss", "tokens", "step_time_s", "peak_mem_gb", "grad_norm"))
+    assert (tmp_path / "run" / "checkpoints" / "step_2" / "COMPLETE").exists()  # the last step is always saved
     assert (tmp_path / "hf" / "model.safetensors").exists()
-    assert "grad_norm=" in capsys.readouterr().out
+    assert "step 2/2" in capsys.readouterr().out
+    # the same folder again without --resume: refused, nothing touched
+    assert main([str(plan_path), "--data", str(data), "--steps", "3", "--device", "cpu",
+                 "--out", str(tmp_path / "run")]) == 2
+    assert "holds another run's checkpoints" in capsys.readouterr().err
     assert main([str(plan_path), "--data", str(tmp_path / "missing.jsonl"), "--device", "cpu"]) == 2
     assert "error: cannot read rollouts" in capsys.readouterr().err
 

@@ -1,0 +1,198 @@
+"""One training job on every rank: what `python -m launch.train PLAN …` runs, alone or under torchrun.
+
+    layout check (WORLD_SIZE against the plan, before any process group) → process group and meshes → model,
+    parallelize → resume from DIR/checkpoints (DCP, any earlier layout) → steps → checkpoints every N steps →
+    Hugging Face export
+
+The global batch of a step is a property of the run, not of the layout: every rank reads the same rollouts, packs the
+step's rollouts into the same micro-batches, and runs its data-parallel share of them (launch/parallel.py), so with
+the same seed and data each step sees the same tokens under any layout and GPU count.
+
+A SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) stops the job after the current step on every rank (the flag
+is agreed by an all-reduce, so no rank waits in a collective the others left), writes a checkpoint when there is an
+output folder, and exits 143 / 130 with one line naming the checkpoint.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import signal
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+from launch.data import make_batch, pack_rollouts, read_rollouts, synthetic_rollouts
+from launch.model import build_model
+from launch.optim import NonFiniteError
+from launch.parallel import build_meshes, check_layout, init_distributed, parallelize
+
+
+class Stop:
+    """The first SIGTERM/SIGINT asks the loop to stop after the current step; the exit status names the signal."""
+
+    def __init__(self):
+        self.signum = 0
+        for s in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(s, self._handle)
+
+    def _handle(self, signum, frame) -> None:
+        self.signum = self.signum or signum
+
+    def agreed(self, device: torch.device) -> int:
+        """The signal any rank received (0: none), the same on every rank."""
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return self.signum
+        flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        return int(flag)
+
+
+def _peak_mem_gb(device: torch.device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device) / 1e9
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # resident set (Linux: KiB)
+
+
+def run(args, cfg, trainer_cls) -> int:
+    from launch.checkpoint import TrainState, latest, load, save
+    from recipe.plan import load_plan
+
+    plan = load_plan(args.plan)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    check_layout(plan.layout, world)  # one line, before any process group starts
+    shape = plan.model_shape(Path(args.plan).resolve().parent)
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError("--device cuda: no CUDA device is visible to this process")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype] if args.dtype else (
+        torch.bfloat16 if device.type == "cuda" else torch.float32)
+    rollouts = (read_rollouts(args.data, vocab_size=shape.vocab_size) if args.data
+                else synthetic_rollouts(8, 4, shape.vocab_size, seed=args.seed))
+    per_step = args.rollouts_per_step or len(rollouts)
+    if per_step > len(rollouts):
+        raise ValueError(f"--rollouts-per-step {per_step} but the data holds {len(rollouts)} rollouts")
+    stop = Stop()
+
+    meshes = None
+    if world > 1:
+        init_distributed(device.type)
+        meshes = build_meshes(plan.layout, device.type)
+    torch.manual_seed(args.seed)
+    # one process keeps bf16 parameters with fp32 masters beside them; under FSDP2 the fp32 shards are the masters
+    # and bf16 exists only while a layer is gathered
+    model = build_model(shape, device=device, dtype=dtype if meshes is None else torch.float32, seed=args.seed)
+    if args.hf_checkpoint:
+        from launch.hf_io import load_hf_checkpoint
+
+        load_hf_checkpoint(model, args.hf_checkpoint)
+    model = parallelize(model, plan, meshes, param_dtype=dtype)
+    trainer = trainer_cls(model, cfg, recompute=plan.train.recompute, lm_head=plan.train.lm_head,
+                          dp_rank=meshes.dp_rank if meshes else 0, dp_size=meshes.dp_size if meshes else 1,
+                          dp_group=meshes.dp_group if meshes else None)
+
+    train_state = TrainState()
+    out = Path(args.out) if args.out else None
+    resume = bool(out) and (args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+    found = latest(out) if out is not None else None
+    if args.resume and not found:
+        raise ValueError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
+    if found and not resume:
+        raise ValueError(f"{out} holds another run's checkpoints (last: step {found[0]}): pass --resume to continue "
+                         f"it, or choose another --out")
+    if args.export and Path(args.export).exists():
+        raise ValueError(f"--export {args.export} exists; choose a new folder")
+    if found:
+        load(found[1], {"optim": trainer.optimizer, "train": train_state})
+        trainer.step_num = train_state.step
+    progress = None
+    if rank == 0 and out is not None:
+        from launch.progress import Progress
+
+        progress = Progress.for_plan(out, plan, args.steps, base_dir=Path(args.plan).resolve().parent,
+                                     resume_step=train_state.step if found else None)
+        if found:
+            progress.log(f"resumed from {found[1]} (step {train_state.step}, saved at world size "
+                         f"{_saved_world(found[1])})")
+
+    def log(msg: str) -> None:
+        if rank == 0:
+            (progress.log if progress else print)(msg)
+
+    last_saved = train_state.step
+    step = train_state.step
+    try:
+        while step < args.steps:
+            step += 1
+            start = ((step - 1) * per_step) % len(rollouts)
+            chosen = (rollouts + rollouts)[start:start + per_step]
+            groups = pack_rollouts(chosen, plan.train.micro_batch_tokens, trainer.dp_size)
+            batches = [make_batch(g, device) for g in groups]
+            t0 = time.perf_counter()
+            try:
+                metrics = trainer.step(batches)
+            except NonFiniteError as e:
+                log(f"error: {e}")
+                return 2
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            metrics.update(step_time_s=time.perf_counter() - t0, tokens=sum(b.num_tokens for b in batches),
+                           peak_mem_gb=_peak_mem_gb(device))
+            if progress:
+                progress.update(metrics)
+            elif rank == 0:
+                print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()),
+                      flush=True)
+            signum = stop.agreed(device)
+            due = args.checkpoint_every and step % args.checkpoint_every == 0
+            if out is not None and (due or signum or step == args.steps):
+                t_save = time.perf_counter()
+                train_state.step, train_state.data = step, {"rollout_position": (step * per_step) % len(rollouts)}
+                path = save(out, step, {"optim": trainer.optimizer, "train": train_state})
+                last_saved = step
+                log(f"checkpoint {path} ({time.perf_counter() - t_save:.2f} s)")
+            if signum:
+                where = f"checkpoint at {out / 'checkpoints' / f'step_{last_saved}'}" if out else "no --out: not saved"
+                print(f"stopped by {signal.Signals(signum).name} after step {step}; {where}", file=sys.stderr)
+                return 128 + signum
+        if progress:
+            progress.close()
+            from launch.progress import summary
+
+            print(summary(progress.measured(), plan.prediction))
+        if args.export:
+            _export(model, args.export, rank, dtype)
+            log(f"exported {args.export}")
+    finally:
+        if progress:
+            progress.close()
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return 0
+
+
+def _saved_world(path: Path) -> str:
+    from launch.checkpoint_index import read_marker
+
+    return str(read_marker(path).get("world_size", "?"))
+
+
+def _export(model, out_dir: str, rank: int, dtype: torch.dtype) -> None:
+    """Hugging Face safetensors of the whole model, gathered to rank 0's host memory one parameter at a time (so a
+    model whose fp32 weights fit in one host's memory: ~35B parameters on a 256 GB node)."""
+    from launch.hf_io import export_hf_checkpoint
+
+    state = None
+    if dist.is_initialized():
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    if rank == 0:
+        export_hf_checkpoint(model, out_dir, state_dict=state, dtype=dtype)
