@@ -109,8 +109,11 @@ def run(args, cfg, trainer_cls) -> int:
                          f"it, or choose another --out")
     if args.export and Path(args.export).exists():
         raise ValueError(f"--export {args.export} exists; choose a new folder")
+    load_s = 0.0
     if found:
+        t_load = time.perf_counter()
         load(found[1], {"optim": trainer.optimizer, "train": train_state})
+        load_s = time.perf_counter() - t_load
         trainer.step_num = train_state.step
     progress = None
     if rank == 0 and out is not None:
@@ -120,7 +123,7 @@ def run(args, cfg, trainer_cls) -> int:
                                      resume_step=train_state.step if found else None)
         if found:
             progress.log(f"resumed from {found[1]} (step {train_state.step}, saved at world size "
-                         f"{_saved_world(found[1])})")
+                         f"{_saved_world(found[1])}; loaded in {load_s:.2f} s)")
 
     def log(msg: str) -> None:
         if rank == 0:
@@ -160,7 +163,8 @@ def run(args, cfg, trainer_cls) -> int:
                 log(f"checkpoint {path} ({time.perf_counter() - t_save:.2f} s)")
             if signum:
                 where = f"checkpoint at {out / 'checkpoints' / f'step_{last_saved}'}" if out else "no --out: not saved"
-                print(f"stopped by {signal.Signals(signum).name} after step {step}; {where}", file=sys.stderr)
+                if rank == 0:
+                    print(f"stopped by {signal.Signals(signum).name} after step {step}; {where}", file=sys.stderr)
                 return 128 + signum
         if progress:
             progress.close()

@@ -18,6 +18,7 @@ import shlex
 import signal
 import subprocess
 import sys
+import threading
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -567,13 +568,17 @@ EXIT_INTERRUPTED = 130
 
 
 def run(argv: list[str], env: dict[str, str]) -> int:
-    """Run the command with `env` merged over this process's environment; its output streams through (it inherits
-    stdout and stderr). Returns its exit status (128 + N when a signal N ended it).
+    """Run the command with `env` merged over this process's environment; its stdout streams through (inherited, so
+    the workers see the terminal), its stderr through a filter. Returns its exit status (128 + N when a signal N
+    ended it).
 
     The command runs in its own session, so a Ctrl-C reaches only this process, which forwards it to torchrun once
-    (torchrun stops its workers) and returns 130 once the command has exited; SIGTERM is forwarded likewise (143)."""
+    (torchrun stops its workers, which checkpoint and say where) and returns 130 once the command has exited;
+    SIGTERM is forwarded likewise (143). torchrun answers the signal it was sent with a Python traceback of its own;
+    once a signal has been forwarded, tracebacks are dropped from the stream (the workers' one-line messages pass)."""
     try:
-        proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True)
+        proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE,
+                                text=True, errors="replace")
     except OSError as e:
         raise LaunchError(f"cannot start {argv[0]}: {e.strerror or e}") from None
     received: list[int] = []
@@ -587,13 +592,30 @@ def run(argv: list[str], env: dict[str, str]) -> int:
             except ProcessLookupError:
                 pass
 
+    def relay() -> None:
+        in_traceback = False
+        for line in proc.stderr:
+            if received and line.startswith("Traceback (most recent call last)"):
+                in_traceback = True
+                continue
+            if in_traceback:
+                in_traceback = line[:1].isspace()  # a traceback ends with its unindented exception line
+                continue
+            try:
+                sys.stderr.write(line)
+                sys.stderr.flush()
+            except (BrokenPipeError, ValueError):
+                pass
+
+    relay_thread = threading.Thread(target=relay, daemon=True)
+    relay_thread.start()
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         code = proc.wait()
     finally:
         for s, handler in previous.items():
             signal.signal(s, handler)
+    relay_thread.join(timeout=5)
     if received:
         return 128 + received[0]
     return 128 - code if code < 0 else code
-

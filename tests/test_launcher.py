@@ -438,8 +438,9 @@ class FakePopen:
     calls: list = []
     code = 0
 
-    def __init__(self, argv, env=None, start_new_session=False):
+    def __init__(self, argv, env=None, start_new_session=False, **kw):
         FakePopen.calls.append((argv, env, start_new_session))
+        self.stderr = iter(())
 
     def wait(self):
         return FakePopen.code

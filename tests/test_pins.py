@@ -20,7 +20,8 @@ from recipe.plan import Inputs, build_plan, dumps, load_plan, parse_plan
 from recipe.solver import InfeasibleError, pin_violations, solve, solve_min_gpus
 
 runner = CliRunner()
-TINY_PLAN = Path(__file__).resolve().parents[1] / "plans" / "tiny-cpu.yaml"
+PLANS = Path(__file__).resolve().parents[1] / "plans"
+TINY_PLAN = PLANS / "tiny-cpu.yaml"
 TINY = ["--model", "tiny-moe", "--seq", "4k", "--hw", "cpu"]  # 4 layers, 4/2 heads, 8 experts, vocab 512
 
 
@@ -201,13 +202,15 @@ def test_pins_round_trip_through_the_plan(tmp_path):
 
 def test_plans_without_pins_are_unchanged():
     """Schema 1 stays compatible: no `pins` key in an unpinned plan, and committed plans load with pins None."""
-    plan = load_plan(TINY_PLAN)
+    unpinned = PLANS / "mixtral-8x7b_h100_32k.yaml"
+    plan = load_plan(unpinned)
     assert plan.inputs.pins is None and "pins" not in plan.to_dict()["inputs"]
-    inputs = Inputs(model="tiny-moe", seq_len=4096, hw="cpu", gpus=1)
+    inputs = Inputs(model="mixtral-8x7b", seq_len=32768, hw="h100")
     m, hw, sol = solve_inputs(inputs)
-    assert dumps(build_plan(inputs, m, hw, sol)) == TINY_PLAN.read_text()
+    assert dumps(build_plan(inputs, m, hw, sol)) == unpinned.read_text()
+    assert load_plan(TINY_PLAN).inputs.pins == {"ep": 2}  # the committed tiny plan pins ep (the EP path on CPU)
     for empty in (None, {}):
-        data = yaml.safe_load(TINY_PLAN.read_text())
+        data = yaml.safe_load(unpinned.read_text())
         data["inputs"]["pins"] = empty
         assert parse_plan(yaml.safe_dump(data)).inputs.pins in (None, {})
 
