@@ -1,8 +1,8 @@
 """Atomic distributed checkpoints with torch.distributed.checkpoint (DCP).
 
-    save(out_dir, step, {"app": ModelState(model, opt), "train": TrainState(step, {"position": p})})
+    save(out_dir, step, {"optim": optimizer, "train": TrainState(step, {"position": p})})
     found = latest(out_dir)                      # (step, path) of the last complete checkpoint, or None
-    load(found[1], {"app": ModelState(model, opt), "train": train_state})
+    load(found[1], {"optim": optimizer, "train": train_state})
 
 Every rank writes only its own shards (a DTensor / FSDP2 parameter saves its local piece), so a checkpoint saved at
 one world size loads at another, including one process without a process group: DCP reshards on load.
@@ -14,9 +14,10 @@ only the `.tmp` folder, which `latest` never returns and the next save removes; 
 checkpoint. The last good checkpoint is never written to. Every rank returns from `save` only after the commit.
 On several nodes `DIR` must be one shared filesystem (every rank writes into the same folder).
 
-What is saved is what the caller passes: `ModelState` (model and optimizer through DCP's get/set_state_dict, so
-FSDP2-sharded state is saved shard by shard and loads into an unsharded model), `TrainState` (the step, a small
-JSON-able record such as the data position, and each rank's RNG streams), or any dict of tensors.
+What is saved is what the caller passes: any Stateful — the trainer's optimizer, `launch.optim.MasterAdamW`, whose
+state (fp32 masters, moments, step) is keyed by parameter name only, so FSDP2-sharded state is saved shard by shard
+and loads into any sharding or none — `TrainState` (the step, a small JSON-able record such as the data position, and
+each rank's RNG streams), or any dict of tensors.
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ from torch.distributed.checkpoint.stateful import Stateful
 from launch.checkpoint_index import (MARKER, checkpoints_dir, complete_steps, is_complete, latest, read_marker,
                                      step_dir, tmp_dir)
 
-__all__ = ["CheckpointError", "ModelState", "TrainState", "latest", "load", "save"]
+__all__ = ["CheckpointError", "TrainState", "latest", "load", "save"]
 
 
 class CheckpointError(ValueError):
@@ -46,31 +47,6 @@ class CheckpointError(ValueError):
 
 
 # ---- state -------------------------------------------------------------------------------------------------------
-class ModelState(Stateful):
-    """A model and (optionally) its torch optimizer as one Stateful, through DCP's get_state_dict/set_state_dict:
-    sharded (FSDP2, DTensor) state is saved shard by shard and loads into any sharding, or none."""
-
-    def __init__(self, model: torch.nn.Module, optimizer: torch.optim.Optimizer | None = None):
-        self.model, self.optimizer = model, optimizer
-
-    def state_dict(self) -> dict:
-        from torch.distributed.checkpoint.state_dict import get_model_state_dict, get_state_dict
-
-        if self.optimizer is None:
-            return {"model": get_model_state_dict(self.model)}
-        model_sd, optim_sd = get_state_dict(self.model, self.optimizer)
-        return {"model": model_sd, "optim": optim_sd}
-
-    def load_state_dict(self, state_dict: dict) -> None:
-        from torch.distributed.checkpoint.state_dict import set_model_state_dict, set_state_dict
-
-        if self.optimizer is None:
-            set_model_state_dict(self.model, state_dict["model"])
-        else:
-            set_state_dict(self.model, self.optimizer, model_state_dict=state_dict["model"],
-                           optim_state_dict=state_dict["optim"])
-
-
 class TrainState(Stateful):
     """The trainer's own state: `step`, a small JSON-able `data` record (data position, epoch, anything small) and
     this rank's RNG streams (python `random`, torch CPU, and the current CUDA device's when CUDA is available).

@@ -502,10 +502,11 @@ def test_import_path_stays_torch_free():
 def _tiny_model_and_optim(seed: int = 0):
     import torch
 
+    from launch.optim import MasterAdamW
+
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(6, 8), torch.nn.ReLU(), torch.nn.Linear(8, 3))
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
-    return model, opt
+    return model, MasterAdamW(model.named_parameters(), lr=1e-2)  # the trainer's optimizer, a DCP Stateful
 
 
 def _train_a_step(model, opt, seed: int = 1):
@@ -518,9 +519,10 @@ def _train_a_step(model, opt, seed: int = 1):
 
 
 def _optim_state(model, opt) -> dict:
-    from torch.distributed.checkpoint.state_dict import get_state_dict
-
-    return get_state_dict(model, opt)[1]["state"]
+    """Full tensors by parameter name: master, exp_avg, exp_avg_sq."""
+    sd = opt.state_dict()
+    full = lambda t: t.full_tensor() if hasattr(t, "full_tensor") else t  # noqa: E731
+    return {n: {k: full(sd[k][n]) for k in ("master", "exp_avg", "exp_avg_sq")} for n in sd["master"]}
 
 
 def test_checkpoint_round_trip_at_world_1(tmp_path):
@@ -528,13 +530,13 @@ def test_checkpoint_round_trip_at_world_1(tmp_path):
 
     import torch
 
-    from launch.checkpoint import ModelState, TrainState, load, save
+    from launch.checkpoint import TrainState, load, save
 
     model, opt = _tiny_model_and_optim()
     _train_a_step(model, opt)
     random.seed(5)
     torch.manual_seed(5)
-    path = save(tmp_path, 7, {"app": ModelState(model, opt), "train": TrainState(7, {"position": 123})})
+    path = save(tmp_path, 7, {"optim": opt, "train": TrainState(7, {"position": 123})})
     assert path == tmp_path / "checkpoints" / "step_7" and latest(tmp_path) == (7, path)
     assert json.loads((path / "COMPLETE").read_text())["step"] == 7
     expect_py, expect_torch = random.random(), torch.rand(3)
@@ -543,7 +545,7 @@ def test_checkpoint_round_trip_at_world_1(tmp_path):
     train = TrainState()
     random.seed(0)
     torch.manual_seed(0)
-    record = load(path, {"app": ModelState(fresh, fresh_opt), "train": train})
+    record = load(path, {"optim": fresh_opt, "train": train})
     assert record["step"] == 7 and record["world_size"] == 1
     for (n, a), (_, b) in zip(model.state_dict().items(), fresh.state_dict().items()):
         assert torch.equal(a, b), n
@@ -568,7 +570,7 @@ def test_a_crash_mid_save_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch
     from launch import checkpoint as ck
 
     model, opt = _tiny_model_and_optim()
-    first = ck.save(tmp_path, 1, {"app": ck.ModelState(model, opt)})
+    first = ck.save(tmp_path, 1, {"optim": opt})
     before = snapshot(first)
     _train_a_step(model, opt)
 
@@ -577,7 +579,7 @@ def test_a_crash_mid_save_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch
 
     monkeypatch.setattr(FileSystemWriter, "finish", crash)  # the shards are written, the metadata never is
     with pytest.raises(ck.CheckpointError) as e:
-        ck.save(tmp_path, 2, {"app": ck.ModelState(model, opt)})
+        ck.save(tmp_path, 2, {"optim": opt})
     assert "step_2" in str(e.value) and "No space left" in str(e.value) and "\n" not in str(e.value)
     monkeypatch.undo()
     assert (tmp_path / "checkpoints" / ".step_2.tmp").is_dir()  # the partial save, never returned by latest
@@ -585,15 +587,15 @@ def test_a_crash_mid_save_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch
 
     monkeypatch.setattr(ck, "_write_synced", crash)  # a crash in the commit itself, before the rename
     with pytest.raises(ck.CheckpointError, match="cannot commit"):
-        ck.save(tmp_path, 2, {"app": ck.ModelState(model, opt)})
+        ck.save(tmp_path, 2, {"optim": opt})
     monkeypatch.undo()
     assert latest(tmp_path) == (1, first) and snapshot(first) == before
 
-    third = ck.save(tmp_path, 3, {"app": ck.ModelState(model, opt)})  # cleans the partial saves
+    third = ck.save(tmp_path, 3, {"optim": opt})  # cleans the partial saves
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_1", "step_3"]
     assert latest(tmp_path) == (3, third)
     fresh, fresh_opt = _tiny_model_and_optim(seed=9)
-    ck.load(first, {"app": ck.ModelState(fresh, fresh_opt)})  # the first is still loadable
+    ck.load(first, {"optim": fresh_opt})  # the first is still loadable
 
 
 def test_checkpoint_replace_keep_last_and_load_errors(tmp_path):
@@ -623,10 +625,9 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
 
     import torch
     import torch.distributed as dist
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
     from torch.distributed.fsdp import fully_shard
 
-    from launch.checkpoint import ModelState, TrainState, save
+    from launch.checkpoint import TrainState, save
 
     torch.set_num_threads(1)
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=2,
@@ -637,11 +638,13 @@ def _fsdp_worker(rank: int, port: int, out: str) -> None:
             if isinstance(layer, torch.nn.Linear):
                 fully_shard(layer)
         fully_shard(model)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        from launch.optim import MasterAdamW
+
+        opt = MasterAdamW(model.named_parameters(), lr=1e-2)
         _train_a_step(model, opt, seed=1 + rank)  # each rank its own data: the shards hold the averaged step
         assert type(model[0].weight).__name__ == "DTensor"
-        save(out, 4, {"app": ModelState(model, opt), "train": TrainState(4, {"position": 8})})
-        full = get_state_dict(model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        save(out, 4, {"optim": opt, "train": TrainState(4, {"position": 8})})
+        full = ({k: v.full_tensor() for k, v in model.state_dict().items()}, _optim_state(model, opt))
         if rank == 0:
             torch.save(full, os.path.join(out, "reference.pt"))
         dist.barrier()
@@ -655,7 +658,7 @@ def test_fsdp2_checkpoint_of_world_2_loads_into_one_unsharded_process(tmp_path):
     import torch
     import torch.multiprocessing as mp
 
-    from launch.checkpoint import ModelState, TrainState, load
+    from launch.checkpoint import TrainState, load
 
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -666,12 +669,12 @@ def test_fsdp2_checkpoint_of_world_2_loads_into_one_unsharded_process(tmp_path):
 
     model, opt = _tiny_model_and_optim(seed=123)
     train = TrainState()
-    load(path, {"app": ModelState(model, opt), "train": train})
+    load(path, {"optim": opt, "train": train})
     ref_model, ref_optim = torch.load(tmp_path / "reference.pt", weights_only=False)
     for k, v in model.state_dict().items():
         assert torch.equal(v, ref_model[k]), k
     mine = _optim_state(model, opt)
-    for k, states in ref_optim["state"].items():
+    for k, states in ref_optim.items():
         for kk, v in states.items():
             assert torch.equal(mine[k][kk], v), (k, kk)
     assert (train.step, train.data, train.rng_restored) == (4, {"position": 8}, True)  # rank 0's streams
