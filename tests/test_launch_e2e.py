@@ -89,12 +89,28 @@ def test_redeploy_from_two_processes_to_one(tmp_path, reference, plan1):
     close(losses(out), reference, [3, 4], OTHER)
 
 
-def test_redeploy_from_one_process_to_two(tmp_path, reference, plan1):
+def test_redeploy_from_one_process_to_two_and_export(tmp_path, reference, plan1):
+    import torch
+
+    from launch.checkpoint import load
+    from launch.hf_io import load_hf_checkpoint
+    from launch.model import build_model
+    from launch.optim import MasterAdamW
+    from recipe.models import PRESETS
+
     out = tmp_path / "run"
     torchrun(1, plan1, out, "--steps", "2")
     close(losses(out), reference, [1, 2], OTHER)  # the same data under another layout
-    torchrun(2, PLAN2, out, "--steps", "4", "--resume")
+    torchrun(2, PLAN2, out, "--steps", "4", "--resume", "--export", str(tmp_path / "hf"))
     close(losses(out), reference, [3, 4], OTHER)
+    # the export (gathered from FSDP2 and EP shards on rank 0) holds the final masters of the checkpoint
+    exported = build_model(PRESETS["tiny-moe"], seed=7)
+    load_hf_checkpoint(exported, tmp_path / "hf")
+    saved = build_model(PRESETS["tiny-moe"], seed=8)
+    opt = MasterAdamW(saved.named_parameters(), lr=1.0)
+    load(out / "checkpoints" / "step_4", {"optim": opt})
+    for (name, a), b in zip(exported.named_parameters(), saved.parameters()):
+        assert torch.equal(a, b), name
 
 
 def _workers(parent: int) -> list[int]:
