@@ -16,31 +16,15 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-
-
-def _sync(device):
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-
-
-def _median_time(fn, device, reps: int) -> float:
-    times = []
-    for _ in range(reps):
-        _sync(device)
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+from bench_train_step import _sync, _time  # noqa: E402
 
 
 def _category(name: str) -> str:
@@ -174,7 +158,7 @@ def main() -> None:
         trainer.step(batch)  # warm-up
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
-        t = _median_time(lambda: trainer.step(batch), device, args.steps)
+        t = _time(lambda: trainer.step(batch), device, args.steps)
         row = {"variant": name, "tokens": args.seq, "step_s": t}
         if device.type == "cuda":
             row["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
