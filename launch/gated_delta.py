@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -36,20 +37,37 @@ def _expand_gva(x_TGK: torch.Tensor, num_v_heads: int) -> torch.Tensor:
     return x_TGK if r == 1 else x_TGK.repeat_interleave(r, dim=1)
 
 
-def chunk_gated_delta_rule_torch(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
-                                 beta_TH: torch.Tensor, positions_T: torch.Tensor, chunk_size: int = 64
-                                 ) -> torch.Tensor:
-    """Chunked gated delta rule in fp32 with document boundaries taken from `positions_T` (a 0 starts a document).
+@dataclass
+class DeltaRuleChunks:
+    """The per-chunk factors of the chunked rule, [H, N, C, ...]: everything but the carried state. A chunk's
+    output and outgoing state are affine in its incoming state S (docs/training.md):
 
-    `g_TH` is the log decay (≤ 0), `beta_TH` the write strength in (0, 1). Returns o [T, H, V] in v's dtype.
+        v_new = u − w S,    o = q_read S + attn v_new,    S_next = gain · S + k_writeᵀ v_new
     """
+
+    u: torch.Tensor  # [H, N, C, V]  (I + A)^{-1} diag(β) V
+    w: torch.Tensor  # [H, N, C, K]  (I + A)^{-1} diag(β e^c) K on carry-in tokens
+    attn: torch.Tensor  # [H, N, C, C]  (Q Kᵀ ⊙ Γ) over same-document causal pairs
+    q_read: torch.Tensor  # [H, N, C, K]  Q e^c on carry-in tokens
+    k_write: torch.Tensor  # [H, N, C, K]  K e^{c_C − c} on the chunk's last document
+    gain: torch.Tensor  # [H, N]  e^{c_C} when the whole chunk continues the incoming document, else 0
+    num_tokens: int  # T before padding to whole chunks
+    out_dtype: torch.dtype
+
+
+def chunk_factors(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
+                  beta_TH: torch.Tensor, positions_T: torch.Tensor, chunk_size: int = 64) -> DeltaRuleChunks:
+    """The chunk-local part of the chunked rule (every chunk at once), in fp32 (fp64 inputs stay fp64). Document
+    boundaries are read off `positions_T` (a 0 starts a document); a sequence that is not whole chunks is padded
+    with tokens that form their own document and write nothing."""
     out_dtype = v_THV.dtype
+    dt = torch.promote_types(v_THV.dtype, torch.float32)
     T, H, V = v_THV.shape
     K = q_TGK.shape[-1]
     C = chunk_size
-    q = _expand_gva(l2norm(q_TGK.float()), H) * K ** -0.5
-    k = _expand_gva(l2norm(k_TGK.float()), H)
-    v, g, beta = v_THV.float(), g_TH.float(), beta_TH.float()
+    q = _expand_gva(l2norm(q_TGK.to(dt)), H) * K ** -0.5
+    k = _expand_gva(l2norm(k_TGK.to(dt)), H)
+    v, g, beta = v_THV.to(dt), g_TH.to(dt), beta_TH.to(dt)
     doc_T = doc_ids_from_positions(positions_T)
     starts_T = positions_T == 0
 
@@ -88,15 +106,80 @@ def chunk_gated_delta_rule_torch(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV
     q_read = q * read_gain
     k_write = k * torch.where(carry_out_NC, cum[..., -1:] - cum, float("-inf")).exp()[..., None]
     chunk_gain_HN = torch.where(carry_in_NC[:, -1], cum[..., -1], float("-inf")).exp()
+    return DeltaRuleChunks(u, w, attn_HNCC, q_read, k_write, chunk_gain_HN, T, out_dtype)
 
-    state = q.new_zeros(H, K, V)
+
+def chunk_outputs(f: DeltaRuleChunks, initial_SHKV: torch.Tensor | None = None) -> torch.Tensor:
+    """The loop over chunks with the carried state: o [T, H, V] in the inputs' dtype. `initial_SHKV`: the state
+    entering each of S equal consecutive segments of whole chunks (None: one segment from a zero state); a segment
+    whose first token starts a document ignores it (the carry-in mask)."""
+    H, N, C, V = f.u.shape
+    K = f.w.shape[-1]
+    if initial_SHKV is None:
+        initial_SHKV = f.u.new_zeros(1, H, K, V)
+    per_segment = _chunks_per_segment(N, initial_SHKV.shape[0])
     outs = []
     for n in range(N):
-        v_new = u[:, n] - w[:, n] @ state  # the part of v the carried state does not already predict
-        outs.append(q_read[:, n] @ state + attn_HNCC[:, n] @ v_new)
-        state = state * chunk_gain_HN[:, n, None, None] + k_write[:, n].transpose(-1, -2) @ v_new
-    o = torch.stack(outs, 1).reshape(H, N * C, V)[:, :T]
-    return o.permute(1, 0, 2).to(out_dtype)
+        if n % per_segment == 0:
+            state = initial_SHKV[n // per_segment].to(f.u.dtype)
+        v_new = f.u[:, n] - f.w[:, n] @ state  # the part of v the carried state does not already predict
+        outs.append(f.q_read[:, n] @ state + f.attn[:, n] @ v_new)
+        if (n + 1) % per_segment:
+            state = state * f.gain[:, n, None, None] + f.k_write[:, n].transpose(-1, -2) @ v_new
+    o = torch.stack(outs, 1).reshape(H, N * C, V)[:, :f.num_tokens]
+    return o.permute(1, 0, 2).to(f.out_dtype)
+
+
+def segment_state_maps(f: DeltaRuleChunks, num_segments: int) -> torch.Tensor:
+    """Each of `num_segments` equal consecutive segments of whole chunks as an affine map of its incoming state,
+    S_out = M S_in + B (M [K, K], B [K, V] per value head), returned as [num_segments, H, K, V + K] = [B | M].
+
+    The chunk recurrence S ← gain·S + k_writeᵀ (u − w S) = (gain·I − k_writeᵀ w) S + k_writeᵀ u acts on each column
+    of S alone, so one pass over the augmented state [S | X] from [0 | I] with values [u | 0] carries B in its first V
+    columns and M (the product of the chunks' linear parts) in its last K; a document starting inside the segment
+    zeroes M (gain 0, and only its tokens write), which is the reset."""
+    H, N, C, V = f.u.shape
+    K = f.w.shape[-1]
+    per_segment = _chunks_per_segment(N, num_segments)
+    u_aug = torch.cat([f.u, f.u.new_zeros(H, N, C, K)], -1)
+    start = torch.cat([f.u.new_zeros(H, K, V), torch.eye(K, dtype=f.u.dtype, device=f.u.device).expand(H, K, K)], -1)
+    maps = []
+    for s in range(num_segments):
+        state = start
+        for n in range(s * per_segment, (s + 1) * per_segment):
+            v_new = u_aug[:, n] - f.w[:, n] @ state
+            state = state * f.gain[:, n, None, None] + f.k_write[:, n].transpose(-1, -2) @ v_new
+        maps.append(state)
+    return torch.stack(maps)
+
+
+def fold_state_maps(maps_SHKX: torch.Tensor) -> torch.Tensor:
+    """The state entering each segment, from the segments' maps [S, H, K, V + K] in sequence order: S_in(0) = 0,
+    S_in(j+1) = M_j S_in(j) + B_j. Returns [S, H, K, V]."""
+    S, H, K, X = maps_SHKX.shape
+    V = X - K
+    state = maps_SHKX.new_zeros(H, K, V)
+    states = [state]
+    for j in range(S - 1):
+        state = maps_SHKX[j, ..., V:] @ state + maps_SHKX[j, ..., :V]
+        states.append(state)
+    return torch.stack(states)
+
+
+def _chunks_per_segment(num_chunks: int, num_segments: int) -> int:
+    if num_segments < 1 or num_chunks % num_segments:
+        raise ValueError(f"{num_chunks} chunks do not split into {num_segments} equal segments of whole chunks")
+    return num_chunks // num_segments
+
+
+def chunk_gated_delta_rule_torch(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
+                                 beta_TH: torch.Tensor, positions_T: torch.Tensor, chunk_size: int = 64
+                                 ) -> torch.Tensor:
+    """Chunked gated delta rule in fp32 with document boundaries taken from `positions_T` (a 0 starts a document).
+
+    `g_TH` is the log decay (≤ 0), `beta_TH` the write strength in (0, 1). Returns o [T, H, V] in v's dtype.
+    """
+    return chunk_outputs(chunk_factors(q_TGK, k_TGK, v_THV, g_TH, beta_TH, positions_T, chunk_size))
 
 
 def recurrent_gated_delta_rule_ref(q_TGK, k_TGK, v_THV, g_TH, beta_TH, positions_T) -> torch.Tensor:

@@ -1,12 +1,14 @@
 """One training job on every rank: what `python -m launch.train PLAN …` runs, alone or under torchrun.
 
-    layout check (WORLD_SIZE against the plan, before any process group) → process group and meshes → model,
+    layout check (WORLD_SIZE against the plan, and each degree against what it splits, before any process group)
+    → process group and meshes → model,
     parallelize → resume from DIR/checkpoints (DCP, any earlier layout) → steps → checkpoints every N steps →
     Hugging Face export
 
 The global batch of a step is a property of the run, not of the layout: every rank reads the same rollouts, packs the
-step's rollouts into the same micro-batches, and runs its data-parallel share of them (launch/parallel.py), so with
-the same seed and data each step sees the same tokens under any layout and GPU count.
+step's rollouts into the same micro-batches, and runs its data-parallel share of them (launch/parallel.py; the cp
+ranks of a data-parallel coordinate each run their zigzag shard of the same micro-batches), so with the same seed
+and data each step sees the same tokens under any layout and GPU count.
 
 A SIGTERM or SIGINT (a scheduler's preemption, Ctrl-C) stops the job after the current step on every rank (the flag
 is agreed by an all-reduce, so no rank waits in a collective the others left), writes a checkpoint when there is an
@@ -28,7 +30,7 @@ import torch.distributed as dist
 from launch.data import make_batch, pack_rollouts, read_rollouts, synthetic_rollouts
 from launch.model import build_model
 from launch.optim import NonFiniteError
-from launch.parallel import build_meshes, check_layout, init_distributed, parallelize
+from launch.parallel import build_meshes, check_layout, check_plan_shape, init_distributed, parallelize
 
 
 class Stop:
@@ -66,6 +68,7 @@ def run(args, cfg, trainer_cls) -> int:
     rank = int(os.environ.get("RANK", "0"))
     check_layout(plan.layout, world)  # one line, before any process group starts
     shape = plan.model_shape(Path(args.plan).resolve().parent)
+    check_plan_shape(plan, shape)  # cp splits the micro-batch into whole chunks (recipe check's rule), etc.
     device = torch.device(args.device)
     if device.type == "cuda":
         if not torch.cuda.is_available():
@@ -96,7 +99,8 @@ def run(args, cfg, trainer_cls) -> int:
     model = parallelize(model, plan, meshes, param_dtype=dtype)
     trainer = trainer_cls(model, cfg, recompute=plan.train.recompute, lm_head=plan.train.lm_head,
                           dp_rank=meshes.dp_rank if meshes else 0, dp_size=meshes.dp_size if meshes else 1,
-                          dp_group=meshes.dp_group if meshes else None)
+                          dp_group=meshes.dp_group if meshes else None,
+                          metrics_group=meshes.data_group if meshes else None)
 
     train_state = TrainState()
     out = Path(args.out) if args.out else None

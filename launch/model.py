@@ -6,8 +6,9 @@ key/value heads, Dh attention head dim, R rotary dims, V vocabulary.
 A batch is one packed sequence. Document boundaries are carried by `Packing`: positions restart at 0 at each
 document's first token; attention runs causally inside each document only; the linear-attention conv and recurrent
 state reset at each document start. The model is architecture only: no collectives, no recompute (applied from
-outside, launch/recompute.py), no loss (launch/rl.py). Module and parameter names follow Hugging Face's, so a state
-dict maps one to one (launch/hf_io.py).
+outside, launch/recompute.py), no loss (launch/rl.py); context parallelism is a `context_parallel` attribute on the
+mixers, installed from outside (launch/context_parallel.py), and `Packing.cp` marks a micro-batch shard. Module and
+parameter names follow Hugging Face's, so a state dict maps one to one (launch/hf_io.py).
 """
 
 from __future__ import annotations
@@ -33,6 +34,9 @@ class Packing:
     positions: torch.Tensor  # [T] int64, restarting at 0 per document
     cu_seqlens: torch.Tensor  # [num_docs + 1] int32 on the device
     doc_lengths: tuple[int, ...]  # host copy (attention loops over documents)
+    # a context-parallel shard (launch.context_parallel.ContextShard): these T tokens are this rank's two zigzag
+    # segments of a longer micro-batch, `doc_lengths` their runs of one document; None: the whole micro-batch
+    cp: object | None = None
 
     @staticmethod
     def from_lengths(doc_lengths: list[int] | tuple[int, ...], device: torch.device | str = "cpu") -> "Packing":
@@ -138,6 +142,8 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.attn_bias)
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
+        # None: the whole sequence is here; launch/context_parallel.py installs its ContextParallel (K/V exchange)
+        self.context_parallel = None
 
     def forward(self, x_TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing):
         T = x_TD.shape[0]
@@ -151,7 +157,10 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        o = causal_attention(q, k, v, packing, self.head_dim ** -0.5).reshape(T, -1)
+        if _context_parallel(self, packing) is not None:
+            o = self.context_parallel.attention(q, k, v, packing, self.head_dim ** -0.5).reshape(T, -1)
+        else:
+            o = causal_attention(q, k, v, packing, self.head_dim ** -0.5).reshape(T, -1)
         if self.output_gate:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
@@ -180,6 +189,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(la.num_v_heads))
         self.norm = GatedRMSNorm(la.head_v_dim, s.rms_norm_eps)
         self.out_proj = nn.Linear(self.value_dim, s.hidden_size, bias=False)
+        # None: the whole sequence is here; launch/context_parallel.py installs its ContextParallel (conv halo,
+        # delta-rule state combine)
+        self.context_parallel = None
 
     def causal_conv(self, x_TC: torch.Tensor, positions_T: torch.Tensor) -> torch.Tensor:
         """Depthwise causal conv + SiLU; a tap reaching before its document's first token reads zero
@@ -188,17 +200,34 @@ class GatedDeltaNet(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, rope, packing: Packing):
         T = x_TD.shape[0]
-        qkv = self.causal_conv(self.in_proj_qkv(x_TD), packing.positions)
+        cp = _context_parallel(self, packing)
+        if cp is not None:
+            qkv = cp.causal_conv(self.in_proj_qkv(x_TD), self.conv1d.weight[:, 0, :], packing, self.conv_backend)
+        else:
+            qkv = self.causal_conv(self.in_proj_qkv(x_TD), packing.positions)
         q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
         q = q.reshape(T, self.num_k_heads, self.head_k_dim)
         k = k.reshape(T, self.num_k_heads, self.head_k_dim)
         v = v.reshape(T, self.num_v_heads, self.head_v_dim)
         beta = torch.sigmoid(self.in_proj_b(x_TD))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_TD).float() + self.dt_bias)  # log decay ≤ 0
-        o = gated_delta_rule(q, k, v, g, beta, packing.positions, packing.cu_seqlens, self.chunk_size, self.backend)
+        if cp is not None:
+            o = cp.delta_rule(q, k, v, g, beta, packing, self.chunk_size, self.backend)
+        else:
+            o = gated_delta_rule(q, k, v, g, beta, packing.positions, packing.cu_seqlens, self.chunk_size,
+                                 self.backend)
         z = self.in_proj_z(x_TD).view(T, self.num_v_heads, self.head_v_dim)
         o = self.norm(o, z).reshape(T, self.value_dim)
         return self.out_proj(o)
+
+
+def _context_parallel(mixer: nn.Module, packing: Packing):
+    """The mixer's installed ContextParallel for a sharded micro-batch, None for a whole one; a shard reaching a
+    mixer without one (or the reverse) is refused rather than attended within the shard."""
+    if (packing.cp is None) != (mixer.context_parallel is None):
+        raise ValueError("a context-parallel micro-batch needs a model parallelized with cp > 1, and such a model "
+                         "needs sharded micro-batches (ContextParallel.shard)")
+    return mixer.context_parallel
 
 
 class DecoderLayer(nn.Module):
@@ -241,6 +270,9 @@ class Transformer(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset) for t in shape.layer_types)
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, norm_offset)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
+        # None: one micro-batch is one sequence on this rank; launch/context_parallel.py installs its
+        # ContextParallel here (the trainer shards each micro-batch with it) and on every mixer
+        self.context_parallel = None
         if shape.tie_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 

@@ -4,14 +4,17 @@ data-parallel rank runs.
 Two meshes over the same ranks (docs/training.md, "Layouts"):
 
     dense   (pp, dp, cp, tp)     attention / Gated DeltaNet / norms / router / shared expert / embedding / head:
-                                 FSDP2 shards them over dp×cp (every rank of a stage holds the same copy otherwise)
+                                 FSDP2 shards them over dp×cp (every rank of a stage holds the same copy otherwise;
+                                 the dp and cp dimensions flattened into one); the cp ranks of a dp coordinate share
+                                 each micro-batch, zigzag-sharded (launch/context_parallel.py)
     experts (pp, edp, ep, etp)   routed experts: split by ep (whole experts), FSDP2 shards each rank's experts over
                                  edp = world / (pp·ep·etp)
 
 Both are row-major over the world (tp, then etp, innermost), so with tp = etp = 1 the ep ranks of a group are
 consecutive — one node for ep ≤ GPUs per node — and EP is folded over the dp×cp ranks: the ep ranks of a group are
-data-parallel ranks that hold different tokens and exchange them. The EP all-to-all runs on the expert mesh's own
-ep process group, never on one FSDP uses.
+data-parallel or context-parallel ranks that hold different tokens and exchange them. The EP all-to-all runs on
+the expert mesh's own ep process group and the CP exchanges on the dense mesh's own cp group, never on one FSDP
+uses.
 """
 
 from __future__ import annotations
@@ -27,8 +30,8 @@ import torch.nn as nn
 from launch.expert_parallel import ExpertParallel
 from launch.recompute import apply_recompute
 
-# degrees this version runs; context, tensor and pipeline parallelism slot into parallelize() where marked
-RUNNABLE = ("dp", "ep", "edp")
+# degrees this version runs; tensor and pipeline parallelism slot into parallelize() where marked
+RUNNABLE = ("dp", "cp", "ep", "edp")
 
 
 class LayoutError(ValueError):
@@ -41,16 +44,28 @@ def check_layout(layout, world: int) -> None:
         raise LayoutError(f"the plan's layout needs pp·tp·cp·dp = {layout.pp}·{layout.tp}·{layout.cp}·{layout.dp} = "
                           f"{layout.world} processes but this run has WORLD_SIZE={world}: start it with "
                           f"--nproc-per-node {layout.world} or re-solve with --gpus {world}")
-    unsupported = [f"{k}={getattr(layout, k)}" for k in ("cp", "tp", "pp", "etp") if getattr(layout, k) != 1]
+    unsupported = [f"{k}={getattr(layout, k)}" for k in ("tp", "pp", "etp") if getattr(layout, k) != 1]
     if unsupported:
-        raise LayoutError(f"this version runs data and expert parallelism only (dp, ep); the plan asks for "
-                          f"{', '.join(unsupported)}: re-solve with --cp 1 --tp 1 --pp 1")
+        raise LayoutError(f"this version runs data, context and expert parallelism only (dp, cp, ep); the plan asks "
+                          f"for {', '.join(unsupported)}: re-solve with --tp 1 --pp 1")
+
+
+def check_plan_shape(plan, shape) -> None:
+    """One line when a degree does not divide what it splits (recipe check's rules, recipe.check.divisibility:
+    cp must cut the plan's micro-batch into 2·cp segments of whole delta-rule chunks), before any group starts."""
+    from recipe.check import divisibility
+
+    problems = divisibility(shape, plan.layout, plan.train.micro_batch_tokens)
+    if problems:
+        name, value, why = problems[0]
+        raise LayoutError(f"{name}={value}: {why}")
 
 
 @dataclass
 class Meshes:
     dense: "dist.DeviceMesh"  # (pp, dp, cp, tp)
     experts: "dist.DeviceMesh"  # (pp, edp, ep, etp)
+    data: "dist.DeviceMesh | None" = None  # dp×cp flattened (cp > 1); None: dense["dp"]
 
     @property
     def world(self) -> int:
@@ -70,6 +85,24 @@ class Meshes:
         return self.dense.get_group("dp")
 
     @property
+    def cp_size(self) -> int:
+        return self.dense.size(self.dense.mesh_dim_names.index("cp"))
+
+    @property
+    def cp_group(self) -> dist.ProcessGroup:
+        return self.dense.get_group("cp")
+
+    @property
+    def data_mesh(self) -> "dist.DeviceMesh":
+        """The dense parameters' FSDP mesh: dp, or dp×cp flattened when cp > 1."""
+        return self.dense["dp"] if self.data is None else self.data
+
+    @property
+    def data_group(self) -> dist.ProcessGroup:
+        """The ranks whose metrics add up to the step's (dp×cp: each holds its part of its micro-batches)."""
+        return self.data_mesh.get_group()
+
+    @property
     def ep_group(self) -> dist.ProcessGroup:
         return self.experts.get_group("ep")
 
@@ -86,13 +119,16 @@ def init_distributed(device_type: str, timeout_s: float = 600.0) -> None:
 def build_meshes(layout, device_type: str) -> Meshes:
     """The dense and expert meshes of the plan's layout over the initialized default group."""
     backend = dist.get_backend()
+    # cp gets a process group of its own for the same reason as ep below
     dense = dist.init_device_mesh(device_type, (layout.pp, layout.dp, layout.cp, layout.tp),
-                                  mesh_dim_names=("pp", "dp", "cp", "tp"))
+                                  mesh_dim_names=("pp", "dp", "cp", "tp"),
+                                  backend_override={"cp": backend} if layout.cp > 1 else None)
     # the ep dimension gets a process group of its own even where it spans the world (the mesh would otherwise
     # reuse the default group, which FSDP's collectives on the dense mesh also use)
     experts = dist.init_device_mesh(device_type, (layout.pp, layout.edp, layout.ep, layout.etp),
                                     mesh_dim_names=("pp", "edp", "ep", "etp"), backend_override={"ep": backend})
-    return Meshes(dense, experts)
+    data = dense["dp", "cp"]._flatten("dp_cp") if layout.cp > 1 else None
+    return Meshes(dense, experts, data)
 
 
 def parallelize(model: nn.Module, plan, meshes: Meshes | None, *, param_dtype: torch.dtype = torch.bfloat16,
@@ -100,7 +136,9 @@ def parallelize(model: nn.Module, plan, meshes: Meshes | None, *, param_dtype: t
     """Apply the plan's layout to a model built whole on every rank (same seed, same weights), in this order:
 
     1. tensor parallel (tp > 1: not in this version)
-    2. context parallel (cp > 1: not in this version)
+    2. context parallel (cp > 1): one ContextParallel on the cp group (launch/context_parallel.py) installed as
+       `context_parallel` on the model (the trainer shards each micro-batch with it) and on every attention and
+       Gated DeltaNet module (K/V all-gather, conv halo, delta-rule state combine)
     3. expert parallel: each rank keeps its ep-th of the experts (a DTensor sharded on the ep mesh, so checkpoints
        hold the whole tensor) and the token dispatch of launch/expert_parallel.py replaces the local one
     4. activation recompute (plan.train.recompute): inside the FSDP unit, so the recomputed forward re-gathers its
@@ -114,7 +152,12 @@ def parallelize(model: nn.Module, plan, meshes: Meshes | None, *, param_dtype: t
     layout = plan.layout
     if meshes is not None:
         check_layout(layout, meshes.world)
-    # 1-2: TP and CP slot in here.
+    # 1: TP slots in here.
+    # 2: context parallel
+    if layout.cp > 1:
+        if meshes is None:
+            raise LayoutError("context parallel needs a process group (run under torchrun)")
+        _apply_context_parallel(model, meshes)
     # 3: expert parallel
     ep = layout.ep
     if ep_dispatch or ep > 1:
@@ -153,12 +196,26 @@ def _apply_expert_parallel(model: nn.Module, meshes: Meshes, num_chunks: int) ->
         experts.token_dispatch = ExpertParallel(meshes.ep_group, experts.num_experts, num_chunks, stream)
 
 
+def _apply_context_parallel(model: nn.Module, meshes: Meshes) -> None:
+    from launch.context_parallel import ContextParallel
+    from launch.model import Attention, GatedDeltaNet
+
+    gdn = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    chunk = max((m.chunk_size for m in gdn), default=1)
+    halo = max((m.conv_kernel - 1 for m in gdn), default=0)
+    cp = ContextParallel(meshes.cp_group, chunk=chunk, conv_halo=halo)
+    model.context_parallel = cp
+    for m in model.modules():
+        if isinstance(m, (Attention, GatedDeltaNet)):
+            m.context_parallel = cp
+
+
 def _apply_fsdp(model: nn.Module, meshes: Meshes, param_dtype: torch.dtype) -> None:
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
     from torch.distributed.tensor import Shard
 
     mp = MixedPrecisionPolicy(param_dtype=param_dtype, reduce_dtype=torch.float32)
-    dense_mesh = meshes.dense["dp"]  # dp×cp once cp > 1 (flattened)
+    dense_mesh = meshes.data_mesh  # dp, or dp×cp flattened
     edp_mesh = meshes.experts["edp"]
     edp = edp_mesh.size()
 

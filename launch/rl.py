@@ -10,6 +10,10 @@ Loss (per token t, with mask m_t, advantage A_t, ratio ρ_t = exp(logp_t − log
     l_t   = pg_t + β_kl · kl_t − c_ent · H_t
 aggregated by token-mean (Σ m l / Σ m over the micro-batch) or sequence-mean (mean over sequences of each
 sequence's token mean).
+
+Under context parallelism a rank holds part of a micro-batch: the trainer computes the weights w_t (token_weights)
+and the loss-token count on the whole micro-batch and hands this rank's part of them in (`weights_T`,
+`num_loss_tokens`), so each rank's loss and metrics are its share of the micro-batch's and they add up over ranks.
 """
 
 from __future__ import annotations
@@ -132,24 +136,37 @@ def token_losses(logp_T: torch.Tensor, advantages_T: torch.Tensor, mask_T: torch
 def policy_loss(logp_T: torch.Tensor, advantages_T: torch.Tensor, mask_T: torch.Tensor, cfg: LossConfig, *,
                 old_logp_T: torch.Tensor | None = None, ref_logp_T: torch.Tensor | None = None,
                 rollout_logp_T: torch.Tensor | None = None, entropy_T: torch.Tensor | None = None,
-                seq_id_T: torch.Tensor | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                seq_id_T: torch.Tensor | None = None, weights_T: torch.Tensor | None = None,
+                num_loss_tokens: torch.Tensor | float | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO/GRPO clipped surrogate on per-token log-probs. Returns (loss, metrics as 0-d tensors, detached).
 
     old_logp: the trainer's log-probs under the policy that sampled (None: on-policy, the detached current ones).
     rollout_logp: the rollout engine's own log-probs; with cfg.tis_cap the per-token surrogate is weighted by
     min(exp(old_logp − rollout_logp), cap), detached (truncated importance sampling).
+    weights_T / num_loss_tokens: the aggregation weights and the loss-token count of the whole micro-batch when
+    these tokens are part of it (None: computed from these tokens' masks).
     """
     loss_T, parts = token_losses(logp_T, advantages_T, mask_T, cfg, old_logp_T=old_logp_T, ref_logp_T=ref_logp_T,
                                  rollout_logp_T=rollout_logp_T, entropy_T=entropy_T)
-    loss = aggregate(loss_T, mask_T, seq_id_T, cfg.aggregation)
-    return loss, _metrics(loss, parts, mask_T, entropy_T)
+    if weights_T is None:
+        loss = aggregate(loss_T, mask_T, seq_id_T, cfg.aggregation)
+    else:
+        loss = (weights_T.to(loss_T.dtype) * torch.where(mask_T.bool(), loss_T, 0.0)).sum()
+    return loss, _metrics(loss, parts, mask_T, entropy_T, num_loss_tokens)
 
 
-def _metrics(loss, parts, mask_T, entropy_T) -> dict[str, torch.Tensor]:
+def _count(mask_T: torch.Tensor, num_loss_tokens) -> torch.Tensor:
+    """The token-mean denominator: these tokens' loss-token count, or the whole micro-batch's when given."""
+    n = mask_T.float().sum() if num_loss_tokens is None else torch.as_tensor(num_loss_tokens, dtype=torch.float32,
+                                                                               device=mask_T.device)
+    return n.clamp(min=1.0)
+
+
+def _metrics(loss, parts, mask_T, entropy_T, num_loss_tokens=None) -> dict[str, torch.Tensor]:
     with torch.no_grad():
         mask = mask_T.bool()
         m = mask.float()
-        n = m.sum().clamp(min=1.0)
+        n = _count(mask_T, num_loss_tokens)
         clipped = (parts["surr2"] < parts["surr1"]) & mask  # the clipped branch is taken (and carries no gradient)
         log_ratio = parts["log_ratio"]
         metrics = {
@@ -172,12 +189,15 @@ def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_
                       advantages_T: torch.Tensor, mask_T: torch.Tensor, cfg: LossConfig, *, temperature: float = 1.0,
                       old_logp_T: torch.Tensor | None = None, ref_logp_T: torch.Tensor | None = None,
                       rollout_logp_T: torch.Tensor | None = None, seq_id_T: torch.Tensor | None = None,
-                      impl: str | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                      impl: str | None = None, weights_T: torch.Tensor | None = None,
+                      num_loss_tokens: torch.Tensor | float | None = None
+                      ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """policy_loss(token_logprobs(...)) with the loss handed to the LM head (kernels.linear_policy_loss): the head
     knows each token's gradient as soon as its log-prob is known and runs three logits-sized GEMMs, not four
     (impl="lean": four, holding nothing beside the two gradients but a few MiB). Same per-token formula
-    (token_losses) and weights (token_weights); metrics from the detached log-probs."""
-    w_T = token_weights(mask_T, seq_id_T, cfg.aggregation)
+    (token_losses) and weights (token_weights, or `weights_T` as policy_loss's); metrics from the detached
+    log-probs."""
+    w_T = token_weights(mask_T, seq_id_T, cfg.aggregation) if weights_T is None else weights_T
     mask_b = mask_T.bool()
 
     def sl(x, t0, t1):
@@ -193,18 +213,19 @@ def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_
                                                      temperature=temperature, with_entropy=True, impl=impl)
     _, parts = token_losses(logp_T, advantages_T, mask_T, cfg, old_logp_T=old_logp_T, ref_logp_T=ref_logp_T,
                             rollout_logp_T=rollout_logp_T, entropy_T=ent_T)
-    return loss, _metrics(loss, parts, mask_T, ent_T)
+    return loss, _metrics(loss, parts, mask_T, ent_T, num_loss_tokens)
 
 
 def fused_nll_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor, mask_T: torch.Tensor,
-                   *, temperature: float = 1.0, impl: str | None = None
+                   *, temperature: float = 1.0, impl: str | None = None, weights_T: torch.Tensor | None = None,
+                   num_loss_tokens: torch.Tensor | float | None = None
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """SFT objective through the fused head (impl as fused_policy_loss's): token-mean negative log-likelihood over
-    mask_T, plus metrics."""
-    w_T = token_weights(mask_T, None, "token_mean")
+    mask_T, plus metrics (weights_T / num_loss_tokens as policy_loss's)."""
+    w_T = token_weights(mask_T, None, "token_mean") if weights_T is None else weights_T
     loss, _, ent_T = kernels.linear_policy_loss(hidden_TD, weight_VD, targets_T,
                                                 lambda logp, ent, t0, t1: -logp * w_T[t0:t1],
                                                 temperature=temperature, with_entropy=True, impl=impl)
     m = mask_T.float()
-    n = m.sum().clamp(min=1.0)
+    n = _count(mask_T, num_loss_tokens)
     return loss, {"loss": loss.detach(), "entropy": ((ent_T * m).sum() / n).detach(), "num_tokens": m.sum()}

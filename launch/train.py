@@ -6,12 +6,15 @@ loss or gradient stops the run with the step number (or, with on_nonfinite="skip
 
 Aggregation across micro-batches is exact: a token-mean loss is weighted by each micro-batch's share of the step's
 loss tokens, a sequence-mean loss by its share of sequences, so splitting a step into micro-batches does not change
-the gradient.
+the gradient. Under context parallelism (a model parallelized with cp > 1 carries `context_parallel`) each rank runs
+its zigzag shard of every micro-batch of its share, with the aggregation weights and loss-token count of the whole
+micro-batch, so its loss, gradient and metrics are its part of the micro-batch's and they add up over the cp ranks.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import math
 import sys
 from dataclasses import dataclass, field
@@ -22,7 +25,7 @@ from launch.data import Batch
 from launch.model import Transformer
 from launch.optim import MasterAdamW, NonFiniteError
 from launch.recompute import apply_recompute
-from launch.rl import LossConfig, fused_nll_loss, fused_policy_loss, policy_loss, token_logprobs
+from launch.rl import LossConfig, fused_nll_loss, fused_policy_loss, policy_loss, token_logprobs, token_weights
 
 DTYPES = {"bf16": torch.bfloat16, "fp32": torch.float32}
 
@@ -51,41 +54,58 @@ class TrainConfig:
 
 
 class Trainer:
-    """`dp_rank`/`dp_size`/`dp_group`: this rank's share of each step's micro-batches (launch/parallel.py:
-    micro_batch_share) and the group its metrics are summed over; the model arrives already parallelized."""
+    """`dp_rank`/`dp_size`: this rank's share of each step's micro-batches (launch/parallel.py: micro_batch_share);
+    `metrics_group` the group its metrics are summed over (every rank holding a part of the step: dp×cp; default
+    `dp_group`). The model arrives already parallelized; with cp > 1 it carries the ContextParallel that shards
+    each micro-batch."""
 
     def __init__(self, model: Transformer, cfg: TrainConfig, *, recompute: str = "full", lm_head: str = "fused",
-                 dp_rank: int = 0, dp_size: int = 1, dp_group=None):
+                 dp_rank: int = 0, dp_size: int = 1, dp_group=None, metrics_group=None):
         if lm_head not in ("fused", "lean", "naive"):
             raise ValueError(f"lm_head must be fused, lean or naive, got {lm_head!r}")
         self.model = apply_recompute(model, recompute)
         self.cfg, self.lm_head = cfg, lm_head
         self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
+        self.metrics_group = metrics_group if metrics_group is not None else dp_group
+        self.context_parallel = getattr(model, "context_parallel", None)
         self.optimizer = MasterAdamW(self.model.named_parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                      weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
         self.step_num = 0
 
     def loss_terms(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-        """Loss of one micro-batch (its own aggregation) and its metrics."""
+        """Loss of one micro-batch and its metrics: its own aggregation, or, where `batch.extra` carries
+        `token_weight` and `num_loss_tokens` (a context-parallel shard: with_loss_weights), the whole
+        micro-batch's."""
         hidden_TD = self.model(batch.input_ids, batch.packing)
         weight, mask, temp = self.model.lm_head.weight, batch.loss_mask, self.cfg.temperature
+        w_T, n_loss = batch.extra.get("token_weight"), batch.extra.get("num_loss_tokens")
         if self.lm_head in ("fused", "lean"):  # the loss goes into the head: three logits-sized GEMMs
             impl = "lean" if self.lm_head == "lean" else None  # (lean: four, and only the gradients in memory)
             if self.cfg.objective == "sft":
-                return fused_nll_loss(hidden_TD, weight, batch.targets, mask, temperature=temp, impl=impl)
+                return fused_nll_loss(hidden_TD, weight, batch.targets, mask, temperature=temp, impl=impl,
+                                      weights_T=w_T, num_loss_tokens=n_loss)
             return fused_policy_loss(hidden_TD, weight, batch.targets, batch.advantages, mask, self.cfg.loss,
                                      temperature=temp, old_logp_T=batch.old_logprobs, ref_logp_T=batch.ref_logprobs,
-                                     rollout_logp_T=batch.rollout_logprobs, seq_id_T=batch.seq_id, impl=impl)
+                                     rollout_logp_T=batch.rollout_logprobs, seq_id_T=batch.seq_id, impl=impl,
+                                     weights_T=w_T, num_loss_tokens=n_loss)
         logp_T, entropy_T = token_logprobs(hidden_TD, weight, batch.targets, mode=self.lm_head, temperature=temp,
                                            with_entropy=True)
         if self.cfg.objective == "sft":
-            n = mask.sum().clamp(min=1)
-            loss = -(logp_T * mask).sum() / n
+            n = mask.sum().clamp(min=1) if n_loss is None else torch.as_tensor(n_loss).clamp(min=1)
+            loss = -(logp_T * mask).sum() / n if w_T is None else -(logp_T * w_T).sum()
             return loss, {"loss": loss.detach(), "entropy": ((entropy_T * mask).sum() / n).detach(),
                           "num_tokens": mask.sum().float()}
         return policy_loss(logp_T, batch.advantages, mask, self.cfg.loss, old_logp_T=batch.old_logprobs,
                            ref_logp_T=batch.ref_logprobs, rollout_logp_T=batch.rollout_logprobs,
-                           entropy_T=entropy_T, seq_id_T=batch.seq_id)
+                           entropy_T=entropy_T, seq_id_T=batch.seq_id, weights_T=w_T, num_loss_tokens=n_loss)
+
+    def with_loss_weights(self, batch: Batch) -> Batch:
+        """The micro-batch with its aggregation weights [T] and loss-token count in `extra`, computed on the whole
+        micro-batch (so a context-parallel shard of it keeps the whole micro-batch's normalization)."""
+        how = "token_mean" if self.cfg.objective == "sft" else self.cfg.loss.aggregation
+        w_T = token_weights(batch.loss_mask, batch.seq_id, how)
+        return dataclasses.replace(batch, extra={**batch.extra, "token_weight": w_T,
+                                                 "num_loss_tokens": batch.loss_mask.sum().float()})
 
     def _weights(self, batches: list[Batch]) -> list[float]:
         if self.cfg.objective == "rl" and self.cfg.loss.aggregation == "seq_mean":
@@ -97,15 +117,18 @@ class Trainer:
 
     def forward_backward(self, batches: list[Batch]) -> dict[str, float]:
         """Accumulate gradients over this rank's share of the step's micro-batches (`batches`: the whole step, the
-        same list on every rank); returns the step's weighted metrics, summed over data-parallel ranks (no
-        update). Each loss is weighted by its micro-batch's share of the whole step, so the gradients summed over
-        ranks are the one-process gradient."""
+        same list on every rank); returns the step's weighted metrics, summed over `metrics_group` (no update).
+        Each loss is weighted by its micro-batch's share of the whole step, so the gradients summed over ranks are
+        the one-process gradient."""
         from launch.parallel import micro_batch_share
 
         weights = self._weights(batches)
         sums: dict[str, torch.Tensor] = {}
+        cp = self.context_parallel
         for j in micro_batch_share(len(batches), self.dp_rank, self.dp_size):
             batch, weight = (batches[j], weights[j]) if j is not None else (batches[0], 0.0)  # padding: weight 0
+            if cp is not None:  # this rank's zigzag shard, normalized as the whole micro-batch
+                batch = cp.shard(self.with_loss_weights(batch))
             loss, metrics = self.loss_terms(batch)
             (loss * weight).backward()
             if j is None:
@@ -115,10 +138,11 @@ class Trainer:
         keys = sorted(k for k in metrics)
         out = torch.stack([torch.as_tensor(sums.get(k, 0.0), dtype=torch.float32, device=loss.device).reshape(())
                            for k in keys])
-        if self.dp_size > 1:
+        if self.metrics_group is not None or self.dp_size > 1:
             import torch.distributed as dist
 
-            dist.all_reduce(out, group=self.dp_group)
+            if dist.get_world_size(self.metrics_group) > 1:  # None: the default group
+                dist.all_reduce(out, group=self.metrics_group)
         return dict(zip(keys, out.tolist()))  # device sync, once per step
 
     def step(self, batches: list[Batch] | Batch) -> dict[str, float]:

@@ -1,9 +1,13 @@
 """Worker for tests/test_parallel.py: every layout case of one world size in one spawned process group (gloo).
 
-Each case runs the same steps twice on every rank: once on one process (the reference: the whole step's
-micro-batches, no process group), once under the layout (FSDP2 / expert parallel, each data-parallel rank its
-share). Rank 0 writes, per case, the largest relative differences of every step's loss and of every gradient after
-step 1 (full tensors gathered from the shards), plus the expert loads the EP path saw.
+Each case runs the same steps under the layout on every rank (FSDP2 / expert parallel / context parallel: each
+data-parallel rank its share of the micro-batches, each cp rank its zigzag shard of them) and, once per data variant,
+on rank 0 alone as one process (the reference: the whole step's micro-batches, no process group). Rank 0 writes, per
+case, the largest relative differences of every step's loss, of step 1's other metrics and of every gradient after
+step 1 (full tensors gathered from the shards), plus the expert loads the EP path saw and what the CP shards held.
+
+A case is [name, dp, ep, ep_overlap_chunks], or [name, dp, ep, ep_overlap_chunks, cp, variant] (`variant` picks the
+data and loss: VARIANTS), or [name, "pieces", cp] for the CP exchanges alone in fp64 (run_pieces, cp = world).
 """
 
 from __future__ import annotations
@@ -18,38 +22,83 @@ import torch
 import torch.distributed as dist
 
 
-def _plan(dp: int, ep: int, chunks: int, recompute: str = "full"):
+# variant: (micro-batch tokens, log-prob fields the rollouts carry, LossConfig fields, slow Gated DeltaNet decay and
+# advantages offset by +1)
+VARIANTS = {
+    "base": (64, (), {}, False),
+    # CP: micro-batches of up to 128 tokens (cp=2: segments of 32 = two 16-token chunks; cp=4: one chunk), documents
+    # of 4-42 tokens across segment edges, a padded tail, every per-token field sharded. "cp" is on-policy with the
+    # KL term (ref log-probs); "cp_off" is off-policy (old, ref and rollout log-probs: ratio, truncated IS, KL),
+    # entropy bonus, sequence-mean. The +1 on the advantages keeps the loss away from zero: group-normalized
+    # advantages make it a near-cancelling sum, whose relative error measures only the order of its additions
+    "cp": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
+    "cp_off": (128, ("old_logprobs", "ref_logprobs", "rollout_logprobs"),
+               {"kl_coef": 0.1, "entropy_coef": 0.01, "aggregation": "seq_mean"}, True),
+}
+# exp(A_log) per value head, so that the state entering a segment matters: with softplus(·) ≈ 1.3 a head keeps
+# e^{-0.5}..e^{-2.5} of its state over a 32-token segment (the initial A_log = log U(1, 16) forgets it within a few
+# tokens, and the combine would go untested)
+SLOW_DECAY = (0.012, 0.02, 0.04, 0.06)
+
+
+def _model(shape, variant: str):
+    from launch.model import GatedDeltaNet, build_model
+
+    model = build_model(shape, seed=1)
+    if VARIANTS[variant][3]:
+        with torch.no_grad():
+            for m in model.modules():
+                if isinstance(m, GatedDeltaNet):
+                    m.A_log.copy_(torch.tensor(SLOW_DECAY[:m.num_v_heads]).log())
+    return model
+
+
+def _plan(dp: int, ep: int, chunks: int, recompute: str = "full", cp: int = 1):
     from recipe.plan import LayoutSpec
 
-    world = dp
-    layout = LayoutSpec(pp=1, tp=1, cp=1, ep=ep, dp=dp, etp=1, edp=world // ep)
+    world = dp * cp
+    layout = LayoutSpec(pp=1, tp=1, cp=cp, ep=ep, dp=dp, etp=1, edp=world // ep)
     return types.SimpleNamespace(layout=layout, train=types.SimpleNamespace(recompute=recompute,
                                                                             ep_overlap_chunks=chunks))
 
 
-def _steps_data(vocab: int):
-    """Two steps of packed multi-document micro-batches of uneven sizes (5 micro-batches: dp=2 and dp=4 both pad)."""
-    from launch.data import make_batch, pack_rollouts, synthetic_rollouts
+def _steps_data(vocab: int, tokens: int = 64, fields: tuple[str, ...] = (), offset: float = 0.0):
+    """Two steps of packed multi-document micro-batches of uneven sizes (at 64 tokens, 5 micro-batches: dp=2 and dp=4
+    both pad), the rollouts carrying the log-prob `fields`, advantages plus `offset`."""
+    from launch.data import TOKEN_FIELDS, make_batch, pack_rollouts, synthetic_rollouts
 
-    rollouts = synthetic_rollouts(5, 3, vocab, prompt_len=(2, 12), response_len=(2, 30), seed=3)
+    rollouts = synthetic_rollouts(5, 3, vocab, prompt_len=(2, 12), response_len=(2, 30), seed=3,
+                                  with_logprobs=bool(fields))
+    for r in rollouts:
+        for name in set(TOKEN_FIELDS) - set(fields):
+            setattr(r, name, None)
+        r.advantages = [a + offset for a in r.advantages]
     steps = []
     for s in range(2):
         chosen = rollouts[s * 7:s * 7 + 8]
-        steps.append([make_batch(g) for g in pack_rollouts(chosen, 64)])
+        steps.append([make_batch(g) for g in pack_rollouts(chosen, tokens)])
     return steps
 
 
+def _config(variant: str):
+    from launch.rl import LossConfig
+    from launch.train import TrainConfig
+
+    return TrainConfig(lr=3e-3, objective="rl", weight_decay=0.01, loss=LossConfig(**VARIANTS[variant][2]))
+
+
 def _run(model, trainer, steps):
-    losses, grads = [], None
+    losses, grads, first = [], None, None
     for i, batches in enumerate(steps):
         trainer.optimizer.zero_grad()
         metrics = trainer.forward_backward(batches)
         losses.append(metrics["loss"])
         if i == 0:
+            first = metrics
             grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
                      for n, p in zip(trainer.optimizer.names, trainer.optimizer.params)}
         trainer.optimizer.step()
-    return losses, grads
+    return losses, grads, first
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
@@ -58,19 +107,28 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
     return float((a - b).abs().max() / max(float(b.abs().max()), floor))
 
 
-def run_case(name: str, dp: int, ep: int, chunks: int, steps, reference) -> dict:
-    from launch.model import build_model
+def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str = "base", *, data,
+             references) -> dict:
     from launch.parallel import build_meshes, moe_layers, parallelize
-    from launch.train import TrainConfig, Trainer
+    from launch.train import Trainer
     from recipe.models import PRESETS
 
     shape = PRESETS["tiny-moe"]
-    cfg = TrainConfig(lr=3e-3, objective="rl", weight_decay=0.01)
-    plan = _plan(dp, ep, chunks)
+    steps = data[variant]
+    plan = _plan(dp, ep, chunks, cp=cp)
     meshes = build_meshes(plan.layout, "cpu")
-    model = parallelize(build_model(shape, seed=1), plan, meshes, param_dtype=torch.float32)
-    trainer = Trainer(model, cfg, recompute="full", lm_head="fused", dp_rank=meshes.dp_rank, dp_size=meshes.dp_size,
-                      dp_group=meshes.dp_group)
+    model = parallelize(_model(shape, variant), plan, meshes, param_dtype=torch.float32)
+    trainer = Trainer(model, _config(variant), recompute="full", lm_head="fused", dp_rank=meshes.dp_rank,
+                      dp_size=meshes.dp_size, dp_group=meshes.dp_group, metrics_group=meshes.data_group)
+    shards = []
+    if trainer.context_parallel is not None:
+        orig_shard = trainer.context_parallel.shard
+
+        def shard(batch, orig_shard=orig_shard):
+            out = orig_shard(batch)
+            shards.append(out.packing.cp)
+            return out
+        trainer.context_parallel.shard = shard
     loads, calls = [], [0]
     layers = moe_layers(model)
     for experts in layers:
@@ -87,17 +145,103 @@ def run_case(name: str, dp: int, ep: int, chunks: int, steps, reference) -> dict
                 calls[0] += 1
                 return orig_a2a(*a, **kw)
             dispatch.route, dispatch.all_to_all = route, all_to_all
-    losses, grads = _run(model, trainer, steps)
+    losses, grads, metrics = _run(model, trainer, steps)  # every rank: the gradients are gathered collectively
+    if references is None:  # rank 0 compares
+        return {"name": name}
     forwards = sum(-(-len(b) // dp) for b in steps)  # micro-batches this rank ran, padding included
-    ref_losses, ref_grads = reference
-    out = {"name": name, "loss_rel": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
-           "losses": losses, "ref_losses": ref_losses,
-           "grad_rel": max(_rel(grads[n], ref_grads[n], 1e-3 * max(float(g.abs().max()) for g in ref_grads.values()))
-                           for n in ref_grads),
-           "zero_rows_for_an_expert": any(0 in per_expert for load in loads for src in load for per_expert in src),
-           "num_micro_batches": [len(b) for b in steps],
-           "all_to_alls_per_layer_chunk_micro_batch": calls[0] / (len(layers) * forwards * chunks) if ep > 1 else None,
-           "grads": {n: g for n, g in grads.items()}}
+    ref_losses, ref_grads, ref_metrics = references[variant]
+    floor = 1e-3 * max(float(g.abs().max()) for g in ref_grads.values())
+    grad_rel = {n: _rel(grads[n], ref_grads[n], floor) for n in ref_grads}
+    return {"name": name, "loss_rel": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
+            "losses": losses, "ref_losses": ref_losses,
+            "metric_rel": {k: abs(metrics[k] - v) / max(abs(v), 1e-12) for k, v in ref_metrics.items()},
+            "grad_rel": max(grad_rel.values()), "worst_grad": max(grad_rel, key=grad_rel.get),
+            "cp_segment_len": sorted({s.segment_len for s in shards}),
+            "cp_padding": [s.num_padding for s in shards],
+            # a piece starting after its document's start: the document crosses a segment edge into this shard
+            "cp_docs_cross_segments": any(a > start for s in shards for _, _, a, start in s.pieces),
+            "zero_rows_for_an_expert": any(0 in per_expert for load in loads for src in load for per_expert in src),
+            "num_micro_batches": [len(b) for b in steps],
+            "all_to_alls_per_layer_chunk_micro_batch": calls[0] / (len(layers) * forwards * chunks) if ep > 1 else None,
+            "grads": {n: g for n, g in grads.items()}}
+
+
+def run_pieces(name: str, cp: int) -> dict:
+    """The three CP exchanges alone, in fp64, over every rank of the world (cp = world): full attention (the dense-mask
+    and the per-piece path), the conv with its halo and the delta rule with its state combine, each against the
+    one-process function on the same random inputs — outputs and every input gradient, the conv weight's summed
+    over ranks. Documents: one boundary exactly on a segment edge, others inside segments, a 1-token document,
+    documents across edges, a padded tail; delta-rule decays slow enough that each segment's incoming state matters
+    (and `delta_without_combine` is how far off the outputs are from zero incoming states)."""
+    import launch.context_parallel as cpm
+    from kernels.gdn_fused import causal_conv1d_silu
+    from launch.data import Rollout, make_batch
+    from launch.gated_delta import chunk_factors, chunk_gated_delta_rule_torch, chunk_outputs
+    from launch.model import Packing, causal_attention
+
+    f64, chunk, L = torch.float64, 4, 8  # two 4-token chunks a segment, conv width 4 (halo 3)
+    lengths = {2: [8, 5, 13, 1, 2], 4: [8, 5, 14, 2, 16, 11, 3]}[cp]  # 29 of 32 / 59 of 64 tokens; 8 is an edge
+    T, Tp = sum(lengths), 2 * cp * L
+    ctx = cpm.ContextParallel(dist.group.WORLD, chunk=chunk, conv_halo=3)
+    batch = make_batch([Rollout([0] * n, [0] * n, [0.0] * n) for n in lengths])
+    local = ctx.shard(batch)
+    idx, packing, full = local.packing.cp.index, local.packing, Packing.from_lengths(lengths)
+    real = idx < T
+    gen = torch.Generator().manual_seed(7)  # the same inputs on every rank
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=gen, dtype=f64)
+
+    def compare(cp_out, ref_out, cp_inputs, ref_inputs, cp_param=None, ref_param=None):
+        """Largest difference of the outputs (real tokens) and of every input gradient (padding rows: zero)."""
+        r_out = rand(*ref_out.shape)  # a random cotangent, the same on every rank
+        r_pad = torch.cat([r_out, r_out.new_zeros(Tp - T, *r_out.shape[1:])])
+        (cp_out * r_pad[idx]).sum().backward()
+        (ref_out * r_out).sum().backward()
+        err = float((cp_out[real] - ref_out[idx[real]]).abs().max())
+        for a, b in zip(cp_inputs, ref_inputs):
+            g_ref = torch.cat([b.grad, b.grad.new_zeros(Tp - T, *b.grad.shape[1:])])[idx]
+            err = max(err, float((a.grad - g_ref).abs().max()))
+        if cp_param is not None:
+            g = cp_param.grad.clone()
+            dist.all_reduce(g)
+            err = max(err, float((g - ref_param.grad).abs().max()))
+        return err
+
+    def leaves(*xs):
+        return [x[:T].clone().requires_grad_() for x in xs], [x[idx].clone().requires_grad_() for x in xs]
+
+    out = {"name": name}
+    # full attention: 4 query heads over 2 KV heads
+    q, k, v = rand(Tp, 4, 8), rand(Tp, 2, 8), rand(Tp, 2, 8)
+    for path, limit in (("attn_dense", cpm.DENSE_MASK_MAX_TOKENS), ("attn_pieces", 0)):
+        (rq, rk, rv), (lq, lk, lv) = leaves(q, k, v)
+        saved, cpm.DENSE_MASK_MAX_TOKENS = cpm.DENSE_MASK_MAX_TOKENS, limit
+        o = ctx.attention(lq, lk, lv, packing, 8 ** -0.5)
+        cpm.DENSE_MASK_MAX_TOKENS = saved
+        out[path] = compare(o, causal_attention(rq, rk, rv, full, 8 ** -0.5), [lq, lk, lv], [rq, rk, rv])
+    # causal conv + SiLU, 6 channels, width 4
+    x, w = rand(Tp, 6), rand(6, 4)
+    (rx,), (lx,) = leaves(x)
+    rw, lw = w.clone().requires_grad_(), w.clone().requires_grad_()
+    out["conv"] = compare(ctx.causal_conv(lx, lw, packing, "torch"), causal_conv1d_silu(rx, rw, full.positions),
+                          [lx], [rx], lw, rw)
+    # delta rule: 1 key head, 2 value heads, K = 4, V = 3; log decays in [-0.1, -0.01]
+    q, k, v = rand(Tp, 1, 4), rand(Tp, 1, 4), rand(Tp, 2, 3)
+    g = -(0.01 + 0.09 * torch.rand(Tp, 2, generator=gen, dtype=f64))
+    beta = torch.rand(Tp, 2, generator=gen, dtype=f64)
+    ref_in, loc_in = leaves(q, k, v, g, beta)
+    o = ctx.delta_rule(*loc_in, packing, chunk, "torch")
+    ref = chunk_gated_delta_rule_torch(*ref_in, full.positions, chunk)
+    with torch.no_grad():
+        alone = chunk_outputs(chunk_factors(*loc_in, packing.positions, chunk), o.new_zeros(2, 2, 4, 3))
+        out["delta_without_combine"] = float((alone[real] - ref[idx[real]]).abs().max())
+    out["delta"] = compare(o, ref, loc_in, ref_in)
+    errs = torch.tensor([out[k] for k in ("attn_dense", "attn_pieces", "conv", "delta", "delta_without_combine")],
+                        dtype=f64)
+    dist.all_reduce(errs, op=dist.ReduceOp.MAX)
+    out.update(zip(("attn_dense", "attn_pieces", "conv", "delta", "delta_without_combine"), errs.tolist()))
+    out["edges_with_a_document_start"] = sum(1 for j in range(1, 2 * cp) if int(local.packing.cp.positions[j * L]) == 0)
     return out
 
 
@@ -106,19 +250,24 @@ def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    from launch.model import build_model
-    from launch.train import TrainConfig, Trainer
+    from launch.train import Trainer
     from recipe.models import PRESETS
 
     shape = PRESETS["tiny-moe"]
-    steps = _steps_data(shape.vocab_size)
-    ref_trainer = Trainer(build_model(shape, seed=1), TrainConfig(lr=3e-3, objective="rl", weight_decay=0.01),
-                          recompute="full", lm_head="fused")
-    reference = _run(ref_trainer.model, ref_trainer, steps)
+    variants = sorted({case[5] if len(case) > 5 else "base" for case in cases if case[1] != "pieces"})
+    data, references = {}, ({} if rank == 0 else None)
+    for v in variants:
+        tokens, fields, _, cp_variant = VARIANTS[v]
+        data[v] = _steps_data(shape.vocab_size, tokens, fields, 1.0 if cp_variant else 0.0)
+        if rank == 0:  # the one-process reference, once per variant
+            ref_trainer = Trainer(_model(shape, v), _config(v), recompute="full", lm_head="fused")
+            references[v] = _run(ref_trainer.model, ref_trainer, data[v])
     results = []
     for case in cases:
-        r = run_case(*case, steps=steps, reference=reference)
-        results.append(r)
+        if case[1] == "pieces":
+            results.append(run_pieces(case[0], case[2]))
+        else:
+            results.append(run_case(*case, data=data, references=references))
     if rank == 0:
         by_name = {r["name"]: r for r in results}
         bitwise = {}
@@ -131,7 +280,7 @@ def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
                 bitwise[r["name"]] = (r["losses"] == t["losses"]
                                       and all(torch.equal(r["grads"][n], t["grads"][n]) for n in r["grads"]))
         for r in results:
-            r.pop("grads")
+            r.pop("grads", None)
             r["bitwise_equal_k1"] = bitwise.get(r["name"])
         with open(out_path, "w") as f:
             json.dump(results, f)

@@ -1,9 +1,12 @@
-"""Layouts on real process groups (gloo, CPU): FSDP2 and expert parallelism equal one process.
+"""Layouts on real process groups (gloo, CPU): FSDP2, expert parallelism and context parallelism equal one process.
 
 Two launches (world sizes 2 and 4), each running every case of its size in one process group (tests/dist_cases.py):
-the loss of each of two steps and every gradient of step 1 against the same steps on one process, in fp32.
-Tolerances: losses 1e-6 relative; gradients 1e-5 of each tensor's largest entry (or of a thousandth of the largest
-gradient anywhere, for the near-cancelling A_log / dt_bias sums); k chunks equal one chunk bitwise.
+the loss of each of two steps, step 1's other metrics and every gradient of step 1 against the same steps on one
+process, in fp32. Tolerances: losses and metrics 1e-6 relative; gradients 1e-5 of each tensor's largest entry (or of
+a thousandth of the largest gradient anywhere, for the near-cancelling A_log / dt_bias sums); k chunks equal one
+chunk bitwise. CP: cp=2 (world 2), cp=4 and cp=2 × ep=2 with dp=2 (world 4) on packed micro-batches whose documents
+cross segment edges, with a padded tail; and the CP exchanges alone (attention, conv halo, delta-rule combine) against
+the one-process functions in fp64, outputs and input gradients to 1e-12.
 
 Plus the pieces by hand: the regroup index, the micro-batch share, the layout checks, the grouped GEMMs.
 """
@@ -46,20 +49,23 @@ def _launch(world: int, cases: list, tmp_path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    # (name, dp, ep, ep_overlap_chunks)
-    cases = [["dp2", 2, 1, 1], ["ep2_k1", 2, 2, 1], ["ep2_k2", 2, 2, 2], ["ep2_k4", 2, 2, 4]]
+    # (name, dp, ep, ep_overlap_chunks[, cp, data variant]) or (name, "pieces", cp)
+    cases = [["dp2", 2, 1, 1], ["ep2_k1", 2, 2, 1], ["ep2_k2", 2, 2, 2], ["ep2_k4", 2, 2, 4],
+             ["cp2", 1, 1, 1, 2, "cp"], ["pieces_cp2", "pieces", 2]]
     return _launch(2, cases, tmp_path_factory.mktemp("world2"))
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    cases = [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1]]
+    cases = [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
+             ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4]]
     return _launch(4, cases, tmp_path_factory.mktemp("world4"))
 
 
 def _assert_equal_to_one_process(r: dict) -> None:
     assert max(r["loss_rel"]) <= LOSS_TOL, f"{r['name']}: losses {r['losses']} vs one process {r['ref_losses']}"
-    assert r["grad_rel"] <= GRAD_TOL, f"{r['name']}: gradient differs by {r['grad_rel']:.2e}"
+    assert max(r["metric_rel"].values()) <= LOSS_TOL, f"{r['name']}: metrics differ by {r['metric_rel']}"
+    assert r["grad_rel"] <= GRAD_TOL, f"{r['name']}: gradient {r['worst_grad']} differs by {r['grad_rel']:.2e}"
 
 
 @pytest.mark.dist
@@ -72,6 +78,35 @@ def test_world2_layouts_equal_one_process(world2, name):
 @pytest.mark.parametrize("name", ["dp4_ep2_k1", "dp4_ep2_k2", "dp4_ep4_k1"])
 def test_world4_layouts_equal_one_process(world4, name):
     _assert_equal_to_one_process(world4[name])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world, name", [(2, "cp2"), (4, "cp4"), (4, "cp2_ep2")])
+def test_context_parallel_layouts_equal_one_process(world2, world4, world, name):
+    """Every step's loss (reported once per micro-batch: the cp ranks' parts add up), every metric and every
+    gradient; cp2_ep2 is off-policy (ratio, truncated IS, KL, entropy) with sequence-mean aggregation."""
+    _assert_equal_to_one_process({2: world2, 4: world4}[world][name])
+
+
+@pytest.mark.dist
+def test_context_parallel_data_crosses_segment_edges_and_pads(world2, world4):
+    """The CP micro-batches hold documents across segment edges and a padded tail (not a multiple of 2·cp·16)."""
+    for r in (world2["cp2"], world4["cp4"], world4["cp2_ep2"]):
+        assert r["cp_docs_cross_segments"] and min(r["cp_padding"]) > 0, r["name"]
+    assert world2["cp2"]["cp_segment_len"] == [32] and world4["cp4"]["cp_segment_len"] == [16]
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world, name", [(2, "pieces_cp2"), (4, "pieces_cp4")])
+def test_context_parallel_exchanges_are_exact_in_fp64(world2, world4, world, name):
+    """K/V all-gather attention (dense-mask and per-piece paths), the conv with its halo and the delta rule with its
+    state combine, forward and backward across ranks, equal the one-process functions to fp64 rounding; documents
+    start on a segment edge and inside segments. Without the combine the delta rule is off by > 0.1."""
+    r = {2: world2, 4: world4}[world][name]
+    for piece in ("attn_dense", "attn_pieces", "conv", "delta"):
+        assert r[piece] < 1e-12, f"{name}: {piece} differs by {r[piece]:.2e}"
+    assert r["delta_without_combine"] > 0.1
+    assert r["edges_with_a_document_start"] >= 1
 
 
 @pytest.mark.dist
@@ -120,9 +155,8 @@ def test_layout_checks_name_every_factor():
     check_layout(layout, 4)
     with pytest.raises(LayoutError, match=r"pp·tp·cp·dp = 1·1·1·4 = 4 processes but this run has WORLD_SIZE=2"):
         check_layout(layout, 2)
-    with pytest.raises(LayoutError, match="cp=2"):
-        check_layout(LayoutSpec(pp=1, tp=1, cp=2, ep=2, dp=2, etp=1, edp=2), 4)
-    with pytest.raises(LayoutError, match="tp=2, pp=2"):
+    check_layout(LayoutSpec(pp=1, tp=1, cp=2, ep=2, dp=2, etp=1, edp=2), 4)  # cp runs
+    with pytest.raises(LayoutError, match=r"runs data, context and expert parallelism only .*asks for tp=2, pp=2"):
         check_layout(LayoutSpec(pp=2, tp=2, cp=1, ep=1, dp=1, etp=1, edp=2), 4)
 
 

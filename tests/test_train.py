@@ -187,7 +187,7 @@ def _tiny_plan(plan_mod) -> str:
 
 
 def test_cli_refuses_a_layout_it_cannot_run_before_any_work(tmp_path, capsys, monkeypatch):
-    """A plan for 2 processes started as one, and a cp=2 plan started right: one line each, exit 2, no group."""
+    """A plan for 2 processes started as one, and a tp=2 plan started right: one line each, exit 2, no group."""
     from recipe.cli import app
     from typer.testing import CliRunner
 
@@ -198,14 +198,14 @@ def test_cli_refuses_a_layout_it_cannot_run_before_any_work(tmp_path, capsys, mo
     err = capsys.readouterr().err.strip()
     assert err == ("error: the plan's layout needs pp·tp·cp·dp = 1·1·1·2 = 2 processes but this run has "
                    "WORLD_SIZE=1: start it with --nproc-per-node 2 or re-solve with --gpus 1")
-    cp2 = tmp_path / "cp2.yaml"
-    r = CliRunner().invoke(app, ["solve", "--model", "tiny-moe", "--seq", "4k", "--hw", "cpu", "--gpus", "2", "--cp",
-                                 "2", "-o", str(cp2)])
+    tp2 = tmp_path / "tp2.yaml"
+    r = CliRunner().invoke(app, ["solve", "--model", "tiny-moe", "--seq", "4k", "--hw", "cpu", "--gpus", "2", "--tp",
+                                 "2", "-o", str(tp2)])
     assert r.exit_code == 0, r.output
     monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main([str(cp2), "--device", "cpu"]) == 2
+    assert main([str(tp2), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: this version runs data and expert parallelism only") and "cp=2" in err
+    assert err.startswith("error: this version runs data, context and expert parallelism only") and "tp=2" in err
     assert len(err.splitlines()) == 1
     import torch.distributed as dist
 

@@ -1,0 +1,338 @@
+"""Context parallelism: one packed micro-batch split over the cp ranks of a group, exact against one process.
+
+Shape legend: T tokens of the whole (padded) micro-batch, L = T / (2·cp) tokens per segment, Tl = 2·L local tokens,
+H heads, Hkv key/value heads, Dh head dim, K/V delta-rule key/value head dims, C conv channels, W conv width.
+
+Zigzag: the micro-batch is padded to a multiple of 2·cp·chunk and cut into 2·cp equal segments; rank r holds segments
+r and 2·cp−1−r (in that order), so every rank holds the same causal work. Every per-token field is sharded the same
+way; documents cross segment edges freely. docs/context_parallel.md derives each exchange:
+
+    full attention   all-gather K/V over the cp group (backward: reduce-scatter dK/dV), local queries against
+                     every key under the causal same-document mask, on global token indices
+    causal conv      all-gather of each segment's last W−1 rows (the halo), prepended to the next segment
+    delta rule       each segment as an affine map of its incoming state, S_out = M·S_in + B (one pass from a zero
+                     state), all-gathered, folded in sequence order on every rank, then each segment's outputs from
+                     its true incoming state
+
+`ContextParallel` is installed by `launch.parallel.parallelize` as `Transformer.context_parallel` (the trainer shards
+each micro-batch with it) and as `context_parallel` on every Attention and GatedDeltaNet module (their forward calls
+it), so the model itself holds no collectives. Autograd runs through every piece; the one collective with a custom
+backward is the all-gather, whose backward is the reduce-scatter of its input's gradient (summed in fp32).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from kernels.gdn_fused import causal_conv1d_silu
+from launch.gated_delta import chunk_factors, chunk_outputs, fla_status, fold_state_maps, segment_state_maps
+from launch.model import Packing
+
+# CPU attention materializes the [Tl, T] mask up to this many key tokens (as launch/model.py's causal_attention)
+DENSE_MASK_MAX_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class ContextShard:
+    """What a rank knows about the micro-batch its shard came from (`Packing.cp` of a sharded batch)."""
+
+    rank: int
+    size: int  # cp
+    segment_len: int  # L
+    index: torch.Tensor  # [Tl] global token index of each local token (segment r, then segment 2·cp−1−r)
+    positions: torch.Tensor  # [T] position of every token of the padded micro-batch (0 starts a document)
+    doc: torch.Tensor  # [T] document id of every token of the padded micro-batch
+    # local runs of one document inside one segment: (local start, length, global start, document's global start)
+    pieces: tuple[tuple[int, int, int, int], ...]
+    num_padding: int  # padding tokens at the end of the micro-batch (their own document, loss weight 0)
+
+    @property
+    def num_tokens(self) -> int:
+        return 2 * self.size * self.segment_len
+
+
+def zigzag_index(num_tokens: int, cp: int, rank: int, device=None) -> torch.Tensor:
+    """Global indices of rank `rank`'s tokens: segment `rank`, then segment 2·cp−1−rank (of 2·cp equal ones)."""
+    if num_tokens % (2 * cp):
+        raise ValueError(f"{num_tokens} tokens do not split into 2·cp={2 * cp} equal segments")
+    seg = num_tokens // (2 * cp)
+    return torch.cat([torch.arange(rank * seg, (rank + 1) * seg, device=device),
+                      torch.arange((2 * cp - 1 - rank) * seg, (2 * cp - rank) * seg, device=device)])
+
+
+def segment_owner(j: int, cp: int) -> tuple[int, int]:
+    """(rank, slot) holding global segment j: slot 0 is a rank's first segment, slot 1 its second."""
+    return (j, 0) if j < cp else (2 * cp - 1 - j, 1)
+
+
+def padded_length(num_tokens: int, cp: int, chunk: int) -> int:
+    """The micro-batch length CP runs: the next multiple of 2·cp·chunk (segments of whole delta-rule chunks)."""
+    multiple = 2 * cp * chunk
+    return -(-num_tokens // multiple) * multiple
+
+
+# torch ≥ 2.13 names the single-tensor collectives *_single (the *_tensor names still work, with a warning)
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+class _AllGather(torch.autograd.Function):
+    """Concatenate every rank's x along dim 0 (rank order); backward: each rank gets the sum over ranks of the
+    gradient of its own rows (a reduce-scatter, in fp32 or wider)."""
+
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group, ctx.size = group, dist.get_world_size(group)
+        out = x.new_empty((ctx.size * x.shape[0], *x.shape[1:]))
+        _all_gather_single(out, x.contiguous(), group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        dy32 = dy.to(torch.promote_types(dy.dtype, torch.float32)).contiguous()
+        dx = dy32.new_empty((dy.shape[0] // ctx.size, *dy.shape[1:]))
+        _reduce_scatter_single(dx, dy32, group=ctx.group)
+        return dx.to(dy.dtype), None
+
+
+def all_gather(x: torch.Tensor, group) -> torch.Tensor:
+    return _AllGather.apply(x, group)
+
+
+class ContextParallel:
+    """CP over `group` (the dense mesh's cp dimension). `chunk`: the delta rule's chunk size (1 without Gated
+    DeltaNet layers), so segments are whole chunks; `conv_halo`: the conv's W−1 rows carried across segment edges."""
+
+    def __init__(self, group, chunk: int = 1, conv_halo: int = 0):
+        self.group = group
+        self.size, self.rank = dist.get_world_size(group), dist.get_rank(group)
+        # segments are whole chunks and hold at least the halo's rows (so a halo comes from one segment)
+        self.chunk = chunk * max(1, -(-conv_halo // chunk))
+        self.key_index = None
+
+    # ---- data --------------------------------------------------------------------------------------------------
+    def shard(self, batch):
+        """This rank's zigzag shard of a packed micro-batch (launch.data.Batch): padded to a multiple of
+        2·cp·chunk with one padding document (input 0, target −1, loss mask 0), every per-token field (and every
+        [T] tensor in `batch.extra`) indexed alike; `packing.cp` describes the whole micro-batch."""
+        return shard_batch(batch, self.rank, self.size, self.chunk)
+
+    # ---- full attention ----------------------------------------------------------------------------------------
+    def attention(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, packing: Packing,
+                  scale: float) -> torch.Tensor:
+        """Local queries [Tl, H, Dh] against the keys and values of the whole micro-batch (all-gathered), causal
+        inside each document on global token indices. Returns [Tl, H, Dh]."""
+        shard = _shard_of(packing)
+        kv = all_gather(torch.stack([k_THD, v_THD], 1), self.group)  # [cp·Tl, 2, Hkv, Dh], rank-major
+        key_index = self._key_index(shard, q_THD.device)
+        rep = q_THD.shape[1] // k_THD.shape[1]
+        if not q_THD.is_cuda and shard.num_tokens <= DENSE_MASK_MAX_TOKENS:
+            k, v = kv[:, 0], kv[:, 1]
+            if rep > 1:
+                k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+            qi, ki = shard.index, key_index
+            mask = (shard.doc[qi][:, None] == shard.doc[ki][None, :]) & (ki[None, :] <= qi[:, None])
+            o = F.scaled_dot_product_attention(q_THD.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                               v.transpose(0, 1)[None], attn_mask=mask, scale=scale)
+            return o[0].transpose(0, 1)
+        return _attention_by_piece(q_THD, kv[torch.argsort(key_index)], shard, scale, rep)
+
+    def _key_index(self, shard: ContextShard, device) -> torch.Tensor:
+        """Global token index of each all-gathered key row (rank-major zigzag shards)."""
+        n = shard.num_tokens
+        if self.key_index is None or self.key_index.numel() != n or self.key_index.device != device:
+            self.key_index = torch.cat([zigzag_index(n, self.size, r, device) for r in range(self.size)])
+        return self.key_index
+
+    # ---- Gated DeltaNet ----------------------------------------------------------------------------------------
+    def causal_conv(self, x_TC: torch.Tensor, weight_CW: torch.Tensor, packing: Packing,
+                    backend: str = "auto") -> torch.Tensor:
+        """The depthwise causal conv + SiLU of both local segments, each with the previous segment's last W−1 rows
+        in front (all-gathered; zeros before segment 0): a tap reads them only where the token's position allows,
+        i.e. inside its document."""
+        shard = _shard_of(packing)
+        h, L = weight_CW.shape[1] - 1, shard.segment_len
+        if h == 0:
+            return causal_conv1d_silu(x_TC, weight_CW, packing.positions, backend=backend)
+        tails = all_gather(torch.stack([x_TC[L - h:L], x_TC[2 * L - h:]]), self.group)  # [cp·2, h, C]
+        halos = []
+        for j in (self.rank, 2 * self.size - 1 - self.rank):
+            if j == 0:
+                halos.append(x_TC.new_zeros(h, x_TC.shape[1]))
+            else:
+                r, slot = segment_owner(j - 1, self.size)
+                halos.append(tails[2 * r + slot])
+        zeros = packing.positions.new_zeros(h)
+        x_ext = torch.cat([halos[0], x_TC[:L], halos[1], x_TC[L:]])
+        pos_ext = torch.cat([zeros, packing.positions[:L], zeros, packing.positions[L:]])
+        y = causal_conv1d_silu(x_ext, weight_CW, pos_ext, backend=backend)
+        return torch.cat([y[h:h + L], y[2 * h + L:]])
+
+    def delta_rule(self, q_TGK, k_TGK, v_THV, g_TH, beta_TH, packing: Packing, chunk_size: int,
+                   backend: str = "auto") -> torch.Tensor:
+        """The gated delta rule on both local segments with their true incoming states: segment maps from a zero
+        state, all-gathered, folded in sequence order, outputs from the folded states. Returns [Tl, H, V].
+        `backend`: auto | torch (the chunked torch rule) | fla (flash-linear-attention's kernels, CUDA)."""
+        shard = _shard_of(packing)
+        if shard.segment_len % chunk_size:
+            raise ValueError(f"segments of {shard.segment_len} tokens are not whole {chunk_size}-token chunks")
+        if backend not in ("auto", "torch", "fla"):
+            raise ValueError(f"delta-rule backend must be auto, torch or fla, got {backend!r}")
+        # "auto" runs the torch combine (tested exact); the fla variant below has not yet been checked on a GPU
+        # against it, so it runs only when asked for by name (docs/context_parallel.md)
+        use_fla = backend == "fla" and q_TGK.is_cuda and fla_status(q_TGK.shape[-1])[0]
+        if backend == "fla" and not use_fla:
+            raise RuntimeError("delta-rule backend 'fla' requested but unusable here")
+        if use_fla:
+            return _delta_rule_fla(self, q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard)
+        f = chunk_factors(q_TGK, k_TGK, v_THV, g_TH, beta_TH, packing.positions, chunk_size)
+        maps = self.incoming_states(segment_state_maps(f, 2))
+        return chunk_outputs(f, maps)
+
+    def incoming_states(self, local_maps: torch.Tensor) -> torch.Tensor:
+        """This rank's two segments' incoming states [2, H, K, V] from their maps [2, H, K, V+K] = [B | M]: every
+        segment's map all-gathered, folded in sequence order (2·cp−1 small products, on every rank)."""
+        gathered = all_gather(local_maps, self.group)  # [cp·2, ...], rank-major
+        order = [2 * r + slot for r, slot in (segment_owner(j, self.size) for j in range(2 * self.size))]
+        states = fold_state_maps(gathered[order])
+        return states[[self.rank, 2 * self.size - 1 - self.rank]]
+
+
+def _shard_of(packing: Packing) -> ContextShard:
+    if packing.cp is None:
+        raise ValueError("context parallel needs a sharded micro-batch (ContextParallel.shard)")
+    return packing.cp
+
+
+def _attention_by_piece(q_THD, kv_T2HD, shard: ContextShard, scale: float, rep: int) -> torch.Tensor:
+    """One SDPA call per local document piece: its queries [a, b) against the document's keys [start, b),
+    lower-right causal (keys in global order)."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    outs = []
+    for local, n, a, start in shard.pieces:
+        q = q_THD[local:local + n].transpose(0, 1)[None]
+        k, v = kv_T2HD[start:a + n, 0], kv_T2HD[start:a + n, 1]
+        if rep > 1:
+            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        mask = causal_lower_right(n, a + n - start) if a > start else None
+        o = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+                                           is_causal=mask is None, scale=scale)
+        outs.append(o[0].transpose(0, 1))
+    return torch.cat(outs)
+
+
+def _delta_rule_fla(cp: ContextParallel, q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard: ContextShard) -> torch.Tensor:
+    """The same combine on flash-linear-attention's kernels (fla_segment_maps, then fla_segment_outputs)."""
+    states = cp.incoming_states(fla_segment_maps(q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard))
+    return fla_segment_outputs(q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard, states)
+
+
+def _fla_call(q_TGK, k_TGK, v_THV, g_TH, beta_TH, cu, initial_NHKV):
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+
+    o, final = chunk_gated_delta_rule(
+        q_TGK[None].contiguous(), k_TGK[None].contiguous(), v_THV[None].contiguous(),
+        g=g_TH[None].float().contiguous(), beta=beta_TH[None].to(q_TGK.dtype).contiguous(),
+        scale=q_TGK.shape[-1] ** -0.5, initial_state=initial_NHKV, output_final_state=True,
+        use_qk_l2norm_in_kernel=True, cu_seqlens=cu)
+    return o[0], final
+
+
+def _fla_layout(shard: ContextShard, device):
+    """The local document pieces as varlen sequences: cu_seqlens, each segment's first and last piece, and whether
+    the first continues a document from the segment before."""
+    L = shard.segment_len
+    lengths = [n for _, n, _, _ in shard.pieces]
+    cu = torch.tensor([0, *torch.tensor(lengths).cumsum(0).tolist()], dtype=torch.long, device=device)
+    first = [next(i for i, p in enumerate(shard.pieces) if p[0] == s * L) for s in (0, 1)]
+    last = [max(i for i, p in enumerate(shard.pieces) if s * L <= p[0] < (s + 1) * L) for s in (0, 1)]
+    continues = [shard.pieces[i][2] > shard.pieces[i][3] for i in first]
+    return cu, first, last, continues
+
+
+def _initial_states(n: int, first: list[int], continues: list[bool], per_segment: list[torch.Tensor]):
+    zero = torch.zeros_like(per_segment[0])
+    rows = [zero] * n
+    for s, i in enumerate(first):
+        if continues[s]:
+            rows[i] = per_segment[s]
+    return torch.stack(rows)
+
+
+def fla_segment_maps(q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard: ContextShard) -> torch.Tensor:
+    """Both local segments' maps [2, H, K, V+K] = [B | M] from one fla call: values [v | 0], and [0 | I] entering
+    each segment's first piece where it continues a document (zero elsewhere: a piece that starts a document starts
+    from zero, so a segment with a document start inside ends with M = 0). Its outputs are not used."""
+    H, V, K = v_THV.shape[1], v_THV.shape[2], q_TGK.shape[-1]
+    cu, first, last, continues = _fla_layout(shard, q_TGK.device)
+    eye = torch.cat([torch.zeros(H, K, V, device=q_TGK.device), torch.eye(K, device=q_TGK.device).expand(H, K, K)], -1)
+    init = _initial_states(len(shard.pieces), first, continues, [eye, eye])
+    _, final = _fla_call(q_TGK, k_TGK, torch.cat([v_THV, v_THV.new_zeros(v_THV.shape[0], H, K)], -1), g_TH, beta_TH,
+                         cu, init)
+    return final[last].float()
+
+
+def fla_segment_outputs(q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard: ContextShard, states_2HKV) -> torch.Tensor:
+    """The local outputs [Tl, H, V] from one fla call, each segment's incoming state entering its first piece where
+    that piece continues a document."""
+    cu, first, last, continues = _fla_layout(shard, q_TGK.device)
+    init = _initial_states(len(shard.pieces), first, continues, list(states_2HKV.float()))
+    o, _ = _fla_call(q_TGK, k_TGK, v_THV, g_TH, beta_TH, cu, init)
+    return o
+
+
+def shard_batch(batch, rank: int, cp: int, chunk: int = 1):
+    """Rank `rank`'s zigzag shard of a packed micro-batch (see ContextParallel.shard)."""
+    T = batch.num_tokens
+    Tp = padded_length(T, cp, chunk)
+    pad = Tp - T
+    device = batch.input_ids.device
+    positions = batch.packing.positions
+    doc_lengths = list(batch.packing.doc_lengths) + ([pad] if pad else [])
+    if pad:
+        positions = torch.cat([positions, torch.arange(pad, device=device, dtype=positions.dtype)])
+    doc = torch.repeat_interleave(torch.arange(len(doc_lengths), device=device),
+                                  torch.tensor(doc_lengths, device=device))
+    index = zigzag_index(Tp, cp, rank, device)
+
+    def take(x, fill):
+        if x is None:
+            return None
+        if pad:
+            x = torch.cat([x, x.new_full((pad, *x.shape[1:]), fill)])
+        return x[index]
+
+    # document pieces, on the host: runs of one document inside each local segment
+    L = Tp // (2 * cp)
+    starts, s = [], 0
+    for n in doc_lengths:
+        starts.append(s)
+        s += n
+    doc_host = doc.tolist()
+    pieces = []
+    for slot, j in enumerate((rank, 2 * cp - 1 - rank)):
+        a = j * L
+        while a < (j + 1) * L:
+            d = doc_host[a]
+            b = min((j + 1) * L, starts[d] + doc_lengths[d])
+            pieces.append((slot * L + a - j * L, b - a, a, starts[d]))
+            a = b
+    lengths = [n for _, n, _, _ in pieces]
+    cu = torch.zeros(len(lengths) + 1, dtype=torch.int32)
+    cu[1:] = torch.cumsum(torch.tensor(lengths), 0)
+    shard = ContextShard(rank=rank, size=cp, segment_len=L, index=index, positions=positions, doc=doc,
+                         pieces=tuple(pieces), num_padding=pad)
+    packing = Packing(positions[index], cu.to(device), tuple(lengths), cp=shard)
+    extra = {k: take(v, 0) if isinstance(v, torch.Tensor) and v.dim() >= 1 and v.shape[0] == T else v
+             for k, v in batch.extra.items()}
+    return dataclasses.replace(
+        batch, input_ids=take(batch.input_ids, 0), targets=take(batch.targets, -1), packing=packing,
+        loss_mask=take(batch.loss_mask, False), advantages=take(batch.advantages, 0.0),
+        seq_id=take(batch.seq_id, batch.num_seqs), old_logprobs=take(batch.old_logprobs, 0.0),
+        ref_logprobs=take(batch.ref_logprobs, 0.0), rollout_logprobs=take(batch.rollout_logprobs, 0.0), extra=extra)

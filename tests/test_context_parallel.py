@@ -1,0 +1,276 @@
+"""Context parallelism without a process group: the zigzag shards, the Gated DeltaNet state combine against the
+token-by-token delta rule, and the plan rules that refuse a cp that does not cut the micro-batch into whole chunks.
+
+The exchanges on real ranks (K/V all-gather, conv halo, combine across ranks) and whole layouts against one process
+run in tests/test_parallel.py's world-2 and world-4 launches (tests/dist_cases.py).
+"""
+
+from __future__ import annotations
+
+import types
+
+import pytest
+import torch
+import yaml
+
+from launch.context_parallel import padded_length, segment_owner, shard_batch, zigzag_index
+from launch.data import Rollout, make_batch
+from launch.gated_delta import (chunk_factors, chunk_outputs, fold_state_maps, recurrent_gated_delta_rule_ref,
+                                segment_state_maps)
+from launch.model import Packing
+
+
+def test_zigzag_index_and_owner_by_hand():
+    assert zigzag_index(8, 2, 0).tolist() == [0, 1, 6, 7]
+    assert zigzag_index(8, 2, 1).tolist() == [2, 3, 4, 5]
+    assert zigzag_index(16, 4, 1).tolist() == [2, 3, 12, 13]
+    assert [segment_owner(j, 2) for j in range(4)] == [(0, 0), (1, 0), (1, 1), (0, 1)]
+    assert padded_length(29, 2, 4) == 32 and padded_length(32, 2, 4) == 32 and padded_length(33, 2, 4) == 48
+    with pytest.raises(ValueError, match="2·cp=4 equal segments"):
+        zigzag_index(10, 2, 0)
+
+
+def _batch(lengths, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    rollouts = []
+    for n in lengths:
+        r = lambda: torch.randn(n, generator=gen).tolist()  # noqa: E731
+        rollouts.append(Rollout(torch.randint(0, 50, (n,), generator=gen).tolist(), [0] + [1] * (n - 1), r(),
+                                old_logprobs=r(), ref_logprobs=r(), rollout_logprobs=r()))
+    return make_batch(rollouts)
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_shards_reassemble_the_padded_micro_batch(cp):
+    """Every per-token field (and a [T] tensor in extra) of all ranks' shards, put back at their global indices, is
+    the micro-batch followed by one padding document (input 0, target −1, mask 0, weight 0); the local document
+    pieces tile each shard and carry global positions."""
+    lengths = [9, 4, 17, 1, 6]  # 37 tokens
+    batch = _batch(lengths)
+    batch.extra["token_weight"] = torch.rand(37)
+    batch.extra["num_loss_tokens"] = batch.loss_mask.sum().float()
+    Tp = padded_length(37, cp, 4)
+    pad = Tp - 37
+    assert pad > 0
+    fields = ("input_ids", "targets", "loss_mask", "advantages", "seq_id", "old_logprobs", "ref_logprobs",
+              "rollout_logprobs")
+    whole = {f: torch.zeros(Tp, dtype=getattr(batch, f).dtype) for f in fields}
+    whole["token_weight"], whole["positions"] = torch.zeros(Tp), torch.zeros(Tp, dtype=torch.int64)
+    seen = torch.zeros(Tp, dtype=torch.int64)
+    for rank in range(cp):
+        s = shard_batch(batch, rank, cp, chunk=4)
+        shard = s.packing.cp
+        assert (shard.rank, shard.size, shard.segment_len, shard.num_padding) == (rank, cp, Tp // (2 * cp), pad)
+        assert s.num_tokens == 2 * shard.segment_len == sum(s.packing.doc_lengths)
+        assert s.extra["num_loss_tokens"] is batch.extra["num_loss_tokens"]
+        for f in fields:
+            whole[f][shard.index] = getattr(s, f)
+        whole["token_weight"][shard.index] = s.extra["token_weight"]
+        whole["positions"][shard.index] = s.packing.positions
+        seen[shard.index] += 1
+        start = 0
+        for local, n, a, doc_start in shard.pieces:  # pieces tile the shard, each inside one segment
+            assert local == start and a == int(shard.index[local]) and int(shard.positions[a]) == a - doc_start
+            assert local // shard.segment_len == (local + n - 1) // shard.segment_len
+            start += n
+        assert start == s.num_tokens
+    assert seen.tolist() == [1] * Tp
+    for f in fields:
+        torch.testing.assert_close(whole[f][:37], getattr(batch, f), rtol=0, atol=0)
+    torch.testing.assert_close(whole["token_weight"][:37], batch.extra["token_weight"], rtol=0, atol=0)
+    assert whole["positions"].tolist() == batch.packing.positions.tolist() + list(range(pad))
+    assert whole["input_ids"][37:].tolist() == [0] * pad and whole["targets"][37:].tolist() == [-1] * pad
+    assert not whole["loss_mask"][37:].any() and not whole["token_weight"][37:].any()
+    assert whole["seq_id"][37:].tolist() == [len(lengths)] * pad
+
+
+def _delta_inputs(T, seed, requires_grad=True):
+    gen = torch.Generator().manual_seed(seed)
+    f64 = torch.float64
+    q, k = torch.randn(T, 1, 4, generator=gen, dtype=f64), torch.randn(T, 1, 4, generator=gen, dtype=f64)
+    v = torch.randn(T, 2, 3, generator=gen, dtype=f64)
+    g = -(0.01 + 0.09 * torch.rand(T, 2, generator=gen, dtype=f64))  # slow decay: the incoming state matters
+    beta = torch.rand(T, 2, generator=gen, dtype=f64)
+    return [x.requires_grad_(requires_grad) for x in (q, k, v, g, beta)]
+
+
+def _combine_on_simulated_ranks(inputs, positions, cp, chunk, with_combine=True):
+    """What ContextParallel.delta_rule computes on each of cp ranks, with the all-gather done by hand: each rank's
+    two zigzag segments from their own tokens, the maps of all 2·cp segments folded in sequence order, each rank's
+    outputs from its segments' incoming states; returned in global token order."""
+    T = positions.shape[0]
+    maps, factors = [], []
+    for r in range(cp):
+        idx = zigzag_index(T, cp, r)
+        f = chunk_factors(*(x[idx] for x in inputs), positions[idx], chunk)
+        factors.append((idx, f))
+        maps.append(segment_state_maps(f, 2))
+    gathered = torch.cat(maps)  # rank-major, as all_gather delivers it
+    states = fold_state_maps(gathered[[2 * r + s for r, s in (segment_owner(j, cp) for j in range(2 * cp))]])
+    out = torch.empty(T, 2, 3, dtype=inputs[2].dtype)
+    for r, (idx, f) in enumerate(factors):
+        mine = states[[r, 2 * cp - 1 - r]] if with_combine else torch.zeros_like(states[:2])
+        out = out.index_put((idx,), chunk_outputs(f, mine))
+    return out
+
+
+@pytest.mark.parametrize("cp, lengths", [
+    (2, [8, 5, 14, 5]),  # segments of 8 (two 4-token chunks): a document starts on the edge at 8, one inside
+    (4, [8, 5, 14, 2, 16, 11, 8]),  # segments of 8: starts on the edges at 8 and 56, inside at 13, 27, 29, 45
+])
+def test_state_combine_equals_the_token_by_token_delta_rule(cp, lengths):
+    """The segments' affine maps, folded, and each segment run from its folded incoming state: outputs and the
+    gradients of q, k, v, g, β equal the one-process recurrence in fp64; without the combine (zero incoming states)
+    the outputs are visibly off, so the check has teeth."""
+    T, chunk = sum(lengths), 4
+    assert T == 2 * cp * 8
+    positions = Packing.from_lengths(lengths).positions
+    edges = [j * 8 for j in range(1, 2 * cp)]
+    assert any(int(positions[e]) == 0 for e in edges) and any(int(positions[e]) > 0 for e in edges)
+    inputs = _delta_inputs(T, seed=cp)
+    out = _combine_on_simulated_ranks(inputs, positions, cp, chunk)
+    ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
+    ref = recurrent_gated_delta_rule_ref(*ref_inputs, positions)
+    assert (out - ref).abs().max() < 1e-12
+    cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
+    (out * cot).sum().backward()
+    (ref * cot).sum().backward()
+    for name, a, b in zip("q k v g beta".split(), inputs, ref_inputs):
+        assert (a.grad - b.grad).abs().max() < 1e-11, name
+    with torch.no_grad():
+        alone = _combine_on_simulated_ranks(inputs, positions, cp, chunk, with_combine=False)
+    assert (alone - ref).abs().max() > 1e-2
+
+
+def test_state_map_of_a_segment_with_a_document_start_forgets_its_input():
+    """M is zero once a document starts inside the segment (the reset); B is then the new document's state."""
+    lengths = [3, 13]  # one 16-token segment, a document starting at 3
+    inputs = _delta_inputs(16, seed=1, requires_grad=False)
+    f = chunk_factors(*inputs, Packing.from_lengths(lengths).positions, 4)
+    maps = segment_state_maps(f, 1)
+    assert maps[0, ..., 3:].abs().max() == 0  # M: [K, K] after the V = 3 columns of B
+    f_cont = chunk_factors(*inputs, Packing.from_lengths([16]).positions + 5, 4)  # continues a document
+    assert segment_state_maps(f_cont, 1)[0, ..., 3:].abs().max() > 1e-3
+
+
+def test_a_sharded_micro_batch_needs_a_parallelized_model():
+    from launch.model import build_model
+    from recipe.models import PRESETS
+
+    model = build_model(PRESETS["tiny-moe"])
+    s = shard_batch(_batch([20, 12]), 0, 2, 16)
+    with pytest.raises(ValueError, match="needs a model parallelized with cp > 1"):
+        model(s.input_ids, s.packing)
+
+
+@pytest.mark.parametrize("loss", ["token_mean", "seq_mean", "naive", "sft"])
+def test_parts_of_a_micro_batch_with_its_weights_add_up_to_its_loss(loss):
+    """What each cp rank computes — its tokens' loss and metrics with the whole micro-batch's weights and loss-token
+    count — sums over the ranks to the micro-batch's loss, metrics and hidden-state gradient (fused and naive heads,
+    both aggregations, the SFT objective), whichever tokens each part holds."""
+    from launch.rl import LossConfig, fused_nll_loss, fused_policy_loss, policy_loss, token_logprobs, token_weights
+
+    gen = torch.Generator().manual_seed(0)
+    T, D, V = 40, 8, 32
+    hidden, weight = torch.randn(T, D, generator=gen, dtype=torch.float64), torch.randn(V, D, generator=gen,
+                                                                                      dtype=torch.float64)
+    targets = torch.randint(0, V, (T,), generator=gen)
+    mask = torch.rand(T, generator=gen) < 0.7
+    seq = torch.repeat_interleave(torch.arange(4), torch.tensor([7, 13, 11, 9]))
+    adv, old, ref, rollout = (torch.randn(T, generator=gen, dtype=torch.float64) * s - (5 if s < 1 else 0)
+                              for s in (1.0, 0.1, 0.1, 0.1))
+    cfg = LossConfig(kl_coef=0.1, entropy_coef=0.01, aggregation="seq_mean" if loss == "seq_mean" else "token_mean")
+    w_all = token_weights(mask, seq, "token_mean" if loss == "sft" else cfg.aggregation)
+    n_all = mask.sum().double()
+
+    def run(idx, whole):
+        h = hidden[idx].clone().requires_grad_()
+        kw = {} if whole else {"weights_T": w_all[idx], "num_loss_tokens": n_all}
+        if loss == "sft":
+            out = fused_nll_loss(h, weight, targets[idx], mask[idx], **kw)
+        elif loss == "naive":
+            logp, ent = token_logprobs(h, weight, targets[idx], mode="naive", with_entropy=True)
+            out = policy_loss(logp, adv[idx], mask[idx], cfg, old_logp_T=old[idx], ref_logp_T=ref[idx],
+                              rollout_logp_T=rollout[idx], entropy_T=ent, seq_id_T=seq[idx], **kw)
+        else:
+            out = fused_policy_loss(h, weight, targets[idx], adv[idx], mask[idx], cfg, old_logp_T=old[idx],
+                                    ref_logp_T=ref[idx], rollout_logp_T=rollout[idx], seq_id_T=seq[idx], **kw)
+        out[0].backward()
+        return out, h.grad
+
+    (ref_loss, ref_metrics), ref_grad = run(torch.arange(T), True)
+    perm = torch.randperm(T, generator=gen)
+    total, metrics, grad = 0.0, {}, torch.zeros(T, D, dtype=torch.float64)
+    for idx in (perm[:17], perm[17:]):  # two ranks' tokens, not contiguous
+        (part, part_metrics), g = run(idx, False)
+        total = total + part.detach()
+        for k, v in part_metrics.items():
+            metrics[k] = metrics.get(k, 0.0) + v
+        grad[idx] = g
+    tol = {"rtol": 1e-12, "atol": 1e-14} if ref_loss.dtype == torch.float64 else {"rtol": 1e-6, "atol": 1e-7}
+    torch.testing.assert_close(total.double(), ref_loss.detach().double(), **tol)
+    for k, v in ref_metrics.items():
+        torch.testing.assert_close(torch.as_tensor(metrics[k], dtype=torch.float64), v.double(), rtol=1e-6,
+                                   atol=1e-7, msg=k)
+    torch.testing.assert_close(grad.double(), ref_grad.double(), **tol)
+
+
+# ---- the plan's cp against the micro-batch: recipe check, recipe launch, launch.train ---------------------------
+def _plan_with_cp(tmp_path, cp, name):
+    """plans/tiny-cpu.yaml (tiny-moe, 4,096-token micro-batches, 16-token chunks) with its layout set to cp ranks."""
+    data = yaml.safe_load(open("plans/tiny-cpu.yaml"))
+    data["layout"].update(cp=cp, dp=1, ep=1, edp=cp)
+    data["inputs"].update(gpus=cp, pins=None)
+    data["launch"]["nproc_per_node"] = cp
+    path = tmp_path / name
+    path.write_text(yaml.safe_dump(data, sort_keys=False))
+    return path
+
+
+@pytest.mark.parametrize("cp, why", [
+    (3, "sequence 4096 does not split into 2·cp=6 equal segments"),
+    (256, "segments of 8 tokens are not whole 16-token delta-rule chunks"),
+])
+def test_a_cp_that_does_not_cut_whole_chunks_is_refused_before_any_process(tmp_path, capsys, monkeypatch, cp, why):
+    """`recipe check` (and `recipe launch`'s pre-flight, which runs it) reports it as a misfit; `python -m
+    launch.train` refuses it in one line before any process group. The plan loader alone checks only the schema."""
+    import torch.distributed as dist
+
+    from launch.launcher import LaunchError, check_plan_file
+    from launch.train import main
+    from recipe.check import check_plan
+    from recipe.plan import load_plan
+
+    path = _plan_with_cp(tmp_path, cp, f"cp{cp}.yaml")
+    assert load_plan(path).layout.cp == cp
+    misfits = [p for p in check_plan(path).problems if p.kind == "misfit"]
+    assert [(p.field, p.committed) for p in misfits] == [("layout.cp", cp)] and misfits[0].cause.startswith(why)
+    with pytest.raises(LaunchError, match=why):
+        check_plan_file(path)
+    monkeypatch.setenv("WORLD_SIZE", str(cp))
+    assert main([str(path), "--device", "cpu"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: cp={cp}: {misfits[0].cause}"
+    assert not dist.is_initialized()
+
+
+def test_a_cp_that_cuts_whole_chunks_passes_the_plan_rules(tmp_path):
+    from launch.parallel import check_layout, check_plan_shape
+    from recipe.plan import load_plan
+
+    plan = load_plan(_plan_with_cp(tmp_path, 4, "cp4.yaml"))
+    check_layout(plan.layout, 4)
+    check_plan_shape(plan, plan.model_shape())
+
+
+def test_parallelize_refuses_cp_without_a_process_group():
+    from launch.model import build_model
+    from launch.parallel import LayoutError, parallelize
+    from recipe.models import PRESETS
+    from recipe.plan import LayoutSpec
+
+    plan = types.SimpleNamespace(layout=LayoutSpec(pp=1, tp=1, cp=2, ep=1, dp=1, etp=1, edp=2),
+                                 train=types.SimpleNamespace(recompute="full", ep_overlap_chunks=1))
+    with pytest.raises(LayoutError, match="context parallel needs a process group"):
+        parallelize(build_model(PRESETS["tiny-moe"]), plan, None)
+
