@@ -112,8 +112,23 @@ def init_distributed(device_type: str, timeout_s: float = 600.0) -> None:
     that dies does not leave the others waiting forever."""
     if dist.is_initialized():
         return
+    import os
+
     backend = "nccl" if device_type == "cuda" else "gloo"
-    dist.init_process_group(backend=backend, timeout=timedelta(seconds=timeout_s))
+    timeout = timedelta(seconds=timeout_s)
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT")
+    if restart is None:  # not under torchrun: the usual env:// rendezvous
+        dist.init_process_group(backend=backend, timeout=timeout)
+        return
+    # Under torchrun the workers of every attempt meet in the agent's store, which outlives a restart: the addresses
+    # the killed attempt's ranks published there would be read back by the new ones (gloo: "connection refused").
+    # Every attempt gets its own key prefix.
+    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    agent_store = os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True"
+    store = dist.TCPStore(os.environ["MASTER_ADDR"], int(os.environ["MASTER_PORT"]), world,
+                          is_master=rank == 0 and not agent_store, timeout=timeout)
+    dist.init_process_group(backend=backend, store=dist.PrefixStore(f"recipe/attempt_{restart}", store), rank=rank,
+                            world_size=world, timeout=timeout)
 
 
 def build_meshes(layout, device_type: str) -> Meshes:
