@@ -248,7 +248,7 @@ def fix(result: PlanCheck) -> bool:
     if not result.fixable:
         return False
     path = Path(result.file)
-    write_atomic(path, dumps(result.fresh, "json" if path.suffix == ".json" else "yaml"))
+    write_atomic(path, dumps(result.fresh, "json" if path.suffix.lower() == ".json" else "yaml"), flag="--fix")
     return True
 
 
@@ -273,6 +273,8 @@ def _layout_str(lay) -> str:
 
 
 def _strip_origin(msg: str, origin: str) -> str:
+    if msg.startswith(origin + " is "):  # "plans/x is a FIFO (named pipe), not a plan file"
+        return _one_line("it" + msg[len(origin):])
     return _one_line(msg[len(origin) + 2:] if msg.startswith(origin + ": ") else msg)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import sys
 from pathlib import Path
 from typing import Annotated
 
@@ -15,27 +16,47 @@ def check(
                                                      "inside, recursively)", show_default=False)],
     fix: Annotated[bool, typer.Option("--fix", help="rewrite drifted plans in place with today's solve "
                                                     "(malformed plans are never touched)")] = False,
-    fmt: Annotated[str, typer.Option("--format", "-f", help="text | github (workflow annotations)")] = "text",
+    fmt: Annotated[str, typer.Option("--format", "-f", help="text | github (workflow annotations) | json")] = "text",
 ):
     """Check committed plans: schema, divisibility, fit, and drift from today's solver.
 
-    Exit 0 when clean, 1 on drift or misfit, 2 on unusable input (a missing path, a malformed plan)."""
+    Exit 0 when clean, 1 on drift or misfit, 2 on unusable input (a missing path, a malformed plan, a plan --fix
+    cannot write)."""
     from . import check as chk
     from .report import console
 
-    if fmt not in ("text", "github"):
-        console(stderr=True).print(f"[bold red]error:[/] --format must be 'text' or 'github', got {fmt!r}",
-                                   highlight=False, soft_wrap=True)
+    if fmt not in ("text", "github", "json"):
+        sys.stderr.write(f"error: --format must be 'text', 'github' or 'json', got {fmt!r}\n")
+        raise typer.Exit(2)
+    if len(paths) > 10_000:
+        sys.stderr.write(f"error: {len(paths):,} paths given; check at most 10,000 at once (or give their folder)\n")
         raise typer.Exit(2)
     results = chk.check_paths(paths)
     out = console()
+    fixed: list[str] = []
+    unwritable = 0
     if fix:
-        fixed = [r.file for r in results if chk.fix(r)]
+        for r in results:
+            try:
+                if chk.fix(r):
+                    fixed.append(r.file)
+            except ValueError as e:  # refused by recipe/safeio.py: read-only, a symlink into a missing folder, ...
+                unwritable += 1
+                sys.stderr.write(f"error: {' '.join(str(e).split())}\n")
         if fixed:
             again = {f: chk.check_plan(f) for f in fixed}
             results = [again.get(r.file, r) for r in results]
-            for f in fixed:
-                out.print(f"fixed {chk._one_line(f)}", markup=False, highlight=False, soft_wrap=True)
+            if fmt != "json":
+                for f in fixed:
+                    out.print(f"fixed {chk._one_line(f)}", markup=False, highlight=False, soft_wrap=True)
+    code = max(chk.exit_code(results), 2 if unwritable else 0)
+    if fmt == "json":
+        import json
+
+        from .views import check_data
+
+        sys.stdout.write(json.dumps(check_data(results, fixed, code), indent=2) + "\n")
+        raise typer.Exit(code)
     if fmt == "github":
         for r in results:
             for p in r.problems:
@@ -47,7 +68,6 @@ def check(
             for p in r.problems:
                 out.print(chk.problem_line(p), markup=False, highlight=False, soft_wrap=True,
                           style=STATUS_STYLE[p.kind])
-    code = chk.exit_code(results)
     counts = {k: sum(r.status == k for r in results) for k in ("ok", "drift", "misfit", "invalid")}
     summary = f"{len(results)} plan{'s' if len(results) != 1 else ''} checked: " + ", ".join(
         f"{n} {k}" for k, n in counts.items() if n)

@@ -48,46 +48,111 @@ def technique_effects(m: ModelShape, hw: HwProfile, sol: Solution) -> dict[str, 
     return out
 
 
-def memory_curves(m: ModelShape, hw: HwProfile, world: int) -> dict[str, list[float]]:
-    """Memory by component of the solver's plan at each sequence length (GB), for the plot."""
+COMPONENTS = ("weights", "grads", "master", "optimizer", "activations", "lm_head", "overhead")
+
+
+def memory_curves(m: ModelShape, hw: HwProfile, world: int, seqs=SEQS) -> tuple[dict[str, list[float]], list]:
+    """Memory by component of the solver's plan at each sequence length (GB; NaN where nothing fits), and the layout
+    chosen at each length (None where nothing fits), for the plot."""
     from .cost import TrainOptions
     from .solver import InfeasibleError, solve
 
-    curves: dict[str, list[float]] = {}
-    for s in SEQS:
+    curves: dict[str, list[float]] = {k: [] for k in COMPONENTS}
+    layouts = []
+    for s in seqs:
         try:
             sol = solve(m, hw, world, TrainOptions(micro_batch_tokens=s))
-            mem = sol.estimate.memory_gb
+            mem, lay = sol.estimate.memory_gb, sol.layout
         except InfeasibleError:
-            mem = {}
-        for k in ("weights", "grads", "master", "optimizer", "activations", "lm_head", "overhead"):
-            curves.setdefault(k, []).append(mem.get(k, float("nan")))
-    return curves
+            mem, lay = {}, None
+        for k in COMPONENTS:
+            curves[k].append(mem.get(k, float("nan")))
+        layouts.append(lay)
+    return curves, layouts
 
 
-def plot_memory(model: str, layers: int | None, profiles: list[HwProfile], worlds: list[int], path: Path) -> None:
+def size_label(tokens: int) -> str:
+    """8192 → '8k', 1048576 → '1m', 12288 → '12k'; otherwise the count."""
+    from .planfile import format_size
+
+    return format_size(tokens)
+
+
+def _layout_label(lay) -> str:
+    """'cp=2 ep=8' (pp and tp only when they split)."""
+    shown = [k for k in ("pp", "tp", "cp", "ep") if k in ("cp", "ep") or getattr(lay, k) > 1]
+    return " ".join(f"{k}={getattr(lay, k)}" for k in shown)
+
+
+def memory_figure(m: ModelShape, profiles: list[HwProfile], worlds: list[int], seq_len: int | None = None):
+    """The figure of `recipe compare --plot`: one panel per profile, memory by component (stacked) against the
+    sequence length on a log2 axis labelled 8k … 256k, the usable limit, the requested length marked, each change of
+    the solver's layout annotated; the legend below the panels, off the data."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    seqs = sorted(set(SEQS) | ({seq_len} if seq_len else set()))
+    n = len(profiles)
+    fig, axes = plt.subplots(1, n, figsize=(5.2 * n, 4.6), squeeze=False)
+    handles = labels = None
+    for ax, hw, w in zip(axes[0], profiles, worlds):
+        curves, layouts = memory_curves(m, hw, w, seqs)
+        stack = ax.stackplot(seqs, *curves.values(), labels=list(curves), alpha=0.9)
+        limit = ax.axhline(hw.usable_gb, color="red", linestyle="--", linewidth=1.2, label="usable")
+        ax.set_xscale("log", base=2)
+        ax.set_xticks(seqs)
+        ax.set_xticklabels([size_label(s) for s in seqs])
+        ax.minorticks_off()
+        ax.set_xlim(seqs[0], seqs[-1])
+        top = max([hw.usable_gb] + [sum(v) for v in zip(*curves.values()) if all(x == x for x in v)])
+        ax.set_ylim(0, top * 1.25)
+        marks = []
+        if seq_len:
+            marks = [ax.axvline(seq_len, color="black", linestyle=":", linewidth=1.2,
+                                label=f"requested {size_label(seq_len)}")]
+        prev, first = None, True
+        for s, lay in zip(seqs, layouts):
+            if lay == prev and not (lay is None and first):
+                continue
+            text = "does not fit" if lay is None else _layout_label(lay)
+            if not first:
+                ax.axvline(s, color="dimgray", linewidth=0.6, alpha=0.6)
+            last = s == seqs[-1]
+            ax.annotate(text, (s, top * 1.22), xytext=(-3 if last else 3, 0), textcoords="offset points",
+                        ha="right" if last else "left", va="top", fontsize=7,
+                        color="red" if lay is None else "dimgray")
+            prev, first = lay, False
+        ax.set_title(f"{hw.name}: {w} GPU{'s' if w > 1 else ''}\n{m.name}, the solver's layout at each length",
+                     fontsize=10)
+        ax.set_xlabel("sequence length (tokens)")
+        ax.set_ylabel("GB per GPU")
+        if handles is None:
+            handles, labels = [*stack, limit, *marks], [*curves, "usable", *[mk.get_label() for mk in marks]]
+    fig.legend(handles, labels, loc="lower center", ncol=min(len(labels), 5), fontsize=8, frameon=False)
+    fig.tight_layout(rect=(0, 0.1, 1, 1))
+    return fig
+
+
+def plot_memory(m: ModelShape, profiles: list[HwProfile], worlds: list[int], path, seq_len: int | None = None):
+    """Draw `memory_figure` and write it to `path` (its extension picks the format; recipe/safeio.py writes it, so a
+    directory, a device or a symlink is handled like every other output). Returns the path written."""
+    import io
+
+    from .safeio import write_atomic
+
     try:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
+        import matplotlib  # noqa: F401
     except ImportError:
         raise ValueError("--plot needs matplotlib: pip install 'recipe[plot]'") from None
-    from .models import resolve_model
+    import matplotlib.pyplot as plt
 
-    m = resolve_model(model)
-    if layers:
-        m = m.with_layers(layers)
-    fig, axes = plt.subplots(1, len(profiles), figsize=(5 * len(profiles), 4), sharey=False, squeeze=False)
-    for ax, hw, w in zip(axes[0], profiles, worlds):
-        curves = memory_curves(m, hw, w)
-        xs = [s // 1024 for s in SEQS]
-        ax.stackplot(xs, *curves.values(), labels=list(curves))
-        ax.axhline(hw.usable_gb, color="red", linestyle="--", label="usable")
-        ax.set_xscale("log", base=2)
-        ax.set_title(f"{m.name} on {w}x {hw.name} (solver's layout per length)")
-        ax.set_xlabel("sequence length (K tokens)")
-        ax.set_ylabel("GB per GPU")
-    axes[0][0].legend(loc="upper left", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(path, dpi=100)
+    fig = memory_figure(m, profiles, worlds, seq_len)
+    buf = io.BytesIO()
+    try:
+        fig.savefig(buf, dpi=110, format=Path(path).suffix.lower().lstrip(".") or "png", bbox_inches="tight")
+    finally:
+        plt.close(fig)
+    write_atomic(path, buf.getvalue(), flag="--plot")
+    return Path(path)

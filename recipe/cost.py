@@ -223,7 +223,7 @@ def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
     one group's fp16 tile weights (4096 tokens, or fewer within the kernel's budget), the fp32 dW accumulator and the fp16 copy of W
     ((V/tp)·h·6), and dH (fp32, s·h·4). "lean" (four GEMMs, the loss handed over too): its two bf16 gradients
     ((V/tp + s)·h·2) and a few MiB, or the five-GEMM form's forward tile statistics if those are more. "naive": logits and their gradient, [s × V/tp] in bf16,
-    twice (DESIGN.md)."""
+    twice (docs/cost_model.md)."""
     v = m.vocab_size / tp
     if mode == "naive":
         return 2 * s * v * BF16

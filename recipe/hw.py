@@ -6,6 +6,7 @@ Pure Python: never imports torch.
 
 from __future__ import annotations
 
+import math
 from importlib import resources
 from pathlib import Path
 from typing import Literal
@@ -14,7 +15,17 @@ import yaml
 from dataclasses import dataclass
 from ._data import Record, plain, validate
 
-PosF = float  # > 0, checked in __post_init__ (which pydantic also runs when it validates untrusted data)
+PosF = float  # > 0 and finite, checked in __post_init__ (which pydantic also runs when it validates untrusted data)
+MAX_PROFILE_BYTES = 64 * 1024  # a profile is about 3 KB
+
+
+def _check_positive(rec, names, *, integer: bool = False) -> None:
+    for n in names:
+        v = getattr(rec, n)
+        if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
+            raise ValueError(f"{n} must be a positive {'whole number' if integer else 'number'}, got {v!r}")
+        if not (math.isfinite(v) and v > 0):
+            raise ValueError(f"{n} must be a finite positive number, got {v!r}")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -22,6 +33,9 @@ class Link(Record):
     kind: str  # nvlink4, xgmi, gloo-shm, ...
     bw_gb_s: PosF  # usable per-GPU, per-direction bandwidth for collectives
     topology: Literal["switch", "mesh", "ring", "host"]
+
+    def __post_init__(self) -> None:
+        _check_positive(self, ("bw_gb_s",))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -46,15 +60,22 @@ class HwProfile(Record):
     sources: dict[str, str]
 
     def __post_init__(self) -> None:
-        for n in ("peak_bf16_tflops", "hbm_gb", "hbm_bw_tb_s", "usable_memory_fraction", "gpus_per_node",
-                  "inter_node_bw_gb_s", "smem_kb_per_sm", "num_sms", "compute_efficiency"):
-            v = getattr(self, n)
-            if isinstance(v, bool) or not isinstance(v, (int, float)) or not v > 0:
-                raise ValueError(f"{n} must be a positive number, got {v!r}")
-        if isinstance(self.overhead_gb, bool) or not isinstance(self.overhead_gb, (int, float)) or self.overhead_gb < 0:
-            raise ValueError(f"overhead_gb must be a non-negative number, got {self.overhead_gb!r}")
-        if self.usable_memory_fraction > 1 or self.compute_efficiency > 1:
-            raise ValueError("usable_memory_fraction and compute_efficiency must be at most 1")
+        """Every figure finite and positive (the cost model divides by them): a profile with `bw_gb_s: 0` or
+        `peak_bf16_tflops: .inf` is refused here, naming the field, never a ZeroDivisionError later."""
+        _check_positive(self, ("peak_bf16_tflops", "hbm_gb", "hbm_bw_tb_s", "usable_memory_fraction",
+                               "inter_node_bw_gb_s", "smem_kb_per_sm", "compute_efficiency"))
+        _check_positive(self, ("gpus_per_node", "num_sms"), integer=True)
+        v = self.overhead_gb
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+            raise ValueError(f"overhead_gb must be a finite non-negative number, got {v!r}")
+        for n in ("usable_memory_fraction", "compute_efficiency"):
+            if getattr(self, n) > 1:
+                raise ValueError(f"{n} must be at most 1, got {getattr(self, n)!r}")
+        if self.gpus_per_node > 4096:
+            raise ValueError(f"gpus_per_node must be at most 4096, got {self.gpus_per_node}")
+        if self.usable_gb <= self.overhead_gb:
+            raise ValueError(f"overhead_gb {self.overhead_gb:g} leaves nothing of the usable "
+                             f"{self.usable_gb:g} GB (hbm_gb × usable_memory_fraction)")
 
     @property
     def usable_gb(self) -> float:
@@ -75,27 +96,28 @@ def builtin_names() -> list[str]:
 def _parse(text: str, origin: str, trusted: bool = False) -> HwProfile:
     try:
         data = yaml.load(text, Loader=getattr(yaml, "CSafeLoader", yaml.SafeLoader))
-    except yaml.YAMLError as e:
-        raise ValueError(f"{origin}: not valid YAML ({str(e).splitlines()[0]})") from None
+    except (yaml.YAMLError, RecursionError, ValueError, TypeError, OverflowError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"{origin}: not valid YAML ({first})") from None
     if not isinstance(data, dict):
         raise ValueError(f"{origin}: expected a mapping of profile fields")
+    if not all(isinstance(k, str) for k in data):
+        raise ValueError(f"{origin}: field {next(k for k in data if not isinstance(k, str))!r}: unknown field")
     if trusted:  # a profile shipped with recipe: checked by the test suite against the full schema
         return HwProfile(**{**data, "intra_node": Link(**data["intra_node"])})
     return validate(HwProfile, data, origin)
 
 
 def load_profile(spec: str) -> HwProfile:
-    """A built-in name (h100, mi300x, ...) or a path to the user's own profile YAML."""
+    """A built-in name (h100, mi300x, ...) or a path to the user's own profile YAML (a regular file of at most
+    MAX_PROFILE_BYTES)."""
+    from .safeio import read_text_limited
+
     if spec in builtin_names():
         return _parse((_builtin_dir() / f"{spec}.yaml").read_text(), f"hw_profiles/{spec}.yaml", trusted=True)
     p = Path(spec)
     if p.suffix in (".yaml", ".yml") or p.exists():
-        try:
-            return _parse(p.read_text(), str(p))
-        except FileNotFoundError:
-            raise ValueError(f"hardware profile not found: {p}") from None
-        except (OSError, UnicodeDecodeError) as e:
-            raise ValueError(f"cannot read hardware profile {p}: {getattr(e, 'strerror', None) or e}") from None
+        return _parse(read_text_limited(p, "hardware profile", MAX_PROFILE_BYTES), str(p))
     from difflib import get_close_matches
 
     names = builtin_names()

@@ -117,7 +117,7 @@ def _emit_slurm(plan_path: Path, plan, hw, opts) -> int:
     from launch import launcher as L
 
     target = Path(opts.out) / L.SLURM_SCRIPT
-    if target.exists():
+    if os.path.lexists(target):  # a dangling symlink too: the script is created, never written through a link
         raise L.LaunchError(f"{target} already exists; remove it or give another --out (nothing is overwritten)")
     text = L.slurm_script(plan_path, plan, opts, L.launch_env(plan, hw, local_procs=plan.launch.nproc_per_node))
     target.parent.mkdir(parents=True, exist_ok=True)

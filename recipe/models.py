@@ -11,6 +11,7 @@ Pure Python: never imports torch.
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
@@ -358,21 +359,33 @@ def from_hf_config(path: str | Path) -> ModelShape:
         raise ValueError(msg if msg.startswith(str(path)) else f"{path}: {msg}") from None
 
 
+MAX_CONFIG_BYTES = 4 * 1024 * 1024  # a config.json is a few KB; a shape YAML less
+MAX_SHAPE_BYTES = 256 * 1024
+
+
 def _from_hf_config(path: Path) -> ModelShape:
+    from .safeio import FileRefused, read_text_limited
+
     try:
-        raw = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ValueError(f"model config not found: {path}") from None
-    except (OSError, json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read model config {path}: {e}") from None
+        raw = json.loads(read_text_limited(path, "model config", MAX_CONFIG_BYTES))
+    except FileRefused as e:
+        raise ValueError(str(e)) from None
+    except (json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"cannot read model config {path}: {str(e) or type(e).__name__}") from None
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object")
-    cfg = raw.get("text_config") or raw
+    text_config = raw.get("text_config")
+    if text_config is not None and not isinstance(text_config, dict):
+        raise ValueError(f"{path}: field 'text_config': expected an object, got {_shown(text_config)}")
+    cfg = text_config or raw
     model_type = cfg.get("model_type") or raw.get("model_type") or ""
-    arch = _ARCH_BY_MODEL_TYPE.get(model_type)
+    arch = _ARCH_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
-        raise ValueError(f"{path}: model_type {model_type!r} is not supported "
+        raise ValueError(f"{path}: model_type {_shown(model_type)} is not supported "
                          f"(supported: {', '.join(sorted(_ARCH_BY_MODEL_TYPE))})")
+
+    def bad(key: str, want: str, v) -> ValueError:
+        return ValueError(f"{path}: field {key!r}: expected {want}, got {_shown(v)}")
 
     def need(key: str, *alts: str):
         for k in (key, *alts):
@@ -380,63 +393,131 @@ def _from_hf_config(path: Path) -> ModelShape:
                 return cfg[k]
         raise ValueError(f"{path}: missing field {key!r} for model_type {model_type!r}")
 
-    n_layers = int(need("num_hidden_layers"))
-    if "layer_types" in cfg and cfg["layer_types"]:
-        layer_types = tuple(cfg["layer_types"])[:n_layers]
-    elif "full_attention_interval" in cfg:
-        layer_types = _rounded_layer_types(n_layers, int(cfg["full_attention_interval"]))
+    def which(key: str, *alts: str) -> str:
+        return next((k for k in (key, *alts) if k in cfg and cfg[k] is not None), key)
+
+    def count(v, key: str) -> int:
+        """A whole number: not a boolean, not a string, not a fraction (48.0 is 48; 48.7 is refused)."""
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or (
+                isinstance(v, float) and not (math.isfinite(v) and v.is_integer())):
+            raise bad(key, "a whole number", v)
+        if not -(1 << 62) < v < (1 << 62):
+            raise bad(key, "a whole number in range", v)
+        return int(v)
+
+    def number(v, key: str) -> float:
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or abs(v) >= 2**62 or not math.isfinite(v):
+            raise bad(key, "a finite number", v)
+        return float(v)
+
+    def flag(v, key: str) -> bool:
+        if not isinstance(v, bool):
+            raise bad(key, "true or false", v)
+        return v
+
+    def req(key: str, *alts: str) -> int:
+        return count(need(key, *alts), which(key, *alts))
+
+    def opt(key: str, default: int, *, null_ok: bool = True) -> int:
+        """An optional count: absent → default; null → default where null means "none" (e.g. mtp layers)."""
+        if key not in cfg or (cfg[key] is None and null_ok):
+            return default
+        return count(cfg[key], key)
+
+    def opt_num(key: str, default: float) -> float:
+        return default if key not in cfg else number(cfg[key], key)
+
+    def opt_flag(key: str, default: bool, src: dict | None = None) -> bool:
+        src = cfg if src is None else src
+        return default if key not in src or src[key] is None else flag(src[key], key)
+
+    rope = cfg.get("rope_parameters")
+    if rope is not None and not isinstance(rope, dict):
+        raise bad("rope_parameters", "an object", rope)
+    rope = rope or {}
+
+    n_layers = req("num_hidden_layers")
+    if cfg.get("layer_types"):
+        lt = cfg["layer_types"]
+        if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
+            raise bad("layer_types", "a list of layer type names", lt)
+        layer_types = tuple(lt)[:n_layers]
+    elif cfg.get("full_attention_interval") is not None:
+        interval = count(cfg["full_attention_interval"], "full_attention_interval")
+        if not 0 < interval <= max(n_layers, 1):
+            raise bad("full_attention_interval", f"a whole number from 1 to {n_layers}", interval)
+        layer_types = _rounded_layer_types(n_layers, interval) if 0 < n_layers <= 100_000 else ()
     else:
-        layer_types = ("full_attention",) * n_layers
-    num_heads = int(need("num_attention_heads"))
+        layer_types = ("full_attention",) * n_layers if 0 < n_layers <= 100_000 else ()
+    if not 0 < n_layers <= 100_000:
+        raise bad("num_hidden_layers", "a whole number from 1 to 100,000", n_layers)
+    num_heads = req("num_attention_heads")
+    hidden = req("hidden_size")
+    if num_heads <= 0:
+        raise bad("num_attention_heads", "a positive whole number", num_heads)
+    rope_theta = cfg.get("rope_theta")
+    rope_key = "rope_theta"
+    if rope_theta is None:
+        rope_theta, rope_key = rope.get("rope_theta"), "rope_parameters.rope_theta"
+    if "max_position_embeddings" in cfg and cfg["max_position_embeddings"] is None:
+        raise bad("max_position_embeddings", "a whole number", None)
     fields: dict = dict(
         name=path.parent.name if path.name == "config.json" else path.stem,
-        arch=arch, hidden_size=int(need("hidden_size")), num_layers=n_layers, vocab_size=int(need("vocab_size")),
+        arch=arch, hidden_size=hidden, num_layers=n_layers, vocab_size=req("vocab_size"),
         layer_types=layer_types, num_heads=num_heads,
-        num_kv_heads=int(cfg.get("num_key_value_heads") or num_heads),
-        head_dim=int(cfg.get("head_dim") or need("hidden_size") // num_heads),
-        rope_theta=float(cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 1e6),
-        tie_embeddings=bool(raw.get("tie_word_embeddings", cfg.get("tie_word_embeddings", False))),
-        rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-        max_position=int(cfg.get("max_position_embeddings", 32768)),
-        num_experts=int(need("num_experts", "n_routed_experts", "num_local_experts")),
-        top_k=int(need("num_experts_per_tok", "experts_per_token")),
-        expert_ffn=int(need("moe_intermediate_size", "intermediate_size")),
-        mtp_layers=int(cfg.get("mtp_num_hidden_layers", cfg.get("num_nextn_predict_layers", 0)) or 0),
-        norm_topk_prob=bool(cfg.get("norm_topk_prob", True)),
+        num_kv_heads=opt("num_key_value_heads", num_heads),
+        head_dim=opt("head_dim", hidden // num_heads),
+        rope_theta=1e6 if rope_theta is None else number(rope_theta, rope_key),
+        tie_embeddings=opt_flag("tie_word_embeddings", opt_flag("tie_word_embeddings", False), raw),
+        rms_norm_eps=opt_num("rms_norm_eps", 1e-6),
+        max_position=opt("max_position_embeddings", 32768),
+        num_experts=req("num_experts", "n_routed_experts", "num_local_experts"),
+        top_k=req("num_experts_per_tok", "experts_per_token"),
+        expert_ffn=req("moe_intermediate_size", "intermediate_size"),
+        mtp_layers=opt("mtp_num_hidden_layers", opt("num_nextn_predict_layers", 0)),
+        norm_topk_prob=opt_flag("norm_topk_prob", True),
         source=str(path),
     )
-    prf = cfg.get("partial_rotary_factor") or (cfg.get("rope_parameters") or {}).get("partial_rotary_factor")
-    if prf:
-        fields["partial_rotary_factor"] = float(prf)
+    prf = cfg.get("partial_rotary_factor")
+    prf_key = "partial_rotary_factor"
+    if prf is None:
+        prf, prf_key = rope.get("partial_rotary_factor"), "rope_parameters.partial_rotary_factor"
+    if prf is not None:
+        fields["partial_rotary_factor"] = number(prf, prf_key)
     if arch in ("qwen3_5_moe", "qwen3_next"):
+        shared = opt("shared_expert_intermediate_size", 0)
         fields.update(
-            attn_output_gate=bool(cfg.get("attn_output_gate", True)),
-            shared_expert_ffn=int(cfg.get("shared_expert_intermediate_size", 0) or 0),
-            shared_expert_gate=bool(cfg.get("shared_expert_intermediate_size", 0)),
-            linear_attn=LinearAttnShape(
-                num_k_heads=int(need("linear_num_key_heads")), num_v_heads=int(need("linear_num_value_heads")),
-                head_k_dim=int(need("linear_key_head_dim")), head_v_dim=int(need("linear_value_head_dim")),
-                conv_kernel=int(cfg.get("linear_conv_kernel_dim", 4))),
+            attn_output_gate=opt_flag("attn_output_gate", True),
+            shared_expert_ffn=shared,
+            shared_expert_gate=bool(shared),
+            linear_attn=dict(
+                num_k_heads=req("linear_num_key_heads"), num_v_heads=req("linear_num_value_heads"),
+                head_k_dim=req("linear_key_head_dim"), head_v_dim=req("linear_value_head_dim"),
+                conv_kernel=opt("linear_conv_kernel_dim", 4)),
         )
     elif arch == "deepseek_v3":
+        nope, rope_dim = req("qk_nope_head_dim"), req("qk_rope_head_dim")
         fields.update(
-            qk_norm=False, router_bias=True,
-            head_dim=int(need("qk_nope_head_dim")) + int(need("qk_rope_head_dim")),
-            mla=MLAShape(q_lora_rank=int(need("q_lora_rank")), kv_lora_rank=int(need("kv_lora_rank")),
-                         qk_nope_head_dim=int(need("qk_nope_head_dim")),
-                         qk_rope_head_dim=int(need("qk_rope_head_dim")), v_head_dim=int(need("v_head_dim"))),
-            shared_expert_ffn=int(cfg.get("n_shared_experts", 0) or 0) * int(need("moe_intermediate_size")),
-            first_dense_layers=int(cfg.get("first_k_dense_replace", 0)),
-            dense_ffn=int(cfg.get("intermediate_size", 0)),
+            qk_norm=False, router_bias=True, head_dim=nope + rope_dim,
+            mla=dict(q_lora_rank=req("q_lora_rank"), kv_lora_rank=req("kv_lora_rank"), qk_nope_head_dim=nope,
+                     qk_rope_head_dim=rope_dim, v_head_dim=req("v_head_dim")),
+            shared_expert_ffn=opt("n_shared_experts", 0) * req("moe_intermediate_size"),
+            first_dense_layers=opt("first_k_dense_replace", 0),
+            dense_ffn=opt("intermediate_size", 0),
         )
     elif arch == "gpt_oss":
+        window = cfg.get("sliding_window")
         fields.update(qk_norm=False, attn_bias=True, router_bias=True,
-                      sliding_window=cfg.get("sliding_window"), expert_ffn=int(need("intermediate_size")))
+                      sliding_window=None if window is None else count(window, "sliding_window"),
+                      expert_ffn=req("intermediate_size"))
     elif arch == "mixtral":
-        fields.update(qk_norm=False, expert_ffn=int(need("intermediate_size")))
-    fields["linear_attn"] = plain(fields["linear_attn"]) if fields.get("linear_attn") else None
-    fields["mla"] = plain(fields["mla"]) if fields.get("mla") else None
+        fields.update(qk_norm=False, expert_ffn=req("intermediate_size"))
     return validate(ModelShape, fields, f"{path}: invalid model shape")
+
+
+def _shown(v) -> str:
+    s = json.dumps(v) if v is None or isinstance(v, bool) else repr(v)
+    return s if len(s) <= 40 else s[:39] + "…"
 
 
 def resolve_model(spec: str) -> ModelShape:
@@ -460,8 +541,13 @@ def resolve_model(spec: str) -> ModelShape:
 def _from_shape_yaml(p: Path) -> ModelShape:
     import yaml
 
+    from .safeio import FileRefused, read_text_limited
+
     try:
-        data = yaml.safe_load(p.read_text())
-    except (OSError, yaml.YAMLError, UnicodeDecodeError) as e:
-        raise ValueError(f"cannot read model shape {p}: {str(e).splitlines()[0]}") from None
+        data = yaml.safe_load(read_text_limited(p, "model shape", MAX_SHAPE_BYTES))
+    except FileRefused as e:
+        raise ValueError(str(e)) from None
+    except (yaml.YAMLError, RecursionError, ValueError, TypeError, OverflowError) as e:
+        first = (str(e).strip().splitlines() or [type(e).__name__])[0]
+        raise ValueError(f"cannot read model shape {p}: {first}") from None
     return validate(ModelShape, data, f"{p}: invalid model shape")

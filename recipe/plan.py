@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from ._data import plain
 from .cost import TrainOptions
@@ -22,12 +22,16 @@ from .planfile import MAX_INT, SCHEMA_VERSION, _inputs_block, _relative, plan_di
 from .planfile import dumps, format_size, parse_size, write_atomic  # noqa: F401  (re-exported: plan I/O in one place)
 
 
+MAX_PLAN_BYTES = 64 * 1024  # a plan is about 2 KB; anything this large is not one (and YAML parses it slowly)
+
+
 class PlanError(ValueError):
     """A plan that cannot be used: malformed, wrong types, unknown keys, inconsistent."""
 
 
 class _Strict(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False)
+    # strict: `seq_len: true` is not 1 and `4096.5` (or "4096") is not a count; floats accept whole numbers
+    model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False, strict=True)
 
 
 class Inputs(_Strict):
@@ -146,7 +150,15 @@ class Plan(_Strict):
     reasons: Reasons
     launch: LaunchSpec
 
-    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, defer_build=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, populate_by_name=True, defer_build=True, strict=True)
+
+    @field_validator("schema_", mode="before")
+    @classmethod
+    def _schema_is_an_integer(cls, v):
+        if isinstance(v, bool) or not isinstance(v, int):  # Literal[1] alone would take `true` and `1.0`
+            raise ValueError(f"unsupported plan schema {_shown(v)}: this recipe reads schema "
+                             f"{SCHEMA_VERSION}")
+        return v
 
     @model_validator(mode="after")
     def _launch_matches_layout(self) -> "Plan":
@@ -184,6 +196,8 @@ def build_plan(inputs, m: ModelShape, hw: HwProfile, sol) -> Plan:
 
 
 def parse_plan(text: str, origin: str = "<plan>") -> Plan:
+    if len(text) > MAX_PLAN_BYTES:
+        raise PlanError(f"{origin}: {len(text):,} characters, more than a plan can be ({MAX_PLAN_BYTES:,} at most)")
     try:
         data = _decode(text)
     except (yaml.YAMLError, json.JSONDecodeError, ValueError, TypeError, OverflowError, RecursionError) as e:
@@ -204,12 +218,24 @@ def parse_plan(text: str, origin: str = "<plan>") -> Plan:
         if err.get("type") == "extra_forbidden":
             msg = "unknown key"
         elif tuple(err.get("loc", ())) == ("schema",):
-            msg = f"unsupported plan schema {_one_line(repr(err.get('input')), 40)}: this recipe reads schema " \
+            msg = f"unsupported plan schema {_shown(err.get('input'))}: this recipe reads schema " \
                   f"{SCHEMA_VERSION}"
+        elif err.get("type") in _TYPE_ERRORS:  # strict types: say what was there ("got true", "got 4096.5")
+            msg = f"{msg}, got {_shown(err.get('input'))}"
         extra = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
         raise PlanError(f"{origin}: field {loc}: {msg}{extra}") from None
     except (RecursionError, OverflowError, TypeError, ValueError) as e:
         raise PlanError(f"{origin}: unusable plan ({type(e).__name__})") from None
+
+
+_TYPE_ERRORS = ("int_type", "int_from_float", "int_parsing", "float_type", "float_parsing", "bool_type",
+                "string_type", "dict_type", "model_type", "literal_error")
+
+
+def _shown(v) -> str:
+    if v is None or isinstance(v, bool):
+        return {True: "true", False: "false", None: "null"}[v]
+    return _one_line(repr(v), 40)
 
 
 def _decode(text: str):
@@ -229,15 +255,14 @@ def _one_line(text: str, limit: int = 200) -> str:
 
 
 def load_plan(path: str | Path) -> Plan:
+    """A plan file: a regular file of at most MAX_PLAN_BYTES (a device, FIFO or directory is refused unread)."""
+    from .safeio import read_limited
+
     p = Path(path)
     try:
-        raw = p.read_bytes()
-    except FileNotFoundError:
-        raise PlanError(f"plan not found: {p}") from None
-    except IsADirectoryError:
-        raise PlanError(f"{p} is a directory, not a plan file") from None
-    except OSError as e:
-        raise PlanError(f"cannot read plan {p}: {e.strerror}") from None
+        raw = read_limited(p, "plan file", MAX_PLAN_BYTES)
+    except ValueError as e:
+        raise PlanError(_one_line(str(e), 400)) from None
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:

@@ -71,18 +71,31 @@ def fingerprint(obj: dict) -> str:
 
 
 # ---- sizes -----------------------------------------------------------------------------------------------------
-_SIZE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([kKmM]?)\s*$")
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([kKmM]?)\s*$", re.ASCII)
 
 
 def parse_size(text: str) -> int:
-    """'128k' → 131072, '1m' → 1048576, '4096' → 4096 (k and m are powers of two, as sequence lengths are)."""
+    """'128k' → 131072, '1m' → 1048576, '4096' → 4096 (k and m are powers of two, as sequence lengths are). Exact
+    arithmetic: '1.5k' is 1536, '0.1k' is not a whole number of tokens; at most MAX_INT."""
     mt = _SIZE.match(str(text))
     if not mt:
-        raise ValueError(f"malformed size {text!r}: expected a number with an optional k or m suffix, e.g. 128k")
-    value = float(mt.group(1)) * {"": 1, "k": 1024, "m": 1024 * 1024}[mt.group(2).lower()]
-    if value != int(value) or value <= 0:
-        raise ValueError(f"malformed size {text!r}: must be a positive whole number of tokens")
-    return int(value)
+        raise ValueError(f"malformed size {_shown(text)}: expected a number with an optional k or m suffix, e.g. 128k")
+    whole, _, frac = mt.group(1).partition(".")
+    frac = frac.rstrip("0")
+    if len(whole.lstrip("0")) > 15 or len(frac) > 15:
+        raise ValueError(f"size {_shown(text)} is out of range: at most {MAX_INT:,} tokens")
+    num = int(whole + frac) * {"": 1, "k": 1024, "m": 1024 * 1024}[mt.group(2).lower()]
+    value, rest = divmod(num, 10 ** len(frac))
+    if rest or value <= 0:
+        raise ValueError(f"malformed size {_shown(text)}: must be a positive whole number of tokens")
+    if value > MAX_INT:
+        raise ValueError(f"size {_shown(text)} is out of range: at most {MAX_INT:,} tokens")
+    return value
+
+
+def _shown(text) -> str:
+    s = repr(str(text))
+    return s if len(s) <= 60 else s[:59] + "…"
 
 
 def format_size(n: int) -> str:
@@ -155,11 +168,9 @@ def dumps(plan, fmt: Literal["yaml", "json"] = "yaml") -> str:
     return header + yaml.safe_dump(data, sort_keys=False, width=120, allow_unicode=True)
 
 
-def write_atomic(path: Path, text: str) -> None:
-    """Write next to the target and rename, so an interrupted write never leaves a half plan behind."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(text)
-    tmp.replace(path)
+def write_atomic(path: Path, text: str, *, flag: str = "-o", inputs: dict | None = None) -> Path:
+    """Write next to the target and rename, so an interrupted write never leaves a half plan behind; symlinks are
+    followed and the mode kept, devices, directories and the command's own inputs refused (recipe/safeio.py)."""
+    from .safeio import write_atomic as _write
 
-
+    return _write(path, text, flag=flag, inputs=inputs)

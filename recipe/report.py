@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+
 from rich.console import Console, Group
 from rich.table import Table
 from rich.text import Text
@@ -15,6 +17,9 @@ from .solver import Solution
 COMPONENTS = ("weights", "grads", "master", "optimizer", "activations", "lm_head", "overhead")
 COLORS = {"weights": "blue", "grads": "cyan", "master": "magenta", "optimizer": "bright_magenta",
           "activations": "green", "lm_head": "yellow", "overhead": "white"}
+# one glyph per component, so that the bar and its legend read without colour too (NO_COLOR, a log file, print)
+GLYPHS = {"weights": "█", "grads": "▓", "master": "▒", "optimizer": "░", "activations": "#", "lm_head": "=",
+          "overhead": "+"}
 
 
 def layout_str(deg: dict) -> str:
@@ -28,7 +33,7 @@ def memory_bar(mem: dict, width: int = 60) -> Text:
     bar = Text()
     for k in COMPONENTS:
         n = round(mem[k] * scale)
-        bar.append("█" * n, style=COLORS[k])
+        bar.append(GLYPHS[k] * n, style=COLORS[k])
     used = len(bar.plain)
     limit = round(usable * scale)
     if used < limit:
@@ -39,18 +44,28 @@ def memory_bar(mem: dict, width: int = 60) -> Text:
 
 
 def memory_legend() -> Text:
+    """Each component's glyph (in its colour) and name; '·' is free memory, '|' the usable limit."""
     t = Text()
     for k in COMPONENTS:
-        t.append("█ ", style=COLORS[k])
-        t.append(f"{k}  ")
+        t.append(GLYPHS[k] * 2, style=COLORS[k])
+        t.append(f" {k}  ")
+    t.append("··", style="dim")
+    t.append(" free  ")
+    t.append("|", style="bold red")
+    t.append(" usable")
     return t
+
+
+def recompute_words(recompute: str) -> str:
+    """'full recompute' / 'no recompute' (never 'none recompute')."""
+    return "no recompute" if recompute == "none" else f"{recompute} recompute"
 
 
 def summary(m: ModelShape, hw: HwProfile, seq: int, sol: Solution, explain: bool) -> Group:
     e, deg = sol.estimate, sol.degrees
     head = Text.assemble(
         (f"{m.name}", "bold"), f" at {format_size(seq)} tokens on ", (f"{sol.world}x {hw.name}", "bold"),
-        f"  ({sol.opts.recompute} recompute, {sol.opts.lm_head} LM head, "
+        f"  ({recompute_words(sol.opts.recompute)}, {sol.opts.lm_head} LM head, "
         f"{sol.opts.ep_overlap_chunks} EP chunk{'s' if sol.opts.ep_overlap_chunks > 1 else ''}"
         + ("; pinned " + " ".join(f"{k}={v}" for k, v in sol.pins.items()) if sol.pins else "") + ")")
     lay = Text.assemble(("layout  ", "bold"), (layout_str(deg), "bold green"))
@@ -69,23 +84,47 @@ def summary(m: ModelShape, hw: HwProfile, seq: int, sol: Solution, explain: bool
     parts = [head, lay, perf, reasons]
     if explain:
         parts += [Text(""), Text("memory per GPU", style="bold"), memory_bar(e.memory_gb), memory_legend(),
-                  memory_table(e), Text(""), decisions_table(sol), Text(""), time_table(e)]
-        when = {"fused": "at the end of the forward", "lean": "at the end of the forward",
-                "naive": "its logits live from forward to backward"}[sol.opts.lm_head]
-        parts.append(Text(f"LM head: {sol.opts.lm_head} it holds {e.lm_head_own_gb:.2f} GB while it runs ({when}; "
-                          f"{e.memory_gb['lm_head']:.2f} GB beyond a layer's working set); materialized "
-                          f"logits and their gradient would take {e.lm_head_unfused_gb:.2f} GB"))
+                  memory_table(e, sol.opts), Text(""), decisions_table(sol), Text(""), time_table(e)]
+        parts.append(Text(lm_head_note(e, sol.opts)))
     return Group(*parts)
 
 
-def memory_table(e: Estimate) -> Table:
+def head_overlaps(opts) -> bool:
+    """Whether the head's memory overlaps a layer's working set (recompute, and a head that takes its loss): then the
+    lm_head component is only what it needs beyond that working set, often 0."""
+    return opts.recompute == "full" and opts.lm_head != "naive"
+
+
+def lm_head_note(e: Estimate, opts) -> str:
+    """Why the lm_head row says what it says, next to what the head holds while it runs."""
+    own, added, unfused = e.lm_head_own_gb, e.memory_gb["lm_head"], e.lm_head_unfused_gb
+    if opts.lm_head == "naive":
+        what = (f"LM head (naive): its logits and their gradient, {own:.2f} GB, live from the forward to the "
+                f"backward, all of it on top of the activations (the lm_head row)")
+    elif head_overlaps(opts):
+        what = (f"LM head ({opts.lm_head}): holds {own:.2f} GB while it runs, at the end of the forward, when only the "
+                f"layers' checkpoints are live; the activations row already reserves a layer's recompute working set, "
+                f"not in use then, so the head adds only what it needs beyond that: {added:.2f} GB (the lm_head row)")
+    else:
+        what = (f"LM head ({opts.lm_head}): holds {own:.2f} GB while it runs; without recompute every layer's "
+                f"activations are still live then, so all of it adds to the peak (the lm_head row)")
+    return what + f". Materialized logits and their gradient would take {unfused:.2f} GB."
+
+
+def memory_table(e: Estimate, opts=None) -> Table:
     t = Table(box=None, show_header=True, header_style="bold")
     t.add_column("component")
     t.add_column("GB", justify="right")
     t.add_column("share", justify="right")
+    t.add_column("")
     for k in COMPONENTS:
-        t.add_row(k, f"{e.memory_gb[k]:.2f}", f"{100 * e.memory_gb[k] / e.memory_gb['total']:.0f}%")
-    t.add_row("total", f"{e.memory_gb['total']:.2f}", "", style="bold")
+        note = ""
+        if k == "lm_head" and opts is not None:
+            note = (f"beyond a layer's working set (holds {e.lm_head_own_gb:.2f} GB while it runs; see below)"
+                    if head_overlaps(opts) else f"holds {e.lm_head_own_gb:.2f} GB")
+        t.add_row(Text(GLYPHS[k] + " ", style=COLORS[k]) + Text(k), f"{e.memory_gb[k]:.2f}",
+                  f"{100 * e.memory_gb[k] / e.memory_gb['total']:.0f}%", note)
+    t.add_row("total", f"{e.memory_gb['total']:.2f}", "", "", style="bold")
     return t
 
 
@@ -140,16 +179,19 @@ def _count(n: float) -> str:
     return f"{n / 1e9:.3f}B" if n >= 1e8 else f"{n / 1e6:.2f}M"
 
 
-def compare_table(rows: list[tuple[HwProfile, Solution]]) -> Table:
+def compare_table(cols) -> Table:
+    """cols: (profile, solution or None, why it does not fit). A profile on which nothing fits gets its reason in
+    its column ("does not fit on 8 (needs 16)") and dashes below; the others read as usual."""
     t = Table(show_header=True, header_style="bold")
     t.add_column("")
-    for hw, _ in rows:
-        t.add_column(hw.name, justify="right")
+    for col in cols:
+        t.add_column(col[0].name, justify="right")
 
-    def row(label, f):
-        t.add_row(label, *[f(hw, s) for hw, s in rows])
+    def row(label, f, first: bool = False):
+        t.add_row(label, *[f(hw, s) if s is not None else (Text(why, style="bold red") if first else "—")
+                           for hw, s, why in cols])
 
-    row("GPUs", lambda hw, s: str(s.world))
+    row("GPUs", lambda hw, s: str(s.world), first=True)
     row("layout", lambda hw, s: layout_str(s.degrees))
     for k in COMPONENTS:
         row(f"{k} GB", lambda hw, s, k=k: f"{s.estimate.memory_gb[k]:.1f}")
@@ -161,8 +203,8 @@ def compare_table(rows: list[tuple[HwProfile, Solution]]) -> Table:
     return t
 
 
-def techniques_table(rows: list[tuple[HwProfile, dict]]) -> Table:
-    """The seed's §8 question: how much each technique matters on each part."""
+def techniques_table(rows: list[tuple[HwProfile, dict | None]]) -> Table:
+    """The seed's §8 question: how much each technique matters on each part (a dash where nothing fits)."""
     t = Table(title="what each technique buys on each part", show_header=True, header_style="bold",
               title_justify="left")
     t.add_column("technique")
@@ -171,9 +213,14 @@ def techniques_table(rows: list[tuple[HwProfile, dict]]) -> Table:
     labels = {"recompute": "full recompute", "fused_head": "fused LM head", "cp": "context parallel",
               "fsdp": "FSDP2 sharding", "ep_overlap": "chunked EP overlap"}
     for key, label in labels.items():
-        t.add_row(label, *[info[key] for _, info in rows])
+        t.add_row(label, *[info[key] if info is not None else "—" for _, info in rows])
     return t
 
 
 def console(stderr: bool = False) -> Console:
-    return Console(stderr=stderr, highlight=False, soft_wrap=False, width=160)
+    """A terminal's own width (tables wrap to fit it; COLUMNS overrides); 160 columns into a pipe or a file, so
+    logs keep one row per line."""
+    c = Console(stderr=stderr, highlight=False, soft_wrap=False)
+    if not c.is_terminal and not os.environ.get("COLUMNS"):
+        c.width = 160
+    return c

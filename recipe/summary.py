@@ -17,7 +17,7 @@ def summary_text(m: ModelShape, hw: HwProfile, seq: int, sol) -> str:
     pinned = "; pinned " + " ".join(f"{k}={v}" for k, v in sol.pins.items()) if sol.pins else ""
     lines = [
         f"{m.name} at {format_size(seq)} tokens on {sol.world}x {hw.name}  "
-        f"({o.recompute} recompute, {o.lm_head} LM head, {chunks}{pinned})",
+        f"({'no' if o.recompute == 'none' else o.recompute} recompute, {o.lm_head} LM head, {chunks}{pinned})",
         f"layout   {layout_str(sol.degrees)}",
         f"predict  {e.total_gb:.1f} GB peak of {hw.usable_gb:.1f} usable; step {e.step_time_s:.3f} s, "
         f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {e.tflops_per_gpu:.0f} TFLOP/s/GPU, MFU "

@@ -82,7 +82,7 @@ def test_solve_explain_shows_each_decision_and_the_bar():
     for comp in ("weights", "grads", "master", "optimizer", "activations", "lm_head", "overhead"):
         assert comp in out
     assert "rejected alternative" in out and "cp=1: peak" in out
-    assert "step time" in out and "LM head: fused it holds" in out
+    assert "step time" in out and "LM head (fused): holds" in out
 
 
 def test_solve_options_change_the_plan(tmp_path):
