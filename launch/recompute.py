@@ -3,7 +3,7 @@ non-reentrant `torch.utils.checkpoint`, so between layers only each layer's inpu
 runs again inside its backward. Parameter names are unchanged (the wrapper's state-dict hooks drop its prefix), so
 checkpoints and the optimizer see the same keys with recompute on or off.
 
-Under `parallelize()` this runs after TP/CP/EP and before FSDP2 (DESIGN.md): the wrapper must sit inside the FSDP
+Under `parallelize()` this runs after TP/CP/EP and before FSDP2 (launch/parallel.py): the wrapper must sit inside the FSDP
 unit so the recomputed forward re-gathers parameters through FSDP's own hooks.
 """
 
