@@ -107,18 +107,18 @@ def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
     return float((a - b).abs().max() / max(float(b.abs().max()), floor))
 
 
-def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str = "base", *, data,
-             references) -> dict:
+def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str = "base",
+             recompute: str = "full", *, data, references) -> dict:
     from launch.parallel import build_meshes, moe_layers, parallelize
     from launch.train import Trainer
     from recipe.models import PRESETS
 
     shape = PRESETS["tiny-moe"]
     steps = data[variant]
-    plan = _plan(dp, ep, chunks, cp=cp)
+    plan = _plan(dp, ep, chunks, recompute, cp=cp)
     meshes = build_meshes(plan.layout, "cpu")
     model = parallelize(_model(shape, variant), plan, meshes, param_dtype=torch.float32)
-    trainer = Trainer(model, _config(variant), recompute="full", lm_head="fused", dp_rank=meshes.dp_rank,
+    trainer = Trainer(model, _config(variant), recompute=recompute, lm_head="fused", dp_rank=meshes.dp_rank,
                       dp_size=meshes.dp_size, dp_group=meshes.dp_group, metrics_group=meshes.data_group)
     shards = []
     if trainer.context_parallel is not None:

@@ -51,6 +51,7 @@ def _launch(world: int, cases: list, tmp_path: Path) -> dict:
 def world2(tmp_path_factory):
     # (name, dp, ep, ep_overlap_chunks[, cp, data variant]) or (name, "pieces", cp)
     cases = [["dp2", 2, 1, 1], ["ep2_k1", 2, 2, 1], ["ep2_k2", 2, 2, 2], ["ep2_k4", 2, 2, 4],
+             ["ep2_k2_no_recompute", 2, 2, 2, 1, "base", "none"],
              ["cp2", 1, 1, 1, 2, "cp"], ["pieces_cp2", "pieces", 2]]
     return _launch(2, cases, tmp_path_factory.mktemp("world2"))
 
@@ -69,7 +70,7 @@ def _assert_equal_to_one_process(r: dict) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["dp2", "ep2_k1", "ep2_k2", "ep2_k4"])
+@pytest.mark.parametrize("name", ["dp2", "ep2_k1", "ep2_k2", "ep2_k4", "ep2_k2_no_recompute"])
 def test_world2_layouts_equal_one_process(world2, name):
     _assert_equal_to_one_process(world2[name])
 
@@ -131,6 +132,7 @@ def test_recomputed_forward_reissues_only_the_dispatch(world2):
     D' and C' in the backward = 5 all-to-alls (6 if the recompute re-issued the combine)."""
     r = world2["ep2_k2"]
     assert r["all_to_alls_per_layer_chunk_micro_batch"] == 5
+    assert world2["ep2_k2_no_recompute"]["all_to_alls_per_layer_chunk_micro_batch"] == 4  # one forward only
 
 
 # ---- the pieces, by hand ---------------------------------------------------------------------------------------
