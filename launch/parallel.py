@@ -30,10 +30,6 @@ import torch.nn as nn
 from launch.expert_parallel import ExpertParallel
 from launch.recompute import apply_recompute
 
-# degrees this version runs; tensor and pipeline parallelism slot into parallelize() where marked
-RUNNABLE = ("dp", "cp", "ep", "edp")
-
-
 class LayoutError(ValueError):
     """A layout that does not match the world it was started with, or that this version cannot run."""
 
