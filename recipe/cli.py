@@ -548,6 +548,8 @@ def models(
 
     out = console()
     out.print(models_table(shapes))
+    out.print("active: all but the routed experts a token is not sent to and the input embedding "
+              "(a lookup, not a matmul; FLOPs leave it out too)", markup=False)
     if model is None:
         return
     m = shapes[0]

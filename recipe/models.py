@@ -46,14 +46,15 @@ class LinearAttnShape(Record):
 class MLAShape(Record):
     """DeepSeek multi-head latent attention."""
 
-    q_lora_rank: Pos
+    q_lora_rank: NonNeg  # 0 = no q LoRA (DeepSeek-V2-Lite, Moonlight): q projected straight from the hidden state
     kv_lora_rank: Pos
     qk_nope_head_dim: Pos
     qk_rope_head_dim: Pos
     v_head_dim: Pos
 
     def __post_init__(self) -> None:
-        _positive(self, ("q_lora_rank", "kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        _positive(self, ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
+        _positive(self, ("q_lora_rank",), strict=False)
 
 
 def _positive(rec, names, strict: bool = True) -> None:
@@ -66,7 +67,11 @@ def _positive(rec, names, strict: bool = True) -> None:
 @dataclass(frozen=True, kw_only=True)
 class ModelShape(Record):
     name: str
-    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral"]
+    # dense: every layer a dense FFN (num_experts = top_k = 1, first_dense_layers = num_layers), EP = 1;
+    # moe: a standard softmax-routed MoE (OLMoE, GLM-4.5, ERNIE-4.5, Llama-4, Granite, Qwen2-MoE, unknown types);
+    # qwen3_5: Qwen3.5 dense (Gated DeltaNet + gated attention, dense FFN)
+    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral", "dense", "moe",
+                  "qwen3_5"]
     hidden_size: Pos
     num_layers: Pos
     vocab_size: Pos
@@ -262,7 +267,10 @@ def _full_attention_params(m: ModelShape) -> int:
     if m.mla is not None:
         a = m.mla
         qk_head = a.qk_nope_head_dim + a.qk_rope_head_dim
-        q = h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * m.num_heads * qk_head  # down, norm, up
+        if a.q_lora_rank:
+            q = h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * m.num_heads * qk_head  # down, norm, up
+        else:
+            q = h * m.num_heads * qk_head
         kv = (h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
               + a.kv_lora_rank * m.num_heads * (a.qk_nope_head_dim + a.v_head_dim))
         o = m.num_heads * a.v_head_dim * h
@@ -317,9 +325,12 @@ def total_params(m: ModelShape) -> int:
 
 
 def active_params(m: ModelShape) -> int:
-    """Parameters touched per token: all but the routed experts a token is not sent to."""
+    """Parameters touched per token: all but the routed experts a token is not sent to and the input embedding
+    (a lookup, not a matmul; the FLOPs leave it out too). With tied embeddings the matrix is the LM head and
+    counts."""
     c = param_counts(m)
-    return total_params(m) - c["routed_experts"] + c["routed_experts"] * m.top_k // m.num_experts
+    embed = 0 if m.tie_embeddings else c["embedding"]
+    return total_params(m) - embed - c["routed_experts"] + c["routed_experts"] * m.top_k // m.num_experts
 
 
 def active_matmul_params(m: ModelShape) -> int:
@@ -345,8 +356,14 @@ def mtp_params(m: ModelShape) -> int:
 # ---- Hugging Face config.json --------------------------------------------------------------------------------
 _ARCH_BY_MODEL_TYPE = {
     "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next",
-    "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "gpt_oss": "gpt_oss", "mixtral": "mixtral",
+    "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
+    "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
+    "gpt_oss": "gpt_oss", "mixtral": "mixtral",
+    "qwen2_moe": "moe", "olmoe": "moe", "glm4_moe": "moe", "ernie4_5_moe": "moe", "llama4": "moe",
+    "llama4_text": "moe", "granitemoe": "moe", "granitemoeshared": "moe",
+    "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense",
 }
+_EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 
 
 def from_hf_config(path: str | Path) -> ModelShape:
@@ -381,8 +398,15 @@ def _from_hf_config(path: Path) -> ModelShape:
     model_type = cfg.get("model_type") or raw.get("model_type") or ""
     arch = _ARCH_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
-        raise ValueError(f"{path}: model_type {_shown(model_type)} is not supported "
-                         f"(supported: {', '.join(sorted(_ARCH_BY_MODEL_TYPE))})")
+        if not isinstance(model_type, str) or not all(
+                k in cfg for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")):
+            raise ValueError(f"{path}: model_type {_shown(model_type)} is not supported and lacks the standard fields "
+                             f"(supported: {', '.join(sorted(_ARCH_BY_MODEL_TYPE))})")
+        arch = "moe" if any(cfg.get(k) is not None for k in _EXPERT_KEYS) else "dense"
+        import sys
+
+        sys.stderr.write(f"warning: {path}: model_type {_shown(model_type)} is not known; read by its standard "
+                         f"fields as a {'MoE' if arch == 'moe' else 'dense'} model\n")
 
     def bad(key: str, want: str, v) -> ValueError:
         return ValueError(f"{path}: field {key!r}: expected {want}, got {_shown(v)}")
@@ -391,7 +415,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         for k in (key, *alts):
             if k in cfg and cfg[k] is not None:
                 return cfg[k]
-        raise ValueError(f"{path}: missing field {key!r} for model_type {model_type!r}")
+        also = f" (or {', '.join(map(repr, alts))})" if alts else ""
+        raise ValueError(f"{path}: missing field {key!r}{also} for model_type {model_type!r}")
 
     def which(key: str, *alts: str) -> str:
         return next((k for k in (key, *alts) if k in cfg and cfg[k] is not None), key)
@@ -471,35 +496,41 @@ def _from_hf_config(path: Path) -> ModelShape:
         tie_embeddings=opt_flag("tie_word_embeddings", opt_flag("tie_word_embeddings", False), raw),
         rms_norm_eps=opt_num("rms_norm_eps", 1e-6),
         max_position=opt("max_position_embeddings", 32768),
-        num_experts=req("num_experts", "n_routed_experts", "num_local_experts"),
-        top_k=req("num_experts_per_tok", "experts_per_token"),
-        expert_ffn=req("moe_intermediate_size", "intermediate_size"),
         mtp_layers=opt("mtp_num_hidden_layers", opt("num_nextn_predict_layers", 0)),
-        norm_topk_prob=opt_flag("norm_topk_prob", True),
+        norm_topk_prob=opt_flag("norm_topk_prob", arch not in ("moe",)),
         source=str(path),
     )
+    if arch in ("dense", "qwen3_5"):
+        ffn = req("intermediate_size")
+        fields.update(num_experts=1, top_k=1, expert_ffn=ffn, first_dense_layers=n_layers, dense_ffn=ffn,
+                      qk_norm=model_type in ("qwen3", "qwen3_5", "qwen3_5_text"),
+                      attn_bias=opt_flag("attention_bias", model_type == "qwen2"))
+    else:
+        fields.update(num_experts=req(*_EXPERT_KEYS), top_k=req("num_experts_per_tok", "experts_per_token", "moe_k"),
+                      expert_ffn=req("moe_intermediate_size", "intermediate_size"))
     prf = cfg.get("partial_rotary_factor")
     prf_key = "partial_rotary_factor"
     if prf is None:
         prf, prf_key = rope.get("partial_rotary_factor"), "rope_parameters.partial_rotary_factor"
     if prf is not None:
         fields["partial_rotary_factor"] = number(prf, prf_key)
-    if arch in ("qwen3_5_moe", "qwen3_next"):
+    if arch in ("qwen3_5_moe", "qwen3_next", "qwen3_5"):
         shared = opt("shared_expert_intermediate_size", 0)
         fields.update(
             attn_output_gate=opt_flag("attn_output_gate", True),
-            shared_expert_ffn=shared,
-            shared_expert_gate=bool(shared),
             linear_attn=dict(
                 num_k_heads=req("linear_num_key_heads"), num_v_heads=req("linear_num_value_heads"),
                 head_k_dim=req("linear_key_head_dim"), head_v_dim=req("linear_value_head_dim"),
                 conv_kernel=opt("linear_conv_kernel_dim", 4)),
         )
+        if arch != "qwen3_5":
+            fields.update(shared_expert_ffn=shared, shared_expert_gate=bool(shared))
     elif arch == "deepseek_v3":
         nope, rope_dim = req("qk_nope_head_dim"), req("qk_rope_head_dim")
         fields.update(
-            qk_norm=False, router_bias=True, head_dim=nope + rope_dim,
-            mla=dict(q_lora_rank=req("q_lora_rank"), kv_lora_rank=req("kv_lora_rank"), qk_nope_head_dim=nope,
+            qk_norm=False, router_bias=model_type != "deepseek_v2", head_dim=nope + rope_dim,
+            # q_lora_rank null (DeepSeek-V2-Lite, Moonlight): q projected straight from the hidden state
+            mla=dict(q_lora_rank=opt("q_lora_rank", 0), kv_lora_rank=req("kv_lora_rank"), qk_nope_head_dim=nope,
                      qk_rope_head_dim=rope_dim, v_head_dim=req("v_head_dim")),
             shared_expert_ffn=opt("n_shared_experts", 0) * req("moe_intermediate_size"),
             first_dense_layers=opt("first_k_dense_replace", 0),
@@ -512,7 +543,53 @@ def _from_hf_config(path: Path) -> ModelShape:
                       expert_ffn=req("intermediate_size"))
     elif arch == "mixtral":
         fields.update(qk_norm=False, expert_ffn=req("intermediate_size"))
+    elif arch == "moe":
+        _generic_moe(cfg, model_type, fields, n_layers, req, opt, opt_flag, count)
     return validate(ModelShape, fields, f"{path}: invalid model shape")
+
+
+def _generic_moe(cfg: dict, model_type: str, fields: dict, n_layers: int, req, opt, opt_flag, count) -> None:
+    """The standard softmax-routed MoE families, by their field names."""
+    moe_ffn = fields["expert_ffn"]
+    fields.update(qk_norm=model_type == "olmoe" or opt_flag("use_qk_norm", False) and model_type == "glm4_moe",
+                  attn_bias=opt_flag("attention_bias", model_type == "qwen2_moe"))
+    if model_type == "qwen2_moe":
+        shared = opt("shared_expert_intermediate_size", 0)
+        fields.update(shared_expert_ffn=shared, shared_expert_gate=bool(shared))
+    elif model_type == "glm4_moe":
+        first = opt("first_k_dense_replace", 0)
+        fields.update(shared_expert_ffn=opt("n_shared_experts", 0) * moe_ffn, router_bias=True,
+                      first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0)
+    elif model_type == "ernie4_5_moe":
+        first = opt("moe_layer_start_index", 0)
+        fields.update(shared_expert_ffn=opt("moe_num_shared_experts", 0) * moe_ffn,
+                      first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0)
+    elif model_type in ("llama4", "llama4_text"):
+        # every interleave_moe_layer_step-th layer is MoE (routed + one shared expert), the rest dense with
+        # intermediate_size_mlp; the shape keeps the count of dense layers (their positions do not change the cost).
+        # Chunked local attention (attention_chunk_size) on the RoPE layers, global NoPE attention on the others:
+        # read as sliding attention of the chunk's width.
+        step = opt("interleave_moe_layer_step", 1)
+        if step <= 0:
+            raise ValueError(f"field 'interleave_moe_layer_step': expected a positive whole number, got {step}")
+        ffn = req("intermediate_size")
+        n_dense = n_layers - n_layers // step
+        fields.update(expert_ffn=ffn, shared_expert_ffn=ffn, first_dense_layers=n_dense,
+                      dense_ffn=req("intermediate_size_mlp") if n_dense else 0, qk_norm=False)
+        chunk = cfg.get("attention_chunk_size")
+        if chunk is not None:
+            chunk = count(chunk, "attention_chunk_size")
+            nope = cfg.get("no_rope_layers")
+            if isinstance(nope, list) and len(nope) >= n_layers:  # 1 = RoPE (chunked), 0 = NoPE (global)
+                rope_layers = [bool(x) for x in nope[:n_layers]]
+            else:
+                rope_layers = [(i + 1) % 4 != 0 for i in range(n_layers)]
+            fields.update(sliding_window=chunk, layer_types=tuple(
+                "sliding_attention" if r else "full_attention" for r in rope_layers))
+    elif model_type in ("granitemoe", "granitemoeshared"):
+        fields.update(expert_ffn=req("intermediate_size"), shared_expert_ffn=opt("shared_intermediate_size", 0))
+    else:  # olmoe, unknown: the routed expert width is moe_intermediate_size or intermediate_size
+        fields.update(shared_expert_ffn=opt("shared_expert_intermediate_size", 0))
 
 
 def _shown(v) -> str:

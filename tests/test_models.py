@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 
@@ -19,7 +20,7 @@ def _b(n: float) -> float:
 # ---- qwen35-35b, group by group ------------------------------------------------------------------------------
 def test_qwen35_35b_totals():
     assert abs(_b(total_params(Q35)) - 34.66) < 0.01
-    assert abs(_b(active_params(Q35)) - 3.46) < 0.01
+    assert abs(_b(active_params(Q35)) - 2.95) < 0.01  # the input embedding (0.51B, a lookup) is not active
 
 
 def test_qwen35_35b_groups_hand_worked():
@@ -47,8 +48,9 @@ def test_qwen35_35b_groups_hand_worked():
     assert total_params(Q35) == sum(c.values())
     # routed experts are ~93% of the model (40·256·3·2048·512 of 34.66B)
     assert 0.92 < c["routed_experts"] / total_params(Q35) < 0.94
-    # active: everything but the 248 of 256 experts a token is not routed to
-    assert active_params(Q35) == total_params(Q35) - c["routed_experts"] + c["routed_experts"] * 8 // 256
+    # active: everything but the 248 of 256 experts a token is not routed to and the input embedding (a lookup)
+    assert active_params(Q35) == (total_params(Q35) - c["embedding"] - c["routed_experts"]
+                                  + c["routed_experts"] * 8 // 256)
 
 
 def test_qwen35_35b_four_layers_matches_design():
@@ -85,7 +87,9 @@ def test_presets_against_published_totals(name, published_b, rel):
     ("qwen3-30b-a3b", 3.3), ("qwen3-235b-a22b", 22.0), ("deepseek-v3", 37.0), ("mixtral-8x7b", 12.9),
 ])
 def test_presets_active_against_published(name, published_active_b):
-    assert abs(_b(active_params(PRESETS[name])) - published_active_b) <= 0.05 * published_active_b
+    """These publishers count the input embedding as active; `active_params` does not (it is a lookup)."""
+    m = PRESETS[name]
+    assert abs(_b(active_params(m) + param_counts(m)["embedding"]) - published_active_b) <= 0.05 * published_active_b
 
 
 def test_tiny_moe_is_tiny_and_has_every_block():
@@ -192,8 +196,8 @@ def test_hf_bad_configs(tmp_path):
     p.write_text("[1, 2]")
     with pytest.raises(ValueError, match="JSON object"):
         from_hf_config(p)
-    with pytest.raises(ValueError, match="'llama' is not supported"):
-        from_hf_config(_write(tmp_path, "llama", {"model_type": "llama", "hidden_size": 4096}))
+    with pytest.raises(ValueError, match="'foo' is not supported and lacks the standard fields"):
+        from_hf_config(_write(tmp_path, "foo", {"model_type": "foo", "hidden_size": 4096}))
     # layer_types shorter than the layer count: a shape error, one line, naming the mismatch
     short = _qwen35_text(layer_types=["full_attention"] * 3)
     with pytest.raises(ValueError, match="layer_types has 3 entries"):
@@ -214,3 +218,192 @@ def test_resolve_model_presets_paths_and_close_names(tmp_path):
     assert "unknown model 'qwen35-35'" in str(e.value) and "did you mean qwen35-35b" in str(e.value)
     with pytest.raises(ValueError, match="did you mean.*deepseek-v3"):
         resolve_model("deepseek-v2")
+
+
+# ---- published configs (tests/fixtures/configs/, sources in its README.md) ----------------------------------
+FIXTURES = Path(__file__).parent / "fixtures" / "configs"
+
+# fixture: (published total B, published active B, how the publisher counts active, source of the figures).
+# Figures are strings so that their precision is known: a figure matches within 1% or one unit of its last digit,
+# whichever is wider, since publishers round or cut ("2.4B" for DeepSeek-V2-Lite's 2.45B; "3B" is 2B..4B). How active is counted: "ours" = everything a token multiplies through
+# (routed experts it is sent to, attention, shared experts, dense FFNs, router, LM head), not the input embedding;
+# "+embedding": the publisher also counts the input embedding; "-head": the publisher counts neither the embedding
+# nor the LM head (the non-embedding count). None: not published (dense: active = total − input embedding).
+PUBLISHED = {
+    "qwen3.5-35b-a3b": ("35", "3", "ours", "Qwen/Qwen3.5-35B-A3B model card (35B total, 3B activated)"),
+    "qwen3-next-80b-a3b": ("80", "3", "-head", "Qwen/Qwen3-Next-80B-A3B-Instruct model card (80B, 3B activated)"),
+    "qwen3-30b-a3b": ("30.5", "3.3", "+embedding", "Qwen/Qwen3-30B-A3B model card (30.5B, 3.3B activated)"),
+    "qwen1.5-moe-a2.7b": ("14.3", "2.7", "+embedding", "Qwen/Qwen1.5-MoE-A2.7B model card (14.3B, 2.7B activated)"),
+    "qwen2-57b-a14b": ("57", "14", "+embedding", "Qwen2 technical report, arXiv:2407.10671 (57B, 14B activated)"),
+    "deepseek-v2": ("236", "21", "ours", "DeepSeek-V2 paper, arXiv:2405.04434 (236B total, 21B activated)"),
+    "deepseek-v2-lite": ("15.7", "2.4", "ours", "DeepSeek-V2 paper, appendix B (15.7B total, 2.4B activated)"),
+    "deepseek-v3": ("671", "37", "ours", "DeepSeek-V3 report, arXiv:2412.19437 (671B total, 37B activated)"),
+    "kimi-k2": ("1000", "32", "ours", "moonshotai/Kimi-K2-Instruct model card (1T total, 32B activated)"),
+    "moonlight-16b-a3b": ("16", "3", "ours", "moonshotai/Moonlight-16B-A3B model card (16B total, 3B activated)"),
+    "mixtral-8x7b": ("46.7", "12.9", "+embedding", "Mistral AI, 'Mixtral of experts' (46.7B total, 12.9B a token)"),
+    "mixtral-8x22b": ("141", "39", "+embedding", "Mistral AI, Mixtral 8x22B announcement (141B, 39B active)"),
+    "olmoe-1b-7b": ("6.9", "1.3", "+embedding", "OLMoE paper, arXiv:2409.02060 (6.9B total, 1.3B active)"),
+    "glm-4.5": ("355", "32", "-head", "GLM-4.5 report, arXiv:2508.06471 (355B total, 32B activated)"),
+    "glm-4.5-air": ("106", "12", "-head", "GLM-4.5 report, arXiv:2508.06471 (106B total, 12B activated)"),
+    "ernie-4.5-21b-a3b": ("21", "3", "ours", "baidu/ERNIE-4.5-21B-A3B-PT model card (21B total, 3B activated)"),
+    "llama-4-scout-17b-16e": ("109", "17", "+embedding", "Meta Llama 4 model card (109B total, 17B active)"),
+    "llama-4-maverick-17b-128e": ("400", "17", "+embedding", "Meta Llama 4 model card (400B total, 17B active)"),
+    "granite-3.0-3b-a800m": ("3.3", "0.8", "-head", "IBM Granite 3.0 report (3.3B total, 800M active)"),
+    "granite-3.0-1b-a400m": ("1.3", "0.4", "-head", "IBM Granite 3.0 report (1.3B total, 400M active)"),
+    "gpt-oss-120b": ("116.83", "5.13", "ours", "OpenAI gpt-oss model card, table 1 (116.83B total, 5.13B active)"),
+    "gpt-oss-20b": ("20.91", "3.61", "ours", "OpenAI gpt-oss model card, table 1 (20.91B total, 3.61B active)"),
+    "llama-3-8b": ("8.03", None, None, "meta-llama/Meta-Llama-3-8B on Hugging Face (8.03B params)"),
+    "llama-3.1-70b": ("70.6", None, None, "meta-llama/Llama-3.1-70B on Hugging Face (70.6B params)"),
+    "qwen3-8b": ("8.2", None, None, "Qwen/Qwen3-8B model card (8.2B; 6.95B non-embedding)"),
+    "qwen2.5-7b": ("7.61", None, None, "Qwen/Qwen2.5-7B model card (7.61B; 6.53B non-embedding)"),
+}
+# Where a figure is further off than its precision, the reason (and the wider tolerance):
+WIDER = {
+    ("llama-4-scout-17b-16e", "total"): (0.015, "Meta's 109B includes the vision encoder (~0.9B); text stack only"),
+}
+NON_EMBEDDING = {"qwen3-8b": "6.95", "qwen2.5-7b": "6.53", "qwen3-30b-a3b": "29.9"}  # same model cards
+
+
+def _tolerance(fig: str, rel: float = 0.01) -> float:
+    decimals = len(fig.split(".")[1]) if "." in fig else 0
+    unit = 10.0 ** -decimals if decimals or fig.rstrip("0") == fig else 10.0 ** (len(fig) - len(fig.rstrip("0")))
+    return max(rel * float(fig), unit)
+
+
+def test_every_fixture_has_a_published_figure():
+    assert sorted(p.stem for p in FIXTURES.glob("*.json")) == sorted(PUBLISHED)
+    assert all(name in (FIXTURES / "README.md").read_text() for name in PUBLISHED)
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_fixture_counts_against_published(name):
+    total_fig, active_fig, how, source = PUBLISHED[name]
+    m = from_hf_config(FIXTURES / f"{name}.json")
+    c = param_counts(m)
+    total = _b(total_params(m))
+    rel = WIDER.get((name, "total"), (0.01,))[0]
+    assert abs(total - float(total_fig)) <= _tolerance(total_fig, rel), f"{name}: {total:.3f}B vs {total_fig}B ({source})"
+    embed = 0 if m.tie_embeddings else c["embedding"]
+    if active_fig is None:  # dense: every weight but the input embedding, and nothing to route
+        assert m.num_experts == m.top_k == 1 and m.first_dense_layers == m.num_layers and c["routed_experts"] == 0
+        assert active_params(m) == total_params(m) - c["embedding"]
+        if name in NON_EMBEDDING:
+            fig = NON_EMBEDDING[name]
+            non_embed = _b(total_params(m) - c["embedding"] - c["head"])
+            assert abs(non_embed - float(fig)) <= _tolerance(fig), f"{name}: non-embedding {non_embed:.3f}B vs {fig}B"
+        return
+    active = active_params(m) + {"ours": 0, "+embedding": embed, "-head": -(c["head"] or c["embedding"])}[how]
+    rel = WIDER.get((name, "active"), (0.01,))[0]
+    assert abs(_b(active) - float(active_fig)) <= _tolerance(active_fig, rel), \
+        f"{name}: active {_b(active):.3f}B ({how}) vs {active_fig}B ({source})"
+
+
+def test_fixture_shapes():
+    """The features each family brings, read from its config."""
+    rd = lambda n: from_hf_config(FIXTURES / f"{n}.json")  # noqa: E731
+    lite, v3, moon, kimi = rd("deepseek-v2-lite"), rd("deepseek-v3"), rd("moonlight-16b-a3b"), rd("kimi-k2")
+    assert lite.mla.q_lora_rank == 0 and moon.mla.q_lora_rank == 0 and v3.mla.q_lora_rank == 1536  # q LoRA or not
+    assert (lite.first_dense_layers, v3.first_dense_layers, kimi.first_dense_layers) == (1, 3, 1)
+    assert lite.shared_expert_ffn == 2 * 1408 and kimi.num_experts == 384 and v3.mtp_layers == 1
+    assert not lite.router_bias and v3.router_bias  # V2: softmax gate; V3: sigmoid with a bias
+    scout, mav = rd("llama-4-scout-17b-16e"), rd("llama-4-maverick-17b-128e")
+    assert scout.num_moe_layers == 48 and mav.num_moe_layers == 24 and mav.dense_ffn == 16384  # interleaved
+    assert scout.sliding_window == 8192 and scout.num_sliding_layers == 36 and scout.num_full_attn_layers == 12
+    assert scout.shared_expert_ffn == 8192
+    oss = rd("gpt-oss-120b")
+    assert oss.num_sliding_layers == oss.num_full_attn_layers == 18 and oss.sliding_window == 128
+    assert param_counts(oss)["attention"] > 0 and oss.arch == "gpt_oss"  # attention sinks counted per head
+    glm, ernie = rd("glm-4.5"), rd("ernie-4.5-21b-a3b")
+    assert glm.partial_rotary_factor == 0.5 and glm.attn_bias and glm.qk_norm and glm.first_dense_layers == 3
+    assert ernie.tie_embeddings and ernie.shared_expert_ffn == 3072 and ernie.first_dense_layers == 1
+    assert rd("qwen2-57b-a14b").shared_expert_gate and rd("olmoe-1b-7b").qk_norm
+    assert rd("qwen3-next-80b-a3b").num_linear_attn_layers == 36
+    assert _same_shape(rd("qwen3.5-35b-a3b"), Q35)
+    assert _same_shape(rd("qwen3-30b-a3b"), PRESETS["qwen3-30b-a3b"])
+
+
+def test_hf_qwen35_dense_reads_as_hybrid_dense(tmp_path):
+    cfg = _qwen35_text(model_type="qwen3_5_text", intermediate_size=8192, full_attention_interval=4)
+    for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+        del cfg[k]
+    m = from_hf_config(_write(tmp_path, "q35dense", cfg))
+    assert m.arch == "qwen3_5" and m.num_linear_attn_layers == 30 and m.num_experts == 1
+    assert param_counts(m)["dense_ffn"] == 40 * 3 * 2048 * 8192 and param_counts(m)["shared_expert"] == 0
+
+
+def test_hf_unknown_model_type_read_with_a_warning(tmp_path, capsys):
+    cfg = json.loads((FIXTURES / "llama-3-8b.json").read_text())
+    cfg["model_type"] = "my_llama"
+    m = from_hf_config(_write(tmp_path, "mine", cfg))
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "'my_llama' is not known" in err and "dense" in err
+    assert total_params(m) == total_params(from_hf_config(FIXTURES / "llama-3-8b.json"))
+    moe = json.loads((FIXTURES / "olmoe-1b-7b.json").read_text())
+    moe["model_type"] = "my_moe"
+    assert from_hf_config(_write(tmp_path, "mine-moe", moe)).num_experts == 64
+    assert "as a MoE model" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("name, drop", [("llama-3-8b", "intermediate_size"), ("deepseek-v2-lite", "kv_lora_rank"),
+                                        ("ernie-4.5-21b-a3b", "moe_k"), ("olmoe-1b-7b", "num_experts"),
+                                        ("mixtral-8x7b", "vocab_size")])
+def test_hf_fixture_missing_field_is_named(tmp_path, name, drop):
+    cfg = json.loads((FIXTURES / f"{name}.json").read_text())
+    cfg.pop(drop)
+    with pytest.raises(ValueError) as e:
+        from_hf_config(_write(tmp_path, "bad", cfg))
+    msg = str(e.value)
+    assert "\n" not in msg and drop in msg, msg
+
+
+@pytest.mark.parametrize("field, value", [("hidden_size", 0), ("num_hidden_layers", -2), ("vocab_size", None),
+                                          ("intermediate_size", "big"), ("num_attention_heads", 0)])
+def test_hf_bad_values_are_named(tmp_path, field, value):
+    cfg = json.loads((FIXTURES / "llama-3-8b.json").read_text())
+    cfg[field] = value
+    with pytest.raises(ValueError) as e:
+        from_hf_config(_write(tmp_path, "bad", cfg))
+    assert "\n" not in str(e.value) and field.split("_")[0] in str(e.value), str(e.value)
+
+
+def _gpus_for(name: str) -> int:
+    total_b = total_params(from_hf_config(FIXTURES / f"{name}.json")) / 1e9
+    return 8 if total_b < 40 else 64 if total_b < 250 else 256
+
+
+@pytest.mark.parametrize("name", sorted(PUBLISHED))
+def test_fixture_models_solve_and_sweep(name):
+    """`recipe models PATH`, `recipe solve --model PATH` and `recipe sweep` on every family: no error, no
+    traceback, and the solver's layout within 5% of the grid optimum."""
+    import re
+
+    from typer.testing import CliRunner
+
+    from recipe.cli import app
+
+    runner, path, gpus = CliRunner(), str(FIXTURES / f"{name}.json"), str(_gpus_for(name))
+    r = runner.invoke(app, ["models", path])
+    assert r.exit_code == 0 and "routed_experts" in r.stdout and "input embedding" in r.stdout, r.output
+    r = runner.invoke(app, ["solve", "--model", path, "--seq", "8k", "--hw", "h200", "--gpus", gpus])
+    assert r.exit_code == 0 and r.exception is None, r.output
+    assert "Traceback" not in r.output
+    if from_hf_config(path).arch == "dense":
+        assert "EP=1 " in r.stdout  # nothing to shard over EP
+    r = runner.invoke(app, ["sweep", "--model", path, "--seq", "8k", "--hw", "h200", "--gpus", gpus])
+    assert r.exit_code == 0 and r.exception is None, r.output
+    m = re.search(r"ranks #(\d+) \((\d+\.\d+)× the grid optimum", r.stdout.replace("\n", " "))
+    assert m and float(m.group(2)) <= 1.05, r.stdout[-400:]
+
+
+def test_cli_missing_field_exits_2_with_one_line(tmp_path):
+    from typer.testing import CliRunner
+
+    from recipe.cli import app
+
+    cfg = json.loads((FIXTURES / "glm-4.5-air.json").read_text())
+    del cfg["n_routed_experts"]
+    p = _write(tmp_path, "glm", cfg)
+    for args in (["models", str(p)], ["solve", "--model", str(p), "--seq", "8k", "--hw", "h200", "--gpus", "8"]):
+        r = CliRunner().invoke(app, args)
+        assert r.exit_code == 2 and "Traceback" not in r.output
+        assert r.stderr.strip().count("\n") == 0 and "'num_experts'" in r.stderr, r.stderr
