@@ -260,7 +260,9 @@ class Transformer(nn.Module):
         super().__init__()
         if shape.arch not in SUPPORTED_ARCHS:
             raise ValueError(f"arch {shape.arch!r} is not supported by the training core "
-                             f"(supported: {', '.join(SUPPORTED_ARCHS)})")
+                             f"(supported: {', '.join(SUPPORTED_ARCHS)}); `recipe solve` plans the others "
+                             f"(DeepSeek/Kimi/Moonlight MLA, gpt-oss, Mixtral, Llama 4, GLM-4.5, ERNIE-4.5, OLMoE, "
+                             f"Granite, Qwen2-MoE, dense models) but this core cannot train them")
         if shape.first_dense_layers or shape.mla is not None or shape.sliding_window:
             raise ValueError(f"{shape.name}: dense-first layers, MLA and sliding windows are not supported")
         self.shape = shape
