@@ -314,7 +314,7 @@ def main(argv=None):
         methods = {k: v for k, v in methods.items() if k in args.methods}
     rows = []
     H = args.hidden
-    for T in sorted(args.tokens, reverse=True):  # the bar's T first: a cut-short run still has it
+    for T in sorted(args.tokens, reverse=True):  # the largest T first: a cut-short run still has it
         for V in args.vocab:
             g = torch.Generator(device=dev).manual_seed(T * 7 + V)
             h = torch.randn(T, H, device=dev, generator=g).bfloat16().requires_grad_()
@@ -338,7 +338,7 @@ def main(argv=None):
                     if mode not in fns:
                         continue
                     if name in ("torch naive", "torch.compile") and T != max(args.tokens):
-                        continue  # materialized-logits peers: the bar's T only (each new shape recompiles)
+                        continue  # materialized-logits peers: the first (largest) T only (each new shape recompiles)
                     row = dict(T=T, V=V, H=H, mode=mode, method=name)
                     try:
                         out, dh, dw, peak, times = measure(fns[mode], h, w, t, adv, mode, args.reps)

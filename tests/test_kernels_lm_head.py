@@ -330,7 +330,7 @@ def _small_lean_chunks(L, kc=None, grain=4, tile=16):
 def test_lean_plan_uses_own_rows_then_a_small_tail():
     from kernels import lm_head_lean as L
 
-    # the bar's shape: pass H fits in dW's bytes at its wanted chunks; pass W runs in its own rows except the last
+    # the target shape: pass H fits in dW's bytes at its wanted chunks; pass W runs in its own rows except the last
     # rows, whose scratch is the one external buffer (4.3 MiB at H = 2048)
     H, V, T = 2048, 248320, 65536
     need_h, need_w, need_direct = L._needs(H, 2, True, 256)
@@ -421,7 +421,7 @@ def test_lean_with_the_loss_handed_over_torch(dtype):
 
 
 def test_lean_group_fits_in_the_weight_gradient():
-    # the bar's shape: 4096-token groups do not fit dW's 0.95 GiB, 1536 do (e 1536 x 248,320 x 2 B = 0.763 GB +
+    # the target shape: 4096-token groups do not fit dW's 0.95 GiB, 1536 do (e 1536 x 248,320 x 2 B = 0.763 GB +
     # 17.9 MB of statistics + 12.6 MB of dH32 + a 134 MB fp16 chunk of W = 0.928 GB <= 1.017 GB; 1792: 1.060 GB);
     # a tiny budget falls to the last few tokens
     from kernels import lm_head_lean as L
@@ -712,7 +712,7 @@ needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 @pytest.mark.parametrize("T,H,V", [(1000, 256, 5003), (4099, 512, 32771)])
 def test_gpu_bf16_cross_entropy(T, H, V, impl):
     # bf16 operands, fp32 logits and accumulators: loss at fp32 accuracy; gradients limited by the bf16 dlogits
-    # tile and the bf16 output rounding (the issue's bar: dH 7e-3, dW 2e-3).
+    # tile and the bf16 output rounding (the accuracy goal: dH 7e-3, dW 2e-3).
     errs = check_cross_entropy(T, H, V, backend="triton", tol=1e-5, device="cuda", dtype=torch.bfloat16,
                                z_loss=1e-4, chunk_tokens=1024, chunk_vocab=4096, grad_tol=2e-3, impl=impl)
     print(errs)
