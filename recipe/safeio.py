@@ -13,6 +13,7 @@ Pure Python (os and stat): never imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import stat
@@ -169,10 +170,8 @@ def write_atomic(path: str | Path, data: str | bytes, *, flag: str = "-o",
             if old is not None:
                 os.fchmod(fd, stat.S_IMODE(old.st_mode))
                 if hasattr(os, "fchown") and (old.st_uid, old.st_gid) != (os.getuid(), os.getgid()):
-                    try:
+                    with contextlib.suppress(OSError):  # not ours to give away; the mode is kept
                         os.fchown(fd, old.st_uid, old.st_gid)
-                    except OSError:
-                        pass  # not ours to give away; the mode is kept
             os.fsync(fd)
         finally:
             os.close(fd)
