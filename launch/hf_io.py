@@ -9,6 +9,11 @@ file). Accepted key spellings, all mapped onto our parameter names (which are Hu
 - Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba`, split into Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b,
   in_proj_a (the same network: the rows are only reordered).
 
+Our Gated DeltaNet keeps in_proj_qkv's rows and conv1d's channels grouped per key head ([q | k | r value heads] × G,
+launch/model.py: a tensor-parallel shard is whole heads); both Hugging Face layouts keep [all q | all k | all v]
+there, so load and export reorder those two tensors (`gdn_grouped_order`), and checkpoints of every layout hold
+the same tensors.
+
 Export writes the layout transformers itself writes for the architecture (per-expert tensors, `model.` prefix) and a
 config.json, so `from_pretrained` and our loader both read it back.
 """
@@ -85,6 +90,23 @@ def _interleave_qwen3_next(sd: dict[str, torch.Tensor], prefix: str, m: GatedDel
     sd[prefix + "in_proj_ba.weight"] = torch.cat([b.view(g, r, d), a.view(g, r, d)], dim=1).reshape(-1, d)
 
 
+def gdn_grouped_order(m: GatedDeltaNet) -> torch.Tensor:
+    """Row index into Hugging Face's [all q | all k | all v] giving our per-key-head order [q_g | k_g | v_g] × G."""
+    g, r = m.num_k_heads, m.num_v_heads // m.num_k_heads
+    kd, vdr = m.head_k_dim, r * m.head_v_dim
+    return torch.cat([torch.cat([torch.arange(i * kd, (i + 1) * kd), torch.arange((g + i) * kd, (g + i + 1) * kd),
+                                 torch.arange(2 * g * kd + i * vdr, 2 * g * kd + (i + 1) * vdr)]) for i in range(g)])
+
+
+def _regroup_gdn(sd: dict[str, torch.Tensor], prefix: str, m: GatedDeltaNet, to_ours: bool) -> None:
+    order = gdn_grouped_order(m)
+    if not to_ours:
+        order = torch.argsort(order)
+    for key in ("in_proj_qkv.weight", "conv1d.weight"):
+        if prefix + key in sd:
+            sd[prefix + key] = sd[prefix + key][order.to(sd[prefix + key].device)]
+
+
 def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
@@ -105,8 +127,10 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
             [torch.cat([experts[e]["gate_proj"], experts[e]["up_proj"]]) for e in range(num)])
         sd[prefix + ".down_proj"] = torch.stack([experts[e]["down_proj"] for e in range(num)])
     for name, m in model.named_modules():
-        if isinstance(m, GatedDeltaNet) and f"{name}.in_proj_qkvz.weight" in sd:
-            _deinterleave_qwen3_next(sd, name + ".", m)
+        if isinstance(m, GatedDeltaNet):
+            if f"{name}.in_proj_qkvz.weight" in sd:
+                _deinterleave_qwen3_next(sd, name + ".", m)
+            _regroup_gdn(sd, name + ".", m, to_ours=True)
     return sd
 
 
@@ -168,10 +192,12 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
     """Our parameters (the model's own, or `state_dict`: the same names, e.g. full tensors gathered from shards) under
     transformers' names and layout."""
     sd = {k: v.detach() for k, v in (model.state_dict() if state_dict is None else state_dict).items()}
-    if model.shape.arch == "qwen3_next":
-        for name, m in model.named_modules():
-            if isinstance(m, GatedDeltaNet):
-                _interleave_qwen3_next(sd, name.replace("_checkpoint_wrapped_module.", "") + ".", m)
+    for name, m in model.named_modules():
+        if isinstance(m, GatedDeltaNet):
+            prefix = name.replace("_checkpoint_wrapped_module.", "") + "."
+            _regroup_gdn(sd, prefix, m, to_ours=False)
+            if model.shape.arch == "qwen3_next":
+                _interleave_qwen3_next(sd, prefix, m)
     out: dict[str, torch.Tensor] = {}
     for key, t in sd.items():
         if key.endswith("mlp.experts.gate_up_proj"):

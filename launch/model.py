@@ -149,11 +149,12 @@ class Attention(nn.Module):
         T = x_TD.shape[0]
         q = self.q_proj(x_TD)
         if self.output_gate:  # per head: [query channels | gate channels]
-            q, gate = q.view(T, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.view(T, -1, 2 * self.head_dim).chunk(2, dim=-1)
             gate = gate.reshape(T, -1)
-        q = q.reshape(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x_TD).view(T, self.num_kv_heads, self.head_dim)
+        # head counts from the projections' widths: under tensor parallelism each rank holds whole heads of them
+        q = q.reshape(T, -1, self.head_dim)
+        k = self.k_proj(x_TD).view(T, -1, self.head_dim)
+        v = self.v_proj(x_TD).view(T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
@@ -168,7 +169,11 @@ class Attention(nn.Module):
 
 class GatedDeltaNet(nn.Module):
     """Linear attention: q/k/v/z/β/α projections, causal depthwise conv (per document), gated delta rule, gated
-    RMSNorm, output projection. Qwen3.5's split projection layout (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a)."""
+    RMSNorm, output projection. Qwen3.5's split projections (in_proj_qkv, in_proj_z, in_proj_b, in_proj_a), with
+    in_proj_qkv's rows (and the conv's channels) grouped per key head: [q (Dk) | k (Dk) | its r value heads (r·Dv)]
+    for each of the G key heads, so that a contiguous block of rows is whole heads (tensor parallelism shards it on
+    rows); launch/hf_io.py converts from and to Hugging Face's [all q | all k | all v]. Head counts in the forward
+    come from the projections' widths (a tensor-parallel rank holds G/tp key heads and their value heads)."""
 
     def __init__(self, s: ModelShape):
         super().__init__()
@@ -205,10 +210,10 @@ class GatedDeltaNet(nn.Module):
             qkv = cp.causal_conv(self.in_proj_qkv(x_TD), self.conv1d.weight[:, 0, :], packing, self.conv_backend)
         else:
             qkv = self.causal_conv(self.in_proj_qkv(x_TD), packing.positions)
-        q, k, v = torch.split(qkv, [self.key_dim, self.key_dim, self.value_dim], dim=-1)
-        q = q.reshape(T, self.num_k_heads, self.head_k_dim)
-        k = k.reshape(T, self.num_k_heads, self.head_k_dim)
-        v = v.reshape(T, self.num_v_heads, self.head_v_dim)
+        r = self.num_v_heads // self.num_k_heads  # value heads per key head
+        qkv = qkv.view(T, -1, 2 * self.head_k_dim + r * self.head_v_dim)  # [T, G, Dk + Dk + r·Dv]
+        q, k, v = torch.split(qkv, [self.head_k_dim, self.head_k_dim, r * self.head_v_dim], dim=-1)
+        v = v.reshape(T, -1, self.head_v_dim)  # value head g·r + j reads key head g
         beta = torch.sigmoid(self.in_proj_b(x_TD))
         g = -self.A_log.float().exp() * F.softplus(self.in_proj_a(x_TD).float() + self.dt_bias)  # log decay ≤ 0
         if cp is not None:
@@ -216,8 +221,8 @@ class GatedDeltaNet(nn.Module):
         else:
             o = gated_delta_rule(q, k, v, g, beta, packing.positions, packing.cu_seqlens, self.chunk_size,
                                  self.backend)
-        z = self.in_proj_z(x_TD).view(T, self.num_v_heads, self.head_v_dim)
-        o = self.norm(o, z).reshape(T, self.value_dim)
+        z = self.in_proj_z(x_TD).view(T, -1, self.head_v_dim)
+        o = self.norm(o, z).reshape(T, -1)
         return self.out_proj(o)
 
 
