@@ -27,14 +27,14 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from recipe.cli import solve_inputs  # noqa: E402
+from recipe.solving import solve_inputs  # noqa: E402
 from recipe.plan import Inputs, parse_size  # noqa: E402
 from recipe.sweep import grid, rank_of, ranked  # noqa: E402
 
 
 def recipe_argv() -> list[str]:
     exe = shutil.which("recipe", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    return [exe] if exe else [sys.executable, "-c", "from recipe.cli import main; main()"]
+    return [exe] if exe else [sys.executable, "-m", "recipe"]
 
 
 CPU_MS: dict[int, list[float]] = {}  # id(wall list) → the same runs' CPU time (user + sys of the child)

@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from .plan import Plan, PlanError, build_plan, load_plan
+from .text import layout_str, one_line
 
 Kind = Literal["drift", "misfit", "invalid"]
 SEVERITY = {"drift": 1, "misfit": 1, "invalid": 2}
@@ -105,7 +106,7 @@ def check_plan(path: str | Path) -> PlanCheck:
         m = plan.model_shape(base)
         hw = plan.hw_profile(base)
     except ValueError as e:
-        res.problems.append(Problem(res.file, "inputs", None, None, "invalid", _one_line(str(e))))
+        res.problems.append(Problem(res.file, "inputs", None, None, "invalid", one_line(str(e))))
         return res
     lay = plan.layout
 
@@ -113,7 +114,7 @@ def check_plan(path: str | Path) -> PlanCheck:
     try:
         fresh, solve_error = _resolve(plan, base)
     except ValueError as e:  # inputs no solve can use (e.g. a GPU count that fills no whole node)
-        res.problems.append(Problem(res.file, "inputs", None, None, "invalid", _one_line(str(e))))
+        res.problems.append(Problem(res.file, "inputs", None, None, "invalid", one_line(str(e))))
         return res
     res.fresh = fresh
     solved_layout = fresh.layout if fresh is not None else None
@@ -127,18 +128,18 @@ def check_plan(path: str | Path) -> PlanCheck:
                        plan.train_options())
         res.peak_gb, res.usable_gb = est.total_gb, hw.usable_gb
     except (ArithmeticError, ValueError) as e:
-        res.problems.append(Problem(res.file, "layout", _layout_str(lay), None, "misfit",
+        res.problems.append(Problem(res.file, "layout", layout_str(lay), None, "misfit",
                                     f"today's cost model cannot estimate this layout ({type(e).__name__})"))
         est = None
     if est is not None and not est.fits:
         solved_peak = fresh.prediction.memory_gb.total if fresh is not None else None
         res.problems.append(Problem(
             res.file, "memory.peak_gb", round(est.total_gb, 1), solved_peak, "misfit",
-            f"the committed layout ({_layout_str(lay)}) peaks at {est.total_gb:.1f} GB with today's cost model, "
+            f"the committed layout ({layout_str(lay)}) peaks at {est.total_gb:.1f} GB with today's cost model, "
             f"{est.total_gb - hw.usable_gb:.1f} GB over the {hw.name} profile's {hw.usable_gb:.1f} GB usable"))
 
     if solve_error is not None:
-        res.problems.append(Problem(res.file, "layout", _layout_str(lay), "no layout fits", "drift",
+        res.problems.append(Problem(res.file, "layout", layout_str(lay), "no layout fits", "drift",
                                     f"today's solver finds no layout for these inputs: {solve_error}"))
         return res
     res.problems.extend(drift(res.file, plan, fresh))
@@ -146,14 +147,14 @@ def check_plan(path: str | Path) -> PlanCheck:
 
 
 def _resolve(plan: Plan, base: Path) -> tuple[Plan | None, str | None]:
-    from .cli import solve_inputs
+    from .solving import solve_inputs
     from .solver import InfeasibleError
 
     try:
         m, hw, sol = solve_inputs(plan.inputs, base)
         return build_plan(plan.inputs, m, hw, sol), None
     except InfeasibleError as e:
-        return None, _one_line(str(e))
+        return None, one_line(str(e))
 
 
 def divisibility(m, lay, seq: int) -> list[tuple[str, int, str]]:
@@ -268,36 +269,26 @@ def _ordered_keys(a: dict, b: dict) -> list[str]:
     return list(a) + [k for k in b if k not in a]
 
 
-def _layout_str(lay) -> str:
-    return " ".join(f"{k}={getattr(lay, k)}" for k in ("pp", "tp", "cp", "ep", "dp", "edp"))
-
-
 def _strip_origin(msg: str, origin: str) -> str:
     if msg.startswith(origin + " is "):  # "plans/x is a FIFO (named pipe), not a plan file"
-        return _one_line("it" + msg[len(origin):])
-    return _one_line(msg[len(origin) + 2:] if msg.startswith(origin + ": ") else msg)
-
-
-def _one_line(text: str, limit: int = 300) -> str:
-    """Control characters escaped, so that every problem prints as exactly one line."""
-    s = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
-    return s if len(s) <= limit else s[: limit - 1] + "…"
+        return one_line("it" + msg[len(origin):])
+    return one_line(msg[len(origin) + 2:] if msg.startswith(origin + ": ") else msg)
 
 
 def format_value(v: object) -> str:
     if v is None:
         return "(absent)"
     if isinstance(v, str):
-        return _one_line(v, 120)
-    return _one_line(repr(v) if isinstance(v, float) else str(v), 120)
+        return one_line(v, 120)
+    return one_line(repr(v) if isinstance(v, float) else str(v), 120)
 
 
 def problem_line(p: Problem) -> str:
     """`file: field: committed X, solved Y [kind] — cause`; unusable input: `file: [invalid] message`."""
     if p.kind == "invalid":
         where = f" {p.field}:" if p.field not in ("plan", "path") else ""
-        return f"{_one_line(p.file)}:{where} [invalid] {p.cause}"
-    text = (f"{_one_line(p.file)}: {p.field}: committed {format_value(p.committed)}, solved "
+        return f"{one_line(p.file)}:{where} [invalid] {p.cause}"
+    text = (f"{one_line(p.file)}: {p.field}: committed {format_value(p.committed)}, solved "
             f"{format_value(p.solved)} [{p.kind}]")
     return text + (f" — {p.cause}" if p.cause else "")
 

@@ -24,6 +24,7 @@ def check(
     cannot write)."""
     from . import check as chk
     from .report import console
+    from .text import one_line
 
     if fmt not in ("text", "github", "json"):
         sys.stderr.write(f"error: --format must be 'text', 'github' or 'json', got {fmt!r}\n")
@@ -48,7 +49,7 @@ def check(
             results = [again.get(r.file, r) for r in results]
             if fmt != "json":
                 for f in fixed:
-                    out.print(f"fixed {chk._one_line(f)}", markup=False, highlight=False, soft_wrap=True)
+                    out.print(f"fixed {one_line(f)}", markup=False, highlight=False, soft_wrap=True)
     code = max(chk.exit_code(results), 2 if unwritable else 0)
     if fmt == "json":
         import json
@@ -82,15 +83,15 @@ def results_table(results):
     from rich.table import Table
     from rich.text import Text
 
-    from .check import _layout_str, _one_line
+    from .text import layout_str, one_line
 
     t = Table(show_header=True, header_style="bold")
     for c in ("file", "status", "layout", "peak / usable GB"):
         t.add_column(c, justify="right" if c.startswith("peak") else "left", overflow="fold")
     for r in results:
-        lay = _layout_str(r.plan.layout) if r.plan is not None else "—"
+        lay = layout_str(r.plan.layout) if r.plan is not None else "—"
         mem = f"{r.peak_gb:.1f} / {r.usable_gb:.1f}" if r.peak_gb is not None else "—"
-        t.add_row(Text(_one_line(r.file)), Text(r.status, style=STATUS_STYLE[r.status]), lay, mem)
+        t.add_row(Text(one_line(r.file)), Text(r.status, style=STATUS_STYLE[r.status]), lay, mem)
     return t
 
 

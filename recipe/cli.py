@@ -27,6 +27,7 @@ except ImportError:  # pragma: no cover
 _NO_ARGS = getattr(_cx, "NoArgsIsHelpError", ())  # click >= 8.2 raises it for `recipe` alone (help already shown)
 
 from . import __version__
+from .solving import solve_inputs
 
 EXIT_INFEASIBLE, EXIT_INPUT, EXIT_BUG = 1, 2, 3
 
@@ -212,28 +213,6 @@ def _inputs(model, seq, hw, gpus, layers, recompute, lm_head, mbt, micro_batches
                   micro_batches=micro_batches, ep_overlap_chunks=ep_chunks, pins=pins or None)
 
 
-def solve_inputs(inputs, base_dir: Path | None = None):
-    """Inputs → (model, hw, solution). Shared by solve, compare and check."""
-    from .cost import TrainOptions
-    from .hw import load_profile
-    from .models import resolve_model
-    from .planfile import _relative
-    from .solver import solve, solve_min_gpus
-
-    m = resolve_model(_relative(inputs.model, base_dir))
-    if inputs.layers:
-        m = m.with_layers(inputs.layers)
-    hw = load_profile(_relative(inputs.hw, base_dir))
-    opts = TrainOptions(recompute=inputs.recompute, lm_head=inputs.lm_head,
-                        ep_overlap_chunks=inputs.ep_overlap_chunks or 1,
-                        micro_batch_tokens=inputs.micro_batch_tokens or inputs.seq_len,
-                        micro_batches=inputs.micro_batches)
-    auto = inputs.ep_overlap_chunks is None
-    pins = getattr(inputs, "pins", None)
-    sol = solve(m, hw, inputs.gpus, opts, auto, pins=pins) if inputs.gpus else solve_min_gpus(m, hw, opts, auto, pins)
-    return m, hw, sol
-
-
 def _input_files(model: str, hw: str) -> dict[str, str]:
     """The files a solve reads (a config.json, a profile YAML), to keep -o from writing over them."""
     from .hw import builtin_names
@@ -372,7 +351,8 @@ def sweep(
         return
     from rich.table import Table
 
-    from .report import console, layout_str
+    from .report import console
+    from .text import layout_str
 
     t = Table(show_header=True, header_style="bold")
     for c in ("#", "layout", "peak GB", "fits", "step s", "tok/s/GPU", "vs best"):
@@ -575,6 +555,3 @@ from .launch_cli import launch as _launch  # noqa: E402
 
 app.command("launch")(_launch)
 
-
-def main() -> None:  # pragma: no cover
-    app()

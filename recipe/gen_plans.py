@@ -11,7 +11,7 @@ from __future__ import annotations
 import sys
 from pathlib import Path
 
-from .cli import solve_inputs
+from .solving import solve_inputs
 from .models import PRESETS
 from .plan import Inputs, build_plan, dumps, format_size, write_atomic
 from .solver import InfeasibleError

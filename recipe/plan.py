@@ -20,6 +20,7 @@ from .models import ModelShape, resolve_model
 
 from .planfile import MAX_INT, SCHEMA_VERSION, _inputs_block, _relative, plan_dict
 from .planfile import dumps, format_size, parse_size, write_atomic  # noqa: F401  (re-exported: plan I/O in one place)
+from .text import one_line
 
 
 MAX_PLAN_BYTES = 64 * 1024  # a plan is about 2 KB; anything this large is not one (and YAML parses it slowly)
@@ -202,7 +203,7 @@ def parse_plan(text: str, origin: str = "<plan>") -> Plan:
         data = _decode(text)
     except (yaml.YAMLError, json.JSONDecodeError, ValueError, TypeError, OverflowError, RecursionError) as e:
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-        raise PlanError(f"{origin}: not valid YAML/JSON ({_one_line(first)})") from None
+        raise PlanError(f"{origin}: not valid YAML/JSON ({one_line(first, 200)})") from None
     except Exception as e:  # the loader's contract: nothing but PlanError, whatever the text
         raise PlanError(f"{origin}: not valid YAML/JSON ({type(e).__name__})") from None
     if not isinstance(data, dict):
@@ -213,8 +214,8 @@ def parse_plan(text: str, origin: str = "<plan>") -> Plan:
         errs = e.errors()
         # unknown keys first: the most actionable line when a hand edit misspells a field
         err = min(errs, key=lambda x: x.get("type") != "extra_forbidden")
-        loc = ".".join(_one_line(str(x), 60) for x in err.get("loc", ())) or "(top level)"
-        msg = _one_line(err.get("msg", "invalid"))
+        loc = ".".join(one_line(x, 60) for x in err.get("loc", ())) or "(top level)"
+        msg = one_line(err.get("msg", "invalid"), 200)
         if err.get("type") == "extra_forbidden":
             msg = "unknown key"
         elif tuple(err.get("loc", ())) == ("schema",):
@@ -235,7 +236,7 @@ _TYPE_ERRORS = ("int_type", "int_from_float", "int_parsing", "float_type", "floa
 def _shown(v) -> str:
     if v is None or isinstance(v, bool):
         return {True: "true", False: "false", None: "null"}[v]
-    return _one_line(repr(v), 40)
+    return one_line(repr(v), 40)
 
 
 def _decode(text: str):
@@ -248,12 +249,6 @@ def _decode(text: str):
     return yaml.safe_load(text)
 
 
-def _one_line(text: str, limit: int = 200) -> str:
-    """Control characters escaped and length bounded, so that an error is always exactly one short line."""
-    s = "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
-    return s if len(s) <= limit else s[: limit - 1] + "…"
-
-
 def load_plan(path: str | Path) -> Plan:
     """A plan file: a regular file of at most MAX_PLAN_BYTES (a device, FIFO or directory is refused unread)."""
     from .safeio import read_limited
@@ -262,7 +257,7 @@ def load_plan(path: str | Path) -> Plan:
     try:
         raw = read_limited(p, "plan file", MAX_PLAN_BYTES)
     except ValueError as e:
-        raise PlanError(_one_line(str(e), 400)) from None
+        raise PlanError(one_line(e, 400)) from None
     try:
         text = raw.decode("utf-8-sig")
     except UnicodeDecodeError:

@@ -13,6 +13,7 @@ from .hw import HwProfile
 from .models import ModelShape, active_params, param_counts, total_params
 from .planfile import format_size
 from .solver import Solution
+from .text import layout_str
 
 COMPONENTS = ("weights", "grads", "master", "optimizer", "activations", "lm_head", "overhead")
 COLORS = {"weights": "blue", "grads": "cyan", "master": "magenta", "optimizer": "bright_magenta",
@@ -20,10 +21,6 @@ COLORS = {"weights": "blue", "grads": "cyan", "master": "magenta", "optimizer": 
 # one glyph per component, so that the bar and its legend read without colour too (NO_COLOR, a log file, print)
 GLYPHS = {"weights": "█", "grads": "▓", "master": "▒", "optimizer": "░", "activations": "#", "lm_head": "=",
           "overhead": "+"}
-
-
-def layout_str(deg: dict) -> str:
-    return " ".join(f"{k.upper()}={deg[k]}" for k in ("pp", "tp", "cp", "ep", "dp", "edp"))
 
 
 def memory_bar(mem: dict, width: int = 60) -> Text:

@@ -5,10 +5,7 @@ from __future__ import annotations
 from .hw import HwProfile
 from .models import ModelShape
 from .planfile import format_size
-
-
-def layout_str(deg: dict) -> str:
-    return " ".join(f"{k.upper()}={deg[k]}" for k in ("pp", "tp", "cp", "ep", "dp", "edp"))
+from .text import layout_str
 
 
 def summary_text(m: ModelShape, hw: HwProfile, seq: int, sol) -> str:

@@ -65,13 +65,13 @@ def model_data(m: ModelShape, groups: bool = False) -> dict:
 
 
 def check_data(results, fixed: list[str], code: int) -> dict:
-    from .check import _layout_str
+    from .text import layout_str
 
     plans = []
     for r in results:
         plans.append({
             "file": r.file, "status": r.status,
-            "layout": _layout_str(r.plan.layout) if r.plan is not None else None,
+            "layout": layout_str(r.plan.layout) if r.plan is not None else None,
             "peak_gb": r.peak_gb, "usable_gb": r.usable_gb,
             "problems": [{"field": p.field, "kind": p.kind, "committed": _jsonable(p.committed),
                           "solved": _jsonable(p.solved), "cause": p.cause} for p in r.problems],

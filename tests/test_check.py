@@ -14,7 +14,8 @@ import yaml
 from typer.testing import CliRunner
 
 from recipe.check import check_paths, check_plan, divisibility, exit_code, find_plans, line_of
-from recipe.cli import app, solve_inputs
+from recipe.cli import app
+from recipe.solving import solve_inputs
 from recipe.gen_plans import generate
 from recipe.models import PRESETS
 from recipe.plan import Inputs, build_plan, dumps, load_plan

@@ -220,7 +220,7 @@ def test_compare_plot(tmp_path):
 # ---- a real process, from a directory that is not the repository ---------------------------------------------
 def _recipe_argv() -> list[str]:
     exe = shutil.which("recipe", path=os.path.dirname(sys.executable) + os.pathsep + os.environ.get("PATH", ""))
-    return [exe] if exe else [sys.executable, "-c", "from recipe.cli import main; main()"]
+    return [exe] if exe else [sys.executable, "-m", "recipe"]
 
 
 def test_real_process_from_a_temp_cwd(tmp_path):

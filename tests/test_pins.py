@@ -12,7 +12,8 @@ import pytest
 import yaml
 from typer.testing import CliRunner
 
-from recipe.cli import app, solve_inputs
+from recipe.cli import app
+from recipe.solving import solve_inputs
 from recipe.cost import Layout, TrainOptions, default_ep_chunks, estimate
 from recipe.hw import load_profile
 from recipe.models import PRESETS

@@ -14,7 +14,8 @@ from hypothesis import HealthCheck, assume, given, settings
 from hypothesis import strategies as st
 from typer.testing import CliRunner
 
-from recipe.cli import app, solve_inputs
+from recipe.cli import app
+from recipe.solving import solve_inputs
 from recipe.plan import Inputs, Plan, PlanError, build_plan, dumps, load_plan, parse_plan
 
 FUZZ = settings(max_examples=200, deadline=None, suppress_health_check=[HealthCheck.too_slow])

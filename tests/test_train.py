@@ -176,7 +176,8 @@ def test_cli_runs_a_plan(tmp_path, capsys):
 
 def _tiny_plan(plan_mod) -> str:
     """A one-GPU plan for tiny-moe, made by the solver the way `recipe solve` makes it."""
-    from recipe.cli import _inputs, solve_inputs
+    from recipe.cli import _inputs
+    from recipe.solving import solve_inputs
     from recipe.planfile import dumps, plan_dict
 
     inputs = _inputs("tiny-moe", "256", "h200", 1, None, "full", "fused", None, 1, None)
