@@ -179,11 +179,6 @@ PinCP = Annotated[Optional[int], typer.Option("--cp", help="pin the context-para
 PinEP = Annotated[Optional[int], typer.Option("--ep", help="pin the expert-parallel degree")]
 
 
-MAX_MICRO_BATCHES = 1_000_000  # the plan schema's bounds (recipe/plan.py)
-MAX_EP_CHUNKS = 4096
-MAX_LAYERS = 100_000
-
-
 def _bounded(flag: str, v: int | None, hi: int) -> None:
     if v is not None and not 0 < v <= hi:
         raise UserError(f"{flag} must be positive, got {v}" if v <= 0 else f"{flag} must be between 1 and {hi:,}, "
@@ -193,7 +188,7 @@ def _bounded(flag: str, v: int | None, hi: int) -> None:
 def _inputs(model, seq, hw, gpus, layers, recompute, lm_head, mbt, micro_batches, ep_chunks, pins=None):
     """The command-line options → SolveInputs, every value checked against its range (exit 2 beyond it)."""
     from .cost import HEAD_MODES
-    from .planfile import SolveInputs, parse_size
+    from .planfile import INPUT_LIMITS, SolveInputs, parse_size
     from .solver import MAX_WORLD
 
     if recompute not in ("full", "none"):
@@ -201,9 +196,9 @@ def _inputs(model, seq, hw, gpus, layers, recompute, lm_head, mbt, micro_batches
     if lm_head not in HEAD_MODES:
         raise UserError(f"--lm-head must be one of {', '.join(HEAD_MODES)}, got {lm_head!r}")
     _bounded("--gpus", gpus, MAX_WORLD)
-    _bounded("--layers", layers, MAX_LAYERS)
-    _bounded("--micro-batches", micro_batches, MAX_MICRO_BATCHES)
-    _bounded("--ep-chunks", ep_chunks, MAX_EP_CHUNKS)
+    _bounded("--layers", layers, INPUT_LIMITS["layers"])
+    _bounded("--micro-batches", micro_batches, INPUT_LIMITS["micro_batches"])
+    _bounded("--ep-chunks", ep_chunks, INPUT_LIMITS["ep_overlap_chunks"])
     pins = {k: v for k, v in (pins or {}).items() if v is not None}
     for k, v in pins.items():
         _bounded(f"--{k}", v, MAX_WORLD)

@@ -11,14 +11,14 @@ from pathlib import Path
 from typing import Annotated, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator, model_validator
 
 from ._data import plain
 from .cost import TrainOptions
 from .hw import HwProfile, load_profile
 from .models import ModelShape, resolve_model
 
-from .planfile import MAX_INT, SCHEMA_VERSION, _inputs_block, _relative, plan_dict
+from .planfile import INPUT_LIMITS, MAX_INT, MAX_SPEC_CHARS, SCHEMA_VERSION, SolveInputs, _inputs_block, _relative, plan_dict
 from .planfile import dumps, format_size, parse_size, write_atomic  # noqa: F401  (re-exported: plan I/O in one place)
 from .text import one_line
 
@@ -35,27 +35,38 @@ class _Strict(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, defer_build=True, allow_inf_nan=False, strict=True)
 
 
-class Inputs(_Strict):
-    model: str = Field(min_length=1, max_length=4096)
-    seq_len: int = Field(gt=0, le=MAX_INT)
-    hw: str = Field(min_length=1, max_length=4096)
-    gpus: int | None = Field(None, gt=0, le=MAX_INT)  # None: the smallest count that fits
-    layers: int | None = Field(None, gt=0, le=100_000)
-    recompute: Literal["full", "none"] = "full"
-    lm_head: Literal["fused", "lean", "naive"] = "fused"
-    micro_batch_tokens: int | None = Field(None, gt=0, le=MAX_INT)  # None: seq_len
-    micro_batches: int = Field(1, gt=0, le=1_000_000)
-    ep_overlap_chunks: int | None = Field(None, gt=0, le=4096)  # None: chosen from the local sequence
-    # degrees fixed by the user (`recipe solve --ep 2`), re-solved with the same pins by `recipe check`;
-    # absent, null or {}: every degree solved
-    pins: dict[Literal["pp", "tp", "cp", "ep"], Annotated[int, Field(gt=0, le=MAX_INT)]] | None = None
-
+class _InputsRules(_Strict):
     @model_validator(mode="after")
-    def _whole_sequences(self) -> "Inputs":
+    def _whole_sequences(self) -> "_InputsRules":
         if self.micro_batch_tokens is not None and self.micro_batch_tokens < self.seq_len:
             raise ValueError(f"micro_batch_tokens {self.micro_batch_tokens} < seq_len {self.seq_len}: a micro-batch "
                              f"holds whole sequences")
         return self
+
+
+def _inputs_schema() -> type[_Strict]:
+    """The `inputs` block: SolveInputs's fields, types and defaults, each count within (0, INPUT_LIMITS or MAX_INT]
+    and each name or path 1..MAX_SPEC_CHARS characters; absent, null or {} pins: every degree solved."""
+    import dataclasses
+    import typing
+
+    hints = typing.get_type_hints(SolveInputs)
+    fields = {}
+    for f in dataclasses.fields(SolveInputs):
+        tp, default = hints[f.name], (... if f.default is dataclasses.MISSING else f.default)
+        if tp is str:
+            fields[f.name] = (tp, Field(default, min_length=1, max_length=MAX_SPEC_CHARS))
+        elif int in typing.get_args(tp) or tp is int:
+            fields[f.name] = (tp, Field(default, gt=0, le=INPUT_LIMITS.get(f.name, MAX_INT)))
+        elif f.name == "pins":
+            key = typing.get_args(typing.get_args(tp)[0])[0]
+            fields[f.name] = (dict[key, Annotated[int, Field(gt=0, le=MAX_INT)]] | None, default)
+        else:
+            fields[f.name] = (tp, default)
+    return create_model("Inputs", __base__=_InputsRules, **fields)
+
+
+Inputs = _inputs_schema()
 
 
 class SolverInfo(_Strict):

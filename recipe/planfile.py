@@ -21,11 +21,15 @@ from .models import ModelShape
 
 SCHEMA_VERSION = 1
 MAX_INT = 1 << 40  # beyond any real token count or GPU count: rejects absurd values before arithmetic
+# the largest value of a count among the inputs (every other count: MAX_INT); the CLI and the plan schema read them
+INPUT_LIMITS = {"layers": 100_000, "micro_batches": 1_000_000, "ep_overlap_chunks": 4096}
+MAX_SPEC_CHARS = 4096  # a model or hardware name or path
 
 
 @dataclass(frozen=True, kw_only=True)
 class SolveInputs(Record):
-    """What a plan is solved from; the same fields as the schema's `inputs` block (recipe.plan.Inputs)."""
+    """What a plan is solved from. The one definition of these fields: the plan schema's `inputs` block
+    (recipe.plan.Inputs) is built from them, with the bounds of INPUT_LIMITS."""
 
     model: str
     seq_len: int
@@ -37,13 +41,14 @@ class SolveInputs(Record):
     micro_batch_tokens: int | None = None  # None: seq_len
     micro_batches: int = 1
     ep_overlap_chunks: int | None = None  # None: chosen from the local sequence
-    pins: dict[str, int] | None = None  # degrees fixed by the user ({"ep": 2}); None or {}: all solved
+    # degrees fixed by the user ({"ep": 2}; `recipe check` re-solves with the same pins); None or {}: all solved
+    pins: dict[Literal["pp", "tp", "cp", "ep"], int] | None = None
 
     def __post_init__(self) -> None:
         for n in ("seq_len", "gpus", "layers", "micro_batch_tokens", "micro_batches", "ep_overlap_chunks"):
             v = getattr(self, n)
-            if v is not None and (not isinstance(v, int) or not 0 < v <= MAX_INT):
-                raise ValueError(f"{n} must be a positive integer, got {v!r}")
+            if v is not None and (not isinstance(v, int) or not 0 < v <= INPUT_LIMITS.get(n, MAX_INT)):
+                raise ValueError(f"{n} must be a positive integer up to {INPUT_LIMITS.get(n, MAX_INT)}, got {v!r}")
         if self.pins:
             from .solver import normalize_pins
 
