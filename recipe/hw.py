@@ -1,6 +1,8 @@
 """Hardware profiles: one YAML per accelerator under hw_profiles/ (shipped in the wheel), every figure with a source.
 
-Units are in the names: `_gb` decimal gigabytes, `_gb_s` GB/s per GPU per direction, `_tflops` dense bf16.
+Units are in the names: `_gib` binary gigabytes (2**30 bytes: the HBM capacity, as the device reports it), `_gb`
+decimal gigabytes (1e9 bytes: every memory figure the cost model reports), `_gb_s` GB/s per GPU per direction,
+`_tflops` dense bf16.
 Pure Python: never imports torch.
 """
 
@@ -17,6 +19,7 @@ from ._data import Record, plain, validate
 
 PosF = float  # > 0 and finite, checked in __post_init__ (which pydantic also runs when it validates untrusted data)
 MAX_PROFILE_BYTES = 64 * 1024  # a profile is about 3 KB
+GIB = 2**30
 
 
 def _check_positive(rec, names, *, integer: bool = False) -> None:
@@ -44,9 +47,9 @@ class HwProfile(Record):
     vendor: Literal["nvidia", "amd", "cpu"]
     description: str
     peak_bf16_tflops: PosF  # dense; never the 2:4-sparse figure
-    hbm_gb: PosF
+    hbm_gib: PosF  # the capacity the device reports (an "80 GB" H100 has 80 GiB), in GiB
     hbm_bw_tb_s: PosF
-    usable_memory_fraction: float  # in (0, 1]  # what the framework can allocate of hbm_gb
+    usable_memory_fraction: float  # in (0, 1]  # what the framework can allocate of the HBM
     gpus_per_node: int
     intra_node: Link
     inter_node_bw_gb_s: PosF  # per GPU, per direction (one NIC per GPU)
@@ -62,7 +65,7 @@ class HwProfile(Record):
     def __post_init__(self) -> None:
         """Every figure finite and positive (the cost model divides by them): a profile with `bw_gb_s: 0` or
         `peak_bf16_tflops: .inf` is refused here, naming the field, never a ZeroDivisionError later."""
-        _check_positive(self, ("peak_bf16_tflops", "hbm_gb", "hbm_bw_tb_s", "usable_memory_fraction",
+        _check_positive(self, ("peak_bf16_tflops", "hbm_gib", "hbm_bw_tb_s", "usable_memory_fraction",
                                "inter_node_bw_gb_s", "smem_kb_per_sm", "compute_efficiency"))
         _check_positive(self, ("gpus_per_node", "num_sms"), integer=True)
         v = self.overhead_gb
@@ -75,10 +78,16 @@ class HwProfile(Record):
             raise ValueError(f"gpus_per_node must be at most 4096, got {self.gpus_per_node}")
         if self.usable_gb <= self.overhead_gb:
             raise ValueError(f"overhead_gb {self.overhead_gb:g} leaves nothing of the usable "
-                             f"{self.usable_gb:g} GB (hbm_gb × usable_memory_fraction)")
+                             f"{self.usable_gb:g} GB (hbm_gib × usable_memory_fraction, in decimal GB)")
+
+    @property
+    def hbm_gb(self) -> float:
+        """The HBM capacity in decimal GB (1e9 bytes), the unit of every memory figure the cost model reports."""
+        return self.hbm_gib * GIB / 1e9
 
     @property
     def usable_gb(self) -> float:
+        """What the framework can allocate, in decimal GB: hbm_gib · 2**30 / 1e9 · usable_memory_fraction."""
         return self.hbm_gb * self.usable_memory_fraction
 
     def fingerprint_dict(self) -> dict:

@@ -150,11 +150,11 @@ def time_table(e: Estimate) -> Table:
 
 def hw_table(profiles: list[HwProfile]) -> Table:
     t = Table(show_header=True, header_style="bold")
-    for c in ("profile", "bf16 dense TF/s", "HBM GB", "usable GB", "HBM TB/s", "GPUs/node", "intra-node",
+    for c in ("profile", "bf16 dense TF/s", "HBM GiB", "usable GB", "HBM TB/s", "GPUs/node", "intra-node",
               "inter GB/s", "warp", "smem/LDS KB", "SMs/CUs", "collective"):
         t.add_column(c, justify="left" if c in ("profile", "intra-node", "collective") else "right")
     for p in profiles:
-        t.add_row(p.name, f"{p.peak_bf16_tflops:g}", f"{p.hbm_gb:g}", f"{p.usable_gb:.1f}", f"{p.hbm_bw_tb_s:g}",
+        t.add_row(p.name, f"{p.peak_bf16_tflops:g}", f"{p.hbm_gib:g}", f"{p.usable_gb:.1f}", f"{p.hbm_bw_tb_s:g}",
                   str(p.gpus_per_node), f"{p.intra_node.kind} {p.intra_node.bw_gb_s:g} GB/s {p.intra_node.topology}",
                   f"{p.inter_node_bw_gb_s:g}", str(p.warp_size), f"{p.smem_kb_per_sm:g}", str(p.num_sms),
                   p.collective)

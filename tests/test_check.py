@@ -108,7 +108,7 @@ def test_changed_profile_is_named_as_the_cause(tmp_path):
     p = write_plan(tmp_path / "plan.yaml", Inputs(model="qwen35-35b", seq_len=131072, hw="my_h100.yaml"))
     assert check(str(p)).exit_code == 0  # the profile path resolves next to the plan, from any working directory
     data = yaml.safe_load(prof.read_text())
-    data["hbm_gb"] = 96
+    data["hbm_gib"] = 96
     prof.write_text(yaml.safe_dump(data))
     r = check(str(p))
     assert r.exit_code == 1, r.output
@@ -116,7 +116,8 @@ def test_changed_profile_is_named_as_the_cause(tmp_path):
     assert any(ln.startswith(f"{p}: solver.hw_fingerprint: committed ") for ln in lines), r.output
     usable = [ln for ln in lines if "prediction.memory_gb.usable" in ln]
     assert usable and "the hardware profile 'my_h100.yaml' changed since the plan was solved" in usable[0]
-    assert "committed 73.6" in usable[0] and "solved 88.32" in usable[0]
+    # usable GB = hbm_gib · 2**30 / 1e9 · 0.92: 79.6 GiB → 78.63, 96 GiB → 94.83
+    assert "committed 78.63" in usable[0] and "solved 94.83" in usable[0]
 
 
 def test_changed_model_shape_and_solver_version_are_named(tmp_path):
@@ -149,7 +150,7 @@ def test_misfit_when_committed_layout_does_not_fit(tmp_path):
     r = check(str(p))
     assert r.exit_code == 1, r.output
     (line,) = [ln for ln in problem_lines(r.output, p) if "[misfit]" in ln]
-    assert "memory.peak_gb: committed" in line and "over the h100 profile's 73.6 GB usable" in line
+    assert "memory.peak_gb: committed" in line and "over the h100 profile's 78.6 GB usable" in line
     assert f"layout.cp: committed 1, solved {lay.cp} [drift]" in r.output
     (res,) = check_paths([p])
     assert res.status == "misfit" and res.peak_gb > res.usable_gb

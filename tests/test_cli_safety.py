@@ -228,7 +228,7 @@ def test_every_table_command_has_json(tmp_path):
     one = js("models", "qwen35-35b")
     assert one["params_by_group"]["routed_experts"] == 32_212_254_720
     assert {p["name"] for p in js("hw")} >= {"h100", "mi300x", "cpu"}
-    assert js("hw", "mi300x")["sources"]["hbm_gb"]
+    assert js("hw", "mi300x")["sources"]["hbm_gib"]
     r = run("check", "--format", "json", str(ROOT / "plans" / "tiny-cpu.yaml"))
     assert r.exit_code == 0, r.output
     chk = json.loads(r.stdout)
@@ -288,8 +288,8 @@ def test_plot_figure_reads():
 @pytest.mark.parametrize("edit, needles", [
     (("intra_node", "bw_gb_s", 0), ["bw_gb_s must be a finite positive number, got 0"]),
     (("peak_bf16_tflops", float("inf")), ["field 'peak_bf16_tflops': expected a finite number, got inf"]),
-    (("hbm_gb", True), ["field 'hbm_gb': expected a number, got true"]),
-    (("hbm_gb", "80"), ["field 'hbm_gb': expected a number, got '80'"]),
+    (("hbm_gib", True), ["field 'hbm_gib': expected a number, got true"]),
+    (("hbm_gib", "80"), ["field 'hbm_gib': expected a number, got '80'"]),
     (("num_sms", 132.5), ["field 'num_sms': expected a whole number, got 132.5"]),
     (("warp_size", True), ["field 'warp_size'"]),
     (("overhead_gb", -1), ["overhead_gb must be a finite non-negative number"]),

@@ -280,7 +280,7 @@ def test_total_is_the_sum_and_fits_against_usable():
     est = estimate(Q35, H100, 32, Layout(cp=2, ep=8), opts(131_072))
     parts = ("weights", "grads", "master", "optimizer", "activations", "lm_head", "overhead")
     assert est.memory_gb["total"] == pytest.approx(sum(est.memory_gb[k] for k in parts))
-    assert est.memory_gb["usable"] == pytest.approx(H100.hbm_gb * H100.usable_memory_fraction)
+    assert est.memory_gb["usable"] == pytest.approx(H100.hbm_gib * 2**30 / 1e9 * H100.usable_memory_fraction)
     assert est.fits == (est.memory_gb["total"] <= est.memory_gb["usable"])
 
 

@@ -218,7 +218,7 @@ def test_cli_exits_2_in_one_line(tmp_path_factory, case, fmt):
 
 # ---- the hardware-profile and model-config loaders (issue 17) ------------------------------------------------
 # Mutated valid inputs: a loader returns a record or raises ValueError with one line naming the file; a record it
-# returns never breaks the solver (no ZeroDivisionError from `bw_gb_s: 0`, no 1-GB HBM from `hbm_gb: true`).
+# returns never breaks the solver (no ZeroDivisionError from `bw_gb_s: 0`, no 1-GB HBM from `hbm_gib: true`).
 LOADER_FUZZ = settings(max_examples=1000, deadline=None,
                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
 PROFILE = yaml.safe_load((Path(__file__).resolve().parents[1] / "hw_profiles" / "h100.yaml").read_text())
@@ -280,7 +280,7 @@ def test_profile_loader_fuzz(tmp_path_factory, data):
     prof = _one_line_value_error(lambda: _parse(text, "fuzz_hw.yaml"), "fuzz_hw.yaml")
     if prof is None:
         return
-    for v in (prof.peak_bf16_tflops, prof.hbm_gb, prof.hbm_bw_tb_s, prof.intra_node.bw_gb_s,
+    for v in (prof.peak_bf16_tflops, prof.hbm_gib, prof.hbm_bw_tb_s, prof.intra_node.bw_gb_s,
               prof.inter_node_bw_gb_s, prof.usable_memory_fraction, prof.compute_efficiency):
         assert not isinstance(v, bool) and v > 0 and v == v and v != float("inf")
     from recipe.models import PRESETS
