@@ -44,3 +44,51 @@ def load(hw: str) -> Calibration | None:
 def basis(hw: str) -> str:
     """`measured` when the profile has a committed calibration grid, `assumed` otherwise."""
     return "measured" if load(hw) is not None else "assumed"
+
+
+def predict_point(point: dict, hw: str) -> dict:
+    """The cost model's prediction for one grid point (its model at its depth, one GPU, one micro-batch of
+    `seq` tokens): `allocated_gb` is the predicted peak less the profile's `overhead` (context, collective buffers,
+    allocator slack: not allocated tensors), what torch.cuda.max_memory_allocated() measures; `total_gb` the whole
+    prediction; `step_s` the step time and `time_s` its parts."""
+    from .cost import Layout, TrainOptions, estimate
+    from .hw import load_profile
+    from .models import resolve_model
+
+    m = resolve_model(point["model"]).with_layers(int(point["layers"]))
+    prof = load_profile(hw)
+    e = estimate(m, prof, 1, Layout(), TrainOptions(micro_batch_tokens=int(point["seq"]),
+                                                    recompute=point["recompute"], lm_head=point["lm_head"]))
+    return {"allocated_gb": e.total_gb - e.memory_gb["overhead"], "total_gb": e.total_gb,
+            "step_s": e.step_time_s, "time_s": dict(e.time_s)}
+
+
+def point_errors(point: dict) -> tuple[float | None, float | None]:
+    """(memory, time) relative error of a measured point's prediction: predicted / measured − 1 (None where the
+    point has no such measurement: it did not run, or it ran where memory is not counted)."""
+    if "error" in point or "step_s" not in point:
+        return None, None
+    p = point["predicted"]
+    mem = point.get("peak_allocated_gb")
+    return (p["allocated_gb"] / mem - 1 if mem else None), p["step_s"] / point["step_s"] - 1
+
+
+def summarize(points) -> dict:
+    """The grid's worst errors: `memory_error` and `time_error` over every measured point (fractions), and the
+    same split into the points the efficiencies are fit on and the held-out ones (`errors`)."""
+    out = {"errors": {}}
+    for group in ("all", "fit", "held_out"):
+        mem, tim = [], []
+        for pt in points:
+            if group != "all" and pt.get("role") != group:
+                continue
+            me, te = point_errors(pt)
+            if me is not None:
+                mem.append(abs(me))
+            if te is not None:
+                tim.append(abs(te))
+        out["errors"][group] = {"memory": max(mem, default=0.0), "time": max(tim, default=0.0),
+                                "points": len(tim)}
+    out["memory_error"] = out["errors"]["all"]["memory"]
+    out["time_error"] = out["errors"]["all"]["time"]
+    return out

@@ -1,0 +1,336 @@
+"""The calibration grid: training steps of reduced-depth, full-width models on one GPU, each point's measured peak
+memory and step time next to the cost model's prediction for the same configuration. Writes the grid as JSON
+(hw_profiles/calibration/<hw>.json is the committed copy; recipe/calibration.py reads it).
+
+Grid (the default, `--grid full`): Qwen3.5-35B-A3B and Qwen3-30B-A3B at full width, 2, 4 and 8 decoder layers,
+8K to 128K tokens in one packed sequence, full recompute and none (none where it fits), the fused, lean and naive
+heads at a subset, and the expert-parallel code path at world size 1 (parallelize(..., ep_dispatch=True) under a
+one-process group). The 2- and 4-layer points are the ones the per-operation efficiencies are fit on; the 8-layer
+points are held out. Points that do not fit are recorded with their error, not dropped.
+
+Every (model, depth) group builds its model once and runs its points in order (recompute none first: full recompute
+wraps the layers for good); each point empties the allocator's cache, runs one warm-up step, then times `--steps`
+steps (the median is the step time) with the peak statistics reset after the warm-up. Per group at one length it
+also times the step's components alone (bench_train_step.profile_components). A table is printed as it goes and
+the JSON rewritten after every point, so a partial run is still a usable grid.
+
+    python bench/calibrate.py --out h200.json --commit $(git rev-parse --short HEAD)         # on the GPU
+    python bench/calibrate.py --grid smoke --device cpu --out /tmp/cal.json                  # CPU smoke (tiny-moe)
+    python bench/calibrate.py --refresh hw_profiles/calibration/h200.json                    # re-predict (CPU)
+
+`--refresh` recomputes every point's prediction and the grid's errors with the cost model as it is now (no torch,
+no GPU): run it after a cost-model change, then commit the file (tests/test_calibration.py checks both).
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from recipe.calibration import predict_point, summarize  # noqa: E402
+
+K = 1024
+
+
+def _pts(rc_head_seqs, ep_seqs=()):
+    """[(recompute, lm_head, seq, ep_path)] from {(recompute, head): [seqs]} and the EP-path lengths."""
+    out = []
+    for (rc, head), seqs in rc_head_seqs:
+        out += [(rc, head, s, False) for s in seqs]
+    return out + [("full", "fused", s, True) for s in ep_seqs]
+
+
+# (model, layers, points, component-profile length or 0). Order: what the fit needs first, then the held-out depth.
+GRIDS = {
+    "full": [
+        ("qwen35-35b", 4, _pts([(("none", "fused"), [8 * K, 32 * K]),
+                                (("full", "fused"), [8 * K, 32 * K, 64 * K, 128 * K]),
+                                (("full", "lean"), [64 * K]), (("full", "naive"), [32 * K])], [32 * K]), 32 * K),
+        ("qwen35-35b", 2, _pts([(("none", "fused"), [8 * K, 32 * K, 128 * K]),
+                                (("full", "fused"), [8 * K, 32 * K, 64 * K, 128 * K]),
+                                (("full", "lean"), [32 * K]), (("full", "naive"), [32 * K])], [32 * K]), 0),
+        ("qwen3-30b-a3b", 2, _pts([(("none", "fused"), [8 * K, 32 * K]),
+                                   (("full", "fused"), [8 * K, 32 * K, 64 * K, 128 * K]),
+                                   (("full", "naive"), [8 * K])], [32 * K]), 0),
+        ("qwen3-30b-a3b", 4, _pts([(("none", "fused"), [8 * K, 32 * K]),
+                                   (("full", "fused"), [8 * K, 32 * K, 64 * K]),
+                                   (("full", "lean"), [32 * K])], [8 * K]), 32 * K),
+        ("qwen35-35b", 8, _pts([(("none", "fused"), [8 * K]),
+                                (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+        ("qwen3-30b-a3b", 8, _pts([(("none", "fused"), [8 * K]),
+                                   (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+    ],
+    "smoke": [
+        ("tiny-moe", 2, _pts([(("none", "fused"), [256]), (("full", "fused"), [256, 512]),
+                              (("full", "lean"), [256]), (("full", "naive"), [256])], [256]), 256),
+        ("tiny-moe", 4, _pts([(("full", "fused"), [512])]), 0),
+    ],
+}
+
+
+def role(layers: int) -> str:
+    return "held_out" if layers >= 8 else "fit"
+
+
+def environment(args) -> dict:
+    import torch
+
+    env = {"torch": torch.__version__, "python": platform.python_version(), "machine": platform.machine(),
+           "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "commit": args.commit or _git_commit(),
+           "device": args.device}
+    try:
+        import triton
+
+        env["triton"] = triton.__version__
+    except ImportError:
+        env["triton"] = None
+    if args.device == "cuda":
+        p = torch.cuda.get_device_properties(0)
+        env.update(gpu=p.name, gpu_memory_bytes=p.total_memory, sms=p.multi_processor_count, cuda=torch.version.cuda)
+        try:
+            env["driver"] = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
+                                           capture_output=True, text=True, timeout=30).stdout.strip()
+        except (OSError, subprocess.SubprocessError):
+            env["driver"] = None
+    try:
+        from launch.gated_delta import fla_status
+
+        env["delta_rule"] = fla_status(128)[1]
+    except Exception as e:  # noqa: BLE001 - informational only
+        env["delta_rule"] = f"unknown ({type(e).__name__})"
+    return env
+
+
+def _git_commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                              cwd=Path(__file__).resolve().parents[1], timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def _fmt_row(r: dict) -> str:
+    seq = f"{r['seq'] // K}K" if r["seq"] % K == 0 else str(r["seq"])
+    cfg = f"{r['model']:<14} {r['layers']:>2} {seq:>5} {r['recompute']:<4} {r['lm_head']:<5} " \
+          f"{'ep' if r['ep_path'] else 'local':<5}"
+    if "error" in r:
+        return f"{cfg} {r['error'][:90]}"
+    p = r["predicted"]
+    mem = r.get("peak_allocated_gb")
+    mem_s = f"{mem:7.1f} {p['allocated_gb']:7.1f} {100 * (p['allocated_gb'] / mem - 1):+6.1f}%" if mem else \
+        f"{'-':>7} {p['allocated_gb']:7.1f} {'':>7}"
+    res = r.get("peak_reserved_gb")
+    return (f"{cfg} {mem_s} {res if res else float('nan'):7.1f} {r['step_s']:7.3f} {p['step_s']:7.3f} "
+            f"{100 * (p['step_s'] / r['step_s'] - 1):+6.1f}%")
+
+
+HEADER = (f"{'model':<14} {'L':>2} {'seq':>5} {'rc':<4} {'head':<5} {'path':<5} {'alloc':>7} {'pred':>7} "
+          f"{'err':>7} {'resv':>7} {'step s':>7} {'pred':>7} {'err':>7}")
+
+
+def run_grid(args) -> None:
+    import torch
+
+    from bench_train_step import _times, profile_components
+    from launch.data import synthetic_long_batch
+    from launch.model import build_model
+    from launch.train import TrainConfig, Trainer
+    from recipe.models import resolve_model
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    grid = GRIDS[args.grid]
+    only = set(args.only.split(",")) if args.only else None
+    data = {"hw": args.hw, "environment": environment(args), "points": [], "components": []}
+    t_start = time.monotonic()
+    out = Path(args.out)
+
+    def save():
+        data.update(summarize(data["points"]))
+        data["environment"]["wall_s"] = round(time.monotonic() - t_start, 1)
+        out.write_text(json.dumps(data, indent=1) + "\n")
+
+    ep_meshes = None
+    if any(p[3] for g in grid for p in g[2]):
+        import torch.distributed as dist
+
+        from launch.parallel import build_meshes, init_distributed
+
+        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531"), ("RANK", "0"), ("WORLD_SIZE", "1")):
+            os.environ.setdefault(k, v)
+        if device.type == "cuda":
+            torch.cuda.set_device(0)
+        init_distributed(device.type)
+        import types
+
+        one = types.SimpleNamespace(pp=1, tp=1, cp=1, ep=1, dp=1, etp=1, edp=1, world=1)
+        ep_meshes = (one, build_meshes(one, device.type))
+    print(HEADER, flush=True)
+    for model_name, layers, points, profile_seq in grid:
+        if only and f"{model_name}:{layers}" not in only:
+            continue
+        shape = resolve_model(model_name).with_layers(layers)
+        elapsed = time.monotonic() - t_start
+        print(f"# group {model_name} × {layers} layers ({elapsed:.0f} s elapsed)", flush=True)
+        model = trainer = None
+        try:
+            model = build_model(shape, device=device, dtype=dtype, seed=0)
+        except torch.OutOfMemoryError as e:
+            for rc, head, seq, ep in points:
+                r = {"model": model_name, "layers": layers, "seq": seq, "recompute": rc, "lm_head": head,
+                     "ep_path": ep, "role": role(layers), "error": f"OOM building the model: {str(e)[:120]}"}
+                data["points"].append(r)
+                print(_fmt_row(r), flush=True)
+            save()
+            continue
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+        current = None  # (recompute, ep_path) of the live trainer
+        batches = {}
+
+        def profile():
+            """The step's components timed alone, once per group, on the local dispatch (before any EP point)."""
+            nonlocal profile_seq
+            if not (profile_seq and trainer is not None and current == ("full", False)
+                    and time.monotonic() - t_start < args.budget_s - 30):
+                return
+            try:
+                if trainer.lm_head != "fused":
+                    trainer.lm_head = "fused"
+                batch = synthetic_long_batch(profile_seq, shape.vocab_size, device)
+                model.zero_grad(set_to_none=True)
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                comp = profile_components(trainer, batch, device)
+                data["components"].append({"model": model_name, "layers": layers, "seq": profile_seq,
+                                           "parts": comp})
+                for name, v in comp.items():
+                    print(f"  component {name:48} fwd {v['fwd_s'] * 1e3:8.2f} ms  fwd+bwd "
+                          f"{v['fwd_bwd_s'] * 1e3:8.2f} ms ×{v['count']}  ≈ {v['in_step_s'] * 1e3:8.2f} ms/step",
+                          flush=True)
+            except (torch.OutOfMemoryError, RuntimeError) as e:
+                data["components"].append({"model": model_name, "layers": layers, "seq": profile_seq,
+                                           "error": str(e).splitlines()[0][:160]})
+            save()
+            profile_seq = 0
+        for rc, head, seq, ep in points:
+            r = {"model": model_name, "layers": layers, "seq": seq, "recompute": rc, "lm_head": head, "ep_path": ep,
+                 "role": role(layers)}
+            r["predicted"] = predict_point(r, args.hw)
+            budget_left = args.budget_s - (time.monotonic() - t_start)
+            if budget_left < (args.steps + 1) * r["predicted"]["step_s"] * 1.5 + 5:
+                r["error"] = "skipped: out of the run's time budget"
+                data["points"].append(r)
+                print(_fmt_row(r), flush=True)
+                save()
+                continue
+            if ep:
+                profile()
+            try:
+                if current != (rc, ep):
+                    trainer = None
+                    gc.collect()
+                    if device.type == "cuda":
+                        torch.cuda.empty_cache()
+                    if ep and ep_meshes is not None:
+                        import types
+
+                        from launch.parallel import parallelize
+
+                        plan = types.SimpleNamespace(layout=ep_meshes[0], train=types.SimpleNamespace(
+                            recompute=rc, ep_overlap_chunks=1))
+                        model = parallelize(model, plan, ep_meshes[1], ep_dispatch=True)
+                    trainer = Trainer(model, TrainConfig(lr=1e-6), recompute=rc, lm_head=head)
+                    current = (rc, ep)
+                trainer.lm_head = head
+                if seq not in batches:
+                    batches = {seq: synthetic_long_batch(seq, shape.vocab_size, device)}
+                batch = batches[seq]
+                model.zero_grad(set_to_none=True)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+                t0 = time.monotonic()
+                trainer.step(batch)  # warm-up: compilation, autotuning, the optimizer's moments, allocator growth
+                warm = time.monotonic() - t0
+                if device.type == "cuda":
+                    torch.cuda.reset_peak_memory_stats()
+                times = _times(lambda: trainer.step(batch), device, args.steps)
+                r.update(step_s=statistics.median(times), step_s_all=[round(t, 4) for t in times],
+                         warmup_s=round(warm, 2))
+                if device.type == "cuda":
+                    r["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+                    r["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
+            except torch.OutOfMemoryError as e:
+                r["error"] = "OOM: " + str(e).splitlines()[0][:160]
+                trainer = None
+                current = None
+                model.zero_grad(set_to_none=True)
+            data["points"].append(r)
+            print(_fmt_row(r), flush=True)
+            save()
+        profile()
+        trainer = model = batches = None
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+    save()
+    print(f"\nwrote {out} ({len(data['points'])} points, {time.monotonic() - t_start:.0f} s); "
+          f"memory error {data['memory_error']:.3f}, time error {data['time_error']:.3f}", flush=True)
+    if ep_meshes is not None:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+def refresh(path: str, hw: str | None) -> None:
+    """Recompute every point's prediction and the grid's errors with today's cost model."""
+    p = Path(path)
+    data = json.loads(p.read_text())
+    hw = hw or data.get("hw") or p.stem
+    for r in data["points"]:
+        r["predicted"] = predict_point(r, hw)
+    data.update(summarize(data["points"]))
+    p.write_text(json.dumps(data, indent=1) + "\n")
+    print(HEADER)
+    for r in data["points"]:
+        print(_fmt_row(r))
+    print(f"memory error {data['memory_error']:.3f} (fit {data['errors']['fit']['memory']:.3f}, held out "
+          f"{data['errors']['held_out']['memory']:.3f}); time error {data['time_error']:.3f} (fit "
+          f"{data['errors']['fit']['time']:.3f}, held out {data['errors']['held_out']['time']:.3f})")
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--grid", choices=sorted(GRIDS), default="full")
+    p.add_argument("--only", help="comma-separated model:layers groups to run (default: all)")
+    p.add_argument("--hw", help="the hardware profile the predictions are made for (default: h200, or the grid's)")
+    p.add_argument("--steps", type=int, default=3, help="timed steps per point after one warm-up")
+    p.add_argument("--budget-s", type=float, default=1e9, help="skip points that would end past this many seconds")
+    p.add_argument("--device", default=None)
+    p.add_argument("--commit", help="the commit measured (default: git rev-parse of this checkout)")
+    p.add_argument("--out", default="calibration.json")
+    p.add_argument("--refresh", metavar="JSON", help="re-predict a committed grid with today's cost model (CPU)")
+    args = p.parse_args()
+    if args.refresh:
+        return refresh(args.refresh, args.hw)
+    import torch
+
+    args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    args.hw = args.hw or "h200"
+    run_grid(args)
+
+
+if __name__ == "__main__":
+    main()
