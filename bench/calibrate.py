@@ -51,25 +51,26 @@ def _pts(rc_head_seqs, ep_seqs=()):
     return out + [("full", "fused", s, True) for s in ep_seqs]
 
 
-# (model, layers, points, component-profile length or 0). Order: what the fit needs first, then the held-out depth.
+# (model, layers, points, component-profile length or 0). Order: each model's 4 layers and its held-out 8, then the
+# 2-layer groups, so a run cut short by its time budget still has fitted and held-out points of both models.
 GRIDS = {
     "full": [
         ("qwen35-35b", 4, _pts([(("none", "fused"), [8 * K, 32 * K]),
                                 (("full", "fused"), [8 * K, 32 * K, 64 * K, 128 * K]),
                                 (("full", "lean"), [64 * K]), (("full", "naive"), [32 * K])], [32 * K]), 32 * K),
+        ("qwen35-35b", 8, _pts([(("none", "fused"), [8 * K]),
+                                (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+        ("qwen3-30b-a3b", 4, _pts([(("none", "fused"), [8 * K, 32 * K]),
+                                   (("full", "fused"), [8 * K, 32 * K, 64 * K]),
+                                   (("full", "lean"), [32 * K])], [8 * K]), 32 * K),
+        ("qwen3-30b-a3b", 8, _pts([(("none", "fused"), [8 * K]),
+                                   (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
         ("qwen35-35b", 2, _pts([(("none", "fused"), [8 * K, 32 * K, 128 * K]),
                                 (("full", "fused"), [8 * K, 32 * K, 64 * K, 128 * K]),
                                 (("full", "lean"), [32 * K]), (("full", "naive"), [32 * K])], [32 * K]), 0),
         ("qwen3-30b-a3b", 2, _pts([(("none", "fused"), [8 * K, 32 * K]),
                                    (("full", "fused"), [8 * K, 32 * K, 64 * K, 128 * K]),
                                    (("full", "naive"), [8 * K])], [32 * K]), 0),
-        ("qwen3-30b-a3b", 4, _pts([(("none", "fused"), [8 * K, 32 * K]),
-                                   (("full", "fused"), [8 * K, 32 * K, 64 * K]),
-                                   (("full", "lean"), [32 * K])], [8 * K]), 32 * K),
-        ("qwen35-35b", 8, _pts([(("none", "fused"), [8 * K]),
-                                (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
-        ("qwen3-30b-a3b", 8, _pts([(("none", "fused"), [8 * K]),
-                                   (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
     ],
     "smoke": [
         ("tiny-moe", 2, _pts([(("none", "fused"), [256]), (("full", "fused"), [256, 512]),
