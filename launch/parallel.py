@@ -40,10 +40,16 @@ def check_layout(layout, world: int) -> None:
         raise LayoutError(f"the plan's layout needs pp·tp·cp·dp = {layout.pp}·{layout.tp}·{layout.cp}·{layout.dp} = "
                           f"{layout.world} processes but this run has WORLD_SIZE={world}: start it with "
                           f"--nproc-per-node {layout.world} or re-solve with --gpus {world}")
-    unsupported = [f"{k}={getattr(layout, k)}" for k in ("tp", "pp", "etp") if getattr(layout, k) != 1]
-    if unsupported:
-        raise LayoutError(f"this version runs data, context and expert parallelism only (dp, cp, ep); the plan asks "
-                          f"for {', '.join(unsupported)}: re-solve with --tp 1 --pp 1")
+    if layout.etp != 1:
+        raise LayoutError(f"this version runs data, tensor, context, expert and pipeline parallelism (dp, tp, cp, ep, "
+                          f"pp); the plan asks for etp={layout.etp}: re-solve it")
+    if layout.pp > 1 and (layout.tp > 1 or layout.cp > 1):
+        raise LayoutError(f"pipeline parallelism together with tensor or context parallelism (pp={layout.pp}, "
+                          f"tp={layout.tp}, cp={layout.cp}) does not run in this version: re-solve with --pp 1, or "
+                          f"with --tp 1 --cp 1")
+    if layout.tp > 1 and layout.cp > 1:
+        raise LayoutError(f"tensor and context parallelism together (tp={layout.tp}, cp={layout.cp}) do not run in "
+                          f"this version: re-solve with --tp 1 or --cp 1")
 
 
 def check_plan_shape(plan, shape) -> None:
@@ -51,7 +57,7 @@ def check_plan_shape(plan, shape) -> None:
     cp must cut the plan's micro-batch into 2·cp segments of whole delta-rule chunks), before any group starts."""
     from recipe.check import divisibility
 
-    problems = divisibility(shape, plan.layout, plan.train.micro_batch_tokens)
+    problems = divisibility(shape, plan.layout, plan.train.micro_batch_tokens, getattr(plan.train, "pp_stages", None))
     if problems:
         name, value, why = problems[0]
         raise LayoutError(f"{name}={value}: {why}")
@@ -130,10 +136,10 @@ def init_distributed(device_type: str, timeout_s: float = 600.0) -> None:
 def build_meshes(layout, device_type: str) -> Meshes:
     """The dense and expert meshes of the plan's layout over the initialized default group."""
     backend = dist.get_backend()
-    # cp gets a process group of its own for the same reason as ep below
+    # cp and tp get process groups of their own for the same reason as ep below
+    own = {name: backend for name, size in (("cp", layout.cp), ("tp", layout.tp)) if size > 1}
     dense = dist.init_device_mesh(device_type, (layout.pp, layout.dp, layout.cp, layout.tp),
-                                  mesh_dim_names=("pp", "dp", "cp", "tp"),
-                                  backend_override={"cp": backend} if layout.cp > 1 else None)
+                                  mesh_dim_names=("pp", "dp", "cp", "tp"), backend_override=own or None)
     # the ep dimension gets a process group of its own even where it spans the world (the mesh would otherwise
     # reuse the default group, which FSDP's collectives on the dense mesh also use)
     experts = dist.init_device_mesh(device_type, (layout.pp, layout.edp, layout.ep, layout.etp),
@@ -146,7 +152,9 @@ def parallelize(model: nn.Module, plan, meshes: Meshes | None, *, param_dtype: t
                 ep_dispatch: bool | None = None) -> nn.Module:
     """Apply the plan's layout to a model built whole on every rank (same seed, same weights), in this order:
 
-    1. tensor parallel (tp > 1: not in this version)
+    1. tensor parallel (tp > 1): attention and Gated DeltaNet heads split over the tp ranks, the LM head on the
+       vocabulary, sequence parallelism between the mixers (launch/tensor_parallel.py); installed as
+       `tensor_parallel` on the model (the trainer hands the head its group)
     2. context parallel (cp > 1): one ContextParallel on the cp group (launch/context_parallel.py) installed as
        `context_parallel` on the model (the trainer shards each micro-batch with it) and on every attention and
        Gated DeltaNet module (K/V all-gather, conv halo, delta-rule state combine)
@@ -158,12 +166,28 @@ def parallelize(model: nn.Module, plan, meshes: Meshes | None, *, param_dtype: t
        norm, LM head) over dp×cp; bf16 parameters for compute, fp32 gradient reduction, gradients summed (the loss
        is weighted by each micro-batch's share of the global batch), prefetch set explicitly
 
+    Under pp > 1 a step 0 comes first: the model is cut to this rank's pipeline stage (launch/pipeline.py), which
+    is what the steps below wrap and what is returned, with the schedule attached after FSDP2.
+
     `meshes` None: one process (recompute only). `ep_dispatch` True runs the EP code path even at ep = 1 (one
     process: the all-to-alls are local copies), for measuring it."""
     layout = plan.layout
     if meshes is not None:
         check_layout(layout, meshes.world)
-    # 1: TP slots in here.
+    # 0: pipeline parallel: this rank keeps its stage only (launch/pipeline.py); the steps below apply to it
+    if layout.pp > 1:
+        if meshes is None:
+            raise LayoutError("pipeline parallel needs a process group (run under torchrun)")
+        from launch.pipeline import split_model
+
+        model = split_model(model, plan, meshes)
+    # 1: tensor parallel
+    if layout.tp > 1:
+        if meshes is None:
+            raise LayoutError("tensor parallel needs a process group (run under torchrun)")
+        from launch.tensor_parallel import apply_tensor_parallel
+
+        apply_tensor_parallel(model, meshes.dense["tp"])
     # 2: context parallel
     if layout.cp > 1:
         if meshes is None:
@@ -180,6 +204,10 @@ def parallelize(model: nn.Module, plan, meshes: Meshes | None, *, param_dtype: t
     # 5: FSDP2
     if meshes is not None and meshes.world > 1:
         _apply_fsdp(model, meshes, param_dtype)
+    if layout.pp > 1:  # the schedule drives the FSDP2-wrapped stage
+        from launch.pipeline import attach_pipeline
+
+        attach_pipeline(model, plan, meshes, param_dtype)
     return model
 
 
@@ -235,7 +263,7 @@ def _apply_fsdp(model: nn.Module, meshes: Meshes, param_dtype: torch.dtype) -> N
         local_experts = p.to_local().shape[0] if hasattr(p, "to_local") else p.shape[0]
         return Shard(1) if local_experts < edp else Shard(0)
 
-    layers = list(model.layers)
+    layers = list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
     experts = [next(m for m in layer.modules() if hasattr(m, "token_dispatch")) for layer in layers]
     for layer, ex in zip(layers, experts):
         fully_shard(ex, mesh=edp_mesh, mp_policy=mp, shard_placement_fn=expert_placement)

@@ -190,13 +190,14 @@ def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_
                       old_logp_T: torch.Tensor | None = None, ref_logp_T: torch.Tensor | None = None,
                       rollout_logp_T: torch.Tensor | None = None, seq_id_T: torch.Tensor | None = None,
                       impl: str | None = None, weights_T: torch.Tensor | None = None,
-                      num_loss_tokens: torch.Tensor | float | None = None
+                      num_loss_tokens: torch.Tensor | float | None = None, tp_group=None
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """policy_loss(token_logprobs(...)) with the loss handed to the LM head (kernels.linear_policy_loss): the head
     knows each token's gradient as soon as its log-prob is known and runs three logits-sized GEMMs, not four
     (impl="lean": four, holding nothing beside the two gradients but a few MiB). Same per-token formula
     (token_losses) and weights (token_weights, or `weights_T` as policy_loss's); metrics from the detached
-    log-probs."""
+    log-probs. `tp_group`: `weight_VD` is this rank's equal share of the vocabulary rows (vocabulary-parallel
+    head; every rank of the group holds the same tokens and gets the same loss)."""
     w_T = token_weights(mask_T, seq_id_T, cfg.aggregation) if weights_T is None else weights_T
     mask_b = mask_T.bool()
 
@@ -210,7 +211,8 @@ def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_
         return torch.where(mask_b[t0:t1], loss_t, 0.0) * w_T[t0:t1]
 
     loss, logp_T, ent_T = kernels.linear_policy_loss(hidden_TD, weight_VD, targets_T, token_loss,
-                                                     temperature=temperature, with_entropy=True, impl=impl)
+                                                     temperature=temperature, with_entropy=True, impl=impl,
+                                                     tp_group=tp_group)
     _, parts = token_losses(logp_T, advantages_T, mask_T, cfg, old_logp_T=old_logp_T, ref_logp_T=ref_logp_T,
                             rollout_logp_T=rollout_logp_T, entropy_T=ent_T)
     return loss, _metrics(loss, parts, mask_T, ent_T, num_loss_tokens)
@@ -218,14 +220,15 @@ def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_
 
 def fused_nll_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor, mask_T: torch.Tensor,
                    *, temperature: float = 1.0, impl: str | None = None, weights_T: torch.Tensor | None = None,
-                   num_loss_tokens: torch.Tensor | float | None = None
+                   num_loss_tokens: torch.Tensor | float | None = None, tp_group=None
                    ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SFT objective through the fused head (impl as fused_policy_loss's): token-mean negative log-likelihood over
-    mask_T, plus metrics (weights_T / num_loss_tokens as policy_loss's)."""
+    """SFT objective through the fused head (impl and tp_group as fused_policy_loss's): token-mean negative
+    log-likelihood over mask_T, plus metrics (weights_T / num_loss_tokens as policy_loss's)."""
     w_T = token_weights(mask_T, None, "token_mean") if weights_T is None else weights_T
     loss, _, ent_T = kernels.linear_policy_loss(hidden_TD, weight_VD, targets_T,
                                                 lambda logp, ent, t0, t1: -logp * w_T[t0:t1],
-                                                temperature=temperature, with_entropy=True, impl=impl)
+                                                temperature=temperature, with_entropy=True, impl=impl,
+                                                tp_group=tp_group)
     m = mask_T.float()
     n = _count(mask_T, num_loss_tokens)
     return loss, {"loss": loss.detach(), "entropy": ((ent_T * m).sum() / n).detach(), "num_tokens": m.sum()}

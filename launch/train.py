@@ -68,26 +68,37 @@ class Trainer:
         self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
         self.metrics_group = metrics_group if metrics_group is not None else dp_group
         self.context_parallel = getattr(model, "context_parallel", None)
+        # tensor parallel: the head's weight is this rank's vocabulary rows, its statistics combined over the group
+        self.tensor_parallel = getattr(model, "tensor_parallel", None)
+        if self.tensor_parallel is not None and lm_head == "naive":
+            raise ValueError("lm_head naive does not run under tensor parallelism (tp > 1): use fused or lean")
         self.optimizer = MasterAdamW(self.model.named_parameters(), lr=cfg.lr, betas=cfg.betas, eps=cfg.eps,
                                      weight_decay=cfg.weight_decay, max_grad_norm=cfg.max_grad_norm)
         self.step_num = 0
 
-    def loss_terms(self, batch: Batch) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    def loss_terms(self, batch: Batch, hidden_TD: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Loss of one micro-batch and its metrics: its own aggregation, or, where `batch.extra` carries
         `token_weight` and `num_loss_tokens` (a context-parallel shard: with_loss_weights), the whole
-        micro-batch's."""
-        hidden_TD = self.model(batch.input_ids, batch.packing)
+        micro-batch's. `hidden_TD`: the final-norm hidden states where they are already computed (a pipeline's last
+        stage)."""
+        if hidden_TD is None:
+            hidden_TD = self.model(batch.input_ids, batch.packing)
         weight, mask, temp = self.model.lm_head.weight, batch.loss_mask, self.cfg.temperature
         w_T, n_loss = batch.extra.get("token_weight"), batch.extra.get("num_loss_tokens")
+        tp = self.tensor_parallel
+        if tp is not None:
+            weight = tp.head_weight(weight)
+        tp_group = None if tp is None else tp.group
         if self.lm_head in ("fused", "lean"):  # the loss goes into the head: three logits-sized GEMMs
             impl = "lean" if self.lm_head == "lean" else None  # (lean: four, and only the gradients in memory)
             if self.cfg.objective == "sft":
                 return fused_nll_loss(hidden_TD, weight, batch.targets, mask, temperature=temp, impl=impl,
-                                      weights_T=w_T, num_loss_tokens=n_loss)
+                                      weights_T=w_T, num_loss_tokens=n_loss, tp_group=tp_group)
             return fused_policy_loss(hidden_TD, weight, batch.targets, batch.advantages, mask, self.cfg.loss,
                                      temperature=temp, old_logp_T=batch.old_logprobs, ref_logp_T=batch.ref_logprobs,
                                      rollout_logp_T=batch.rollout_logprobs, seq_id_T=batch.seq_id, impl=impl,
-                                     weights_T=w_T, num_loss_tokens=n_loss)
+                                     weights_T=w_T, num_loss_tokens=n_loss, tp_group=tp_group)
         logp_T, entropy_T = token_logprobs(hidden_TD, weight, batch.targets, mode=self.lm_head, temperature=temp,
                                            with_entropy=True)
         if self.cfg.objective == "sft":
@@ -122,6 +133,9 @@ class Trainer:
         the one-process gradient."""
         from launch.parallel import micro_batch_share
 
+        pipeline = getattr(self.model, "pipeline", None)
+        if pipeline is not None:  # pipeline parallel: the schedule runs the share (launch/pipeline.py)
+            return pipeline.forward_backward(self, batches)
         weights = self._weights(batches)
         sums: dict[str, torch.Tensor] = {}
         cp = self.context_parallel

@@ -1,0 +1,257 @@
+"""Tensor parallelism over the dense mesh's "tp" dimension: attention and Gated DeltaNet heads split across the tp
+ranks, sequence parallelism for everything between two mixers, and the vocabulary-parallel LM head.
+
+Shape legend: T tokens of the micro-batch, Tl = ⌈T / tp⌉ tokens a rank holds between mixers, D model dim.
+
+Parameters (DTensors on the 1-D tp mesh, as ColwiseParallel / RowwiseParallel / SequenceParallel place them; FSDP2
+then shards each over dp, so checkpoints hold the whole tensors under the same names for every layout):
+
+    Shard(0)    attention q_proj (per head [query | gate] rows), k_proj, v_proj; Gated DeltaNet in_proj_qkv and
+                conv1d (rows grouped per key head, launch/model.py), in_proj_z, in_proj_b, in_proj_a, dt_bias,
+                A_log; lm_head (vocabulary rows)
+    Shard(1)    o_proj, out_proj (rowwise: each rank's heads give a partial sum of the output)
+    Replicate   every other dense parameter: embedding, the residual-stream RMSNorms, q/k norms and the Gated
+                DeltaNet output norm, router, shared expert and its gate
+
+The residual stream between mixers is sequence-parallel: each tp rank holds Tl of the micro-batch's tokens (the
+sequence zero-padded to tp·Tl). Per decoder layer:
+
+    x_local ─ input norm ─ all-gather ─▶ mixer (this rank's heads, all T tokens) ─ reduce-scatter ─▶ + x_local
+            ─ post norm ─ router, routed experts (EP), shared expert on the Tl local tokens ─▶ + x_local
+
+so the tp ranks send different tokens to the experts (with the mixer's tokens replicated, every routed token would
+reach its experts tp times and their gradients count tp times). The embedding runs on all T tokens and each rank
+keeps its Tl rows; after the final norm an all-gather hands the head all T tokens, whose backward keeps this rank's
+rows of the head's hidden gradient (the head already sums that gradient over the vocabulary shards).
+
+The compute runs on local tensors: a forward pre-hook on each module swaps its tp DTensors for their local shards
+(`to_local`, the gradient of a replicated parameter marked Partial: each rank's tokens or heads give part of it) and
+a post-hook puts them back; FSDP2 turns each Partial gradient into the sum over tp (one all-reduce) before it
+reduce-scatters over dp. The model itself holds no collective: the SP gathers and scatters are hooks on the mixers,
+the embedding and the final norm, installed here.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+_all_gather_single = getattr(dist, "all_gather_single", dist.all_gather_into_tensor)
+_reduce_scatter_single = getattr(dist, "reduce_scatter_single", dist.reduce_scatter_tensor)
+
+
+class _GatherTokens(torch.autograd.Function):
+    """[Tl, D] per rank → [T, D] on every rank. Backward: `reduce` sums each rank's gradient of the whole sequence
+    and hands every rank its rows (reduce-scatter: the mixers' ranks each use all tokens for their own heads); or,
+    where the gradient is already the whole sum on every rank (the head), keeps this rank's rows."""
+
+    @staticmethod
+    def forward(ctx, x, tp, num_tokens: int, reduce: bool):
+        ctx.tp, ctx.num_tokens, ctx.reduce = tp, num_tokens, reduce
+        out = x.new_empty(tp.size * x.shape[0], *x.shape[1:])
+        _all_gather_single(out, x.contiguous(), group=tp.group)
+        return out if out.shape[0] == num_tokens else out[:num_tokens].clone()
+
+    @staticmethod
+    def backward(ctx, g):
+        tp = ctx.tp
+        g = tp.pad(g.contiguous())
+        if ctx.reduce:
+            out = g.new_empty(g.shape[0] // tp.size, *g.shape[1:])
+            _reduce_scatter_single(out, g, group=tp.group)
+            return out, None, None, None
+        n = g.shape[0] // tp.size
+        return g[tp.rank * n:(tp.rank + 1) * n].clone(), None, None, None
+
+
+class _ReduceScatterTokens(torch.autograd.Function):
+    """[T, D] partial sums per rank → this rank's Tl rows of their sum. Backward: all-gather."""
+
+    @staticmethod
+    def forward(ctx, x, tp):
+        ctx.tp, ctx.num_tokens = tp, x.shape[0]
+        x = tp.pad(x.contiguous())
+        out = x.new_empty(x.shape[0] // tp.size, *x.shape[1:])
+        _reduce_scatter_single(out, x, group=tp.group)
+        return out
+
+    @staticmethod
+    def backward(ctx, g):
+        tp = ctx.tp
+        out = g.new_empty(tp.size * g.shape[0], *g.shape[1:])
+        _all_gather_single(out, g.contiguous(), group=tp.group)
+        return out[:ctx.num_tokens], None
+
+
+class TensorParallel:
+    """The tp group and the sequence-parallel token split of the micro-batch in flight (installed as
+    `tensor_parallel` on the model; the trainer reads the head's group and local weight from it)."""
+
+    def __init__(self, mesh):
+        self.mesh = mesh
+        self.group = mesh.get_group()
+        self.size, self.rank = mesh.size(), mesh.get_local_rank()
+        self.num_tokens = 0  # T of the micro-batch in flight (the model's forward pre-hook sets it)
+
+    def local_len(self, num_tokens: int) -> int:
+        return math.ceil(num_tokens / self.size)
+
+    def pad(self, x: torch.Tensor) -> torch.Tensor:
+        """Zero rows up to tp·Tl."""
+        pad = self.size * self.local_len(x.shape[0]) - x.shape[0]
+        return F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x
+
+    def scatter(self, x_TD: torch.Tensor) -> torch.Tensor:
+        """This rank's Tl rows of a tensor every rank holds whole (the gradient flows to those rows only)."""
+        n = self.local_len(x_TD.shape[0])
+        return self.pad(x_TD)[self.rank * n:(self.rank + 1) * n]
+
+    def gather(self, x_local: torch.Tensor, num_tokens: int, reduce: bool = True) -> torch.Tensor:
+        return _GatherTokens.apply(x_local, self, num_tokens, reduce)
+
+    def reduce_scatter(self, x_TD: torch.Tensor) -> torch.Tensor:
+        return _ReduceScatterTokens.apply(x_TD, self)
+
+    def head_weight(self, weight_VD: torch.Tensor) -> torch.Tensor:
+        """This rank's vocabulary rows of the LM head (for kernels' vocab-parallel head, with `group`)."""
+        return weight_VD.to_local() if hasattr(weight_VD, "to_local") else weight_VD
+
+
+# ---- parameter placements -------------------------------------------------------------------------------------
+def _placements(model: nn.Module) -> dict[str, str]:
+    """Parameter name → "row" (Shard(0)), "col" (Shard(1)) or "rep" (Replicate) for every tp parameter; the routed
+    experts are left out (expert parallelism places them)."""
+    from launch.model import Attention, GatedDeltaNet
+
+    out: dict[str, str] = {}
+    for name, m in model.named_modules():
+        prefix = name + "." if name else ""
+        if isinstance(m, Attention):
+            for p in ("q_proj", "k_proj", "v_proj"):
+                out[f"{prefix}{p}.weight"] = "row"
+                if getattr(m, p).bias is not None:
+                    out[f"{prefix}{p}.bias"] = "row"
+            out[f"{prefix}o_proj.weight"] = "col"
+        elif isinstance(m, GatedDeltaNet):
+            for p in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
+                      "conv1d.weight", "dt_bias", "A_log"):
+                out[prefix + p] = "row"
+            out[prefix + "out_proj.weight"] = "col"
+    out["lm_head.weight"] = "row"
+    for name, p in model.named_parameters():
+        if name not in out and not _is_routed_expert(name):
+            out[name] = "rep"
+    return out
+
+
+def _is_routed_expert(name: str) -> bool:
+    return ".mlp.experts." in name
+
+
+def check_model(model: nn.Module, tp: int) -> None:
+    """One line for a model this tensor parallelism cannot split exactly."""
+    from launch.model import Attention, GatedDeltaNet
+
+    s = model.shape
+    if s.tie_embeddings:
+        raise ValueError(f"tp={tp}: {s.name} ties its embedding to the LM head, which tensor parallelism splits on "
+                         f"the vocabulary while the embedding stays whole; use tp=1")
+    for m in model.modules():
+        if isinstance(m, Attention):
+            if m.o_proj.bias is not None:
+                raise ValueError(f"tp={tp}: {s.name}'s attention output projection has a bias (not split by this "
+                                 f"tensor parallelism); use tp=1")
+            if m.num_heads % tp or m.num_kv_heads % tp:
+                raise ValueError(f"tp={tp} does not divide {s.name}'s {m.num_heads} query / {m.num_kv_heads} KV heads")
+        if isinstance(m, GatedDeltaNet) and m.num_k_heads % tp:
+            raise ValueError(f"tp={tp} does not divide {s.name}'s {m.num_k_heads} linear-attention key heads")
+    if s.vocab_size % tp:
+        raise ValueError(f"tp={tp} does not divide {s.name}'s vocabulary of {s.vocab_size}")
+
+
+def _distribute(model: nn.Module, mesh) -> None:
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    tp, rank = mesh.size(), mesh.get_local_rank()
+    kinds = _placements(model)
+    for name, kind in kinds.items():
+        mod_name, _, leaf = name.rpartition(".")
+        module = model.get_submodule(mod_name)
+        full = getattr(module, leaf).detach()
+        if kind == "rep":
+            local, placement = full.clone(), Replicate()
+        else:
+            dim = 0 if kind == "row" else 1
+            local, placement = full.chunk(tp, dim)[rank].clone(), Shard(dim)
+        setattr(module, leaf, nn.Parameter(DTensor.from_local(local, mesh, [placement], run_check=False)))
+
+
+def _localize(modules: list[nn.Module], mesh) -> None:
+    """Pre-hook: swap every tp DTensor parameter of each module's subtree for its local shard (a replicated one's
+    gradient marked Partial); post-hook: put the DTensors back (FSDP2's own hooks see its parameters unchanged)."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    def pre(module, args):
+        swapped = []
+        for m in module.modules():
+            for leaf, p in list(m._parameters.items()):
+                if isinstance(p, DTensor) and p.device_mesh == mesh:
+                    grad = [Partial()] if p.placements[0].is_replicate() else list(p.placements)
+                    m._parameters[leaf] = p.to_local(grad_placements=grad)
+                    swapped.append((m, leaf, p))
+        module._tp_swapped = swapped
+
+    def post(module, args, out):
+        for m, leaf, p in module.__dict__.pop("_tp_swapped", ()):
+            m._parameters[leaf] = p
+        return out
+
+    for m in modules:
+        m.register_forward_pre_hook(pre)
+        m.register_forward_hook(post)
+
+
+def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
+    """Split `model` (built whole, the same weights on every rank) over the 1-D tp `mesh` and install the
+    sequence-parallel hooks; returns the TensorParallel, also set as `model.tensor_parallel`."""
+    from launch.model import Attention, GatedDeltaNet
+
+    check_model(model, mesh.size())
+    tp = TensorParallel(mesh)
+    _distribute(model, mesh)
+    mixers, blocks = [], []
+    for layer in model.layers:
+        mixer = next(m for m in layer.children() if isinstance(m, (Attention, GatedDeltaNet)))
+        mixers.append(mixer)
+        blocks += [m for m in layer.children() if m is not mixer]  # norms, the MoE / MLP
+    _localize([*mixers, *blocks, model.embed_tokens, model.norm], mesh)
+
+    def model_pre(module, args):
+        tp.num_tokens = args[1].num_tokens if len(args) > 1 else args[0].shape[0]
+
+    def embed_post(module, args, out):
+        return tp.scatter(out)
+
+    def mixer_pre(module, args):
+        x_local, *rest = args
+        return (tp.gather(x_local, rest[-1].num_tokens), *rest)
+
+    def mixer_post(module, args, out):
+        return tp.reduce_scatter(out)
+
+    def norm_post(module, args, out):
+        return tp.gather(out, tp.num_tokens, reduce=False)
+
+    model.register_forward_pre_hook(model_pre)
+    model.embed_tokens.register_forward_hook(embed_post)
+    for mixer in mixers:
+        mixer.register_forward_pre_hook(mixer_pre)
+        mixer.register_forward_hook(mixer_post)
+    model.norm.register_forward_hook(norm_post)
+    model.tensor_parallel = tp
+    return tp
