@@ -269,11 +269,13 @@ def gpus_per_node_used(hw: HwProfile, world: int) -> int:
 
 def group_bw(hw: HwProfile, group: int, stride: int, node: int | None = None) -> float:
     """Per-GPU bandwidth (bytes/s) of a collective over `group` ranks spaced `stride` apart in the rank order:
-    intra-node when the group fits inside a node of `node` GPUs (default: a full node); on a mesh (xGMI) an
-    all-to-all among fewer than all GPUs of a node uses only the links between them."""
+    intra-node only when every such group lies inside one node of `node` GPUs (default: a full node), that is when
+    its span group·stride divides the node (the groups tile the rank order in aligned blocks of that span: 12 GPUs
+    as 2 nodes × 6 put ranks 4–7 of a 4-rank group on both nodes); on a mesh (xGMI) an all-to-all among fewer than
+    all GPUs of a node uses only the links between them."""
     if group <= 1:
         return float("inf")
-    if group * stride > (node or hw.gpus_per_node):
+    if (node or hw.gpus_per_node) % (group * stride):
         return hw.inter_node_bw_gb_s * GB
     bw = hw.intra_node.bw_gb_s * GB
     if hw.intra_node.topology == "mesh":

@@ -1,0 +1,230 @@
+"""Context parallel's Gated DeltaNet state combine, simulated on one device: every cp rank's shard of one packed
+micro-batch computed in this process (no process group: the all-gather of the segment maps is a stack), checked
+against the whole sequence, and one rank's cost timed against the plain delta rule on the same local tokens.
+
+Per rank and layer the combine runs (docs/context_parallel.md): the segment maps of its two segments (a delta-rule
+pass over values [v | 0] from [0 | I], value width V + K), the fold of all 2·cp maps, and the outputs from the true
+incoming states (a second delta-rule pass) — where one process runs one pass over its tokens. This script measures
+that ratio, forward + backward, at cp = 2/4/8 equivalents (the local length fixed, the micro-batch cp times longer),
+beside the cost model's charge for the same layer (docs/cost_model.md, CP).
+
+    python bench/bench_cp_gdn.py --local 32768 --cps 2,4,8            # H200: exactness + timing table
+    python bench/bench_cp_gdn.py --device cpu --local 256 --cps 2,4 --check-only   # CPU smoke (torch path)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from launch.context_parallel import (fla_segment_maps, fla_segment_outputs, segment_owner,  # noqa: E402
+                                     shard_batch)
+from launch.data import Batch  # noqa: E402
+from launch.gated_delta import (chunk_factors, chunk_gated_delta_rule_fla, chunk_gated_delta_rule_torch,  # noqa: E402
+                                chunk_outputs, fla_status, fold_state_maps, segment_state_maps)
+from launch.model import Packing  # noqa: E402
+
+CHUNK = 64
+
+
+def inputs(T: int, G: int, H: int, K: int, V: int, device, dtype, seed: int = 0):
+    gen = torch.Generator(device="cpu").manual_seed(seed)
+
+    def rnd(*shape, scale=1.0):
+        return (torch.randn(*shape, generator=gen) * scale).to(device=device, dtype=dtype)
+
+    q, k, v = rnd(T, G, K), rnd(T, G, K), rnd(T, H, V)
+    g = -F.softplus(rnd(T, H).float() + 2.0) * 0.2  # log decay ≤ 0, typical magnitudes
+    beta = torch.sigmoid(rnd(T, H)).to(dtype)
+    return [x.requires_grad_() for x in (q, k, v, g, beta)]
+
+
+def whole(xs, doc_lengths, path: str):
+    q, k, v, g, beta = xs
+    packing = Packing.from_lengths(doc_lengths, q.device)
+    if path == "fla":
+        return chunk_gated_delta_rule_fla(q, k, v, g, beta, packing.cu_seqlens, CHUNK)
+    return chunk_gated_delta_rule_torch(q, k, v, g, beta, packing.positions, CHUNK)
+
+
+def _shards(T: int, doc_lengths, cp: int, device):
+    ids = torch.zeros(T, dtype=torch.long, device=device)
+    batch = Batch(ids, ids, Packing.from_lengths(doc_lengths, device), ids.bool(), ids.float(), ids)
+    return [shard_batch(batch, r, cp, CHUNK).packing for r in range(cp)]
+
+
+def rank_maps(xs_local, packing, path: str):
+    if path == "fla":
+        return fla_segment_maps(*xs_local, packing.cp), None
+    f = chunk_factors(*xs_local, packing.positions, CHUNK)
+    return segment_state_maps(f, 2), f
+
+
+def rank_outputs(xs_local, packing, states, f, path: str):
+    if path == "fla":
+        return fla_segment_outputs(*xs_local, packing.cp, states)
+    return chunk_outputs(f, states)
+
+
+def simulate(xs, doc_lengths, cp: int, path: str):
+    """Every rank's outputs, put back in sequence order: the CP result on one device."""
+    T = xs[0].shape[0]
+    packings = _shards(T, doc_lengths, cp, xs[0].device)
+    locals_, maps, factors = [], [], []
+    for p in packings:
+        xl = [x[p.cp.index] for x in xs]
+        m, f = rank_maps(xl, p, path)
+        locals_.append(xl), maps.append(m), factors.append(f)
+    gathered = torch.cat(maps)  # rank-major, as the all-gather
+    order = [2 * r + slot for r, slot in (segment_owner(j, cp) for j in range(2 * cp))]
+    states = fold_state_maps(gathered[order])
+    out = torch.empty(T, *locals_[0][2].shape[1:], device=xs[0].device, dtype=xs[2].dtype)
+    parts = []
+    for r, p in enumerate(packings):
+        o = rank_outputs(locals_[r], p, states[[r, 2 * cp - 1 - r]], factors[r], path)
+        parts.append((p.cp.index, o))
+    out = torch.zeros_like(out)
+    for index, o in parts:
+        out = out.index_put((index,), o)
+    return out
+
+
+def rel(a, b) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.float().norm().clamp_min(1e-30))
+
+
+def check(T: int, doc_lengths, cp: int, path: str, device, dtype, dims) -> dict:
+    xs = inputs(T, *dims, device, dtype)
+    w = torch.randn(T, dims[1], dims[3], device=device, dtype=torch.float32)
+    ref = whole(xs, doc_lengths, path)
+    g_ref = torch.autograd.grad((ref.float() * w).sum(), xs)
+    got = simulate(xs, doc_lengths, cp, path)
+    g_got = torch.autograd.grad((got.float() * w).sum(), xs)
+    return {"path": path, "cp": cp, "tokens": T, "docs": len(doc_lengths), "out_rel": rel(got, ref),
+            "grad_rel": max(rel(a, b) for a, b in zip(g_got, g_ref))}
+
+
+def _time(fn, device, reps: int) -> float:
+    fn()
+    times = []
+    for _ in range(reps):
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        fn()
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def one_rank_cost(local: int, cp: int, path: str, device, dtype, dims, reps: int) -> dict:
+    """Rank 0's forward + backward on its `local` tokens of a cp·local micro-batch (one document: every segment
+    continues the one before), the other ranks' maps stood in by copies of its own, against the plain delta rule."""
+    T = local * cp
+    packing = _shards(T, [T], cp, device)[0]
+    G, H, K, V = dims
+    gen = torch.Generator(device=device).manual_seed(cp)
+    xl = [torch.randn(local, G, K, device=device, generator=gen).to(dtype),
+          torch.randn(local, G, K, device=device, generator=gen).to(dtype),
+          torch.randn(local, H, V, device=device, generator=gen).to(dtype),
+          -F.softplus(torch.randn(local, H, device=device, generator=gen) + 2.0) * 0.2,
+          torch.sigmoid(torch.randn(local, H, device=device, generator=gen)).to(dtype)]
+    xl = [x.requires_grad_() for x in xl]
+    order = [2 * r + slot for r, slot in (segment_owner(j, cp) for j in range(2 * cp))]
+    plain_cu = torch.tensor([0, local], dtype=torch.int32, device=device)
+    plain_pos = torch.arange(local, device=device)
+
+    def combine():
+        m, f = rank_maps(xl, packing, path)
+        states = fold_state_maps(m.repeat(cp, 1, 1, 1)[order])[[0, 2 * cp - 1]]
+        o = rank_outputs(xl, packing, states, f, path)
+        o.float().sum().backward()
+
+    def plain():
+        if path == "fla":
+            o = chunk_gated_delta_rule_fla(*xl, plain_cu, CHUNK)
+        else:
+            o = chunk_gated_delta_rule_torch(*xl, plain_pos, CHUNK)
+        o.float().sum().backward()
+
+    print(f"  timing {path} cp={cp} …", flush=True)
+    t_cp, t_plain = _time(combine, device, reps), _time(plain, device, reps)
+    return {"path": path, "cp": cp, "local_tokens": local, "plain_ms": t_plain * 1e3, "cp_ms": t_cp * 1e3,
+            "extra_ms": (t_cp - t_plain) * 1e3, "ratio": t_cp / t_plain}
+
+
+def model_charge(local: int, cp: int, dims, passes: int = 2) -> float:
+    """docs/cost_model.md's charge for this layer's CP delta-rule chain (ms), forward + backward: the recurrence,
+    2·K·V FLOPs per token and value head over the whole micro-batch, (1 − 1/cp) exposed at the profile's rate,
+    plus 10 µs per segment hop, per pass."""
+    from recipe.hw import load_profile
+
+    hw = load_profile("h200")
+    G, H, K, V = dims
+    rate = hw.peak_bf16_tflops * 1e12 * hw.compute_efficiency
+    per_pass = 2 * K * V * H * local * cp * (1 - 1 / cp) / rate + 2 * cp * 10e-6
+    return passes * per_pass * 1e3
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--local", type=int, default=32768, help="tokens per rank")
+    p.add_argument("--cps", default="2,4,8")
+    p.add_argument("--paths", default=None, help="fla,torch (default: fla on CUDA when usable, else torch)")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--check-only", action="store_true")
+    p.add_argument("--json", help="write the results here")
+    a = p.parse_args(argv)
+    device = torch.device(a.device)
+    dims = (16, 32, 128, 128) if device.type == "cuda" else (2, 4, 16, 16)  # G, H, K, V (Qwen3.5-35B on GPU)
+    cps = [int(c) for c in a.cps.split(",")]
+    if a.paths:
+        paths = a.paths.split(",")
+    else:
+        paths = ["fla"] if device.type == "cuda" and fla_status(dims[2])[0] else ["torch"]
+    if "fla" in paths and not fla_status(dims[2])[0]:  # (also lifts fla's Hopper guard where our tiles allow)
+        p.error(f"flash-linear-attention unusable here: {fla_status(dims[2])[1]}")
+    results = {"checks": [], "costs": []}
+    # exactness: a packed batch whose documents cross segment edges, and one starting exactly on an edge
+    for path in paths:
+        dtype = torch.float32
+        for cp in cps:
+            T = 2 * cp * CHUNK * (4 if device.type == "cuda" else 1)
+            L = T // (2 * cp)
+            docs = [L + 5, L - 5 + 3 * CHUNK // 2, T - (2 * L + 3 * CHUNK // 2)] if cp > 1 else [T]
+            docs = [d for d in docs if d > 0]
+            docs[-1] += T - sum(docs)
+            r = check(T, docs, cp, path, device, dtype, dims)
+            results["checks"].append(r)
+            print(f"check {path:5s} cp={cp} T={T} docs={docs}: out rel {r['out_rel']:.2e}, grad rel "
+                  f"{r['grad_rel']:.2e}", flush=True)
+    if not a.check_only:
+        print(f"\none rank, forward+backward, local {a.local} tokens, heads {dims[1]}×{dims[2]}×{dims[3]}")
+        print("| path | cp | plain (ms) | with combine (ms) | extra (ms) | ratio | cost model charge (ms) |")
+        print("|---|---|---|---|---|---|---|")
+        for path in paths:
+            for cp in cps:
+                r = one_rank_cost(a.local, cp, path, device, torch.bfloat16 if device.type == "cuda" else
+                                  torch.float32, dims, a.reps)
+                r["model_ms"] = model_charge(a.local, cp, dims)
+                results["costs"].append(r)
+                print(f"| {path} | {cp} | {r['plain_ms']:.2f} | {r['cp_ms']:.2f} | {r['extra_ms']:.2f} | "
+                      f"{r['ratio']:.2f} | {r['model_ms']:.2f} |", flush=True)
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
