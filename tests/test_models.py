@@ -231,6 +231,7 @@ FIXTURES = Path(__file__).parent / "fixtures" / "configs"
 # nor the LM head (the non-embedding count). None: not published (dense: active = total − input embedding).
 PUBLISHED = {
     "qwen3.5-35b-a3b": ("35", "3", "ours", "Qwen/Qwen3.5-35B-A3B model card (35B total, 3B activated)"),
+    "qwen3.5-27b": ("27", None, None, "Qwen/Qwen3.5-27B model card (27B parameters, dense)"),
     "qwen3-next-80b-a3b": ("80", "3", "-head", "Qwen/Qwen3-Next-80B-A3B-Instruct model card (80B, 3B activated)"),
     "qwen3-30b-a3b": ("30.5", "3.3", "+embedding", "Qwen/Qwen3-30B-A3B model card (30.5B, 3.3B activated)"),
     "qwen1.5-moe-a2.7b": ("14.3", "2.7", "+embedding", "Qwen/Qwen1.5-MoE-A2.7B model card (14.3B, 2.7B activated)"),
