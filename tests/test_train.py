@@ -188,7 +188,8 @@ def _tiny_plan(plan_mod) -> str:
 
 
 def test_cli_refuses_a_layout_it_cannot_run_before_any_work(tmp_path, capsys, monkeypatch):
-    """A plan for 2 processes started as one, and a tp=2 plan started right: one line each, exit 2, no group."""
+    """A plan for 2 processes started as one, and a tp=3 plan (a hand edit of a tp=2 one: 3 does not divide the 4
+    attention heads) started right: one line each, exit 2, no group."""
     from recipe.cli import app
     from typer.testing import CliRunner
 
@@ -203,11 +204,14 @@ def test_cli_refuses_a_layout_it_cannot_run_before_any_work(tmp_path, capsys, mo
     r = CliRunner().invoke(app, ["solve", "--model", "tiny-moe", "--seq", "4k", "--hw", "cpu", "--gpus", "2", "--tp",
                                  "2", "-o", str(tp2)])
     assert r.exit_code == 0, r.output
-    monkeypatch.setenv("WORLD_SIZE", "2")
-    assert main([str(tp2), "--device", "cpu"]) == 2
+    tp3 = tmp_path / "tp3.yaml"
+    three = ("tp: 2", "edp: 2", "gpus: 2", "nproc_per_node: 2")  # the layout, the pin, the world and the launch
+    tp3.write_text("".join(line.replace(": 2", ": 3") if line.strip() in three else line
+                           for line in tp2.read_text().splitlines(keepends=True)))
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    assert main([str(tp3), "--device", "cpu"]) == 2
     err = capsys.readouterr().err.strip()
-    assert err.startswith("error: this version runs data, context and expert parallelism only") and "tp=2" in err
-    assert len(err.splitlines()) == 1
+    assert err == "error: tp=3: 4 attention heads of tiny-moe are not divisible by tp=3"
     import torch.distributed as dist
 
     assert not dist.is_initialized()
