@@ -1,12 +1,14 @@
-"""Layouts on real process groups (gloo, CPU): FSDP2, expert parallelism and context parallelism equal one process.
+"""Layouts on real process groups (gloo, CPU): FSDP2, expert, context and tensor parallelism equal one process.
 
 Two launches (world sizes 2 and 4), each running every case of its size in one process group (tests/dist_cases.py):
 the loss of each of two steps, step 1's other metrics and every gradient of step 1 against the same steps on one
 process, in fp32. Tolerances: losses and metrics 1e-6 relative; gradients 1e-5 of each tensor's largest entry (or of
-a thousandth of the largest gradient anywhere, for the near-cancelling A_log / dt_bias sums); k chunks equal one
+two thousandths of the largest gradient anywhere, for the near-cancelling A_log / dt_bias sums); k chunks equal one
 chunk bitwise. CP: cp=2 (world 2), cp=4 and cp=2 × ep=2 with dp=2 (world 4) on packed micro-batches whose documents
 cross segment edges, with a padded tail; and the CP exchanges alone (attention, conv halo, delta-rule combine) against
-the one-process functions in fp64, outputs and input gradients to 1e-12.
+the one-process functions in fp64, outputs and input gradients to 1e-12. TP:
+tp=2 alone and with ep=2 over the tp ranks (world 2), tp=2 × dp=2 with ep=1 and ep=4 (world 4), on packed
+micro-batches padded to whole sequence-parallel rows with documents across the tp ranks' edge.
 
 Plus the pieces by hand: the regroup index, the micro-batch share, the layout checks, the grouped GEMMs.
 """
@@ -52,14 +54,16 @@ def world2(tmp_path_factory):
     # (name, dp, ep, ep_overlap_chunks[, cp, data variant]) or (name, "pieces", cp)
     cases = [["dp2", 2, 1, 1], ["ep2_k1", 2, 2, 1], ["ep2_k2", 2, 2, 2], ["ep2_k4", 2, 2, 4],
              ["ep2_k2_no_recompute", 2, 2, 2, 1, "base", "none"],
-             ["cp2", 1, 1, 1, 2, "cp"], ["pieces_cp2", "pieces", 2]]
+             ["cp2", 1, 1, 1, 2, "cp"], ["pieces_cp2", "pieces", 2],
+             ["tp2", 1, 1, 1, 1, "cp", "full", 2], ["tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2]]
     return _launch(2, cases, tmp_path_factory.mktemp("world2"))
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
     cases = [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
-             ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4]]
+             ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
+             ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2]]
     return _launch(4, cases, tmp_path_factory.mktemp("world4"))
 
 
@@ -111,6 +115,31 @@ def test_context_parallel_exchanges_are_exact_in_fp64(world2, world4, world, nam
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("world, name", [(2, "tp2"), (2, "tp2_ep2"), (4, "tp2_dp2"), (4, "tp2_dp2_ep4")])
+def test_tensor_parallel_layouts_equal_one_process(world2, world4, world, name):
+    """tp=2 on the Qwen3.5-style tiny model (Gated DeltaNet and attention layers, MoE with a shared expert):
+    alone, with ep=2 over the tp ranks (the sequence-parallel tokens reach the experts once), with dp=2 (FSDP2 over
+    dp on the tp DTensors; micro-batches padded with weight-0 repeats) and with dp=2 × ep=4 without recompute,
+    off-policy with sequence-mean aggregation; every step's loss, the metrics, the clipping norm and every
+    gradient equal one process."""
+    _assert_equal_to_one_process({2: world2, 4: world4}[world][name])
+
+
+@pytest.mark.dist
+def test_tensor_parallel_splits_every_dense_parameter_and_the_data_crosses_edges(world2, world4):
+    """Every parameter but the routed experts is a tp DTensor, some micro-batch is padded to whole
+    sequence-parallel rows, and some document runs across the edge between two tp ranks' rows."""
+    from launch.model import build_model
+    from recipe.models import PRESETS
+
+    dense = sum(1 for n, _ in build_model(PRESETS["tiny-moe"]).named_parameters() if ".mlp.experts." not in n)
+    for r in (world2["tp2"], world2["tp2_ep2"], world4["tp2_dp2"], world4["tp2_dp2_ep4"]):
+        assert r["tensor_parallel_params"] == dense, r["name"]
+        assert r["tp_padded"] and r["tp_docs_cross_shard_edges"], r["name"]
+    assert world4["tp2_dp2"]["num_micro_batches"][0] % 2 == 1  # dp=2 pads step 1
+
+
+@pytest.mark.dist
 def test_chunked_dispatch_equals_one_chunk_bitwise(world2, world4):
     assert world2["ep2_k2"]["bitwise_equal_k1"] is True
     assert world2["ep2_k4"]["bitwise_equal_k1"] is True
@@ -158,8 +187,70 @@ def test_layout_checks_name_every_factor():
     with pytest.raises(LayoutError, match=r"pp·tp·cp·dp = 1·1·1·4 = 4 processes but this run has WORLD_SIZE=2"):
         check_layout(layout, 2)
     check_layout(LayoutSpec(pp=1, tp=1, cp=2, ep=2, dp=2, etp=1, edp=2), 4)  # cp runs
-    with pytest.raises(LayoutError, match=r"runs data, context and expert parallelism only .*asks for tp=2, pp=2"):
+    check_layout(LayoutSpec(pp=2, tp=1, cp=1, ep=2, dp=2, etp=1, edp=1), 4)  # pp runs, with dp and ep
+    with pytest.raises(LayoutError, match=r"pipeline parallelism together with tensor or context .*pp=2, tp=2, cp=1"):
         check_layout(LayoutSpec(pp=2, tp=2, cp=1, ep=1, dp=1, etp=1, edp=2), 4)
+    with pytest.raises(LayoutError, match=r"the plan asks for etp=2"):
+        check_layout(LayoutSpec(pp=1, tp=2, cp=1, ep=1, dp=2, etp=2, edp=2), 4)
+
+
+def test_the_solver_never_emits_expert_tensor_parallelism():
+    """etp > 1 is refused by check_layout (above); nothing asks for it: etp cannot be pinned, every committed plan
+    has etp=1, and so has every solve of every preset at 8 and 64 GPUs (the solver's layouts carry no etp)."""
+    from recipe.cost import TrainOptions
+    from recipe.hw import load_profile
+    from recipe.models import PRESETS
+    from recipe.plan import load_plan
+    from recipe.solver import InfeasibleError, normalize_pins, solve
+
+    with pytest.raises(ValueError, match="unknown pin 'etp'"):
+        normalize_pins({"etp": 2})
+    plans = sorted((Path(__file__).parent.parent / "plans").glob("*.yaml"))
+    assert plans and all(load_plan(p).layout.etp == 1 for p in plans)
+    solved = 0
+    for name in PRESETS:
+        for world in (8, 64):
+            try:
+                solution = solve(PRESETS[name], load_profile("h200"), world, TrainOptions(micro_batch_tokens=32768))
+            except InfeasibleError:
+                continue
+            assert solution.degrees["etp"] == 1, (name, world)
+            solved += 1
+    assert solved >= len(PRESETS)
+
+
+def test_check_plan_shape_refuses_tp_that_does_not_split_heads():
+    """One line naming the degree and what it does not divide (recipe check's rules), before any group."""
+    from launch.parallel import check_plan_shape
+    from recipe.models import PRESETS
+
+    shape = PRESETS["tiny-moe"]  # 4 query heads, 2 KV heads, 2 linear-attention key heads, vocabulary 512
+
+    def plan(tp):
+        return types.SimpleNamespace(layout=LayoutSpec(pp=1, tp=tp, cp=1, ep=1, dp=1, etp=1, edp=tp),
+                                     train=types.SimpleNamespace(micro_batch_tokens=4096, pp_stages=None))
+
+    check_plan_shape(plan(2), shape)
+    with pytest.raises(LayoutError, match=r"^tp=3: 4 attention heads of tiny-moe are not divisible by tp=3$"):
+        check_plan_shape(plan(3), shape)
+    with pytest.raises(LayoutError, match=r"^tp=4: 2 KV heads of tiny-moe are not divisible by tp=4$"):
+        check_plan_shape(plan(4), shape)
+
+
+def test_tensor_parallel_refuses_what_it_cannot_split():
+    """A tied embedding and head, or an attention output bias: one line each."""
+    import dataclasses
+
+    from launch.model import build_model
+    from launch.tensor_parallel import check_model
+    from recipe.models import PRESETS
+
+    shape = PRESETS["tiny-moe"]
+    check_model(build_model(shape), 2)
+    with pytest.raises(ValueError, match="ties its embedding to the LM head"):
+        check_model(build_model(dataclasses.replace(shape, tie_embeddings=True)), 2)
+    with pytest.raises(ValueError, match="output projection has a bias"):
+        check_model(build_model(dataclasses.replace(shape, attn_bias=True)), 2)
 
 
 def test_parallelize_refuses_ep_without_a_process_group():
