@@ -1,6 +1,6 @@
 """`launch.train` under real torchrun launches (gloo, CPU, tiny-moe): the same losses under any layout, resume equal to
-an uninterrupted run, re-deploy across world sizes through DCP's resharding, recovery from a SIGKILLed rank, and a
-checkpoint on SIGINT.
+an uninterrupted run, re-deploy across world sizes through DCP's resharding (a tp=2 run resumed on one process
+among them), recovery from a SIGKILLed rank, and a checkpoint on SIGINT.
 
 One uninterrupted 2-process run (plans/tiny-cpu.yaml: dp=2, ep=2, 2 EP chunks, FSDP2) is the reference; SFT on
 synthetic rollouts, 8 rollouts a step (so each step's data differs), fp32. Tolerances: the same layout resumed
@@ -169,3 +169,34 @@ def test_sigint_stops_after_the_step_with_a_checkpoint(tmp_path):
     assert len(line) == 1, stderr[-2000:]  # one line, from rank 0
     saved = int(line[0].split("step_")[-1])
     assert saved >= 3 and (out / "checkpoints" / f"step_{saved}" / "COMPLETE").exists()
+
+
+def test_tensor_parallel_run_exports_and_resumes_at_tp1(tmp_path, reference, plan1):
+    """tp=2 (with FSDP2 and its sequence-parallel experts) for two steps, exported; resumed on one process: every
+    step's loss equals the reference's, and the export holds the checkpoint's masters (the tp DTensors and the
+    head-grouped Gated DeltaNet rows gathered and written in Hugging Face's layout)."""
+    import torch
+
+    from launch.checkpoint import load
+    from launch.hf_io import load_hf_checkpoint
+    from launch.model import build_model
+    from launch.optim import MasterAdamW
+    from recipe.models import PRESETS
+
+    plan = tmp_path / "tp2.yaml"
+    r = subprocess.run(["recipe", "solve", "--model", "tiny-moe", "--seq", "4k", "--hw", "cpu", "--gpus", "2", "--tp",
+                        "2", "-o", str(plan)], env=_env(), cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "run"
+    torchrun(2, plan, out, "--steps", "2", "--export", str(tmp_path / "hf"))
+    close(losses(out), reference, [1, 2], OTHER)
+    exported = build_model(PRESETS["tiny-moe"], seed=7)
+    load_hf_checkpoint(exported, tmp_path / "hf")
+    saved = build_model(PRESETS["tiny-moe"], seed=8)
+    opt = MasterAdamW(saved.named_parameters(), lr=1.0)
+    load(out / "checkpoints" / "step_2", {"optim": opt})
+    for (name, a), b in zip(exported.named_parameters(), saved.parameters()):
+        assert torch.equal(a, b), name
+    r = torchrun(1, plan1, out, "--steps", "4", "--resume")
+    assert "saved at world size 2" in r.stdout
+    close(losses(out), reference, [3, 4], OTHER)
