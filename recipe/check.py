@@ -119,7 +119,7 @@ def check_plan(path: str | Path) -> PlanCheck:
     res.fresh = fresh
     solved_layout = fresh.layout if fresh is not None else None
 
-    for name, committed, why in divisibility(m, lay, plan.train.micro_batch_tokens):
+    for name, committed, why in divisibility(m, lay, plan.train.micro_batch_tokens, plan.train.pp_stages):
         solved = getattr(solved_layout, name) if solved_layout is not None else None
         res.problems.append(Problem(res.file, f"layout.{name}", committed, solved, "misfit", why))
 
@@ -157,8 +157,9 @@ def _resolve(plan: Plan, base: Path) -> tuple[Plan | None, str | None]:
         return None, one_line(str(e))
 
 
-def divisibility(m, lay, seq: int) -> list[tuple[str, int, str]]:
-    """(layout field, committed value, why) for each degree that does not divide what it splits."""
+def divisibility(m, lay, seq: int, stages: list[int] | None = None) -> list[tuple[str, int, str]]:
+    """(layout field, committed value, why) for each degree that does not divide what it splits; `stages` (the
+    plan's train.pp_stages, layers per pipeline stage) must cover the model's layers."""
     out = []
     tp, cp = lay.tp, lay.cp
     if m.num_heads % tp:
@@ -171,6 +172,9 @@ def divisibility(m, lay, seq: int) -> list[tuple[str, int, str]]:
         out.append(("ep", lay.ep, f"{m.num_experts} experts of {m.name} are not divisible by ep={lay.ep}"))
     if m.num_layers % lay.pp:
         out.append(("pp", lay.pp, f"{m.num_layers} layers of {m.name} are not divisible into pp={lay.pp} stages"))
+    if stages is not None and sum(stages) != m.num_layers:
+        out.append(("pp", lay.pp, f"train.pp_stages {list(stages)} holds {sum(stages)} layers but {m.name} has "
+                                  f"{m.num_layers}"))
     if m.linear_attn is not None and m.linear_attn.num_k_heads % tp:
         out.append(("tp", tp, f"{m.linear_attn.num_k_heads} linear-attention key heads of {m.name} are not "
                               f"divisible by tp={tp}"))

@@ -443,3 +443,84 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
         flops_per_token={"forward": fwd, "model": model_flops_tok, "hardware": hw_flops_tok, **f},
         comm_bytes=comm, lm_head_own_gb=head_own / GB,
     )
+
+
+# ---- pipeline stages -----------------------------------------------------------------------------------------
+def stage_costs(m: ModelShape, seq: float, opts: TrainOptions) -> tuple[list[float], float, float]:
+    """What each pipeline stage's share of a step costs, per token in hardware FLOPs (forward, the recomputed
+    forward under full recompute, backward): ([each decoder layer], embedding, head with its loss). A layer costs
+    its mixer — full attention's projections and its quadratic term over seq/2 keys, or Gated DeltaNet's projections
+    and its chunked rule, linear in seq — plus its FFN (a dense FFN, or the router, the shared expert and top-k
+    routed experts); the embedding is a lookup (0); the head is `head_passes` logits-sized GEMMs, as in estimate."""
+    from .models import _full_attention_params, _linear_attention_params
+
+    f = forward_flops_per_token(m, seq)
+    h = m.hidden_size
+    passes = 4 if opts.recompute == "full" else 3
+    swiglu = 3 * h
+    shared = (swiglu * m.shared_expert_ffn + (h if m.shared_expert_gate else 0)) if m.shared_expert_ffn else 0
+    per_expert = swiglu * m.expert_ffn + ((2 * m.expert_ffn + h) if m.arch == "gpt_oss" else 0)
+    moe = h * m.num_experts + shared + per_expert * m.top_k
+    n_attn = m.num_full_attn_layers + m.num_sliding_layers
+    attn_term = f["attention"] / n_attn if n_attn else 0.0
+    full_ctx, slide_ctx = seq / 2, min(m.sliding_window or seq, seq) / (2 if (m.sliding_window or seq) >= seq else 1)
+    costs = []
+    for i, kind in enumerate(m.layer_types):
+        ffn = swiglu * m.dense_ffn if i < m.first_dense_layers else moe
+        if kind == "linear_attention":
+            mixer = 2 * _linear_attention_params(m) + f["linear_attention"] / m.num_linear_attn_layers
+        else:
+            qk = (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim) if m.mla else (m.head_dim,) * 2
+            quad = 2 * m.num_heads * sum(qk) * (full_ctx if kind == "full_attention" else slide_ctx)
+            mixer = 2 * _full_attention_params(m) + (quad if attn_term else 0.0)
+        costs.append(passes * (mixer + 2 * ffn))
+    head_passes = LEAN_HEAD_PASSES if opts.lm_head == "lean" else 3
+    return costs, 0.0, head_passes * f["head"]
+
+
+def split_stages(layer_costs: list[float], stages: int, first: float = 0.0, last: float = 0.0) -> list[int]:
+    """Layers per pipeline stage: `stages` contiguous, non-empty runs of layers, in order, whose largest cost (the
+    first run's plus `first`, the last run's plus `last`) is the smallest possible; on a tie each stage starts as
+    late as it can (the later stages, the head's among them, hold fewer layers). Exact (dynamic programming over the cut points, O(stages·layers²)).
+
+    Example: costs [1, 1, 1, 3, 1, 1, 1, 3] (a full-attention layer after every three Gated DeltaNet layers costing a
+    third as much), 2 stages and a head costing 2 on the last: cutting after 5 layers gives 7 and 5 + 2 = 7, after 4
+    gives 6 and 8: [5, 3]."""
+    n = len(layer_costs)
+    if stages < 1 or stages > n:
+        raise ValueError(f"{stages} pipeline stages for {n} layers: every stage needs at least one layer")
+    prefix = [0.0]
+    for c in layer_costs:
+        prefix.append(prefix[-1] + c)
+
+    def run(a: int, b: int) -> float:  # layers a..b-1 as stage s
+        return prefix[b] - prefix[a]
+
+    inf = float("inf")
+    # best[s][j]: the smallest largest cost of layers 0..j-1 in stages 0..s; cut[s][j]: where stage s starts
+    best = [[inf] * (n + 1) for _ in range(stages)]
+    cut = [[0] * (n + 1) for _ in range(stages)]
+    for j in range(1, n + 1):
+        best[0][j] = first + run(0, j)
+    for s in range(1, stages):
+        for j in range(s + 1, n + 1):
+            for i in range(j - 1, s - 1, -1):  # latest start first: kept on a tie
+                cost = max(best[s - 1][i], run(i, j) + (last if s == stages - 1 and j == n else 0.0))
+                if cost < best[s][j]:
+                    best[s][j], cut[s][j] = cost, i
+    if stages == 1:
+        return [n]
+    sizes, j = [], n
+    for s in range(stages - 1, 0, -1):
+        i = cut[s][j]
+        sizes.append(j - i)
+        j = i
+    sizes.append(j)
+    return sizes[::-1]
+
+
+def pipeline_split(m: ModelShape, stages: int, opts: TrainOptions) -> list[int]:
+    """Layers per pipeline stage for `stages` stages (pp·virtual stages), balanced by stage_costs at the plan's
+    micro-batch: what `recipe solve` records as the plan's `train.pp_stages` and what the trainer builds."""
+    costs, first, last = stage_costs(m, opts.micro_batch_tokens, opts)
+    return split_stages(costs, stages, first, last)

@@ -109,6 +109,9 @@ class TrainSpec(_Strict):
     ep_overlap_chunks: int = Field(gt=0, le=4096)
     micro_batch_tokens: int = Field(gt=0, le=MAX_INT)
     micro_batches: int = Field(gt=0, le=1_000_000)
+    # layers per pipeline stage, in order (recipe.cost.pipeline_split); written when pp > 1. pp entries: one stage a
+    # rank (1F1B); v·pp entries: v virtual stages a rank (interleaved 1F1B, rank r holding stages r, r + pp, …)
+    pp_stages: list[Annotated[int, Field(gt=0, le=100_000)]] | None = Field(None, min_length=1, max_length=100_000)
     optimizer: Optimizer = Optimizer()
 
 
@@ -179,6 +182,10 @@ class Plan(_Strict):
                              f"≠ world {self.layout.world} of the layout")
         if self.inputs.gpus is not None and self.inputs.gpus != self.layout.world:
             raise ValueError(f"inputs.gpus = {self.inputs.gpus} but the layout covers {self.layout.world} GPUs")
+        stages = self.train.pp_stages
+        if stages is not None and len(stages) % self.layout.pp:
+            raise ValueError(f"train.pp_stages lists {len(stages)} stages, not a multiple of pp={self.layout.pp} "
+                             f"(pp stages, or v·pp for v virtual stages a rank)")
         return self
 
     # ---- what the plan was solved from ----
@@ -197,6 +204,8 @@ class Plan(_Strict):
 
     def to_dict(self) -> dict:
         data = plain(self)
+        if data["train"].get("pp_stages") is None:  # no pipeline: no field (plans stay as they were)
+            data["train"].pop("pp_stages", None)
         data["inputs"] = _inputs_block(self.inputs)  # `pins` only when some degree is pinned
         return data
 

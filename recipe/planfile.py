@@ -148,7 +148,8 @@ def plan_dict(inputs, m: ModelShape, hw: HwProfile, sol) -> dict:
         "layout": dict(sol.degrees),
         "train": {"recompute": sol.opts.recompute, "lm_head": sol.opts.lm_head,
                   "ep_overlap_chunks": sol.opts.ep_overlap_chunks, "micro_batch_tokens": sol.opts.micro_batch_tokens,
-                  "micro_batches": sol.opts.micro_batches, "optimizer": {"name": "adamw", "master_dtype": "fp32"}},
+                  "micro_batches": sol.opts.micro_batches, **_pp_stages(m, sol),
+                  "optimizer": {"name": "adamw", "master_dtype": "fp32"}},
         "prediction": {"memory_gb": {k: round(v, 2) for k, v in e.memory_gb.items()},
                        "lm_head_unfused_gb": round(e.lm_head_unfused_gb, 2), "step_time_s": round(e.step_time_s, 4),
                        "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1),
@@ -157,6 +158,16 @@ def plan_dict(inputs, m: ModelShape, hw: HwProfile, sol) -> dict:
         "reasons": {k: reason(k) for k in ("tp", "ep", "cp", "pp")},
         "launch": launch_block(hw, sol.world),
     }
+
+
+def _pp_stages(m: ModelShape, sol) -> dict:
+    """`pp_stages` (layers per pipeline stage, balanced by the cost model) when the layout pipelines; nothing at
+    pp = 1 (plans without a pipeline stay as they were)."""
+    if sol.layout.pp == 1:
+        return {}
+    from .cost import pipeline_split
+
+    return {"pp_stages": pipeline_split(m, sol.layout.pp, sol.opts)}
 
 
 def dumps(plan, fmt: Literal["yaml", "json"] = "yaml") -> str:
