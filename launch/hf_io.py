@@ -169,6 +169,16 @@ def hf_config(shape: ModelShape) -> dict:
         rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta,
                          "partial_rotary_factor": shape.partial_rotary_factor},
     )
+    if shape.arch == "dense":  # Llama-family: Qwen3 has q/k norms, Qwen2 q/k/v biases, Llama neither
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            cfg.pop(k)
+        model_type = "qwen3" if shape.qk_norm else "qwen2" if shape.attn_bias else "llama"
+        arch_name = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM"}
+        cfg.update(model_type=model_type, architectures=[arch_name[model_type]], intermediate_size=shape.dense_ffn,
+                   rope_theta=shape.rope_theta, layer_types=list(shape.layer_types))
+        if model_type == "llama":
+            cfg.update(attention_bias=False, mlp_bias=False)
+        return cfg
     if shape.arch == "qwen3_moe":
         cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.expert_ffn, layer_types=list(shape.layer_types))
@@ -183,6 +193,10 @@ def hf_config(shape: ModelShape) -> dict:
     if shape.arch == "qwen3_next":
         cfg.update(model_type="qwen3_next", architectures=["Qwen3NextForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.shared_expert_ffn)
+    elif shape.arch == "qwen3_5":
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "shared_expert_intermediate_size"):
+            cfg.pop(k)
+        cfg.update(model_type="qwen3_5_text", architectures=["Qwen3_5ForCausalLM"], intermediate_size=shape.dense_ffn)
     else:
         cfg.update(model_type="qwen3_5_moe_text", architectures=["Qwen3_5MoeForCausalLM"])
     return cfg

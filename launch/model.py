@@ -21,10 +21,14 @@ import torch.nn.functional as F
 
 from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
 from launch.gated_delta import gated_delta_rule
-from launch.moe import MoE
+from launch.moe import MoE, SwiGLU
 from recipe.models import ModelShape
 
-SUPPORTED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe")
+# what the training core builds: the Qwen3.5 / Qwen3-Next hybrids (MoE and dense), Qwen3-MoE, and dense Llama-family
+# stacks (Llama, Qwen2, Qwen3, Mistral without a sliding window); `recipe solve` plans more (recipe/models.py)
+SUPPORTED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen3_5", "dense")
+# RMSNorm scales by (1 + w) in these (w stored zero-centred), by w elsewhere
+OFFSET_NORM_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
 
 
 @dataclass(frozen=True)
@@ -139,7 +143,8 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attn_bias)
         self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attn_bias)
         self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attn_bias)
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.attn_bias)
+        # dense stacks with attention biases (Qwen2) put them on q/k/v only
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.attn_bias and s.arch != "dense")
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         # None: the whole sequence is here; launch/context_parallel.py installs its ContextParallel (K/V exchange)
@@ -236,7 +241,10 @@ def _context_parallel(mixer: nn.Module, packing: Packing):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, s: ModelShape, layer_type: str, norm_offset: float):
+    """`x + mixer(norm(x))`, then `x + ffn(norm(x))`: the FFN is the MoE, or a dense SwiGLU MLP (`dense`: the
+    model's first_dense_layers, which are all of a dense model's)."""
+
+    def __init__(self, s: ModelShape, layer_type: str, norm_offset: float, dense: bool = False):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "full_attention":
@@ -248,8 +256,11 @@ class DecoderLayer(nn.Module):
                              f"linear_attention)")
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
-        self.mlp = MoE(s.hidden_size, s.num_experts, s.top_k, s.expert_ffn, s.shared_expert_ffn,
-                       s.shared_expert_gate, s.norm_topk_prob)
+        if dense:
+            self.mlp = SwiGLU(s.hidden_size, s.dense_ffn)
+        else:
+            self.mlp = MoE(s.hidden_size, s.num_experts, s.top_k, s.expert_ffn, s.shared_expert_ffn,
+                           s.shared_expert_gate, s.norm_topk_prob)
 
     def forward(self, x_TD: torch.Tensor, rope, packing: Packing) -> torch.Tensor:
         mixer = self.self_attn if self.layer_type == "full_attention" else self.linear_attn
@@ -263,18 +274,15 @@ class Transformer(nn.Module):
 
     def __init__(self, shape: ModelShape):
         super().__init__()
-        if shape.arch not in SUPPORTED_ARCHS:
-            raise ValueError(f"arch {shape.arch!r} is not supported by the training core "
-                             f"(supported: {', '.join(SUPPORTED_ARCHS)}); `recipe solve` plans the others "
-                             f"(DeepSeek/Kimi/Moonlight MLA, gpt-oss, Mixtral, Llama 4, GLM-4.5, ERNIE-4.5, OLMoE, "
-                             f"Granite, Qwen2-MoE, dense models) but this core cannot train them")
-        if shape.first_dense_layers or shape.mla is not None or shape.sliding_window:
-            raise ValueError(f"{shape.name}: dense-first layers, MLA and sliding windows are not supported")
+        refusal = trainable(shape)
+        if refusal:
+            raise ValueError(refusal)
         self.shape = shape
-        norm_offset = 0.0 if shape.arch == "qwen3_moe" else 1.0
+        norm_offset = 1.0 if shape.arch in OFFSET_NORM_ARCHS else 0.0
         self.rotary_dim = int(shape.head_dim * shape.partial_rotary_factor)
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset) for t in shape.layer_types)
+        self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset, dense=i < shape.first_dense_layers)
+                                    for i, t in enumerate(shape.layer_types))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, norm_offset)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         # None: one micro-batch is one sequence on this rank; launch/context_parallel.py installs its
@@ -318,6 +326,22 @@ class Transformer(nn.Module):
     def _offset_norm(self, name: str) -> bool:
         module = self.get_submodule(name.rsplit(".", 1)[0])
         return isinstance(module, RMSNorm) and bool(module.offset)
+
+
+def trainable(shape: ModelShape) -> str | None:
+    """None when the training core can build `shape`; otherwise the one line saying why (the solver still plans
+    it)."""
+    if shape.arch not in SUPPORTED_ARCHS:
+        return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
+                f"trains {', '.join(SUPPORTED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE and dense Llama/Qwen/Mistral "
+                f"stacks; not MLA models (DeepSeek, Kimi, Moonlight), gpt-oss, Mixtral, Llama 4, GLM-4.5, "
+                f"ERNIE-4.5, OLMoE, Granite or Qwen2-MoE)")
+    unsupported = [what for what, present in (("multi-head latent attention", shape.mla is not None),
+                                              ("sliding-window attention", bool(shape.sliding_window)))
+                   if present]
+    if unsupported:
+        return f"{shape.name}: {' and '.join(unsupported)} is planned by `recipe solve` but not trained by this core"
+    return None
 
 
 def build_model(shape: ModelShape, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

@@ -264,12 +264,15 @@ def _apply_fsdp(model: nn.Module, meshes: Meshes, param_dtype: torch.dtype) -> N
         return Shard(1) if local_experts < edp else Shard(0)
 
     layers = list(model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers)
-    experts = [next(m for m in layer.modules() if hasattr(m, "token_dispatch")) for layer in layers]
+    # each MoE layer's routed experts (None for a dense-FFN layer: no expert unit)
+    experts = [next((m for m in layer.modules() if hasattr(m, "token_dispatch")), None) for layer in layers]
     for layer, ex in zip(layers, experts):
-        fully_shard(ex, mesh=edp_mesh, mp_policy=mp, shard_placement_fn=expert_placement)
+        if ex is not None:
+            fully_shard(ex, mesh=edp_mesh, mp_policy=mp, shard_placement_fn=expert_placement)
         fully_shard(layer, mesh=dense_mesh, mp_policy=mp)
     fully_shard(model, mesh=dense_mesh, mp_policy=mp, reshard_after_forward=False)  # root: the head reads it next
-    for unit in [model, *layers, *experts]:
+    expert_units = [ex for ex in experts if ex is not None]
+    for unit in [model, *layers, *expert_units]:
         unit.set_gradient_divide_factor(1.0)  # sum, not mean: each rank's loss already carries its global share
         unit.set_force_sum_reduction_for_comms(True)  # plain SUM on every backend (gloo has no PREMUL_SUM)
     # explicit prefetch: the EP path syncs the host once per MoE layer (split sizes), which would otherwise delay
@@ -277,10 +280,11 @@ def _apply_fsdp(model: nn.Module, meshes: Meshes, param_dtype: torch.dtype) -> N
     for i in range(len(layers)):
         if i + 1 < len(layers):
             layers[i].set_modules_to_forward_prefetch([layers[i + 1]])
-            experts[i].set_modules_to_forward_prefetch([experts[i + 1]])
         if i > 0:
             layers[i].set_modules_to_backward_prefetch([layers[i - 1]])
-            experts[i].set_modules_to_backward_prefetch([experts[i - 1]])
+    for a, b in zip(expert_units, expert_units[1:]):
+        a.set_modules_to_forward_prefetch([b])
+        b.set_modules_to_backward_prefetch([a])
 
 
 def micro_batch_share(num_micro_batches: int, dp_rank: int, dp_size: int) -> list[int | None]:

@@ -1,5 +1,6 @@
-"""Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next and Qwen3-MoE
-built in transformers, saved, loaded into ours (logits fp32 atol 1e-4, loss), and exported back."""
+"""Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE, and
+the dense Qwen3.5, Llama, Qwen2 and Qwen3 built in transformers, saved, loaded into ours (logits fp32 atol 1e-4,
+loss), and exported back."""
 
 import pytest
 import torch
@@ -21,6 +22,13 @@ LINEAR = dict(linear_key_head_dim=8, linear_value_head_dim=8, linear_num_key_hea
               layer_types=["linear_attention", "full_attention", "linear_attention"])
 
 
+DENSE = {  # model_type: (config, model, what sets it apart)
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=500000.0)),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1e6)),  # q/k/v biases
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_theta=1e6)),  # q/k norms
+}
+
+
 def _hf_model(arch: str):
     if arch == "qwen3_5_moe":
         cfg = transformers.Qwen3_5MoeTextConfig(**COMMON, **LINEAR)
@@ -29,6 +37,15 @@ def _hf_model(arch: str):
         cfg = transformers.Qwen3NextConfig(**COMMON, **LINEAR, intermediate_size=24, norm_topk_prob=True,
                                            partial_rotary_factor=0.25)
         cls = transformers.Qwen3NextForCausalLM
+    elif arch == "qwen3_5":
+        dense = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
+        linear = {k: v for k, v in LINEAR.items() if not k.startswith("shared_")}
+        cfg = transformers.Qwen3_5TextConfig(**dense, **linear, intermediate_size=40)
+        cls = transformers.Qwen3_5ForCausalLM
+    elif arch in DENSE:
+        config_cls, cls, extra = DENSE[arch]
+        dense = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
+        cfg = config_cls(**dense, **extra, num_hidden_layers=2, intermediate_size=40)
     else:
         cfg = transformers.Qwen3MoeConfig(**COMMON, num_hidden_layers=2, norm_topk_prob=True, intermediate_size=24)
         cls = transformers.Qwen3MoeForCausalLM
@@ -40,12 +57,12 @@ def _hf_model(arch: str):
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)
     hf.save_pretrained(tmp_path / "hf")
     shape = from_hf_config(tmp_path / "hf" / "config.json")
-    assert shape.arch == arch
+    assert shape.arch == ("dense" if arch in DENSE else arch)
     ours = build_model(shape, seed=1)
     load_hf_checkpoint(ours, tmp_path / "hf")
     ours.eval()
