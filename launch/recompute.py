@@ -23,7 +23,9 @@ def apply_recompute(model: Transformer, mode: str) -> Transformer:
         raise ValueError(f"recompute must be one of {RECOMPUTE_MODES}, got {mode!r}")
     if mode == "none":
         return model
-    for i, layer in enumerate(model.layers):
+    # a pipeline stage holds its layers by their global index (launch/pipeline.py: a ModuleDict)
+    layers = model.layers.items() if isinstance(model.layers, nn.ModuleDict) else enumerate(model.layers)
+    for i, layer in list(layers):
         if not is_checkpointed(layer):
             # preserve_rng_state=False: the layers draw no random numbers (no dropout), and saving RNG state costs a
             # device sync per layer

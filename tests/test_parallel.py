@@ -1,4 +1,5 @@
-"""Layouts on real process groups (gloo, CPU): FSDP2, expert, context and tensor parallelism equal one process.
+"""Layouts on real process groups (gloo, CPU): FSDP2, expert, context, tensor and pipeline parallelism equal
+one process.
 
 Two launches (world sizes 2 and 4), each running every case of its size in one process group (tests/dist_cases.py):
 the loss of each of two steps, step 1's other metrics and every gradient of step 1 against the same steps on one
@@ -6,7 +7,8 @@ process, in fp32. Tolerances: losses and metrics 1e-6 relative; gradients 1e-5 o
 two thousandths of the largest gradient anywhere, for the near-cancelling A_log / dt_bias sums); k chunks equal one
 chunk bitwise. CP: cp=2 (world 2), cp=4 and cp=2 × ep=2 with dp=2 (world 4) on packed micro-batches whose documents
 cross segment edges, with a padded tail; and the CP exchanges alone (attention, conv halo, delta-rule combine) against
-the one-process functions in fp64, outputs and input gradients to 1e-12. TP:
+the one-process functions in fp64, outputs and input gradients to 1e-12. PP: pp=2 with an uneven split (3 + 1
+layers) on off-policy sequence-mean data (world 2) and pp=2 × dp=2 with ep=2 inside each stage (world 4). TP:
 tp=2 alone and with ep=2 over the tp ranks (world 2), tp=2 × dp=2 with ep=1 and ep=4 (world 4), on packed
 micro-batches padded to whole sequence-parallel rows with documents across the tp ranks' edge.
 
@@ -55,7 +57,9 @@ def world2(tmp_path_factory):
     cases = [["dp2", 2, 1, 1], ["ep2_k1", 2, 2, 1], ["ep2_k2", 2, 2, 2], ["ep2_k4", 2, 2, 4],
              ["ep2_k2_no_recompute", 2, 2, 2, 1, "base", "none"],
              ["cp2", 1, 1, 1, 2, "cp"], ["pieces_cp2", "pieces", 2],
-             ["tp2", 1, 1, 1, 1, "cp", "full", 2], ["tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2]]
+             ["tp2", 1, 1, 1, 1, "cp", "full", 2], ["tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2],
+             # [..., recompute, tp, pp, pp_stages]: two stages of 3 and 1 layers, off-policy, sequence-mean
+             ["pp2", 1, 1, 1, 1, "cp_off", "full", 1, 2, [3, 1]]]
     return _launch(2, cases, tmp_path_factory.mktemp("world2"))
 
 
@@ -63,7 +67,8 @@ def world2(tmp_path_factory):
 def world4(tmp_path_factory):
     cases = [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
              ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
-             ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2]]
+             ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
+             ["pp2_dp2_ep2", 2, 2, 1, 1, "base", "full", 1, 2]]  # the split from the cost model
     return _launch(4, cases, tmp_path_factory.mktemp("world4"))
 
 
@@ -137,6 +142,28 @@ def test_tensor_parallel_splits_every_dense_parameter_and_the_data_crosses_edges
         assert r["tensor_parallel_params"] == dense, r["name"]
         assert r["tp_padded"] and r["tp_docs_cross_shard_edges"], r["name"]
     assert world4["tp2_dp2"]["num_micro_batches"][0] % 2 == 1  # dp=2 pads step 1
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world, name", [(2, "pp2"), (4, "pp2_dp2_ep2")])
+def test_pipeline_layouts_equal_one_process(world2, world4, world, name):
+    """pp=2 (1F1B, micro-batches padded to the plan's micro_batch_tokens) and pp=2 × dp=2 with ep=2 inside each
+    stage: every step's loss and metrics (on the last stage, broadcast to every rank) and every gradient of every
+    stage equal one process."""
+    _assert_equal_to_one_process({2: world2, 4: world4}[world][name])
+
+
+@pytest.mark.dist
+def test_pipeline_stages_hold_their_layers_and_run_every_micro_batch(world2, world4):
+    """Each rank holds its stage's layers only (the embedding with the first, the head with the last) and runs one
+    forward per micro-batch of its data-parallel share, at least one per stage: steps of 2 and 2 micro-batches at
+    pp=2 (2 + 2); 3 and 6 at dp=2 (2 + 3)."""
+    r = world2["pp2"]
+    assert r["num_micro_batches"] == [2, 2]
+    assert r["pipeline"] == [[0, ["0", "1", "2"], True, False, 4], [1, ["3"], False, True, 4]]
+    r = world4["pp2_dp2_ep2"]
+    assert r["num_micro_batches"] == [3, 6]
+    assert r["pipeline"] == [[0, ["0", "1"], True, False, 5], [1, ["2", "3"], False, True, 5]]
 
 
 @pytest.mark.dist

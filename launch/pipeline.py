@@ -1,0 +1,221 @@
+"""Pipeline parallelism: each rank of a pipeline holds one stage — a contiguous run of decoder layers, the embedding
+with the first, the final norm, the LM head and the loss with the last — and torch.distributed.pipelining's 1F1B
+schedule runs the step's micro-batches through the stages (docs/training.md, "Pipeline parallel").
+
+    split_model(model, plan, meshes)    this rank's StageModule (the other stages' modules are dropped): parameter
+                                        names stay the whole model's (`layers.7.…`), so checkpoints and the
+                                        optimizer see the same keys under any pp
+    attach_pipeline(stage, …)           the PipelineStage and its schedule (after FSDP2 wrapped the stage)
+    Pipeline.forward_backward(trainer, batches)
+                                        what Trainer.forward_backward runs under pp: the step's gradients, the
+                                        metrics on every rank
+
+The split: `train.pp_stages` of the plan (layers per stage, recipe.cost.pipeline_split: balanced by the cost model's
+per-layer cost), or the same function of the plan's shape and micro-batch when the plan does not carry it.
+
+What flows between stages: the hidden states [T, D] of one micro-batch forward and their gradient backward, T the
+plan's micro_batch_tokens (a schedule needs one shape for every micro-batch: each is padded to T with a document of
+loss weight 0). Everything else a stage needs — the document layout (Packing), targets, masks, advantages,
+log-probs, aggregation weights — every rank already holds (every rank packs the same step), so each stage takes the
+micro-batch's from the step's queue, in schedule order (1F1B runs a stage's forwards in micro-batch order).
+
+Gradients are not rescaled by the schedule (scale_grads=False): each micro-batch's loss carries its share of the
+step, as without a pipeline. Under FSDP2 the schedule holds the stage's gradient reduce-scatter until its last
+backward.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from launch.data import Batch
+from launch.model import Packing, Transformer, rope_cos_sin
+
+
+def stage_sizes(plan, shape) -> list[int]:
+    """Layers per pipeline stage: the plan's `train.pp_stages`, else recipe.cost.pipeline_split of the plan."""
+    stages = getattr(plan.train, "pp_stages", None)
+    if stages:
+        return list(stages)
+    from recipe.cost import TrainOptions, pipeline_split
+
+    opts = TrainOptions(micro_batch_tokens=plan.train.micro_batch_tokens, recompute=plan.train.recompute,
+                        lm_head=getattr(plan.train, "lm_head", "fused"))
+    return pipeline_split(shape, plan.layout.pp, opts)
+
+
+class StageModule(nn.Module):
+    """One pipeline stage of a Transformer: layers [first, first + count) held in a ModuleDict under their global
+    index, the embedding on the first stage, the final norm and LM head on the last; attribute names as the
+    Transformer's, so parameter and state-dict names are the whole model's. Its forward runs one micro-batch (the
+    next of the step's queue): token ids [1, T] on the first stage, hidden states [T, D] on the others; it returns
+    the hidden states, or on the last stage the micro-batch's loss weighted by its share of the step [1]."""
+
+    def __init__(self, model: Transformer, first: int, count: int, is_first: bool, is_last: bool):
+        super().__init__()
+        self.shape, self.rotary_dim = model.shape, model.rotary_dim
+        self.first_layer, self.is_first, self.is_last = first, is_first, is_last
+        self.embed_tokens = model.embed_tokens if is_first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first, first + count)})
+        self.norm = model.norm if is_last else None
+        self.lm_head = model.lm_head if is_last else None
+        self.context_parallel = None
+        self.pipeline: Pipeline | None = None  # attach_pipeline
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, weight, real = self.pipeline.take()
+        packing = batch.packing
+        h_TD = self.embed_tokens(x.reshape(-1)) if self.is_first else x
+        rope = rope_cos_sin(packing.positions, self.rotary_dim, self.shape.rope_theta, h_TD.dtype)
+        for layer in self.layers.values():
+            h_TD = layer(h_TD, rope, packing)
+        if not self.is_last:
+            return h_TD
+        loss, metrics = self.pipeline.trainer.loss_terms(batch, hidden_TD=self.norm(h_TD))
+        self.pipeline.record(metrics, weight, real)
+        return torch.stack([loss * weight])  # [1], not a view (FSDP2 hooks the output)
+
+
+def split_model(model: Transformer, plan, meshes) -> StageModule:
+    """This rank's stage of `model` (its pp coordinate on the dense mesh); raises LayoutError (one line) for a split
+    that does not cover the model's layers or a model whose embedding and head are one tied matrix."""
+    from launch.parallel import LayoutError
+
+    pp = plan.layout.pp
+    sizes = stage_sizes(plan, model.shape)
+    n = len(model.layers)
+    if len(sizes) != pp:
+        raise LayoutError(f"train.pp_stages lists {len(sizes)} stages for pp={pp}: this version runs one stage a rank "
+                          f"(1F1B), not virtual stages")
+    if sum(sizes) != n or min(sizes) < 1:
+        raise LayoutError(f"train.pp_stages {sizes} does not split the {n} layers into {pp} non-empty stages")
+    if model.shape.tie_embeddings:
+        raise LayoutError("pipeline parallel puts the embedding and the LM head on different stages; this model ties "
+                          "them: re-solve with --pp 1")
+    rank = meshes.dense.get_local_rank("pp")
+    first = sum(sizes[:rank])
+    return StageModule(model, first, sizes[rank], rank == 0, rank == pp - 1)
+
+
+def pad_batch(batch: Batch, tokens: int) -> Batch:
+    """The micro-batch padded to `tokens` with one more document of loss weight 0 (token 0, target −1, no loss,
+    its own sequence id): the padding attends only to itself and moves no gradient. Per-token `extra` entries
+    (token_weight) get zeros."""
+    pad = tokens - batch.num_tokens
+    if pad < 0:
+        raise ValueError(f"a micro-batch of {batch.num_tokens} tokens is longer than micro_batch_tokens={tokens}")
+    if pad == 0:
+        return batch
+    T = batch.num_tokens
+
+    def grow(t: torch.Tensor | None, fill) -> torch.Tensor | None:
+        if t is None:
+            return None
+        return torch.cat([t, torch.full((pad,), fill, dtype=t.dtype, device=t.device)])
+
+    extra = {k: grow(v, 0) if isinstance(v, torch.Tensor) and v.dim() == 1 and v.shape[0] == T else v
+             for k, v in batch.extra.items()}
+    device = batch.input_ids.device
+    return dataclasses.replace(
+        batch, input_ids=grow(batch.input_ids, 0), targets=grow(batch.targets, -1),
+        packing=Packing.from_lengths([*batch.packing.doc_lengths, pad], device),
+        loss_mask=grow(batch.loss_mask, False), advantages=grow(batch.advantages, 0.0),
+        seq_id=grow(batch.seq_id, batch.num_seqs), old_logprobs=grow(batch.old_logprobs, 0.0),
+        ref_logprobs=grow(batch.ref_logprobs, 0.0), rollout_logprobs=grow(batch.rollout_logprobs, 0.0), extra=extra)
+
+
+def _summed_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """The schedule's loss function: the stage already returns the micro-batch's weighted loss."""
+    return output.sum()
+
+
+class Pipeline:
+    """The PipelineStage of this rank's StageModule and the 1F1B schedule over the dense mesh's pp group; the step's
+    micro-batch queue the stage's forwards take from."""
+
+    def __init__(self, stage: StageModule, meshes, tokens: int, dtype: torch.dtype):
+        from torch.distributed.pipelining import PipelineStage
+
+        self.module, self.tokens = stage, tokens
+        self.group = meshes.dense.get_group("pp")
+        self.num_stages = meshes.dense.size(meshes.dense.mesh_dim_names.index("pp"))
+        self.index = meshes.dense.get_local_rank("pp")
+        self.metrics_group = meshes.data_group
+        device = next(stage.parameters()).device
+        hidden = stage.shape.hidden_size
+        # shapes are static (every micro-batch padded to `tokens`): no shape inference at the first step
+        inputs = (torch.empty(1, tokens, dtype=torch.int64, device=device) if stage.is_first else
+                  torch.empty(tokens, hidden, dtype=dtype, device=device, requires_grad=True))
+        outputs = (torch.empty(1, dtype=torch.float32, device=device, requires_grad=True) if stage.is_last else
+                   torch.empty(tokens, hidden, dtype=dtype, device=device, requires_grad=True))
+        self.stage = PipelineStage(stage, self.index, self.num_stages, device, input_args=inputs,
+                                   output_args=outputs, group=self.group)
+        self._schedule, self._n = None, 0
+        self.trainer = None
+        self._queue: list[tuple[Batch, float, bool]] = []
+        self._taken = 0
+        self._sums: dict[str, torch.Tensor | float] = {}
+
+    def schedule(self, n: int):
+        """The 1F1B schedule for n micro-batches (rebuilt when n changes: the stage's buffers are per micro-batch)."""
+        from torch.distributed.pipelining import Schedule1F1B
+
+        if self._schedule is None or self._n != n:
+            self._schedule = Schedule1F1B(self.stage, n, loss_fn=_summed_loss, scale_grads=False)
+            self._n = n
+        return self._schedule
+
+    def take(self) -> tuple[Batch, float, bool]:
+        item = self._queue[self._taken]
+        self._taken += 1
+        return item
+
+    def record(self, metrics: dict[str, torch.Tensor], weight: float, real: bool) -> None:
+        for k, v in metrics.items():  # every key, also from padding forwards: the same keys on every rank
+            add = (v if k == "num_tokens" else v * weight) if real else 0.0
+            self._sums[k] = self._sums.get(k, 0.0) + add
+
+    def forward_backward(self, trainer, batches: list[Batch]) -> dict[str, float]:
+        """Trainer.forward_backward under pp: this data-parallel rank's share of the step's micro-batches (padded to
+        at least one per stage with weight-0 repeats) through the schedule; the last stage's metrics, summed over its
+        data-parallel ranks, on every rank."""
+        from launch.parallel import micro_batch_share
+
+        weights = trainer._weights(batches)
+        share = micro_batch_share(len(batches), trainer.dp_rank, trainer.dp_size)
+        share += [None] * (self.num_stages - len(share))  # 1F1B runs at least one micro-batch per stage
+        self._queue = []
+        for j in share:
+            batch, weight = (batches[j], weights[j]) if j is not None else (batches[0], 0.0)
+            self._queue.append((pad_batch(trainer.with_loss_weights(batch), self.tokens), weight, j is not None))
+        self._taken, self._sums, self.trainer = 0, {}, trainer
+        args = (torch.stack([b.input_ids for b, _, _ in self._queue]),) if self.module.is_first else ()
+        target = torch.zeros(len(share), device=batches[0].input_ids.device) if self.module.is_last else None
+        try:
+            self.schedule(len(share)).step(*args, target=target, return_outputs=False)
+        finally:
+            self.trainer, queued, self._queue = None, len(self._queue), []
+        if self._taken != queued:
+            raise RuntimeError(f"pipeline stage {self.index} ran {self._taken} forwards for {queued} micro-batches")
+        metrics = None
+        if self.module.is_last:
+            keys = sorted(self._sums)
+            device = batches[0].input_ids.device
+            out = torch.stack([torch.as_tensor(self._sums[k], dtype=torch.float32, device=device).reshape(())
+                               for k in keys])
+            if self.metrics_group is not None and dist.get_world_size(self.metrics_group) > 1:
+                dist.all_reduce(out, group=self.metrics_group)
+            metrics = dict(zip(keys, out.tolist()))
+        box = [metrics]
+        dist.broadcast_object_list(box, group=self.group, group_src=self.num_stages - 1)
+        return box[0]
+
+
+def attach_pipeline(stage: StageModule, plan, meshes, dtype: torch.dtype) -> StageModule:
+    """Install the Pipeline on the (FSDP2-wrapped) stage as `stage.pipeline`, which Trainer.forward_backward runs."""
+    stage.pipeline = Pipeline(stage, meshes, plan.train.micro_batch_tokens, dtype)
+    return stage

@@ -1,0 +1,155 @@
+"""Pipeline parallel, the pieces: the cost-balanced stage split (by hand), the plan field that records it, the padding
+every micro-batch gets under pp (the loss and gradients do not move), and bad input refused in one line before any
+process starts. The distributed runs (pp=2, pp=2 × dp=2 against one process) are in tests/test_parallel.py."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import yaml
+
+from recipe.cost import TrainOptions, pipeline_split, split_stages, stage_costs
+from recipe.models import PRESETS
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+# ---- the split, by hand ----------------------------------------------------------------------------------------
+def test_split_balances_unequal_layer_costs_by_hand():
+    """Three Gated DeltaNet layers (cost 1) then a full-attention layer (cost 3), twice; the head (2) on the last
+    stage. Cut after 4 layers: 1+1+1+3 = 6 and 1+1+1+3+2 = 8; after 5: 7 and 7 — the best; after 6: 8 and 6."""
+    costs = [1, 1, 1, 3, 1, 1, 1, 3]
+    assert split_stages(costs, 2, last=2) == [5, 3]
+    assert split_stages(costs, 2) == [4, 4]  # without the head: 6 and 6
+    assert split_stages(costs, 1, last=2) == [8]
+    # three stages: the largest stage costs at least 6 (layer 3 alone is 3, the head stage 3 + 2 = 5 at best):
+    # [4, 3, 1] costs 6, 3 and 5; on a tie each stage starts as late as it can
+    assert split_stages(costs, 3, last=2) == [4, 3, 1]
+    # the embedding's cost joins the first stage: [1, 3] costs 2 + 1 = 3 and 3
+    assert split_stages([1, 1, 1, 1], 2, first=2) == [1, 3]
+    assert split_stages([1, 1, 1, 1], 4) == [1, 1, 1, 1]
+
+
+def test_split_refuses_more_stages_than_layers():
+    with pytest.raises(ValueError, match="5 pipeline stages for 4 layers"):
+        split_stages([1, 1, 1, 1], 5)
+
+
+def test_stage_costs_tell_layer_kinds_apart():
+    """Qwen3.5-35B at 32K: a full-attention layer costs more than a Gated DeltaNet layer (its quadratic term); the
+    head is three logits-sized GEMMs, 3 · 2 · V · h per token; the embedding a lookup."""
+    m = PRESETS["qwen35-35b"]
+    opts = TrainOptions(micro_batch_tokens=32768)
+    costs, first, last = stage_costs(m, 32768, opts)
+    kinds = dict(zip(m.layer_types, costs))
+    assert kinds["full_attention"] > 2 * kinds["linear_attention"]
+    assert len(set(c for t, c in zip(m.layer_types, costs) if t == "linear_attention")) == 1
+    assert first == 0.0 and last == 3 * 2 * m.vocab_size * m.hidden_size
+    split = pipeline_split(m, 4, opts)
+    assert sum(split) == m.num_layers and split == split_stages(costs, 4, first, last)
+    assert split[-1] < split[0]  # the head's stage holds fewer layers
+
+
+# ---- the plan records it ---------------------------------------------------------------------------------------
+def _solve(tmp_path: Path, *extra: str) -> dict:
+    out = tmp_path / "plan.yaml"
+    r = subprocess.run([sys.executable, "-m", "recipe", "solve", "--model", "qwen35-35b", "--layers", "8", "--seq",
+                        "32k", "--hw", "h200", "--gpus", "4", *extra, "-o", str(out)], capture_output=True, text=True,
+                       cwd=ROOT)
+    assert r.returncode == 0, r.stderr
+    return yaml.safe_load(out.read_text())
+
+
+def test_plan_records_the_split_and_checks_clean(tmp_path):
+    plan = _solve(tmp_path, "--pp", "2")
+    m = PRESETS["qwen35-35b"].with_layers(8)
+    opts = TrainOptions(micro_batch_tokens=plan["train"]["micro_batch_tokens"], recompute="full")
+    assert plan["train"]["pp_stages"] == pipeline_split(m, 2, opts)
+    assert sum(plan["train"]["pp_stages"]) == 8
+    r = subprocess.run([sys.executable, "-m", "recipe", "check", str(tmp_path / "plan.yaml")], capture_output=True,
+                       text=True, cwd=ROOT)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "pp_stages" not in _solve(tmp_path, "--pp", "1")["train"]  # no pipeline, no field
+
+
+# ---- padding moves nothing ---------------------------------------------------------------------------------------
+def test_padding_to_the_micro_batch_size_keeps_loss_and_gradients():
+    """A micro-batch padded to 64 tokens with a weight-0 document: the same loss, metrics and gradients as unpadded
+    (one process, fp32), for the sequence-mean, off-policy loss."""
+    from launch.data import make_batch, synthetic_rollouts
+    from launch.model import build_model
+    from launch.pipeline import pad_batch
+    from launch.rl import LossConfig
+    from launch.train import TrainConfig, Trainer
+
+    shape = PRESETS["tiny-moe"]
+    rollouts = synthetic_rollouts(2, 2, shape.vocab_size, prompt_len=(2, 8), response_len=(2, 10), seed=5,
+                                  with_logprobs=True)
+    batch = make_batch(rollouts)
+    assert batch.num_tokens < 64
+    cfg = TrainConfig(objective="rl", loss=LossConfig(kl_coef=0.1, aggregation="seq_mean", entropy_coef=0.01))
+    results = []
+    for pad in (False, True):
+        trainer = Trainer(build_model(shape, seed=1), cfg, recompute="none")
+        b = trainer.with_loss_weights(batch)
+        b = pad_batch(b, 64) if pad else b
+        assert b.num_tokens == (64 if pad else batch.num_tokens)
+        loss, metrics = trainer.loss_terms(b)
+        loss.backward()
+        results.append((loss.detach(), metrics, {n: p.grad.clone() for n, p in trainer.model.named_parameters()}))
+    (l0, m0, g0), (l1, m1, g1) = results
+    torch.testing.assert_close(l1, l0, rtol=1e-6, atol=0)
+    for k in m0:
+        torch.testing.assert_close(m1[k], m0[k], rtol=1e-6, atol=1e-9)
+    for n in g0:
+        torch.testing.assert_close(g1[n], g0[n], rtol=1e-5, atol=1e-5 * float(g0[n].abs().max()) + 1e-12)
+    padded = pad_batch(batch, 64)
+    assert padded.packing.doc_lengths[-1] == 64 - batch.num_tokens and int(padded.packing.positions[-1]) == 63 - \
+        batch.num_tokens
+    assert not padded.loss_mask[batch.num_tokens:].any() and (padded.targets[batch.num_tokens:] == -1).all()
+
+
+# ---- bad input: one line, before any process starts ------------------------------------------------------------
+def _tiny_plan(tmp_path: Path, pp: int, stages: list[int] | None = None) -> Path:
+    plan = yaml.safe_load((ROOT / "plans" / "tiny-cpu.yaml").read_text())
+    plan["inputs"]["gpus"] = pp
+    plan["inputs"].pop("pins", None)
+    plan["layout"].update(pp=pp, tp=1, cp=1, ep=1, dp=1, etp=1, edp=1)
+    plan["launch"].update(nnodes=1, nproc_per_node=pp)
+    if stages is not None:
+        plan["train"]["pp_stages"] = stages
+    path = tmp_path / f"pp{pp}.yaml"
+    path.write_text(yaml.safe_dump(plan, sort_keys=False))
+    return path
+
+
+def _train(plan: Path, world: int) -> subprocess.CompletedProcess:
+    env = {**os.environ, "WORLD_SIZE": str(world), "RANK": "0", "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-m", "launch.train", str(plan), "--steps", "1", "--device", "cpu"],
+                          capture_output=True, text=True, cwd=ROOT, env=env, timeout=120)
+
+
+@pytest.mark.parametrize("pp, stages, needle", [
+    (3, None, "pp=3: 4 layers of tiny-moe are not divisible into pp=3 stages"),
+    (8, None, "pp=8: 4 layers of tiny-moe are not divisible into pp=8 stages"),  # more stages than layers
+    (2, [2, 3], "pp=2: train.pp_stages [2, 3] holds 5 layers but tiny-moe has 4"),
+    (2, [1, 1, 1], "train.pp_stages lists 3 stages, not a multiple of pp=2"),
+])
+def test_bad_pipeline_plans_exit_2_in_one_line(tmp_path, pp, stages, needle):
+    r = _train(_tiny_plan(tmp_path, pp, stages), pp)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and needle in lines[0], r.stderr
+    assert "Traceback" not in r.stderr
+
+
+def test_recipe_check_names_a_split_that_misses_layers(tmp_path):
+    r = subprocess.run([sys.executable, "-m", "recipe", "check", str(_tiny_plan(tmp_path, 2, [1, 2]))],
+                       capture_output=True, text=True, cwd=ROOT)
+    assert r.returncode == 1
+    assert "train.pp_stages [1, 2] holds 3 layers but tiny-moe has 4" in r.stdout + r.stderr
