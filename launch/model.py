@@ -1,4 +1,5 @@
-"""Qwen3.5-MoE / Qwen3-Next / Qwen3-MoE text stack, built from a `recipe.models.ModelShape`.
+"""Qwen3.5 (MoE and dense) / Qwen3-Next / Qwen3-MoE and dense Llama-family text stacks, built from a
+`recipe.models.ModelShape`.
 
 Shape legend: T tokens (one packed sequence: several documents back to back), D model dim, Hq query heads, Hkv
 key/value heads, Dh attention head dim, R rotary dims, V vocabulary.
