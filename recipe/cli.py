@@ -163,8 +163,10 @@ app = typer.Typer(cls=_Group, no_args_is_help=True, pretty_exceptions_enable=Fal
 Model = Annotated[str, typer.Option("--model", "-m", help="preset name (see `recipe models`) or path to an HF "
                                                           "config.json")]
 Seq = Annotated[str, typer.Option("--seq", "-s", help="sequence length in tokens: 32k, 128k, 1m, 131072")]
-Gpus = Annotated[Optional[int], typer.Option("--gpus", "-g", help="world size to solve for; default: the "
-                                                                   "smallest count that fits")]
+Gpus = Annotated[Optional[int], typer.Option("--gpus", "-g", help=(
+    "world size to solve for; default: the smallest count (1, 2, 4, then whole nodes) at which some layout's "
+    "predicted peak plus the memory margin fits usable memory, or, below one node, the whole node when it needs "
+    "less CP/TP/PP at 97% or more of the throughput per GPU"))]
 Layers = Annotated[Optional[int], typer.Option("--layers", help="a reduced-depth model: first N layers")]
 Recompute = Annotated[str, typer.Option("--recompute", help="full | none")]
 LmHead = Annotated[str, typer.Option("--lm-head", help="fused (the loss in the head, 3 GEMMs) | lean (the two gradients "
@@ -296,6 +298,7 @@ def solve(
     text = dumps(plan_dict(inputs, m, prof, sol), fmt)
     if to_stdout:
         sys.stdout.write(text)
+        _warn_assumed(prof)
         return
     if output is not None:  # written before anything is printed: a closed stdout cannot cost the plan
         write_atomic(output, text, inputs=_input_files(model, hw))
@@ -309,6 +312,17 @@ def solve(
         sys.stdout.write(summary_text(m, prof, inputs.seq_len, sol))
     if output is not None:
         sys.stdout.write(f"wrote {output}\n")
+    _warn_assumed(prof)
+
+
+def _warn_assumed(prof) -> None:
+    """One line on stderr when a predicted figure rests on assumed constants (no calibration grid)."""
+    from .margin import assumed_warning
+
+    warning = assumed_warning(prof)
+    if warning:
+        sys.stdout.flush()
+        sys.stderr.write(warning + "\n")
 
 
 @app.command()
@@ -360,7 +374,8 @@ def sweep(
                   f"{p.seconds_per_token(gpus, opts) / best:.3f}" if p.estimate.fits else "—")
     out = console()
     out.print(t)
-    out.print(f"{len(points)} grid points, {n_fit} fit {prof.usable_gb:.1f} GB; the solver's layout ranks #{r} "
+    out.print(f"{len(points)} grid points, {n_fit} fit {prof.usable_gb:.1f} GB usable with the memory margin; the "
+              f"solver's layout ranks #{r} "
               f"({mine.seconds_per_token(gpus, opts) / best:.3f}× the grid optimum's time per token)")
 
 

@@ -12,6 +12,7 @@ from .cost import Estimate
 from .hw import HwProfile
 from .models import ModelShape, active_params, param_counts, total_params
 from .planfile import format_size
+from .margin import describe, free_str, margin_of
 from .solver import Solution
 from .text import layout_str
 
@@ -66,7 +67,8 @@ def summary(m: ModelShape, hw: HwProfile, seq: int, sol: Solution, explain: bool
         f"{sol.opts.ep_overlap_chunks} EP chunk{'s' if sol.opts.ep_overlap_chunks > 1 else ''}"
         + ("; pinned " + " ".join(f"{k}={v}" for k, v in sol.pins.items()) if sol.pins else "") + ")")
     lay = Text.assemble(("layout  ", "bold"), (layout_str(deg), "bold green"))
-    perf = Text(f"predict {e.total_gb:.1f} GB peak of {hw.usable_gb:.1f} usable; step {e.step_time_s:.3f} s, "
+    perf = Text(f"predict {e.total_gb:.1f} GB peak of {hw.usable_gb:.1f} usable, {free_str(e)}; step "
+                f"{e.step_time_s:.3f} s, "
                 f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {e.tflops_per_gpu:.0f} TFLOP/s/GPU, "
                 f"MFU {100 * e.mfu_hardware:.1f}% hardware / {100 * e.mfu_model:.1f}% model "
                 f"(dense peak {hw.peak_bf16_tflops:g})")
@@ -75,13 +77,21 @@ def summary(m: ModelShape, hw: HwProfile, seq: int, sol: Solution, explain: bool
     reasons.add_column("value", justify="right")
     reasons.add_column("binding constraint")
     reasons.add_column("why")
+    if sol.count is not None:
+        reasons.add_row("GPUs", str(sol.count.value), sol.count.constraint, sol.count.reason)
     for k in ("tp", "ep", "cp", "pp"):
         d = sol.decisions[k]
         reasons.add_row(k.upper(), str(d.value), d.constraint, d.reason)
-    parts = [head, lay, perf, reasons]
+    parts = [head, lay, perf]
+    if margin_of(e) is not None:
+        parts.append(Text(f"margin  {describe(margin_of(e))}"))
+    parts.append(reasons)
     if explain:
         parts += [Text(""), Text("memory per GPU", style="bold"), memory_bar(e.memory_gb), memory_legend(),
-                  memory_table(e, sol.opts), Text(""), decisions_table(sol), Text(""), time_table(e)]
+                  memory_table(e, sol.opts)]
+        if margin_of(e) is not None:
+            parts += [Text(""), margin_table(e)]
+        parts += [Text(""), decisions_table(sol), Text(""), time_table(e)]
         parts.append(Text(lm_head_note(e, sol.opts)))
     return Group(*parts)
 
@@ -125,15 +135,36 @@ def memory_table(e: Estimate, opts=None) -> Table:
     return t
 
 
+def margin_table(e: Estimate) -> Table:
+    """The memory held back beyond the peak, term by term, and the headroom left (docs/solver.md)."""
+    mg = margin_of(e)
+    t = Table(title="memory margin (held back beyond the peak)", box=None, show_header=True, header_style="bold",
+              title_justify="left")
+    t.add_column("term")
+    t.add_column("GB", justify="right")
+    t.add_column("")
+    b = mg.bands
+    notes = {"error": f"memory error ±{100 * b.error['memory']:.1f}% ({b.basis['memory']}): e/(1 − e) × peak",
+             "root_unit": "FSDP2 root unit (embedding, head, head gradient) unsharded through the backward",
+             "fsdp_in_flight": "one more layer's unsharded gradient while its reduce-scatter runs",
+             "all_to_all": "NCCL/RCCL point-to-point buffers of the EP all-to-all",
+             "imbalance": "routed rows of the busiest EP rank beyond an even share"}
+    for k, v in mg.parts_gb.items():
+        t.add_row(k, f"{v:.2f}", notes[k])
+    t.add_row("total", f"{mg.total_gb:.2f}", f"peak + margin {e.total_gb + mg.total_gb:.2f} of "
+                                            f"{e.memory_gb['usable']:.2f} usable; {free_str(e)}", style="bold")
+    return t
+
+
 def decisions_table(sol: Solution) -> Table:
     t = Table(title="decisions", box=None, show_header=True, header_style="bold", title_justify="left")
     t.add_column("dim")
     t.add_column("numbers")
     t.add_column("rejected alternative")
-    for k in ("tp", "ep", "cp", "pp"):
-        d = sol.decisions[k]
+    rows = [("GPUs", sol.count)] if sol.count is not None else []
+    for k, d in rows + [(k.upper(), sol.decisions[k]) for k in ("tp", "ep", "cp", "pp")]:
         nums = ", ".join(f"{a}={b}" for a, b in d.numbers.items())
-        t.add_row(f"{k.upper()}={d.value}", nums, d.rejected or "—")
+        t.add_row(f"{k}={d.value}", nums, d.rejected or "—")
     return t
 
 

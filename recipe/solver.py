@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .cost import Estimate, Layout, TrainOptions, default_ep_chunks, estimate
-from .cost import BF16, BYTES_UNSHARDED, GB, layer_params
+from .cost import Estimate, Layout, TrainOptions, default_ep_chunks
+from .margin import Margin, estimate_with_margin as estimate, margin_of
+from .cost import BF16, BYTES_UNSHARDED, GB, gpus_per_node_used, layer_params
 from .hw import HwProfile
 from .models import ModelShape, param_counts
 
@@ -43,6 +44,11 @@ class Solution:
     estimate: Estimate
     decisions: dict[str, Decision]
     pins: dict[str, int] = field(default_factory=dict)  # the degrees the user fixed (`--pp/--tp/--cp/--ep`)
+    count: Decision | None = None  # why this GPU count, when the solver chose it (no --gpus)
+
+    @property
+    def margin(self) -> Margin:
+        return margin_of(self.estimate)
 
     @property
     def degrees(self) -> dict[str, int]:
@@ -50,13 +56,30 @@ class Solution:
 
 
 
-def _over(peak_gb: float, usable_gb: float) -> str:
-    """'X GB > Y' with as many decimals as it takes for X and Y to differ (172.84 > 172.80 is not '172.8 > 172.8')."""
+def _margin_gb(est: Estimate) -> float:
+    mg = margin_of(est)
+    return mg.total_gb if mg is not None else 0.0
+
+
+def _over(est: Estimate, usable_gb: float) -> str:
+    """'X GB + margin M > Y' with as many decimals as it takes for X + M and Y to differ (172.84 > 172.80 is not
+    '172.8 > 172.8')."""
+    peak, mg = est.total_gb, _margin_gb(est)
     for digits in (1, 2, 3):
-        a, b = f"{peak_gb:.{digits}f}", f"{usable_gb:.{digits}f}"
+        a, b = f"{peak + mg:.{digits}f}", f"{usable_gb:.{digits}f}"
         if a != b:
-            return f"{a} GB > {b}"
-    return f"{peak_gb:.4f} GB > {usable_gb:.4f}"
+            return f"{peak:.{digits}f} GB + margin {mg:.{digits}f} > {b}"
+    return f"{peak:.4f} GB + margin {mg:.4f} > {usable_gb:.4f}"
+
+
+def _short_gb(est: Estimate, hw: HwProfile) -> float:
+    """How far a layout is from fitting: peak + margin − usable (GB)."""
+    return est.total_gb + _margin_gb(est) - hw.usable_gb
+
+
+def _peak_of(est: Estimate, hw: HwProfile) -> str:
+    """'peak 64.8 GB + margin 11.3 of 78.6 GB usable'."""
+    return f"peak {est.total_gb:.1f} GB + margin {_margin_gb(est):.1f} of {hw.usable_gb:.1f} GB usable"
 
 def divisors(n: int) -> list[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
@@ -212,10 +235,24 @@ def _ep_numbers(m: ModelShape, ranks: int, ep: int) -> dict:
             "expert_fsdp_gb_per_layer": round(layer_expert / ep * (edp - 1) / edp * (2 * BF16 + 4) / GB, 3)}
 
 
-def default_ep(m: ModelShape, hw: HwProfile, ranks: int, pins: dict[str, int] | None = None) -> int:
+def in_node(hw: HwProfile, world: int, group: int, stride: int = 1) -> bool:
+    """Whether each group of `group` ranks `stride` apart lies inside one node of the job's layout (`world` GPUs as
+    nodes of gpus_per_node_used): its span group·stride divides the node (recipe/cost.py, group_bw)."""
+    return gpus_per_node_used(hw, world) % (group * stride) == 0
+
+
+def _where(hw: HwProfile, world: int, ep: int) -> str:
+    node = gpus_per_node_used(hw, world)
+    if in_node(hw, world, ep):
+        return "inside one node"
+    return f"across {max(2, -(-ep // node))} nodes ({world} GPUs as nodes of {node})"
+
+
+def default_ep(m: ModelShape, hw: HwProfile, ranks: int, pins: dict[str, int] | None = None,
+               world: int | None = None) -> int:
     """The starting point: the largest ep inside one node (the fast all-to-all domain); a pinned ep is its own."""
     cands = _ep_cands(m, ranks, pins or {})
-    return max([e for e in cands if e <= hw.gpus_per_node] or cands[:1])
+    return max([e for e in cands if in_node(hw, world or ranks, e)] or cands[:1])
 
 
 def solve_ep(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, cp: int, opts: TrainOptions,
@@ -237,14 +274,14 @@ def solve_ep(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, cp: int
         if est.fits:
             scored[e] = est
     if not scored:
-        e = default_ep(m, hw, ranks, pins)
+        e = default_ep(m, hw, ranks, pins, world)
         o = _opts_for(opts, opts.micro_batch_tokens / cp, e, auto_chunks)
         est = estimate(m, hw, world, Layout(pp=pp, tp=tp, cp=cp, ep=e), o)
         return Decision(e, "expert memory and traffic", "no ep fits at this cp", _ep_numbers(m, ranks, e)), est
     best_t = min(x.step_time_s for x in scored.values())
     near = [e for e, x in scored.items() if x.step_time_s <= best_t * 1.01]
-    in_node = [e for e in near if e <= hw.gpus_per_node]
-    ep = max(in_node) if in_node else min(near)
+    inside = [e for e in near if in_node(hw, world, e)]
+    ep = max(inside) if inside else min(near)
     est = scored[ep]
     n = _ep_numbers(m, ranks, ep)
     n["exposed_moe_comm_s"] = round(est.time_s["ep_exposed"] + est.time_s["fsdp_exposed"], 4)
@@ -255,7 +292,7 @@ def solve_ep(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, cp: int
         rejected = (f"ep={a}: {scored[a].step_time_s:.3f} s/step vs {est.step_time_s:.3f} "
                     f"(exposed all-to-all {scored[a].time_s['ep_exposed']:.3f} s, expert FSDP "
                     f"{scored[a].time_s['fsdp_exposed']:.3f} s)")
-    where = "inside one node" if ep <= hw.gpus_per_node else f"across {ep // hw.gpus_per_node} nodes"
+    where = _where(hw, world, ep)
     return Decision(
         value=ep, constraint="exposed MoE communication (expert FSDP vs all-to-all)",
         reason=(f"{n['experts_per_rank']} experts/rank, {where}; expert FSDP {n['expert_fsdp_gb_per_layer']:.2f} "
@@ -282,19 +319,18 @@ def solve_cp(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, ep: int
             smaller = max((k for k in tried if k < c), default=0)  # none when cp is pinned
             prev = tried.get(smaller)
             if c == 1:
-                reason = (f"the full {opts.micro_batch_tokens:,}-token sequence fits: peak {est.total_gb:.1f} GB "
-                          f"of {hw.usable_gb:.1f} GB usable")
+                reason = f"the full {opts.micro_batch_tokens:,}-token sequence fits: {_peak_of(est, hw)}"
                 rejected = ""
             else:
-                reason = (f"activations at s/cp={opts.micro_batch_tokens // c:,} tokens leave peak "
-                          f"{est.total_gb:.1f} GB of {hw.usable_gb:.1f} GB usable")
-                rejected = f"cp={smaller}: peak {_over(prev.total_gb, hw.usable_gb)}" if prev is not None else ""
+                reason = f"activations at s/cp={opts.micro_batch_tokens // c:,} tokens leave {_peak_of(est, hw)}"
+                rejected = f"cp={smaller}: peak {_over(prev, hw.usable_gb)}" if prev is not None else ""
             d = Decision(value=c, constraint="activation memory", reason=reason,
                          numbers={"local_tokens": opts.micro_batch_tokens // c,
                                   "activations_gb": round(est.memory_gb["activations"], 2),
                                   "persistent_gb": round(sum(est.memory_gb[k] for k in
                                                              ("weights", "grads", "master", "optimizer")), 2),
-                                  "headroom_gb": round(est.headroom_gb, 2)},
+                                  "headroom_gb": round(est.headroom_gb, 2),
+                                  "margin_gb": round(_margin_gb(est), 2)},
                          rejected=rejected)
             return d, est, tried
     return None, None, tried
@@ -307,7 +343,7 @@ def _sequence_split(m, hw, world, pp, t, opts, auto_chunks, pins=None):
     (layout, estimate) of the largest cp tried, the nearest miss at this tp (None if no cp divides)."""
     pins = pins or {}
     ranks = world // pp
-    e0 = default_ep(m, hw, ranks, pins)
+    e0 = default_ep(m, hw, ranks, pins, world)
     cp_d, est, tried = solve_cp(m, hw, world, pp, t, e0, opts, auto_chunks, pins)
     e_tried = e0
     for e in _ep_cands(m, ranks, pins):
@@ -395,7 +431,7 @@ def solve_tp(m: ModelShape, hw: HwProfile, world: int, pp: int, opts: TrainOptio
         rejected = ""
         if first_fail is not None:
             fail_lay, fail_est = first_fail
-            rejected = f"tp={fail_lay.tp}, cp={fail_lay.cp}: peak {_over(fail_est.total_gb, hw.usable_gb)}"
+            rejected = f"tp={fail_lay.tp}, cp={fail_lay.cp}: peak {_over(fail_est, hw.usable_gb)}"
         d = Decision(t, "per-layer memory", f"tp={t} is the smallest tensor split at which some cp fits",
                      {"peak_gb": round(est.total_gb, 2)}, rejected=rejected)
     return d, ep_d, cp_d, est
@@ -422,7 +458,7 @@ def solve(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions, auto_chu
         if tp_d is None:
             if est is not None:
                 lay, e = est
-                short = e.total_gb - hw.usable_gb
+                short = _short_gb(e, hw)
                 if closest is None or short < closest[0]:
                     closest = (short, lay, e)
             continue
@@ -492,11 +528,12 @@ def _pinned_decision(dim: str, m: ModelShape, hw: HwProfile, world: int, lay: La
     """A pinned dimension's decision: the pinned layout's peak and headroom, the dimension's own figures, and the
     value its own rule would pick with the rest as solved (the rejected alternative, when it differs)."""
     v = getattr(lay, dim)
-    n = {"peak_gb": round(est.total_gb, 2), "headroom_gb": round(est.headroom_gb, 2)}
+    n = {"peak_gb": round(est.total_gb, 2), "headroom_gb": round(est.headroom_gb, 2),
+         "margin_gb": round(_margin_gb(est), 2)}
     if dim == "ep":
         n.update(_ep_numbers(m, world // lay.pp, v))
         n["exposed_moe_comm_s"] = round(est.time_s["ep_exposed"] + est.time_s["fsdp_exposed"], 4)
-        where = "inside one node" if v <= hw.gpus_per_node else f"across {-(-v // hw.gpus_per_node)} nodes"
+        where = _where(hw, world, v)
         detail = (f"{n['experts_per_rank']} experts/rank, {where}, unsharded expert layer "
                   f"{n['unsharded_expert_layer_gb']:.2f} GB")
     elif dim == "cp":
@@ -508,7 +545,7 @@ def _pinned_decision(dim: str, m: ModelShape, hw: HwProfile, world: int, lay: La
     else:
         n.update(layers_per_stage=m.num_layers // v, bubble=round((v - 1) / (opts.micro_batches + v - 1), 3))
         detail = f"{n['layers_per_stage']} layers/stage, bubble {100 * n['bubble']:.0f}% of the step"
-    reason = f"{dim}={v} (peak {est.total_gb:.1f} GB of {hw.usable_gb:.1f} usable, {detail})"
+    reason = f"{dim}={v} ({_peak_of(est, hw)}, {detail})"
     rejected = ""
     rule = _rule_choice(dim, m, hw, world, lay, opts, auto_chunks)
     if rule is not None and rule[0] == v:
@@ -555,7 +592,8 @@ def _infeasible_message(m: ModelShape, hw: HwProfile, world: int, opts: TrainOpt
         nxt = _next_fitting(m, hw, world, opts, auto_chunks=auto_chunks)
         why += f" — {nxt} GPUs fit" if nxt else " — add GPUs or shorten --seq"
     return (f"{m.name} at {seq:,} tokens does not fit on {world}x {hw.name}: best layout tried (pp={p}, cp={c}) "
-            f"peaks at {e.total_gb:.1f} GB against {hw.usable_gb:.1f} GB usable ({short:.1f} GB over; persistent "
+            f"peaks at {e.total_gb:.1f} GB + margin {_margin_gb(e):.1f} GB against {hw.usable_gb:.1f} GB usable "
+            f"({_gb(short)} GB over; persistent "
             f"state {persistent:.1f} GB, activations {e.memory_gb['activations']:.1f} GB){why}")
 
 
@@ -566,8 +604,9 @@ def _lay_str(lay: Layout) -> str:
 def _miss_str(hw: HwProfile, lay: Layout, e: Estimate, what: str) -> str:
     """'the pinned layout (pp=1 tp=1 cp=1 ep=8) peaks at X GB against Y GB usable (Z GB over; ...)'."""
     persistent = sum(e.memory_gb[k] for k in ("weights", "grads", "master", "optimizer"))
-    return (f"{what} ({_lay_str(lay)}) peaks at {e.total_gb:.1f} GB against {hw.usable_gb:.1f} GB usable "
-            f"({_gb(e.total_gb - hw.usable_gb)} GB over; persistent state {persistent:.1f} GB, activations "
+    return (f"{what} ({_lay_str(lay)}) peaks at {e.total_gb:.1f} GB + margin {_margin_gb(e):.1f} GB against "
+            f"{hw.usable_gb:.1f} GB usable ({_gb(_short_gb(e, hw))} GB over; persistent state {persistent:.1f} GB, "
+            f"activations "
             f"{e.memory_gb['activations']:.1f} GB)")
 
 
@@ -604,6 +643,30 @@ def _next_fitting(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions,
     return None
 
 
+def _count_reason(sol: Solution, hw: HwProfile) -> str:
+    e = sol.estimate
+    return (f"CP={sol.layout.cp} at {100 * e.headroom_gb / hw.usable_gb:.0f}% headroom (peak {e.total_gb:.1f} GB + "
+            f"margin {_margin_gb(e):.1f} of {hw.usable_gb:.1f} GB usable), {e.tokens_per_s_per_gpu:,.0f} tok/s/GPU")
+
+
+def _whole_node(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks: bool, pins: dict[str, int],
+                sol: Solution) -> Solution | None:
+    """Below one node: the whole node's solution when it needs a smaller CP (or TP, or PP) than `sol` at a throughput
+    per GPU within PP_TIE_BREAK of it or better — the same GPU-hours per token or fewer, and a simpler layout that
+    leaves more memory free. None when `sol` already fills a node or the node is not simpler."""
+    node = hw.gpus_per_node
+    if sol.world >= node or (pins and pin_violations(m, hw, opts.micro_batch_tokens, pins, node)):
+        return None
+    try:
+        full = solve(m, hw, node, opts, auto_chunks, suggest=False, pins=pins)
+    except InfeasibleError:
+        return None
+    a, b = sol.layout, full.layout
+    simpler = (b.cp, b.tp, b.pp) < (a.cp, a.tp, a.pp) and b.cp <= a.cp and b.tp <= a.tp and b.pp <= a.pp
+    fast = full.estimate.tokens_per_s_per_gpu >= sol.estimate.tokens_per_s_per_gpu * (1 - PP_TIE_BREAK)
+    return full if simpler and fast else None
+
+
 def world_candidates(hw: HwProfile) -> list[int]:
     small = [w for w in (1, 2, 4) if w < hw.gpus_per_node]
     return small + [hw.gpus_per_node * n for n in range(1, MAX_WORLD // hw.gpus_per_node + 1)]
@@ -611,8 +674,10 @@ def world_candidates(hw: HwProfile) -> list[int]:
 
 def solve_min_gpus(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks: bool = True,
                    pins: dict[str, int] | None = None) -> Solution:
-    """The smallest GPU count (1, 2, 4, then whole nodes) at which some layout fits — with `pins`, some layout with
-    those degrees (counts the pins do not divide are skipped)."""
+    """The smallest GPU count (1, 2, 4, then whole nodes) at which some layout fits with the memory margin — with
+    `pins`, some layout with those degrees (counts the pins do not divide are skipped). Below one node, the whole
+    node instead when it runs a smaller CP (or TP, PP) at no less throughput per GPU (`_whole_node`). The
+    solution's `count` decision says why, naming the cheaper count it rejected and why."""
     pins = normalize_pins(pins)
     seq = opts.micro_batch_tokens
     if pins:
@@ -621,6 +686,7 @@ def solve_min_gpus(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks
             raise InfeasibleError(_pin_error(m, hw, seq, pins, bad))
     persistent_b = sum(param_counts(m).values()) * 16  # weights, grads, master, Adam: sharded over all ranks
     nearest = None  # (shortfall, world, layout, estimate) over the counts tried, with pins
+    rejected = ""  # the largest count below the answer, and why it does not do
     for w in world_candidates(hw):
         if pins and pin_violations(m, hw, seq, pins, w):
             continue
@@ -628,15 +694,36 @@ def solve_min_gpus(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks
         # rank keeps its slice of each layer's checkpointed input
         floor_b = persistent_b / w + m.num_layers * seq / w * m.hidden_size * BF16
         if floor_b / GB + hw.overhead_gb > hw.usable_gb:
+            rejected = (f"{w} GPUs: persistent state and checkpointed layer inputs alone take "
+                        f"{floor_b / GB + hw.overhead_gb:.1f} GB of {hw.usable_gb:.1f} usable")
             continue
         try:
-            return solve(m, hw, w, opts, auto_chunks, suggest=False, pins=pins)
+            sol = solve(m, hw, w, opts, auto_chunks, suggest=False, pins=pins)
         except InfeasibleError as e:
             if e.miss is not None:
-                short = e.miss[2].total_gb - hw.usable_gb
+                short = _short_gb(e.miss[2], hw)
                 if nearest is None or short < nearest[0]:
                     nearest = (short, *e.miss)
+                _, lay, est = e.miss
+                rejected = (f"{w} GPUs: the closest layout ({_lay_str(lay)}) peaks at {_over(est, hw.usable_gb)} "
+                            f"GB usable")
+            else:
+                rejected = f"{w} GPUs: no layout divides them"
             continue
+        head = "the smallest GPU count that fits with the memory margin"
+        if hw.gpus_per_node < w:
+            head += f" (whole {hw.gpus_per_node}-GPU nodes past one node)"
+        full = _whole_node(m, hw, opts, auto_chunks, pins, sol)
+        if full is not None:
+            rejected = (f"{w} GPUs fit only with {_count_reason(sol, hw)} against "
+                        f"{full.estimate.tokens_per_s_per_gpu:,.0f} on one {full.world}-GPU node with "
+                        f"CP={full.layout.cp}")
+            sol, head = full, "one whole node: a simpler layout at no less throughput per GPU"
+        sol.count = Decision(sol.world, head, f"CP={sol.layout.cp}, "
+                             f"{100 * sol.estimate.headroom_gb / hw.usable_gb:.0f}% headroom",
+                             {"headroom_gb": round(sol.estimate.headroom_gb, 2),
+                              "margin_gb": round(_margin_gb(sol.estimate), 2)}, rejected=rejected)
+        return sol
     if pins:
         near = ""
         if nearest is not None:

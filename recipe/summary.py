@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from .hw import HwProfile
+from .margin import describe, free_str, margin_of
 from .models import ModelShape
 from .planfile import format_size
 from .text import layout_str
@@ -16,12 +17,19 @@ def summary_text(m: ModelShape, hw: HwProfile, seq: int, sol) -> str:
         f"{m.name} at {format_size(seq)} tokens on {sol.world}x {hw.name}  "
         f"({'no' if o.recompute == 'none' else o.recompute} recompute, {o.lm_head} LM head, {chunks}{pinned})",
         f"layout   {layout_str(sol.degrees)}",
-        f"predict  {e.total_gb:.1f} GB peak of {hw.usable_gb:.1f} usable; step {e.step_time_s:.3f} s, "
+        f"predict  {e.total_gb:.1f} GB peak of {hw.usable_gb:.1f} usable, {free_str(e)}; step {e.step_time_s:.3f} s, "
         f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {e.tflops_per_gpu:.0f} TFLOP/s/GPU, MFU "
         f"{100 * e.mfu_hardware:.1f}% hardware / {100 * e.mfu_model:.1f}% model (dense peak {hw.peak_bf16_tflops:g})",
     ]
-    width = max(len(sol.decisions[k].constraint) for k in ("tp", "ep", "cp", "pp"))
-    for k in ("tp", "ep", "cp", "pp"):
+    if margin_of(e) is not None:
+        lines.append(f"margin   {describe(margin_of(e))}")
+    dims = [k for k in ("tp", "ep", "cp", "pp")]
+    width = max(len(sol.decisions[k].constraint) for k in dims)
+    if getattr(sol, "count", None) is not None:
+        c = sol.count
+        lines.append(f"GPUs={c.value:<3} {c.constraint} ({c.reason})" + (f"; rejected {c.rejected}" if c.rejected
+                                                                          else ""))
+    for k in dims:
         d = sol.decisions[k]
         lines.append(f"{k.upper()}={d.value:<4} {d.constraint:<{width}}  {d.reason}")
     return "\n".join(lines) + "\n"

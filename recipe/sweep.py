@@ -9,7 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import Estimate, Layout, TrainOptions, default_ep_chunks, estimate
+from .cost import Estimate, Layout, TrainOptions, default_ep_chunks
+from .margin import estimate_with_margin as estimate  # "fits" as the solver means it: peak + margin ≤ usable
 from .hw import HwProfile
 from .models import ModelShape
 from .solver import cp_candidates, ep_candidates, pp_candidates, tp_candidates

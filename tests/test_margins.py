@@ -1,0 +1,269 @@
+"""Error bands and the memory margin (recipe/margin.py), the default GPU count, topology and units: hand-worked
+margin terms, no plan past usable − margin over the model × profile matrix, the count rules and their rejection
+message, 12 GPUs on 8-GPU nodes, HBM in GiB, the `assumed` warning, the plan's new fields read back."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import pytest
+import yaml
+from typer.testing import CliRunner
+
+from recipe import calibration, margin
+from recipe.cli import app
+from recipe.cost import GB, Layout, TrainOptions, default_ep_chunks, estimate, gpus_per_node_used, group_bw
+from recipe.hw import load_profile
+from recipe.margin import estimate_with_margin, memory_margin
+from recipe.models import PRESETS
+from recipe.plan import load_plan, parse_plan
+from recipe.solver import InfeasibleError, solve, solve_min_gpus
+
+runner = CliRunner()
+Q35 = PRESETS["qwen35-35b"]
+MODELS = [n for n in PRESETS if n != "tiny-moe"]
+PROFILES = ["h100", "mi300x", "mi355x", "b200"]
+
+
+@functools.lru_cache(maxsize=None)
+def _hw(name):
+    return load_profile(name)
+
+
+def _opts(seq, cp=1, ep=1):
+    return TrainOptions(micro_batch_tokens=seq, ep_overlap_chunks=default_ep_chunks(seq / cp, ep))
+
+
+@pytest.fixture
+def measured(monkeypatch):
+    """Every profile measured, with a worst memory error of 5% and step-time error of 12% (not the committed grid's
+    figures: these tests must not depend on them)."""
+    cal = calibration.Calibration(hw="any", memory_error=0.05, time_error=0.12, points=(), environment={})
+    monkeypatch.setattr(calibration, "load", lambda hw: cal)
+    margin._bands.cache_clear()
+    yield cal
+    margin._bands.cache_clear()
+
+
+@pytest.fixture
+def assumed(monkeypatch):
+    monkeypatch.setattr(calibration, "load", lambda hw: None)
+    margin._bands.cache_clear()
+    yield
+    margin._bands.cache_clear()
+
+
+# ---- the margin, by hand ---------------------------------------------------------------------------------------
+def test_margin_terms_by_hand(measured):
+    """qwen35-35b, 128K, 32 H100s, cp=2 ep=4 (dp=16, edp=8), full recompute:
+    V = 248,320, h = 2048, k = 8, I = 512, 256 experts of 3·h·I = 3,145,728 parameters each, not tied.
+      error      = peak · 0.05 / 0.95
+      root unit  = (V·h [embedding] + V·h [head] + V·h [head gradient]) · 2 B = 3 · 508,559,360 · 2 = 3.0514 GB
+      FSDP       = (dense layer + 256/4 experts · 3,145,728) · 6 B
+      all-to-all = (4 − 1) · 2 · 4 channels · 4 MiB = 100,663,296 B
+      imbalance  = 0.25 · s·k·(2h + 3I)·2 = 0.25 · 65,536 · 8 · 5,632 · 2 = 1,476,395,008 B (one layer: recompute)"""
+    lay, seq = Layout(cp=2, ep=4), 131_072
+    est = estimate(Q35, _hw("h100"), 32, lay, _opts(seq, 2, 4))
+    mg = memory_margin(Q35, _hw("h100"), 32, lay, _opts(seq, 2, 4), est)
+    p = mg.parts_gb
+    assert mg.bands.basis == {"memory": "measured", "step_time": "measured"}
+    assert p["error"] == pytest.approx(est.total_gb * 0.05 / 0.95)
+    assert p["root_unit"] == pytest.approx(3 * 248_320 * 2048 * 2 / 1e9)
+    from recipe.cost import layer_params
+
+    dense, _ = layer_params(Q35)
+    assert p["fsdp_in_flight"] == pytest.approx((dense + 64 * 3 * 2048 * 512) * 6 / 1e9)
+    assert p["all_to_all"] == pytest.approx(100_663_296 / 1e9)
+    assert p["imbalance"] == pytest.approx(1_476_395_008 / 1e9)
+    assert mg.total_gb == pytest.approx(sum(p.values()))
+    assert mg.multi_gpu_gb == pytest.approx(mg.total_gb - p["error"])
+
+
+def test_one_gpu_has_no_multi_gpu_allowance(measured):
+    """On one GPU nothing is sharded or exchanged: the margin is the calibration's error term alone."""
+    m = Q35.with_layers(4)
+    est = estimate(m, _hw("h200"), 1, Layout(), _opts(65_536))
+    mg = memory_margin(m, _hw("h200"), 1, Layout(), _opts(65_536), est)
+    assert mg.multi_gpu_gb == 0 and mg.total_gb == pytest.approx(est.total_gb * 0.05 / 0.95)
+
+
+def test_assumed_profiles_hold_back_more(assumed):
+    est = estimate(Q35, _hw("mi300x"), 8, Layout(), _opts(131_072))
+    mg = memory_margin(Q35, _hw("mi300x"), 8, Layout(), _opts(131_072), est)
+    assert mg.bands.basis == {"memory": "assumed", "step_time": "assumed"}
+    assert mg.bands.error == {"memory": margin.ASSUMED_MEMORY_ERROR, "step_time": margin.ASSUMED_TIME_ERROR}
+    assert mg.parts_gb["error"] == pytest.approx(est.total_gb * 0.1 / 0.9)
+    assert margin.ASSUMED_MEMORY_ERROR > 0.05  # wider than the ±5% a measured grid is held to
+
+
+def test_no_recompute_counts_every_layers_imbalance(measured):
+    lay, seq = Layout(cp=8, ep=8), 32_768
+    o = _opts(seq, 8, 8).model_copy(update={"recompute": "none"})
+    mg = memory_margin(Q35, _hw("h100"), 64, lay, o, estimate(Q35, _hw("h100"), 64, lay, o))
+    assert mg.parts_gb["imbalance"] == pytest.approx(0.25 * 4096 * 8 * 5632 * 2 * Q35.num_moe_layers / 1e9)
+
+
+# ---- no plan past usable − margin --------------------------------------------------------------------------------
+@pytest.mark.parametrize("model", MODELS)
+def test_no_plan_exceeds_usable_minus_margin(model):
+    """Over the model × profile matrix, at the default count and at fixed counts: peak + margin ≤ usable, the margin
+    the plan carries is the one recomputed from its layout, and at least the calibration's error term."""
+    m = PRESETS[model]
+    for h in PROFILES:
+        hw = _hw(h)
+        for seq in (32_768, 131_072):
+            sols = []
+            for w in (None, 8, 32):
+                try:
+                    o = TrainOptions(micro_batch_tokens=seq)
+                    sols.append(solve_min_gpus(m, hw, o) if w is None else solve(m, hw, w, o))
+                except InfeasibleError:
+                    pass
+            for s in sols:
+                e, mg = s.estimate, s.margin
+                again = memory_margin(m, hw, s.world, s.layout, s.opts, e)
+                assert mg.parts_gb == again.parts_gb
+                assert e.total_gb + mg.total_gb <= hw.usable_gb, (model, h, seq, s.world, s.layout)
+                err = mg.bands.error["memory"]
+                assert mg.total_gb >= e.total_gb * err, (model, h, seq)
+
+
+def test_a_layout_that_fits_only_without_the_margin_is_refused():
+    """qwen35-35b at 128K on 32 H100s at cp=1: 72.8 GB of 78.6 usable, 5.8 GB free, less than its margin: not
+    emitted (pinned, the solve names the margin), and the unpinned solve splits the sequence instead."""
+    raw = estimate(Q35, _hw("h100"), 32, Layout(cp=1, ep=4), _opts(131_072, 1, 4))
+    assert raw.fits and raw.headroom_gb < 6
+    withm = estimate_with_margin(Q35, _hw("h100"), 32, Layout(cp=1, ep=4), _opts(131_072, 1, 4))
+    assert not withm.fits and withm.margin.total_gb > raw.headroom_gb
+    with pytest.raises(InfeasibleError, match=r"peaks at 72\.8 GB \+ margin [\d.]+ GB against 78\.6 GB usable"):
+        solve(Q35, _hw("h100"), 32, TrainOptions(micro_batch_tokens=131_072),
+              pins={"pp": 1, "tp": 1, "cp": 1, "ep": 4})
+    s = solve(Q35, _hw("h100"), 32, TrainOptions(micro_batch_tokens=131_072))
+    assert s.layout.cp >= 2 and s.estimate.headroom_gb >= s.margin.total_gb
+
+
+# ---- the default GPU count ---------------------------------------------------------------------------------------
+def test_readme_main_command_defaults_to_one_node_with_10pct_headroom():
+    """`recipe solve --model qwen35-35b --seq 128k --hw mi300x`: 4 GPUs fit only with CP=4, slower per GPU than one
+    8-GPU node at CP=1; the default is the node, with at least 10% of usable memory free."""
+    r = runner.invoke(app, ["solve", "--model", "qwen35-35b", "--seq", "128k", "--hw", "mi300x", "-f", "json",
+                            "-o", "-"])
+    assert r.exit_code == 0, r.output
+    plan = json.loads(r.stdout)
+    pred, mem = plan["prediction"], plan["prediction"]["memory_gb"]
+    assert plan["layout"]["cp"] == 1 and plan["launch"]["nnodes"] * plan["launch"]["nproc_per_node"] == 8
+    assert pred["headroom_gb"] >= 0.10 * mem["usable"]
+    assert pred["headroom_gb"] >= pred["margin_gb"]["total"]
+    assert "rejected 4 GPUs fit only with CP=4 at " in plan["reasons"]["gpus"]
+    assert "% headroom" in plan["reasons"]["gpus"] and "on one 8-GPU node with CP=1" in plan["reasons"]["gpus"]
+
+
+def test_default_count_is_whole_nodes_past_one_node_and_names_the_rejected_count():
+    """qwen35-35b at 128K on H100s: 8 GPUs do not fit with the margin, 16 (two whole nodes) do; the reason names
+    the 8 it rejected with the peak and margin of its closest layout."""
+    s = solve_min_gpus(Q35, _hw("h100"), TrainOptions(micro_batch_tokens=131_072))
+    assert s.world == 16 and s.world % _hw("h100").gpus_per_node == 0
+    assert s.count.constraint.startswith("the smallest GPU count that fits with the memory margin")
+    assert s.count.rejected.startswith("8 GPUs: the closest layout (pp=")
+    assert "+ margin" in s.count.rejected and "> 78.6 GB usable" in s.count.rejected
+    for model in ("qwen35-122b", "qwen3-235b-a22b", "deepseek-v3"):
+        for h in ("h100", "mi300x"):
+            try:
+                w = solve_min_gpus(PRESETS[model], _hw(h), TrainOptions(micro_batch_tokens=131_072)).world
+            except InfeasibleError:
+                continue
+            assert w in (1, 2, 4) or w % _hw(h).gpus_per_node == 0, (model, h, w)
+
+
+def test_a_partial_node_stays_when_the_node_is_no_simpler():
+    """tiny-moe at 4K fits one CPU rank at cp=1; a whole node would be no simpler (cp=1 too): 1 it is."""
+    s = solve_min_gpus(PRESETS["tiny-moe"], _hw("cpu"), TrainOptions(micro_batch_tokens=4096))
+    assert s.world == 1 and s.layout.cp == 1 and s.count.rejected == ""
+
+
+def test_article_layout_keeps_the_margin():
+    """32 H100s at 128K (the published run's scale): the plan keeps at least its margin free."""
+    s = solve(Q35, _hw("h100"), 32, TrainOptions(micro_batch_tokens=131_072))
+    assert s.estimate.headroom_gb >= s.margin.total_gb
+
+
+# ---- topology --------------------------------------------------------------------------------------------------
+def test_twelve_h100s_cost_a_four_rank_group_across_nodes():
+    """12 GPUs run as 2 nodes × 6: a 4-rank group at ranks 4–7 spans both, so it gets the inter-node bandwidth; a
+    3-rank or 6-rank group, or 2 ranks 3 apart, stay inside a node; on 16 GPUs (2 × 8) a 4-rank group is inside."""
+    hw = _hw("h100")
+    node = gpus_per_node_used(hw, 12)
+    assert node == 6
+    inter, intra = hw.inter_node_bw_gb_s * GB, hw.intra_node.bw_gb_s * GB
+    assert group_bw(hw, 4, 1, node) == inter
+    assert group_bw(hw, 2, 2, node) == inter  # span 4 in a node of 6: ranks 4 and 6 sit on different nodes
+    assert group_bw(hw, 3, 1, node) == group_bw(hw, 6, 1, node) == group_bw(hw, 2, 3, node) == intra
+    assert group_bw(hw, 4, 1, gpus_per_node_used(hw, 16)) == intra
+    s = solve(Q35, hw, 12, TrainOptions(micro_batch_tokens=131_072), pins={"ep": 4})
+    assert "across 2 nodes (12 GPUs as nodes of 6)" in s.decisions["ep"].reason
+    # the all-to-all time at 12 GPUs is the inter-node one: same layout on 16 GPUs (inside a node) is faster at it
+    e12 = estimate(Q35, hw, 12, Layout(cp=4, ep=4), _opts(131_072, 4, 4))
+    e16 = estimate(Q35, hw, 16, Layout(cp=4, ep=4), _opts(131_072, 4, 4))
+    assert e12.time_s["ep_exposed"] > e16.time_s["ep_exposed"]
+
+
+# ---- units -----------------------------------------------------------------------------------------------------
+def test_hbm_in_gib_usable_in_decimal_gb():
+    """An H100 reports 81,559 MiB = 79.6 GiB: usable = 79.6 · 2**30 / 1e9 · 0.92 = 78.63 GB; the hw table says
+    GiB for the capacity and GB for usable memory, as every memory figure elsewhere."""
+    h = _hw("h100")
+    assert h.hbm_gib == 79.6 and h.usable_gb == pytest.approx(78.632, abs=1e-3)
+    r = runner.invoke(app, ["hw"])
+    assert "HBM GiB" in r.stdout and "usable GB" in r.stdout and "HBM GB" not in r.stdout
+    assert json.loads(runner.invoke(app, ["hw", "h100", "-f", "json"]).stdout)["hbm_gib"] == 79.6
+    out = runner.invoke(app, ["solve", "--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--explain"]).stdout
+    assert "GiB" not in out  # one unit in the tables: decimal GB
+
+
+# ---- the assumed warning ---------------------------------------------------------------------------------------
+def test_solve_warns_once_when_a_figure_is_assumed(assumed):
+    r = runner.invoke(app, ["solve", "--model", "qwen35-35b", "--seq", "128k", "--hw", "mi300x"])
+    assert r.exit_code == 0
+    warn = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
+    assert warn == ["warning: mi300x has no calibration grid (hw_profiles/calibration/mi300x.json): its memory and "
+                    "step time predictions are assumed, not measured (error band ±10% memory, ±25% step time; the "
+                    "margin holds the memory band back)"]
+    assert "margin" in r.stdout and "(assumed)" in r.stdout
+
+
+def test_no_warning_on_a_measured_profile(measured):
+    r = runner.invoke(app, ["solve", "--model", "qwen35-35b", "--seq", "128k", "--hw", "h100"])
+    assert r.exit_code == 0 and "warning" not in r.stderr
+    assert "memory error ±5% (measured)" in r.stdout
+
+
+# ---- the plan --------------------------------------------------------------------------------------------------
+def test_plan_round_trips_margin_basis_and_count(tmp_path):
+    out = tmp_path / "p.yaml"
+    r = runner.invoke(app, ["solve", "--model", "qwen35-35b", "--seq", "128k", "--hw", "mi300x", "-o", str(out)])
+    assert r.exit_code == 0, r.output
+    text = out.read_text()
+    plan = load_plan(out)
+    pred = plan.prediction
+    assert pred.basis.memory == "assumed" and pred.error.memory == 0.1 and pred.error.step_time == 0.25
+    parts = pred.margin_gb
+    assert parts.total == pytest.approx(parts.error + parts.root_unit + parts.fsdp_in_flight + parts.all_to_all
+                                        + parts.imbalance, abs=0.03)
+    assert pred.headroom_gb == pytest.approx(pred.memory_gb.usable - pred.memory_gb.total, abs=0.01)
+    assert plan.reasons.gpus.startswith("one whole node")
+    from recipe.plan import dumps
+
+    assert dumps(plan) == text and parse_plan(dumps(plan, "json")).to_dict() == plan.to_dict()
+    # a plan written before margins (no headroom, margin, basis, error, count) still loads
+    old = yaml.safe_load(text)
+    for k in ("headroom_gb", "margin_gb", "basis", "error"):
+        del old["prediction"][k]
+    del old["reasons"]["gpus"]
+    back = parse_plan(yaml.safe_dump(old))
+    assert back.prediction.margin_gb is None and "margin_gb" not in back.to_dict()["prediction"]
+    # and a plan whose peak + margin passes usable is refused
+    bad = yaml.safe_load(text)
+    bad["prediction"]["margin_gb"]["total"] = bad["prediction"]["memory_gb"]["usable"]
+    with pytest.raises(ValueError, match="exceeds the"):
+        parse_plan(yaml.safe_dump(bad))
