@@ -408,3 +408,14 @@ def test_cli_missing_field_exits_2_with_one_line(tmp_path):
         r = CliRunner().invoke(app, args)
         assert r.exit_code == 2 and "Traceback" not in r.output
         assert r.stderr.strip().count("\n") == 0 and "'num_experts'" in r.stderr, r.stderr
+
+
+@pytest.mark.parametrize("top_k", [0, 65, None])
+def test_hf_top_k_outside_the_experts_is_named(tmp_path, top_k):
+    """top-k must pick between 1 and num_experts experts (ERNIE-4.5's 6 of 64 shows it need not divide them)."""
+    cfg = json.loads((FIXTURES / "ernie-4.5-21b-a3b.json").read_text())
+    assert from_hf_config(_write(tmp_path, "ok", cfg)).top_k == 6 and cfg["moe_num_experts"] == 64
+    cfg["moe_k"] = top_k
+    with pytest.raises(ValueError) as e:
+        from_hf_config(_write(tmp_path, "bad", cfg))
+    assert "\n" not in str(e.value) and ("top_k" in str(e.value) or "moe_k" in str(e.value)), str(e.value)
