@@ -132,6 +132,28 @@ class Mfu(_Strict):
     model: float
 
 
+class MarginGB(_Strict):
+    """The memory the solver held back beyond the predicted peak, by term (recipe/margin.py, docs/solver.md)."""
+    error: float = Field(ge=0)
+    root_unit: float = Field(ge=0)
+    fsdp_in_flight: float = Field(ge=0)
+    all_to_all: float = Field(ge=0)
+    imbalance: float = Field(ge=0)
+    total: float = Field(ge=0)
+
+
+class Basis(_Strict):
+    """Where each figure comes from: `measured` (the profile has a committed calibration grid) or `assumed`."""
+    memory: Literal["measured", "assumed"]
+    step_time: Literal["measured", "assumed"]  # and the figures derived from it: tokens/s, TFLOP/s, MFU
+
+
+class ErrorBand(_Strict):
+    """The worst relative error of each figure on its basis (fractions): the grid's, or the assumed band."""
+    memory: float = Field(ge=0, lt=1)
+    step_time: float = Field(ge=0)
+
+
 class Prediction(_Strict):
     memory_gb: MemoryGB
     lm_head_unfused_gb: float
@@ -139,6 +161,19 @@ class Prediction(_Strict):
     tokens_per_s_per_gpu: float
     tflops_per_gpu: float
     mfu: Mfu
+    # absent in plans written before margins: such plans still load (and `recipe check` names the drift)
+    headroom_gb: float | None = None  # usable − predicted peak
+    margin_gb: MarginGB | None = None
+    basis: Basis | None = None
+    error: ErrorBand | None = None
+
+    @model_validator(mode="after")
+    def _within_margin(self) -> "Prediction":
+        m = self.memory_gb
+        if self.margin_gb is not None and m.total + self.margin_gb.total > m.usable + 0.02:  # 2-decimal rounding
+            raise ValueError(f"predicted peak {m.total} GB + margin {self.margin_gb.total} GB exceeds the "
+                             f"{m.usable} GB usable: no plan is written like that")
+        return self
 
 
 class Reasons(_Strict):
@@ -146,6 +181,7 @@ class Reasons(_Strict):
     ep: str
     cp: str
     pp: str
+    gpus: str | None = None  # why this GPU count, when the solver chose it (no --gpus)
 
 
 class LaunchSpec(_Strict):
@@ -207,6 +243,8 @@ class Plan(_Strict):
         if data["train"].get("pp_stages") is None:  # no pipeline: no field (plans stay as they were)
             data["train"].pop("pp_stages", None)
         data["inputs"] = _inputs_block(self.inputs)  # `pins` only when some degree is pinned
+        for block in ("prediction", "reasons"):  # optional fields a plan does not carry stay out of it
+            data[block] = {k: v for k, v in data[block].items() if v is not None}
         return data
 
 

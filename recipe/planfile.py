@@ -154,8 +154,10 @@ def plan_dict(inputs, m: ModelShape, hw: HwProfile, sol) -> dict:
                        "lm_head_unfused_gb": round(e.lm_head_unfused_gb, 2), "step_time_s": round(e.step_time_s, 4),
                        "tokens_per_s_per_gpu": round(e.tokens_per_s_per_gpu, 1),
                        "tflops_per_gpu": round(e.tflops_per_gpu, 1),
-                       "mfu": {"hardware": round(e.mfu_hardware, 4), "model": round(e.mfu_model, 4)}},
-        "reasons": {k: reason(k) for k in ("tp", "ep", "cp", "pp")},
+                       "mfu": {"hardware": round(e.mfu_hardware, 4), "model": round(e.mfu_model, 4)},
+                       **_margin_block(e)},
+        "reasons": {**{k: reason(k) for k in ("tp", "ep", "cp", "pp")},
+                    **({"gpus": _count_reason(sol.count)} if getattr(sol, "count", None) is not None else {})},
         "launch": launch_block(hw, sol.world),
     }
 
@@ -168,6 +170,23 @@ def _pp_stages(m: ModelShape, sol) -> dict:
     from .cost import pipeline_split
 
     return {"pp_stages": pipeline_split(m, sol.layout.pp, sol.opts)}
+
+
+def _margin_block(e) -> dict:
+    """headroom_gb, margin_gb (by term), basis and error of the prediction (recipe/margin.py); nothing for an
+    estimate made without a margin."""
+    from .margin import margin_of
+
+    mg = margin_of(e)
+    if mg is None:
+        return {}
+    parts = {k: round(v, 2) for k, v in mg.parts_gb.items()}
+    return {"headroom_gb": round(e.headroom_gb, 2), "margin_gb": {**parts, "total": round(mg.total_gb, 2)},
+            "basis": dict(mg.bands.basis), "error": {k: round(v, 4) for k, v in mg.bands.error.items()}}
+
+
+def _count_reason(dec) -> str:
+    return f"{dec.constraint}: {dec.reason}" + (f" (rejected {dec.rejected})" if dec.rejected else "")
 
 
 def dumps(plan, fmt: Literal["yaml", "json"] = "yaml") -> str:
