@@ -183,9 +183,9 @@ class ContextParallel:
             raise ValueError(f"segments of {shard.segment_len} tokens are not whole {chunk_size}-token chunks")
         if backend not in ("auto", "torch", "fla"):
             raise ValueError(f"delta-rule backend must be auto, torch or fla, got {backend!r}")
-        # "auto" runs the torch combine (tested exact); the fla variant below has not yet been checked on a GPU
-        # against it, so it runs only when asked for by name (docs/context_parallel.md)
-        use_fla = backend == "fla" and q_TGK.is_cuda and fla_status(q_TGK.shape[-1])[0]
+        # "auto": flash-linear-attention's kernels on CUDA where usable (bench/bench_cp_gdn.py checks them against
+        # the whole sequence on the H200, docs/context_parallel.md), the torch combine elsewhere
+        use_fla = backend != "torch" and q_TGK.is_cuda and fla_status(q_TGK.shape[-1])[0]
         if backend == "fla" and not use_fla:
             raise RuntimeError("delta-rule backend 'fla' requested but unusable here")
         if use_fla:
