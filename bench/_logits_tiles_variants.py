@@ -1,9 +1,8 @@
-"""Triton kernels of the eager LM-head path (kernels/lm_head_eager.py): the logits GEMM with the statistics in
-its epilogue, the tile merge, and the in-place dZ pass over the tile weights (docs/kernels.md, "Tile statistics in
-the GEMM epilogue"). Re-exported by kernels/lm_head_triton.py, the triton backend module.
-
-Shape legend: T tokens (a group), H hidden size, V vocab rows held by this rank, N = ceil(V / tile width) tiles.
-x = (h . w_v) / temperature in fp32 registers; x2 = x log2 e; statistics in log2 units where named *2.
+"""The logits GEMM with the statistics in its epilogue, with the switches the library dropped, for
+bench/sweep_logits_tiles.py and bench/sass_logits_tiles.py to A/B against: logits_tiles(config=, tma=, subtile=,
+warp_specialize=, e_tma=) and logits_tiles.last_kernel (registers and spills). Measured slower than or equal to the
+library's choice on an H200 (docs/kernels.md); kernels/lm_head/triton_backend.py holds the kernel the head runs.
+Returns the 5-tuple (m2, lse2, ent, tz, tile width) the sweep reads.
 """
 
 from __future__ import annotations
@@ -12,9 +11,10 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lm_head_chunked import E_LOG2 as _E_LOG2, LOG2E, PARTS_PER_TILE
-from kernels.tiles import DZ_TILES, MERGE_TILES, TARGET_TILES, logits_tile_config
-from kernels.triton_common import _ARCH, _VENDOR, _dot_fp32, _even_k, _logits_tile, _num_sms, _token_rows
+from kernels.lm_head.numerics import E_LOG2 as _E_LOG2, LOG2E, PARTS_PER_TILE
+from kernels.lm_head.tiles import DZ_TILES, MERGE_TILES, TARGET_TILES, logits_tile_config
+from kernels.lm_head.triton_backend import (
+    _ARCH, _VENDOR, _dot_fp32, _even_k, _logits_tile, _num_sms, _token_rows)
 
 
 # Columns past V get this bias in log2 units: their weights are exp2(-1e30) = 0 and e * y stays 0 (a finite

@@ -5,9 +5,8 @@ Cross-Entropy (default settings). Modes:
   ce  -- mean cross-entropy, forward + backward;
   rl  -- per-token log-probs, backward of sum(logp * advantage) with random per-token advantages (exact
          per-token gradients, what a PPO/GRPO loss needs). Ours hands that per-token loss to the head
-         (kernels.linear_policy_loss, three GEMMs); "ours, generic 4-GEMM" is linear_logprobs + autograd, as the
-         peers run it; "ours, lean" the lean head (four GEMMs with the loss handed over; "lean generic 5-GEMM":
-         linear_logprobs(impl="lean") + autograd);
+         (kernels.linear_policy_loss, three GEMMs); "ours, autograd 4-GEMM" is linear_logprobs + autograd, as the
+         peers run it (ce: reduction "none", then the mean); "ours, lean" the lean head (mode="lean", four GEMMs);
   fwd -- per-token log-probs, forward only under no_grad (rollout scoring).
 Columns: median time over --reps timed runs (CUDA events, after a warm-up and a memory run); TF/s of model FLOPs
 (2*T*V*H per logits-sized GEMM: 3 for fwd+bwd, 1 for fwd, whatever a method recomputes); peak memory above the
@@ -16,6 +15,8 @@ errors (L2 norm of the difference over the norm) against an fp32 reference from 
 (materialized fp32 logits in token chunks, TF32 off), at the largest T only.
 
 Usage: python bench/bench_lm_head.py [--tokens 65536 16384] [--vocab 248320 151936] [--hidden 2048] [--out f]
+A tiny run on CPU (the torch backend; wall-clock times, no memory figures) checks the script itself:
+    python bench/bench_lm_head.py --device cpu --tokens 64 --vocab 300 --hidden 32 --reps 1
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
-import kernels.lm_head_eager  # noqa: E402
+import kernels.lm_head.fused  # noqa: E402
 
 GIB = 2**30
 
@@ -93,32 +94,16 @@ def make_methods(modes_wanted):
         return lp, (lp * adv).sum()
 
     methods["ours"] = {"ce": ours_ce, "rl": ours_rl, "fwd": lambda h, w, t, adv: kernels.linear_logprobs(h, w, t)}
-    generic = kernels.lm_head.DEFAULT_IMPL
-    methods["ours, generic 4-GEMM"] = {"ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, impl=generic),
-                                       "rl": generic_rl}
-    other = "split" if kernels.lm_head.DEFAULT_IMPL == "fused" else "fused"
-    def other_rl(h, w, t, adv):
-        lp = kernels.linear_logprobs(h, w, t, impl=other)
-        return lp, (lp * adv).sum()
-
-    methods[f"ours, generic ({other})"] = {"fwd": lambda h, w, t, adv: kernels.linear_logprobs(h, w, t, impl=other),
-                                          "rl": other_rl}
+    methods["ours, autograd 4-GEMM"] = {  # (the bench's targets are never ignored: the mean is over all T)
+        "ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, reduction="none").mean(), "rl": generic_rl}
 
     def lean_rl(h, w, t, adv):
-        loss, lp, _ = kernels.linear_policy_loss(h, w, t, lambda lp, ent, t0, t1: lp * adv[t0:t1], impl="lean")
+        loss, lp, _ = kernels.linear_policy_loss(h, w, t, lambda lp, ent, t0, t1: lp * adv[t0:t1], mode="lean")
         return lp, loss
 
-    def lean_generic_rl(h, w, t, adv):
-        lp = kernels.linear_logprobs(h, w, t, impl="lean")
-        return lp, (lp * adv).sum()
-
-    # the lean head: nothing beside dH and dW but a few MiB (kernels/lm_head_lean.py); with the loss handed to it
-    # four logits-sized GEMMs, under an autograd loss on its log-probs five
-    methods["ours, lean"] = {"ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, impl="lean"),
+    # the lean head: nothing beside dH and dW but a few MiB (kernels/lm_head/lean.py), four logits-sized GEMMs
+    methods["ours, lean"] = {"ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, mode="lean"),
                              "rl": lean_rl}
-    methods["ours, lean generic 5-GEMM"] = {  # (the bench's targets are never ignored: the mean is over all T)
-        "ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, impl="lean", reduction="none").mean(),
-        "rl": lean_generic_rl}
 
     def naive_ce(h, w, t):
         return F.cross_entropy((h @ w.T).float(), t)
@@ -174,6 +159,14 @@ def run_once(fn, h, w, t, adv, mode):
 def measure(fn, h, w, t, adv, mode, reps):
     run_once(fn, h, w, t, adv, mode)  # warm-up: compilation, autotuning, cuBLAS handles
     h.grad = w.grad = None
+    if not h.is_cuda:  # the CPU check of the script: wall-clock times, no memory figure
+        out, dh, dw = run_once(fn, h, w, t, adv, mode)
+        times = []
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            run_once(fn, h, w, t, adv, mode)
+            times.append(1e3 * (time.perf_counter() - t0))
+        return out, dh, dw, float("nan"), times
     torch.cuda.synchronize()
     torch.cuda.empty_cache()
     base = torch.cuda.memory_allocated()
@@ -206,10 +199,11 @@ def _time_ms(fn, reps=10):
 
 
 def profile_ours(h, w, t):
-    """Where our time goes: each step of the eager path (three GEMMs) timed alone on one chunk or group and scaled
-    to the whole T; and the generic path's fused forward (forward-only log-probs)."""
-    from kernels import lm_head, lm_head_eager, lm_head_triton as kt
-    from kernels.tiles import logits_tile_config
+    """Where our time goes: each step of the fused path (three GEMMs) timed alone on one group and scaled to the
+    whole T; and the autograd path's forward (forward-only log-probs)."""
+    from kernels.lm_head import fused, triton_backend as kt
+    from kernels.lm_head.numerics import Coefficients, gemm_acc
+    from kernels.lm_head.tiles import logits_tile_config
 
     T, H = h.shape
     V = w.shape[0]
@@ -221,31 +215,31 @@ def profile_ours(h, w, t):
     gemm = 2 * T * V * H / 1e9
     line = f"# profile T={T} V={V}: cuBLAS 8192^3 bf16 {ceiling:.0f} TF/s"
     with torch.no_grad():
-        ms = _time_ms(lambda: kt.token_stats(hd, wd, tgt, 1.0, False), reps=3)
-        line += f" | generic fwd stats kernel {ms:.1f} ms ({gemm / ms:.0f} TF/s)"
-        Tg = lm_head_eager.group_size(T, V, None, 2)
+        ms = _time_ms(lambda: kernels.linear_logprobs(hd, wd, tgt), reps=3)
+        line += f" | autograd path's forward {ms:.1f} ms ({gemm / ms:.0f} TF/s)"
+        Tg = fused.group_size(T, V, None, 2)
         ng = T / Tg
         f32 = dict(device=h.device, dtype=torch.float32)
         e = torch.empty(Tg, V, device=h.device, dtype=torch.float16)
         ms_z = _time_ms(lambda: kt.logits_tiles(hd[:Tg], wd, tgt[:Tg], 1.0, False, e)) * ng
-        m2, lse2, _, _, tile = kt.logits_tiles(hd[:Tg], wd, tgt[:Tg], 1.0, False, e)
-        coef = torch.full((Tg,), 1.0 / T, **f32)
+        tiles = kt.logits_tiles(hd[:Tg], wd, tgt[:Tg], 1.0, False, e)
+        a = torch.full((Tg,), 1.0 / T, **f32)
+        coef = Coefficients(tiles.lse2, a, None, -a)
         one = torch.ones((), **f32)
         # in place, repeated: after the first run e holds dlogits, so later runs read small values (same bytes)
-        ms_dz = _time_ms(lambda: kt.dlogits_from_tiles(e, m2, tile, tgt[:Tg], lse2, coef, coef, -coef, 1.0, one,
-                                                       False)) * ng
+        ms_dz = _time_ms(lambda: kt.dlogits_from_tiles(e, tiles, tgt[:Tg], tiles.lse2, coef, 1.0, one)) * ng
         e.normal_()
         w16, h16 = wd.half(), hd[:Tg].half()
         out = torch.zeros(Tg, H, **f32)
-        ms_dh = _time_ms(lambda: lm_head._gemm_acc(out, e, w16, first=False)) * ng
+        ms_dh = _time_ms(lambda: gemm_acc(out, e, w16, first=False)) * ng
         acc = torch.zeros(V, H, **f32)
-        ms_dw = _time_ms(lambda: lm_head._gemm_acc(acc, e.T, h16, first=False, alpha=0.5)) * ng
+        ms_dw = _time_ms(lambda: gemm_acc(acc, e.T, h16, first=False, alpha=0.5)) * ng
         del e, w16, acc
         total = ms_z + ms_dz + ms_dh + ms_dw
-        line += (f" | eager [Tg={Tg}]: logits GEMM + tile stats {ms_z:.1f} ms ({gemm / ms_z:.0f} TF/s), dz stream "
+        line += (f" | fused [Tg={Tg}]: logits GEMM + tile stats {ms_z:.1f} ms ({gemm / ms_z:.0f} TF/s), dz stream "
                  f"{ms_dz:.1f} ms ({T * V * 4 / ms_dz / 1e9:.2f} TB/s), dH GEMM {ms_dh:.1f} ms ({gemm / ms_dh:.0f} "
                  f"TF/s), dW GEMM {ms_dw:.1f} ms ({gemm / ms_dw:.0f} TF/s); sum {total:.1f} ms")
-    line += f" | configs stats {kt._stats_kernel.best_config} tiles {logits_tile_config(kt._VENDOR, 2)}"
+    line += f" | tiles {logits_tile_config(kt._VENDOR, 2)}"
     print(line, flush=True)
 
 
@@ -297,18 +291,19 @@ def main(argv=None):
     ap.add_argument("--logit-std", type=float, default=2.0, help="std of the logits the random weights give")
     ap.add_argument("--out", type=str, default=None, help="append one JSON line per measurement here")
     ap.add_argument("--no-profile", action="store_true", help="skip the per-step breakdown of our time")
-    ap.add_argument("--eager-scratch-gib", type=float, default=None,
-                    help="the eager path's logits buffer (kernels.lm_head_eager.EAGER_SCRATCH_BYTES), GiB")
+    ap.add_argument("--scratch-gib", type=float, default=None,
+                    help="the fused path's group buffer (kernels.lm_head.fused.SCRATCH_BYTES), GiB")
+    ap.add_argument("--device", default="cuda", help="cuda, or cpu for a tiny check of the script itself")
     ap.add_argument("--trace", action="store_true",
                     help="only print torch.profiler's kernel table and GPU idle gaps for one run of ours (ce) per shape")
     ap.add_argument("--chrome-trace", type=str, default=None, help="with --trace: write the chrome trace here")
     args = ap.parse_args(argv)
 
-    if args.eager_scratch_gib:
-        kernels.lm_head_eager.EAGER_SCRATCH_BYTES = int(args.eager_scratch_gib * 2**30)
-    dev = torch.device("cuda")
-    print(f"# {torch.cuda.get_device_name()} | torch {torch.__version__} | "
-          f"triton {__import__('triton').__version__}", flush=True)
+    if args.scratch_gib:
+        kernels.lm_head.fused.SCRATCH_BYTES = int(args.scratch_gib * 2**30)
+    dev = torch.device(args.device)
+    name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
+    print(f"# {name} | torch {torch.__version__} | triton {__import__('triton').__version__}", flush=True)
     methods = make_methods(set(args.modes))
     if args.methods:
         methods = {k: v for k, v in methods.items() if k in args.methods}
@@ -326,7 +321,7 @@ def main(argv=None):
             if args.trace:
                 trace_ours(h, w, t, args.chrome_trace and f"{args.chrome_trace}.{T}.{V}.json")
                 continue
-            if "ours" in methods and not args.no_profile:
+            if "ours" in methods and not args.no_profile and dev.type == "cuda":
                 profile_ours(h, w, t)
             if T == max(args.tokens):
                 t0 = time.time()
@@ -354,21 +349,23 @@ def main(argv=None):
                     except Exception as e:  # a peer failing must not stop the table
                         row |= dict(ms=None, note=f"{type(e).__name__}: {str(e)[:120]}")
                     h.grad = w.grad = None
-                    torch.cuda.empty_cache()
+                    if dev.type == "cuda":
+                        torch.cuda.empty_cache()
                     rows.append(row)
                     print(json.dumps(row), flush=True)
                     if args.out:
                         with open(args.out, "a") as f:
                             f.write(json.dumps(row) + "\n")
             del h, w, t, adv, ref
-            torch.cuda.empty_cache()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
     print_table(rows)
 
 
 def print_table(rows):
     ours = {(r["T"], r["V"], r["mode"]): r.get("ms") for r in rows if r["method"] == "ours"}
-    print("# ours = the defaults on CUDA: ce and rl the eager three-GEMM path (rl: the fused policy loss), fwd and the "
-          f"generic path impl={kernels.lm_head.DEFAULT_IMPL!r}")
+    print("# ours = the defaults: ce and rl the fused three-GEMM path (rl: the fused policy loss), fwd the autograd "
+          "path's forward")
     hdr = (f"| T | V | mode | method | ms | TF/s | peak GiB | err loss/logp | err dH | err dW | peer/ours time |\n"
            f"|---|---|---|---|---|---|---|---|---|---|---|")
     print(hdr)

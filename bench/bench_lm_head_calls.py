@@ -7,7 +7,7 @@ to 20% (docs/BENCHMARKS.md: 630 against 715-757 ms at T = 65,536, V = 248,320); 
 within ~6%. This prints each call's time so a change can be checked for which regime it lands in.
 
 Usage: python bench/bench_lm_head_calls.py [--tokens 65536] [--vocab 248320] [--hidden 2048] [--calls 7]
-       [--shift-mib 37] [--heads eager lean lean-generic]
+       [--shift-mib 37] [--heads fused lean]
 """
 
 from __future__ import annotations
@@ -24,10 +24,8 @@ import kernels  # noqa: E402
 from bench._lm_head_common import add_shape_args, head_inputs  # noqa: E402
 
 HEADS = {
-    "eager": lambda h, w, t: kernels.linear_cross_entropy(h, w, t),
-    "lean": lambda h, w, t: kernels.linear_cross_entropy(h, w, t, impl="lean"),  # four GEMMs, the loss handed over
-    # five GEMMs: log-probs under autograd (no target is ignored here, so the mean is over all tokens)
-    "lean-generic": lambda h, w, t: kernels.linear_cross_entropy(h, w, t, impl="lean", reduction="none").mean(),
+    "fused": lambda h, w, t: kernels.linear_cross_entropy(h, w, t),  # three GEMMs
+    "lean": lambda h, w, t: kernels.linear_cross_entropy(h, w, t, mode="lean"),  # four GEMMs
 }
 
 

@@ -4,15 +4,15 @@ few seconds (interleaved, twice), with the GPU's power draw, SM clock and clock-
 Why: at T = 65,536 the fused heads run at the board's power cap, so their times follow energy per step, not
 scheduling; a sustained, interleaved A/B shows that (and measures the gap more steadily than 5-run medians).
 
-An A/B of a kernel change: --baseline FILE names a copy of kernels/lm_head_tiles_triton.py as it was (e.g.
-`git show HEAD~1:kernels/lm_head_tiles_triton.py > /tmp/old.py`); the row "ours, baseline" runs the same head with
+An A/B of a kernel change: --baseline FILE names a copy of kernels/lm_head/triton_backend.py as it was (e.g.
+`git show HEAD~1:kernels/lm_head/triton_backend.py > /tmp/old.py`); the row "ours, baseline" runs the same head with
 that file's logits_tiles and dlogits_from_tiles, interleaved with the rest.
 
 Usage: python bench/bench_lm_head_power.py [--tokens 65536] [--vocab 248320] [--hidden 2048] [--seconds 4]
        [--rounds 2] [--baseline FILE] [--group-tokens N ...]
 
---group-tokens adds a row "ours, Tg=N" per N: the eager path with N tokens a group instead of the default, which
-fills kernels.lm_head_eager.EAGER_SCRATCH_BYTES.
+--group-tokens adds a row "ours, Tg=N" per N: the fused path with N tokens a group instead of the default
+(kernels.lm_head.fused.GROUP_TOKENS, fewer where the group buffer would not fit SCRATCH_BYTES).
 """
 
 from __future__ import annotations
@@ -39,8 +39,8 @@ def main(argv=None):
     add_shape_args(ap)
     ap.add_argument("--seconds", type=float, default=4.0, help="how long each method runs back to back")
     ap.add_argument("--rounds", type=int, default=2, help="how many times the heads are interleaved")
-    ap.add_argument("--baseline", default=None, help="an earlier kernels/lm_head_tiles_triton.py to A/B against")
-    ap.add_argument("--group-tokens", type=int, nargs="*", default=[], help="eager group sizes to A/B")
+    ap.add_argument("--baseline", default=None, help="an earlier kernels/lm_head/triton_backend.py to A/B against")
+    ap.add_argument("--group-tokens", type=int, nargs="*", default=[], help="fused-path group sizes to A/B")
     args = ap.parse_args(argv)
     dev = "cuda"
     T, H, V = args.tokens, args.hidden, args.vocab
@@ -59,7 +59,7 @@ def main(argv=None):
 
         methods[f"ours, Tg={n}"] = ours_tg
     if args.baseline:
-        from kernels import lm_head_triton as kt
+        from kernels.lm_head import triton_backend as kt
 
         base = load_module(args.baseline)
         names = ("logits_tiles", "dlogits_from_tiles")

@@ -1,10 +1,10 @@
-"""Static count: compile the eager path's logits GEMM (kernels/lm_head_tiles_triton.py, the persistent TMA kernel)
+"""Static count: compile the fused path's logits GEMM (kernels/lm_head/triton_backend.py, the persistent TMA kernel)
 for sm_90a on any machine, no GPU needed, and print its SASS instruction histogram, registers and spills.
 
 Why: the kernel's K is only H (32 MMA steps a tile at H = 2048), so every instruction a logit in its epilogue costs
 ~256 cycles a 128 x 256 tile against ~32,768 of MMAs (docs/kernels.md, "The epilogue, counted in instructions");
 the count is what moved the kernel from 609 to 649 TF/s. --baseline FILE counts an earlier copy of the module
-beside it (e.g. `git show 39c37e1:kernels/lm_head_tiles_triton.py > /tmp/old.py`).
+beside it (e.g. `git show HEAD~1:kernels/lm_head/triton_backend.py > /tmp/old.py`, or bench/_logits_tiles_variants.py).
 
 Uses Triton's own ptxas and cuobjdump (triton/backends/nvidia/bin). Numbers differ a little between Triton
 versions: docs/kernels.md's 4,576 -> 2,384 were read with Triton 3.8.
@@ -41,6 +41,7 @@ def compile_sass(fn, entropy: bool, block=(128, 256, 64), warps=8, stages=3):
              "e_ptr": "*fp16", "tgt_ptr": "*i64"}
     const = dict(WRITE_E=True, E_TMA=False, WITH_ENTROPY=entropy, SUBTILE=True, WARP_SPECIALIZE=False,
                  BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk)
+    const = {k: v for k, v in const.items() if k in names}  # (E_TMA, WARP_SPECIALIZE: the variants' copy only)
     sig = {}
     for n in names:
         if n in const:
@@ -76,9 +77,9 @@ def histogram(sass: str) -> collections.Counter:
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--entropy", action="store_true", help="the epilogue with the entropy sums")
-    ap.add_argument("--baseline", default=None, help="an earlier kernels/lm_head_tiles_triton.py to count beside")
+    ap.add_argument("--baseline", default=None, help="an earlier kernels/lm_head/triton_backend.py to count beside")
     args = ap.parse_args(argv)
-    from kernels import lm_head_tiles_triton as kt
+    from kernels.lm_head import triton_backend as kt
 
     kernels_ = {"current": kt._logits_tiles_tma_kernel}
     if args.baseline:

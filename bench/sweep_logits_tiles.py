@@ -1,13 +1,16 @@
-"""Sweep: the eager path's logits GEMM with the statistics in its epilogue (kernels.lm_head_triton.logits_tiles),
-tile configurations against cuBLAS, one group of Tg tokens, one GPU.
+"""Sweep: the fused path's logits GEMM with the statistics in its epilogue, tile configurations and kernel variants
+against cuBLAS, one group of Tg tokens, one GPU. The variants (pointer loads or the persistent TMA kernel, whole-tile
+or two-half epilogue, warp specialization, weights through TMA stores) live in bench/_logits_tiles_variants.py, a
+copy of the kernel module with those switches; the library keeps the one the table below picked
+(kernels/lm_head/tiles.py).
 
 Rows: cuBLAS bf16-output GEMM (the floor a fused epilogue would like to reach), cuBLAS fp32-output GEMM (the
-previous eager path's first step, before a streaming statistics pass of ~1.2 ms), and logits_tiles for each
+alternative first step, before a streaming statistics pass of ~1.2 ms), and logits_tiles for each
 candidate (fp16 tile weights written, statistics in the epilogue), with registers and spills from the compiled
 kernel; then the in-place dz pass over the tile weights. Each candidate's lse and target logit are checked against
 the fp32 cuBLAS logits, and its weights for NaN (the buffer is NaN-poisoned first), before it is timed.
 
---baseline FILE adds rows for an earlier copy of kernels/lm_head_tiles_triton.py (its default tile, with and
+--baseline FILE adds rows for an earlier copy of kernels/lm_head/triton_backend.py (its default tile, with and
 without the entropy), timed in the same process: an A/B of an epilogue change.
 
 Usage: python bench/sweep_logits_tiles.py [--vocab 248320 151936] [--hidden 2048] [--tokens 4096] [--baseline FILE]
@@ -24,9 +27,10 @@ import torch
 import triton
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from kernels import lm_head, lm_head_triton as kt  # noqa: E402
-from kernels.tiles import TileConfig  # noqa: E402
+from bench import _logits_tiles_variants as kt  # noqa: E402
 from bench._lm_head_common import load_module  # noqa: E402
+from kernels.lm_head.numerics import logits_fp32  # noqa: E402
+from kernels.lm_head.tiles import TileConfig  # noqa: E402
 
 # (tile, TMA persistent kernel, epilogue in two column halves, warp specialization, weights through TMA stores)
 CANDIDATES = [
@@ -51,13 +55,13 @@ def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, nargs="+", default=[248320, 151936])
     ap.add_argument("--hidden", type=int, default=2048)
-    ap.add_argument("--tokens", type=int, default=None, help="Tg (default: the eager path's group size)")
-    ap.add_argument("--baseline", default=None, help="an earlier kernels/lm_head_tiles_triton.py to time beside")
+    ap.add_argument("--tokens", type=int, default=None, help="Tg (default: the fused path's group size)")
+    ap.add_argument("--baseline", default=None, help="an earlier kernels/lm_head/triton_backend.py to time beside")
     args = ap.parse_args()
     base = None
     if args.baseline:
         base = load_module(args.baseline)
-    from kernels.lm_head_eager import group_size
+    from kernels.lm_head.fused import group_size
 
     dev = torch.device("cuda")
     H = args.hidden
@@ -71,22 +75,22 @@ def main():
         tgt = torch.randint(0, V, (T,), device=dev, generator=g)
         tf = 2 * T * V * H / 1e9
         z = torch.empty(T, V, device=dev)
-        lm_head._logits_fp32(h, w, z)
+        logits_fp32(h, w, z)
         ref_lse = torch.logsumexp(z, 1)
         ref_tz = z.gather(1, tgt[:, None])[:, 0]
         ms = bench(lambda: h @ w.T)
         rows.append((V, T, "cuBLAS bf16 out", ms, tf / ms, "", ""))
-        ms_z = bench(lambda: lm_head._logits_fp32(h, w, z))
+        ms_z = bench(lambda: logits_fp32(h, w, z))
         f32 = dict(device=dev, dtype=torch.float32)
         rows.append((V, T, "cuBLAS fp32 out", ms_z, tf / ms_z, "", ""))
         del z
         e = torch.empty(T, V, device=dev, dtype=torch.float16)
         for ent_on in (False, True) if base is not None else ():
             e.fill_(float("nan"))
-            m2, lse2, en, tz2, tile = base.logits_tiles(h, w, tgt, 1.0, ent_on, e)
-            err = ((lse2 * math.log(2) - ref_lse).abs().max().item(), (tz2 - ref_tz).abs().max().item())
+            st = base.logits_tiles(h, w, tgt, 1.0, ent_on, e)
+            err = ((st.lse2 * math.log(2) - ref_lse).abs().max().item(), (st.tz - ref_tz).abs().max().item())
             ms = bench(lambda: base.logits_tiles(h, w, tgt, 1.0, ent_on, e))  # noqa: B023
-            ck = base.logits_tiles.last_kernel
+            ck = None
             rows.append((V, T, f"baseline {args.baseline}" + (" +ent" if ent_on else ""), ms, tf / ms,
                          f"err lse {err[0]:.1e} tz {err[1]:.1e}",
                          f"{getattr(ck, 'n_regs', '?')} regs, {getattr(ck, 'n_spills', '?')} spills"))

@@ -30,12 +30,13 @@ import kernels
 def token_logprobs(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor, *,
                    mode: Literal["fused", "lean", "naive"] = "fused", temperature: float = 1.0,
                    with_entropy: bool = False):
-    """log p(target_t) [T] fp32 (and entropy [T]). `fused` streams the vocabulary through kernels.linear_logprobs
-    (no [T, V] logits); `lean` too, with the backward that holds nothing beside its two gradients but ~2 MiB
-    (kernels/lm_head_lean.py); `naive` materializes fp32 logits. Negative targets give 0 and no gradient."""
+    """log p(target_t) [T] fp32 (and entropy [T]). `fused` and `lean` stream the vocabulary through
+    kernels.linear_logprobs (no [T, V] logits; lean's memory saving needs the loss in the head, fused_policy_loss,
+    so log-probs alone take the same path); `naive` materializes fp32 logits. Negative targets give 0 and no
+    gradient."""
     if mode in ("fused", "lean"):
         return kernels.linear_logprobs(hidden_TD, weight_VD, targets_T, temperature=temperature,
-                                       with_entropy=with_entropy, impl="lean" if mode == "lean" else None)
+                                       with_entropy=with_entropy)
     if mode != "naive":
         raise ValueError(f"lm_head must be 'fused', 'lean' or 'naive', got {mode!r}")
     logits_TV = F.linear(hidden_TD, weight_VD).float() / temperature
@@ -193,8 +194,9 @@ def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_
                       num_loss_tokens: torch.Tensor | float | None = None, tp_group=None
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """policy_loss(token_logprobs(...)) with the loss handed to the LM head (kernels.linear_policy_loss): the head
-    knows each token's gradient as soon as its log-prob is known and runs three logits-sized GEMMs, not four
-    (impl="lean": four, holding nothing beside the two gradients but a few MiB). Same per-token formula
+    knows each token's gradient as soon as its log-prob is known and runs three logits-sized GEMMs, not four.
+    `impl` is the head's mode: "fused" (None) or "lean" (four GEMMs, holding nothing beside the two gradients but
+    a few MiB). Same per-token formula
     (token_losses) and weights (token_weights, or `weights_T` as policy_loss's); metrics from the detached
     log-probs. `tp_group`: `weight_VD` is this rank's equal share of the vocabulary rows (vocabulary-parallel
     head; every rank of the group holds the same tokens and gets the same loss)."""
@@ -211,7 +213,7 @@ def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_
         return torch.where(mask_b[t0:t1], loss_t, 0.0) * w_T[t0:t1]
 
     loss, logp_T, ent_T = kernels.linear_policy_loss(hidden_TD, weight_VD, targets_T, token_loss,
-                                                     temperature=temperature, with_entropy=True, impl=impl,
+                                                     temperature=temperature, with_entropy=True, mode=impl,
                                                      tp_group=tp_group)
     _, parts = token_losses(logp_T, advantages_T, mask_T, cfg, old_logp_T=old_logp_T, ref_logp_T=ref_logp_T,
                             rollout_logp_T=rollout_logp_T, entropy_T=ent_T)
@@ -227,7 +229,7 @@ def fused_nll_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: 
     w_T = token_weights(mask_T, None, "token_mean") if weights_T is None else weights_T
     loss, _, ent_T = kernels.linear_policy_loss(hidden_TD, weight_VD, targets_T,
                                                 lambda logp, ent, t0, t1: -logp * w_T[t0:t1],
-                                                temperature=temperature, with_entropy=True, impl=impl,
+                                                temperature=temperature, with_entropy=True, mode=impl,
                                                 tp_group=tp_group)
     m = mask_T.float()
     n = _count(mask_T, num_loss_tokens)

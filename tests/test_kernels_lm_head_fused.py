@@ -1,0 +1,88 @@
+"""The fused path (kernels/lm_head/fused.py: the loss handed to the head, three logits-sized GEMMs) on the torch
+backend, against the float64 reference and against the autograd path."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kernels
+from lm_head_checks import check_cross_entropy, check_peaked_tail, check_policy_loss, inputs, rel
+
+SHAPES = [(37, 48, 301), (5, 16, 1000), (64, 33, 257)]
+
+
+@pytest.mark.parametrize("T,H,V", SHAPES)
+@pytest.mark.parametrize("chunk_tokens", [None, 8, 5])
+@pytest.mark.parametrize("kw", [dict(reduction="mean"), dict(reduction="sum", z_loss=1e-3, temperature=0.7)])
+def test_cross_entropy_torch(T, H, V, chunk_tokens, kw):
+    check_cross_entropy(T, H, V, backend="torch", tol=2e-6, chunk_tokens=chunk_tokens, **kw)
+
+
+@pytest.mark.parametrize("kw", [dict(temperature=0.6), dict(logit_scale=100.0)])
+def test_cross_entropy_options_torch(kw):
+    check_cross_entropy(37, 48, 301, backend="torch", tol=2e-5, **kw)
+
+
+@pytest.mark.parametrize("chunk_tokens", [None, 7])
+def test_policy_loss_torch(chunk_tokens):
+    check_policy_loss(37, 48, 301, backend="torch", tol=2e-6, chunk_tokens=chunk_tokens, temperature=1.3)
+
+
+def test_policy_loss_bf16_mixed_group_scales_torch():
+    # advantages spanning 1e-3..1e3 across the token groups: each group's fp16 dlogits get their own power-of-two
+    # scale, undone exactly by its GEMMs' alpha; gradients stay at the bf16 output floor
+    check_policy_loss(64, 48, 301, backend="torch", tol=2e-5, grad_tol=3e-3, dtype=torch.bfloat16,
+                      adv_spread=1e3, chunk_tokens=32)
+
+
+def test_tile_statistics_across_tiles_torch(monkeypatch):
+    # 64-wide logits tiles: each row's statistics are merged over 5 tiles (the last one partial: V = 301 = 4 * 64 +
+    # 45), and the fp32 / fp16 tile weights e = exp(x - tile max) become dlogits with each tile's own max.
+    # |z| ~ 100 (x ~ 140 at temperature 0.7): fp32 carries x2 ~ 200 (log2 units) to ~1e-5, so p to ~1e-5 relative.
+    # (The policy loss with its entropy term is not checked at |z| ~ 100: there a one-hot row's gradient is a
+    # cancellation, x - lse + ent ~ 0 from terms of ~140, and fp32 leaves 6e-3 relative error on some draws on every
+    # path.)
+    from kernels.lm_head import torch_backend
+
+    monkeypatch.setattr(torch_backend, "LOGITS_TILE_VOCAB", 64)
+    for scale, tol in ((3.0, 2e-6), (100.0, 3e-5)):
+        check_cross_entropy(37, 48, 301, backend="torch", tol=tol, chunk_tokens=16, reduction="mean",
+                            z_loss=1e-3, temperature=0.7, logit_scale=scale)
+    # (the loss is a sum of terms of random sign: 1e-5, not 2e-6, relative to a sum that can come out small)
+    check_policy_loss(37, 48, 301, backend="torch", tol=1e-5, chunk_tokens=16, temperature=1.3)
+    check_policy_loss(37, 48, 301, backend="torch", tol=2e-5, grad_tol=3e-3, chunk_tokens=16, dtype=torch.bfloat16)
+
+
+def test_tail_of_a_peaked_softmax_keeps_fp16_precision_torch():
+    check_peaked_tail("torch")
+
+
+def test_fused_equals_autograd_path():
+    # the three-GEMM fused path and the four-GEMM autograd path (stats, then autograd's backward) agree
+    hidden, weight, target = inputs(41, 32, 211)
+    target[::6] = -100
+    adv = torch.randn(41)
+    loss, logp, _ = kernels.linear_policy_loss(hidden, weight, target, lambda lp, ent, a, b: lp * adv[a:b],
+                                               chunk_tokens=16)
+    loss.backward()
+    dh, dw = hidden.grad.clone(), weight.grad.clone()
+    hidden.grad = weight.grad = None
+    logp2 = kernels.linear_logprobs(hidden, weight, target)
+    (logp2 * adv).sum().backward()
+    assert rel(logp, logp2) < 1e-6 and rel(dh, hidden.grad) < 1e-6 and rel(dw, weight.grad) < 1e-6
+    # and the loss may be scaled after the fact (backward multiplies the stored gradients by the upstream grad)
+    hidden.grad = weight.grad = None
+    loss, _, _ = kernels.linear_policy_loss(hidden, weight, target, lambda lp, ent, a, b: lp * adv[a:b])
+    (0.25 * loss).backward()
+    assert rel(hidden.grad, 0.25 * dh) < 1e-6 and rel(weight.grad, 0.25 * dw) < 1e-6
+
+
+def test_group_size_worked_example():
+    # bf16 at V = 248,320: 2 B x 4096 x V = 1.9 GiB fits the 2 GiB buffer, so groups of GROUP_TOKENS = 4096; fp32
+    # weights (4 B) fit 2048 tokens (2 GiB / (4 B x V) = 2162, rounded down to a multiple of 256)
+    from kernels.lm_head.fused import group_size
+
+    assert group_size(65536, 248320, None, 2) == 4096
+    assert group_size(65536, 248320, None, 4) == 2048
+    assert group_size(300, 248320, None, 2) == 300 and group_size(65536, 248320, 1000, 2) == 1000
