@@ -14,7 +14,6 @@ boundaries enter it as masks (no state or decay crosses a boundary, and no chunk
 
 from __future__ import annotations
 
-import math
 import warnings
 from dataclasses import dataclass
 
@@ -268,11 +267,3 @@ def gated_delta_rule(q_TGK, k_TGK, v_THV, g_TH, beta_TH, positions_T, cu_seqlens
         raise RuntimeError("delta-rule backend 'fla' needs CUDA tensors")
     return chunk_gated_delta_rule_torch(q_TGK, k_TGK, v_THV, g_TH, beta_TH, positions_T, chunk_size)
 
-
-def chunk_flops(T: int, H: int, K: int, V: int, C: int = 64) -> float:
-    """Forward matmul FLOPs of the chunked rule (for TFLOP/s accounting): per chunk and head, KKᵀ, QKᵀ (2·C²K each),
-    two triangular solves (≈C²(K+V)), W·S and Q·S (2·CKV each), the intra-chunk A·V (2·C²V) and the state update
-    (2·CKV)."""
-    n = math.ceil(T / C)
-    per = 4 * C * C * K + C * C * (K + V) + 6 * C * K * V + 2 * C * C * V
-    return float(n * H * per)

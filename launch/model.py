@@ -302,11 +302,6 @@ class Transformer(nn.Module):
             h_TD = layer(h_TD, rope, packing)
         return self.norm(h_TD)
 
-    def set_delta_rule_backend(self, backend: str) -> None:
-        for m in self.modules():
-            if isinstance(m, GatedDeltaNet):
-                m.backend = backend
-
     @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
         """Random init for training from scratch and tests (checkpoints come through launch/hf_io.py)."""
