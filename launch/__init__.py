@@ -1,8 +1,9 @@
 """The trainer and its launcher.
 
 The launcher starts the trainer's processes and is torch-free, so that it answers before any worker exists:
-    launcher.py          `recipe launch`: the torchrun command line and environment from the plan's `launch:` block
-                         (the only reader of that block), an sbatch script, the pre-flight checks, running it
+    launcher.py          `recipe launch` (its command: recipe/launch_cli.py): the torchrun command line and
+                         environment from the plan's `launch:` block (the trainer never reads that block), an sbatch
+                         script, the pre-flight checks, running it
     checkpoint_index.py  which checkpoints under a run's folder are complete (read by both sides)
     progress.py          what a run reports on rank 0: live view, metrics.jsonl, the summary against the prediction
 
