@@ -1,4 +1,4 @@
-"""`recipe compare`: what each technique buys on each part — the seed's §8 question, answered by the cost model.
+"""`recipe compare`: what each technique buys on each part, answered by the cost model.
 
 For one solved plan per profile, each technique is switched off in turn (the rest of the layout kept) and the
 difference in memory or time is reported."""

@@ -232,7 +232,7 @@ def compare_table(cols) -> Table:
 
 
 def techniques_table(rows: list[tuple[HwProfile, dict | None]]) -> Table:
-    """The seed's §8 question: how much each technique matters on each part (a dash where nothing fits)."""
+    """How much each technique matters on each part (a dash where nothing fits)."""
     t = Table(title="what each technique buys on each part", show_header=True, header_style="bold",
               title_justify="left")
     t.add_column("technique")

@@ -216,7 +216,7 @@ def test_cli_exits_2_in_one_line(tmp_path_factory, case, fmt):
     assert len(lines) == 1 and "[invalid]" in lines[0], r.output
 
 
-# ---- the hardware-profile and model-config loaders (issue 17) ------------------------------------------------
+# ---- the hardware-profile and model-config loaders -----------------------------------------------------------
 # Mutated valid inputs: a loader returns a record or raises ValueError with one line naming the file; a record it
 # returns never breaks the solver (no ZeroDivisionError from `bw_gb_s: 0`, no 1-GB HBM from `hbm_gib: true`).
 LOADER_FUZZ = settings(max_examples=1000, deadline=None,
@@ -322,7 +322,7 @@ def test_model_config_loader_fuzz(tmp_path_factory, data, nest):
             pass
 
 
-# ---- the CLI's argument parser: random argv (issue 17) -------------------------------------------------------
+# ---- the CLI's argument parser: random argv ------------------------------------------------------------------
 # Commands, options and values, right and wrong, in any order: exit 0, 1 or 2; a failure is exactly one `error:`
 # line on stderr; never a traceback, never an internal error (exit 3). 10,000 cases: the parser and the option
 # checks answer in well under a millisecond, and the values keep the solves that do run small.

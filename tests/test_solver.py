@@ -156,8 +156,7 @@ def test_sweep_ranks_the_solver_choice():
 
 # ---- worked cases --------------------------------------------------------------------------------------------
 def test_qwen35_256k_h100_32_needs_cp_mi300x_does_not():
-    """The seed's argument: 80 GB parts need CP where 192 GB and 288 GB parts hold the whole sequence. The seed's
-    setting was 128K on 32 H100s; with the fused Gated DeltaNet kernels and the head's memory counted where it runs
+    """80 GB parts need CP where 192 GB and 288 GB parts hold the whole sequence. At 128K on 32 H100s, with the fused Gated DeltaNet kernels and the head's memory counted where it runs
     (docs/cost_model.md) our 128K step peaks at 72.8 GB on an H100 at cp=1: under the 78.6 GB usable, but not with
     the memory margin; at 256K the H100 needs a split whatever the margin."""
     h = solved("qwen35-35b", "h100", 262_144, 32)
