@@ -116,11 +116,16 @@ def main():
                 except Exception as ex:  # a config that does not compile (shared memory) is skipped
                     rows.append((V, T, name, float("nan"), float("nan"), f"{type(ex).__name__}: {str(ex)[:80]}", ""))
                 print(rows[-1], flush=True)
-        # the dz pass, in place over the weights
-        m2, lse2, en, tz2, tile = kt.logits_tiles(h, w, tgt, 1.0, False, e)
+        # the dz pass, in place over the weights (the library's)
+        from kernels.lm_head import triton_backend
+        from kernels.lm_head.numerics import Coefficients
+
+        st = triton_backend.logits_tiles(h, w, tgt, 1.0, False, e)
+        tile = st.tile_v
         a = torch.full((T,), 1.0 / T, **f32)
         one = torch.ones((), **f32)
-        ms = bench(lambda: kt.dlogits_from_tiles(e, m2, tile, tgt, lse2, a, a, -a, 1.0, one, False))
+        ms = bench(lambda: triton_backend.dlogits_from_tiles(e, st, tgt, st.lse2, Coefficients(st.lse2, a, None, -a),
+                                                             1.0, one))
         rows.append((V, T, f"dz in place (fp16, tile {tile})", ms, float("nan"),
                      f"{T * V * 4 / ms / 1e9:.2f} TB/s", ""))
         print(rows[-1], flush=True)
