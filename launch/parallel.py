@@ -6,7 +6,9 @@ Two meshes over the same ranks (docs/training.md, "Layouts"):
     dense   (pp, dp, cp, tp)     attention / Gated DeltaNet / norms / router / shared expert / embedding / head:
                                  FSDP2 shards them over dp×cp (every rank of a stage holds the same copy otherwise;
                                  the dp and cp dimensions flattened into one); the cp ranks of a dp coordinate share
-                                 each micro-batch, zigzag-sharded (launch/context_parallel.py)
+                                 each micro-batch, zigzag-sharded (launch/context_parallel.py); the tp ranks split
+                                 the mixers' heads and the head's vocabulary and hold 1/tp of the tokens between
+                                 mixers (launch/tensor_parallel.py)
     experts (pp, edp, ep, etp)   routed experts: split by ep (whole experts), FSDP2 shards each rank's experts over
                                  edp = world / (pp·ep·etp)
 
@@ -47,9 +49,6 @@ def check_layout(layout, world: int) -> None:
         raise LayoutError(f"pipeline parallelism together with tensor or context parallelism (pp={layout.pp}, "
                           f"tp={layout.tp}, cp={layout.cp}) does not run in this version: re-solve with --pp 1, or "
                           f"with --tp 1 --cp 1")
-    if layout.tp > 1 and layout.cp > 1:
-        raise LayoutError(f"tensor and context parallelism together (tp={layout.tp}, cp={layout.cp}) do not run in "
-                          f"this version: re-solve with --tp 1 or --cp 1")
 
 
 def check_plan_shape(plan, shape) -> None:

@@ -20,7 +20,9 @@ sequence zero-padded to tp·Tl). Per decoder layer:
             ─ post norm ─ router, routed experts (EP), shared expert on the Tl local tokens ─▶ + x_local
 
 so the tp ranks send different tokens to the experts (with the mixer's tokens replicated, every routed token would
-reach its experts tp times and their gradients count tp times). The embedding runs on all T tokens and each rank
+reach its experts tp times and their gradients count tp times). Under context parallelism the T tokens are the
+rank's zigzag shard of the micro-batch, and the mixers' CP exchanges (launch/context_parallel.py) run on this rank's
+heads over the cp group. The embedding runs on all T tokens and each rank
 keeps its Tl rows; after the final norm an all-gather hands the head all T tokens, whose backward keeps this rank's
 rows of the head's hidden gradient (the head already sums that gradient over the vocabulary shards).
 

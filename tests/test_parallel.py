@@ -9,8 +9,8 @@ chunk bitwise. CP: cp=2 (world 2), cp=4 and cp=2 × ep=2 with dp=2 (world 4) on 
 cross segment edges, with a padded tail; and the CP exchanges alone (attention, conv halo, delta-rule combine) against
 the one-process functions in fp64, outputs and input gradients to 1e-12. PP: pp=2 with an uneven split (3 + 1
 layers) on off-policy sequence-mean data (world 2) and pp=2 × dp=2 with ep=2 inside each stage (world 4). TP:
-tp=2 alone and with ep=2 over the tp ranks (world 2), tp=2 × dp=2 with ep=1 and ep=4 (world 4), on packed
-micro-batches padded to whole sequence-parallel rows with documents across the tp ranks' edge.
+tp=2 alone and with ep=2 over the tp ranks (world 2), tp=2 × dp=2 with ep=1 and ep=4 and cp=2 × tp=2 with ep=4
+(world 4), on packed micro-batches padded to whole sequence-parallel rows with documents across the tp ranks' edge.
 
 Plus the pieces by hand: the regroup index, the micro-batch share, the layout checks, the grouped GEMMs.
 """
@@ -68,6 +68,7 @@ def world4(tmp_path_factory):
     cases = [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
              ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
              ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
+             ["cp2_tp2_ep4", 1, 4, 1, 2, "cp_off", "full", 2],
              ["pp2_dp2_ep2", 2, 2, 1, 1, "base", "full", 1, 2]]  # the split from the cost model
     return _launch(4, cases, tmp_path_factory.mktemp("world4"))
 
@@ -120,13 +121,15 @@ def test_context_parallel_exchanges_are_exact_in_fp64(world2, world4, world, nam
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world, name", [(2, "tp2"), (2, "tp2_ep2"), (4, "tp2_dp2"), (4, "tp2_dp2_ep4")])
+@pytest.mark.parametrize("world, name", [(2, "tp2"), (2, "tp2_ep2"), (4, "tp2_dp2"), (4, "tp2_dp2_ep4"),
+                                         (4, "cp2_tp2_ep4")])
 def test_tensor_parallel_layouts_equal_one_process(world2, world4, world, name):
     """tp=2 on the Qwen3.5-style tiny model (Gated DeltaNet and attention layers, MoE with a shared expert):
     alone, with ep=2 over the tp ranks (the sequence-parallel tokens reach the experts once), with dp=2 (FSDP2 over
     dp on the tp DTensors; micro-batches padded with weight-0 repeats) and with dp=2 × ep=4 without recompute,
-    off-policy with sequence-mean aggregation; every step's loss, the metrics, the clipping norm and every
-    gradient equal one process."""
+    off-policy with sequence-mean aggregation; and cp=2 × tp=2 with ep=4 (the CP exchanges on each rank's heads,
+    the sequence-parallel rows a split of its zigzag shard): every step's loss, the metrics, the clipping norm and
+    every gradient equal one process."""
     _assert_equal_to_one_process({2: world2, 4: world4}[world][name])
 
 
@@ -138,7 +141,7 @@ def test_tensor_parallel_splits_every_dense_parameter_and_the_data_crosses_edges
     from recipe.models import PRESETS
 
     dense = sum(1 for n, _ in build_model(PRESETS["tiny-moe"]).named_parameters() if ".mlp.experts." not in n)
-    for r in (world2["tp2"], world2["tp2_ep2"], world4["tp2_dp2"], world4["tp2_dp2_ep4"]):
+    for r in (world2["tp2"], world2["tp2_ep2"], world4["tp2_dp2"], world4["tp2_dp2_ep4"], world4["cp2_tp2_ep4"]):
         assert r["tensor_parallel_params"] == dense, r["name"]
         assert r["tp_padded"] and r["tp_docs_cross_shard_edges"], r["name"]
     assert world4["tp2_dp2"]["num_micro_batches"][0] % 2 == 1  # dp=2 pads step 1
