@@ -198,7 +198,14 @@ def _export(model, out_dir: str, rank: int, dtype: torch.dtype) -> None:
     from launch.hf_io import export_hf_checkpoint
 
     state = None
-    if dist.is_initialized():
+    if getattr(model, "pipeline", None) is not None:  # each rank holds one stage: every stage's tensors to rank 0
+        from launch.model import Transformer
+        from launch.pipeline import gathered_state_dict
+
+        state = gathered_state_dict(model)
+        with torch.device("meta"):
+            model = Transformer(model.shape)  # the whole model's module tree, for the names (no storage)
+    elif dist.is_initialized():
         from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
         state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))

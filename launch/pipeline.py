@@ -219,3 +219,24 @@ def attach_pipeline(stage: StageModule, plan, meshes, dtype: torch.dtype) -> Sta
     """Install the Pipeline on the (FSDP2-wrapped) stage as `stage.pipeline`, which Trainer.forward_backward runs."""
     stage.pipeline = Pipeline(stage, meshes, plan.train.micro_batch_tokens, dtype)
     return stage
+
+
+def gathered_state_dict(stage: StageModule) -> dict[str, torch.Tensor] | None:
+    """The whole model's state dict as full CPU tensors on global rank 0 (None on the other ranks), every stage's
+    parameters under their global names: each stage gathers its sharded tensors one at a time (bounded device
+    memory), its first data-parallel rank keeps them in host memory, and rank 0 collects the stages'."""
+    from torch.distributed.tensor import DTensor
+
+    pipeline = stage.pipeline
+    keep = pipeline.metrics_group is None or dist.get_rank(pipeline.metrics_group) == 0
+    mine: dict[str, torch.Tensor] = {}
+    for name, t in stage.state_dict().items():
+        full = t.full_tensor() if isinstance(t, DTensor) else t
+        if keep:
+            mine[name] = full.detach().cpu()
+        del full
+    stages = [None] * dist.get_world_size()
+    dist.gather_object(mine if keep else None, stages if dist.get_rank() == 0 else None, dst=0)
+    if dist.get_rank() != 0:
+        return None
+    return {k: v for part in stages if part for k, v in part.items()}

@@ -200,3 +200,36 @@ def test_tensor_parallel_run_exports_and_resumes_at_tp1(tmp_path, reference, pla
     r = torchrun(1, plan1, out, "--steps", "4", "--resume")
     assert "saved at world size 2" in r.stdout
     close(losses(out), reference, [3, 4], OTHER)
+
+
+def test_pipeline_run_exports_resumes_and_redeploys(tmp_path, reference, plan1):
+    """pp=2 (1F1B over 3 + 1 layers, 512-token micro-batches) for two steps, exported; resumed on one process for
+    step 3 and at pp=2 again for step 4: every step's loss equals the reference's, and the export holds the
+    checkpoint's masters (every stage's parameters under the whole model's names)."""
+    import torch
+
+    from launch.checkpoint import load
+    from launch.hf_io import load_hf_checkpoint
+    from launch.model import build_model
+    from launch.optim import MasterAdamW
+    from recipe.models import PRESETS
+
+    plan = tmp_path / "pp2.yaml"
+    r = subprocess.run(["recipe", "solve", "--model", "tiny-moe", "--seq", "512", "--hw", "cpu", "--gpus", "2",
+                        "--pp", "2", "-o", str(plan)], env=_env(), cwd=ROOT, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr
+    out = tmp_path / "run"
+    torchrun(2, plan, out, "--steps", "2", "--export", str(tmp_path / "hf"))
+    close(losses(out), reference, [1, 2], OTHER)
+    exported = build_model(PRESETS["tiny-moe"], seed=7)
+    load_hf_checkpoint(exported, tmp_path / "hf")
+    saved = build_model(PRESETS["tiny-moe"], seed=8)
+    opt = MasterAdamW(saved.named_parameters(), lr=1.0)
+    load(out / "checkpoints" / "step_2", {"optim": opt})
+    for (name, a), b in zip(exported.named_parameters(), saved.parameters()):
+        assert torch.equal(a, b), name
+    r = torchrun(1, plan1, out, "--steps", "3", "--resume")
+    assert "saved at world size 2" in r.stdout
+    r = torchrun(2, plan, out, "--steps", "4", "--resume")
+    assert "resumed from" in r.stdout and "saved at world size 1" in r.stdout
+    close(losses(out), reference, [3, 4], OTHER)
