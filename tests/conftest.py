@@ -16,3 +16,10 @@ def _one_torch_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(before)
+
+
+def pytest_collection_modifyitems(items):
+    """Multi-process tests (`dist`: spawned ranks and a rendezvous) count as `slow` too (`-m "not slow"`)."""
+    for item in items:
+        if item.get_closest_marker("dist"):
+            item.add_marker(pytest.mark.slow)

@@ -1,16 +1,10 @@
-"""The Triton kernels of the LM head under TRITON_INTERPRET=1 (CPU tensors, tiny shapes), one named check each.
-
-TRITON_INTERPRET must be set before triton is imported, and the test process may have imported it already, so
-tests/test_kernels_lm_head_triton.py runs `python tests/lm_head_interpreter.py NAME ...` once for all checks: each
-check runs on its own (a failure does not hide the next) and prints one line, `ok NAME` or `FAIL NAME: error`,
-which the parametrized tests read.
+"""The Triton kernels of the LM head under TRITON_INTERPRET=1 (CPU tensors, tiny shapes), one named check each;
+tests/test_kernels_lm_head_triton.py runs them all in one subprocess (tests/interpreter.py) and asserts each.
 """
 
 from __future__ import annotations
 
-import os
 import sys
-import traceback
 
 import torch
 
@@ -151,17 +145,7 @@ CHECKS = {f.__name__: f for f in (ce_per_token, ce_per_token_bf16, logprobs, log
                                   lean_policy_loss, tile_kernels, direct_dw)}
 
 
-def main(names: list[str]) -> None:
-    assert os.environ.get("TRITON_INTERPRET") == "1", "run with TRITON_INTERPRET=1"
-    torch.set_num_threads(1)
-    for name in names:
-        try:
-            CHECKS[name]()
-            print(f"ok {name}", flush=True)
-        except Exception as e:  # one line per check; the traceback's last frames say where
-            where = " | ".join(traceback.format_exc().strip().splitlines()[-4:])
-            print(f"FAIL {name}: {type(e).__name__}: {e} [{where}]", flush=True)
+if __name__ == "__main__" and sys.argv[1:2] == ["interpreter"]:
+    from interpreter import main
 
-
-if __name__ == "__main__":
-    main(sys.argv[1:] or list(CHECKS))
+    main(CHECKS, sys.argv[2:])

@@ -1,7 +1,7 @@
 """Fused Gated DeltaNet ops (kernels.gdn_fused): the Triton kernels against the torch reference, forward and backward.
 
-The Triton kernels run on CPU tensors under TRITON_INTERPRET=1 in a subprocess (the variable must be set before
-triton is imported, and other tests in this process may import it first; as tests/test_kernels_lm_head.py does).
+The Triton kernels run on CPU tensors under TRITON_INTERPRET=1, all in one subprocess and one test each
+(tests/interpreter.py: the variable must be set before triton is imported).
 fp32 inputs: outputs and every gradient within 1e-5 (relative L2) of torch autograd through the fp32 reference.
 bf16 inputs: within bf16 rounding of an fp64 reference, and no worse than the torch path itself on the same
 inputs; the gated norm's bf16 output matches the torch path bit for bit (same roundings, same order).
@@ -13,7 +13,6 @@ The GPU comparison at the real shape (T = C = 8192, bf16) is in tests/test_model
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -22,8 +21,6 @@ import torch
 
 from kernels.gdn_fused import (causal_conv1d_silu, causal_conv1d_silu_torch, gated_rms_norm,
                                gated_rms_norm_torch)
-
-REPO = Path(__file__).resolve().parents[1]
 
 
 def _rel(x, ref) -> float:
@@ -123,31 +120,30 @@ def norm_checks() -> None:
             assert _rel(ours, ref) < 2e-3
 
 
-def interpreter_checks() -> None:
-    """Run in a subprocess with TRITON_INTERPRET=1 (see __main__ below)."""
-    assert os.environ.get("TRITON_INTERPRET") == "1"
-    # The CPU path (backend "auto", also through the model) never imports triton.
+def cpu_path_never_imports_triton() -> None:
+    """The CPU path (backend "auto", also through the model) never imports triton (run first, in a fresh process)."""
     import launch.model  # noqa: F401  (the model module imports kernels.gdn_fused too)
     causal_conv1d_silu(torch.randn(5, 3), torch.randn(3, 4), torch.arange(5))
     gated_rms_norm(torch.randn(5, 3), torch.randn(5, 3), torch.ones(3), 1e-6)
     assert "triton" not in sys.modules, "the CPU path imported triton"
-    conv_checks()
-    norm_checks()
-    print("interpreter checks passed")
 
 
-def _env(**extra) -> dict:
-    env = dict(os.environ)
-    env["PYTHONPATH"] = str(REPO) + os.pathsep + env.get("PYTHONPATH", "")
-    env.update(extra)
-    return env
+INTERPRETER_CHECKS = {f.__name__: f for f in (cpu_path_never_imports_triton, conv_checks, norm_checks)}
 
 
-def test_triton_kernels_interpreter():
-    out = subprocess.run([sys.executable, __file__, "interpreter"], cwd=REPO, capture_output=True, text=True,
-                         env=_env(TRITON_INTERPRET="1"), timeout=300)
-    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
-    assert "interpreter checks passed" in out.stdout
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, str]:
+    import interpreter
+
+    return interpreter.run(Path(__file__), list(INTERPRETER_CHECKS))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", list(INTERPRETER_CHECKS))
+def test_triton_kernels_interpreter(name, interpreter_results):
+    import interpreter
+
+    interpreter.assert_ok(interpreter_results, name)
 
 
 def test_torch_path_is_the_model_conv():
@@ -175,6 +171,7 @@ def test_bad_arguments():
             gated_rms_norm(x, x, torch.ones(3), 1e-6, backend="triton")
 
 
-if __name__ == "__main__" and sys.argv[1:] == ["interpreter"]:
-    torch.set_num_threads(1)
-    interpreter_checks()
+if __name__ == "__main__" and sys.argv[1:2] == ["interpreter"]:
+    from interpreter import main
+
+    main(INTERPRETER_CHECKS, sys.argv[2:])

@@ -3,13 +3,10 @@ test each, from one subprocess), and on a GPU (marked `gpu`, skipped without one
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
-
 import pytest
 import torch
 
+import interpreter
 import kernels
 from lm_head_checks import REPO, check_cross_entropy, check_logprobs, check_policy_loss, inputs
 from lm_head_interpreter import CHECKS
@@ -17,26 +14,13 @@ from lm_head_interpreter import CHECKS
 
 @pytest.fixture(scope="module")
 def interpreter_results() -> dict[str, str]:
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(REPO / "tests"), env.get("PYTHONPATH", "")])
-    out = subprocess.run([sys.executable, str(REPO / "tests" / "lm_head_interpreter.py"), *CHECKS], cwd=REPO,
-                         env=env, capture_output=True, text=True, timeout=600)
-    results = {}
-    for line in out.stdout.splitlines():
-        status, _, rest = line.partition(" ")
-        name = rest.split(":")[0]
-        if status in ("ok", "FAIL") and name in CHECKS:
-            results[name] = line
-    results["<stderr>"] = out.stderr[-3000:]
-    return results
+    return interpreter.run(REPO / "tests" / "lm_head_interpreter.py", list(CHECKS))
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", list(CHECKS))
 def test_triton_kernels_interpreter(name, interpreter_results):
-    line = interpreter_results.get(name)
-    assert line is not None, f"{name} did not report (the process ended early): {interpreter_results['<stderr>']}"
-    assert line == f"ok {name}", line
+    interpreter.assert_ok(interpreter_results, name)
 
 
 # ------------------------------------------------------------------------------------------ GPU (bf16)
