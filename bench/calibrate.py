@@ -312,6 +312,56 @@ def refresh(path: str, hw: str | None) -> None:
           f"{data['errors']['fit']['time']:.3f}, held out {data['errors']['held_out']['time']:.3f})")
 
 
+FIT_TERMS = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "ep_dispatch", "layer_passes",
+             "optimizer")
+
+
+def fit(path: str) -> dict:
+    """The per-operation efficiencies that best reproduce the measured step times of the grid's `fit` points
+    (the held-out points are left out): the step at world size 1 is linear in the inverse rates,
+    step = Σ work_op / rate_op + layer_passes · latency + optimizer bytes / rate_opt, so a non-negative least
+    squares fit of the inverse rates to the relative step times (each row divided by its measurement) finds them.
+    Prints the efficiencies in the profile's terms (fractions of the dense bf16 peak or of the HBM bandwidth,
+    ms per layer pass) and the fitted and held-out errors they give."""
+    import numpy as np
+    from scipy.optimize import nnls
+
+    from recipe.cost import ADAM_BYTES_MOVED, Layout, TrainOptions, compute_work, local_param_count
+    from recipe.hw import load_profile
+    from recipe.models import resolve_model
+
+    data = json.loads(Path(path).read_text())
+    hw = load_profile(data.get("hw") or Path(path).stem)
+    rows, ys, roles = [], [], []
+    for r in data["points"]:
+        if "step_s" not in r:
+            continue
+        m = resolve_model(r["model"]).with_layers(int(r["layers"]))
+        opts = TrainOptions(micro_batch_tokens=int(r["seq"]), recompute=r["recompute"], lm_head=r["lm_head"])
+        work = compute_work(m, Layout(), opts, ep_path=bool(r["ep_path"]))
+        work["optimizer"] = local_param_count(m, 1, Layout()) * ADAM_BYTES_MOVED
+        rows.append([work[k] for k in FIT_TERMS])
+        ys.append(r["step_s"])
+        roles.append(r.get("role", "fit"))
+    a, y = np.array(rows), np.array(ys)
+    fit_rows = np.array([x == "fit" for x in roles])
+    inv, _ = nnls(a[fit_rows] / y[fit_rows, None], np.ones(fit_rows.sum()))
+    peak, hbm = hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
+    eff = {}
+    for k, v in zip(FIT_TERMS, inv):
+        if k == "layer_passes":
+            eff["layer_latency_ms"] = round(v * 1e3, 3)
+        else:
+            eff[k] = round(min(1.0, 1 / (v * (hbm if k in ("optimizer", "ep_dispatch") else peak))), 3) if v \
+                else 1.0
+    err = a @ inv / y - 1
+    out = {"efficiency": eff, "fit_error": float(np.abs(err[fit_rows]).max()),
+           "held_out_error": float(np.abs(err[~fit_rows]).max()) if (~fit_rows).any() else None,
+           "fit_points": int(fit_rows.sum()), "held_out_points": int((~fit_rows).sum())}
+    print(json.dumps(out, indent=1))
+    return out
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--grid", choices=sorted(GRIDS), default="full")
@@ -323,7 +373,11 @@ def main() -> None:
     p.add_argument("--commit", help="the commit measured (default: git rev-parse of this checkout)")
     p.add_argument("--out", default="calibration.json")
     p.add_argument("--refresh", metavar="JSON", help="re-predict a committed grid with today's cost model (CPU)")
+    p.add_argument("--fit", metavar="JSON", help="fit the per-operation efficiencies to a grid's fit points (CPU)")
     args = p.parse_args()
+    if args.fit:
+        fit(args.fit)
+        return
     if args.refresh:
         return refresh(args.refresh, args.hw)
     import torch

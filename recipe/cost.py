@@ -108,6 +108,7 @@ class Estimate:
     flops_per_token: dict[str, float] = field(default_factory=dict)
     comm_bytes: dict[str, float] = field(default_factory=dict)  # per GPU per step
     lm_head_own_gb: float = 0.0  # what the head holds while it runs (memory_gb["lm_head"]: what it adds to the peak)
+    compute_s: dict[str, float] = field(default_factory=dict)  # time_s["compute"] by operation (compute_work)
 
     @property
     def total_gb(self) -> float:
@@ -300,11 +301,26 @@ def default_ep_chunks(s_local: float, ep: int) -> int:
     return int(max(1, min(32, s_local // EP_CHUNK_TOKENS)))
 
 
-# ---- the estimate --------------------------------------------------------------------------------------------
-def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions) -> Estimate:
+# ---- the estimate, by section of docs/cost_model.md ---------------------------------------------------------
+def ep_dispatch_bytes(m: ModelShape, s: float, chunks: int = 1) -> float:
+    """What the expert-parallel code path (launch/expert_parallel.py) holds beyond the local dispatch during one MoE
+    layer's backward, for the s·k token copies a rank receives (about s·k whatever ep is, under balance): the
+    concatenated and expert-ordered copies of the inputs, output gradients, activations and their gradients that
+    the weight gradients read, 2·(2h + 3f)·2 bytes a copy; and, for one of the `chunks` chunks at a time, the
+    exchanged rows in flight (h values and the routing weight, padded to h + 8; three of them) and the fp32
+    activation-gradient temporaries (5·f·4)."""
+    h, f = m.hidden_size, m.expert_ffn
+    if not m.num_moe_layers:
+        return 0.0
+    return s * m.top_k * (2 * (2 * h + 3 * f) * BF16 + (3 * (h + 8) * BF16 + 5 * f * FP32) / max(chunks, 1))
+
+
+def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions,
+                 ep_path: bool = False) -> tuple[dict[str, float], float, float]:
+    """Section 1: bytes per GPU by component (weights, grads, master, optimizer, activations, lm_head, overhead),
+    what the head holds while it runs, and what an unfused head would hold."""
     pp, tp, cp, ep, etp = layout.pp, layout.tp, layout.cp, layout.ep, layout.etp
     dp, edp = layout.dp(world), layout.edp(world)
-    node = gpus_per_node_used(hw, world)
     s = opts.micro_batch_tokens / cp  # tokens per rank per micro-batch (TP with sequence parallel: s/tp outside)
     L = m.num_layers / pp
     recompute = opts.recompute == "full"
@@ -312,10 +328,7 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     in_flight = min(pp, opts.micro_batches) if pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches
 
     # persistent state: dense params over tp, then FSDP2 over dp·cp; routed experts over ep·etp, FSDP2 over edp
-    dense, experts, ends = stage_params(m, pp)
-    local_dense = (dense + ends) / (tp * dp * cp)
-    local_experts = experts / (ep * etp * edp)
-    local_params = local_dense + local_experts
+    local_params = local_param_count(m, world, layout)
     mem = {
         "weights": local_params * BYTES_WEIGHTS,
         "grads": local_params * BYTES_GRADS,
@@ -328,12 +341,15 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     if dp * cp == 1 and edp == 1:
         unsharded = 0.0  # nothing to gather: the single copy is already whole
     working = layer_working_set(m, s, tp, cp)
+    if ep > 1 or ep_path:
+        # the EP path's backward copies, on top of the layer's own
+        working += ep_dispatch_bytes(m, s, opts.ep_overlap_chunks)
     if recompute:
         checkpoints = L * in_flight * s * m.hidden_size * BF16 / tp
         acts = checkpoints + working + unsharded
     else:
         mixer, ffn = layer_saved(m, s, tp, cp)  # every layer keeps what its forward saved
-        acts = L * in_flight * (mixer + ffn) + BACKWARD_TRANSIENT * max(mixer, ffn) + unsharded
+        acts = L * in_flight * (mixer + ffn) + (working - mixer - ffn) + unsharded
     mem["activations"] = acts
     head_unsharded = m.vocab_size / tp * m.hidden_size * BYTES_UNSHARDED if dp * cp > 1 else 0.0
     head = lm_head_bytes(m, s, tp, opts.lm_head) + head_unsharded
@@ -344,42 +360,99 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
         head = max(0.0, head - (working + unsharded))
     mem["lm_head"] = head
     mem["overhead"] = hw.overhead_gb * GB
-    total = sum(mem.values())
-    memory_gb = {k: v / GB for k, v in mem.items()}
-    memory_gb["total"] = total / GB
-    memory_gb["usable"] = hw.usable_gb
-    unfused = lm_head_bytes(m, s, tp, "naive") / GB
+    return mem, head_own, lm_head_bytes(m, s, tp, "naive")
 
-    # FLOPs (per token, full sequence context for attention)
+
+def local_param_count(m: ModelShape, world: int, layout: Layout) -> float:
+    """Parameters one GPU holds: dense (and the ends) over tp·dp·cp, routed experts over ep·etp·edp."""
+    dense, experts, ends = stage_params(m, layout.pp)
+    return (dense + ends) / (layout.tp * layout.dp(world) * layout.cp) + experts / (layout.ep * layout.etp
+                                                                                    * layout.edp(world))
+
+
+def flop_terms(m: ModelShape, opts: TrainOptions) -> tuple[dict[str, float], float, float, float]:
+    """Section 2: forward FLOPs per token by part, model and hardware FLOPs per token, and the head's passes."""
     f = forward_flops_per_token(m, opts.micro_batch_tokens)
     fwd = sum(f.values())
-    model_flops_tok = 3 * fwd
     # the fused head's eager path forms its gradients in the forward: three GEMMs, as unfused; the lean head four
     head_passes = LEAN_HEAD_PASSES if opts.lm_head == "lean" else 3
-    hw_flops_tok = (4 if recompute else 3) * (fwd - f["head"]) + head_passes * f["head"]
-    tokens_per_rank_step = s * opts.micro_batches  # tokens this rank's stage processes per step
-    # per-GPU work: TP splits matmuls; PP splits layers (the head counted on its stage: the largest stage)
-    layer_frac = 1 / pp
-    gpu_hw_flops_mb = s * ((hw_flops_tok - head_passes * f["head"]) * layer_frac + head_passes * f["head"]) / tp
-    peak = hw.peak_bf16_tflops * 1e12
-    rate = peak * hw.compute_efficiency
-    t_compute_mb = gpu_hw_flops_mb / rate
+    hw_flops_tok = (4 if opts.recompute == "full" else 3) * (fwd - f["head"]) + head_passes * f["head"]
+    return f, 3 * fwd, hw_flops_tok, head_passes
 
-    # communication per micro-batch, per GPU
-    passes = 3 if recompute else 2  # forward, recompute forward, backward
-    comm = {}
+
+def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: bool = False) -> dict[str, float]:
+    """The work of one micro-batch on one GPU by operation (section 5): hardware FLOPs of the routed experts'
+    GEMMs, the other matmuls, attention's quadratic term, the delta rule and the head; the EP path's copied bytes;
+    and the count of layer passes (forward-equivalents: 4 a layer with full recompute, 3 without). TP splits the
+    matmuls, PP the layers (the head on the stage that holds it)."""
+    pp, tp = layout.pp, layout.tp
+    s = opts.micro_batch_tokens / layout.cp
+    mult = 4 if opts.recompute == "full" else 3
+    f, _, _, head_passes = flop_terms(m, opts)
+    c = param_counts(m)
+    routed = 2 * c["routed_experts"] * m.top_k / m.num_experts
+    layers = s * mult / (pp * tp)
+    work = {
+        "expert_gemm": layers * routed,
+        "dense_gemm": layers * (f["matmul_layers"] - routed),
+        "attention": layers * f["attention"],
+        "delta_rule": layers * f.get("linear_attention", 0.0),
+        "lm_head": s * head_passes * f["head"] / tp,
+        "ep_dispatch": 0.0,
+        "layer_passes": mult * m.num_layers / pp,
+    }
+    if layout.ep > 1 or ep_path:
+        copies = ep_dispatch_bytes(m, s, opts.ep_overlap_chunks)
+        work["ep_dispatch"] = (mult - 1) * m.num_moe_layers / pp * copies
+    return work
+
+
+def rates(hw: HwProfile) -> dict[str, float]:
+    """FLOP/s (or bytes/s) each operation runs at on `hw`, and the fixed seconds per layer pass: the profile's
+    measured efficiencies, or, without them, every matmul at compute_efficiency, the optimizer at HBM_EFFICIENCY
+    of the bandwidth and no per-layer or EP-copy time (the assumption every profile made before measurement)."""
+    peak, hbm = hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
+    e = hw.efficiency
+    if e is None:
+        r = peak * hw.compute_efficiency
+        return {"expert_gemm": r, "dense_gemm": r, "attention": r, "delta_rule": r, "lm_head": r,
+                "optimizer": hbm * HBM_EFFICIENCY, "ep_dispatch": float("inf"), "layer_passes": 0.0}
+    return {"expert_gemm": peak * e.expert_gemm, "dense_gemm": peak * e.dense_gemm, "attention": peak * e.attention,
+            "delta_rule": peak * e.delta_rule, "lm_head": peak * e.lm_head, "optimizer": hbm * e.optimizer,
+            "ep_dispatch": hbm * e.ep_dispatch, "layer_passes": e.layer_latency_ms * 1e-3}
+
+
+def compute_times(work: dict[str, float], hw: HwProfile) -> dict[str, float]:
+    """Seconds of each operation in compute_work: work over its rate (the layer passes times their latency)."""
+    r = rates(hw)
+    return {k: (w * r[k] if k == "layer_passes" else (w / r[k] if w else 0.0)) for k, w in work.items()}
+
+
+def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions
+                        ) -> tuple[dict[str, float], dict[str, float]]:
+    """Section 3 (and 4's overlap): bytes per micro-batch per GPU by exchange, and the seconds each costs the
+    critical path (EP: what chunked overlap does not hide; FSDP: its whole traffic time, hidden later under the
+    micro-batch's work)."""
+    pp, tp, cp, ep, etp = layout.pp, layout.tp, layout.cp, layout.ep, layout.etp
+    dp, edp = layout.dp(world), layout.edp(world)
+    node = gpus_per_node_used(hw, world)
+    s = opts.micro_batch_tokens / cp
+    L = m.num_layers / pp
+    r = rates(hw)
+    passes = 3 if opts.recompute == "full" else 2  # forward, recompute forward, backward
+    comm, t = {}, {}
     # EP all-to-all: dispatch + combine per MoE layer per pass; tokens leaving the rank: s·k·h·(ep−1)/ep
     n_moe_local = m.num_moe_layers / pp
     a2a_bytes = s * m.top_k * m.hidden_size * BF16 * (ep - 1) / ep
     t_ep_layer_comm = 2 * a2a_bytes / group_bw(hw, ep, 1, node) if ep > 1 else 0.0
     expert_flops_tok = 2 * param_counts(m)["routed_experts"] * m.top_k / m.num_experts / max(m.num_moe_layers, 1)
-    t_ep_layer_gemm = s * expert_flops_tok / (tp * etp) / rate
+    t_ep_layer_gemm = s * expert_flops_tok / (tp * etp) / r["expert_gemm"]
     chunks = opts.ep_overlap_chunks if ep > 1 else 1
-    t_ep_exposed = passes * n_moe_local * (ep_overlap_time(t_ep_layer_comm, t_ep_layer_gemm, chunks)
-                                           - t_ep_layer_gemm)
+    t["ep_exposed"] = passes * n_moe_local * (ep_overlap_time(t_ep_layer_comm, t_ep_layer_gemm, chunks)
+                                              - t_ep_layer_gemm)
     comm["ep_all_to_all"] = passes * n_moe_local * 2 * a2a_bytes
-    # CP: full attention all-gathers K/V (and reduce-scatters dK/dV); Gated DeltaNet runs a head all-to-all
-    t_cp = 0.0
+    # CP: full attention all-gathers K/V (and reduce-scatters dK/dV); Gated DeltaNet passes its state
+    t["cp"] = 0.0
     if cp > 1:
         bw = group_bw(hw, cp, tp, node)
         kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else 2 * m.num_kv_heads * m.head_dim / tp)
@@ -391,7 +464,8 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
             # fp32 state the previous segment ended with (and the conv's last k−1 inputs), so the chunked scan
             # computes bit for bit what one process would; the backward passes dstate the other way. Bytes are
             # tiny; the cost is the chain: the inter-chunk recurrence (2·dk·dv FLOPs per token and head, each
-            # way) runs segment after segment, so (1 − 1/cp) of it is exposed. See docs/cost_model.md.
+            # way) runs segment after segment, so (1 − 1/cp) of it is exposed, at the delta rule's rate. See
+            # docs/cost_model.md.
             la = m.linear_attn
             nv = la.num_v_heads / tp
             state = nv * la.head_k_dim * la.head_v_dim * FP32
@@ -399,51 +473,80 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
             n_lin = m.num_linear_attn_layers / pp
             cp_bytes += n_lin * 2 * (state + halo * BF16) * passes
             recurrence_flops = 2 * la.head_k_dim * la.head_v_dim * nv * s * cp  # the whole sequence, one way
-            t_chain = n_lin * passes * recurrence_flops * (1 - 1 / cp) / rate + n_lin * passes * 2 * cp * 10e-6
+            t_chain = (n_lin * passes * recurrence_flops * (1 - 1 / cp) / r["delta_rule"]
+                       + n_lin * passes * 2 * cp * 10e-6)
         comm["cp"] = cp_bytes
-        t_cp = cp_bytes / bw + t_chain
+        t["cp"] = cp_bytes / bw + t_chain
     # TP with sequence parallel: per layer an all-gather and a reduce-scatter around the mixer and the FFN
-    t_tp = 0.0
+    t["tp"] = 0.0
     if tp > 1:
         tp_bytes = L * 4 * s * m.hidden_size * BF16 * (tp - 1) / tp * passes
         comm["tp"] = tp_bytes
-        t_tp = tp_bytes / group_bw(hw, tp, 1, node)
+        t["tp"] = tp_bytes / group_bw(hw, tp, 1, node)
     # FSDP2: all-gather bf16 params in forward and again in backward, reduce-scatter fp32 grads; overlapped
+    dense, experts, ends = stage_params(m, pp)
     fsdp_dense = (dense + ends) / tp * (dp * cp - 1) / (dp * cp) * (2 * BF16 + FP32)
     fsdp_expert = experts / (ep * etp) * (edp - 1) / edp * (2 * BF16 + FP32)
     comm["fsdp"] = fsdp_dense + fsdp_expert
-    t_fsdp = fsdp_dense / group_bw(hw, dp * cp, tp, node) + fsdp_expert / group_bw(hw, edp, ep * etp, node)
+    t["fsdp"] = fsdp_dense / group_bw(hw, dp * cp, tp, node) + fsdp_expert / group_bw(hw, edp, ep * etp, node)
     # PP: activations to the next stage and gradients back
-    t_pp = 0.0
+    t["pp"] = 0.0
     if pp > 1:
         pp_bytes = 2 * s * m.hidden_size * BF16 / tp
         comm["pp"] = pp_bytes
-        t_pp = pp_bytes / group_bw(hw, pp, world // pp, node)
+        t["pp"] = pp_bytes / group_bw(hw, pp, world // pp, node)
+    return comm, t
 
-    t_mb_serial = t_compute_mb + t_ep_exposed + t_cp + t_tp + t_pp
-    t_mb = max(t_mb_serial, t_fsdp)  # FSDP2 prefetch hides its traffic under the layer compute
+
+def step_time(compute: dict[str, float], comm_t: dict[str, float], layout: Layout, opts: TrainOptions,
+              t_opt: float) -> tuple[float, dict[str, float]]:
+    """Section 5: the step from one micro-batch's compute and exchanges, the pipeline bubble and the optimizer;
+    and its parts (they sum to the step)."""
+    t_compute_mb = sum(compute.values())
+    t_mb_serial = t_compute_mb + comm_t["ep_exposed"] + comm_t["cp"] + comm_t["tp"] + comm_t["pp"]
+    t_mb = max(t_mb_serial, comm_t["fsdp"])  # FSDP2 prefetch hides its traffic under the layer compute
     mb = opts.micro_batches
-    t_bubble = t_mb * (pp - 1)  # 1F1B: (p−1) extra slots over m micro-batches, (p−1)/(m+p−1) of the step
-    t_opt = local_params * ADAM_BYTES_MOVED / (hw.hbm_bw_tb_s * 1e12 * HBM_EFFICIENCY)
+    t_bubble = t_mb * (layout.pp - 1)  # 1F1B: (p−1) extra slots over m micro-batches, (p−1)/(m+p−1) of the step
     step = t_mb * mb + t_bubble + t_opt
-    time_parts = {"compute": t_compute_mb * mb, "ep_exposed": t_ep_exposed * mb, "cp": t_cp * mb, "tp": t_tp * mb,
-                  "pp_p2p": t_pp * mb, "fsdp_exposed": max(0.0, t_fsdp - t_mb_serial) * mb,
-                  "pp_bubble": t_bubble, "optimizer": t_opt}
+    parts = {"compute": t_compute_mb * mb, "ep_exposed": comm_t["ep_exposed"] * mb, "cp": comm_t["cp"] * mb,
+             "tp": comm_t["tp"] * mb, "pp_p2p": comm_t["pp"] * mb,
+             "fsdp_exposed": max(0.0, comm_t["fsdp"] - t_mb_serial) * mb, "pp_bubble": t_bubble,
+             "optimizer": t_opt}
+    return step, parts
 
-    tokens_step_per_gpu = tokens_per_rank_step / (tp * pp)  # dp·cp ranks share mb·micro_batch_tokens each
+
+def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions, *,
+             ep_path: bool = False) -> Estimate:
+    """Memory, FLOPs, communication and step time of one configuration. `ep_path` charges the expert-parallel
+    code path even at ep = 1 (what the calibration grid measures at world size 1); it runs whenever ep > 1."""
+    mem, head_own, unfused = memory_terms(m, hw, world, layout, opts, ep_path)
+    total = sum(mem.values())
+    memory_gb = {k: v / GB for k, v in mem.items()}
+    memory_gb["total"] = total / GB
+    memory_gb["usable"] = hw.usable_gb
+
+    f, model_flops_tok, hw_flops_tok, _ = flop_terms(m, opts)
+    compute = compute_times(compute_work(m, layout, opts, ep_path), hw)
+    comm, comm_t = communication_terms(m, hw, world, layout, opts)
+    t_opt = local_param_count(m, world, layout) * ADAM_BYTES_MOVED / rates(hw)["optimizer"]
+    step, time_parts = step_time(compute, comm_t, layout, opts, t_opt)
+    mb = opts.micro_batches
+
+    tokens_step_per_gpu = opts.micro_batch_tokens / layout.cp * mb / (layout.tp * layout.pp)
     tok_s = tokens_step_per_gpu / step
+    peak = hw.peak_bf16_tflops * 1e12
     hw_tflops = tok_s * hw_flops_tok / 1e12
     model_tflops = tok_s * model_flops_tok / 1e12
     for k in comm:
         comm[k] *= mb
+    fwd = sum(f.values())
     return Estimate(
-        memory_gb=memory_gb, lm_head_unfused_gb=unfused, fits=total / GB <= hw.usable_gb, step_time_s=step,
+        memory_gb=memory_gb, lm_head_unfused_gb=unfused / GB, fits=total / GB <= hw.usable_gb, step_time_s=step,
         time_s=time_parts, tokens_per_s_per_gpu=tok_s, tflops_per_gpu=hw_tflops,
         mfu_hardware=hw_tflops * 1e12 / peak, mfu_model=model_tflops * 1e12 / peak,
         flops_per_token={"forward": fwd, "model": model_flops_tok, "hardware": hw_flops_tok, **f},
-        comm_bytes=comm, lm_head_own_gb=head_own / GB,
+        comm_bytes=comm, lm_head_own_gb=head_own / GB, compute_s={k: v * mb for k, v in compute.items()},
     )
-
 
 # ---- pipeline stages -----------------------------------------------------------------------------------------
 def stage_costs(m: ModelShape, seq: float, opts: TrainOptions) -> tuple[list[float], float, float]:

@@ -42,6 +42,30 @@ class Link(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class Efficiency(Record):
+    """Per-operation efficiencies of the step-time model (docs/cost_model.md, "Step time from its parts"), each
+    measured on the profile's calibration grid: the GEMM-like parts as a fraction of the dense bf16 peak, the
+    streaming parts as a fraction of the HBM bandwidth, and a fixed time per decoder layer and pass."""
+
+    expert_gemm: float  # routed experts' grouped GEMMs (and the routing, permutation and activation beside them)
+    dense_gemm: float  # every other matmul of a layer (projections, shared expert, router), with its norms and
+    #                    elementwise work, which scale the same way and are fit together with it
+    attention: float  # full attention's quadratic term (QKᵀ and PV)
+    delta_rule: float  # Gated DeltaNet's chunked rule
+    lm_head: float  # the LM head's logits-sized GEMMs with the loss fused in
+    optimizer: float  # AdamW's streaming update, of the HBM bandwidth
+    ep_dispatch: float  # the expert-parallel path's token copies (dispatch, combine, their gradients), of HBM bw
+    layer_latency_ms: float  # fixed time per decoder layer and pass (launches, the router's host sync)
+
+    def __post_init__(self) -> None:
+        names = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "optimizer", "ep_dispatch")
+        _check_positive(self, names + ("layer_latency_ms",))
+        for n in names:
+            if getattr(self, n) > 1:
+                raise ValueError(f"efficiency.{n} must be at most 1, got {getattr(self, n)!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class HwProfile(Record):
     name: str
     vendor: Literal["nvidia", "amd", "cpu"]
@@ -61,6 +85,9 @@ class HwProfile(Record):
     compute_efficiency: float  # in (0, 1]
     overhead_gb: float  # >= 0: runtime context, collective buffers, allocator slack
     sources: dict[str, str]
+    # per-operation efficiencies measured on hw_profiles/calibration/<name>.json; None: every matmul at
+    # compute_efficiency and the optimizer at 0.9 of the HBM bandwidth (an assumption, no measurement)
+    efficiency: Efficiency | None = None
 
     def __post_init__(self) -> None:
         """Every figure finite and positive (the cost model divides by them): a profile with `bw_gb_s: 0` or
@@ -91,7 +118,9 @@ class HwProfile(Record):
         return self.hbm_gb * self.usable_memory_fraction
 
     def fingerprint_dict(self) -> dict:
-        return plain(self, exclude=frozenset({"sources", "description"}))
+        # a profile without per-operation efficiencies keeps the fingerprint it had before the field existed
+        return plain(self, exclude=frozenset({"sources", "description"} | ({"efficiency"} if self.efficiency is None
+                                                                            else set())))
 
 
 def _builtin_dir():
@@ -113,7 +142,9 @@ def _parse(text: str, origin: str, trusted: bool = False) -> HwProfile:
     if not all(isinstance(k, str) for k in data):
         raise ValueError(f"{origin}: field {next(k for k in data if not isinstance(k, str))!r}: unknown field")
     if trusted:  # a profile shipped with recipe: checked by the test suite against the full schema
-        return HwProfile(**{**data, "intra_node": Link(**data["intra_node"])})
+        eff = data.get("efficiency")
+        return HwProfile(**{**data, "intra_node": Link(**data["intra_node"]),
+                            "efficiency": Efficiency(**eff) if eff is not None else None})
     return validate(HwProfile, data, origin)
 
 

@@ -7,9 +7,9 @@ import itertools
 import pytest
 
 import recipe.sweep as sweep_mod
-from recipe.cost import (BF16, BYTES_UNSHARDED, FP32, GB, Layout, TrainOptions, default_ep_chunks, ep_overlap_time,
-                         estimate, forward_flops_per_token, layer_params, layer_working_set, lm_head_bytes,
-                         overlap_efficiency, stage_params)
+from recipe.cost import (BF16, BYTES_UNSHARDED, FP32, GB, Layout, TrainOptions, default_ep_chunks,
+                         ep_dispatch_bytes, ep_overlap_time, estimate, forward_flops_per_token, layer_params,
+                         layer_working_set, lm_head_bytes, overlap_efficiency, stage_params)
 from recipe.hw import all_profiles, load_profile
 from recipe.models import PRESETS, active_matmul_params, param_counts, total_params
 from recipe.plan import Inputs, build_plan, dumps, parse_plan
@@ -231,8 +231,9 @@ def test_sharding_groups_hand_worked_tiny():
     layer_dense, layer_expert = layer_params(m)
     assert layer_expert == pytest.approx(experts / m.num_layers)
     s = 4096 / 2
+    # ep > 1: the EP path's backward copies (ep_dispatch_bytes) join the layer's working set
     expected_acts = (m.num_layers * s * m.hidden_size * BF16 + layer_working_set(m, s, 1, 2)
-                     + (layer_dense + layer_expert / 2) * BYTES_UNSHARDED)
+                     + ep_dispatch_bytes(m, s) + (layer_dense + layer_expert / 2) * BYTES_UNSHARDED)
     assert est.memory_gb["activations"] == pytest.approx(expected_acts / GB)
 
 
@@ -251,7 +252,9 @@ def test_unsharded_expert_layer_shrinks_with_ep():
     a = [estimate(Q35, MI300X, 32, Layout(ep=ep), opts(8192)).memory_gb["activations"] for ep in (1, 2, 8, 32)]
     assert a == sorted(a, reverse=True)
     _, layer_expert = layer_params(Q35)
-    assert (a[0] - a[1]) * GB == pytest.approx(layer_expert / 2 * BYTES_UNSHARDED)
+    # ep = 2 halves the unsharded expert layer and adds the EP path's backward copies (none at ep = 1)
+    assert (a[0] - a[1]) * GB == pytest.approx(layer_expert / 2 * BYTES_UNSHARDED - ep_dispatch_bytes(Q35, 8192))
+    assert (a[1] - a[2]) * GB == pytest.approx(layer_expert * (1 / 2 - 1 / 8) * BYTES_UNSHARDED)
 
 
 def test_activations_scale_about_inverse_cp_persistent_does_not():
@@ -266,7 +269,8 @@ def test_activations_scale_about_inverse_cp_persistent_does_not():
     assert ck(1) / GB == pytest.approx(21.47, abs=0.01)
     d12 = (acts[0] - acts[1]) * GB
     ws = layer_working_set(Q35, 131_072, 1, 1) - layer_working_set(Q35, 65_536, 1, 2)
-    assert d12 == pytest.approx(ck(1) - ck(2) + ws)
+    ep_copies = ep_dispatch_bytes(Q35, 131_072) - ep_dispatch_bytes(Q35, 65_536)  # ep = 8: the EP path's copies
+    assert d12 == pytest.approx(ck(1) - ck(2) + ws + ep_copies)
 
 
 def test_recompute_none_keeps_every_layer():
