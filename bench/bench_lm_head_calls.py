@@ -3,7 +3,7 @@ alone (CUDA events), with the caching allocator's placement moved between calls 
 MiB before call i, torch.cuda.empty_cache before every other call).
 
 Why: the 3 timed repeats of one lean-head call agree within 1% while separate calls of the same work differ by up
-to 20% (docs/BENCHMARKS.md: 630 against 715-757 ms at T = 65,536, V = 248,320); the eager head stays
+to 20% (docs/BENCHMARKS.md: 630 against 715-757 ms at T = 65,536, V = 248,320); the fused head stays
 within ~6%. This prints each call's time so a change can be checked for which regime it lands in.
 
 Usage: python bench/bench_lm_head_calls.py [--tokens 65536] [--vocab 248320] [--hidden 2048] [--calls 7]

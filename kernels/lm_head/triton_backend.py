@@ -408,7 +408,7 @@ def _logits_dz_kernel(
     """fp32 logits [T, V] (from cuBLAS) -> dlogits, elementwise; the output may be the input's own storage.
 
     One program owns BLOCK_T whole rows and sweeps them left to right. In place with a 2-byte output (row stride
-    2V, the eager path), tile [v0, v0 + BV) is stored over fp32 elements [v0/2, (v0 + BV)/2) of the same rows,
+    2V, the fused path), tile [v0, v0 + BV) is stored over fp32 elements [v0/2, (v0 + BV)/2) of the same rows,
     all read by this program already (this tile or earlier ones); the barrier makes every thread's load of the
     tile land before any thread's store. Not autotuned: timing configs would run an in-place kernel repeatedly."""
     pid = tl.program_id(0)
@@ -469,7 +469,7 @@ def _dw_acc_kernel(dz_ptr, h_ptr, acc_ptr, scale_ptr, T, V, H, stride_dz, stride
 
 def dw_acc(acc_VH, dz_TV, h_TH, scale, first: bool) -> None:
     """acc (fp32 [V, H]) = (first) or += dz^T @ (h * scale), with dz fp16 and h 16-bit: the dW GEMM of the lean
-    backward without an fp16 copy of h (kernels/lm_head_lean.py)."""
+    head without an fp16 copy of h (kernels/lm_head/lean.py)."""
     T, V = dz_TV.shape
     H = h_TH.shape[1]
     c = DW_ACC_TILES[_VENDOR]
