@@ -128,8 +128,8 @@ def check_policy_loss(T, H, V, *, backend, tol, temperature=1.0, logit_scale=3.0
     w64 = weight.detach().double().requires_grad_()
     ref, rlp, ren = ref_fn(h64, w64, target)
     ref.backward()
-    errs = {"loss": rel(loss, ref), "logp": rel(logp, rlp), "ent": rel_entropy(ent, ren), "dH": rel(hidden.grad, h64.grad),
-            "dW": rel(weight.grad, w64.grad)}
+    errs = {"loss": rel(loss, ref), "logp": rel(logp, rlp), "ent": rel_entropy(ent, ren),
+            "dH": rel(hidden.grad, h64.grad), "dW": rel(weight.grad, w64.grad)}
     limits = {k: (grad_tol or tol) if k in ("dH", "dW") else tol for k in errs}
     assert all(errs[k] <= limits[k] for k in errs), f"{errs} > {limits} (T={T} H={H} V={V})"
     assert (logp[: max(1, T // 7)] == 0).all() and not logp.requires_grad

@@ -63,8 +63,8 @@ class Totals:
     @staticmethod
     def empty(T: int, with_entropy: bool, device) -> "Totals":
         f32 = dict(dtype=torch.float32, device=device)
-        return Totals(torch.empty(T, **f32), torch.empty(T, **f32), (torch.empty if with_entropy else torch.zeros)(T, **f32),
-                      torch.zeros((), **f32))
+        ent = (torch.empty if with_entropy else torch.zeros)(T, **f32)
+        return Totals(torch.empty(T, **f32), torch.empty(T, **f32), ent, torch.zeros((), **f32))
 
 
 def group_size(T: int, V: int, chunk_tokens: int | None, elem_bytes: int = 2) -> int:
