@@ -224,6 +224,8 @@ def compare_table(cols) -> Table:
     for k in COMPONENTS:
         row(f"{k} GB", lambda hw, s, k=k: f"{s.estimate.memory_gb[k]:.1f}")
     row("peak / usable GB", lambda hw, s: f"{s.estimate.total_gb:.1f} / {hw.usable_gb:.1f}")
+    row("margin GB", lambda hw, s: f"{s.margin.total_gb:.1f} ({s.margin.bands.basis['memory']})"
+        if s.margin is not None else "—")
     row("step s", lambda hw, s: f"{s.estimate.step_time_s:.3f}")
     row("tok/s/GPU", lambda hw, s: f"{s.estimate.tokens_per_s_per_gpu:,.0f}")
     row("TFLOP/s/GPU (hw)", lambda hw, s: f"{s.estimate.tflops_per_gpu:.0f}")

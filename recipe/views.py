@@ -12,9 +12,17 @@ from .models import ModelShape, active_params, mtp_params, param_counts, total_p
 
 
 def _estimate(e) -> dict:
-    return {"memory_gb": dict(e.memory_gb), "fits": e.fits, "step_time_s": e.step_time_s,
-            "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu, "tflops_per_gpu": e.tflops_per_gpu,
-            "mfu": {"hardware": e.mfu_hardware, "model": e.mfu_model}}
+    """An estimate as JSON; with its margin (`fits` then means peak + margin ≤ usable) when it carries one."""
+    from .margin import margin_of
+
+    out = {"memory_gb": dict(e.memory_gb), "fits": e.fits, "step_time_s": e.step_time_s,
+           "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu, "tflops_per_gpu": e.tflops_per_gpu,
+           "mfu": {"hardware": e.mfu_hardware, "model": e.mfu_model}}
+    mg = margin_of(e)
+    if mg is not None:
+        out["margin_gb"] = {**mg.parts_gb, "total": mg.total_gb}
+        out["basis"], out["error"] = dict(mg.bands.basis), dict(mg.bands.error)
+    return out
 
 
 def sweep_data(m: ModelShape, hw: HwProfile, world: int, opts, points, sol, rank: int, n_fit: int, n_points: int,
@@ -23,7 +31,8 @@ def sweep_data(m: ModelShape, hw: HwProfile, world: int, opts, points, sol, rank
     for i, p in enumerate(points, 1):
         e = p.estimate
         rows.append({"rank": i, "layout": p.layout.degrees(world), "solver": p.layout == sol.layout,
-                     "peak_gb": e.total_gb, "fits": e.fits, "step_time_s": e.step_time_s,
+                     "peak_gb": e.total_gb, "margin_gb": getattr(getattr(e, "margin", None), "total_gb", None),
+                     "fits": e.fits, "step_time_s": e.step_time_s,
                      "tokens_per_s_per_gpu": e.tokens_per_s_per_gpu,
                      "vs_best": p.seconds_per_token(world, opts) / best if e.fits else None})
     return {"model": m.name, "hw": hw.name, "gpus": world, "usable_gb": hw.usable_gb, "grid_points": n_points,
