@@ -168,3 +168,21 @@ def test_package_import_graph_has_no_cycles():
 def test_each_module_imports_alone(name):
     code = f"import importlib; importlib.import_module('kernels.lm_head.{name}')"
     subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_the_cost_model_holds_what_the_fused_head_holds():
+    """recipe/cost.py (never importing torch) copies the fused head's group size and buffer budget: its lm_head_bytes
+    must be the kernel's group of fp16 tile weights, fp32 dW accumulator + fp16 W, and fp32 dH, at any vocab."""
+    from kernels.lm_head import fused, numerics
+    from recipe import cost
+    from recipe.models import resolve_model
+
+    assert (cost.FUSED_HEAD_GROUP_TOKENS, cost.FUSED_HEAD_BUDGET_B) == (fused.GROUP_TOKENS, fused.SCRATCH_BYTES)
+    assert cost.TILE_STATS_BYTES == 4 * numerics.PARTS_PER_TILE  # fp32 statistics per token per tile
+    m = resolve_model("qwen35-35b")
+    for vocab in (32_000, 151_936, 248_320, 600_000):  # the last: groups shrink below 4096 to fit the budget
+        shape = m.model_copy(update={"vocab_size": vocab})
+        for s, tp in ((1000, 1), (65_536, 1), (65_536, 2)):
+            v, h = vocab // tp, shape.hidden_size
+            held = fused.group_size(s, v, None, 2) * v * 2 + v * h * (4 + 2) + s * h * 4
+            assert cost.lm_head_bytes(shape, s, tp, "fused") == held, (vocab, s, tp)
