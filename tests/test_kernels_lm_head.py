@@ -186,3 +186,18 @@ def test_the_cost_model_holds_what_the_fused_head_holds():
             v, h = vocab // tp, shape.hidden_size
             held = fused.group_size(s, v, None, 2) * v * 2 + v * h * (4 + 2) + s * h * 4
             assert cost.lm_head_bytes(shape, s, tp, "fused") == held, (vocab, s, tp)
+
+
+def test_both_backends_offer_the_same_functions():
+    """The interface kernels/lm_head/backends.py names, with the same parameters in torch and Triton (read from the
+    source: importing the Triton module would import triton)."""
+    def public(path: Path) -> dict[str, list[str]]:
+        tree = ast.parse(path.read_text())
+        return {f.name: [a.arg for a in f.args.args + f.args.kwonlyargs] for f in tree.body
+                if isinstance(f, ast.FunctionDef) and not f.name.startswith("_")}
+
+    interface = {"tile_vocab", "logits_tiles", "merge_tiles", "target_logits", "dlogits_from_tiles",
+                 "dlogits_from_logits", "dw_acc"}
+    torch_fns, triton_fns = public(PACKAGE / "torch_backend.py"), public(PACKAGE / "triton_backend.py")
+    assert interface <= set(torch_fns) and interface <= set(triton_fns)
+    assert {n: torch_fns[n] for n in interface} == {n: triton_fns[n] for n in interface}
