@@ -8,10 +8,10 @@ then shards each over dp, so checkpoints hold the whole tensors under the same n
 
     Shard(0)    attention q_proj (per head [query | gate] rows), k_proj, v_proj; Gated DeltaNet in_proj_qkv and
                 conv1d (rows grouped per key head, launch/model.py), in_proj_z, in_proj_b, in_proj_a, dt_bias,
-                A_log; lm_head (vocabulary rows)
+                A_log; embed_tokens and lm_head (vocabulary rows)
     Shard(1)    o_proj, out_proj (rowwise: each rank's heads give a partial sum of the output)
-    Replicate   every other dense parameter: embedding, the residual-stream RMSNorms, q/k norms and the Gated
-                DeltaNet output norm, router, shared expert and its gate
+    Replicate   every other dense parameter: the residual-stream RMSNorms, q/k norms and the Gated DeltaNet output
+                norm, router, shared expert and its gate
 
 The residual stream between mixers is sequence-parallel: each tp rank holds Tl of the micro-batch's tokens (the
 sequence zero-padded to tp·Tl). Per decoder layer:
@@ -22,9 +22,10 @@ sequence zero-padded to tp·Tl). Per decoder layer:
 so the tp ranks send different tokens to the experts (with the mixer's tokens replicated, every routed token would
 reach its experts tp times and their gradients count tp times). Under context parallelism the T tokens are the
 rank's zigzag shard of the micro-batch, and the mixers' CP exchanges (launch/context_parallel.py) run on this rank's
-heads over the cp group. The embedding runs on all T tokens and each rank
-keeps its Tl rows; after the final norm an all-gather hands the head all T tokens, whose backward keeps this rank's
-rows of the head's hidden gradient (the head already sums that gradient over the vocabulary shards).
+heads over the cp group. The embedding is vocabulary-parallel: each rank looks up the T tokens in its V/tp rows
+(zero for the others) and a reduce-scatter leaves it the sum for its Tl rows. After the final norm an all-gather
+hands the head all T tokens, whose backward keeps this rank's rows of the head's hidden gradient (the head already
+sums that gradient over the vocabulary shards).
 
 The compute runs on local tensors: a forward pre-hook on each module swaps its tp DTensors for their local shards
 (`to_local`, the gradient of a replicated parameter marked Partial: each rank's tokens or heads give part of it) and
@@ -108,11 +109,6 @@ class TensorParallel:
         pad = self.size * self.local_len(x.shape[0]) - x.shape[0]
         return F.pad(x, (0, 0) * (x.dim() - 1) + (0, pad)) if pad else x
 
-    def scatter(self, x_TD: torch.Tensor) -> torch.Tensor:
-        """This rank's Tl rows of a tensor every rank holds whole (the gradient flows to those rows only)."""
-        n = self.local_len(x_TD.shape[0])
-        return self.pad(x_TD)[self.rank * n:(self.rank + 1) * n]
-
     def gather(self, x_local: torch.Tensor, num_tokens: int, reduce: bool = True) -> torch.Tensor:
         return _GatherTokens.apply(x_local, self, num_tokens, reduce)
 
@@ -144,7 +140,7 @@ def _placements(model: nn.Module) -> dict[str, str]:
                       "conv1d.weight", "dt_bias", "A_log"):
                 out[prefix + p] = "row"
             out[prefix + "out_proj.weight"] = "col"
-    out["lm_head.weight"] = "row"
+    out["lm_head.weight"] = out["embed_tokens.weight"] = "row"
     for name, p in model.named_parameters():
         if name not in out and not _is_routed_expert(name):
             out[name] = "rep"
@@ -161,8 +157,8 @@ def check_model(model: nn.Module, tp: int) -> None:
 
     s = model.shape
     if s.tie_embeddings:
-        raise ValueError(f"tp={tp}: {s.name} ties its embedding to the LM head, which tensor parallelism splits on "
-                         f"the vocabulary while the embedding stays whole; use tp=1")
+        raise ValueError(f"tp={tp}: {s.name} ties its embedding to the LM head, which this tensor parallelism does "
+                         f"not split; use tp=1")
     for m in model.modules():
         if isinstance(m, Attention):
             if m.o_proj.bias is not None:
@@ -236,8 +232,16 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
     def model_pre(module, args):
         tp.num_tokens = args[1].num_tokens if len(args) > 1 else args[0].shape[0]
 
+    rows = model.embed_tokens.num_embeddings // tp.size  # this rank's vocabulary rows: [rank·rows, (rank+1)·rows)
+    inside = {}
+
+    def embed_pre(module, args):
+        ids = args[0] - tp.rank * rows
+        inside["mask"] = (ids >= 0) & (ids < rows)
+        return (torch.where(inside["mask"], ids, 0), *args[1:])
+
     def embed_post(module, args, out):
-        return tp.scatter(out)
+        return tp.reduce_scatter(torch.where(inside.pop("mask")[:, None], out, 0.0))
 
     def mixer_pre(module, args):
         x_local, *rest = args
@@ -250,6 +254,7 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
         return tp.gather(out, tp.num_tokens, reduce=False)
 
     model.register_forward_pre_hook(model_pre)
+    model.embed_tokens.register_forward_pre_hook(embed_pre)
     model.embed_tokens.register_forward_hook(embed_post)
     for mixer in mixers:
         mixer.register_forward_pre_hook(mixer_pre)
