@@ -14,7 +14,7 @@ The split: `train.pp_stages` of the plan (layers per stage, recipe.cost.pipeline
 per-layer cost), or the same function of the plan's shape and micro-batch when the plan does not carry it.
 
 What flows between stages: the hidden states [T, D] of one micro-batch forward and their gradient backward, T the
-plan's micro_batch_tokens (a schedule needs one shape for every micro-batch: each is padded to T with a document of
+plan's micro_batch_tokens (under cp, T/cp: each rank's zigzag shard) (a schedule needs one shape for every micro-batch: each is padded to T with a document of
 loss weight 0). Everything else a stage needs — the document layout (Packing), targets, masks, advantages,
 log-probs, aggregation weights — every rank already holds (every rank packs the same step), so each stage takes the
 micro-batch's from the step's queue, in schedule order (1F1B runs a stage's forwards in micro-batch order).
@@ -141,6 +141,7 @@ class Pipeline:
         from torch.distributed.pipelining import PipelineStage
 
         self.module, self.tokens = stage, tokens
+        local = tokens // meshes.cp_size  # under cp each rank holds its zigzag shard of every micro-batch
         self.group = meshes.dense.get_group("pp")
         self.num_stages = meshes.dense.size(meshes.dense.mesh_dim_names.index("pp"))
         self.index = meshes.dense.get_local_rank("pp")
@@ -148,10 +149,10 @@ class Pipeline:
         device = next(stage.parameters()).device
         hidden = stage.shape.hidden_size
         # shapes are static (every micro-batch padded to `tokens`): no shape inference at the first step
-        inputs = (torch.empty(1, tokens, dtype=torch.int64, device=device) if stage.is_first else
-                  torch.empty(tokens, hidden, dtype=dtype, device=device, requires_grad=True))
+        inputs = (torch.empty(1, local, dtype=torch.int64, device=device) if stage.is_first else
+                  torch.empty(local, hidden, dtype=dtype, device=device, requires_grad=True))
         outputs = (torch.empty(1, dtype=torch.float32, device=device, requires_grad=True) if stage.is_last else
-                   torch.empty(tokens, hidden, dtype=dtype, device=device, requires_grad=True))
+                   torch.empty(local, hidden, dtype=dtype, device=device, requires_grad=True))
         self.stage = PipelineStage(stage, self.index, self.num_stages, device, input_args=inputs,
                                    output_args=outputs, group=self.group)
         self._schedule, self._n = None, 0
@@ -188,10 +189,12 @@ class Pipeline:
         weights = trainer._weights(batches)
         share = micro_batch_share(len(batches), trainer.dp_rank, trainer.dp_size)
         share += [None] * (self.num_stages - len(share))  # 1F1B runs at least one micro-batch per stage
+        cp = self.module.context_parallel
         self._queue = []
         for j in share:
             batch, weight = (batches[j], weights[j]) if j is not None else (batches[0], 0.0)
-            self._queue.append((pad_batch(trainer.with_loss_weights(batch), self.tokens), weight, j is not None))
+            batch = pad_batch(trainer.with_loss_weights(batch), self.tokens)
+            self._queue.append((cp.shard(batch) if cp is not None else batch, weight, j is not None))
         self._taken, self._sums, self.trainer = 0, {}, trainer
         args = (torch.stack([b.input_ids for b, _, _ in self._queue]),) if self.module.is_first else ()
         target = torch.zeros(len(share), device=batches[0].input_ids.device) if self.module.is_last else None

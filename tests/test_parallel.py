@@ -8,7 +8,8 @@ two thousandths of the largest gradient anywhere, for the near-cancelling A_log 
 chunk bitwise. CP: cp=2 (world 2), cp=4 and cp=2 × ep=2 with dp=2 (world 4) on packed micro-batches whose documents
 cross segment edges, with a padded tail; and the CP exchanges alone (attention, conv halo, delta-rule combine) against
 the one-process functions in fp64, outputs and input gradients to 1e-12. PP: pp=2 with an uneven split (3 + 1
-layers) on off-policy sequence-mean data (world 2) and pp=2 × dp=2 with ep=2 inside each stage (world 4). TP:
+layers) on off-policy sequence-mean data (world 2), pp=2 × dp=2 with ep=2 inside each stage, pp=4 (two middle
+stages) and pp=2 × cp=2 (world 4). TP:
 tp=2 alone and with ep=2 over the tp ranks (world 2), tp=2 × dp=2 with ep=1 and ep=4 and cp=2 × tp=2 with ep=4
 (world 4), on packed micro-batches padded to whole sequence-parallel rows with documents across the tp ranks' edge.
 
@@ -69,7 +70,8 @@ def world4(tmp_path_factory):
              ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
              ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
              ["cp2_tp2_ep4", 1, 4, 1, 2, "cp_off", "full", 2],
-             ["pp2_dp2_ep2", 2, 2, 1, 1, "base", "full", 1, 2]]  # the split from the cost model
+             ["pp2_dp2_ep2", 2, 2, 1, 1, "base", "full", 1, 2],  # the split from the cost model
+             ["pp4", 1, 1, 1, 1, "cp", "full", 1, 4], ["pp2_cp2", 1, 1, 1, 2, "cp", "full", 1, 2]]
     return _launch(4, cases, tmp_path_factory.mktemp("world4"))
 
 
@@ -148,11 +150,11 @@ def test_tensor_parallel_splits_every_dense_parameter_and_the_data_crosses_edges
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world, name", [(2, "pp2"), (4, "pp2_dp2_ep2")])
+@pytest.mark.parametrize("world, name", [(2, "pp2"), (4, "pp2_dp2_ep2"), (4, "pp4"), (4, "pp2_cp2")])
 def test_pipeline_layouts_equal_one_process(world2, world4, world, name):
-    """pp=2 (1F1B, micro-batches padded to the plan's micro_batch_tokens) and pp=2 × dp=2 with ep=2 inside each
-    stage: every step's loss and metrics (on the last stage, broadcast to every rank) and every gradient of every
-    stage equal one process."""
+    """pp=2 (1F1B, micro-batches padded to the plan's micro_batch_tokens), pp=2 × dp=2 with ep=2 inside each stage,
+    pp=4 and pp=2 × cp=2: every step's loss and metrics (on the last stage, broadcast to every rank) and every
+    gradient of every stage equal one process."""
     _assert_equal_to_one_process({2: world2, 4: world4}[world][name])
 
 
@@ -167,6 +169,11 @@ def test_pipeline_stages_hold_their_layers_and_run_every_micro_batch(world2, wor
     r = world4["pp2_dp2_ep2"]
     assert r["num_micro_batches"] == [3, 6]
     assert r["pipeline"] == [[0, ["0", "1"], True, False, 5], [1, ["2", "3"], False, True, 5]]
+    r = world4["pp4"]  # two middle stages; 2 and 2 micro-batches topped up to 4 and 4
+    assert r["pipeline"] == [[0, ["0"], True, False, 8], [1, ["1"], False, False, 8], [2, ["2"], False, False, 8],
+                             [3, ["3"], False, True, 8]]
+    r = world4["pp2_cp2"]  # each cp rank's zigzag shard flows between the stages, documents across segment edges
+    assert r["cp_segment_len"] == [32] and r["cp_docs_cross_segments"]
 
 
 @pytest.mark.dist
@@ -218,7 +225,7 @@ def test_layout_checks_name_every_factor():
         check_layout(layout, 2)
     check_layout(LayoutSpec(pp=1, tp=1, cp=2, ep=2, dp=2, etp=1, edp=2), 4)  # cp runs
     check_layout(LayoutSpec(pp=2, tp=1, cp=1, ep=2, dp=2, etp=1, edp=1), 4)  # pp runs, with dp and ep
-    with pytest.raises(LayoutError, match=r"pipeline parallelism together with tensor or context .*pp=2, tp=2, cp=1"):
+    with pytest.raises(LayoutError, match=r"pipeline and tensor parallelism together \(pp=2, tp=2\)"):
         check_layout(LayoutSpec(pp=2, tp=2, cp=1, ep=1, dp=1, etp=1, edp=2), 4)
     with pytest.raises(LayoutError, match=r"the plan asks for etp=2"):
         check_layout(LayoutSpec(pp=1, tp=2, cp=1, ep=1, dp=2, etp=2, edp=2), 4)
