@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import Literal
 
 from .plan import Plan, PlanError, build_plan, load_plan
+from .solving import solve_inputs
 from .text import layout_str, one_line
 
 Kind = Literal["drift", "misfit", "invalid"]
@@ -147,7 +148,6 @@ def check_plan(path: str | Path) -> PlanCheck:
 
 
 def _resolve(plan: Plan, base: Path) -> tuple[Plan | None, str | None]:
-    from .solving import solve_inputs
     from .solver import InfeasibleError
 
     try:
