@@ -286,3 +286,13 @@ def test_check_plan_returns_data(tmp_path):
     res = check_plan(p)
     assert res.status == "ok" and res.problems == [] and res.fresh is not None
     assert res.fresh.layout == res.plan.layout
+
+
+def test_check_runs_without_the_cli():
+    """recipe check's machinery and the CLI share the solve path (recipe/solving.py), not an import of each other."""
+    import subprocess
+    import sys
+
+    code = ("import sys, recipe.check, recipe.gen_plans; "
+            "assert 'recipe.cli' not in sys.modules, sorted(m for m in sys.modules if m.startswith('recipe'))")
+    subprocess.run([sys.executable, "-c", code], check=True)
