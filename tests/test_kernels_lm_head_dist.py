@@ -48,24 +48,17 @@ def _dist_worker(rank: int, world: int, port: int) -> None:
         errs = (rel(lp, ref[0]), rel(ent, ref[1]), rel(hidden.grad, rdh),
                 rel(w_local.grad, rdw[rank * V_local:(rank + 1) * V_local]))
         assert max(errs) < 1e-5, f"TP logprobs rank {rank}: {errs}"
-        # the fused policy loss, vocab-parallel: same numbers on both ranks, each its own dW rows
-        hidden.grad = w_local.grad = None
-        loss, lp2, ent2 = kernels.linear_policy_loss(
-            hidden, w_local, target, lambda lp, en, a, b: lp * up_lp[a:b] + en * up_ent[a:b], with_entropy=True,
-            temperature=1.2, tp_group=dist.group.WORLD, chunk_tokens=8)
-        loss.backward()
-        errs = (rel(lp2, ref[0]), rel(ent2, ref[1]), rel(hidden.grad, rdh),
-                rel(w_local.grad, rdw[rank * V_local:(rank + 1) * V_local]))
-        assert max(errs) < 1e-5, f"TP policy loss rank {rank}: {errs}"
-        # and through the lean head (its first pass combines each group's statistics and sums dH over the group)
-        hidden.grad = w_local.grad = None
-        loss, lp3, ent3 = kernels.linear_policy_loss(
-            hidden, w_local, target, lambda lp, en, a, b: lp * up_lp[a:b] + en * up_ent[a:b], with_entropy=True,
-            temperature=1.2, tp_group=dist.group.WORLD, chunk_tokens=8, mode="lean")
-        loss.backward()
-        errs = (rel(lp3, ref[0]), rel(ent3, ref[1]), rel(hidden.grad, rdh),
-                rel(w_local.grad, rdw[rank * V_local:(rank + 1) * V_local]))
-        assert max(errs) < 1e-5, f"TP lean policy loss rank {rank}: {errs}"
+        # the policy loss in the head, vocab-parallel, fused and lean: same numbers on both ranks, each its own dW
+        # rows (the lean head's first pass combines each group's statistics and sums dH over the group)
+        for mode in ("fused", "lean"):
+            hidden.grad = w_local.grad = None
+            loss, lp2, ent2 = kernels.linear_policy_loss(
+                hidden, w_local, target, lambda lp, en, a, b: lp * up_lp[a:b] + en * up_ent[a:b], with_entropy=True,
+                temperature=1.2, tp_group=dist.group.WORLD, chunk_tokens=8, mode=mode)
+            loss.backward()
+            errs = (rel(lp2, ref[0]), rel(ent2, ref[1]), rel(hidden.grad, rdh),
+                    rel(w_local.grad, rdw[rank * V_local:(rank + 1) * V_local]))
+            assert max(errs) < 1e-5, f"TP {mode} policy loss rank {rank}: {errs}"
 
         # FSDP2: the head's weight is a sharded DTensor parameter; inside forward FSDP hands the kernel the
         # gathered plain tensor (no .full_tensor()), and the reduce-scatter of its gradient is FSDP's.
