@@ -49,10 +49,23 @@ EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (the seed's figur
 # The optimizer step per local parameter: cast the bf16 gradient to fp32 (2 + 4 bytes), fused AdamW (read master,
 # grad, both moments, write master and moments: 28), write the bf16 compute copy back (4 + 2): 40 bytes.
 ADAM_BYTES_MOVED = 40
-# Gradients in flight during a recomputed layer's backward, as a fraction of the larger block's saved activations.
-# Calibrated: with 0.5 the predicted peak of 4 Qwen3.5-35B layers on one H200 at 32K/64K/128K tokens is within 4%
-# of the measured peak allocated (docs/BENCHMARKS.md, "Memory prediction against measurement").
-BACKWARD_TRANSIENT = 0.5
+# Gradients in flight during a layer's backward, as a fraction of the larger block's saved activations. Calibrated
+# on the H200 grid (hw_profiles/calibration/h200.json) together with MOE_SAVED_FACTOR: with the MoE block's saved set
+# at its measured size no separate allowance is needed (0.5 was the fit when the MoE block was counted at 1x).
+BACKWARD_TRANSIENT = 0.0
+# What the MoE block's forward saves, as a multiple of the tensors moe_working_set names (router logits and weights,
+# permuted tokens, gate/up/activation intermediates, expert outputs and the combine). Calibrated on the H200 grid:
+# 1.8 reproduces the peak allocated memory of every point (Qwen3.5-35B-A3B and Qwen3-30B-A3B, 2 to 8 layers, 8K to
+# 128K tokens, recompute full and none) within 4%; the tensors it does not name (the autograd copies of the
+# grouped GEMMs' inputs and the combine's) are not yet itemised.
+MOE_SAVED_FACTOR = 1.8
+# MasterAdamW (launch/optim.py) steps its parameters in groups of at most this many elements (a larger tensor is a
+# group of its own), casting each group's bf16 gradients to fp32 first.
+OPT_GROUP_NUMEL = 2**28
+# The naive head (launch/rl.py: token_logprobs, mode "naive"), bytes per logit at its peak: the bf16 logits, their
+# fp32 copy, the fp32 log-softmax and its exp (both saved for the entropy's backward) and the fp32 gradient coming
+# back: 2 + 4 + 4 + 4 + 4.
+NAIVE_BYTES_PER_LOGIT = 18
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 
@@ -194,7 +207,7 @@ def moe_working_set(m: ModelShape, s: float) -> float:
     inter = s * k * m.expert_ffn * 3 * BF16  # gate, up, act(gate)·up
     out = s * k * h * BF16 + s * h * BF16
     shared = s * m.shared_expert_ffn * 3 * BF16 if m.shared_expert_ffn else 0.0
-    return router + permuted + inter + out + shared
+    return MOE_SAVED_FACTOR * (router + permuted + inter + out + shared)
 
 
 def dense_ffn_working_set(m: ModelShape, s: float, tp: int) -> float:
@@ -221,13 +234,13 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
 
 def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
     """What the LM head holds while it runs. "fused" (the eager path: the loss handed to the head, three GEMMs):
-    one group's fp16 tile weights (4096 tokens, or fewer within the kernel's budget), the fp32 dW accumulator and the fp16 copy of W
-    ((V/tp)·h·6), and dH (fp32, s·h·4). "lean" (four GEMMs, the loss handed over too): its two bf16 gradients
-    ((V/tp + s)·h·2) and a few MiB, or the five-GEMM form's forward tile statistics if those are more. "naive": logits and their gradient, [s × V/tp] in bf16,
-    twice (docs/cost_model.md)."""
+    one group's fp16 tile weights (4096 tokens, or fewer within the kernel's budget), the fp32 dW accumulator and
+    the fp16 copy of W ((V/tp)·h·6), and dH (fp32, s·h·4). "lean" (four GEMMs, the loss handed over too): its two
+    bf16 gradients ((V/tp + s)·h·2) and a few MiB, or the five-GEMM form's forward tile statistics if those are
+    more. "naive": NAIVE_BYTES_PER_LOGIT per logit of [s × V/tp] (docs/cost_model.md)."""
     v = m.vocab_size / tp
     if mode == "naive":
-        return 2 * s * v * BF16
+        return s * v * NAIVE_BYTES_PER_LOGIT
     if mode == "lean":
         return max(min(LEAN_FORWARD_BYTES, TILE_STATS_BYTES * s * -(-v // 256)),
                    (v + s) * m.hidden_size * BF16 + LEAN_EXTRA_BYTES)
@@ -329,6 +342,7 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
 
     # persistent state: dense params over tp, then FSDP2 over dp·cp; routed experts over ep·etp, FSDP2 over edp
     local_params = local_param_count(m, world, layout)
+    ends = stage_params(m, pp)[2]
     mem = {
         "weights": local_params * BYTES_WEIGHTS,
         "grads": local_params * BYTES_GRADS,
@@ -344,23 +358,42 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     if ep > 1 or ep_path:
         # the EP path's backward copies, on top of the layer's own
         working += ep_dispatch_bytes(m, s, opts.ep_overlap_chunks)
-    if recompute:
-        checkpoints = L * in_flight * s * m.hidden_size * BF16 / tp
-        acts = checkpoints + working + unsharded
-    else:
-        mixer, ffn = layer_saved(m, s, tp, cp)  # every layer keeps what its forward saved
-        acts = L * in_flight * (mixer + ffn) + (working - mixer - ffn) + unsharded
-    mem["activations"] = acts
     head_unsharded = m.vocab_size / tp * m.hidden_size * BYTES_UNSHARDED if dp * cp > 1 else 0.0
     head = lm_head_bytes(m, s, tp, opts.lm_head) + head_unsharded
     head_own = head
-    if recompute and in_head:
-        # the fused and lean heads run (forward and their gradients) at the end of the forward, when only the
-        # checkpoints are live, so they raise the peak only by what they need beyond a layer's recompute working set
-        head = max(0.0, head - (working + unsharded))
+    if recompute:
+        checkpoints = L * in_flight * s * m.hidden_size * BF16 / tp
+        acts = checkpoints + working + unsharded
+        if in_head:
+            # the fused and lean heads run (forward and their gradients) at the end of the forward, when only the
+            # checkpoints are live, so they raise the peak only by what they need beyond a layer's working set
+            head = max(0.0, head - (working + unsharded))
+    else:
+        # every layer keeps what its forward saved, but the gradients arrive one layer at a time in the backward:
+        # the peak is at the last layer's backward (every saved set, the head's and that layer's gradients), at
+        # the first layer's (one saved set, every gradient but the embedding's), or at the head (every saved set,
+        # no layer gradient yet, the head's own buffers); activations and lm_head are counted against the whole
+        # gradient term, so they shrink by the gradients not yet there
+        mixer, ffn = layer_saved(m, s, tp, cp)
+        saved = L * in_flight * (mixer + ffn)
+        grads = mem["grads"]
+        head_grad = min(ends, m.vocab_size * m.hidden_size) / (tp * dp * cp) * BYTES_GRADS
+        emb_grad = ends / (tp * dp * cp) * BYTES_GRADS - head_grad
+        layer_grad = (grads - head_grad - emb_grad) / L
+        last = saved + (working - mixer - ffn) + unsharded - (grads - head_grad - layer_grad)
+        first = in_flight * working + unsharded - emb_grad
+        acts = max(last, first, 0.0)
+        head = max(0.0, saved + head_own - (grads - head_grad) - acts)
+    mem["activations"] = acts
     mem["lm_head"] = head
+    # the optimizer step, after the activations are freed: one group's gradients cast to fp32, and the largest
+    # tensor's cast once more while it is scaled by the clip
+    largest = max(m.vocab_size * m.hidden_size / (tp * dp * cp),
+                  layer_expert / (ep * etp * edp) * 2 / 3 if m.num_moe_layers else 0.0)
+    opt_step = FP32 * (max(OPT_GROUP_NUMEL, largest) + largest)
+    mem["optimizer"] += max(0.0, opt_step - (acts + head))
     mem["overhead"] = hw.overhead_gb * GB
-    return mem, head_own, lm_head_bytes(m, s, tp, "naive")
+    return mem, head_own, 2 * s * m.vocab_size / tp * BF16  # unfused: the bf16 logits and their gradient
 
 
 def local_param_count(m: ModelShape, world: int, layout: Layout) -> float:

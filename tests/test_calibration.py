@@ -1,0 +1,111 @@
+"""The committed calibration grid (hw_profiles/calibration/<hw>.json, written by bench/calibrate.py on the GPU) held
+against today's cost model: every measured point reproduced within its tolerance, every point that ran out of memory
+predicted not to fit, and the grid's recorded errors equal to what its points say. A cost-model change that loses
+accuracy fails here; one that keeps it must re-predict the file (python bench/calibrate.py --refresh FILE)."""
+
+from __future__ import annotations
+
+import json
+from importlib import resources
+
+import pytest
+
+from recipe import calibration
+from recipe.calibration import point_errors, predict_point, summarize
+from recipe.hw import builtin_names, load_profile
+
+MEMORY_TOLERANCE = 0.05  # predicted peak allocated within ±5% of measured
+TIME_TOLERANCE = 0.15  # predicted step within ±15% of measured
+
+GRIDS = sorted(n for n in builtin_names() if calibration.load(n) is not None)
+
+
+def _points(kind: str):
+    out = []
+    for hw in GRIDS:
+        for p in calibration.load(hw).points:
+            measured = "step_s" in p and "error" not in p
+            if (kind == "measured") == measured and (kind != "oom" or p.get("error", "").startswith("OOM")):
+                tag = (f"{hw}-{p['model']}-L{p['layers']}-{p['seq']}-{p['recompute']}-{p['lm_head']}"
+                       f"{'-ep' if p['ep_path'] else ''}")
+                out.append(pytest.param(hw, p, id=tag))
+    return out
+
+
+def test_h200_has_a_grid_with_held_out_points():
+    cal = calibration.load("h200")
+    assert cal is not None and cal.basis == "measured"
+    env = cal.environment
+    for key in ("torch", "triton", "driver", "gpu", "commit", "command"):
+        assert env.get(key), key
+    roles = {p["role"] for p in cal.points if "step_s" in p}
+    assert roles == {"fit", "held_out"}
+    assert all(p["role"] == ("held_out" if p["layers"] >= 8 else "fit") for p in cal.points)
+    # both models, three depths, both recompute modes, every head mode and the EP path were asked for
+    asked = {(p["model"], p["layers"], p["recompute"], p["lm_head"], p["ep_path"]) for p in cal.points}
+    assert {a[0] for a in asked} == {"qwen35-35b", "qwen3-30b-a3b"} and {a[1] for a in asked} == {2, 4, 8}
+    assert {a[2] for a in asked} == {"full", "none"} and {a[3] for a in asked} == {"fused", "lean", "naive"}
+    assert any(a[4] for a in asked)
+    assert calibration.load("mi300x") is None and calibration.basis("mi300x") == "assumed"
+
+
+@pytest.mark.parametrize("hw,point", _points("measured"))
+def test_cost_model_reproduces_each_measured_point(hw, point):
+    today = predict_point(point, hw)
+    mem = today["allocated_gb"] / point["peak_allocated_gb"] - 1
+    t = today["step_s"] / point["step_s"] - 1
+    assert abs(mem) <= MEMORY_TOLERANCE, f"peak memory {today['allocated_gb']:.2f} GB predicted against " \
+                                         f"{point['peak_allocated_gb']:.2f} measured ({mem:+.1%})"
+    assert abs(t) <= TIME_TOLERANCE, f"step {today['step_s']:.3f} s predicted against {point['step_s']:.3f} " \
+                                     f"measured ({t:+.1%})"
+
+
+@pytest.mark.parametrize("hw,point", _points("oom"))
+def test_points_that_ran_out_of_memory_are_predicted_not_to_fit(hw, point):
+    gpu_gb = calibration.load(hw).environment["gpu_memory_bytes"] / 1e9
+    assert predict_point(point, hw)["allocated_gb"] > gpu_gb
+
+
+@pytest.mark.parametrize("hw", GRIDS)
+def test_recorded_predictions_and_errors_are_todays(hw):
+    """The file's predictions are today's cost model's (so memory_error, which the solver's margin reads, is the
+    error today's model makes), and memory_error / time_error are the worst of its points' errors."""
+    cal = calibration.load(hw)
+    for p in cal.points:
+        today = predict_point(p, hw)
+        for k in ("allocated_gb", "total_gb", "step_s"):
+            assert p["predicted"][k] == pytest.approx(today[k], rel=1e-9), \
+                f"{k} of {p['model']} L{p['layers']} {p['seq']}: run python bench/calibrate.py --refresh"
+    s = summarize(cal.points)
+    assert cal.memory_error == pytest.approx(s["memory_error"]) and cal.time_error == pytest.approx(s["time_error"])
+    errs = [point_errors(p) for p in cal.points]
+    assert cal.memory_error == pytest.approx(max(abs(m) for m, _ in errs if m is not None))
+    assert cal.time_error == pytest.approx(max(abs(t) for _, t in errs if t is not None))
+    assert cal.memory_error <= MEMORY_TOLERANCE and cal.time_error <= TIME_TOLERANCE
+    raw = json.loads(resources.files("hw_profiles").joinpath("calibration", f"{hw}.json").read_text())
+    for role in ("fit", "held_out"):
+        assert raw["errors"][role] == pytest.approx(s["errors"][role])
+        assert raw["errors"][role]["points"] > 0
+
+
+def test_point_errors_and_summary_hand_worked():
+    pts = [{"role": "fit", "step_s": 2.0, "peak_allocated_gb": 100.0,
+            "predicted": {"allocated_gb": 104.0, "step_s": 1.8}},
+           {"role": "held_out", "step_s": 1.0, "peak_allocated_gb": 50.0,
+            "predicted": {"allocated_gb": 49.0, "step_s": 1.12}},
+           {"role": "held_out", "error": "OOM", "predicted": {"allocated_gb": 300.0, "step_s": 9.0}}]
+    assert point_errors(pts[0]) == (pytest.approx(0.04), pytest.approx(-0.1))
+    assert point_errors(pts[2]) == (None, None)
+    s = summarize(pts)
+    assert s["memory_error"] == pytest.approx(0.04) and s["time_error"] == pytest.approx(0.12)
+    assert s["errors"]["fit"] == {"memory": pytest.approx(0.04), "time": pytest.approx(0.1), "points": 1}
+    assert s["errors"]["held_out"] == {"memory": pytest.approx(0.02), "time": pytest.approx(0.12), "points": 1}
+
+
+def test_measured_profiles_carry_their_efficiencies_and_sources():
+    """h200 times its step from the per-operation efficiencies fit on its grid, each named in `sources`; a profile
+    without them (b200, the AMD ones) falls back to one compute_efficiency."""
+    h200 = load_profile("h200")
+    assert h200.efficiency is not None and "calibration/h200.json" in h200.sources["efficiency"]
+    for name in ("b200", "mi300x"):
+        assert load_profile(name).efficiency is None
