@@ -349,8 +349,9 @@ def _sequence_split(m, hw, world, pp, t, opts, auto_chunks, pins=None):
     for e in _ep_cands(m, ranks, pins):
         if cp_d is not None:
             break
-        if e > e0:
-            # the in-node EP leaves too large an unsharded expert layer: spread the experts over more ranks
+        if e != e0:
+            # the in-node EP does not fit at any cp: a larger ep holds a smaller unsharded expert layer, a smaller one
+            # fewer EP dispatch buffers (the EP path's backward copies) — try each
             cp_d, est, tried = solve_cp(m, hw, world, pp, t, e, opts, auto_chunks, pins)
             e_tried = e
     if cp_d is None:

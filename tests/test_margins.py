@@ -93,8 +93,8 @@ def test_assumed_profiles_hold_back_more(assumed):
     mg = memory_margin(Q35, _hw("mi300x"), 8, Layout(), _opts(131_072), est)
     assert mg.bands.basis == {"memory": "assumed", "step_time": "assumed"}
     assert mg.bands.error == {"memory": margin.ASSUMED_MEMORY_ERROR, "step_time": margin.ASSUMED_TIME_ERROR}
-    assert mg.parts_gb["error"] == pytest.approx(est.total_gb * 0.1 / 0.9)
-    assert margin.ASSUMED_MEMORY_ERROR > 0.05  # wider than the ±5% a measured grid is held to
+    assert mg.parts_gb["error"] == pytest.approx(est.total_gb * 0.15 / 0.85)
+    assert margin.ASSUMED_MEMORY_ERROR > 0.10  # wider than the ±10% a measured grid must meet
 
 
 def test_no_recompute_counts_every_layers_imbalance(measured):
@@ -234,7 +234,7 @@ def test_solve_warns_once_when_a_figure_is_assumed(assumed):
     assert r.exit_code == 0
     warn = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
     assert warn == ["warning: mi300x has no calibration grid (hw_profiles/calibration/mi300x.json): its memory and "
-                    "step time predictions are assumed, not measured (error band ±10% memory, ±25% step time; the "
+                    "step time predictions are assumed, not measured (error band ±15% memory, ±25% step time; the "
                     "margin holds the memory band back)"]
     assert "margin" in r.stdout and "(assumed)" in r.stdout
 
@@ -253,7 +253,7 @@ def test_plan_round_trips_margin_basis_and_count(tmp_path):
     text = out.read_text()
     plan = load_plan(out)
     pred = plan.prediction
-    assert pred.basis.memory == "assumed" and pred.error.memory == 0.1 and pred.error.step_time == 0.25
+    assert pred.basis.memory == "assumed" and pred.error.memory == 0.15 and pred.error.step_time == 0.25
     parts = pred.margin_gb
     assert parts.total == pytest.approx(parts.error + parts.root_unit + parts.fsdp_in_flight + parts.all_to_all
                                         + parts.imbalance, abs=0.03)
