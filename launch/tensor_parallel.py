@@ -8,8 +8,8 @@ then shards each over dp, so checkpoints hold the whole tensors under the same n
 
     Shard(0)    attention q_proj (per head [query | gate] rows), k_proj, v_proj; Gated DeltaNet in_proj_qkv and
                 conv1d (rows grouped per key head, launch/model.py), in_proj_z, in_proj_b, in_proj_a, dt_bias,
-                A_log; embed_tokens and lm_head (vocabulary rows)
-    Shard(1)    o_proj, out_proj (rowwise: each rank's heads give a partial sum of the output)
+                A_log; a dense layer's MLP gate_proj and up_proj; embed_tokens and lm_head (vocabulary rows)
+    Shard(1)    o_proj, out_proj, a dense MLP's down_proj (rowwise: each rank's share gives a partial sum)
     Replicate   every other dense parameter: the residual-stream RMSNorms, q/k norms and the Gated DeltaNet output
                 norm, router, shared expert and its gate
 
@@ -20,7 +20,8 @@ sequence zero-padded to tp·Tl). Per decoder layer:
             ─ post norm ─ router, routed experts (EP), shared expert on the Tl local tokens ─▶ + x_local
 
 so the tp ranks send different tokens to the experts (with the mixer's tokens replicated, every routed token would
-reach its experts tp times and their gradients count tp times). Under context parallelism the T tokens are the
+reach its experts tp times and their gradients count tp times). A dense layer's SwiGLU MLP is split like a mixer
+(its intermediate channels over tp, an all-gather before it and a reduce-scatter after it). Under context parallelism the T tokens are the
 rank's zigzag shard of the micro-batch, and the mixers' CP exchanges (launch/context_parallel.py) run on this rank's
 heads over the cp group. The embedding is vocabulary-parallel: each rank looks up the T tokens in its V/tp rows
 (zero for the others) and a reduce-scatter leaves it the sum for its Tl rows. After the final norm an all-gather
@@ -140,6 +141,9 @@ def _placements(model: nn.Module) -> dict[str, str]:
                       "conv1d.weight", "dt_bias", "A_log"):
                 out[prefix + p] = "row"
             out[prefix + "out_proj.weight"] = "col"
+        elif _is_dense_mlp(name, m):
+            out[prefix + "gate_proj.weight"] = out[prefix + "up_proj.weight"] = "row"
+            out[prefix + "down_proj.weight"] = "col"
     out["lm_head.weight"] = out["embed_tokens.weight"] = "row"
     for name, p in model.named_parameters():
         if name not in out and not _is_routed_expert(name):
@@ -149,6 +153,13 @@ def _placements(model: nn.Module) -> dict[str, str]:
 
 def _is_routed_expert(name: str) -> bool:
     return ".mlp.experts." in name
+
+
+def _is_dense_mlp(name: str, module: nn.Module) -> bool:
+    """A decoder layer's own SwiGLU MLP (dense models, dense-first layers), not an MoE's shared expert."""
+    from launch.moe import SwiGLU
+
+    return isinstance(module, SwiGLU) and name.endswith(".mlp")
 
 
 def check_model(model: nn.Module, tp: int) -> None:
@@ -170,6 +181,9 @@ def check_model(model: nn.Module, tp: int) -> None:
             raise ValueError(f"tp={tp} does not divide {s.name}'s {m.num_k_heads} linear-attention key heads")
     if s.vocab_size % tp:
         raise ValueError(f"tp={tp} does not divide {s.name}'s vocabulary of {s.vocab_size}")
+    for name, m in model.named_modules():
+        if _is_dense_mlp(name, m) and m.gate_proj.out_features % tp:
+            raise ValueError(f"tp={tp} does not divide {s.name}'s dense MLP width {m.gate_proj.out_features}")
 
 
 def _distribute(model: nn.Module, mesh) -> None:
@@ -222,11 +236,12 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
     check_model(model, mesh.size())
     tp = TensorParallel(mesh)
     _distribute(model, mesh)
-    mixers, blocks = [], []
+    mixers, blocks, mlps = [], [], []
     for layer in model.layers:
         mixer = next(m for m in layer.children() if isinstance(m, (Attention, GatedDeltaNet)))
         mixers.append(mixer)
         blocks += [m for m in layer.children() if m is not mixer]  # norms, the MoE / MLP
+        mlps += [m for name, m in layer.named_children() if _is_dense_mlp("." + name, m)]
     _localize([*mixers, *blocks, model.embed_tokens, model.norm], mesh)
 
     def model_pre(module, args):
@@ -250,6 +265,9 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
     def mixer_post(module, args, out):
         return tp.reduce_scatter(out)
 
+    def mlp_pre(module, args):
+        return (tp.gather(args[0], tp.num_tokens), *args[1:])
+
     def norm_post(module, args, out):
         return tp.gather(out, tp.num_tokens, reduce=False)
 
@@ -259,6 +277,9 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
     for mixer in mixers:
         mixer.register_forward_pre_hook(mixer_pre)
         mixer.register_forward_hook(mixer_post)
+    for mlp in mlps:
+        mlp.register_forward_pre_hook(mlp_pre)
+        mlp.register_forward_hook(mixer_post)
     model.norm.register_forward_hook(norm_post)
     model.tensor_parallel = tp
     return tp

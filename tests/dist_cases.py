@@ -107,11 +107,11 @@ def _run(model, trainer, steps):
 
 
 def _rel(a: torch.Tensor, b: torch.Tensor, floor: float) -> float:
-    """Largest difference relative to the reference tensor's largest entry, or to `floor` (two thousandths of the
-    largest gradient anywhere) for a gradient that is itself a near-cancelling sum (A_log, dt_bias): there the fp32
-    one-process gradient is itself 3-8e-5 of a thousandth of the largest gradient off the fp64 one, and any change
-    of summation order (the experts' grouping under EP, the channel order of a projection's input gradient) moves
-    it by about as much."""
+    """Largest difference relative to the reference tensor's largest entry, or to `floor` (three thousandths of
+    the largest gradient anywhere) for a gradient that is itself a near-cancelling sum (A_log, dt_bias, in_proj_a:
+    the only tensors under the floor, at 1e-5 to 1.6e-3 of the largest gradient): there the fp32 one-process
+    gradient is itself 2-8e-5 of a thousandth of the largest gradient off the fp64 one, and any change of summation
+    order (the experts' grouping under EP, a tensor-parallel MLP's partial sums) moves it by about as much."""
     return float((a - b).abs().max() / max(float(b.abs().max()), floor))
 
 
@@ -167,7 +167,7 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
         return {"name": name}
     forwards = sum(-(-len(b) // dp) for b in steps)  # micro-batches this rank ran, padding included
     ref_losses, ref_grads, ref_metrics = references[variant]
-    floor = 2e-3 * max(float(g.abs().max()) for g in ref_grads.values())
+    floor = 3e-3 * max(float(g.abs().max()) for g in ref_grads.values())
     grad_rel = {n: _rel(grads[n], ref_grads[n], floor) for n in ref_grads}
     return {"name": name, "loss_rel": [abs(a - b) / abs(b) for a, b in zip(losses, ref_losses)],
             "losses": losses, "ref_losses": ref_losses,
