@@ -21,9 +21,9 @@ sequence zero-padded to tp·Tl). Per decoder layer:
 
 so the tp ranks send different tokens to the experts (with the mixer's tokens replicated, every routed token would
 reach its experts tp times and their gradients count tp times). A dense layer's SwiGLU MLP is split like a mixer
-(its intermediate channels over tp, an all-gather before it and a reduce-scatter after it). Under context parallelism the T tokens are the
-rank's zigzag shard of the micro-batch, and the mixers' CP exchanges (launch/context_parallel.py) run on this rank's
-heads over the cp group. The embedding is vocabulary-parallel: each rank looks up the T tokens in its V/tp rows
+(its intermediate channels over tp, an all-gather before it and a reduce-scatter after it). Under context
+parallelism the T tokens are the rank's zigzag shard of the micro-batch, and the mixers' CP exchanges
+(launch/context_parallel.py) run on this rank's heads over the cp group. The embedding is vocabulary-parallel: each rank looks up the T tokens in its V/tp rows
 (zero for the others) and a reduce-scatter leaves it the sum for its Tl rows. After the final norm an all-gather
 hands the head all T tokens, whose backward keeps this rank's rows of the head's hidden gradient (the head already
 sums that gradient over the vocabulary shards).
