@@ -274,10 +274,14 @@ def run_grid(args) -> None:
                     r["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
                     r["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
             except torch.OutOfMemoryError as e:
+                # the step failed before the optimizer ran: the trainer (its masters and moments) stays
                 r["error"] = "OOM: " + str(e).splitlines()[0][:160]
-                trainer = None
-                current = None
+                if trainer is None:  # it ran out building the trainer itself
+                    current = None
                 model.zero_grad(set_to_none=True)
+                gc.collect()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
             data["points"].append(r)
             print(_fmt_row(r), flush=True)
             save()

@@ -10,7 +10,7 @@ are `assumed`. Pure Python: never imports torch.
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import resources
 
 
@@ -21,6 +21,9 @@ class Calibration:
     time_error: float  # the same for step time
     points: tuple[dict, ...]
     environment: dict
+    # the worst errors split by role: {"all" | "fit" | "held_out": {"memory", "time", "points"}}; `fit` points fixed
+    # the profile's per-operation efficiencies, `held_out` ones (deeper models) did not
+    errors: dict = field(default_factory=dict)
 
     @property
     def basis(self) -> str:
@@ -38,7 +41,8 @@ def load(hw: str) -> Calibration | None:
         return None
     data = json.loads(path.read_text())
     return Calibration(hw=hw, memory_error=float(data["memory_error"]), time_error=float(data["time_error"]),
-                       points=tuple(data.get("points", ())), environment=dict(data.get("environment", {})))
+                       points=tuple(data.get("points", ())), environment=dict(data.get("environment", {})),
+                       errors=dict(data.get("errors", {})))
 
 
 def basis(hw: str) -> str:
