@@ -274,3 +274,27 @@ def test_plan_round_trips_margin_basis_and_count(tmp_path):
     bad["prediction"]["margin_gb"]["total"] = bad["prediction"]["memory_gb"]["usable"]
     with pytest.raises(ValueError, match="exceeds the"):
         parse_plan(yaml.safe_dump(bad))
+
+
+# ---- what the CLI says about the default and the margin ----------------------------------------------------------
+def test_gpus_help_says_what_the_default_does():
+    r = runner.invoke(app, ["solve", "--help"], env={"COLUMNS": "400"})
+    text = " ".join(r.stdout.split())
+    assert "default: the smallest count (1, 2, 4, then whole nodes) at which some layout's predicted peak plus the " \
+           "memory margin fits usable memory" in text
+    assert "below one node, the whole node when it needs less CP/TP/PP at 97% or more of the throughput per GPU" in text
+
+
+def test_sweep_and_compare_count_fits_with_the_margin():
+    """`recipe sweep`'s fits and `recipe compare`'s margin row are the solver's: peak + margin within usable."""
+    data = json.loads(runner.invoke(app, ["sweep", "--model", "qwen35-35b", "--seq", "128k", "--hw", "h100",
+                                          "--gpus", "32", "--top", "10000", "-f", "json"]).stdout)
+    usable = data["usable_gb"]
+    for p in data["points"]:
+        assert p["fits"] == (p["peak_gb"] + p["margin_gb"] <= usable), p
+    assert any(not p["fits"] and p["peak_gb"] <= usable for p in data["points"])  # refused for the margin alone
+    cmp = json.loads(runner.invoke(app, ["compare", "--model", "qwen35-35b", "--seq", "128k", "--hw", "h100,mi300x",
+                                         "-f", "json"]).stdout)
+    for col in cmp["profiles"]:
+        assert col["memory_gb"]["total"] + col["margin_gb"]["total"] <= col["usable_gb"]
+        assert col["basis"] == {"memory": "assumed", "step_time": "assumed"} or col["hw"] == "h200"
