@@ -330,3 +330,60 @@ def test_tokens_and_step_time_consistent():
     # dp·cp ranks share one 131,072-token micro-batch per dp rank: tokens/s/GPU = seq·dp / step / world
     assert est.tokens_per_s_per_gpu == pytest.approx(131_072 * lay.dp(world) / est.step_time_s / world)
     assert est.step_time_s == pytest.approx(sum(est.time_s.values()))
+
+
+# ---- step time from its parts ---------------------------------------------------------------------------------
+def test_profile_without_efficiencies_keeps_one_compute_efficiency():
+    """No measured efficiencies (mi300x): every matmul at compute_efficiency, the optimizer at 0.9 of HBM, no
+    per-layer or EP-copy time — the single-figure formula, hand-worked."""
+    assert MI300X.efficiency is None
+    o = opts(65_536)
+    e = estimate(Q35, MI300X, 8, Layout(cp=2), o)
+    f = forward_flops_per_token(Q35, 65_536)
+    s, fwd = 65_536 / 2, sum(f.values())
+    hw_flops = 4 * (fwd - f["head"]) + 3 * f["head"]
+    assert e.time_s["compute"] == pytest.approx(s * hw_flops / (MI300X.peak_bf16_tflops * 1e12
+                                                                * MI300X.compute_efficiency))
+    assert e.compute_s["layer_passes"] == 0.0 and e.compute_s["ep_dispatch"] == 0.0
+    local = total_params(Q35) / 8
+    assert e.time_s["optimizer"] == pytest.approx(local * 40 / (MI300X.hbm_bw_tb_s * 1e12 * 0.9))
+
+
+def test_measured_profile_times_each_operation_at_its_own_rate():
+    h200 = load_profile("h200")
+    eff, peak = h200.efficiency, h200.peak_bf16_tflops * 1e12
+    m4, s = Q35.with_layers(4), 32_768
+    e = estimate(m4, h200, 1, Layout(), opts(s))
+    f = forward_flops_per_token(m4, s)
+    assert sum(e.compute_s.values()) == pytest.approx(e.time_s["compute"])
+    assert e.compute_s["lm_head"] == pytest.approx(s * 3 * f["head"] / (peak * eff.lm_head))
+    assert e.compute_s["attention"] == pytest.approx(s * 4 * f["attention"] / (peak * eff.attention))
+    assert e.compute_s["delta_rule"] == pytest.approx(s * 4 * f["linear_attention"] / (peak * eff.delta_rule))
+    routed = 2 * param_counts(m4)["routed_experts"] * m4.top_k / m4.num_experts
+    assert e.compute_s["expert_gemm"] == pytest.approx(s * 4 * routed / (peak * eff.expert_gemm))
+    assert e.compute_s["dense_gemm"] == pytest.approx(s * 4 * (f["matmul_layers"] - routed) / (peak * eff.dense_gemm))
+    assert e.compute_s["layer_passes"] == pytest.approx(4 * 4 * eff.layer_latency_ms / 1e3)  # 4 layers × 4 passes
+    # without recompute each layer runs 3 forward-equivalents, the head still 3 passes
+    n = estimate(m4, h200, 1, Layout(), opts(s, recompute="none"))
+    assert n.compute_s["expert_gemm"] == pytest.approx(e.compute_s["expert_gemm"] * 3 / 4)
+    assert n.compute_s["lm_head"] == pytest.approx(e.compute_s["lm_head"])
+    # the EP code path adds its copies' time (three passes under recompute) and nothing else
+    ep = estimate(m4, h200, 1, Layout(), opts(s), ep_path=True)
+    copies = 3 * m4.num_moe_layers * ep_dispatch_bytes(m4, s) / (h200.hbm_bw_tb_s * 1e12 * eff.ep_dispatch)
+    assert ep.step_time_s - e.step_time_s == pytest.approx(copies)
+
+
+def test_optimizer_step_can_set_the_peak():
+    """At 1K tokens on one GPU the step's fp32 gradient copies of Qwen3.5's largest tensor (a layer's stacked
+    gate/up experts, 256 × 1024 × 2048) exceed the activations and the head: the optimizer component carries the
+    difference."""
+    m4 = Q35.with_layers(4)
+    e = estimate(m4, load_profile("h200"), 1, Layout(), opts(1024))
+    largest = 256 * 1024 * 2048
+    moments = total_params(m4) * 8 / GB
+    extra = 4 * 2 * largest / GB - e.memory_gb["activations"] - e.memory_gb["lm_head"]
+    assert extra > 0
+    assert e.memory_gb["optimizer"] == pytest.approx(moments + extra)
+    # at 64K the activations are larger than the copies: the moments alone
+    e64 = estimate(m4, load_profile("h200"), 1, Layout(), opts(65_536))
+    assert e64.memory_gb["optimizer"] == pytest.approx(moments)
