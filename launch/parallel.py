@@ -164,21 +164,37 @@ def parallelize(model: nn.Module, plan, meshes: Meshes | None, *, param_dtype: t
        norm, LM head) over dp×cp; bf16 parameters for compute, fp32 gradient reduction, gradients summed (the loss
        is weighted by each micro-batch's share of the global batch), prefetch set explicitly
 
-    Under pp > 1 a step 0 comes first: the model is cut to this rank's pipeline stage (launch/pipeline.py), which
-    is what the steps below wrap and what is returned, with the schedule attached after FSDP2.
+    Under pp > 1 a step 0 comes first: the model is cut to this rank's pipeline stages (launch/pipeline.py: one, or
+    v under interleaving), the steps below wrap each stage (each its own FSDP2 root), and the StageGroup holding
+    them is returned with the schedule attached.
 
     `meshes` None: one process (recompute only). `ep_dispatch` True runs the EP code path even at ep = 1 (one
     process: the all-to-alls are local copies), for measuring it."""
     layout = plan.layout
     if meshes is not None:
         check_layout(layout, meshes.world)
-    # 0: pipeline parallel: this rank keeps its stage only (launch/pipeline.py); the steps below apply to it
+    # 0: pipeline parallel: this rank keeps its stages only (launch/pipeline.py); the steps below apply to each
+    units = [model]
     if layout.pp > 1:
         if meshes is None:
             raise LayoutError("pipeline parallel needs a process group (run under torchrun)")
         from launch.pipeline import split_model
 
         model = split_model(model, plan, meshes)
+        units = model.stages
+    for unit in units:
+        _parallelize_unit(unit, plan, meshes, param_dtype, ep_dispatch)
+    if layout.pp > 1:  # the schedule drives the FSDP2-wrapped stages
+        from launch.pipeline import attach_pipeline
+
+        attach_pipeline(model, plan, meshes, param_dtype)
+    return model
+
+
+def _parallelize_unit(model: nn.Module, plan, meshes: Meshes | None, param_dtype: torch.dtype,
+                      ep_dispatch: bool | None) -> None:
+    """Steps 1-5 of parallelize on a whole model or one pipeline stage."""
+    layout = plan.layout
     # 1: tensor parallel
     if layout.tp > 1:
         if meshes is None:
@@ -202,11 +218,6 @@ def parallelize(model: nn.Module, plan, meshes: Meshes | None, *, param_dtype: t
     # 5: FSDP2
     if meshes is not None and meshes.world > 1:
         _apply_fsdp(model, meshes, param_dtype)
-    if layout.pp > 1:  # the schedule drives the FSDP2-wrapped stage
-        from launch.pipeline import attach_pipeline
-
-        attach_pipeline(model, plan, meshes, param_dtype)
-    return model
 
 
 def moe_layers(model: nn.Module) -> list[nn.Module]:

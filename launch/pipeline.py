@@ -1,26 +1,29 @@
 """Pipeline parallelism: each rank of a pipeline holds one stage — a contiguous run of decoder layers, the embedding
-with the first, the final norm, the LM head and the loss with the last — and torch.distributed.pipelining's 1F1B
-schedule runs the step's micro-batches through the stages (docs/training.md, "Pipeline parallel").
+with the first, the final norm, the LM head and the loss with the last — or, under interleaving, v such stages
+(r, r + pp, …); torch.distributed.pipelining's Schedule1F1B (ScheduleInterleaved1F1B) runs the step's micro-batches
+through them (docs/training.md, "Pipeline parallelism").
 
-    split_model(model, plan, meshes)    this rank's StageModule (the other stages' modules are dropped): parameter
-                                        names stay the whole model's (`layers.7.…`), so checkpoints and the
-                                        optimizer see the same keys under any pp
-    attach_pipeline(stage, …)           the PipelineStage and its schedule (after FSDP2 wrapped the stage)
+    split_model(model, plan, meshes)    this rank's StageGroup of StageModules (the other stages' modules are
+                                        dropped): parameter names stay the whole model's (`layers.7.…`), so
+                                        checkpoints and the optimizer see the same keys under any pp
+    attach_pipeline(group, …)           the PipelineStages and their schedule (after FSDP2 wrapped each stage)
     Pipeline.forward_backward(trainer, batches)
                                         what Trainer.forward_backward runs under pp: the step's gradients, the
                                         metrics on every rank
 
 The split: `train.pp_stages` of the plan (layers per stage, recipe.cost.pipeline_split: balanced by the cost model's
-per-layer cost), or the same function of the plan's shape and micro-batch when the plan does not carry it.
+per-layer cost; pp entries, or v·pp for v virtual stages a rank), or the same function of the plan's shape and
+micro-batch when the plan does not carry it.
 
 What flows between stages: the hidden states [T, D] of one micro-batch forward and their gradient backward, T the
-plan's micro_batch_tokens (under cp, T/cp: each rank's zigzag shard) (a schedule needs one shape for every micro-batch: each is padded to T with a document of
-loss weight 0). Everything else a stage needs — the document layout (Packing), targets, masks, advantages,
-log-probs, aggregation weights — every rank already holds (every rank packs the same step), so each stage takes the
-micro-batch's from the step's queue, in schedule order (1F1B runs a stage's forwards in micro-batch order).
+plan's micro_batch_tokens (T/cp under cp: each rank's zigzag shard); a schedule needs one shape for every
+micro-batch, so each is padded to T with a document of loss weight 0. Everything else a stage needs — the document
+layout (Packing), targets, masks, advantages, log-probs, aggregation weights — every rank already holds (every rank
+packs the same step), so each stage takes the micro-batch's from the step's queue, in order (both schedules run each
+stage's forwards in micro-batch order; the counts are checked after the step).
 
 Gradients are not rescaled by the schedule (scale_grads=False): each micro-batch's loss carries its share of the
-step, as without a pipeline. Under FSDP2 the schedule holds the stage's gradient reduce-scatter until its last
+step, as without a pipeline. Under FSDP2 the schedule holds each stage's gradient reduce-scatter until its last
 backward.
 """
 
@@ -55,10 +58,10 @@ class StageModule(nn.Module):
     next of the step's queue): token ids [1, T] on the first stage, hidden states [T, D] on the others; it returns
     the hidden states, or on the last stage the micro-batch's loss weighted by its share of the step [1]."""
 
-    def __init__(self, model: Transformer, first: int, count: int, is_first: bool, is_last: bool):
+    def __init__(self, model: Transformer, index: int, first: int, count: int, is_first: bool, is_last: bool):
         super().__init__()
         self.shape, self.rotary_dim = model.shape, model.rotary_dim
-        self.first_layer, self.is_first, self.is_last = first, is_first, is_last
+        self.index, self.first_layer, self.is_first, self.is_last = index, first, is_first, is_last
         self.embed_tokens = model.embed_tokens if is_first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first, first + count)})
         self.norm = model.norm if is_last else None
@@ -67,7 +70,7 @@ class StageModule(nn.Module):
         self.pipeline: Pipeline | None = None  # attach_pipeline
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        batch, weight, real = self.pipeline.take()
+        batch, weight, real = self.pipeline.take(self.index)
         packing = batch.packing
         h_TD = self.embed_tokens(x.reshape(-1)) if self.is_first else x
         rope = rope_cos_sin(packing.positions, self.rotary_dim, self.shape.rope_theta, h_TD.dtype)
@@ -80,25 +83,60 @@ class StageModule(nn.Module):
         return torch.stack([loss * weight])  # [1], not a view (FSDP2 hooks the output)
 
 
-def split_model(model: Transformer, plan, meshes) -> StageModule:
-    """This rank's stage of `model` (its pp coordinate on the dense mesh); raises LayoutError (one line) for a split
-    that does not cover the model's layers or a model whose embedding and head are one tied matrix."""
+class StageGroup(nn.Module):
+    """The pipeline stages one rank holds — one (1F1B), or v under interleaving: stages r, r + pp, … — seen as one
+    model by the trainer, the optimizer and checkpoints: the embedding, the layers (a ModuleDict under their global
+    index) and the final norm and LM head where this rank holds them, under the Transformer's attribute names. The
+    stages (`stages`, StageModule each, every one its own FSDP2 root) are not registered as submodules, so every
+    parameter has exactly its whole-model name."""
+
+    def __init__(self, stages: list[StageModule]):
+        super().__init__()
+        self.shape = stages[0].shape
+        first = next((st for st in stages if st.is_first), None)
+        last = next((st for st in stages if st.is_last), None)
+        self.embed_tokens = first.embed_tokens if first is not None else None
+        self.layers = nn.ModuleDict()
+        self.norm = last.norm if last is not None else None
+        self.lm_head = last.lm_head if last is not None else None
+        self.stages = stages  # a plain list (see above)
+        self.is_first, self.is_last = first is not None, last is not None
+        self.context_parallel = None
+        self.pipeline: Pipeline | None = None  # attach_pipeline
+        self.sync()
+
+    def sync(self) -> None:
+        """Take the stages' layers (recompute wraps them in place of the originals) and context parallel."""
+        for st in self.stages:
+            for k, layer in st.layers.items():
+                self.layers[k] = layer
+        self.context_parallel = self.stages[0].context_parallel
+
+    def forward(self, *args, **kwargs):
+        raise RuntimeError("a pipeline rank's model runs through its schedule (Trainer.forward_backward)")
+
+
+def split_model(model: Transformer, plan, meshes) -> StageGroup:
+    """This rank's stages of `model` (its pp coordinate on the dense mesh: stage r, or with v·pp entries in
+    `pp_stages` stages r, r + pp, …); raises LayoutError (one line) for a split that does not cover the model's
+    layers or a model whose embedding and head are one tied matrix."""
     from launch.parallel import LayoutError
 
     pp = plan.layout.pp
     sizes = stage_sizes(plan, model.shape)
     n = len(model.layers)
-    if len(sizes) != pp:
-        raise LayoutError(f"train.pp_stages lists {len(sizes)} stages for pp={pp}: this version runs one stage a rank "
-                          f"(1F1B), not virtual stages")
+    if len(sizes) % pp:
+        raise LayoutError(f"train.pp_stages lists {len(sizes)} stages, not a multiple of pp={pp}")
     if sum(sizes) != n or min(sizes) < 1:
-        raise LayoutError(f"train.pp_stages {sizes} does not split the {n} layers into {pp} non-empty stages")
+        raise LayoutError(f"train.pp_stages {sizes} does not split the {n} layers into {len(sizes)} non-empty "
+                          f"stages")
     if model.shape.tie_embeddings:
         raise LayoutError("pipeline parallel puts the embedding and the LM head on different stages; this model ties "
                           "them: re-solve with --pp 1")
     rank = meshes.dense.get_local_rank("pp")
-    first = sum(sizes[:rank])
-    return StageModule(model, first, sizes[rank], rank == 0, rank == pp - 1)
+    stages = [StageModule(model, s, sum(sizes[:s]), sizes[s], s == 0, s == len(sizes) - 1)
+              for s in range(rank, len(sizes), pp)]
+    return StageGroup(stages)
 
 
 def pad_batch(batch: Batch, tokens: int) -> Batch:
@@ -134,46 +172,61 @@ def _summed_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 
 class Pipeline:
-    """The PipelineStage of this rank's StageModule and the 1F1B schedule over the dense mesh's pp group; the step's
-    micro-batch queue the stage's forwards take from."""
+    """This rank's PipelineStages (one per StageModule of the group) and their schedule over the dense mesh's pp
+    group — Schedule1F1B for one stage a rank, ScheduleInterleaved1F1B for v — and the step's micro-batch queue
+    the stages' forwards take from."""
 
-    def __init__(self, stage: StageModule, meshes, tokens: int, dtype: torch.dtype):
+    def __init__(self, group: StageGroup, meshes, tokens: int, num_stages: int, dtype: torch.dtype):
         from torch.distributed.pipelining import PipelineStage
 
-        self.module, self.tokens = stage, tokens
+        self.module, self.tokens, self.num_stages = group, tokens, num_stages
         local = tokens // meshes.cp_size  # under cp each rank holds its zigzag shard of every micro-batch
         self.group = meshes.dense.get_group("pp")
-        self.num_stages = meshes.dense.size(meshes.dense.mesh_dim_names.index("pp"))
+        self.pp = meshes.dense.size(meshes.dense.mesh_dim_names.index("pp"))
         self.index = meshes.dense.get_local_rank("pp")
         self.metrics_group = meshes.data_group
-        device = next(stage.parameters()).device
-        hidden = stage.shape.hidden_size
-        # shapes are static (every micro-batch padded to `tokens`): no shape inference at the first step
-        inputs = (torch.empty(1, local, dtype=torch.int64, device=device) if stage.is_first else
-                  torch.empty(local, hidden, dtype=dtype, device=device, requires_grad=True))
-        outputs = (torch.empty(1, dtype=torch.float32, device=device, requires_grad=True) if stage.is_last else
-                   torch.empty(local, hidden, dtype=dtype, device=device, requires_grad=True))
-        self.stage = PipelineStage(stage, self.index, self.num_stages, device, input_args=inputs,
-                                   output_args=outputs, group=self.group)
+        device = next(group.parameters()).device
+        hidden = group.shape.hidden_size
+        self.stages = []
+        for st in group.stages:
+            # shapes are static (every micro-batch padded to `tokens`): no shape inference at the first step
+            inputs = (torch.empty(1, local, dtype=torch.int64, device=device) if st.is_first else
+                      torch.empty(local, hidden, dtype=dtype, device=device, requires_grad=True))
+            outputs = (torch.empty(1, dtype=torch.float32, device=device, requires_grad=True) if st.is_last else
+                       torch.empty(local, hidden, dtype=dtype, device=device, requires_grad=True))
+            self.stages.append(PipelineStage(st, st.index, num_stages, device, input_args=inputs,
+                                             output_args=outputs, group=self.group))
+            st.pipeline = self
         self._schedule, self._n = None, 0
         self.trainer = None
         self._queue: list[tuple[Batch, float, bool]] = []
-        self._taken = 0
+        self._taken: dict[int, int] = {}
         self._sums: dict[str, torch.Tensor | float] = {}
 
+    def micro_batches(self, n: int) -> int:
+        """How many micro-batches the schedule runs for n of this rank's: at least one per rank (1F1B), and under
+        interleaving a multiple of pp (its rounds)."""
+        if len(self.stages) == 1:
+            return max(n, self.pp)
+        return -(-max(n, self.pp) // self.pp) * self.pp
+
     def schedule(self, n: int):
-        """The 1F1B schedule for n micro-batches (rebuilt when n changes: the stage's buffers are per micro-batch)."""
-        from torch.distributed.pipelining import Schedule1F1B
+        """The schedule for n micro-batches (rebuilt when n changes: the stages' buffers are per micro-batch)."""
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
 
         if self._schedule is None or self._n != n:
-            self._schedule = Schedule1F1B(self.stage, n, loss_fn=_summed_loss, scale_grads=False)
+            if len(self.stages) == 1:
+                self._schedule = Schedule1F1B(self.stages[0], n, loss_fn=_summed_loss, scale_grads=False)
+            else:
+                self._schedule = ScheduleInterleaved1F1B(self.stages, n, loss_fn=_summed_loss, scale_grads=False)
             self._n = n
         return self._schedule
 
-    def take(self) -> tuple[Batch, float, bool]:
-        item = self._queue[self._taken]
-        self._taken += 1
-        return item
+    def take(self, stage: int) -> tuple[Batch, float, bool]:
+        """The next micro-batch of stage `stage` (each stage runs its forwards in micro-batch order)."""
+        i = self._taken.get(stage, 0)
+        self._taken[stage] = i + 1
+        return self._queue[i]
 
     def record(self, metrics: dict[str, torch.Tensor], weight: float, real: bool) -> None:
         for k, v in metrics.items():  # every key, also from padding forwards: the same keys on every rank
@@ -181,29 +234,30 @@ class Pipeline:
             self._sums[k] = self._sums.get(k, 0.0) + add
 
     def forward_backward(self, trainer, batches: list[Batch]) -> dict[str, float]:
-        """Trainer.forward_backward under pp: this data-parallel rank's share of the step's micro-batches (padded to
-        at least one per stage with weight-0 repeats) through the schedule; the last stage's metrics, summed over its
-        data-parallel ranks, on every rank."""
+        """Trainer.forward_backward under pp: this data-parallel rank's share of the step's micro-batches (topped up
+        with weight-0 repeats to what the schedule needs) through the schedule; the last stage's metrics, summed over
+        its data-parallel ranks, on every rank."""
         from launch.parallel import micro_batch_share
 
         weights = trainer._weights(batches)
         share = micro_batch_share(len(batches), trainer.dp_rank, trainer.dp_size)
-        share += [None] * (self.num_stages - len(share))  # 1F1B runs at least one micro-batch per stage
+        share += [None] * (self.micro_batches(len(share)) - len(share))
         cp = self.module.context_parallel
         self._queue = []
         for j in share:
             batch, weight = (batches[j], weights[j]) if j is not None else (batches[0], 0.0)
             batch = pad_batch(trainer.with_loss_weights(batch), self.tokens)
             self._queue.append((cp.shard(batch) if cp is not None else batch, weight, j is not None))
-        self._taken, self._sums, self.trainer = 0, {}, trainer
+        self._taken, self._sums, self.trainer = {}, {}, trainer
         args = (torch.stack([b.input_ids for b, _, _ in self._queue]),) if self.module.is_first else ()
         target = torch.zeros(len(share), device=batches[0].input_ids.device) if self.module.is_last else None
         try:
             self.schedule(len(share)).step(*args, target=target, return_outputs=False)
         finally:
             self.trainer, queued, self._queue = None, len(self._queue), []
-        if self._taken != queued:
-            raise RuntimeError(f"pipeline stage {self.index} ran {self._taken} forwards for {queued} micro-batches")
+        ran = [self._taken.get(st.index, 0) for st in self.module.stages]
+        if ran != [queued] * len(ran):
+            raise RuntimeError(f"pipeline rank {self.index}: its stages ran {ran} forwards for {queued} micro-batches")
         metrics = None
         if self.module.is_last:
             keys = sorted(self._sums)
@@ -214,17 +268,20 @@ class Pipeline:
                 dist.all_reduce(out, group=self.metrics_group)
             metrics = dict(zip(keys, out.tolist()))
         box = [metrics]
-        dist.broadcast_object_list(box, group=self.group, group_src=self.num_stages - 1)
+        dist.broadcast_object_list(box, group=self.group, group_src=self.pp - 1)  # the last stage: rank pp − 1
         return box[0]
 
 
-def attach_pipeline(stage: StageModule, plan, meshes, dtype: torch.dtype) -> StageModule:
-    """Install the Pipeline on the (FSDP2-wrapped) stage as `stage.pipeline`, which Trainer.forward_backward runs."""
-    stage.pipeline = Pipeline(stage, meshes, plan.train.micro_batch_tokens, dtype)
-    return stage
+def attach_pipeline(group: StageGroup, plan, meshes, dtype: torch.dtype) -> StageGroup:
+    """Take the parallelized stages' layers into the group and install the Pipeline as `group.pipeline`, which
+    Trainer.forward_backward runs."""
+    group.sync()
+    num_stages = len(stage_sizes(plan, group.shape))
+    group.pipeline = Pipeline(group, meshes, plan.train.micro_batch_tokens, num_stages, dtype)
+    return group
 
 
-def gathered_state_dict(stage: StageModule) -> dict[str, torch.Tensor] | None:
+def gathered_state_dict(stage: StageGroup) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict as full CPU tensors on global rank 0 (None on the other ranks), every stage's
     parameters under their global names: each stage gathers its sharded tensors one at a time (bounded device
     memory), its first data-parallel rank keeps them in host memory, and rank 0 collects the stages'."""

@@ -198,10 +198,10 @@ def _crosses_tp_edge(packing, tp: int) -> bool:
 
 
 def _count_stage_forwards(model) -> list[int]:
-    """How many forwards a pipeline stage runs (1 per micro-batch, padding included), counted by a hook."""
+    """How many forwards a pipeline rank's stages run (1 per micro-batch and stage, padding included)."""
     calls = [0]
-    if getattr(model, "pipeline", None) is not None:
-        model.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
+    for stage in getattr(model, "stages", []):  # a pipeline rank's stages (one, or v interleaved)
+        stage.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1))
     return calls
 
 

@@ -8,8 +8,8 @@ three thousandths of the largest gradient anywhere, for the near-cancelling A_lo
 chunk bitwise. CP: cp=2 (world 2), cp=4 and cp=2 × ep=2 with dp=2 (world 4) on packed micro-batches whose documents
 cross segment edges, with a padded tail; and the CP exchanges alone (attention, conv halo, delta-rule combine) against
 the one-process functions in fp64, outputs and input gradients to 1e-12. PP: pp=2 with an uneven split (3 + 1
-layers) on off-policy sequence-mean data (world 2), pp=2 × dp=2 with ep=2 inside each stage, pp=4 (two middle
-stages) and pp=2 × cp=2 (world 4). TP:
+layers) on off-policy sequence-mean data and interleaved over 2 virtual stages a rank (world 2), pp=2 × dp=2 with
+ep=2 inside each stage, pp=4 (two middle stages) and pp=2 × cp=2 (world 4). TP:
 tp=2 alone and with ep=2 over the tp ranks (world 2), tp=2 × dp=2 with ep=1 and ep=4 and cp=2 × tp=2 with ep=4
 (world 4), on packed micro-batches padded to whole sequence-parallel rows with documents across the tp ranks' edge.
 
@@ -60,7 +60,8 @@ def world2(tmp_path_factory):
              ["cp2", 1, 1, 1, 2, "cp"], ["pieces_cp2", "pieces", 2],
              ["tp2", 1, 1, 1, 1, "cp", "full", 2], ["tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2],
              # [..., recompute, tp, pp, pp_stages]: two stages of 3 and 1 layers, off-policy, sequence-mean
-             ["pp2", 1, 1, 1, 1, "cp_off", "full", 1, 2, [3, 1]]]
+             ["pp2", 1, 1, 1, 1, "cp_off", "full", 1, 2, [3, 1]],
+             ["pp2_v2", 1, 1, 1, 1, "cp", "full", 1, 2, [1, 1, 1, 1]]]
     return _launch(2, cases, tmp_path_factory.mktemp("world2"))
 
 
@@ -150,10 +151,11 @@ def test_tensor_parallel_splits_every_dense_parameter_and_the_data_crosses_edges
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("world, name", [(2, "pp2"), (4, "pp2_dp2_ep2"), (4, "pp4"), (4, "pp2_cp2")])
+@pytest.mark.parametrize("world, name", [(2, "pp2"), (2, "pp2_v2"), (4, "pp2_dp2_ep2"), (4, "pp4"),
+                                         (4, "pp2_cp2")])
 def test_pipeline_layouts_equal_one_process(world2, world4, world, name):
-    """pp=2 (1F1B, micro-batches padded to the plan's micro_batch_tokens), pp=2 × dp=2 with ep=2 inside each stage,
-    pp=4 and pp=2 × cp=2: every step's loss and metrics (on the last stage, broadcast to every rank) and every
+    """pp=2 (1F1B, micro-batches padded to the plan's micro_batch_tokens), pp=2 with 2 virtual stages a rank
+    (interleaved 1F1B), pp=2 × dp=2 with ep=2 inside each stage, pp=4 and pp=2 × cp=2: every step's loss and metrics (on the last stage, broadcast to every rank) and every
     gradient of every stage equal one process."""
     _assert_equal_to_one_process({2: world2, 4: world4}[world][name])
 
@@ -166,6 +168,8 @@ def test_pipeline_stages_hold_their_layers_and_run_every_micro_batch(world2, wor
     r = world2["pp2"]
     assert r["num_micro_batches"] == [2, 2]
     assert r["pipeline"] == [[0, ["0", "1", "2"], True, False, 4], [1, ["3"], False, True, 4]]
+    r = world2["pp2_v2"]  # interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3; 2 stages x 4 forwards
+    assert r["pipeline"] == [[0, ["0", "2"], True, False, 8], [1, ["1", "3"], False, True, 8]]
     r = world4["pp2_dp2_ep2"]
     assert r["num_micro_batches"] == [3, 6]
     assert r["pipeline"] == [[0, ["0", "1"], True, False, 5], [1, ["2", "3"], False, True, 5]]
