@@ -109,3 +109,36 @@ def test_measured_profiles_carry_their_efficiencies_and_sources():
     assert h200.efficiency is not None and "calibration/h200.json" in h200.sources["efficiency"]
     for name in ("b200", "mi300x"):
         assert load_profile(name).efficiency is None
+
+
+def test_h200_efficiencies_are_the_fit_of_its_grid():
+    """The profile's per-operation efficiencies are the least-squares fit of its committed grid's `fit` points
+    (what `bench/calibrate.py --fit` computes): the step at world size 1 is Σ work / rate, linear in the inverse
+    rates. Every fitted inverse rate comes out positive, so the unconstrained solution is the non-negative one."""
+    np = pytest.importorskip("numpy")
+    from recipe.cost import ADAM_BYTES_MOVED, Layout, TrainOptions, compute_work, local_param_count
+    from recipe.models import resolve_model
+
+    terms = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "ep_dispatch", "layer_passes",
+             "optimizer")
+    rows, ys = [], []
+    for r in calibration.load("h200").points:
+        if "step_s" not in r or r["role"] != "fit":
+            continue
+        m = resolve_model(r["model"]).with_layers(r["layers"])
+        o = TrainOptions(micro_batch_tokens=r["seq"], recompute=r["recompute"], lm_head=r["lm_head"])
+        work = compute_work(m, Layout(), o, ep_path=r["ep_path"])
+        work["optimizer"] = local_param_count(m, 1, Layout()) * ADAM_BYTES_MOVED
+        rows.append([work[k] for k in terms])
+        ys.append(r["step_s"])
+    a, y = np.array(rows), np.array(ys)
+    inv, *_ = np.linalg.lstsq(a / y[:, None], np.ones(len(y)), rcond=None)
+    assert (inv > 0).all()
+    hw = load_profile("h200")
+    eff, peak, hbm = hw.efficiency, hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
+    fitted = dict(zip(terms, inv))
+    for k in ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head"):
+        assert getattr(eff, k) == pytest.approx(1 / (fitted[k] * peak), abs=6e-4), k
+    for k in ("optimizer", "ep_dispatch"):
+        assert getattr(eff, k) == pytest.approx(1 / (fitted[k] * hbm), abs=6e-4), k
+    assert eff.layer_latency_ms == pytest.approx(fitted["layer_passes"] * 1e3, abs=6e-4)
