@@ -328,7 +328,6 @@ def fit(path: str) -> dict:
     Prints the efficiencies in the profile's terms (fractions of the dense bf16 peak or of the HBM bandwidth,
     ms per layer pass) and the fitted and held-out errors they give."""
     import numpy as np
-    from scipy.optimize import nnls
 
     from recipe.cost import ADAM_BYTES_MOVED, Layout, TrainOptions, compute_work, local_param_count
     from recipe.hw import load_profile
@@ -349,7 +348,15 @@ def fit(path: str) -> dict:
         roles.append(r.get("role", "fit"))
     a, y = np.array(rows), np.array(ys)
     fit_rows = np.array([x == "fit" for x in roles])
-    inv, _ = nnls(a[fit_rows] / y[fit_rows, None], np.ones(fit_rows.sum()))
+    lhs, rhs = a[fit_rows] / y[fit_rows, None], np.ones(fit_rows.sum())
+    try:
+        from scipy.optimize import nnls
+
+        inv, _ = nnls(lhs, rhs)
+    except ImportError:  # without scipy: the unconstrained fit, which is the non-negative one when all are > 0
+        inv, *_ = np.linalg.lstsq(lhs, rhs, rcond=None)
+        if (inv <= 0).any():
+            raise SystemExit("the unconstrained fit has a non-positive rate: install scipy for the NNLS fit")
     peak, hbm = hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
     eff = {}
     for k, v in zip(FIT_TERMS, inv):
