@@ -135,7 +135,7 @@ def test_output_onto_a_directory_is_an_error(tmp_path):
     (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h10"], ["unknown hardware profile", "did you mean h100"]),
     (["--model", "qwen35-35b", "--seq", "12x", "--hw", "h100"], ["malformed size '12x'"]),
     (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--gpus", "5000"], ["--gpus must be between"]),
-    (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--gpus", "7"],
+    (["--model", "qwen35-35b", "--seq", "64k", "--hw", "h100", "--gpus", "7"],
      ["7 GPUs leave no larger cp", "cp=7 would not split", "12 GPUs fit"]),
     (["--model", "deepseek-v3", "--seq", "1m", "--gpus", "8", "--hw", "h100"],
      ["does not fit on 8x h100", "GB over"]),
