@@ -77,6 +77,24 @@ def test_plan_records_the_split_and_checks_clean(tmp_path):
     assert "pp_stages" not in _solve(tmp_path, "--pp", "1")["train"]  # no pipeline, no field
 
 
+def test_trainer_split_equals_the_plans(tmp_path):
+    """The trainer's stages: the plan's pp_stages, or — for a plan without the field — the same pipeline_split of
+    the plan's shape and micro-batch, so both equal what recipe solve recorded."""
+    import types
+
+    from launch.pipeline import stage_sizes
+    from recipe.plan import load_plan
+
+    _solve(tmp_path, "--pp", "4")
+    plan = load_plan(tmp_path / "plan.yaml")
+    shape = plan.model_shape()
+    assert stage_sizes(plan, shape) == plan.train.pp_stages
+    bare = types.SimpleNamespace(layout=plan.layout, train=types.SimpleNamespace(
+        micro_batch_tokens=plan.train.micro_batch_tokens, recompute=plan.train.recompute,
+        lm_head=plan.train.lm_head))
+    assert stage_sizes(bare, shape) == plan.train.pp_stages
+
+
 # ---- padding moves nothing ---------------------------------------------------------------------------------------
 def test_padding_to_the_micro_batch_size_keeps_loss_and_gradients():
     """A micro-batch padded to 64 tokens with a weight-0 document: the same loss, metrics and gradients as unpadded
