@@ -59,6 +59,9 @@ def check_plan_shape(plan, shape) -> None:
     if problems:
         name, value, why = problems[0]
         raise LayoutError(f"{name}={value}: {why}")
+    if plan.layout.pp > 1 and shape.tie_embeddings:
+        raise LayoutError(f"pp={plan.layout.pp}: pipeline parallel puts the embedding and the LM head on different "
+                          f"stages, and {shape.name} ties them: re-solve with --pp 1")
 
 
 @dataclass

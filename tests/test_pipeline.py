@@ -166,6 +166,21 @@ def test_bad_pipeline_plans_exit_2_in_one_line(tmp_path, pp, stages, needle):
     assert "Traceback" not in r.stderr
 
 
+def test_tied_embeddings_are_refused_under_pp_before_any_group():
+    import types
+
+    from launch.parallel import LayoutError, check_plan_shape
+    from recipe.plan import LayoutSpec
+
+    shape = PRESETS["tiny-moe"].model_copy(update={"tie_embeddings": True})
+    plan = types.SimpleNamespace(layout=LayoutSpec(pp=2, tp=1, cp=1, ep=1, dp=1, etp=1, edp=1),
+                                 train=types.SimpleNamespace(micro_batch_tokens=64, pp_stages=None))
+    with pytest.raises(LayoutError, match="pp=2: pipeline parallel puts the embedding and the LM head on different "
+                                          "stages, and tiny-moe ties them"):
+        check_plan_shape(plan, shape)
+    check_plan_shape(plan, PRESETS["tiny-moe"])
+
+
 def test_recipe_check_names_a_split_that_misses_layers(tmp_path):
     r = subprocess.run([sys.executable, "-m", "recipe", "check", str(_tiny_plan(tmp_path, 2, [1, 2]))],
                        capture_output=True, text=True, cwd=ROOT)
