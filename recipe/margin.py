@@ -36,7 +36,7 @@ from .hw import HwProfile
 from .models import ModelShape, param_counts
 
 # The error band of a profile without a calibration grid (AMD, B200, a user's own profile): half as much again as the
-# ±10% a measured grid must meet at most (the H200 grid's worst point is 8.5% today). Memory: the allocator (HIP's
+# ±10% a measured grid must meet at most (the committed H200 grid is within it). Memory: the allocator (HIP's
 # caching allocator), the attention and delta-rule kernels (what they save for the backward) and the collective
 # library's buffers all differ from what was measured.
 ASSUMED_MEMORY_ERROR = 0.15
