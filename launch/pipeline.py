@@ -1,7 +1,8 @@
 """Pipeline parallelism: each rank of a pipeline holds one stage — a contiguous run of decoder layers, the embedding
 with the first, the final norm, the LM head and the loss with the last — or, under interleaving, v such stages
-(r, r + pp, …); torch.distributed.pipelining's Schedule1F1B (ScheduleInterleaved1F1B) runs the step's micro-batches
-through them (docs/training.md, "Pipeline parallelism").
+(r, r + pp, …); torch.distributed.pipelining's Schedule1F1B (ScheduleGPipe for fewer micro-batches than stages,
+ScheduleInterleaved1F1B for v stages a rank) runs the step's micro-batches through them (docs/training.md,
+"Pipeline parallelism").
 
     split_model(model, plan, meshes)    this rank's StageGroup of StageModules (the other stages' modules are
                                         dropped): parameter names stay the whole model's (`layers.7.…`), so
@@ -173,8 +174,8 @@ def _summed_loss(output: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
 
 class Pipeline:
     """This rank's PipelineStages (one per StageModule of the group) and their schedule over the dense mesh's pp
-    group — Schedule1F1B for one stage a rank, ScheduleInterleaved1F1B for v — and the step's micro-batch queue
-    the stages' forwards take from."""
+    group — Schedule1F1B for one stage a rank (GPipe below pp micro-batches), ScheduleInterleaved1F1B for v — and
+    the step's micro-batch queue the stages' forwards take from."""
 
     def __init__(self, group: StageGroup, meshes, tokens: int, num_stages: int, dtype: torch.dtype):
         from torch.distributed.pipelining import PipelineStage
@@ -204,19 +205,22 @@ class Pipeline:
         self._sums: dict[str, torch.Tensor | float] = {}
 
     def micro_batches(self, n: int) -> int:
-        """How many micro-batches the schedule runs for n of this rank's: at least one per rank (1F1B), and under
-        interleaving a multiple of pp (its rounds)."""
+        """How many micro-batches the schedule runs for n of this rank's: n with one stage a rank (GPipe below pp
+        micro-batches, 1F1B from pp on); under interleaving a multiple of pp, at least pp (its rounds)."""
         if len(self.stages) == 1:
-            return max(n, self.pp)
+            return n
         return -(-max(n, self.pp) // self.pp) * self.pp
 
     def schedule(self, n: int):
         """The schedule for n micro-batches (rebuilt when n changes: the stages' buffers are per micro-batch)."""
-        from torch.distributed.pipelining import Schedule1F1B, ScheduleInterleaved1F1B
+        from torch.distributed.pipelining import Schedule1F1B, ScheduleGPipe, ScheduleInterleaved1F1B
 
         if self._schedule is None or self._n != n:
             if len(self.stages) == 1:
-                self._schedule = Schedule1F1B(self.stages[0], n, loss_fn=_summed_loss, scale_grads=False)
+                # fewer micro-batches than stages: 1F1B would run all forwards, then all backwards anyway — GPipe,
+                # which (unlike Schedule1F1B) takes n < pp, with no weight-0 micro-batches to fill the pipeline
+                kind = Schedule1F1B if n >= self.pp else ScheduleGPipe
+                self._schedule = kind(self.stages[0], n, loss_fn=_summed_loss, scale_grads=False)
             else:
                 self._schedule = ScheduleInterleaved1F1B(self.stages, n, loss_fn=_summed_loss, scale_grads=False)
             self._n = n
@@ -234,9 +238,9 @@ class Pipeline:
             self._sums[k] = self._sums.get(k, 0.0) + add
 
     def forward_backward(self, trainer, batches: list[Batch]) -> dict[str, float]:
-        """Trainer.forward_backward under pp: this data-parallel rank's share of the step's micro-batches (topped up
-        with weight-0 repeats to what the schedule needs) through the schedule; the last stage's metrics, summed over
-        its data-parallel ranks, on every rank."""
+        """Trainer.forward_backward under pp: this data-parallel rank's share of the step's micro-batches (under
+        interleaving topped up with weight-0 repeats to what the schedule needs) through the schedule; the last
+        stage's metrics, summed over its data-parallel ranks, on every rank."""
         from launch.parallel import micro_batch_share
 
         weights = trainer._weights(batches)

@@ -163,19 +163,20 @@ def test_pipeline_layouts_equal_one_process(world2, world4, world, name):
 @pytest.mark.dist
 def test_pipeline_stages_hold_their_layers_and_run_every_micro_batch(world2, world4):
     """Each rank holds its stage's layers only (the embedding with the first, the head with the last) and runs one
-    forward per micro-batch of its data-parallel share, at least one per stage: steps of 2 and 2 micro-batches at
-    pp=2 (2 + 2); 3 and 6 at dp=2 (2 + 3)."""
+    forward per micro-batch of its data-parallel share: steps of 2 and 2 micro-batches at pp=2 (2 + 2, 1F1B); 3 and
+    6 at dp=2 (2 + 3); at pp=4 fewer micro-batches than stages (2 + 2, GPipe: no weight-0 micro-batch added);
+    interleaved, a multiple of pp = 2 a stage (2 stages × (2 + 2))."""
     r = world2["pp2"]
     assert r["num_micro_batches"] == [2, 2]
     assert r["pipeline"] == [[0, ["0", "1", "2"], True, False, 4], [1, ["3"], False, True, 4]]
-    r = world2["pp2_v2"]  # interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3; 2 stages x 4 forwards
+    r = world2["pp2_v2"]  # interleaved: rank 0 holds stages 0 and 2, rank 1 stages 1 and 3
     assert r["pipeline"] == [[0, ["0", "2"], True, False, 8], [1, ["1", "3"], False, True, 8]]
     r = world4["pp2_dp2_ep2"]
     assert r["num_micro_batches"] == [3, 6]
     assert r["pipeline"] == [[0, ["0", "1"], True, False, 5], [1, ["2", "3"], False, True, 5]]
-    r = world4["pp4"]  # two middle stages; 2 and 2 micro-batches topped up to 4 and 4
-    assert r["pipeline"] == [[0, ["0"], True, False, 8], [1, ["1"], False, False, 8], [2, ["2"], False, False, 8],
-                             [3, ["3"], False, True, 8]]
+    r = world4["pp4"]  # two middle stages
+    assert r["pipeline"] == [[0, ["0"], True, False, 4], [1, ["1"], False, False, 4], [2, ["2"], False, False, 4],
+                             [3, ["3"], False, True, 4]]
     r = world4["pp2_cp2"]  # each cp rank's zigzag shard flows between the stages, documents across segment edges
     assert r["cp_segment_len"] == [32] and r["cp_docs_cross_segments"]
 
