@@ -119,8 +119,9 @@ class StageGroup(nn.Module):
 
 def split_model(model: Transformer, plan, meshes) -> StageGroup:
     """This rank's stages of `model` (its pp coordinate on the dense mesh: stage r, or with v·pp entries in
-    `pp_stages` stages r, r + pp, …); raises LayoutError (one line) for a split that does not cover the model's
-    layers or a model whose embedding and head are one tied matrix."""
+    `pp_stages` stages r, r + pp, …); `model` is left holding no module (the other stages' are freed). Raises
+    LayoutError (one line) for a split that does not cover the model's layers or a model whose embedding and head
+    are one tied matrix."""
     from launch.parallel import LayoutError
 
     pp = plan.layout.pp
@@ -137,6 +138,8 @@ def split_model(model: Transformer, plan, meshes) -> StageGroup:
     rank = meshes.dense.get_local_rank("pp")
     stages = [StageModule(model, s, sum(sizes[:s]), sizes[s], s == 0, s == len(sizes) - 1)
               for s in range(rank, len(sizes), pp)]
+    # the whole model gives up its modules: what this rank's stages do not hold is freed before FSDP2 and the rest
+    model.layers, model.embed_tokens, model.norm, model.lm_head = nn.ModuleList(), None, None, None
     return StageGroup(stages)
 
 
