@@ -35,11 +35,26 @@ VARIANTS = {
     "cp": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
     "cp_off": (128, ("old_logprobs", "ref_logprobs", "rollout_logprobs"),
                {"kl_coef": 0.1, "entropy_coef": 0.01, "aggregation": "seq_mean"}, True),
+    # a dense model (Qwen3.5 dense: Gated DeltaNet and attention layers, a SwiGLU MLP in every layer)
+    "dense": (64, (), {}, False),
 }
+# the model each variant trains (default: tiny-moe)
+VARIANT_SHAPES = {"dense": "tiny-dense"}
 # exp(A_log) per value head, so that the state entering a segment matters: with softplus(·) ≈ 1.3 a head keeps
 # e^{-0.5}..e^{-2.5} of its state over a 32-token segment (the initial A_log = log U(1, 16) forgets it within a few
 # tokens, and the combine would go untested)
 SLOW_DECAY = (0.012, 0.02, 0.04, 0.06)
+
+
+def _shape(variant: str):
+    from recipe.models import PRESETS
+
+    if VARIANT_SHAPES.get(variant) == "tiny-dense":
+        moe = PRESETS["tiny-moe"]
+        return moe.model_copy(update=dict(name="tiny-dense", arch="qwen3_5", num_experts=1, top_k=1,
+                                          shared_expert_ffn=0, shared_expert_gate=False,
+                                          first_dense_layers=moe.num_layers, dense_ffn=48))
+    return PRESETS["tiny-moe"]
 
 
 def _model(shape, variant: str):
@@ -120,9 +135,8 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
              references) -> dict:
     from launch.parallel import build_meshes, moe_layers, parallelize
     from launch.train import Trainer
-    from recipe.models import PRESETS
 
-    shape = PRESETS["tiny-moe"]
+    shape = _shape(variant)
     steps = data[variant]
     plan = _plan(dp, ep, chunks, recompute, cp=cp, tp=tp, pp=pp, tokens=VARIANTS[variant][0], pp_stages=pp_stages)
     meshes = build_meshes(plan.layout, "cpu")
@@ -290,12 +304,11 @@ def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
     from launch.train import Trainer
-    from recipe.models import PRESETS
 
-    shape = PRESETS["tiny-moe"]
     variants = sorted({case[5] if len(case) > 5 else "base" for case in cases if case[1] != "pieces"})
     data, references = {}, ({} if rank == 0 else None)
     for v in variants:
+        shape = _shape(v)
         tokens, fields, _, cp_variant = VARIANTS[v]
         data[v] = _steps_data(shape.vocab_size, tokens, fields, 1.0 if cp_variant else 0.0)
         if rank == 0:  # the one-process reference, once per variant

@@ -61,7 +61,8 @@ def world2(tmp_path_factory):
              ["tp2", 1, 1, 1, 1, "cp", "full", 2], ["tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2],
              # [..., recompute, tp, pp, pp_stages]: two stages of 3 and 1 layers, off-policy, sequence-mean
              ["pp2", 1, 1, 1, 1, "cp_off", "full", 1, 2, [3, 1]],
-             ["pp2_v2", 1, 1, 1, 1, "cp", "full", 1, 2, [1, 1, 1, 1]]]
+             ["pp2_v2", 1, 1, 1, 1, "cp", "full", 1, 2, [1, 1, 1, 1]],  # interleaved: 2 virtual stages a rank
+             ["dense_dp2", 2, 1, 1, 1, "dense"]]
     return _launch(2, cases, tmp_path_factory.mktemp("world2"))
 
 
@@ -72,7 +73,8 @@ def world4(tmp_path_factory):
              ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
              ["cp2_tp2_ep4", 1, 4, 1, 2, "cp_off", "full", 2],
              ["pp2_dp2_ep2", 2, 2, 1, 1, "base", "full", 1, 2],  # the split from the cost model
-             ["pp4", 1, 1, 1, 1, "cp", "full", 1, 4], ["pp2_cp2", 1, 1, 1, 2, "cp", "full", 1, 2]]
+             ["pp4", 1, 1, 1, 1, "cp", "full", 1, 4], ["pp2_cp2", 1, 1, 1, 2, "cp", "full", 1, 2],
+             ["dense_tp2_dp2", 2, 1, 1, 1, "dense", "full", 2]]
     return _launch(4, cases, tmp_path_factory.mktemp("world4"))
 
 
@@ -92,6 +94,14 @@ def test_world2_layouts_equal_one_process(world2, name):
 @pytest.mark.parametrize("name", ["dp4_ep2_k1", "dp4_ep2_k2", "dp4_ep4_k1"])
 def test_world4_layouts_equal_one_process(world4, name):
     _assert_equal_to_one_process(world4[name])
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("world, name", [(2, "dense_dp2"), (4, "dense_tp2_dp2")])
+def test_dense_model_layouts_equal_one_process(world2, world4, world, name):
+    """A dense model (Qwen3.5 dense: Gated DeltaNet and attention layers, a SwiGLU MLP in every layer, no expert
+    unit for FSDP2) under dp=2 and tp=2 × dp=2 equals one process."""
+    _assert_equal_to_one_process({2: world2, 4: world4}[world][name])
 
 
 @pytest.mark.dist
