@@ -46,9 +46,10 @@ def generate(folder: Path) -> tuple[list[Path], list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     args = sys.argv[1:] if argv is None else argv
-    if len(args) != 1:
-        print("usage: python -m recipe.gen_plans FOLDER", file=sys.stderr)
-        return 2
+    if len(args) != 1 or args[0].startswith("-"):
+        print("usage: python -m recipe.gen_plans FOLDER  (regenerates the committed plans into FOLDER)",
+              file=sys.stderr)
+        return 0 if args in (["-h"], ["--help"]) else 2
     written, skipped = generate(Path(args[0]))
     for note in skipped:
         print(note)

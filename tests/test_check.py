@@ -296,3 +296,13 @@ def test_check_runs_without_the_cli():
     code = ("import sys, recipe.check, recipe.gen_plans; "
             "assert 'recipe.cli' not in sys.modules, sorted(m for m in sys.modules if m.startswith('recipe'))")
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_gen_plans_takes_no_option_for_a_folder(tmp_path, monkeypatch, capsys):
+    """`python -m recipe.gen_plans --help` prints its usage and writes nothing (it once wrote 55 plans into a
+    folder named --help); an unknown option exits 2."""
+    from recipe.gen_plans import main
+
+    monkeypatch.chdir(tmp_path)
+    assert main(["--help"]) == 0 and main(["-x"]) == 2 and main([]) == 2
+    assert list(tmp_path.iterdir()) == [] and "usage" in capsys.readouterr().err
