@@ -133,18 +133,26 @@ class Estimate:
 
 
 # ---- parameters by sharding group ----------------------------------------------------------------------------
-def stage_params(m: ModelShape, pp: int) -> tuple[float, float, float]:
+def stage_params(m: ModelShape, pp: int, layers: float | None = None) -> tuple[float, float, float]:
     """(dense, routed-expert, head+embedding) parameters held by the largest pipeline stage.
 
-    Layers are split evenly; the first stage also holds the embedding, the last the head: the largest stage is
-    taken as L/pp layers plus the larger of the two (with pp=1 both)."""
+    The first stage also holds the embedding, the last the head: the largest stage is taken as `layers` layers
+    (default L/pp; the plan's cost-balanced split gives its largest stage, stage_layers) plus the larger of the two
+    (with pp=1 both)."""
     c = param_counts(m)
     layer_dense = (c["attention"] + c["linear_attention"] + c["router"] + c["shared_expert"] + c["dense_ffn"]
                    + c["norms"]) / m.num_layers
     layer_expert = c["routed_experts"] / m.num_layers
     ends = c["embedding"] + c["head"] if pp == 1 else max(c["embedding"], c["head"])
-    per_stage = m.num_layers / pp
+    per_stage = m.num_layers / pp if layers is None else layers
     return layer_dense * per_stage, layer_expert * per_stage, ends
+
+
+def stage_layers(m: ModelShape, pp: int, opts: "TrainOptions") -> int:
+    """Layers of the largest pipeline stage under the plan's split (pipeline_split): the cost-balanced split can load
+    one stage with most layers (a costly head on the last stage leaves it few), and that stage's parameters and
+    checkpoints set the peak."""
+    return m.num_layers if pp <= 1 else max(pipeline_split(m, pp, opts))
 
 
 def layer_params(m: ModelShape) -> tuple[float, float]:
@@ -335,14 +343,14 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     pp, tp, cp, ep, etp = layout.pp, layout.tp, layout.cp, layout.ep, layout.etp
     dp, edp = layout.dp(world), layout.edp(world)
     s = opts.micro_batch_tokens / cp  # tokens per rank per micro-batch (TP with sequence parallel: s/tp outside)
-    L = m.num_layers / pp
+    L = stage_layers(m, pp, opts)  # the largest stage's
     recompute = opts.recompute == "full"
     in_head = opts.lm_head != "naive"  # the head's gradients leave it at once: nothing of [s, V] outlives it
     in_flight = min(pp, opts.micro_batches) if pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches
 
     # persistent state: dense params over tp, then FSDP2 over dp·cp; routed experts over ep·etp, FSDP2 over edp
-    local_params = local_param_count(m, world, layout)
-    ends = stage_params(m, pp)[2]
+    local_params = local_param_count(m, world, layout, L)
+    ends = stage_params(m, pp, L)[2]
     mem = {
         "weights": local_params * BYTES_WEIGHTS,
         "grads": local_params * BYTES_GRADS,
@@ -396,11 +404,23 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     return mem, head_own, 2 * s * m.vocab_size / tp * BF16  # unfused: the bf16 logits and their gradient
 
 
-def local_param_count(m: ModelShape, world: int, layout: Layout) -> float:
-    """Parameters one GPU holds: dense (and the ends) over tp·dp·cp, routed experts over ep·etp·edp."""
-    dense, experts, ends = stage_params(m, layout.pp)
-    return (dense + ends) / (layout.tp * layout.dp(world) * layout.cp) + experts / (layout.ep * layout.etp
-                                                                                    * layout.edp(world))
+def local_param_count(m: ModelShape, world: int, layout: Layout, layers: float | None = None) -> float:
+    """Parameters one GPU holds: dense (and the ends) over tp·dp·cp, routed experts over ep·etp·edp; under pp, those
+    of a stage of `layers` layers (default L/pp)."""
+    dense, experts, ends = stage_params(m, layout.pp, layers)
+    replicated = tp_replicated_params(m, layout.pp, layers) if layout.tp > 1 else 0.0
+    return ((dense - replicated + ends) / (layout.tp * layout.dp(world) * layout.cp)
+            + replicated / (layout.dp(world) * layout.cp)
+            + experts / (layout.ep * layout.etp * layout.edp(world)))
+
+
+def tp_replicated_params(m: ModelShape, pp: int, layers: float | None = None) -> float:
+    """Dense parameters of the largest stage that tensor parallelism keeps whole on every tp rank (launch/
+    tensor_parallel.py): the router, the shared expert and its gate, and the norms — they run on the
+    sequence-parallel tokens; attention, Gated DeltaNet, dense FFNs, the embedding and the head are split."""
+    c = param_counts(m)
+    per_stage = m.num_layers / pp if layers is None else layers
+    return (c["router"] + c["shared_expert"] + c["norms"]) / m.num_layers * per_stage
 
 
 def flop_terms(m: ModelShape, opts: TrainOptions) -> tuple[dict[str, float], float, float, float]:
@@ -435,7 +455,9 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         "layer_passes": mult * m.num_layers / pp,
     }
     if layout.ep > 1 or ep_path:
-        copies = ep_dispatch_bytes(m, s, opts.ep_overlap_chunks)
+        # the bytes the path copies: every chunk's rows pass through once, so the count is the one-chunk
+        # footprint (ep_dispatch_bytes at chunks=1), whatever the chunk count (which shrinks only what is resident)
+        copies = ep_dispatch_bytes(m, s, 1)
         work["ep_dispatch"] = (mult - 1) * m.num_moe_layers / pp * copies
     return work
 
@@ -510,10 +532,12 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
                        + n_lin * passes * 2 * cp * 10e-6)
         comm["cp"] = cp_bytes
         t["cp"] = cp_bytes / bw + t_chain
-    # TP with sequence parallel: per layer an all-gather and a reduce-scatter around the mixer and the FFN
+    # TP with sequence parallel: per layer an all-gather and a reduce-scatter around the mixer, and around a dense
+    # FFN (split like a mixer); the MoE runs on each rank's sequence-parallel tokens with no collective of its own
     t["tp"] = 0.0
     if tp > 1:
-        tp_bytes = L * 4 * s * m.hidden_size * BF16 * (tp - 1) / tp * passes
+        split_blocks = L + m.first_dense_layers / pp
+        tp_bytes = split_blocks * 2 * s * m.hidden_size * BF16 * (tp - 1) / tp * passes
         comm["tp"] = tp_bytes
         t["tp"] = tp_bytes / group_bw(hw, tp, 1, node)
     # FSDP2: all-gather bf16 params in forward and again in backward, reduce-scatter fp32 grads; overlapped
@@ -561,7 +585,8 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     f, model_flops_tok, hw_flops_tok, _ = flop_terms(m, opts)
     compute = compute_times(compute_work(m, layout, opts, ep_path), hw)
     comm, comm_t = communication_terms(m, hw, world, layout, opts)
-    t_opt = local_param_count(m, world, layout) * ADAM_BYTES_MOVED / rates(hw)["optimizer"]
+    t_opt = (local_param_count(m, world, layout, stage_layers(m, layout.pp, opts)) * ADAM_BYTES_MOVED
+             / rates(hw)["optimizer"])
     step, time_parts = step_time(compute, comm_t, layout, opts, t_opt)
     mb = opts.micro_batches
 

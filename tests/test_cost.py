@@ -255,14 +255,33 @@ def test_sharding_groups_hand_worked_tiny():
 
 
 def test_experts_split_by_ep_not_by_dp_cp():
-    """At pp=2 a stage holds half the layers; its experts are divided over ep·edp = world/pp whatever ep is."""
+    """At pp=2 the largest stage of the plan's split holds its layers' experts, divided over ep·edp = world/pp
+    whatever ep is."""
+    from recipe.cost import pipeline_split, stage_layers
+
     world = 32
+    largest = stage_layers(Q35, 2, opts(8192))
+    assert largest == max(pipeline_split(Q35, 2, opts(8192))) > Q35.num_layers / 2  # the head's stage holds fewer
     for ep in (1, 4, 8, 16):
         est = estimate(Q35, H100, world, Layout(pp=2, ep=ep), opts(8192))
-        dense, experts, ends = stage_params(Q35, 2)
+        dense, experts, ends = stage_params(Q35, 2, largest)
         local = (dense + ends) / (world // 2) + experts / (world // 2)
         assert est.memory_gb["weights"] == pytest.approx(local * BF16 / GB)
-    assert experts == pytest.approx(param_counts(Q35)["routed_experts"] / 2)
+    assert experts == pytest.approx(param_counts(Q35)["routed_experts"] * largest / Q35.num_layers)
+
+
+def test_pipeline_memory_is_the_largest_stages():
+    """An uneven split ([7, 1] for 8 layers of Qwen3.5-35B at 32K: the head weighs like several layers) is priced
+    at its 7-layer stage, not at L/pp = 4."""
+    from recipe.cost import pipeline_split
+
+    m, o = Q35.with_layers(8), opts(32768)
+    split = pipeline_split(m, 2, o)
+    assert split[0] > split[1]
+    est = estimate(m, H100, 2, Layout(pp=2), o)
+    dense, experts, ends = stage_params(m, 2, max(split))
+    assert est.memory_gb["weights"] == pytest.approx((dense + ends + experts) * BF16 / GB)
+    assert stage_params(m, 2, max(split))[1] > stage_params(m, 2)[1]
 
 
 def test_unsharded_expert_layer_shrinks_with_ep():
