@@ -550,7 +550,9 @@ def test_a_reader_that_leaves_early_ends_quietly(tmp_path, args, code):
     err = p.stderr.read().decode()
     assert p.wait(timeout=120) == code, err
     assert "Broken pipe" not in err and "Traceback" not in err and "Exception ignored" not in err
-    assert len(err.strip().splitlines()) == (1 if code else 0), err
+    # the one line of an error; an `assumed`-figures warning (profiles without a calibration grid) may precede it
+    lines = [line for line in err.strip().splitlines() if not line.startswith("warning: ")]
+    assert len(lines) == (1 if code else 0), err
     if "-o" in args:
         assert load_plan(tmp_path / "x.yaml").inputs.model == "tiny-moe"
     shell = subprocess.run(["bash", "-c", 'set -o pipefail; "$@" | head -1 >/dev/null', "_", *_recipe_argv(), *args],
