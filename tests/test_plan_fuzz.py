@@ -332,7 +332,8 @@ COMMANDS = ["solve", "solve", "solve", "sweep", "compare", "models", "hw", "chec
 INTS = ["1", "2", "8", "0", "-1", "-3", "100000", "1000000000000", "x", "1e3", "1.5", "", " 2", "٣", "4096", "4097",
         "64", "3", "7", "16", "-0", "0x10", "+2"]
 JUNK = ["", " ", "-", "--", "\x00", "\n", "é", "🙂", "\u202e", "=", "--model=tiny-moe", "-o-", "-gx", "%s", "{}",
-        "'", '"', "\\", "..", "/", "~", "$HOME", "*", "a" * 300]
+        "'", '"', "\\", "{dir}/..", "{dir}/", "~", "$HOME", "*", "a" * 300]  # path-like junk stays in tmp_path:
+# `check /` would walk (and `--fix` rewrite plans across) the whole file system
 OPTION_VALUES = {
     "--model": ["tiny-moe"] * 6 + ["qwen35-35b", "nope", "", "{cfg}", "{dir}", "/dev/null", "{missing}/config.json"],
     "--seq": ["4k", "4k", "1k", "96", "0", "-1", "12x", "1.5k", "0.1k", "9" * 30, "9" * 400, "", " 8K ", "1m"] + JUNK,
