@@ -27,25 +27,23 @@ BYTES_OPTIMIZER = 2 * FP32  # Adam exp_avg and exp_avg_sq
 # FSDP2's unsharded working set per parameter of the layer in use: the gathered bf16 layer, the next layer
 # prefetched, and the unsharded fp32 gradient before its reduce-scatter.
 BYTES_UNSHARDED = 2 * BF16 + FP32
-# The fused head's eager path (kernels/lm_head_eager.py, what the trainer runs) holds one group's fp16 tile weights
-# [Tg, V] (its dlogits are written over them): Tg = 4096 tokens (its EAGER_GROUP_TOKENS), fewer where that would pass
-# this budget (its EAGER_SCRATCH_BYTES), in multiples of 256.
+# The fused head (kernels/lm_head/fused.py, what the trainer runs) holds one group's fp16 tile weights [Tg, V] (its
+# dlogits are written over them): Tg = 4096 tokens (its GROUP_TOKENS), fewer where that would pass this budget (its
+# SCRATCH_BYTES), in multiples of 256 (tests/test_kernels_lm_head.py holds the two sides equal).
 FUSED_HEAD_BUDGET_B = 2.0 * 2**30
 FUSED_HEAD_GROUP_TOKENS = 4096
-# The split forward's per-tile statistics: 3 fp32 numbers per token per 256-wide vocab tile (kernels.lm_head_chunked.
-# PARTS_PER_TILE).
+# Per-tile statistics: 3 fp32 numbers per token per 256-wide vocab tile.
 TILE_STATS_BYTES = 12
-# The lean head (kernels/lm_head_lean.py, `lm_head: lean`): with the loss handed to it (what the trainer runs) it holds
-# the two bf16 gradients and ~2 MiB beside them; its five-GEMM form (log-probs under an autograd loss) also holds, in
-# its forward, the per-tile statistics of one token chunk (at most this, kernels.lm_head.FORWARD_PARTS_BYTES).
+# The lean head (kernels/lm_head/lean.py, `lm_head: lean`, the loss handed to it: four GEMMs) holds its two bf16
+# gradients and ~2 MiB beside them; the model also allows, as a bound, one token chunk's tile statistics (at most
+# LEAN_FORWARD_BYTES), which the calibration grid's lean points were predicted with.
 LEAN_FORWARD_BYTES = 256 * 2**20
 LEAN_EXTRA_BYTES = 4 * 2**20
-# Its time as head passes (one pass = one logits-sized GEMM): the trainer's lean head takes the loss (four GEMMs,
-# kernels/lm_head_lean.py: lean_eager_run), measured 2.0x to 2.3x the eager head's three at T = 65,536 on an H200
-# (651 to 746 / 440 to 551 ms against 328 / 204 at V = 248,320 / 151,936; docs/BENCHMARKS.md).
+# Its time as head passes (one pass = one logits-sized GEMM): four GEMMs, measured 2.0x to 2.3x the fused head's
+# three at T = 65,536 on an H200 (703 / 485 ms against 331 / 204 at V = 248,320 / 151,936; docs/BENCHMARKS.md).
 LEAN_HEAD_PASSES = 6.6
 HEAD_MODES = ("fused", "lean", "naive")
-EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (the seed's figure)
+EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (a 64K sequence in 32 chunks)
 # The optimizer step per local parameter: cast the bf16 gradient to fp32 (2 + 4 bytes), fused AdamW (read master,
 # grad, both moments, write master and moments: 28), write the bf16 compute copy back (4 + 2): 40 bytes.
 ADAM_BYTES_MOVED = 40
@@ -244,8 +242,7 @@ def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
     """What the LM head holds while it runs. "fused" (the eager path: the loss handed to the head, three GEMMs):
     one group's fp16 tile weights (4096 tokens, or fewer within the kernel's budget), the fp32 dW accumulator and
     the fp16 copy of W ((V/tp)·h·6), and dH (fp32, s·h·4). "lean" (four GEMMs, the loss handed over too): its two
-    bf16 gradients ((V/tp + s)·h·2) and a few MiB, or the five-GEMM form's forward tile statistics if those are
-    more. "naive": NAIVE_BYTES_PER_LOGIT per logit of [s × V/tp] (docs/cost_model.md)."""
+    bf16 gradients ((V/tp + s)·h·2) and a few MiB, or one token chunk's tile statistics if those are more. "naive": NAIVE_BYTES_PER_LOGIT per logit of [s × V/tp] (docs/cost_model.md)."""
     v = m.vocab_size / tp
     if mode == "naive":
         return s * v * NAIVE_BYTES_PER_LOGIT
