@@ -18,6 +18,17 @@ def _one_torch_thread():
     torch.set_num_threads(before)
 
 
+@pytest.fixture(autouse=True)
+def _seeded_torch():
+    """Every test draws the same random inputs whichever tests ran before it (a test that wants other draws seeds
+    its own generator)."""
+    try:
+        import torch
+    except ImportError:
+        return
+    torch.manual_seed(0)
+
+
 def pytest_collection_modifyitems(items):
     """Multi-process tests (`dist`: spawned ranks and a rendezvous) count as `slow` too (`-m "not slow"`)."""
     for item in items:

@@ -16,7 +16,9 @@ SMALL = dict(chunk_tokens=16, chunk_vocab=128)
 
 def ce_per_token():
     check_cross_entropy(37, 40, 301, backend="triton", tol=2e-5, reduction="none", **SMALL)
-    check_cross_entropy(37, 40, 301, backend="triton", tol=2e-5, reduction="none", logit_scale=100.0, **SMALL)
+    # |z| ~ 100: fp32 carries x2 ~ 200 (log2 units) to ~1e-5, so p to ~1e-5 relative and the gradients to ~2e-5 (the
+    # torch backend's check at this scale holds 3e-5 too)
+    check_cross_entropy(37, 40, 301, backend="triton", tol=3e-5, reduction="none", logit_scale=100.0, **SMALL)
 
 
 def ce_per_token_bf16():
