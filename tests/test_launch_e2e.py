@@ -171,10 +171,9 @@ def test_sigint_stops_after_the_step_with_a_checkpoint(tmp_path):
     assert saved >= 3 and (out / "checkpoints" / f"step_{saved}" / "COMPLETE").exists()
 
 
-def test_tensor_parallel_run_exports_and_resumes_at_tp1(tmp_path, reference, plan1):
-    """tp=2 (with FSDP2 and its sequence-parallel experts) for two steps, exported; resumed on one process: every
-    step's loss equals the reference's, and the export holds the checkpoint's masters (the tp DTensors and the
-    head-grouped Gated DeltaNet rows gathered and written in Hugging Face's layout)."""
+def _two_steps_exported(tmp_path, reference, name: str, seq: str, *pins: str):
+    """Solve a 2-process tiny-moe plan with `pins` and run two steps of it under torchrun with --export: both losses
+    equal the reference's, and the export holds the step-2 checkpoint's masters. Returns (run folder, plan)."""
     import torch
 
     from launch.checkpoint import load
@@ -183,9 +182,9 @@ def test_tensor_parallel_run_exports_and_resumes_at_tp1(tmp_path, reference, pla
     from launch.optim import MasterAdamW
     from recipe.models import PRESETS
 
-    plan = tmp_path / "tp2.yaml"
-    r = subprocess.run(["recipe", "solve", "--model", "tiny-moe", "--seq", "4k", "--hw", "cpu", "--gpus", "2", "--tp",
-                        "2", "-o", str(plan)], env=_env(), cwd=ROOT, capture_output=True, text=True)
+    plan = tmp_path / f"{name}.yaml"
+    r = subprocess.run(["recipe", "solve", "--model", "tiny-moe", "--seq", seq, "--hw", "cpu", "--gpus", "2", *pins,
+                        "-o", str(plan)], env=_env(), cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "run"
     torchrun(2, plan, out, "--steps", "2", "--export", str(tmp_path / "hf"))
@@ -195,8 +194,16 @@ def test_tensor_parallel_run_exports_and_resumes_at_tp1(tmp_path, reference, pla
     saved = build_model(PRESETS["tiny-moe"], seed=8)
     opt = MasterAdamW(saved.named_parameters(), lr=1.0)
     load(out / "checkpoints" / "step_2", {"optim": opt})
-    for (name, a), b in zip(exported.named_parameters(), saved.parameters()):
-        assert torch.equal(a, b), name
+    for (param, a), b in zip(exported.named_parameters(), saved.parameters()):
+        assert torch.equal(a, b), param
+    return out, plan
+
+
+def test_tensor_parallel_run_exports_and_resumes_at_tp1(tmp_path, reference, plan1):
+    """tp=2 (with FSDP2 and its sequence-parallel experts) for two steps, exported; resumed on one process: every
+    step's loss equals the reference's, and the export holds the checkpoint's masters (the tp DTensors and the
+    head-grouped Gated DeltaNet rows gathered and written in Hugging Face's layout)."""
+    out, _ = _two_steps_exported(tmp_path, reference, "tp2", "4k", "--tp", "2")
     r = torchrun(1, plan1, out, "--steps", "4", "--resume")
     assert "saved at world size 2" in r.stdout
     close(losses(out), reference, [3, 4], OTHER)
@@ -206,28 +213,7 @@ def test_pipeline_run_exports_resumes_and_redeploys(tmp_path, reference, plan1):
     """pp=2 (1F1B over 3 + 1 layers, 512-token micro-batches) for two steps, exported; resumed on one process for
     step 3 and at pp=2 again for step 4: every step's loss equals the reference's, and the export holds the
     checkpoint's masters (every stage's parameters under the whole model's names)."""
-    import torch
-
-    from launch.checkpoint import load
-    from launch.hf_io import load_hf_checkpoint
-    from launch.model import build_model
-    from launch.optim import MasterAdamW
-    from recipe.models import PRESETS
-
-    plan = tmp_path / "pp2.yaml"
-    r = subprocess.run(["recipe", "solve", "--model", "tiny-moe", "--seq", "512", "--hw", "cpu", "--gpus", "2",
-                        "--pp", "2", "-o", str(plan)], env=_env(), cwd=ROOT, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr
-    out = tmp_path / "run"
-    torchrun(2, plan, out, "--steps", "2", "--export", str(tmp_path / "hf"))
-    close(losses(out), reference, [1, 2], OTHER)
-    exported = build_model(PRESETS["tiny-moe"], seed=7)
-    load_hf_checkpoint(exported, tmp_path / "hf")
-    saved = build_model(PRESETS["tiny-moe"], seed=8)
-    opt = MasterAdamW(saved.named_parameters(), lr=1.0)
-    load(out / "checkpoints" / "step_2", {"optim": opt})
-    for (name, a), b in zip(exported.named_parameters(), saved.parameters()):
-        assert torch.equal(a, b), name
+    out, plan = _two_steps_exported(tmp_path, reference, "pp2", "512", "--pp", "2")
     r = torchrun(1, plan1, out, "--steps", "3", "--resume")
     assert "saved at world size 2" in r.stdout
     r = torchrun(2, plan, out, "--steps", "4", "--resume")
