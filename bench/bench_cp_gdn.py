@@ -166,12 +166,12 @@ def one_rank_cost(local: int, cp: int, path: str, device, dtype, dims, reps: int
 def model_charge(local: int, cp: int, dims, passes: int = 2) -> float:
     """docs/cost_model.md's charge for this layer's CP delta-rule chain (ms), forward + backward: the recurrence,
     2·K·V FLOPs per token and value head over the whole micro-batch, (1 − 1/cp) exposed at the profile's rate,
-    plus 10 µs per segment hop, per pass."""
+    plus 10 µs per segment hop, per pass, at the delta rule's rate (recipe.cost.rates)."""
+    from recipe.cost import rates
     from recipe.hw import load_profile
 
-    hw = load_profile("h200")
     G, H, K, V = dims
-    rate = hw.peak_bf16_tflops * 1e12 * hw.compute_efficiency
+    rate = rates(load_profile("h200"))["delta_rule"]
     per_pass = 2 * K * V * H * local * cp * (1 - 1 / cp) / rate + 2 * cp * 10e-6
     return passes * per_pass * 1e3
 
