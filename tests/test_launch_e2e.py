@@ -36,7 +36,7 @@ def torchrun(nproc: int, plan: Path, out: Path, *args: str, restarts: int = 0, c
             "--max-restarts", str(restarts), "-m", "launch.train", str(plan), "--out", str(out), *TRAIN, *args]
     r = subprocess.run(argv, env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
     if check:
-        assert r.returncode == 0, r.stderr[-3000:]
+        assert r.returncode == 0, f"stdout: {r.stdout[-1500:]}\nstderr: {r.stderr[-3000:]}"
     return r
 
 
