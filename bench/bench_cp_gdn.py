@@ -2,11 +2,12 @@
 micro-batch computed in this process (no process group: the all-gather of the segment maps is a stack), checked
 against the whole sequence, and one rank's cost timed against the plain delta rule on the same local tokens.
 
-Per rank and layer the combine runs (docs/context_parallel.md): the segment maps of its two segments (a delta-rule
-pass over values [v | 0] from [0 | I], value width V + K), the fold of all 2·cp maps, and the outputs from the true
-incoming states (a second delta-rule pass) — where one process runs one pass over its tokens. This script measures
-that ratio, forward + backward, at cp = 2/4/8 equivalents (the local length fixed, the micro-batch cp times longer),
-beside the cost model's charge for the same layer (docs/cost_model.md, CP).
+Per rank and layer the combine runs (docs/context_parallel.md): one delta-rule pass over its two segments with
+values [v | 0] from [0 | I] (value width V + K: outputs and outgoing states as affine functions of the incoming
+states), the fold of all 2·cp maps, and the outputs completed with the true incoming states (O_0 + Q_eff S_in) —
+where one process runs one pass at width V over its tokens. This script measures that ratio, forward + backward, at
+cp = 2/4/8 equivalents (the local length fixed, the micro-batch cp times longer), beside the cost model's charge for
+the same layer's compute (docs/cost_model.md, CP; the collectives are not simulated).
 
     python bench/bench_cp_gdn.py --local 32768 --cps 2,4,8            # H200: exactness + timing table
     python bench/bench_cp_gdn.py --device cpu --local 256 --cps 2,4 --check-only   # CPU smoke (torch path)
@@ -26,11 +27,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from launch.context_parallel import (fla_segment_maps, fla_segment_outputs, segment_owner,  # noqa: E402
-                                     shard_batch)
+from launch.context_parallel import fla_segment_pass, segment_owner, shard_batch  # noqa: E402
 from launch.data import Batch  # noqa: E402
 from launch.gated_delta import (chunk_factors, chunk_gated_delta_rule_fla, chunk_gated_delta_rule_torch,  # noqa: E402
-                                chunk_outputs, fla_status, fold_state_maps, segment_state_maps)
+                                fla_status, fold_state_maps, segment_pass, with_incoming_states)
 from launch.model import Packing  # noqa: E402
 
 CHUNK = 64
@@ -62,39 +62,27 @@ def _shards(T: int, doc_lengths, cp: int, device):
     return [shard_batch(batch, r, cp, CHUNK).packing for r in range(cp)]
 
 
-def rank_maps(xs_local, packing, path: str):
+def rank_pass(xs_local, packing, path: str):
+    """One rank's augmented outputs [O_0 | Q_eff] and its two segments' maps [B | M]."""
     if path == "fla":
-        return fla_segment_maps(*xs_local, packing.cp), None
-    f = chunk_factors(*xs_local, packing.positions, CHUNK)
-    return segment_state_maps(f, 2), f
-
-
-def rank_outputs(xs_local, packing, states, f, path: str):
-    if path == "fla":
-        return fla_segment_outputs(*xs_local, packing.cp, states)
-    return chunk_outputs(f, states)
+        return fla_segment_pass(*xs_local, packing.cp)
+    return segment_pass(chunk_factors(*xs_local, packing.positions, CHUNK), 2)
 
 
 def simulate(xs, doc_lengths, cp: int, path: str):
     """Every rank's outputs, put back in sequence order: the CP result on one device."""
     T = xs[0].shape[0]
     packings = _shards(T, doc_lengths, cp, xs[0].device)
-    locals_, maps, factors = [], [], []
+    maps, passes = [], []
     for p in packings:
-        xl = [x[p.cp.index] for x in xs]
-        m, f = rank_maps(xl, p, path)
-        locals_.append(xl), maps.append(m), factors.append(f)
+        o_aug, m = rank_pass([x[p.cp.index] for x in xs], p, path)
+        passes.append((p.cp.index, o_aug)), maps.append(m)
     gathered = torch.cat(maps)  # rank-major, as the all-gather
     order = [2 * r + slot for r, slot in (segment_owner(j, cp) for j in range(2 * cp))]
     states = fold_state_maps(gathered[order])
-    out = torch.empty(T, *locals_[0][2].shape[1:], device=xs[0].device, dtype=xs[2].dtype)
-    parts = []
-    for r, p in enumerate(packings):
-        o = rank_outputs(locals_[r], p, states[[r, 2 * cp - 1 - r]], factors[r], path)
-        parts.append((p.cp.index, o))
-    out = torch.zeros_like(out)
-    for index, o in parts:
-        out = out.index_put((index,), o)
+    out = torch.zeros(T, *xs[2].shape[1:], device=xs[0].device, dtype=xs[2].dtype)
+    for r, (index, o_aug) in enumerate(passes):
+        out = out.index_put((index,), with_incoming_states(o_aug, states[[r, 2 * cp - 1 - r]]).to(out.dtype))
     return out
 
 
@@ -145,10 +133,9 @@ def one_rank_cost(local: int, cp: int, path: str, device, dtype, dims, reps: int
     plain_pos = torch.arange(local, device=device)
 
     def combine():
-        m, f = rank_maps(xl, packing, path)
+        o_aug, m = rank_pass(xl, packing, path)
         states = fold_state_maps(m.repeat(cp, 1, 1, 1)[order])[[0, 2 * cp - 1]]
-        o = rank_outputs(xl, packing, states, f, path)
-        o.float().sum().backward()
+        with_incoming_states(o_aug, states).to(dtype).float().sum().backward()
 
     def plain():
         if path == "fla":
@@ -163,17 +150,16 @@ def one_rank_cost(local: int, cp: int, path: str, device, dtype, dims, reps: int
             "extra_ms": (t_cp - t_plain) * 1e3, "ratio": t_cp / t_plain}
 
 
-def model_charge(local: int, cp: int, dims, passes: int = 2) -> float:
-    """docs/cost_model.md's charge for this layer's CP delta-rule chain (ms), forward + backward: the recurrence,
-    2·K·V FLOPs per token and value head over the whole micro-batch, (1 − 1/cp) exposed at the profile's rate,
-    plus 10 µs per segment hop, per pass, at the delta rule's rate (recipe.cost.rates)."""
-    from recipe.cost import rates
+def model_charge(local: int, cp: int, dims) -> float:
+    """The cost model's charge (ms) for this layer's combine compute, forward + backward (three forward-equivalents,
+    as recipe.cost counts a pass without recompute): recipe.cost.cp_delta_rule_flops at the H200's delta-rule
+    rate."""
+    from recipe.cost import cp_delta_rule_flops, rates
     from recipe.hw import load_profile
 
     G, H, K, V = dims
     rate = rates(load_profile("h200"))["delta_rule"]
-    per_pass = 2 * K * V * H * local * cp * (1 - 1 / cp) / rate + 2 * cp * 10e-6
-    return passes * per_pass * 1e3
+    return 3 * cp_delta_rule_flops(local, H, K, V, CHUNK, cp) / rate * 1e3
 
 
 def main(argv=None) -> int:

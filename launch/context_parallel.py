@@ -30,7 +30,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels.gdn_fused import causal_conv1d_silu
-from launch.gated_delta import chunk_factors, chunk_outputs, fla_status, fold_state_maps, segment_state_maps
+from launch.gated_delta import chunk_factors, fla_status, fold_state_maps, segment_pass, with_incoming_states
 from launch.model import Packing
 
 # CPU attention materializes the [Tl, T] mask up to this many key tokens (as launch/model.py's causal_attention)
@@ -175,8 +175,9 @@ class ContextParallel:
 
     def delta_rule(self, q_TGK, k_TGK, v_THV, g_TH, beta_TH, packing: Packing, chunk_size: int,
                    backend: str = "auto") -> torch.Tensor:
-        """The gated delta rule on both local segments with their true incoming states: segment maps from a zero
-        state, all-gathered, folded in sequence order, outputs from the folded states. Returns [Tl, H, V].
+        """The gated delta rule on both local segments with their true incoming states: one augmented pass gives
+        each segment's outputs and outgoing state as affine functions of its incoming state; the maps are
+        all-gathered and folded in sequence order, and the folded states complete the outputs. Returns [Tl, H, V].
         `backend`: auto | torch (the chunked torch rule) | fla (flash-linear-attention's kernels, CUDA)."""
         shard = _shard_of(packing)
         if shard.segment_len % chunk_size:
@@ -191,8 +192,8 @@ class ContextParallel:
         if use_fla:
             return _delta_rule_fla(self, q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard)
         f = chunk_factors(q_TGK, k_TGK, v_THV, g_TH, beta_TH, packing.positions, chunk_size)
-        maps = self.incoming_states(segment_state_maps(f, 2))
-        return chunk_outputs(f, maps)
+        o_aug, maps = segment_pass(f, 2)
+        return with_incoming_states(o_aug, self.incoming_states(maps)).to(v_THV.dtype)
 
     def incoming_states(self, local_maps: torch.Tensor) -> torch.Tensor:
         """This rank's two segments' incoming states [2, H, K, V] from their maps [2, H, K, V+K] = [B | M]: every
@@ -228,9 +229,9 @@ def _attention_by_piece(q_THD, kv_T2HD, shard: ContextShard, scale: float, rep: 
 
 
 def _delta_rule_fla(cp: ContextParallel, q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard: ContextShard) -> torch.Tensor:
-    """The same combine on flash-linear-attention's kernels (fla_segment_maps, then fla_segment_outputs)."""
-    states = cp.incoming_states(fla_segment_maps(q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard))
-    return fla_segment_outputs(q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard, states)
+    """The same combine on flash-linear-attention's kernels (fla_segment_pass)."""
+    o_aug, maps = fla_segment_pass(q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard)
+    return with_incoming_states(o_aug, cp.incoming_states(maps)).to(v_THV.dtype)
 
 
 def _fla_call(q_TGK, k_TGK, v_THV, g_TH, beta_TH, cu, initial_NHKV):
@@ -256,35 +257,28 @@ def _fla_layout(shard: ContextShard, device):
     return cu, first, last, continues
 
 
-def _initial_states(n: int, first: list[int], continues: list[bool], per_segment: list[torch.Tensor]):
-    zero = torch.zeros_like(per_segment[0])
-    rows = [zero] * n
+def _initial_states(n: int, first: list[int], continues: list[bool], state: torch.Tensor) -> torch.Tensor:
+    """[n, ...]: `state` entering each segment's first piece where it continues a document, zero elsewhere."""
+    rows = [torch.zeros_like(state)] * n
     for s, i in enumerate(first):
         if continues[s]:
-            rows[i] = per_segment[s]
+            rows[i] = state
     return torch.stack(rows)
 
 
-def fla_segment_maps(q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard: ContextShard) -> torch.Tensor:
-    """Both local segments' maps [2, H, K, V+K] = [B | M] from one fla call: values [v | 0], and [0 | I] entering
-    each segment's first piece where it continues a document (zero elsewhere: a piece that starts a document starts
-    from zero, so a segment with a document start inside ends with M = 0). Its outputs are not used."""
+def fla_segment_pass(q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard: ContextShard) -> tuple[torch.Tensor, torch.Tensor]:
+    """`segment_pass` for both local segments in one fla call over the local document pieces: values [v | 0], and
+    [0 | I] entering each segment's first piece where it continues a document (zero elsewhere: a piece that starts
+    a document starts from zero, so a segment with a document start inside ends with M = 0). Returns the augmented
+    outputs [Tl, H, V+K] = [O_0 | Q_eff] (in the inputs' dtype, as fla writes them) and the maps [2, H, K, V+K] =
+    [B | M] in fp32."""
     H, V, K = v_THV.shape[1], v_THV.shape[2], q_TGK.shape[-1]
     cu, first, last, continues = _fla_layout(shard, q_TGK.device)
     eye = torch.cat([torch.zeros(H, K, V, device=q_TGK.device), torch.eye(K, device=q_TGK.device).expand(H, K, K)], -1)
-    init = _initial_states(len(shard.pieces), first, continues, [eye, eye])
-    _, final = _fla_call(q_TGK, k_TGK, torch.cat([v_THV, v_THV.new_zeros(v_THV.shape[0], H, K)], -1), g_TH, beta_TH,
-                         cu, init)
-    return final[last].float()
-
-
-def fla_segment_outputs(q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard: ContextShard, states_2HKV) -> torch.Tensor:
-    """The local outputs [Tl, H, V] from one fla call, each segment's incoming state entering its first piece where
-    that piece continues a document."""
-    cu, first, last, continues = _fla_layout(shard, q_TGK.device)
-    init = _initial_states(len(shard.pieces), first, continues, list(states_2HKV.float()))
-    o, _ = _fla_call(q_TGK, k_TGK, v_THV, g_TH, beta_TH, cu, init)
-    return o
+    init = _initial_states(len(shard.pieces), first, continues, eye)
+    o_aug, final = _fla_call(q_TGK, k_TGK, torch.cat([v_THV, v_THV.new_zeros(v_THV.shape[0], H, K)], -1), g_TH,
+                             beta_TH, cu, init)
+    return o_aug, final[last].float()
 
 
 def shard_batch(batch, rank: int, cp: int, chunk: int = 1):

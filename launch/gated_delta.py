@@ -129,27 +129,49 @@ def chunk_outputs(f: DeltaRuleChunks, initial_SHKV: torch.Tensor | None = None) 
     return o.permute(1, 0, 2).to(f.out_dtype)
 
 
-def segment_state_maps(f: DeltaRuleChunks, num_segments: int) -> torch.Tensor:
-    """Each of `num_segments` equal consecutive segments of whole chunks as an affine map of its incoming state,
-    S_out = M S_in + B (M [K, K], B [K, V] per value head), returned as [num_segments, H, K, V + K] = [B | M].
+def segment_pass(f: DeltaRuleChunks, num_segments: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """One pass over `num_segments` equal consecutive segments of whole chunks, each from an unknown incoming state
+    S_in: the segments' outputs as affine functions of S_in, o = O_0 + Q_eff S_in, returned as o_aug [T, H, V + K] =
+    [O_0 | Q_eff] in the compute dtype, and each segment's outgoing state S_out = M S_in + B, returned as
+    maps [num_segments, H, K, V + K] = [B | M].
 
-    The chunk recurrence S ← gain·S + k_writeᵀ (u − w S) = (gain·I − k_writeᵀ w) S + k_writeᵀ u acts on each column
-    of S alone, so one pass over the augmented state [S | X] from [0 | I] with values [u | 0] carries B in its first V
-    columns and M (the product of the chunks' linear parts) in its last K; a document starting inside the segment
-    zeroes M (gain 0, and only its tokens write), which is the reset."""
+    Everything a chunk does is linear in the pair (values, incoming state) and acts on each column of the state
+    alone, so one pass over the augmented state [S | X] from [0 | I] with values [u | 0] carries, in its first V
+    columns, the zero-state run (outputs O_0, final state B) and, in its last K, the response to the incoming
+    state (outputs Q_eff, final state M: the product of the chunks' linear parts). A document starting inside the
+    segment zeroes M (gain 0, and only its tokens write) and its tokens' Q_eff rows (they read nothing carried in),
+    which is the reset. `with_incoming_states` then applies the true S_in."""
     H, N, C, V = f.u.shape
     K = f.w.shape[-1]
     per_segment = _chunks_per_segment(N, num_segments)
     u_aug = torch.cat([f.u, f.u.new_zeros(H, N, C, K)], -1)
     start = torch.cat([f.u.new_zeros(H, K, V), torch.eye(K, dtype=f.u.dtype, device=f.u.device).expand(H, K, K)], -1)
-    maps = []
-    for s in range(num_segments):
-        state = start
-        for n in range(s * per_segment, (s + 1) * per_segment):
-            v_new = u_aug[:, n] - f.w[:, n] @ state
-            state = state * f.gain[:, n, None, None] + f.k_write[:, n].transpose(-1, -2) @ v_new
-        maps.append(state)
-    return torch.stack(maps)
+    outs, maps = [], []
+    for n in range(N):
+        if n % per_segment == 0:
+            state = start
+        v_new = u_aug[:, n] - f.w[:, n] @ state
+        outs.append(f.q_read[:, n] @ state + f.attn[:, n] @ v_new)
+        state = state * f.gain[:, n, None, None] + f.k_write[:, n].transpose(-1, -2) @ v_new
+        if (n + 1) % per_segment == 0:
+            maps.append(state)
+    o = torch.stack(outs, 1).reshape(H, N * C, V + K)[:, :f.num_tokens]
+    return o.permute(1, 0, 2), torch.stack(maps)
+
+
+def with_incoming_states(o_aug_THX: torch.Tensor, states_SHKV: torch.Tensor) -> torch.Tensor:
+    """The outputs [T, H, V] of S equal consecutive segments from their augmented outputs [O_0 | Q_eff] (a
+    segment_pass) and their true incoming states [S, H, K, V]: O_0 + Q_eff S_in, segment by segment, in the wider
+    of the two dtypes."""
+    T, H, X = o_aug_THX.shape
+    S, _, K, V = states_SHKV.shape
+    if T % S or X != V + K:
+        raise ValueError(f"augmented outputs {tuple(o_aug_THX.shape)} do not match {S} segments of states "
+                         f"{tuple(states_SHKV.shape[1:])}")
+    dt = torch.promote_types(o_aug_THX.dtype, states_SHKV.dtype)
+    seg = o_aug_THX.to(dt).reshape(S, T // S, H, X)
+    o = seg[..., :V] + torch.einsum("sthk,shkv->sthv", seg[..., V:], states_SHKV.to(dt))
+    return o.reshape(T, H, V)
 
 
 def fold_state_maps(maps_SHKX: torch.Tensor) -> torch.Tensor:

@@ -15,8 +15,8 @@ import yaml
 
 from launch.context_parallel import padded_length, segment_owner, shard_batch, zigzag_index
 from launch.data import Rollout, make_batch
-from launch.gated_delta import (chunk_factors, chunk_outputs, fold_state_maps, recurrent_gated_delta_rule_ref,
-                                segment_state_maps)
+from launch.gated_delta import (chunk_factors, fold_state_maps, recurrent_gated_delta_rule_ref, segment_pass,
+                                with_incoming_states)
 from launch.model import Packing
 
 
@@ -96,21 +96,21 @@ def _delta_inputs(T, seed, requires_grad=True):
 
 def _combine_on_simulated_ranks(inputs, positions, cp, chunk, with_combine=True):
     """What ContextParallel.delta_rule computes on each of cp ranks, with the all-gather done by hand: each rank's
-    two zigzag segments from their own tokens, the maps of all 2·cp segments folded in sequence order, each rank's
-    outputs from its segments' incoming states; returned in global token order."""
+    augmented pass over its two zigzag segments, the maps of all 2·cp segments folded in sequence order, each rank's
+    outputs completed with its segments' incoming states; returned in global token order."""
     T = positions.shape[0]
-    maps, factors = [], []
+    maps, passes = [], []
     for r in range(cp):
         idx = zigzag_index(T, cp, r)
-        f = chunk_factors(*(x[idx] for x in inputs), positions[idx], chunk)
-        factors.append((idx, f))
-        maps.append(segment_state_maps(f, 2))
+        o_aug, m = segment_pass(chunk_factors(*(x[idx] for x in inputs), positions[idx], chunk), 2)
+        passes.append((idx, o_aug))
+        maps.append(m)
     gathered = torch.cat(maps)  # rank-major, as all_gather delivers it
     states = fold_state_maps(gathered[[2 * r + s for r, s in (segment_owner(j, cp) for j in range(2 * cp))]])
     out = torch.empty(T, 2, 3, dtype=inputs[2].dtype)
-    for r, (idx, f) in enumerate(factors):
+    for r, (idx, o_aug) in enumerate(passes):
         mine = states[[r, 2 * cp - 1 - r]] if with_combine else torch.zeros_like(states[:2])
-        out = out.index_put((idx,), chunk_outputs(f, mine))
+        out = out.index_put((idx,), with_incoming_states(o_aug, mine))
     return out
 
 
@@ -143,14 +143,17 @@ def test_state_combine_equals_the_token_by_token_delta_rule(cp, lengths):
 
 
 def test_state_map_of_a_segment_with_a_document_start_forgets_its_input():
-    """M is zero once a document starts inside the segment (the reset); B is then the new document's state."""
-    lengths = [3, 13]  # one 16-token segment, a document starting at 3
+    """M is zero once a document starts inside the segment (the reset); B is then the new document's state, and
+    only the tokens of the document carried in read the incoming state (non-zero Q_eff rows)."""
+    positions = Packing.from_lengths([3, 13]).positions.clone()  # one 16-token segment, a document starting at 3
+    positions[:3] += 5  # the first three tokens continue a document from the segment before
     inputs = _delta_inputs(16, seed=1, requires_grad=False)
-    f = chunk_factors(*inputs, Packing.from_lengths(lengths).positions, 4)
-    maps = segment_state_maps(f, 1)
+    f = chunk_factors(*inputs, positions, 4)
+    o_aug, maps = segment_pass(f, 1)
     assert maps[0, ..., 3:].abs().max() == 0  # M: [K, K] after the V = 3 columns of B
+    assert o_aug[3:, :, 3:].abs().max() == 0 < o_aug[:3, :, 3:].abs().max()  # Q_eff: only the first document reads
     f_cont = chunk_factors(*inputs, Packing.from_lengths([16]).positions + 5, 4)  # continues a document
-    assert segment_state_maps(f_cont, 1)[0, ..., 3:].abs().max() > 1e-3
+    assert segment_pass(f_cont, 1)[1][0, ..., 3:].abs().max() > 1e-3
 
 
 def test_a_sharded_micro_batch_needs_a_parallelized_model():
