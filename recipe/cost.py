@@ -64,6 +64,9 @@ OPT_GROUP_NUMEL = 2**28
 # fp32 copy, the fp32 log-softmax and its exp (both saved for the entropy's backward) and the fp32 gradient coming
 # back: 2 + 4 + 4 + 4 + 4.
 NAIVE_BYTES_PER_LOGIT = 18
+# Fixed cost of one small collective (a CP all-gather of Gated DeltaNet's maps or conv halos): launch and one
+# round of latency on NVLink/xGMI, an order-of-magnitude figure, not measured.
+COLLECTIVE_LATENCY_S = 10e-6
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 
@@ -480,6 +483,14 @@ def compute_times(work: dict[str, float], hw: HwProfile) -> dict[str, float]:
     return {k: (w * r[k] if k == "layer_passes" else (w / r[k] if w else 0.0)) for k, w in work.items()}
 
 
+def cp_delta_rule_flops(s: float, num_v_heads: float, k: int, v: int, chunk: int, cp: int) -> float:
+    """Forward FLOPs one rank adds per Gated DeltaNet layer for CP's exact combine, beyond the plain chunked rule
+    over its s tokens (per token and value head that rule costs 6·K·V + 4·C·(K + V), forward_flops_per_token): the
+    augmented pass at value width V + K, 6·K² + 4·C·K more; completing the outputs, O_0 + Q_eff S_in, 2·K·V; and
+    the fold of the 2·cp segment maps, 2·cp − 1 products [K×K]·[K×V] per head."""
+    return s * num_v_heads * (6 * k * k + 4 * chunk * k + 2 * k * v) + (2 * cp - 1) * num_v_heads * 2 * k * k * v
+
+
 def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions
                         ) -> tuple[dict[str, float], dict[str, float]]:
     """Section 3 (and 4's overlap): bytes per micro-batch per GPU by exchange, and the seconds each costs the
@@ -510,25 +521,24 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
         kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else 2 * m.num_kv_heads * m.head_dim / tp)
         attn_bytes = (m.num_full_attn_layers + m.num_sliding_layers) / pp * s * (cp - 1) * kv_tok * BF16
         cp_bytes = attn_bytes * passes
-        t_chain = 0.0
+        t_combine = 0.0
         if m.linear_attn is not None:
-            # Gated DeltaNet: exact state passing. Each of the 2·cp sequence segments starts from the exact
-            # fp32 state the previous segment ended with (and the conv's last k−1 inputs), so the chunked scan
-            # computes bit for bit what one process would; the backward passes dstate the other way. Bytes are
-            # tiny; the cost is the chain: the inter-chunk recurrence (2·dk·dv FLOPs per token and head, each
-            # way) runs segment after segment, so (1 − 1/cp) of it is exposed, at the delta rule's rate. See
-            # docs/cost_model.md.
+            # Gated DeltaNet, exact segment combine (docs/context_parallel.md): one delta-rule pass at value
+            # width V + K gives each local segment's outputs and outgoing state as affine functions of its incoming
+            # state; the maps [B | M] (and the conv halos) are all-gathered, folded locally, and the outputs
+            # completed. Extra per layer: that pass's width beyond the plain pass, the completion and the fold at
+            # the delta rule's rate, the maps' and halos' bytes, and the latency of the two collectives.
             la = m.linear_attn
             nv = la.num_v_heads / tp
-            state = nv * la.head_k_dim * la.head_v_dim * FP32
+            maps = 2 * nv * la.head_k_dim * (la.head_v_dim + la.head_k_dim) * FP32  # a rank's two segments
             halo = (la.conv_kernel - 1) * (2 * la.num_k_heads * la.head_k_dim + la.num_v_heads * la.head_v_dim) / tp
             n_lin = m.num_linear_attn_layers / pp
-            cp_bytes += n_lin * 2 * (state + halo * BF16) * passes
-            recurrence_flops = 2 * la.head_k_dim * la.head_v_dim * nv * s * cp  # the whole sequence, one way
-            t_chain = (n_lin * passes * recurrence_flops * (1 - 1 / cp) / r["delta_rule"]
-                       + n_lin * passes * 2 * cp * 10e-6)
+            cp_bytes += n_lin * passes * (cp - 1) * (maps + 2 * halo * BF16)
+            mult = 4 if opts.recompute == "full" else 3  # forward-equivalents, as compute_work counts them
+            extra = cp_delta_rule_flops(s, nv, la.head_k_dim, la.head_v_dim, la.chunk_size, cp)
+            t_combine = n_lin * (mult * extra / r["delta_rule"] + passes * 2 * COLLECTIVE_LATENCY_S)
         comm["cp"] = cp_bytes
-        t["cp"] = cp_bytes / bw + t_chain
+        t["cp"] = cp_bytes / bw + t_combine
     # TP with sequence parallel: per layer an all-gather and a reduce-scatter around the mixer, and around a dense
     # FFN (split like a mixer); the MoE runs on each rank's sequence-parallel tokens with no collective of its own
     t["tp"] = 0.0
