@@ -31,3 +31,19 @@ def load_module(path: str, name: str = "lm_head_baseline"):
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
+
+
+def quack_peers() -> dict:
+    """QuACK's linear cross-entropy (quack-kernels, CuTe-DSL; SM90/SM100), mean CE: name → fn(h, w, t) → loss.
+    `scaled-exp` is its default on SM90 with bf16 (GEMM epilogues that fuse the softmax statistics), `base` its
+    chunked pipeline. Empty, with a printed reason, where it does not import. quack-kernels 0.6.5 wants
+    nvidia-cutlass-dsl 4.7.x (docs/BENCHMARKS.md says how it travels to a machine without a network)."""
+    try:
+        import quack
+        from quack.linear_cross_entropy import chunked_linear_cross_entropy
+    except Exception as e:  # ImportError, or the DSL failing to load its libraries
+        print(f"quack-kernels not importable: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        return {}
+    version = getattr(quack, "__version__", "?")
+    return {f"quack {version} scaled-exp": lambda h, w, t: chunked_linear_cross_entropy(h, w, t),
+            f"quack {version} base": lambda h, w, t: chunked_linear_cross_entropy(h, w, t, use_scaled_exp=False)}

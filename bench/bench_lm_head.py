@@ -1,7 +1,7 @@
 """Bench: fused LM head (kernels.linear_cross_entropy / linear_logprobs) against its peers, one process, one GPU.
 
 Peers: torch naive (bf16 logits + fp32 CE), torch.compile of the same, Liger-Kernel fused linear CE, Cut
-Cross-Entropy (default settings). Modes:
+Cross-Entropy (default settings), QuACK's linear CE (scaled-exp and base pipelines; mean CE only). Modes:
   ce  -- mean cross-entropy, forward + backward;
   rl  -- per-token log-probs, backward of sum(logp * advantage) with random per-token advantages (exact
          per-token gradients, what a PPO/GRPO loss needs). Ours hands that per-token loss to the head
@@ -35,6 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 import kernels.lm_head.fused  # noqa: E402
+from bench._lm_head_common import quack_peers  # noqa: E402
 
 GIB = 2**30
 
@@ -139,6 +140,8 @@ def make_methods(modes_wanted):
                                  "fwd": lambda h, w, t, adv: -cce(h, w, t, reduction="none")}
     except ImportError as e:
         print(f"cut-cross-entropy not importable: {e}", flush=True)
+    for name, fn in quack_peers().items():  # mean CE only: QuACK has no per-token log-prob output
+        methods[name] = {"ce": lambda h, w, t, adv, fn=fn: fn(h, w, t)}
     return {name: {m: f for m, f in fns.items() if m in modes_wanted} for name, fns in methods.items()}
 
 

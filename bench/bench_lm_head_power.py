@@ -1,5 +1,6 @@
-"""Bench: mean cross-entropy fwd+bwd, ours against Liger-Kernel and a bare cuBLAS GEMM, each run back to back for a
-few seconds (interleaved, twice), with the GPU's power draw, SM clock and clock-event reasons sampled by nvidia-smi.
+"""Bench: mean cross-entropy fwd+bwd, ours against Liger-Kernel, QuACK and a bare cuBLAS GEMM, each run back to
+back for a few seconds (interleaved, twice), with the GPU's power draw, SM clock and clock-event reasons sampled by
+nvidia-smi.
 
 Why: at T = 65,536 the fused heads run at the board's power cap, so their times follow energy per step, not
 scheduling; a sustained, interleaved A/B shows that (and measures the gap more steadily than 5-run medians).
@@ -29,7 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
-from bench._lm_head_common import add_shape_args, head_inputs, load_module  # noqa: E402
+from bench._lm_head_common import add_shape_args, head_inputs, load_module, quack_peers  # noqa: E402
 
 QUERY = "timestamp,power.draw,clocks.sm,clocks_event_reasons.active"
 
@@ -87,6 +88,12 @@ def main(argv=None):
         methods["liger"] = lig
     except ImportError as e:
         print(f"liger-kernel not importable: {e}")
+    for name, fn in quack_peers().items():
+        def quack(fn=fn):
+            h.grad = w.grad = None
+            fn(h, w, t).backward()
+
+        methods[name] = quack
     methods["cuBLAS 40 x 8192^3 bf16"] = lambda: [a @ a for _ in range(40)]
     heads = [m for m in methods if not m.startswith("cuBLAS")]
     order = list(methods) + heads * (args.rounds - 1)  # then the heads again, interleaved
