@@ -9,6 +9,8 @@ Pure Python: never imports torch.
 
 from __future__ import annotations
 
+import functools
+
 from dataclasses import dataclass, field
 from typing import Literal
 
@@ -690,5 +692,11 @@ def split_stages(layer_costs: list[float], stages: int, first: float = 0.0, last
 def pipeline_split(m: ModelShape, stages: int, opts: TrainOptions) -> list[int]:
     """Layers per pipeline stage for `stages` stages (pp·virtual stages), balanced by stage_costs at the plan's
     micro-batch: what `recipe solve` records as the plan's `train.pp_stages` and what the trainer builds."""
+    return list(_pipeline_split(m, stages, opts))
+
+
+@functools.lru_cache(maxsize=4096)
+def _pipeline_split(m: ModelShape, stages: int, opts: TrainOptions) -> tuple[int, ...]:
+    # the solver asks for the same split for every layout it weighs (memory_terms, stage_layers): remember it
     costs, first, last = stage_costs(m, opts.micro_batch_tokens, opts)
-    return split_stages(costs, stages, first, last)
+    return tuple(split_stages(costs, stages, first, last))

@@ -10,6 +10,8 @@ Pure Python: never imports torch.
 
 from __future__ import annotations
 
+import functools
+
 import json
 import math
 from collections.abc import Callable, Mapping
@@ -129,15 +131,15 @@ class ModelShape(Record):
             raise ValueError(f"first_dense_layers={self.first_dense_layers} > num_layers={self.num_layers}")
 
     # ---- derived shape facts -------------------------------------------------------------------------------
-    @property
+    @functools.cached_property
     def num_full_attn_layers(self) -> int:
         return sum(t == "full_attention" for t in self.layer_types)
 
-    @property
+    @functools.cached_property
     def num_linear_attn_layers(self) -> int:
         return sum(t == "linear_attention" for t in self.layer_types)
 
-    @property
+    @functools.cached_property
     def num_sliding_layers(self) -> int:
         return sum(t == "sliding_attention" for t in self.layer_types)
 
