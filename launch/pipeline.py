@@ -41,7 +41,8 @@ from launch.model import Packing, Transformer, rope_cos_sin
 
 
 def stage_sizes(plan, shape) -> list[int]:
-    """Layers per pipeline stage: the plan's `train.pp_stages`, else recipe.cost.pipeline_split of the plan."""
+    """Layers per pipeline stage: the plan's `train.pp_stages`, else recipe.cost.pipeline_split of the plan on its
+    hardware profile (what `recipe solve` records)."""
     stages = getattr(plan.train, "pp_stages", None)
     if stages:
         return list(stages)
@@ -49,7 +50,7 @@ def stage_sizes(plan, shape) -> list[int]:
 
     opts = TrainOptions(micro_batch_tokens=plan.train.micro_batch_tokens, recompute=plan.train.recompute,
                         lm_head=getattr(plan.train, "lm_head", "fused"))
-    return pipeline_split(shape, plan.layout.pp, opts)
+    return pipeline_split(shape, plan.layout.pp, opts, plan.hw_profile())
 
 
 class StageModule(nn.Module):

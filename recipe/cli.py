@@ -28,6 +28,7 @@ _NO_ARGS = getattr(_cx, "NoArgsIsHelpError", ())  # click >= 8.2 raises it for `
 
 from . import __version__
 from .solving import solve_inputs
+from .text import one_line
 
 EXIT_INFEASIBLE, EXIT_INPUT, EXIT_BUG = 1, 2, 3
 
@@ -39,7 +40,9 @@ class UserError(Exception):
 
 
 def _one_line(msg: object) -> str:
-    return " ".join(str(msg).split())  # exactly one line, whatever the message carried
+    """An error message as exactly one line: its line breaks and runs of spaces become one space (a wrapped message
+    reads on), anything else unprintable is escaped (text.one_line)."""
+    return one_line(" ".join(str(msg).split()), limit=2000)
 
 
 def _fail(msg: str, code: int) -> None:

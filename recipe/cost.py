@@ -151,11 +151,11 @@ def stage_params(m: ModelShape, pp: int, layers: float | None = None) -> tuple[f
     return layer_dense * per_stage, layer_expert * per_stage, ends
 
 
-def stage_layers(m: ModelShape, pp: int, opts: "TrainOptions") -> int:
+def stage_layers(m: ModelShape, pp: int, opts: "TrainOptions", hw: HwProfile | None = None) -> int:
     """Layers of the largest pipeline stage under the plan's split (pipeline_split): the cost-balanced split can load
     one stage with most layers (a costly head on the last stage leaves it few), and that stage's parameters and
     checkpoints set the peak."""
-    return m.num_layers if pp <= 1 else max(pipeline_split(m, pp, opts))
+    return m.num_layers if pp <= 1 else max(pipeline_split(m, pp, opts, hw))
 
 
 def layer_params(m: ModelShape) -> tuple[float, float]:
@@ -345,7 +345,7 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     pp, tp, cp, ep, etp = layout.pp, layout.tp, layout.cp, layout.ep, layout.etp
     dp, edp = layout.dp(world), layout.edp(world)
     s = opts.micro_batch_tokens / cp  # tokens per rank per micro-batch (TP with sequence parallel: s/tp outside)
-    L = stage_layers(m, pp, opts)  # the largest stage's
+    L = stage_layers(m, pp, opts, hw)  # the largest stage's
     recompute = opts.recompute == "full"
     in_head = opts.lm_head != "naive"  # the head's gradients leave it at once: nothing of [s, V] outlives it
     in_flight = min(pp, opts.micro_batches) if pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches
@@ -435,33 +435,57 @@ def flop_terms(m: ModelShape, opts: TrainOptions) -> tuple[dict[str, float], flo
     return f, 3 * fwd, hw_flops_tok, head_passes
 
 
-def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: bool = False) -> dict[str, float]:
+def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: bool = False,
+                 hw: HwProfile | None = None) -> dict[str, float]:
     """The work of one micro-batch on one GPU by operation (section 5): hardware FLOPs of the routed experts'
     GEMMs, the other matmuls, attention's quadratic term, the delta rule and the head; the EP path's copied bytes;
     and the count of layer passes (forward-equivalents: 4 a layer with full recompute, 3 without). TP splits the
-    matmuls, PP the layers (the head on the stage that holds it)."""
-    pp, tp = layout.pp, layout.tp
+    matmuls; under PP the GPU is one of the slowest stage's (slowest_stage on `hw`: its layers' share of each
+    operation, the head only if it holds it), since every pipeline slot waits for that stage."""
+    tp = layout.tp
     s = opts.micro_batch_tokens / layout.cp
     mult = 4 if opts.recompute == "full" else 3
     f, _, _, head_passes = flop_terms(m, opts)
     c = param_counts(m)
     routed = 2 * c["routed_experts"] * m.top_k / m.num_experts
-    layers = s * mult / (pp * tp)
+    stage, has_head = slowest_stage(m, layout.pp, opts, hw)
+    share = _stage_share(m, opts, stage)
+    layers = s * mult / tp
     work = {
-        "expert_gemm": layers * routed,
-        "dense_gemm": layers * (f["matmul_layers"] - routed),
-        "attention": layers * f["attention"],
-        "delta_rule": layers * f.get("linear_attention", 0.0),
-        "lm_head": s * head_passes * f["head"] / tp,
+        "expert_gemm": layers * routed * share["expert_gemm"],
+        "dense_gemm": layers * (f["matmul_layers"] - routed) * share["dense_gemm"],
+        "attention": layers * f["attention"] * share["attention"],
+        "delta_rule": layers * f.get("linear_attention", 0.0) * share["delta_rule"],
+        "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
         "ep_dispatch": 0.0,
-        "layer_passes": mult * m.num_layers / pp,
+        "layer_passes": mult * len(stage),
     }
     if layout.ep > 1 or ep_path:
         # the bytes the path copies: every chunk's rows pass through once, so the count is the one-chunk
         # footprint (ep_dispatch_bytes at chunks=1), whatever the chunk count (which shrinks only what is resident)
         copies = ep_dispatch_bytes(m, s, 1)
-        work["ep_dispatch"] = (mult - 1) * m.num_moe_layers / pp * copies
+        work["ep_dispatch"] = (mult - 1) * _stage_counts(m, stage)["moe"] * copies
     return work
+
+
+def _stage_share(m: ModelShape, opts: TrainOptions, stage: range) -> dict[str, float]:
+    """The part of the model's work of each operation that the layers of `stage` do (1 each for the whole model)."""
+    if len(stage) == m.num_layers:
+        return {"dense_gemm": 1.0, "expert_gemm": 1.0, "attention": 1.0, "delta_rule": 1.0}
+    lw = layer_work(m, opts.micro_batch_tokens)
+    out = {}
+    for op in ("dense_gemm", "expert_gemm", "attention", "delta_rule"):
+        total = sum(w[op] for w in lw)
+        out[op] = sum(lw[i][op] for i in stage) / total if total else 0.0
+    return out
+
+
+def _stage_counts(m: ModelShape, stage: range) -> dict[str, int]:
+    """Layers of `stage` by kind: moe (routed), dense (a dense FFN), attention (full or sliding), linear."""
+    kinds = [m.layer_types[i] for i in stage]
+    dense = sum(1 for i in stage if i < m.first_dense_layers)
+    return {"moe": len(stage) - dense, "dense": dense, "linear": kinds.count("linear_attention"),
+            "attention": len(kinds) - kinds.count("linear_attention")}
 
 
 def rates(hw: HwProfile) -> dict[str, float]:
@@ -502,12 +526,13 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     dp, edp = layout.dp(world), layout.edp(world)
     node = gpus_per_node_used(hw, world)
     s = opts.micro_batch_tokens / cp
-    L = m.num_layers / pp
+    stage, _ = slowest_stage(m, pp, opts, hw)  # every pipeline slot waits for the slowest stage's exchanges
+    n = _stage_counts(m, stage)
     r = rates(hw)
     passes = 3 if opts.recompute == "full" else 2  # forward, recompute forward, backward
     comm, t = {}, {}
     # EP all-to-all: dispatch + combine per MoE layer per pass; tokens leaving the rank: s·k·h·(ep−1)/ep
-    n_moe_local = m.num_moe_layers / pp
+    n_moe_local = n["moe"]
     a2a_bytes = s * m.top_k * m.hidden_size * BF16 * (ep - 1) / ep
     t_ep_layer_comm = 2 * a2a_bytes / group_bw(hw, ep, 1, node) if ep > 1 else 0.0
     expert_flops_tok = 2 * param_counts(m)["routed_experts"] * m.top_k / m.num_experts / max(m.num_moe_layers, 1)
@@ -521,7 +546,7 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     if cp > 1:
         bw = group_bw(hw, cp, tp, node)
         kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else 2 * m.num_kv_heads * m.head_dim / tp)
-        attn_bytes = (m.num_full_attn_layers + m.num_sliding_layers) / pp * s * (cp - 1) * kv_tok * BF16
+        attn_bytes = n["attention"] * s * (cp - 1) * kv_tok * BF16
         cp_bytes = attn_bytes * passes
         t_combine = 0.0
         if m.linear_attn is not None:
@@ -534,7 +559,7 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
             nv = la.num_v_heads / tp
             maps = 2 * nv * la.head_k_dim * (la.head_v_dim + la.head_k_dim) * FP32  # a rank's two segments
             halo = (la.conv_kernel - 1) * (2 * la.num_k_heads * la.head_k_dim + la.num_v_heads * la.head_v_dim) / tp
-            n_lin = m.num_linear_attn_layers / pp
+            n_lin = n["linear"]
             cp_bytes += n_lin * passes * (cp - 1) * (maps + 2 * halo * BF16)
             mult = 4 if opts.recompute == "full" else 3  # forward-equivalents, as compute_work counts them
             extra = cp_delta_rule_flops(s, nv, la.head_k_dim, la.head_v_dim, la.chunk_size, cp)
@@ -545,7 +570,7 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     # FFN (split like a mixer); the MoE runs on each rank's sequence-parallel tokens with no collective of its own
     t["tp"] = 0.0
     if tp > 1:
-        split_blocks = L + m.first_dense_layers / pp
+        split_blocks = len(stage) + n["dense"]
         tp_bytes = split_blocks * 2 * s * m.hidden_size * BF16 * (tp - 1) / tp * passes
         comm["tp"] = tp_bytes
         t["tp"] = tp_bytes / group_bw(hw, tp, 1, node)
@@ -592,9 +617,9 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     memory_gb["usable"] = hw.usable_gb
 
     f, model_flops_tok, hw_flops_tok, _ = flop_terms(m, opts)
-    compute = compute_times(compute_work(m, layout, opts, ep_path), hw)
+    compute = compute_times(compute_work(m, layout, opts, ep_path, hw), hw)
     comm, comm_t = communication_terms(m, hw, world, layout, opts)
-    t_opt = (local_param_count(m, world, layout, stage_layers(m, layout.pp, opts)) * ADAM_BYTES_MOVED
+    t_opt = (local_param_count(m, world, layout, stage_layers(m, layout.pp, opts, hw)) * ADAM_BYTES_MOVED
              / rates(hw)["optimizer"])
     step, time_parts = step_time(compute, comm_t, layout, opts, t_opt)
     mb = opts.micro_batches
@@ -616,36 +641,77 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     )
 
 # ---- pipeline stages -----------------------------------------------------------------------------------------
-def stage_costs(m: ModelShape, seq: float, opts: TrainOptions) -> tuple[list[float], float, float]:
-    """What each pipeline stage's share of a step costs, per token in hardware FLOPs (forward, the recomputed
-    forward under full recompute, backward): ([each decoder layer], embedding, head with its loss). A layer costs
-    its mixer — full attention's projections and its quadratic term over seq/2 keys, or Gated DeltaNet's projections
-    and its chunked rule, linear in seq — plus its FFN (a dense FFN, or the router, the shared expert and top-k
-    routed experts); the embedding is a lookup (0); the head is `head_passes` logits-sized GEMMs, as in estimate."""
+def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
+    """Forward FLOPs per token of each decoder layer, by the operation whose rate it runs at (rates): dense_gemm
+    (the mixer's projections; the router and the shared expert, or a dense FFN), expert_gemm (top-k routed experts),
+    attention (the quadratic term over seq/2 keys, or the sliding window) and delta_rule (Gated DeltaNet's chunked
+    rule, linear in seq)."""
     from .models import _full_attention_params, _linear_attention_params
 
     f = forward_flops_per_token(m, seq)
     h = m.hidden_size
-    passes = 4 if opts.recompute == "full" else 3
     swiglu = 3 * h
     shared = (swiglu * m.shared_expert_ffn + (h if m.shared_expert_gate else 0)) if m.shared_expert_ffn else 0
     per_expert = swiglu * m.expert_ffn + ((2 * m.expert_ffn + h) if m.arch == "gpt_oss" else 0)
-    moe = h * m.num_experts + shared + per_expert * m.top_k
-    n_attn = m.num_full_attn_layers + m.num_sliding_layers
-    attn_term = f["attention"] / n_attn if n_attn else 0.0
     full_ctx, slide_ctx = seq / 2, min(m.sliding_window or seq, seq) / (2 if (m.sliding_window or seq) >= seq else 1)
-    costs = []
+    out = []
     for i, kind in enumerate(m.layer_types):
-        ffn = swiglu * m.dense_ffn if i < m.first_dense_layers else moe
+        w = {"dense_gemm": 0.0, "expert_gemm": 0.0, "attention": 0.0, "delta_rule": 0.0}
+        if i < m.first_dense_layers:
+            w["dense_gemm"] += 2 * swiglu * m.dense_ffn
+        else:
+            w["dense_gemm"] += 2 * (h * m.num_experts + shared)
+            w["expert_gemm"] += 2 * per_expert * m.top_k
         if kind == "linear_attention":
-            mixer = 2 * _linear_attention_params(m) + f["linear_attention"] / m.num_linear_attn_layers
+            w["dense_gemm"] += 2 * _linear_attention_params(m)
+            w["delta_rule"] += f["linear_attention"] / m.num_linear_attn_layers
         else:
             qk = (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim) if m.mla else (m.head_dim,) * 2
-            quad = 2 * m.num_heads * sum(qk) * (full_ctx if kind == "full_attention" else slide_ctx)
-            mixer = 2 * _full_attention_params(m) + (quad if attn_term else 0.0)
-        costs.append(passes * (mixer + 2 * ffn))
+            w["dense_gemm"] += 2 * _full_attention_params(m)
+            w["attention"] += 2 * m.num_heads * sum(qk) * (full_ctx if kind == "full_attention" else slide_ctx)
+        out.append(w)
+    return out
+
+
+def stage_costs(m: ModelShape, seq: float, opts: TrainOptions, hw: HwProfile | None = None
+                ) -> tuple[list[float], float, float]:
+    """What each pipeline stage's share of a step costs per token (forward, the recomputed forward under full
+    recompute, backward): ([each decoder layer], embedding, head with its loss). With a profile, in seconds: each
+    operation of layer_work at its rate on `hw` and the per-layer-pass latency spread over the micro-batch's `seq`
+    tokens — Gated DeltaNet's chunked rule runs at a far lower rate than attention or the GEMMs, so FLOPs alone would
+    load the stages unevenly in time. Without one, in hardware FLOPs. The embedding is a lookup (0); the head is
+    `head_passes` logits-sized GEMMs, as in estimate."""
+    return _stage_costs(m, seq, opts, rates(hw) if hw is not None else None)
+
+
+def _stage_costs(m: ModelShape, seq: float, opts: TrainOptions, r: dict[str, float] | None
+                 ) -> tuple[list[float], float, float]:
+    passes = 4 if opts.recompute == "full" else 3
+    costs = []
+    for w in layer_work(m, seq):
+        if r is None:
+            costs.append(passes * sum(w.values()))
+        else:
+            costs.append(passes * (sum(x / r[op] for op, x in w.items() if x) + r["layer_passes"] / seq))
     head_passes = LEAN_HEAD_PASSES if opts.lm_head == "lean" else 3
-    return costs, 0.0, head_passes * f["head"]
+    head = head_passes * forward_flops_per_token(m, seq)["head"]
+    return costs, 0.0, head if r is None else head / r["lm_head"]
+
+
+def slowest_stage(m: ModelShape, pp: int, opts: TrainOptions, hw: HwProfile | None = None
+                  ) -> tuple[range, bool]:
+    """The layers of the pipeline stage with the most work per micro-batch under the plan's split (pipeline_split),
+    and whether it holds the head: in steady state every stage waits for it, so it sets the time of a pipeline
+    slot. With pp = 1, every layer and the head."""
+    if pp <= 1:
+        return range(m.num_layers), True
+    sizes = pipeline_split(m, pp, opts, hw)
+    costs, first, last = stage_costs(m, opts.micro_batch_tokens, opts, hw)
+    starts = [sum(sizes[:i]) for i in range(len(sizes))]
+    totals = [sum(costs[a:a + n]) + (first if i == 0 else 0.0) + (last if i == len(sizes) - 1 else 0.0)
+              for i, (a, n) in enumerate(zip(starts, sizes))]
+    i = max(range(len(sizes)), key=lambda k: totals[k])
+    return range(starts[i], starts[i] + sizes[i]), i == len(sizes) - 1
 
 
 def split_stages(layer_costs: list[float], stages: int, first: float = 0.0, last: float = 0.0) -> list[int]:
@@ -689,14 +755,18 @@ def split_stages(layer_costs: list[float], stages: int, first: float = 0.0, last
     return sizes[::-1]
 
 
-def pipeline_split(m: ModelShape, stages: int, opts: TrainOptions) -> list[int]:
+def pipeline_split(m: ModelShape, stages: int, opts: TrainOptions, hw: HwProfile | None = None) -> list[int]:
     """Layers per pipeline stage for `stages` stages (pp·virtual stages), balanced by stage_costs at the plan's
-    micro-batch: what `recipe solve` records as the plan's `train.pp_stages` and what the trainer builds."""
-    return list(_pipeline_split(m, stages, opts))
+    micro-batch (in time on `hw`; in FLOPs without a profile): what `recipe solve` records as the plan's
+    `train.pp_stages` and what the trainer builds."""
+    key = None if hw is None else tuple(sorted(rates(hw).items()))
+    return list(_pipeline_split(m, stages, opts, key))
 
 
 @functools.lru_cache(maxsize=4096)
-def _pipeline_split(m: ModelShape, stages: int, opts: TrainOptions) -> tuple[int, ...]:
+def _pipeline_split(m: ModelShape, stages: int, opts: TrainOptions, rate_key) -> tuple[int, ...]:
     # the solver asks for the same split for every layout it weighs (memory_terms, stage_layers): remember it
-    costs, first, last = stage_costs(m, opts.micro_batch_tokens, opts)
+    costs, first, last = _stage_costs(m, opts.micro_batch_tokens, opts, None if rate_key is None else dict(rate_key))
     return tuple(split_stages(costs, stages, first, last))
+
+

@@ -148,7 +148,7 @@ def plan_dict(inputs, m: ModelShape, hw: HwProfile, sol) -> dict:
         "layout": dict(sol.degrees),
         "train": {"recompute": sol.opts.recompute, "lm_head": sol.opts.lm_head,
                   "ep_overlap_chunks": sol.opts.ep_overlap_chunks, "micro_batch_tokens": sol.opts.micro_batch_tokens,
-                  "micro_batches": sol.opts.micro_batches, **_pp_stages(m, sol),
+                  "micro_batches": sol.opts.micro_batches, **_pp_stages(m, hw, sol),
                   "optimizer": {"name": "adamw", "master_dtype": "fp32"}},
         "prediction": {"memory_gb": {k: round(v, 2) for k, v in e.memory_gb.items()},
                        "lm_head_unfused_gb": round(e.lm_head_unfused_gb, 2), "step_time_s": round(e.step_time_s, 4),
@@ -162,14 +162,14 @@ def plan_dict(inputs, m: ModelShape, hw: HwProfile, sol) -> dict:
     }
 
 
-def _pp_stages(m: ModelShape, sol) -> dict:
-    """`pp_stages` (layers per pipeline stage, balanced by the cost model) when the layout pipelines; nothing at
-    pp = 1 (plans without a pipeline stay as they were)."""
+def _pp_stages(m: ModelShape, hw, sol) -> dict:
+    """`pp_stages` (layers per pipeline stage, balanced in time by the cost model on the plan's hardware) when the
+    layout pipelines; nothing at pp = 1 (plans without a pipeline stay as they were)."""
     if sol.layout.pp == 1:
         return {}
     from .cost import pipeline_split
 
-    return {"pp_stages": pipeline_split(m, sol.layout.pp, sol.opts)}
+    return {"pp_stages": pipeline_split(m, sol.layout.pp, sol.opts, hw)}
 
 
 def _margin_block(e) -> dict:

@@ -71,11 +71,12 @@ def _model(shape, variant: str):
 
 def _plan(dp: int, ep: int, chunks: int, recompute: str = "full", cp: int = 1, tp: int = 1, pp: int = 1,
           tokens: int = 64, pp_stages: list[int] | None = None):
+    from recipe.hw import load_profile
     from recipe.plan import LayoutSpec
 
     world = dp * cp * tp * pp
     layout = LayoutSpec(pp=pp, tp=tp, cp=cp, ep=ep, dp=dp, etp=1, edp=world // (pp * ep))
-    return types.SimpleNamespace(layout=layout, train=types.SimpleNamespace(
+    return types.SimpleNamespace(layout=layout, hw_profile=lambda: load_profile("cpu"), train=types.SimpleNamespace(
         recompute=recompute, ep_overlap_chunks=chunks, micro_batch_tokens=tokens, lm_head="fused",
         pp_stages=pp_stages))
 

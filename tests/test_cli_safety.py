@@ -495,10 +495,15 @@ def test_no_recompute_reads_as_english():
     assert "(no recompute, fused LM head" in r.stdout and "none recompute" not in r.stdout
 
 
-def test_shell_completion_is_on():
+def test_shell_completion_is_on(monkeypatch):
+    """--install-completion and --show-completion exist and give the bash script. Typer detects the user's shell
+    from the process tree, which a test runner's tree need not show: the detection is pinned to bash here."""
+    import typer.completion
+
     assert "--install-completion" in run("--help").stdout
-    r = run("--show-completion", "bash", prog_name="recipe")
-    assert r.exit_code == 0 and "_RECIPE_COMPLETE=complete_bash" in r.stdout
+    monkeypatch.setattr(typer.completion, "_get_shell_name", lambda: "bash")
+    r = run("--show-completion", prog_name="recipe")
+    assert r.exit_code == 0 and "_RECIPE_COMPLETE=complete_bash" in r.stdout, (r.output, r.exception)
 
 
 def test_every_reference_resolves():

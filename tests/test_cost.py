@@ -260,8 +260,8 @@ def test_experts_split_by_ep_not_by_dp_cp():
     from recipe.cost import pipeline_split, stage_layers
 
     world = 32
-    largest = stage_layers(Q35, 2, opts(8192))
-    assert largest == max(pipeline_split(Q35, 2, opts(8192))) > Q35.num_layers / 2  # the head's stage holds fewer
+    largest = stage_layers(Q35, 2, opts(8192), H100)
+    assert largest == max(pipeline_split(Q35, 2, opts(8192), H100)) > Q35.num_layers / 2  # the head's holds fewer
     for ep in (1, 4, 8, 16):
         est = estimate(Q35, H100, world, Layout(pp=2, ep=ep), opts(8192))
         dense, experts, ends = stage_params(Q35, 2, largest)
@@ -271,17 +271,39 @@ def test_experts_split_by_ep_not_by_dp_cp():
 
 
 def test_pipeline_memory_is_the_largest_stages():
-    """An uneven split ([7, 1] for 8 layers of Qwen3.5-35B at 32K: the head weighs like several layers) is priced
-    at its 7-layer stage, not at L/pp = 4."""
+    """An uneven split (8 layers of Qwen3.5-35B at 32K on the H100: the head weighs like several layers, so the
+    first stage holds more) is priced at its largest stage, not at L/pp = 4."""
     from recipe.cost import pipeline_split
 
     m, o = Q35.with_layers(8), opts(32768)
-    split = pipeline_split(m, 2, o)
+    split = pipeline_split(m, 2, o, H100)
     assert split[0] > split[1]
     est = estimate(m, H100, 2, Layout(pp=2), o)
     dense, experts, ends = stage_params(m, 2, max(split))
     assert est.memory_gb["weights"] == pytest.approx((dense + ends + experts) * BF16 / GB)
     assert stage_params(m, 2, max(split))[1] > stage_params(m, 2)[1]
+
+
+def test_pipeline_step_is_the_slowest_stages():
+    """Under PP every slot waits for the slowest stage: the step's compute per micro-batch is that stage's layers'
+    work at their rates plus the head only where it lives — the same seconds stage_costs gives the split — and the
+    step is (micro-batches + pp − 1) slots plus the optimizer. 8 layers of Qwen3.5-35B at 32K on the H200."""
+    from recipe.cost import compute_times, compute_work, slowest_stage, stage_costs
+
+    h200 = load_profile("h200")
+    m, o = Q35.with_layers(8), opts(32768, micro_batches=3)
+    stage, has_head = slowest_stage(m, 2, o, h200)
+    costs, _, head = stage_costs(m, 32768, o, h200)
+    per_stage = [sum(costs[:5]), sum(costs[5:]) + head]
+    assert list(stage) == [0, 1, 2, 3, 4] and not has_head and per_stage[0] >= per_stage[1]
+    t_mb = sum(compute_times(compute_work(m, Layout(pp=2), o, False, h200), h200).values())
+    assert t_mb == pytest.approx(32768 * per_stage[0], rel=1e-9)
+    est = estimate(m, h200, 2, Layout(pp=2), o)
+    slot = t_mb + est.time_s["pp_p2p"] / 3
+    assert est.step_time_s == pytest.approx(slot * (3 + 1) + est.time_s["optimizer"], rel=1e-9)
+    # one stage: all of it, the head included
+    assert sum(compute_times(compute_work(m, Layout(), o, False, h200), h200).values()) == pytest.approx(
+        32768 * (sum(costs) + head), rel=1e-9)
 
 
 def test_unsharded_expert_layer_shrinks_with_ep():

@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from recipe.cost import TrainOptions, pipeline_split, split_stages, stage_costs
+from recipe.hw import load_profile
 from recipe.models import PRESETS
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -55,6 +56,33 @@ def test_stage_costs_tell_layer_kinds_apart():
     assert split[-1] < split[0]  # the head's stage holds fewer layers
 
 
+def test_on_a_profile_the_split_balances_time():
+    """With a profile each layer costs its operations at their measured rates (the H200's delta rule runs at a
+    fraction of attention's FLOP rate) plus the per-layer latency over the micro-batch, hand-worked here for one
+    Gated DeltaNet layer; the time-balanced split's slowest stage is no slower, in seconds, than the FLOP-balanced
+    one's — and for 8 layers of Qwen3.5-35B at 32K it is strictly faster."""
+    from recipe.cost import layer_work, rates
+
+    m = PRESETS["qwen35-35b"].with_layers(8)
+    opts = TrainOptions(micro_batch_tokens=32768)
+    hw = load_profile("h200")
+    r = rates(hw)
+    costs, first, last = stage_costs(m, 32768, opts, hw)
+    w = layer_work(m, 32768)[0]
+    assert m.layer_types[0] == "linear_attention"
+    by_hand = 4 * (w["dense_gemm"] / r["dense_gemm"] + w["expert_gemm"] / r["expert_gemm"]
+                   + w["delta_rule"] / r["delta_rule"]) + 4 * r["layer_passes"] / 32768
+    assert costs[0] == pytest.approx(by_hand, rel=1e-12)
+    assert last == pytest.approx(3 * 2 * m.vocab_size * m.hidden_size / r["lm_head"], rel=1e-12)
+
+    def slowest(split):
+        a = split[0]
+        return max(sum(costs[:a]) + first, sum(costs[a:]) + last)
+
+    in_time, in_flops = pipeline_split(m, 2, opts, hw), pipeline_split(m, 2, opts)
+    assert in_time != in_flops and slowest(in_time) < slowest(in_flops)
+
+
 # ---- the plan records it ---------------------------------------------------------------------------------------
 def _solve(tmp_path: Path, *extra: str) -> dict:
     out = tmp_path / "plan.yaml"
@@ -69,7 +97,7 @@ def test_plan_records_the_split_and_checks_clean(tmp_path):
     plan = _solve(tmp_path, "--pp", "2")
     m = PRESETS["qwen35-35b"].with_layers(8)
     opts = TrainOptions(micro_batch_tokens=plan["train"]["micro_batch_tokens"], recompute="full")
-    assert plan["train"]["pp_stages"] == pipeline_split(m, 2, opts)
+    assert plan["train"]["pp_stages"] == pipeline_split(m, 2, opts, load_profile("h200"))
     assert sum(plan["train"]["pp_stages"]) == 8
     r = subprocess.run([sys.executable, "-m", "recipe", "check", str(tmp_path / "plan.yaml")], capture_output=True,
                        text=True, cwd=ROOT)
@@ -89,7 +117,7 @@ def test_trainer_split_equals_the_plans(tmp_path):
     plan = load_plan(tmp_path / "plan.yaml")
     shape = plan.model_shape()
     assert stage_sizes(plan, shape) == plan.train.pp_stages
-    bare = types.SimpleNamespace(layout=plan.layout, train=types.SimpleNamespace(
+    bare = types.SimpleNamespace(layout=plan.layout, hw_profile=plan.hw_profile, train=types.SimpleNamespace(
         micro_batch_tokens=plan.train.micro_batch_tokens, recompute=plan.train.recompute,
         lm_head=plan.train.lm_head))
     assert stage_sizes(bare, shape) == plan.train.pp_stages
