@@ -161,17 +161,56 @@ def segment_pass(f: DeltaRuleChunks, num_segments: int) -> tuple[torch.Tensor, t
 
 def with_incoming_states(o_aug_THX: torch.Tensor, states_SHKV: torch.Tensor) -> torch.Tensor:
     """The outputs [T, H, V] of S equal consecutive segments from their augmented outputs [O_0 | Q_eff] (a
-    segment_pass) and their true incoming states [S, H, K, V]: O_0 + Q_eff S_in, segment by segment, in the wider
-    of the two dtypes."""
+    segment_pass) and their true incoming states [S, H, K, V]: O_0 + Q_eff S_in, segment by segment, in the outputs'
+    dtype (the products in the wider of the two: fp32 for bf16 outputs and fp32 states)."""
     T, H, X = o_aug_THX.shape
     S, _, K, V = states_SHKV.shape
     if T % S or X != V + K:
         raise ValueError(f"augmented outputs {tuple(o_aug_THX.shape)} do not match {S} segments of states "
                          f"{tuple(states_SHKV.shape[1:])}")
-    dt = torch.promote_types(o_aug_THX.dtype, states_SHKV.dtype)
-    seg = o_aug_THX.to(dt).reshape(S, T // S, H, X)
-    o = seg[..., :V] + torch.einsum("sthk,shkv->sthv", seg[..., V:], states_SHKV.to(dt))
-    return o.reshape(T, H, V)
+    return _Completion.apply(o_aug_THX, states_SHKV)
+
+
+COMPLETION_BLOCK_TOKENS = 8192  # tokens a segment's completion works on at once (bounds its fp32 temporaries)
+
+
+class _Completion(torch.autograd.Function):
+    """O = O_0 + Q_eff S_in block by block, so that neither the fp32 operands nor the result outlive a block, and
+    saving only Q_eff (in its own dtype) and the states for the backward: dO_0 = dO, dQ_eff = dO S_inᵀ,
+    dS_in = Σ_t Q_effᵀ dO."""
+
+    @staticmethod
+    def forward(ctx, o_aug_THX, states_SHKV):
+        T, H, X = o_aug_THX.shape
+        S, _, K, V = states_SHKV.shape
+        dt = torch.promote_types(o_aug_THX.dtype, states_SHKV.dtype)
+        seg = o_aug_THX.reshape(S, T // S, H, X)
+        st = states_SHKV.to(dt)
+        out = o_aug_THX.new_empty(S, T // S, H, V)
+        for a in range(0, T // S, COMPLETION_BLOCK_TOKENS):
+            b = slice(a, a + COMPLETION_BLOCK_TOKENS)
+            out[:, b] = (seg[:, b, :, :V].to(dt)
+                         + torch.einsum("sthk,shkv->sthv", seg[:, b, :, V:].to(dt), st)).to(out.dtype)
+        ctx.save_for_backward(seg[..., V:].contiguous(), states_SHKV)
+        return out.reshape(T, H, V)
+
+    @staticmethod
+    def backward(ctx, dO_THV):
+        q_eff, states = ctx.saved_tensors  # [S, t, H, K], [S, H, K, V]
+        S, t, H, K = q_eff.shape
+        V = states.shape[-1]
+        dt = torch.promote_types(q_eff.dtype, states.dtype)
+        dO = dO_THV.reshape(S, t, H, V)
+        st = states.to(dt)
+        d_aug = q_eff.new_empty(S, t, H, V + K)
+        d_states = torch.zeros(S, H, K, V, dtype=dt, device=states.device)
+        for a in range(0, t, COMPLETION_BLOCK_TOKENS):
+            b = slice(a, a + COMPLETION_BLOCK_TOKENS)
+            g = dO[:, b].to(dt)
+            d_aug[:, b, :, :V] = g
+            d_aug[:, b, :, V:] = torch.einsum("sthv,shkv->sthk", g, st)
+            d_states += torch.einsum("sthk,sthv->shkv", q_eff[:, b].to(dt), g)
+        return d_aug.reshape(S * t, H, V + K), d_states.to(states.dtype)
 
 
 def fold_state_maps(maps_SHKX: torch.Tensor) -> torch.Tensor:

@@ -192,12 +192,14 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
     return q + kv + out + stats + io
 
 
-def linear_attention_working_set(m: ModelShape, s: float, tp: int) -> float:
+def linear_attention_working_set(m: ModelShape, s: float, tp: int, cp: int = 1) -> float:
     """Gated DeltaNet, as launch/model.py runs it on GPU (fused conv and gated norm, kernels/gdn_fused.py;
     flash-linear-attention's chunked rule, which takes bf16 q/k/v and recomputes its WY factors in the backward):
     the q/k/v projection before and after the conv, z, beta and the fp32 log decay, the rule's in-chunk [C x C]
     matrices and output, the gated-norm output, the block's input and output. The fused kernels save only their
-    inputs; the rule's backward transients are BACKWARD_TRANSIENT's."""
+    inputs; the rule's backward transients are BACKWARD_TRANSIENT's. Under CP the rule runs at value width V + K
+    (docs/context_parallel.md): its augmented input's and output's K extra columns, and Q_eff kept for the
+    completion's backward, K·2 bytes each per token and value head."""
     la = m.linear_attn
     nk, nv = la.num_k_heads / tp, la.num_v_heads / tp
     kd, vd = nk * la.head_k_dim, nv * la.head_v_dim
@@ -205,7 +207,8 @@ def linear_attention_working_set(m: ModelShape, s: float, tp: int) -> float:
     conv = s * (2 * kd + vd) * BF16  # conv output: the rule's q, k, v
     in_chunk = s * la.chunk_size * nv * FP32
     out = s * vd * BF16 * 2 + 2 * s * m.hidden_size * BF16  # rule output, norm output; block input and output
-    return proj + conv + in_chunk + out
+    combine = 3 * s * nv * la.head_k_dim * BF16 if cp > 1 else 0.0
+    return proj + conv + in_chunk + out + combine
 
 
 def moe_working_set(m: ModelShape, s: float) -> float:
@@ -231,7 +234,7 @@ def layer_saved(m: ModelShape, s: float, tp: int, cp: int) -> tuple[float, float
     if m.num_full_attn_layers or m.num_sliding_layers:
         mixers.append(attention_working_set(m, s, tp, cp))
     if m.num_linear_attn_layers:
-        mixers.append(linear_attention_working_set(m, s, tp))
+        mixers.append(linear_attention_working_set(m, s, tp, cp))
     ffn = max(moe_working_set(m, s) if m.num_moe_layers else 0.0, dense_ffn_working_set(m, s, tp))
     return max(mixers), ffn
 

@@ -156,6 +156,34 @@ def test_state_map_of_a_segment_with_a_document_start_forgets_its_input():
     assert segment_pass(f_cont, 1)[1][0, ..., 3:].abs().max() > 1e-3
 
 
+def test_the_completion_is_the_product_block_by_block(monkeypatch):
+    """with_incoming_states in blocks smaller than a segment: O_0 + Q_eff S_in exactly in fp64 (gradcheck); with bf16
+    outputs and fp32 states it returns bf16 within bf16 rounding of the fp32 product and keeps for the backward only
+    Q_eff in bf16 and the states — no fp32 copy of the outputs."""
+    import launch.gated_delta as gd
+
+    monkeypatch.setattr(gd, "COMPLETION_BLOCK_TOKENS", 3)
+    S, T, H, K, V = 2, 14, 3, 4, 5
+    gen = torch.Generator().manual_seed(3)
+    o = torch.randn(T, H, V + K, generator=gen, dtype=torch.float64, requires_grad=True)
+    st = torch.randn(S, H, K, V, generator=gen, dtype=torch.float64, requires_grad=True)
+
+    def product(o, st):
+        seg = o.reshape(S, T // S, H, V + K)
+        return (seg[..., :V] + torch.einsum("sthk,shkv->sthv", seg[..., V:], st)).reshape(T, H, V)
+
+    assert torch.equal(with_incoming_states(o, st), product(o, st))
+    assert torch.autograd.gradcheck(with_incoming_states, (o, st))
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda x: saved.append(x) or x, lambda x: x):
+        y = with_incoming_states(o.detach().bfloat16().requires_grad_(), st.detach().float().requires_grad_())
+    assert y.dtype == torch.bfloat16
+    assert sorted((str(x.dtype), tuple(x.shape)) for x in saved) == [("torch.bfloat16", (S, T // S, H, K)),
+                                                                     ("torch.float32", (S, H, K, V))]
+    ref = product(o.detach().bfloat16().double(), st.detach().float().double())
+    assert ((y.double() - ref).abs().max() / ref.abs().max()) < 4e-3
+
+
 def test_a_sharded_micro_batch_needs_a_parallelized_model():
     from launch.model import build_model
     from recipe.models import PRESETS
