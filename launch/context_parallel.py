@@ -184,8 +184,8 @@ class ContextParallel:
             raise ValueError(f"segments of {shard.segment_len} tokens are not whole {chunk_size}-token chunks")
         if backend not in ("auto", "torch", "fla"):
             raise ValueError(f"delta-rule backend must be auto, torch or fla, got {backend!r}")
-        # "auto": flash-linear-attention's kernels on CUDA where usable (bench/bench_cp_gdn.py checks them against
-        # the whole sequence on the H200, docs/context_parallel.md), the torch combine elsewhere
+        # "auto": flash-linear-attention's kernels on CUDA where usable (tests/test_model_gpu.py and
+        # bench/bench_cp_gdn.py check them against fla on the whole sequence), the torch combine elsewhere
         use_fla = backend != "torch" and q_TGK.is_cuda and fla_status(q_TGK.shape[-1])[0]
         if backend == "fla" and not use_fla:
             raise RuntimeError("delta-rule backend 'fla' requested but unusable here")
