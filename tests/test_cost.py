@@ -306,6 +306,24 @@ def test_pipeline_step_is_the_slowest_stages():
         32768 * (sum(costs) + head), rel=1e-9)
 
 
+def test_pipeline_exchanges_are_the_slowest_stages():
+    """Under PP the CP bytes count the slowest stage's layers, not L/pp of each kind: 8 layers of Qwen3.5-35B at
+    32K, pp = 2, cp = 2 on the H200 — the slowest stage holds layers 0–4, four Gated DeltaNet layers and one full
+    attention layer. Per pass (3 under full recompute): the attention layer all-gathers s·(cp−1) tokens of K and V;
+    each Gated DeltaNet layer (cp−1) segment-map pairs and conv halos."""
+    from recipe.cost import communication_terms, slowest_stage
+
+    h200 = load_profile("h200")
+    m, o = Q35.with_layers(8), opts(32768)
+    assert slowest_stage(m, 2, o, h200) == (range(0, 5), False)
+    la, s = m.linear_attn, 32768 / 2
+    kv = 2 * m.num_kv_heads * m.head_dim * BF16
+    maps = 2 * la.num_v_heads * la.head_k_dim * (la.head_v_dim + la.head_k_dim) * FP32
+    halo = (la.conv_kernel - 1) * (2 * la.num_k_heads * la.head_k_dim + la.num_v_heads * la.head_v_dim) * BF16
+    comm, _ = communication_terms(m, h200, 4, Layout(pp=2, cp=2), o)
+    assert comm["cp"] == pytest.approx(3 * (1 * s * kv + 4 * (maps + 2 * halo)), rel=1e-12)
+
+
 def test_unsharded_expert_layer_shrinks_with_ep():
     a = [estimate(Q35, MI300X, 32, Layout(ep=ep), opts(8192)).memory_gb["activations"] for ep in (1, 2, 8, 32)]
     assert a == sorted(a, reverse=True)
