@@ -31,7 +31,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .cost import BF16, FP32, GB, Estimate, Layout, TrainOptions, estimate, layer_params
+from .cost import BF16, FP32, GB, Estimate, Layout, TrainOptions, estimate, layer_params, stage_layers
 from .hw import HwProfile
 from .models import ModelShape, param_counts
 
@@ -132,7 +132,8 @@ def memory_margin(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts
             live = 1.0
         else:
             in_flight = min(pp, opts.micro_batches) if pp > 1 else 1
-            live = m.num_moe_layers / pp * in_flight
+            # the largest stage's MoE layers (the plan's split, as the memory terms count its layers)
+            live = stage_layers(m, pp, opts, hw) * m.num_moe_layers / m.num_layers * in_flight
         parts["imbalance"] = (EXPERT_IMBALANCE - 1) * routed_rows_bytes(m, s, etp) * live / GB
     return Margin(b, parts)
 
