@@ -36,8 +36,13 @@ def load_module(path: str, name: str = "lm_head_baseline"):
 def quack_peers() -> dict:
     """QuACK's linear cross-entropy (quack-kernels, CuTe-DSL; SM90/SM100), mean CE: name → fn(h, w, t) → loss.
     `scaled-exp` is its default on SM90 with bf16 (GEMM epilogues that fuse the softmax statistics), `base` its
-    chunked pipeline. Empty, with a printed reason, where it does not import. quack-kernels 0.6.5 wants
-    nvidia-cutlass-dsl 4.7.x (docs/BENCHMARKS.md says how it travels to a machine without a network)."""
+    chunked pipeline. Empty, with a printed reason, where it does not import.
+
+    quack-kernels 0.6.5 wants nvidia-cutlass-dsl 4.7.x (4.8 breaks it) and apache-tvm-ffi, torch-c-dlpack-ext and
+    einops. On a machine without a network they travel as files: the small packages unpacked on PYTHONPATH, and
+    nvidia-cutlass-dsl with its libs-base and libs-cu13 4.7.1 wheels merged into one `nvidia_cutlass_dsl/` tree
+    (without `cu13/lib/stubs`), `xz -9`-compressed (60 MB), unpacked there to a folder DIR; then PYTHONPATH takes
+    DIR and DIR/nvidia_cutlass_dsl/dsl_packages (what the wheel's .pth file would add)."""
     try:
         import quack
         from quack.linear_cross_entropy import chunked_linear_cross_entropy
