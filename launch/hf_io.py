@@ -25,8 +25,9 @@ import re
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 
-from launch.model import GatedDeltaNet, Transformer
+from launch.model import GatedDeltaNet, Transformer, assign_full, whole_model_name
 from recipe.models import ModelShape
 
 _SKIP = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
@@ -134,14 +135,18 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
     return sd
 
 
-def load_hf_checkpoint(model: Transformer, path: str | Path, strict: bool = True) -> None:
-    """Copy a Hugging Face checkpoint into `model` (any dtype/device; values are cast). Raises ValueError naming the
-    missing, unexpected or mis-shaped tensors."""
-    sd = hf_to_ours(read_safetensors(path), model)
-    ours = model.state_dict()
+def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) -> None:
+    """Copy a Hugging Face checkpoint into `model` (any dtype/device; values are cast): a whole Transformer, or what
+    `parallelize` made of one — each rank keeps its shard of every tensor it holds (launch.model.assign_full).
+    Checked against the whole model's names and shapes (the conversion runs against a copy of it on the meta
+    device); raises ValueError naming the missing, unexpected or mis-shaped tensors."""
+    with torch.device("meta"):
+        whole = Transformer(model.shape)
+    sd = hf_to_ours(read_safetensors(path), whole)
+    ours = {k: v for k, v in whole.state_dict().items()}
     if model.shape.tie_embeddings:
         sd.pop("lm_head.weight", None)
-        ours = {k: v for k, v in ours.items() if k != "lm_head.weight"}
+        ours.pop("lm_head.weight", None)
     missing = sorted(set(ours) - set(sd))
     unexpected = sorted(set(sd) - set(ours))
     if strict and (missing or unexpected):
@@ -153,9 +158,10 @@ def load_hf_checkpoint(model: Transformer, path: str | Path, strict: bool = True
     if bad:
         raise ValueError(f"checkpoint {path} shape mismatch: " + "; ".join(bad[:6]))
     with torch.no_grad():
-        for k, v in ours.items():
+        for name, p in model.named_parameters():
+            k = whole_model_name(name)
             if k in sd:
-                v.copy_(sd[k])
+                assign_full(p, sd[k].to(device=p.device))
 
 
 def hf_config(shape: ModelShape) -> dict:

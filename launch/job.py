@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from launch.data import make_batch, pack_rollouts, read_rollouts, synthetic_rollouts
-from launch.model import build_model
+from launch.model import build_model, materialize
 from launch.optim import NonFiniteError
 from launch.parallel import build_meshes, check_layout, check_plan_shape, init_distributed, parallelize
 
@@ -90,13 +90,19 @@ def run(args, cfg, trainer_cls) -> int:
         meshes = build_meshes(plan.layout, device.type)
     torch.manual_seed(args.seed)
     # one process keeps bf16 parameters with fp32 masters beside them; under FSDP2 the fp32 shards are the masters
-    # and bf16 exists only while a layer is gathered
-    model = build_model(shape, device=device, dtype=dtype if meshes is None else torch.float32, seed=args.seed)
+    # and bf16 exists only while a layer is gathered. Distributed, the model is built on the meta device and
+    # parallelized before any weight exists, so no rank ever holds the whole model: each allocates and initializes
+    # (or loads) only its shards, and they equal the whole model's (launch.model.init_parameters).
+    if meshes is None:
+        model = parallelize(build_model(shape, device=device, dtype=dtype, seed=args.seed), plan, None,
+                            param_dtype=dtype)
+    else:
+        model = parallelize(build_model(shape, device="meta"), plan, meshes, param_dtype=dtype)
+        materialize(model, device, seed=args.seed)
     if args.hf_checkpoint:
         from launch.hf_io import load_hf_checkpoint
 
         load_hf_checkpoint(model, args.hf_checkpoint)
-    model = parallelize(model, plan, meshes, param_dtype=dtype)
     trainer = trainer_cls(model, cfg, recompute=plan.train.recompute, lm_head=plan.train.lm_head,
                           dp_rank=meshes.dp_rank if meshes else 0, dp_size=meshes.dp_size if meshes else 1,
                           dp_group=meshes.dp_group if meshes else None,

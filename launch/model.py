@@ -14,6 +14,7 @@ parameter names follow Hugging Face's, so a state dict maps one to one (launch/h
 
 from __future__ import annotations
 
+import zlib
 from dataclasses import dataclass
 
 import torch
@@ -302,26 +303,53 @@ class Transformer(nn.Module):
             h_TD = layer(h_TD, rope, packing)
         return self.norm(h_TD)
 
-    @torch.no_grad()
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:
         """Random init for training from scratch and tests (checkpoints come through launch/hf_io.py)."""
-        device = next(self.parameters()).device
-        gen = torch.Generator(device=device)
-        gen.manual_seed(0 if seed is None else seed)
-        for name, p in self.named_parameters():
-            leaf = name.rsplit(".", 1)[-1]
-            if leaf == "A_log":
-                p.copy_(torch.empty(p.shape, device=device).uniform_(1, 16, generator=gen).log())
-            elif leaf == "dt_bias":
-                p.fill_(1.0)
-            elif "norm" in name:
-                p.fill_(0.0 if self._offset_norm(name) else 1.0)
-            else:
-                p.copy_(torch.randn(p.shape, generator=gen, device=device, dtype=p.dtype) * std)
+        init_parameters(self, std=std, seed=seed)
 
-    def _offset_norm(self, name: str) -> bool:
-        module = self.get_submodule(name.rsplit(".", 1)[0])
-        return isinstance(module, RMSNorm) and bool(module.offset)
+
+@torch.no_grad()
+def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = None) -> None:
+    """Random init of a Transformer, or of what `parallelize` made of one (sharded, split into pipeline stages;
+    parameter names stay the whole model's). Each parameter is drawn from a generator of its own, seeded by `seed`
+    and its name, at its full (global) shape on its device, and each rank keeps its shard: so a model built whole
+    and one built on the meta device and sharded hold the same weights, whatever the layout. A_log ~ log U(1, 16),
+    dt_bias 1, norm weights 1 (0 for offset norms), the rest N(0, std)."""
+    for name, p in module.named_parameters():
+        gen = torch.Generator(device=p.device)
+        gen.manual_seed(_parameter_seed(0 if seed is None else seed, whole_model_name(name)))
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "A_log":
+            full = torch.empty(p.shape, device=p.device).uniform_(1, 16, generator=gen).log()
+        elif leaf == "dt_bias":
+            full = torch.ones(p.shape, device=p.device)
+        elif "norm" in name:
+            owner = module.get_submodule(name.rsplit(".", 1)[0])
+            full = torch.full(p.shape, 0.0 if isinstance(owner, RMSNorm) and owner.offset else 1.0, device=p.device)
+        else:
+            full = torch.randn(p.shape, generator=gen, device=p.device) * std
+        assign_full(p, full)
+
+
+def whole_model_name(name: str) -> str:
+    """A parameter's name in the whole model: without the recompute wrapper's module level, which named_parameters
+    shows (state dicts already drop it)."""
+    return name.replace("_checkpoint_wrapped_module.", "")
+
+
+def _parameter_seed(seed: int, name: str) -> int:
+    return (seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63)
+
+
+def assign_full(p: torch.Tensor, full: torch.Tensor) -> None:
+    """Copy a parameter's whole value into it: a plain tensor takes it as is, a DTensor (tensor, expert or FSDP2
+    sharding) keeps this rank's shard of it, cut locally (every rank holds the same whole value: no communication)."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        p.copy_(distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None))
+    else:
+        p.copy_(full)
 
 
 def trainable(shape: ModelShape) -> str | None:
@@ -342,8 +370,19 @@ def trainable(shape: ModelShape) -> str | None:
 
 def build_model(shape: ModelShape, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
                 seed: int | None = 0) -> Transformer:
-    """The model for `shape`, randomly initialized (deterministic for a seed) on `device` in `dtype`."""
+    """The model for `shape`, randomly initialized (deterministic for a seed) on `device` in `dtype`; on the meta
+    device, shapes only (`parallelize` it, then `materialize`)."""
     with torch.device(device):
         model = Transformer(shape)
+    if model.embed_tokens.weight.is_meta:
+        return model.to(dtype=dtype)
     model.init_weights(seed=seed)  # in fp32, then cast: the same weights for every dtype
     return model.to(dtype=dtype)
+
+
+def materialize(module: nn.Module, device: torch.device | str, seed: int | None = 0) -> nn.Module:
+    """Storage on `device` for a model built on the meta device and parallelized (each rank allocates only its
+    shards), then the same random init a whole model gets (init_parameters)."""
+    module.to_empty(device=device)
+    init_parameters(module, seed=seed)
+    return module

@@ -75,6 +75,13 @@ class Meshes:
         return self.dense.size()
 
     @property
+    def device(self) -> torch.device:
+        """This rank's device (the model may still be on the meta device when the layout is applied)."""
+        if self.dense.device_type == "cuda":
+            return torch.device("cuda", torch.cuda.current_device())
+        return torch.device(self.dense.device_type)
+
+    @property
     def dp_rank(self) -> int:
         """This rank's data-parallel coordinate (which micro-batches it runs)."""
         return self.dense.get_local_rank("dp")
@@ -151,7 +158,9 @@ def build_meshes(layout, device_type: str) -> Meshes:
 
 def parallelize(model: nn.Module, plan, meshes: Meshes | None, *, param_dtype: torch.dtype = torch.bfloat16,
                 ep_dispatch: bool | None = None) -> nn.Module:
-    """Apply the plan's layout to a model built whole on every rank (same seed, same weights), in this order:
+    """Apply the plan's layout to a model built on the meta device (then `launch.model.materialize` it: each rank
+    allocates and initializes only its shards), or to one built whole on every rank (same seed, same weights), in
+    this order:
 
     1. tensor parallel (tp > 1): attention and Gated DeltaNet heads split over the tp ranks, the LM head on the
        vocabulary, sequence parallelism between the mixers (launch/tensor_parallel.py); installed as

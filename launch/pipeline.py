@@ -190,7 +190,7 @@ class Pipeline:
         self.pp = meshes.dense.size(meshes.dense.mesh_dim_names.index("pp"))
         self.index = meshes.dense.get_local_rank("pp")
         self.metrics_group = meshes.data_group
-        device = next(group.parameters()).device
+        device = meshes.device  # the stages may still be on the meta device (materialized after)
         hidden = group.shape.hidden_size
         self.stages = []
         for st in group.stages:

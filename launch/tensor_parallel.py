@@ -229,8 +229,8 @@ def _localize(modules: list[nn.Module], mesh) -> None:
 
 
 def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
-    """Split `model` (built whole, the same weights on every rank) over the 1-D tp `mesh` and install the
-    sequence-parallel hooks; returns the TensorParallel, also set as `model.tensor_parallel`."""
+    """Split `model` (on the meta device, or built whole with the same weights on every rank) over the 1-D tp
+    `mesh` and install the sequence-parallel hooks; returns the TensorParallel, also set as `model.tensor_parallel`."""
     from launch.model import Attention, GatedDeltaNet
 
     check_model(model, mesh.size())

@@ -78,7 +78,8 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, reference):
     got = losses(out)
     assert sorted(got) == [1, 2, 3, 4]
     close(got, reference, [1, 2, 3, 4], SAME)
-    assert reference[4] < reference[1]  # it learns
+    # (no "it learns" here: the synthetic rollouts are uniform random tokens, whose loss sits at ln(vocab) from the
+    # first step; tests/test_train.py holds learning on a fixed batch)
 
 
 def test_redeploy_from_two_processes_to_one(tmp_path, reference, plan1):

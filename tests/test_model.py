@@ -145,3 +145,20 @@ def test_unsupported_shapes_fail_loudly():
             build_model(PRESETS[name].with_layers(1))
     with pytest.raises(ValueError, match="document lengths must be positive"):
         Packing.from_lengths([3, 0])
+
+
+def test_a_model_built_on_meta_and_materialized_equals_one_built_whole():
+    """What a distributed run does (launch/job.py): the model built on the meta device, wrapped (here: recompute,
+    which adds a module level to parameter names), then given storage and initialized — the same weights as a
+    model built whole for the seed, since each parameter's values depend only on the seed and its whole-model
+    name; another seed gives other weights."""
+    from launch.model import materialize
+
+    shape = PRESETS["tiny-moe"]
+    whole = build_model(shape, seed=3).state_dict()
+    meta = apply_recompute(build_model(shape, device="meta"), "full")
+    assert all(p.is_meta for p in meta.parameters())
+    got = materialize(meta, "cpu", seed=3).state_dict()
+    assert sorted(got) == sorted(whole) and all(torch.equal(got[k], whole[k]) for k in whole)
+    other = build_model(shape, seed=4).state_dict()
+    assert not torch.equal(other["embed_tokens.weight"], whole["embed_tokens.weight"])
