@@ -41,26 +41,50 @@ def _strip(key: str) -> str:
     return key
 
 
-def read_safetensors(path: str | Path) -> dict[str, torch.Tensor]:
-    """All tensors of a checkpoint directory or file, keyed as stored."""
-    from safetensors.torch import load_file
-
+def _checkpoint_files(path: str | Path) -> list[Path]:
+    """The safetensors files of a checkpoint directory (sharded with an index, or one file), or the file itself."""
     path = Path(path)
     if path.is_file():
-        files = [path]
-    elif (path / "model.safetensors.index.json").exists():
+        return [path]
+    if (path / "model.safetensors.index.json").exists():
         index = json.loads((path / "model.safetensors.index.json").read_text())
-        files = [path / f for f in sorted(set(index["weight_map"].values()))]
-    elif (path / "model.safetensors").exists():
-        files = [path / "model.safetensors"]
-    else:
-        found = sorted(p.name for p in path.glob("*")) if path.is_dir() else []
-        raise ValueError(f"no safetensors checkpoint at {path} (expected model.safetensors or "
-                         f"model.safetensors.index.json; found {found[:10]})")
-    tensors: dict[str, torch.Tensor] = {}
-    for f in files:
-        tensors.update(load_file(str(f)))
-    return tensors
+        return [path / f for f in sorted(set(index["weight_map"].values()))]
+    if (path / "model.safetensors").exists():
+        return [path / "model.safetensors"]
+    found = sorted(p.name for p in path.glob("*")) if path.is_dir() else []
+    raise ValueError(f"no safetensors checkpoint at {path} (expected model.safetensors or "
+                     f"model.safetensors.index.json; found {found[:10]})")
+
+
+_SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+                       "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
+                       "U8": torch.uint8, "BOOL": torch.bool}
+
+
+def _tensor_groups(path: str | Path, meta: bool):
+    """The checkpoint's tensors that the text model reads, one decoder layer at a time and then the rest (so a
+    layer's per-expert tensors are stacked together), read lazily; `meta`: their shapes and dtypes only, as meta
+    tensors, with nothing read."""
+    from safetensors import safe_open
+
+    groups: dict[int, list] = {}
+    for f in _checkpoint_files(path):
+        h = safe_open(str(f), framework="pt")
+        for key in h.keys():
+            if _SKIP.match(key):
+                continue
+            hit = re.match(r"layers\.(\d+)\.", _strip(key))
+            groups.setdefault(int(hit.group(1)) if hit else -1, []).append((h, key))
+    for g in sorted(groups, key=lambda i: (i < 0, i)):
+        if meta:
+            out = {}
+            for h, key in groups[g]:
+                sl = h.get_slice(key)
+                out[key] = torch.empty(sl.get_shape(), dtype=_SAFETENSORS_DTYPES.get(sl.get_dtype(), torch.float32),
+                                       device="meta")
+            yield out
+        else:
+            yield {key: h.get_tensor(key) for h, key in groups[g]}
 
 
 def _deinterleave_qwen3_next(sd: dict[str, torch.Tensor], prefix: str, m: GatedDeltaNet) -> None:
@@ -138,30 +162,43 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
 def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) -> None:
     """Copy a Hugging Face checkpoint into `model` (any dtype/device; values are cast): a whole Transformer, or what
     `parallelize` made of one — each rank keeps its shard of every tensor it holds (launch.model.assign_full).
-    Checked against the whole model's names and shapes (the conversion runs against a copy of it on the meta
-    device); raises ValueError naming the missing, unexpected or mis-shaped tensors."""
+
+    Checked first, reading nothing: the checkpoint's names and shapes, converted on the meta device against a copy
+    of the whole model there; a mismatch raises ValueError naming the missing, unexpected or mis-shaped tensors and
+    leaves `model` untouched. Then read and converted one decoder layer at a time, so a rank's host memory holds
+    one layer of the checkpoint, not the model."""
     with torch.device("meta"):
         whole = Transformer(model.shape)
-    sd = hf_to_ours(read_safetensors(path), whole)
-    ours = {k: v for k, v in whole.state_dict().items()}
+    ours = dict(whole.state_dict())
     if model.shape.tie_embeddings:
-        sd.pop("lm_head.weight", None)
         ours.pop("lm_head.weight", None)
-    missing = sorted(set(ours) - set(sd))
-    unexpected = sorted(set(sd) - set(ours))
+
+    def converted(meta: bool):
+        for raw in _tensor_groups(path, meta):
+            sd = hf_to_ours(raw, whole)
+            if model.shape.tie_embeddings:
+                sd.pop("lm_head.weight", None)
+            yield sd
+
+    found: dict[str, torch.Size] = {}
+    for sd in converted(meta=True):
+        found.update({k: t.shape for k, t in sd.items()})
+    missing = sorted(set(ours) - set(found))
+    unexpected = sorted(set(found) - set(ours))
     if strict and (missing or unexpected):
         raise ValueError(f"checkpoint {path} does not match model {model.shape.name}: "
                          f"missing {missing[:6]}{'…' if len(missing) > 6 else ''}, "
                          f"unexpected {unexpected[:6]}{'…' if len(unexpected) > 6 else ''}")
-    bad = [f"{k}: checkpoint {tuple(sd[k].shape)} vs model {tuple(v.shape)}"
-           for k, v in ours.items() if k in sd and sd[k].shape != v.shape]
+    bad = [f"{k}: checkpoint {tuple(found[k])} vs model {tuple(v.shape)}"
+           for k, v in ours.items() if k in found and found[k] != v.shape]
     if bad:
         raise ValueError(f"checkpoint {path} shape mismatch: " + "; ".join(bad[:6]))
+    params = {whole_model_name(n): p for n, p in model.named_parameters()}
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            k = whole_model_name(name)
-            if k in sd:
-                assign_full(p, sd[k].to(device=p.device))
+        for sd in converted(meta=False):
+            for k, t in sd.items():
+                if k in params:
+                    assign_full(params[k], t.to(device=params[k].device))
 
 
 def hf_config(shape: ModelShape) -> dict:

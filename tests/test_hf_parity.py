@@ -96,7 +96,24 @@ def test_load_errors_name_the_tensors(tmp_path):
     hf.save_pretrained(tmp_path / "hf")
     shape = from_hf_config(tmp_path / "hf" / "config.json")
     wrong = build_model(shape.model_copy(update={"expert_ffn": 8}))
+    before = {k: v.clone() for k, v in wrong.state_dict().items()}
     with pytest.raises(ValueError, match="shape mismatch: layers.0.mlp.experts.gate_up_proj"):
         load_hf_checkpoint(wrong, tmp_path / "hf")
+    assert all(torch.equal(v, before[k]) for k, v in wrong.state_dict().items())  # checked before any copy
     with pytest.raises(ValueError, match="no safetensors checkpoint"):
         load_hf_checkpoint(wrong, tmp_path)
+
+
+def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
+    """A checkpoint saved in several files (an index, as large models are published) loads to the same weights as
+    the same checkpoint in one file; the loader reads it one decoder layer at a time."""
+    hf = _hf_model("qwen3_5_moe")
+    hf.save_pretrained(tmp_path / "one")
+    hf.save_pretrained(tmp_path / "many", max_shard_size="100KB")
+    assert (tmp_path / "many" / "model.safetensors.index.json").exists()
+    shape = from_hf_config(tmp_path / "one" / "config.json")
+    a, b = build_model(shape, seed=1), build_model(shape, seed=2)
+    load_hf_checkpoint(a, tmp_path / "one")
+    load_hf_checkpoint(b, tmp_path / "many")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)

@@ -112,6 +112,14 @@ def test_redeploy_from_one_process_to_two_and_export(tmp_path, reference, plan1)
     load(out / "checkpoints" / "step_4", {"optim": opt})
     for (name, a), b in zip(exported.named_parameters(), saved.parameters()):
         assert torch.equal(a, b), name
+    # and it starts a run under either layout: loaded into the shards of a model built on the meta device (two
+    # processes) or into the whole model (one), the first step's loss is the same, and not the random init's
+    starts = {}
+    for n, plan in ((2, PLAN2), (1, plan1)):
+        torchrun(n, plan, tmp_path / f"from_hf_{n}", "--steps", "1", "--hf-checkpoint", str(tmp_path / "hf"))
+        starts[n] = losses(tmp_path / f"from_hf_{n}")
+    close(starts[2], starts[1], [1], OTHER)
+    assert abs(starts[1][1] - reference[1]) > 1e-3
 
 
 def _workers(parent: int) -> list[int]:
