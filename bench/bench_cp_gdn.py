@@ -11,6 +11,13 @@ the same layer's compute (docs/cost_model.md, CP; the collectives are not simula
 
     python bench/bench_cp_gdn.py --local 32768 --cps 2,4,8            # H200: exactness + timing table
     python bench/bench_cp_gdn.py --device cpu --local 256 --cps 2,4 --check-only   # CPU smoke (torch path)
+
+flash-linear-attention autotunes its kernels afresh for the combine's value width V + K = 256, which can take
+longer than one device call allows. With TRITON_CACHE_AUTOTUNING=1 Triton keeps the tuning on disk, so a first call
+with --warm-only (one forward + backward at the timing shape, every path) leaves the second call only the timing:
+
+    TRITON_CACHE_AUTOTUNING=1 python bench/bench_cp_gdn.py --local 32768 --warm-only
+    TRITON_CACHE_AUTOTUNING=1 python bench/bench_cp_gdn.py --local 32768 --cps 2,4,8
 """
 
 from __future__ import annotations
@@ -170,6 +177,7 @@ def main(argv=None) -> int:
     p.add_argument("--paths", default=None, help="fla,torch (default: fla on CUDA when usable, else torch)")
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--check-only", action="store_true")
+    p.add_argument("--warm-only", action="store_true", help="run the timing shape once per path (autotuning), no table")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -181,6 +189,13 @@ def main(argv=None) -> int:
         paths = ["fla"] if device.type == "cuda" and fla_status(dims[2])[0] else ["torch"]
     if "fla" in paths and not fla_status(dims[2])[0]:  # (also lifts fla's Hopper guard where our tiles allow)
         p.error(f"flash-linear-attention unusable here: {fla_status(dims[2])[1]}")
+    timing_dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    if a.warm_only:
+        for path in paths:
+            t0 = time.perf_counter()
+            one_rank_cost(a.local, cps[0], path, device, timing_dtype, dims, reps=1)
+            print(f"warmed {path} at {a.local} local tokens: {time.perf_counter() - t0:.0f} s", flush=True)
+        return 0
     results = {"checks": [], "costs": []}
     # exactness: a packed batch whose documents cross segment edges, and one starting exactly on an edge
     for path in paths:
@@ -201,8 +216,7 @@ def main(argv=None) -> int:
         print("|---|---|---|---|---|---|---|")
         for path in paths:
             for cp in cps:
-                r = one_rank_cost(a.local, cp, path, device, torch.bfloat16 if device.type == "cuda" else
-                                  torch.float32, dims, a.reps)
+                r = one_rank_cost(a.local, cp, path, device, timing_dtype, dims, a.reps)
                 r["model_ms"] = model_charge(a.local, cp, dims)
                 results["costs"].append(r)
                 print(f"| {path} | {cp} | {r['plain_ms']:.2f} | {r['cp_ms']:.2f} | {r['extra_ms']:.2f} | "
