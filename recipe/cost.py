@@ -475,12 +475,17 @@ def _stage_share(m: ModelShape, opts: TrainOptions, stage: range) -> dict[str, f
     """The part of the model's work of each operation that the layers of `stage` do (1 each for the whole model)."""
     if len(stage) == m.num_layers:
         return {"dense_gemm": 1.0, "expert_gemm": 1.0, "attention": 1.0, "delta_rule": 1.0}
-    lw = layer_work(m, opts.micro_batch_tokens)
-    out = {}
+    return dict(_stage_share_of(m, opts.micro_batch_tokens, stage.start, stage.stop))
+
+
+@functools.lru_cache(maxsize=4096)
+def _stage_share_of(m: ModelShape, seq: float, start: int, stop: int) -> tuple[tuple[str, float], ...]:
+    lw = layer_work(m, seq)
+    out = []
     for op in ("dense_gemm", "expert_gemm", "attention", "delta_rule"):
         total = sum(w[op] for w in lw)
-        out[op] = sum(lw[i][op] for i in stage) / total if total else 0.0
-    return out
+        out.append((op, sum(w[op] for w in lw[start:stop]) / total if total else 0.0))
+    return tuple(out)
 
 
 def _stage_counts(m: ModelShape, stage: range) -> dict[str, int]:
@@ -708,13 +713,20 @@ def slowest_stage(m: ModelShape, pp: int, opts: TrainOptions, hw: HwProfile | No
     slot. With pp = 1, every layer and the head."""
     if pp <= 1:
         return range(m.num_layers), True
-    sizes = pipeline_split(m, pp, opts, hw)
-    costs, first, last = stage_costs(m, opts.micro_batch_tokens, opts, hw)
+    start, stop, has_head = _slowest_stage(m, pp, opts, None if hw is None else tuple(sorted(rates(hw).items())))
+    return range(start, stop), has_head
+
+
+@functools.lru_cache(maxsize=4096)
+def _slowest_stage(m: ModelShape, pp: int, opts: TrainOptions, rate_key) -> tuple[int, int, bool]:
+    # every estimate under pp asks (compute_work, communication_terms): remember it, as _pipeline_split
+    sizes = _pipeline_split(m, pp, opts, rate_key)
+    costs, first, last = _stage_costs(m, opts.micro_batch_tokens, opts, None if rate_key is None else dict(rate_key))
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
     totals = [sum(costs[a:a + n]) + (first if i == 0 else 0.0) + (last if i == len(sizes) - 1 else 0.0)
               for i, (a, n) in enumerate(zip(starts, sizes))]
     i = max(range(len(sizes)), key=lambda k: totals[k])
-    return range(starts[i], starts[i] + sizes[i]), i == len(sizes) - 1
+    return starts[i], starts[i] + sizes[i], i == len(sizes) - 1
 
 
 def split_stages(layer_costs: list[float], stages: int, first: float = 0.0, last: float = 0.0) -> list[int]:

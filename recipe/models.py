@@ -300,6 +300,12 @@ def _linear_attention_params(m: ModelShape) -> int:
 
 def param_counts(m: ModelShape) -> dict[str, int]:
     """Parameters of the text stack by group (MTP layers excluded; see `mtp_params`)."""
+    return dict(_param_counts(m))  # a copy: callers may keep or change theirs
+
+
+@functools.lru_cache(maxsize=1024)
+def _param_counts(m: ModelShape) -> tuple[tuple[str, int], ...]:
+    # the cost model asks for these for every layout the solver weighs
     h = m.hidden_size
     moe_layers = m.num_moe_layers
     swiglu = 3 * h  # gate, up, down per intermediate unit
@@ -319,7 +325,7 @@ def param_counts(m: ModelShape) -> dict[str, int]:
         per_expert += 2 * m.expert_ffn + h  # gate_up and down biases
     counts["routed_experts"] = moe_layers * m.num_experts * per_expert
     counts["norms"] = m.num_layers * 2 * h + h
-    return counts
+    return tuple(counts.items())
 
 
 def total_params(m: ModelShape) -> int:
