@@ -34,10 +34,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from launch.context_parallel import fla_segment_pass, segment_owner, shard_batch  # noqa: E402
+from launch.context_parallel import (delta_rule_on_one_device, local_segment_pass, segment_owner,  # noqa: E402
+                                     shard_batch)
 from launch.data import Batch  # noqa: E402
-from launch.gated_delta import (chunk_factors, chunk_gated_delta_rule_fla, chunk_gated_delta_rule_torch,  # noqa: E402
-                                fla_status, fold_state_maps, segment_pass, with_incoming_states)
+from launch.gated_delta import (chunk_gated_delta_rule_fla, chunk_gated_delta_rule_torch, fla_status,  # noqa: E402
+                                fold_state_maps, with_incoming_states)
 from launch.model import Packing  # noqa: E402
 
 CHUNK = 64
@@ -69,30 +70,6 @@ def _shards(T: int, doc_lengths, cp: int, device):
     return [shard_batch(batch, r, cp, CHUNK).packing for r in range(cp)]
 
 
-def rank_pass(xs_local, packing, path: str):
-    """One rank's augmented outputs [O_0 | Q_eff] and its two segments' maps [B | M]."""
-    if path == "fla":
-        return fla_segment_pass(*xs_local, packing.cp)
-    return segment_pass(chunk_factors(*xs_local, packing.positions, CHUNK), 2)
-
-
-def simulate(xs, doc_lengths, cp: int, path: str):
-    """Every rank's outputs, put back in sequence order: the CP result on one device."""
-    T = xs[0].shape[0]
-    packings = _shards(T, doc_lengths, cp, xs[0].device)
-    maps, passes = [], []
-    for p in packings:
-        o_aug, m = rank_pass([x[p.cp.index] for x in xs], p, path)
-        passes.append((p.cp.index, o_aug)), maps.append(m)
-    gathered = torch.cat(maps)  # rank-major, as the all-gather
-    order = [2 * r + slot for r, slot in (segment_owner(j, cp) for j in range(2 * cp))]
-    states = fold_state_maps(gathered[order])
-    out = torch.zeros(T, *xs[2].shape[1:], device=xs[0].device, dtype=xs[2].dtype)
-    for r, (index, o_aug) in enumerate(passes):
-        out = out.index_put((index,), with_incoming_states(o_aug, states[[r, 2 * cp - 1 - r]]).to(out.dtype))
-    return out
-
-
 def rel(a, b) -> float:
     return float((a.detach().float() - b.detach().float()).norm() / b.float().norm().clamp_min(1e-30))
 
@@ -102,7 +79,7 @@ def check(T: int, doc_lengths, cp: int, path: str, device, dtype, dims) -> dict:
     w = torch.randn(T, dims[1], dims[3], device=device, dtype=torch.float32)
     ref = whole(xs, doc_lengths, path)
     g_ref = torch.autograd.grad((ref.float() * w).sum(), xs)
-    got = simulate(xs, doc_lengths, cp, path)
+    got = delta_rule_on_one_device(xs, doc_lengths, cp, CHUNK, backend=path)
     g_got = torch.autograd.grad((got.float() * w).sum(), xs)
     return {"path": path, "cp": cp, "tokens": T, "docs": len(doc_lengths), "out_rel": rel(got, ref),
             "grad_rel": max(rel(a, b) for a, b in zip(g_got, g_ref))}
@@ -140,7 +117,7 @@ def one_rank_cost(local: int, cp: int, path: str, device, dtype, dims, reps: int
     plain_pos = torch.arange(local, device=device)
 
     def combine():
-        o_aug, m = rank_pass(xl, packing, path)
+        o_aug, m = local_segment_pass(*xl, packing, CHUNK, backend=path)
         states = fold_state_maps(m.repeat(cp, 1, 1, 1)[order])[[0, 2 * cp - 1]]
         with_incoming_states(o_aug, states).to(dtype).float().sum().backward()
 

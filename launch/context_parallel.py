@@ -184,15 +184,7 @@ class ContextParallel:
             raise ValueError(f"segments of {shard.segment_len} tokens are not whole {chunk_size}-token chunks")
         if backend not in ("auto", "torch", "fla"):
             raise ValueError(f"delta-rule backend must be auto, torch or fla, got {backend!r}")
-        # "auto": flash-linear-attention's kernels on CUDA where usable (tests/test_model_gpu.py and
-        # bench/bench_cp_gdn.py check them against fla on the whole sequence), the torch combine elsewhere
-        use_fla = backend != "torch" and q_TGK.is_cuda and fla_status(q_TGK.shape[-1])[0]
-        if backend == "fla" and not use_fla:
-            raise RuntimeError("delta-rule backend 'fla' requested but unusable here")
-        if use_fla:
-            return _delta_rule_fla(self, q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard)
-        f = chunk_factors(q_TGK, k_TGK, v_THV, g_TH, beta_TH, packing.positions, chunk_size)
-        o_aug, maps = segment_pass(f, 2)
+        o_aug, maps = local_segment_pass(q_TGK, k_TGK, v_THV, g_TH, beta_TH, packing, chunk_size, backend)
         return with_incoming_states(o_aug, self.incoming_states(maps)).to(v_THV.dtype)
 
     def incoming_states(self, local_maps: torch.Tensor) -> torch.Tensor:
@@ -228,10 +220,40 @@ def _attention_by_piece(q_THD, kv_T2HD, shard: ContextShard, scale: float, rep: 
     return torch.cat(outs)
 
 
-def _delta_rule_fla(cp: ContextParallel, q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard: ContextShard) -> torch.Tensor:
-    """The same combine on flash-linear-attention's kernels (fla_segment_pass)."""
-    o_aug, maps = fla_segment_pass(q_TGK, k_TGK, v_THV, g_TH, beta_TH, shard)
-    return with_incoming_states(o_aug, cp.incoming_states(maps)).to(v_THV.dtype)
+def local_segment_pass(q_TGK, k_TGK, v_THV, g_TH, beta_TH, packing: Packing, chunk_size: int,
+                       backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """One rank's augmented pass over its two segments: outputs [Tl, H, V+K] = [O_0 | Q_eff] and maps
+    [2, H, K, V+K] = [B | M] (segment_pass). `backend` "auto": flash-linear-attention's kernels on CUDA where usable
+    (fla_segment_pass; tests/test_model_gpu.py and bench/bench_cp_gdn.py check them against fla on the whole
+    sequence), the torch rule elsewhere; "torch" or "fla" to choose."""
+    use_fla = backend != "torch" and q_TGK.is_cuda and fla_status(q_TGK.shape[-1])[0]
+    if backend == "fla" and not use_fla:
+        raise RuntimeError("delta-rule backend 'fla' requested but unusable here")
+    if use_fla:
+        return fla_segment_pass(q_TGK, k_TGK, v_THV, g_TH, beta_TH, _shard_of(packing))
+    return segment_pass(chunk_factors(q_TGK, k_TGK, v_THV, g_TH, beta_TH, packing.positions, chunk_size), 2)
+
+
+def delta_rule_on_one_device(xs, doc_lengths: list[int], cp: int, chunk_size: int,
+                             backend: str = "auto") -> torch.Tensor:
+    """The combine with all `cp` ranks simulated in this process, outputs [T, H, V] in sequence order: each rank's
+    zigzag shard of the packed micro-batch (documents `doc_lengths`, whole chunks per segment) through
+    local_segment_pass, the maps stacked in rank order as the all-gather delivers them, folded, each rank's outputs
+    completed and put back. What the GPU test and bench/bench_cp_gdn.py hold against the rule over the whole
+    sequence; xs = (q, k, v, g, β) of the whole micro-batch."""
+    from launch.data import Batch
+
+    T = xs[0].shape[0]
+    ids = torch.zeros(T, dtype=torch.long, device=xs[0].device)
+    batch = Batch(ids, ids, Packing.from_lengths(doc_lengths, ids.device), ids.bool(), ids.float(), ids)
+    packings = [shard_batch(batch, r, cp, chunk_size).packing for r in range(cp)]
+    passes = [local_segment_pass(*(x[p.cp.index] for x in xs), p, chunk_size, backend) for p in packings]
+    order = [2 * r + slot for r, slot in (segment_owner(j, cp) for j in range(2 * cp))]
+    states = fold_state_maps(torch.cat([m for _, m in passes])[order])
+    out = torch.zeros(T, *xs[2].shape[1:], device=xs[0].device, dtype=xs[2].dtype)
+    for r, (p, (o_aug, _)) in enumerate(zip(packings, passes)):
+        out = out.index_put((p.cp.index,), with_incoming_states(o_aug, states[[r, 2 * cp - 1 - r]]).to(out.dtype))
+    return out
 
 
 def _fla_call(q_TGK, k_TGK, v_THV, g_TH, beta_TH, cu, initial_NHKV):

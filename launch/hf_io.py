@@ -169,7 +169,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
     one layer of the checkpoint, not the model."""
     with torch.device("meta"):
         whole = Transformer(model.shape)
-    ours = dict(whole.state_dict())
+    ours = whole.state_dict()
     if model.shape.tie_embeddings:
         ours.pop("lm_head.weight", None)
 

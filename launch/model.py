@@ -374,7 +374,7 @@ def build_model(shape: ModelShape, device: torch.device | str = "cpu", dtype: to
     device, shapes only (`parallelize` it, then `materialize`)."""
     with torch.device(device):
         model = Transformer(shape)
-    if model.embed_tokens.weight.is_meta:
+    if torch.device(device).type == "meta":
         return model.to(dtype=dtype)
     model.init_weights(seed=seed)  # in fp32, then cast: the same weights for every dtype
     return model.to(dtype=dtype)

@@ -250,7 +250,8 @@ def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
     """What the LM head holds while it runs. "fused" (the eager path: the loss handed to the head, three GEMMs):
     one group's fp16 tile weights (4096 tokens, or fewer within the kernel's budget), the fp32 dW accumulator and
     the fp16 copy of W ((V/tp)·h·6), and dH (fp32, s·h·4). "lean" (four GEMMs, the loss handed over too): its two
-    bf16 gradients ((V/tp + s)·h·2) and a few MiB, or one token chunk's tile statistics if those are more. "naive": NAIVE_BYTES_PER_LOGIT per logit of [s × V/tp] (docs/cost_model.md)."""
+    bf16 gradients ((V/tp + s)·h·2) and a few MiB, or one token chunk's tile statistics if those are more.
+    "naive": NAIVE_BYTES_PER_LOGIT per logit of [s × V/tp] (docs/cost_model.md)."""
     v = m.vocab_size / tp
     if mode == "naive":
         return s * v * NAIVE_BYTES_PER_LOGIT
@@ -428,13 +429,19 @@ def tp_replicated_params(m: ModelShape, pp: int, layers: float | None = None) ->
     return (c["router"] + c["shared_expert"] + c["norms"]) / m.num_layers * per_stage
 
 
+def forward_equivalents(opts: TrainOptions) -> int:
+    """A layer's work per micro-batch in forward passes: forward, the recomputed forward under full recompute, and
+    the backward at twice a forward — 4 with full recompute, 3 without."""
+    return 4 if opts.recompute == "full" else 3
+
+
 def flop_terms(m: ModelShape, opts: TrainOptions) -> tuple[dict[str, float], float, float, float]:
     """Section 2: forward FLOPs per token by part, model and hardware FLOPs per token, and the head's passes."""
     f = forward_flops_per_token(m, opts.micro_batch_tokens)
     fwd = sum(f.values())
     # the fused head's eager path forms its gradients in the forward: three GEMMs, as unfused; the lean head four
     head_passes = LEAN_HEAD_PASSES if opts.lm_head == "lean" else 3
-    hw_flops_tok = (4 if opts.recompute == "full" else 3) * (fwd - f["head"]) + head_passes * f["head"]
+    hw_flops_tok = forward_equivalents(opts) * (fwd - f["head"]) + head_passes * f["head"]
     return f, 3 * fwd, hw_flops_tok, head_passes
 
 
@@ -447,7 +454,7 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
     operation, the head only if it holds it), since every pipeline slot waits for that stage."""
     tp = layout.tp
     s = opts.micro_batch_tokens / layout.cp
-    mult = 4 if opts.recompute == "full" else 3
+    mult = forward_equivalents(opts)
     f, _, _, head_passes = flop_terms(m, opts)
     c = param_counts(m)
     routed = 2 * c["routed_experts"] * m.top_k / m.num_experts
@@ -569,9 +576,8 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
             halo = (la.conv_kernel - 1) * (2 * la.num_k_heads * la.head_k_dim + la.num_v_heads * la.head_v_dim) / tp
             n_lin = n["linear"]
             cp_bytes += n_lin * passes * (cp - 1) * (maps + 2 * halo * BF16)
-            mult = 4 if opts.recompute == "full" else 3  # forward-equivalents, as compute_work counts them
             extra = cp_delta_rule_flops(s, nv, la.head_k_dim, la.head_v_dim, la.chunk_size, cp)
-            t_combine = n_lin * (mult * extra / r["delta_rule"] + passes * 2 * COLLECTIVE_LATENCY_S)
+            t_combine = n_lin * (forward_equivalents(opts) * extra / r["delta_rule"] + passes * 2 * COLLECTIVE_LATENCY_S)
         comm["cp"] = cp_bytes
         t["cp"] = cp_bytes / bw + t_combine
     # TP with sequence parallel: per layer an all-gather and a reduce-scatter around the mixer, and around a dense
@@ -694,7 +700,7 @@ def stage_costs(m: ModelShape, seq: float, opts: TrainOptions, hw: HwProfile | N
 
 def _stage_costs(m: ModelShape, seq: float, opts: TrainOptions, r: dict[str, float] | None
                  ) -> tuple[list[float], float, float]:
-    passes = 4 if opts.recompute == "full" else 3
+    passes = forward_equivalents(opts)
     costs = []
     for w in layer_work(m, seq):
         if r is None:
@@ -713,7 +719,7 @@ def slowest_stage(m: ModelShape, pp: int, opts: TrainOptions, hw: HwProfile | No
     slot. With pp = 1, every layer and the head."""
     if pp <= 1:
         return range(m.num_layers), True
-    start, stop, has_head = _slowest_stage(m, pp, opts, None if hw is None else tuple(sorted(rates(hw).items())))
+    start, stop, has_head = _slowest_stage(m, pp, opts, _rate_key(hw))
     return range(start, stop), has_head
 
 
@@ -732,7 +738,8 @@ def _slowest_stage(m: ModelShape, pp: int, opts: TrainOptions, rate_key) -> tupl
 def split_stages(layer_costs: list[float], stages: int, first: float = 0.0, last: float = 0.0) -> list[int]:
     """Layers per pipeline stage: `stages` contiguous, non-empty runs of layers, in order, whose largest cost (the
     first run's plus `first`, the last run's plus `last`) is the smallest possible; on a tie each stage starts as
-    late as it can (the later stages, the head's among them, hold fewer layers). Exact (dynamic programming over the cut points, O(stages·layers²)).
+    late as it can (the later stages, the head's among them, hold fewer layers). Exact (dynamic programming over
+    the cut points, O(stages·layers²)).
 
     Example: costs [1, 1, 1, 3, 1, 1, 1, 3] (a full-attention layer after every three Gated DeltaNet layers costing a
     third as much), 2 stages and a head costing 2 on the last: cutting after 5 layers gives 7 and 5 + 2 = 7, after 4
@@ -774,8 +781,12 @@ def pipeline_split(m: ModelShape, stages: int, opts: TrainOptions, hw: HwProfile
     """Layers per pipeline stage for `stages` stages (pp·virtual stages), balanced by stage_costs at the plan's
     micro-batch (in time on `hw`; in FLOPs without a profile): what `recipe solve` records as the plan's
     `train.pp_stages` and what the trainer builds."""
-    key = None if hw is None else tuple(sorted(rates(hw).items()))
-    return list(_pipeline_split(m, stages, opts, key))
+    return list(_pipeline_split(m, stages, opts, _rate_key(hw)))
+
+
+def _rate_key(hw: HwProfile | None):
+    """A profile's rates as a hashable key (the pipeline caches' key: the split depends on nothing else of it)."""
+    return None if hw is None else tuple(sorted(rates(hw).items()))
 
 
 @functools.lru_cache(maxsize=4096)

@@ -157,34 +157,12 @@ def test_ep_grouped_gemms_match_the_per_expert_loop():
     assert pairs[2][0][1].abs().max() == 0 and pairs[2][0][4].abs().max() == 0  # idle experts: zero gradient
 
 
-def _cp_on_one_device(xs, lengths, cp, rank_pass):
-    """Every cp rank's shard of one packed micro-batch, each through `rank_pass` (its augmented outputs and segment
-    maps), the maps stacked in rank order as the all-gather delivers them, folded, each rank's outputs completed and
-    put back in sequence order."""
-    from launch.context_parallel import segment_owner, shard_batch
-    from launch.data import Batch
-    from launch.gated_delta import fold_state_maps, with_incoming_states
-    from launch.model import Packing
-
-    T = xs[0].shape[0]
-    ids = torch.zeros(T, dtype=torch.long, device=xs[0].device)
-    batch = Batch(ids, ids, Packing.from_lengths(lengths, ids.device), ids.bool(), ids.float(), ids)
-    packings = [shard_batch(batch, r, cp, 64).packing for r in range(cp)]
-    passes = [rank_pass([x[p.cp.index] for x in xs], p) for p in packings]
-    order = [2 * r + slot for r, slot in (segment_owner(j, cp) for j in range(2 * cp))]
-    states = fold_state_maps(torch.cat([m for _, m in passes])[order])
-    out = torch.zeros(T, *xs[2].shape[1:], device=xs[0].device, dtype=xs[2].dtype)
-    for r, (p, (o_aug, _)) in enumerate(zip(packings, passes)):
-        out = out.index_put((p.cp.index,), with_incoming_states(o_aug, states[[r, 2 * cp - 1 - r]]).to(out.dtype))
-    return out
-
-
 @pytest.mark.parametrize("cp", [2, 4])
 def test_cp_combine_on_fla_equals_fla_on_the_whole_sequence(cp):
     """The CP segment combine on flash-linear-attention's kernels (fla_segment_pass, then the fold and the
     completion), every rank simulated on one GPU, fp32 inputs, documents crossing segment edges and one starting on
     an edge: outputs and input gradients equal fla over the whole sequence to its own precision."""
-    from launch.context_parallel import fla_segment_pass
+    from launch.context_parallel import delta_rule_on_one_device
     from launch.gated_delta import chunk_gated_delta_rule_fla, fla_status
     from launch.model import Packing
 
@@ -204,7 +182,7 @@ def test_cp_combine_on_fla_equals_fla_on_the_whole_sequence(cp):
     ref = chunk_gated_delta_rule_fla(*whole, Packing.from_lengths(lengths, "cuda").cu_seqlens, 64)
     (ref * w).sum().backward()
     split = [x.clone().requires_grad_() for x in xs]
-    got = _cp_on_one_device(split, lengths, cp, lambda xl, p: fla_segment_pass(*xl, p.cp))
+    got = delta_rule_on_one_device(split, lengths, cp, 64, backend="fla")
     (got * w).sum().backward()
     assert _rel(got, ref) < 1e-3, f"output rel err {_rel(got, ref):.2e}"
     for name, a, b in zip("q k v g beta".split(), split, whole):
