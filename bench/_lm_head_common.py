@@ -42,7 +42,18 @@ def quack_peers() -> dict:
     einops. On a machine without a network they travel as files: the small packages unpacked on PYTHONPATH, and
     nvidia-cutlass-dsl with its libs-base and libs-cu13 4.7.1 wheels merged into one `nvidia_cutlass_dsl/` tree
     (without `cu13/lib/stubs`), `xz -9`-compressed (60 MB), unpacked there to a folder DIR; then PYTHONPATH takes
-    DIR and DIR/nvidia_cutlass_dsl/dsl_packages (what the wheel's .pth file would add)."""
+    DIR and DIR/nvidia_cutlass_dsl/dsl_packages (what the wheel's .pth file would add). nvidia-cutlass-dsl 4.7.1
+    also needs nvidia-cutlass-dsl-libs-core 4.7.1 (the DSL's Python: `cutlass.cute`, `cutlass.cutlass_dsl`),
+    cuda-python with cuda-bindings, cuda-pathfinder and nvidia-cuda-nvdisasm: their wheels unzip into the same DIR.
+
+    quack 0.6.5 keys its compiled epilogues by a fingerprint of every value the epilogue function reaches, and
+    refuses a value it cannot fingerprint; with nvidia-cutlass-dsl 4.7.1 that value is the DSL's module logger, so
+    the import fails ("epilogue fn depends on <Logger CUTE_DSL …>"). A logger does not change the traced math, so
+    loggers get a fingerprint of their name (quack's documented `__quack_semantic_key__` hook) before the import."""
+    import logging
+
+    if not hasattr(logging.Logger, "__quack_semantic_key__"):
+        logging.Logger.__quack_semantic_key__ = lambda self: ("logging.Logger", self.name)
     try:
         import quack
         from quack.linear_cross_entropy import chunked_linear_cross_entropy

@@ -10,6 +10,7 @@ cp = 2/4/8 equivalents (the local length fixed, the micro-batch cp times longer)
 the same layer's compute (docs/cost_model.md, CP; the collectives are not simulated).
 
     python bench/bench_cp_gdn.py --local 32768 --cps 2,4,8            # H200: exactness + timing table
+    python bench/bench_cp_gdn.py --local 32768 --cps 2,4,8 --time-only --breakdown   # timing, and where it goes
     python bench/bench_cp_gdn.py --device cpu --local 256 --cps 2,4 --check-only   # CPU smoke (torch path)
 
 flash-linear-attention autotunes its kernels afresh for the combine's value width V + K = 256, which can take
@@ -134,16 +135,52 @@ def one_rank_cost(local: int, cp: int, path: str, device, dtype, dims, reps: int
             "extra_ms": (t_cp - t_plain) * 1e3, "ratio": t_cp / t_plain}
 
 
-def model_charge(local: int, cp: int, dims) -> float:
-    """The cost model's charge (ms) for this layer's combine compute, forward + backward (three forward-equivalents,
-    as recipe.cost counts a pass without recompute): recipe.cost.cp_delta_rule_flops at the H200's delta-rule
-    rate."""
-    from recipe.cost import cp_delta_rule_flops, rates
+def model_charge(local: int, cp: int, dims) -> tuple[float, float]:
+    """The cost model's charge for this layer's combine compute, forward + backward (three forward-equivalents, as
+    recipe.cost counts a pass without recompute), at the H200's delta-rule rate: (ms, in plain passes)."""
+    from recipe.cost import cp_combine_seconds, delta_rule_flops_per_token_head, rates
     from recipe.hw import load_profile
+    from recipe.models import LinearAttnShape
 
     G, H, K, V = dims
+    la = LinearAttnShape(num_k_heads=G, num_v_heads=H, head_k_dim=K, head_v_dim=V, conv_kernel=4, chunk_size=CHUNK)
     rate = rates(load_profile("h200"))["delta_rule"]
-    return 3 * cp_delta_rule_flops(local, H, K, V, CHUNK, cp) / rate * 1e3
+    t = cp_combine_seconds(local, H, la, cp, rate)
+    return 3 * t * 1e3, t / (local * H * delta_rule_flops_per_token_head(la) / rate)
+
+
+def breakdown(local: int, cp: int, path: str, device, dtype, dims, reps: int) -> dict:
+    """Where rank 0's combine time goes, forward + backward: the augmented pass alone (its outputs and maps
+    summed into the loss), the fold of the 2·cp maps alone, and the completion alone, each timed on its own."""
+    T = local * cp
+    packing = _shards(T, [T], cp, device)[0]
+    G, H, K, V = dims
+    gen = torch.Generator(device=device).manual_seed(cp)
+    xl = [torch.randn(local, G, K, device=device, generator=gen).to(dtype),
+          torch.randn(local, G, K, device=device, generator=gen).to(dtype),
+          torch.randn(local, H, V, device=device, generator=gen).to(dtype),
+          -F.softplus(torch.randn(local, H, device=device, generator=gen) + 2.0) * 0.2,
+          torch.sigmoid(torch.randn(local, H, device=device, generator=gen)).to(dtype)]
+    xl = [x.requires_grad_() for x in xl]
+    order = [2 * r + slot for r, slot in (segment_owner(j, cp) for j in range(2 * cp))]
+    o_aug, m = local_segment_pass(*xl, packing, CHUNK, backend=path)
+    o_aug, m = o_aug.detach().requires_grad_(), m.detach()
+    maps = (m.repeat(cp, 1, 1, 1)[order] * 0.5).requires_grad_()  # contractive, as trained decays are
+    states = fold_state_maps(maps.detach())[[0, 2 * cp - 1]].requires_grad_()
+
+    def augmented():
+        a, b = local_segment_pass(*xl, packing, CHUNK, backend=path)
+        (a.float().sum() + b.sum()).backward()
+
+    def fold():
+        fold_state_maps(maps)[[0, 2 * cp - 1]].sum().backward()
+
+    def completion():
+        with_incoming_states(o_aug, states).to(dtype).float().sum().backward()
+
+    return {"cp": cp, **{name: _time(fn, device, reps) * 1e3
+                         for name, fn in (("augmented_ms", augmented), ("fold_ms", fold),
+                                          ("completion_ms", completion))}}
 
 
 def main(argv=None) -> int:
@@ -155,6 +192,9 @@ def main(argv=None) -> int:
     p.add_argument("--reps", type=int, default=3)
     p.add_argument("--check-only", action="store_true")
     p.add_argument("--warm-only", action="store_true", help="run the timing shape once per path (autotuning), no table")
+    p.add_argument("--time-only", action="store_true", help="skip the fp32 exactness check (its own autotuning)")
+    p.add_argument("--breakdown", action="store_true",
+                   help="also time the augmented pass, the fold and the completion each on its own")
     p.add_argument("--json", help="write the results here")
     a = p.parse_args(argv)
     device = torch.device(a.device)
@@ -175,7 +215,7 @@ def main(argv=None) -> int:
         return 0
     results = {"checks": [], "costs": []}
     # exactness: a packed batch whose documents cross segment edges, and one starting exactly on an edge
-    for path in paths:
+    for path in ([] if a.time_only else paths):
         dtype = torch.float32
         for cp in cps:
             T = 2 * cp * CHUNK * (4 if device.type == "cuda" else 1)
@@ -189,15 +229,25 @@ def main(argv=None) -> int:
                   f"{r['grad_rel']:.2e}", flush=True)
     if not a.check_only:
         print(f"\none rank, forward+backward, local {a.local} tokens, heads {dims[1]}×{dims[2]}×{dims[3]}")
-        print("| path | cp | plain (ms) | with combine (ms) | extra (ms) | ratio | cost model charge (ms) |")
-        print("|---|---|---|---|---|---|---|")
+        print("| path | cp | plain (ms) | with combine (ms) | extra (ms) | extra / plain | cost model (ms) | "
+              "cost model / plain |")
+        print("|---|---|---|---|---|---|---|---|")
         for path in paths:
             for cp in cps:
                 r = one_rank_cost(a.local, cp, path, device, timing_dtype, dims, a.reps)
-                r["model_ms"] = model_charge(a.local, cp, dims)
+                r["model_ms"], r["model_passes"] = model_charge(a.local, cp, dims)
                 results["costs"].append(r)
                 print(f"| {path} | {cp} | {r['plain_ms']:.2f} | {r['cp_ms']:.2f} | {r['extra_ms']:.2f} | "
-                      f"{r['ratio']:.2f} | {r['model_ms']:.2f} |", flush=True)
+                      f"{r['extra_ms'] / r['plain_ms']:.2f} | {r['model_ms']:.2f} | {r['model_passes']:.2f} |",
+                      flush=True)
+        if a.breakdown:
+            results["breakdown"] = []
+            print("\n| cp | augmented pass (ms) | fold (ms) | completion (ms) |\n|---|---|---|---|")
+            for cp in cps:
+                r = breakdown(a.local, cp, paths[0], device, timing_dtype, dims, a.reps)
+                results["breakdown"].append(r)
+                print(f"| {cp} | {r['augmented_ms']:.2f} | {r['fold_ms']:.2f} | {r['completion_ms']:.2f} |",
+                      flush=True)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=1))
     return 0

@@ -10,6 +10,7 @@ Pure Python: never imports torch.
 from __future__ import annotations
 
 import functools
+import math
 
 from dataclasses import dataclass, field
 from typing import Literal
@@ -69,6 +70,12 @@ NAIVE_BYTES_PER_LOGIT = 18
 # Fixed cost of one small collective (a CP all-gather of Gated DeltaNet's maps or conv halos): launch and one
 # round of latency on NVLink/xGMI, an order-of-magnitude figure, not measured.
 COLLECTIVE_LATENCY_S = 10e-6
+# Gated DeltaNet's CP combine against its FLOP count (cp_delta_rule_flops), measured on one H200 with fla
+# (bench/bench_cp_gdn.py: 32 value heads, d_k = d_v = 128, C = 64, 32,768 tokens a rank, forward + backward): it
+# costs 1.27 / 1.45 / 1.58 plain delta-rule passes at cp = 2 / 4 / 8 where its FLOPs are 1.00 of one. Fitted to
+# within 1%: the FLOPs run at 1/1.127 of the plain pass's rate, and every doubling of cp adds 0.150 of a plain pass.
+CP_COMBINE_EFFICIENCY = 1 / 1.127
+CP_COMBINE_PASSES_PER_DOUBLING = 0.150
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 
@@ -283,8 +290,7 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
                                                       + m.num_sliding_layers * ctx_sliding)
     if m.linear_attn is not None:
         la = m.linear_attn
-        per_head = 6 * la.head_k_dim * la.head_v_dim + 4 * la.chunk_size * (la.head_k_dim + la.head_v_dim)
-        out["linear_attention"] = m.num_linear_attn_layers * la.num_v_heads * per_head
+        out["linear_attention"] = m.num_linear_attn_layers * la.num_v_heads * delta_rule_flops_per_token_head(la)
     return out
 
 
@@ -524,6 +530,20 @@ def compute_times(work: dict[str, float], hw: HwProfile) -> dict[str, float]:
     return {k: (w * r[k] if k == "layer_passes" else (w / r[k] if w else 0.0)) for k, w in work.items()}
 
 
+def delta_rule_flops_per_token_head(la) -> float:
+    """Forward FLOPs of the plain chunked delta rule per token and value head: 6·d_k·d_v + 4·C·(d_k + d_v)."""
+    return 6 * la.head_k_dim * la.head_v_dim + 4 * la.chunk_size * (la.head_k_dim + la.head_v_dim)
+
+
+def cp_combine_seconds(s: float, num_v_heads: float, la, cp: int, rate: float) -> float:
+    """One forward-equivalent of CP's Gated DeltaNet combine on one rank and layer, in seconds: its FLOPs
+    (cp_delta_rule_flops) at CP_COMBINE_EFFICIENCY of the delta rule's rate, plus CP_COMBINE_PASSES_PER_DOUBLING
+    of a plain pass over the rank's s tokens per doubling of cp (both measured, see the constants)."""
+    extra = cp_delta_rule_flops(s, num_v_heads, la.head_k_dim, la.head_v_dim, la.chunk_size, cp)
+    plain = s * num_v_heads * delta_rule_flops_per_token_head(la)
+    return (extra / CP_COMBINE_EFFICIENCY + CP_COMBINE_PASSES_PER_DOUBLING * math.log2(cp) * plain) / rate
+
+
 def cp_delta_rule_flops(s: float, num_v_heads: float, k: int, v: int, chunk: int, cp: int) -> float:
     """Forward FLOPs one rank adds per Gated DeltaNet layer for CP's exact combine, beyond the plain chunked rule
     over its s tokens (per token and value head that rule costs 6·K·V + 4·C·(K + V), forward_flops_per_token): the
@@ -569,15 +589,16 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
             # width V + K gives each local segment's outputs and outgoing state as affine functions of its incoming
             # state; the maps [B | M] (and the conv halos) are all-gathered, folded locally, and the outputs
             # completed. Extra per layer: that pass's width beyond the plain pass, the completion and the fold at
-            # the delta rule's rate, the maps' and halos' bytes, and the latency of the two collectives.
+            # their measured share of the delta rule's rate, the maps' and halos' bytes, and the latency of the two
+            # collectives.
             la = m.linear_attn
             nv = la.num_v_heads / tp
             maps = 2 * nv * la.head_k_dim * (la.head_v_dim + la.head_k_dim) * FP32  # a rank's two segments
             halo = (la.conv_kernel - 1) * (2 * la.num_k_heads * la.head_k_dim + la.num_v_heads * la.head_v_dim) / tp
             n_lin = n["linear"]
             cp_bytes += n_lin * passes * (cp - 1) * (maps + 2 * halo * BF16)
-            extra = cp_delta_rule_flops(s, nv, la.head_k_dim, la.head_v_dim, la.chunk_size, cp)
-            t_combine = n_lin * (forward_equivalents(opts) * extra / r["delta_rule"] + passes * 2 * COLLECTIVE_LATENCY_S)
+            t_combine = n_lin * (forward_equivalents(opts) * cp_combine_seconds(s, nv, la, cp, r["delta_rule"])
+                                 + passes * 2 * COLLECTIVE_LATENCY_S)
         comm["cp"] = cp_bytes
         t["cp"] = cp_bytes / bw + t_combine
     # TP with sequence parallel: per layer an all-gather and a reduce-scatter around the mixer, and around a dense

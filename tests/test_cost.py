@@ -324,6 +324,36 @@ def test_pipeline_exchanges_are_the_slowest_stages():
     assert comm["cp"] == pytest.approx(3 * (1 * s * kv + 4 * (maps + 2 * halo)), rel=1e-12)
 
 
+def test_cp_combine_charge_matches_its_h200_measurement():
+    """The combine's charge in plain delta-rule passes, at Qwen3.5-35B's head shape (d_k = d_v = 128, C = 64,
+    32 value heads, 32,768 tokens a rank): what bench/bench_cp_gdn.py measured on one H200 with fla, 1.27 / 1.45
+    / 1.58 plain passes at cp = 2 / 4 / 8 (docs/BENCHMARKS.md). By hand at cp = 2: the FLOPs are one plain pass
+    (6·128² + 4·64·128 + 2·128² = 6·128² + 4·64·256) plus the fold's 3·2·128³ per head, at 1/1.127 of the rate, plus
+    0.150 of a pass for log2(2) = 1."""
+    from recipe.cost import cp_combine_seconds, delta_rule_flops_per_token_head
+
+    la, s, rate = Q35.linear_attn, 32768, 1e12
+    plain = s * 32 * delta_rule_flops_per_token_head(la) / rate
+    fold = 3 * 32 * 2 * 128 ** 3 / rate
+    assert cp_combine_seconds(s, 32, la, 2, rate) == pytest.approx((plain + fold) * 1.127 + 0.150 * plain, rel=1e-12)
+    for cp, measured in ((2, 1.273), (4, 1.447), (8, 1.585)):
+        assert cp_combine_seconds(s, 32, la, cp, rate) / plain == pytest.approx(measured, rel=0.01)
+
+
+def test_cp_time_charges_the_combine_per_linear_layer_and_forward_equivalent():
+    """t_cp = bytes / bw + per Gated DeltaNet layer (4 forward-equivalents under full recompute) × the combine, plus
+    two collective latencies per pass: 8 layers of Qwen3.5-35B, cp = 2, one stage, 32K."""
+    from recipe.cost import COLLECTIVE_LATENCY_S, communication_terms, cp_combine_seconds, group_bw, rates
+
+    h200 = load_profile("h200")
+    m, o = Q35.with_layers(8), opts(32768)
+    comm, t = communication_terms(m, h200, 2, Layout(cp=2), o)
+    n_lin = m.num_linear_attn_layers
+    combine = cp_combine_seconds(16384, m.linear_attn.num_v_heads, m.linear_attn, 2, rates(h200)["delta_rule"])
+    expect = comm["cp"] / group_bw(h200, 2, 1, 2) + n_lin * (4 * combine + 3 * 2 * COLLECTIVE_LATENCY_S)
+    assert t["cp"] == pytest.approx(expect, rel=1e-12)
+
+
 def test_unsharded_expert_layer_shrinks_with_ep():
     a = [estimate(Q35, MI300X, 32, Layout(ep=ep), opts(8192)).memory_gb["activations"] for ep in (1, 2, 8, 32)]
     assert a == sorted(a, reverse=True)
