@@ -99,9 +99,11 @@ def rel_entropy(ent, ref, floor=1e-3) -> float:
 
 
 def check_policy_loss(T, H, V, *, backend, tol, temperature=1.0, logit_scale=3.0, device="cpu",
-                      dtype=torch.float32, grad_tol=None, adv_spread=1.0, chunk_tokens=None, mode=None):
-    """linear_policy_loss with a clipped-surrogate-like loss plus an entropy term against the float64 reference.
-    adv_spread > 1 gives the token chunks advantages of very different sizes (chunk-wise fp16 scales differ)."""
+                      dtype=torch.float32, grad_tol=None, adv_spread=1.0, chunk_tokens=None, mode=None,
+                      entropy_coef=0.01):
+    """linear_policy_loss with a clipped-surrogate-like loss plus an entropy term (none at entropy_coef 0: the head
+    then computes no entropy) against the float64 reference. adv_spread > 1 gives the token chunks advantages of
+    very different sizes (chunk-wise fp16 scales differ)."""
     hidden, weight, target = inputs(T, H, V, logit_scale=logit_scale, device=device, dtype=dtype)
     target[: max(1, T // 7)] = -100
     adv = torch.randn(T, device=device) * adv_spread ** torch.linspace(-1, 1, T, device=device)
@@ -109,15 +111,16 @@ def check_policy_loss(T, H, V, *, backend, tol, temperature=1.0, logit_scale=3.0
 
     def per_token(logp, ent, adv, old):
         ratio = torch.exp(logp - old)
-        return -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv) - 0.01 * ent
+        surrogate = -torch.minimum(ratio * adv, ratio.clamp(0.8, 1.28) * adv)
+        return surrogate - entropy_coef * ent if entropy_coef else surrogate
 
     def token_loss(logp, ent, t0, t1):
         return per_token(logp, ent, adv[t0:t1], old[t0:t1])
 
     hidden.grad = weight.grad = None
     loss, logp, ent = kernels.linear_policy_loss(hidden, weight, target, token_loss, temperature=temperature,
-                                                 with_entropy=True, backend=backend, chunk_tokens=chunk_tokens,
-                                                 mode=mode)
+                                                 with_entropy=bool(entropy_coef), backend=backend,
+                                                 chunk_tokens=chunk_tokens, mode=mode)
     loss.backward()
 
     def ref_fn(h, w, t):
@@ -128,8 +131,10 @@ def check_policy_loss(T, H, V, *, backend, tol, temperature=1.0, logit_scale=3.0
     w64 = weight.detach().double().requires_grad_()
     ref, rlp, ren = ref_fn(h64, w64, target)
     ref.backward()
-    errs = {"loss": rel(loss, ref), "logp": rel(logp, rlp), "ent": rel_entropy(ent, ren),
-            "dH": rel(hidden.grad, h64.grad), "dW": rel(weight.grad, w64.grad)}
+    errs = {"loss": rel(loss, ref), "logp": rel(logp, rlp), "dH": rel(hidden.grad, h64.grad),
+            "dW": rel(weight.grad, w64.grad)}
+    if entropy_coef:
+        errs["ent"] = rel_entropy(ent, ren)
     limits = {k: (grad_tol or tol) if k in ("dH", "dW") else tol for k in errs}
     assert all(errs[k] <= limits[k] for k in errs), f"{errs} > {limits} (T={T} H={H} V={V})"
     assert (logp[: max(1, T // 7)] == 0).all() and not logp.requires_grad
@@ -189,3 +194,32 @@ def small_lean_chunks(monkeypatch, grain=4, tile=16):
     monkeypatch.setattr(lean, "GRAIN", grain)
     monkeypatch.setattr(lean, "PASS_W_CHUNKS", (4 * grain, 16 * grain))
     monkeypatch.setattr(torch_backend, "LOGITS_TILE_VOCAB", tile)
+
+
+def dz_in_gemms_inputs(T=37, H=40, V=301, tile=64, seed=0):
+    """One token group's tile weights (fp16, the torch backend's tiles of `tile` columns), statistics, coefficients
+    of a policy-like loss (a, c of both signs, some tokens ignored) and targets (repeated, outside [0, V), ignored):
+    what kernels.lm_head.fused.gradients_from_weights consumes."""
+    from kernels.lm_head import torch_backend as kc
+    from kernels.lm_head.numerics import Coefficients
+
+    g = torch.Generator().manual_seed(seed)
+    hidden = torch.randn(T, H, generator=g).to(torch.bfloat16)
+    weight = (torch.randn(V, H, generator=g) * 0.4).to(torch.bfloat16)
+    target = torch.randint(0, V, (T,), generator=g)
+    target[::5] = target[0]  # repeated targets: several terms on one dW row
+    target[1], target[2] = V + 3, -100  # on another rank; ignored
+    old = kc.LOGITS_TILE_VOCAB
+    kc.LOGITS_TILE_VOCAB = tile
+    try:
+        e = torch.empty(T, V, dtype=torch.float16)
+        st = kc.logits_tiles(hidden, weight, target, 0.7, False, e)
+    finally:
+        kc.LOGITS_TILE_VOCAB = old
+    a = torch.randn(T, generator=g)
+    a[2] = 0.0
+    coef = Coefficients(st.lse2 * LN2_, a, None, -a * torch.rand(T, generator=g) * 2)
+    return hidden, weight, target, e, st, coef
+
+
+LN2_ = 0.6931471805599453

@@ -18,7 +18,8 @@ import triton
 import triton.language as tl
 
 from kernels.lm_head.numerics import E_LOG2 as _E_LOG2, LOG2E, PARTS_PER_TILE, Coefficients, TileStats
-from kernels.lm_head.tiles import DW_ACC_TILES, DZ_ROWS_TILE, DZ_TILES, MERGE_TILES, TARGET_TILES, logits_tile_config
+from kernels.lm_head.tiles import (DW_ACC_TILES, DZ_ROWS_TILE, DZ_TILES, MERGE_TILES, TARGET_TILES, WEIGHT_GRAD_TILES,
+                                   logits_tile_config)
 
 
 def _vendor() -> tuple[str, int]:
@@ -477,3 +478,134 @@ def dw_acc(acc_VH, dz_TV, h_TH, scale, first: bool) -> None:
     _dw_acc_kernel[grid](dz_TV, h_TH, acc_VH, scale, T, V, H, dz_TV.stride(0), h_TH.stride(0), acc_VH.stride(0),
                          FIRST=first, DOT_FP32=_VENDOR == "interpreter", BLOCK_V=c.block_t, BLOCK_H=c.block_v,
                          BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+
+
+# ---- the gradient GEMMs with dZ formed in their operand load (docs/kernels.md, "dZ inside the gradient GEMMs") ----
+@triton.jit
+def _scaled_operand(e, u, DOT_FP32: tl.constexpr):
+    """dZ from a block of tile weights: the fp32 product e · u rounded once to fp16 (as the dZ pass stores it);
+    under DOT_FP32 (the interpreter) the rounded values go on in fp32."""
+    a = (e.to(tl.float32) * u).to(tl.float16)
+    if DOT_FP32:
+        return a.to(tl.float32)
+    return a
+
+
+@triton.jit
+def _dh_from_weights_kernel(e_ptr, u_ptr, w_ptr, tgt_ptr, dzt_ptr, out_ptr, alpha_ptr, T, V, H,
+                            stride_e, stride_w, stride_o, TILE_V: tl.constexpr, DOT_FP32: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[T, H] = alpha · (dZ @ w) with dZ = e · u[tile, t] off the target column (e is 0 there) and dz_tgt at
+    it. The hidden blocks of one token block are consecutive programs, so they share each e block through L2.
+    BLOCK_K divides TILE_V: a K step lies in one logits tile, one factor per row."""
+    pid = tl.program_id(0)
+    num_h = tl.cdiv(H, BLOCK_H)
+    pid_t = pid // num_h
+    pid_h = pid % num_h
+    offs_t, t_mask, rows = _token_rows(pid_t, T, BLOCK_T)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    h_mask = offs_h < H
+    acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
+    e_rows = e_ptr + offs_t.to(tl.int64)[:, None] * stride_e
+    for k0 in range(0, V, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < V
+        e = tl.load(e_rows + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        u = tl.load(u_ptr + (k0 // TILE_V) * T + rows)  # (u holds N x T < 2^31 elements)
+        w = tl.load(w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_h[None, :],
+                    mask=k_mask[:, None] & h_mask[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(_scaled_operand(e, u[:, None], DOT_FP32), w.to(tl.float32), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(_scaled_operand(e, u[:, None], DOT_FP32), w, acc)
+    # the target column: dz_tgt (fp32) times the target's row of w
+    tgt = tl.load(tgt_ptr + rows)
+    hit = t_mask & (tgt >= 0) & (tgt < V)
+    w_t = tl.load(w_ptr + tgt.to(tl.int64)[:, None] * stride_w + offs_h[None, :], mask=hit[:, None] & h_mask[None, :],
+                  other=0.0)
+    acc += tl.where(hit, tl.load(dzt_ptr + rows), 0.0)[:, None] * w_t.to(tl.float32)
+    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_o + offs_h[None, :], acc * tl.load(alpha_ptr),
+             mask=t_mask[:, None] & h_mask[None, :])
+
+
+@triton.jit
+def _dw_from_weights_kernel(e_ptr, u_ptr, h_ptr, order_ptr, sorted_tgt_ptr, starts_ptr, dzt_ptr, acc_ptr, alpha_ptr,
+                            T, V, H, stride_e, stride_h, stride_acc, TILE_V: tl.constexpr, FIRST: tl.constexpr,
+                            DOT_FP32: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
+    """acc[V, H] (fp32) = (FIRST) or += alpha · (dZ^T @ h), dZ as in _dh_from_weights_kernel. BLOCK_V divides
+    TILE_V: a program's vocab rows lie in one logits tile, so the factor is one per token. The target column's
+    terms are added in the epilogue, token by token in target order (the tokens whose target is in this block:
+    [starts[pid_v], starts[pid_v + 1]) of the sorted targets), so the sum does not depend on scheduling."""
+    pid = tl.program_id(0)
+    num_h = tl.cdiv(H, BLOCK_H)
+    pid_v = pid // num_h
+    pid_h = pid % num_h
+    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
+    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
+    v_mask = offs_v < V
+    h_mask = offs_h < H
+    u_row = u_ptr + ((pid_v * BLOCK_V) // TILE_V) * T
+    acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
+    for k0 in range(0, T, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        k_mask = offs_k < T
+        toks = offs_k.to(tl.int64)[:, None]
+        e = tl.load(e_ptr + toks * stride_e + offs_v[None, :], mask=k_mask[:, None] & v_mask[None, :], other=0.0)
+        u = tl.load(u_row + offs_k, mask=k_mask, other=0.0)
+        h = tl.load(h_ptr + toks * stride_h + offs_h[None, :], mask=k_mask[:, None] & h_mask[None, :], other=0.0)
+        if DOT_FP32:
+            acc = tl.dot(tl.trans(_scaled_operand(e, u[:, None], DOT_FP32)), h.to(tl.float32), acc,
+                         input_precision="ieee")
+        else:
+            acc = tl.dot(tl.trans(_scaled_operand(e, u[:, None], DOT_FP32)), h, acc)
+    for i in range(tl.load(starts_ptr + pid_v), tl.load(starts_ptr + pid_v + 1)):
+        t = tl.load(order_ptr + i)
+        y = tl.load(sorted_tgt_ptr + i)
+        h_t = tl.load(h_ptr + t * stride_h + offs_h, mask=h_mask, other=0.0).to(tl.float32)
+        acc += tl.where(offs_v[:, None] == y, tl.load(dzt_ptr + t) * h_t[None, :], 0.0)
+    acc = acc * tl.load(alpha_ptr)
+    ptrs = acc_ptr + offs_v.to(tl.int64)[:, None] * stride_acc + offs_h[None, :]
+    mask = v_mask[:, None] & h_mask[None, :]
+    if not FIRST:
+        acc += tl.load(ptrs, mask=mask, other=0.0)
+    tl.store(ptrs, acc, mask=mask)
+
+
+def _weight_grad_config(tile_v: int):
+    c = WEIGHT_GRAD_TILES[_VENDOR]
+    if tile_v % c.block_k or tile_v % c.block_t:
+        raise ValueError(f"logits tile width {tile_v} is not a multiple of the gradient GEMMs' blocks {c}")
+    return c
+
+
+def dh_from_weights(e_TV, u_NT, tile_v: int, tgt_T, dz_tgt_T, w_VH, out_TH, alpha) -> None:
+    """out (fp32 [T, H]) = alpha · (dZ @ w), dZ formed from the tile weights inside the GEMM: e · u off the target
+    column (e must be 0 there) and dz_tgt at it, in fp32 (targets outside [0, V) add nothing). alpha: 0-dim fp32
+    tensor (no host sync)."""
+    T, V = e_TV.shape
+    H = w_VH.shape[1]
+    c = _weight_grad_config(tile_v)
+    grid = (triton.cdiv(T, c.block_t) * triton.cdiv(H, c.block_v),)
+    _dh_from_weights_kernel[grid](e_TV, u_NT, w_VH, tgt_T, dz_tgt_T, out_TH, alpha, T, V, H, e_TV.stride(0),
+                                  w_VH.stride(0), out_TH.stride(0), TILE_V=tile_v, DOT_FP32=_VENDOR == "interpreter",
+                                  BLOCK_T=c.block_t, BLOCK_H=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps,
+                                  num_stages=c.num_stages)
+
+
+def dw_from_weights(e_TV, u_NT, tile_v: int, tgt_T, dz_tgt_T, h_TH, acc_VH, alpha, first: bool) -> None:
+    """acc (fp32 [V, H]) = (first) or += alpha · (dZ^T @ h), dZ as in dh_from_weights; deterministic."""
+    T, V = e_TV.shape
+    H = h_TH.shape[1]
+    c = _weight_grad_config(tile_v)
+    num_v = triton.cdiv(V, c.block_t)
+    # the target column's tokens in target order (targets outside [0, V) last), and where each vocab block's start
+    hit = (tgt_T >= 0) & (tgt_T < V)
+    sorted_tgt, order = torch.sort(torch.where(hit, tgt_T, V).to(torch.int64), stable=True)
+    bounds = torch.arange(num_v + 1, device=tgt_T.device, dtype=torch.int64) * c.block_t
+    starts = torch.searchsorted(sorted_tgt, bounds.clamp_max(V))
+    grid = (num_v * triton.cdiv(H, c.block_v),)
+    _dw_from_weights_kernel[grid](e_TV, u_NT, h_TH, order, sorted_tgt, starts, dz_tgt_T, acc_VH, alpha, T, V, H,
+                                  e_TV.stride(0), h_TH.stride(0), acc_VH.stride(0), TILE_V=tile_v, FIRST=first,
+                                  DOT_FP32=_VENDOR == "interpreter", BLOCK_V=c.block_t, BLOCK_H=c.block_v,
+                                  BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
