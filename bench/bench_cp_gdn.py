@@ -100,9 +100,9 @@ def _time(fn, device, reps: int) -> float:
     return statistics.median(times)
 
 
-def one_rank_cost(local: int, cp: int, path: str, device, dtype, dims, reps: int) -> dict:
-    """Rank 0's forward + backward on its `local` tokens of a cp·local micro-batch (one document: every segment
-    continues the one before), the other ranks' maps stood in by copies of its own, against the plain delta rule."""
+def _rank_inputs(local: int, cp: int, device, dtype, dims):
+    """Rank 0's shard of a cp·local-token document (its two segments' packing), random inputs for its local tokens
+    (requiring grad), and the segments' order of the gathered maps."""
     T = local * cp
     packing = _shards(T, [T], cp, device)[0]
     G, H, K, V = dims
@@ -112,8 +112,14 @@ def one_rank_cost(local: int, cp: int, path: str, device, dtype, dims, reps: int
           torch.randn(local, H, V, device=device, generator=gen).to(dtype),
           -F.softplus(torch.randn(local, H, device=device, generator=gen) + 2.0) * 0.2,
           torch.sigmoid(torch.randn(local, H, device=device, generator=gen)).to(dtype)]
-    xl = [x.requires_grad_() for x in xl]
     order = [2 * r + slot for r, slot in (segment_owner(j, cp) for j in range(2 * cp))]
+    return packing, [x.requires_grad_() for x in xl], order
+
+
+def one_rank_cost(local: int, cp: int, path: str, device, dtype, dims, reps: int) -> dict:
+    """Rank 0's forward + backward on its `local` tokens of a cp·local micro-batch (one document: every segment
+    continues the one before), the other ranks' maps stood in by copies of its own, against the plain delta rule."""
+    packing, xl, order = _rank_inputs(local, cp, device, dtype, dims)
     plain_cu = torch.tensor([0, local], dtype=torch.int32, device=device)
     plain_pos = torch.arange(local, device=device)
 
@@ -152,17 +158,7 @@ def model_charge(local: int, cp: int, dims) -> tuple[float, float]:
 def breakdown(local: int, cp: int, path: str, device, dtype, dims, reps: int) -> dict:
     """Where rank 0's combine time goes, forward + backward: the augmented pass alone (its outputs and maps
     summed into the loss), the fold of the 2·cp maps alone, and the completion alone, each timed on its own."""
-    T = local * cp
-    packing = _shards(T, [T], cp, device)[0]
-    G, H, K, V = dims
-    gen = torch.Generator(device=device).manual_seed(cp)
-    xl = [torch.randn(local, G, K, device=device, generator=gen).to(dtype),
-          torch.randn(local, G, K, device=device, generator=gen).to(dtype),
-          torch.randn(local, H, V, device=device, generator=gen).to(dtype),
-          -F.softplus(torch.randn(local, H, device=device, generator=gen) + 2.0) * 0.2,
-          torch.sigmoid(torch.randn(local, H, device=device, generator=gen)).to(dtype)]
-    xl = [x.requires_grad_() for x in xl]
-    order = [2 * r + slot for r, slot in (segment_owner(j, cp) for j in range(2 * cp))]
+    packing, xl, order = _rank_inputs(local, cp, device, dtype, dims)
     o_aug, m = local_segment_pass(*xl, packing, CHUNK, backend=path)
     o_aug, m = o_aug.detach().requires_grad_(), m.detach()
     maps = (m.repeat(cp, 1, 1, 1)[order] * 0.5).requires_grad_()  # contractive, as trained decays are
