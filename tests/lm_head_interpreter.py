@@ -77,13 +77,8 @@ def lean_policy_loss():
     check_policy_loss(29, 40, 257, backend="triton", tol=2e-5, chunk_tokens=8, temperature=1.3, mode="lean")
 
 
-def dz_in_gemms():
-    """The two gradient GEMMs that form dZ in their operand load, against the torch backend's on the same inputs
-    (tiles of 64 columns; repeated targets, one on another rank, one ignored; dW written, then accumulated), and the
-    fused head through them end to end (bf16, |z| ~ 30; a policy loss without entropy; the peaked tail)."""
-    from kernels.lm_head import fused, torch_backend as kc, triton_backend as kt
-
-    hidden, weight, target, e, st, coef = dz_in_gemms_inputs()
+def _dz_in_gemms_kernels(kc, kt, V):
+    hidden, weight, target, e, st, coef = dz_in_gemms_inputs(V=V)
     T, V = e.shape
     hit = (target >= 0) & (target < V)
     idx = target.clamp(0, V - 1)[:, None]
@@ -101,7 +96,22 @@ def dz_in_gemms():
         mod.dw_from_weights(e, u, st.tile_v, target, dz_t * 2, h16, dw, alpha, first=False)
         outs[name] = (dh, dw)
     for got, want in zip(outs["triton"], outs["torch"]):
-        assert rel(got, want) < 1e-6, rel(got, want)
+        assert rel(got, want) < 1e-6, (V, rel(got, want))
+
+
+def dz_in_gemms():
+    """The two gradient GEMMs that form dZ in their operand load, against the torch backend's on the same inputs
+    (tiles of 64 columns; repeated targets, one on another rank, one ignored; dW written, then accumulated), and the
+    fused head through them end to end (bf16, |z| ~ 30; a policy loss without entropy; the peaked tail)."""
+    from kernels.lm_head import fused, torch_backend as kc, triton_backend as kt
+
+    weights_tma = kt._weights_tma
+    try:
+        for tma, V in ((False, 301), (True, 320)):  # TMA: rows 16-byte aligned
+            kt._weights_tma = lambda *operands, tma=tma: tma
+            _dz_in_gemms_kernels(kc, kt, V)
+    finally:
+        kt._weights_tma = weights_tma
     try:
         fused.DZ_IN_GEMMS = True
         check_cross_entropy(37, 40, 301, backend="triton", tol=1e-5, grad_tol=3e-3, dtype=torch.bfloat16,

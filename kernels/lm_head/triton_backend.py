@@ -492,9 +492,10 @@ def _scaled_operand(e, u, DOT_FP32: tl.constexpr):
 
 
 @triton.jit
-def _dh_from_weights_kernel(e_ptr, u_ptr, w_ptr, tgt_ptr, dzt_ptr, out_ptr, alpha_ptr, T, V, H,
+def _dh_from_weights_kernel(e_ptr, u_ptr, w_ptr, tgt_ptr, dzt_ptr, out_ptr, alpha_ptr, e_desc, w_desc, T, V, H,
                             stride_e, stride_w, stride_o, TILE_V: tl.constexpr, DOT_FP32: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+                            USE_TMA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
+                            BLOCK_K: tl.constexpr):
     """out[T, H] = alpha · (dZ @ w) with dZ = e · u[tile, t] off the target column (e is 0 there) and dz_tgt at
     it. The hidden blocks of one token block are consecutive programs, so they share each e block through L2.
     BLOCK_K divides TILE_V: a K step lies in one logits tile, one factor per row."""
@@ -510,10 +511,14 @@ def _dh_from_weights_kernel(e_ptr, u_ptr, w_ptr, tgt_ptr, dzt_ptr, out_ptr, alph
     for k0 in range(0, V, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < V
-        e = tl.load(e_rows + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+        if USE_TMA:  # (rows past T or V read as zeros)
+            e = e_desc.load([pid_t * BLOCK_T, k0])
+            w = w_desc.load([k0, pid_h * BLOCK_H])
+        else:
+            e = tl.load(e_rows + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
+            w = tl.load(w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_h[None, :],
+                        mask=k_mask[:, None] & h_mask[None, :], other=0.0)
         u = tl.load(u_ptr + (k0 // TILE_V) * T + rows)  # (u holds N x T < 2^31 elements)
-        w = tl.load(w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_h[None, :],
-                    mask=k_mask[:, None] & h_mask[None, :], other=0.0)
         if DOT_FP32:
             acc = tl.dot(_scaled_operand(e, u[:, None], DOT_FP32), w.to(tl.float32), acc, input_precision="ieee")
         else:
@@ -530,9 +535,9 @@ def _dh_from_weights_kernel(e_ptr, u_ptr, w_ptr, tgt_ptr, dzt_ptr, out_ptr, alph
 
 @triton.jit
 def _dw_from_weights_kernel(e_ptr, u_ptr, h_ptr, order_ptr, sorted_tgt_ptr, starts_ptr, dzt_ptr, acc_ptr, alpha_ptr,
-                            T, V, H, stride_e, stride_h, stride_acc, TILE_V: tl.constexpr, FIRST: tl.constexpr,
-                            DOT_FP32: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
+                            e_desc, h_desc, T, V, H, stride_e, stride_h, stride_acc, TILE_V: tl.constexpr,
+                            FIRST: tl.constexpr, DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr,
+                            BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
     """acc[V, H] (fp32) = (FIRST) or += alpha · (dZ^T @ h), dZ as in _dh_from_weights_kernel. BLOCK_V divides
     TILE_V: a program's vocab rows lie in one logits tile, so the factor is one per token. The target column's
     terms are added in the epilogue, token by token in target order (the tokens whose target is in this block:
@@ -551,9 +556,15 @@ def _dw_from_weights_kernel(e_ptr, u_ptr, h_ptr, order_ptr, sorted_tgt_ptr, star
         offs_k = k0 + tl.arange(0, BLOCK_K)
         k_mask = offs_k < T
         toks = offs_k.to(tl.int64)[:, None]
-        e = tl.load(e_ptr + toks * stride_e + offs_v[None, :], mask=k_mask[:, None] & v_mask[None, :], other=0.0)
+        if USE_TMA:
+            e = e_desc.load([k0, pid_v * BLOCK_V])
+            h = h_desc.load([k0, pid_h * BLOCK_H])
+        else:
+            e = tl.load(e_ptr + toks * stride_e + offs_v[None, :], mask=k_mask[:, None] & v_mask[None, :],
+                        other=0.0)
+            h = tl.load(h_ptr + toks * stride_h + offs_h[None, :], mask=k_mask[:, None] & h_mask[None, :],
+                        other=0.0)
         u = tl.load(u_row + offs_k, mask=k_mask, other=0.0)
-        h = tl.load(h_ptr + toks * stride_h + offs_h[None, :], mask=k_mask[:, None] & h_mask[None, :], other=0.0)
         if DOT_FP32:
             acc = tl.dot(tl.trans(_scaled_operand(e, u[:, None], DOT_FP32)), h.to(tl.float32), acc,
                          input_precision="ieee")
@@ -572,6 +583,20 @@ def _dw_from_weights_kernel(e_ptr, u_ptr, h_ptr, order_ptr, sorted_tgt_ptr, star
     tl.store(ptrs, acc, mask=mask)
 
 
+def _weights_tma(*operands) -> bool:
+    """TMA descriptors for the gradient GEMMs' operands: NVIDIA Hopper or later, 16-bit, unit inner stride, rows and
+    bases 16-byte aligned."""
+    return (_VENDOR == "nvidia" and _ARCH >= 9
+            and all(t.element_size() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+                    for t in operands))
+
+
+def _desc(t, block):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
+
+
 def _weight_grad_config(tile_v: int):
     c = WEIGHT_GRAD_TILES[_VENDOR]
     if tile_v % c.block_k or tile_v % c.block_t:
@@ -587,9 +612,13 @@ def dh_from_weights(e_TV, u_NT, tile_v: int, tgt_T, dz_tgt_T, w_VH, out_TH, alph
     H = w_VH.shape[1]
     c = _weight_grad_config(tile_v)
     grid = (triton.cdiv(T, c.block_t) * triton.cdiv(H, c.block_v),)
-    _dh_from_weights_kernel[grid](e_TV, u_NT, w_VH, tgt_T, dz_tgt_T, out_TH, alpha, T, V, H, e_TV.stride(0),
-                                  w_VH.stride(0), out_TH.stride(0), TILE_V=tile_v, DOT_FP32=_VENDOR == "interpreter",
-                                  BLOCK_T=c.block_t, BLOCK_H=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps,
+    tma = _weights_tma(e_TV, w_VH)
+    e_desc = _desc(e_TV, [c.block_t, c.block_k]) if tma else None
+    w_desc = _desc(w_VH, [c.block_k, c.block_v]) if tma else None
+    _dh_from_weights_kernel[grid](e_TV, u_NT, w_VH, tgt_T, dz_tgt_T, out_TH, alpha, e_desc, w_desc, T, V, H,
+                                  e_TV.stride(0), w_VH.stride(0), out_TH.stride(0), TILE_V=tile_v,
+                                  DOT_FP32=_VENDOR == "interpreter", USE_TMA=tma, BLOCK_T=c.block_t,
+                                  BLOCK_H=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps,
                                   num_stages=c.num_stages)
 
 
@@ -605,7 +634,11 @@ def dw_from_weights(e_TV, u_NT, tile_v: int, tgt_T, dz_tgt_T, h_TH, acc_VH, alph
     bounds = torch.arange(num_v + 1, device=tgt_T.device, dtype=torch.int64) * c.block_t
     starts = torch.searchsorted(sorted_tgt, bounds.clamp_max(V))
     grid = (num_v * triton.cdiv(H, c.block_v),)
-    _dw_from_weights_kernel[grid](e_TV, u_NT, h_TH, order, sorted_tgt, starts, dz_tgt_T, acc_VH, alpha, T, V, H,
-                                  e_TV.stride(0), h_TH.stride(0), acc_VH.stride(0), TILE_V=tile_v, FIRST=first,
-                                  DOT_FP32=_VENDOR == "interpreter", BLOCK_V=c.block_t, BLOCK_H=c.block_v,
-                                  BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
+    tma = _weights_tma(e_TV, h_TH)
+    e_desc = _desc(e_TV, [c.block_k, c.block_t]) if tma else None
+    h_desc = _desc(h_TH, [c.block_k, c.block_v]) if tma else None
+    _dw_from_weights_kernel[grid](e_TV, u_NT, h_TH, order, sorted_tgt, starts, dz_tgt_T, acc_VH, alpha, e_desc,
+                                  h_desc, T, V, H, e_TV.stride(0), h_TH.stride(0), acc_VH.stride(0), TILE_V=tile_v,
+                                  FIRST=first, DOT_FP32=_VENDOR == "interpreter", USE_TMA=tma, BLOCK_V=c.block_t,
+                                  BLOCK_H=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps,
+                                  num_stages=c.num_stages)
