@@ -19,6 +19,10 @@ with --warm-only (one forward + backward at the timing shape, every path) leaves
 
     TRITON_CACHE_AUTOTUNING=1 python bench/bench_cp_gdn.py --local 32768 --warm-only
     TRITON_CACHE_AUTOTUNING=1 python bench/bench_cp_gdn.py --local 32768 --cps 2,4,8
+
+The tuning lives in TRITON_CACHE_DIR (~/.triton/cache by default); a copy of that folder from an earlier run with the
+same Triton, fla and GPU skips it. The fp32 exactness check tunes its own kernels (fp32 operands): --time-only skips
+it, --check-only runs it alone.
 """
 
 from __future__ import annotations
