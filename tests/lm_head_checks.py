@@ -201,7 +201,7 @@ def dz_in_gemms_inputs(T=37, H=40, V=301, tile=64, seed=0):
     of a policy-like loss (a, c of both signs, some tokens ignored) and targets (repeated, outside [0, V), ignored):
     what kernels.lm_head.fused.gradients_from_weights consumes."""
     from kernels.lm_head import torch_backend as kc
-    from kernels.lm_head.numerics import Coefficients
+    from kernels.lm_head.numerics import LN2, Coefficients
 
     g = torch.Generator().manual_seed(seed)
     hidden = torch.randn(T, H, generator=g).to(torch.bfloat16)
@@ -218,8 +218,6 @@ def dz_in_gemms_inputs(T=37, H=40, V=301, tile=64, seed=0):
         kc.LOGITS_TILE_VOCAB = old
     a = torch.randn(T, generator=g)
     a[2] = 0.0
-    coef = Coefficients(st.lse2 * LN2_, a, None, -a * torch.rand(T, generator=g) * 2)
+    coef = Coefficients(st.lse2 * LN2, a, None, -a * torch.rand(T, generator=g) * 2)
     return hidden, weight, target, e, st, coef
 
-
-LN2_ = 0.6931471805599453

@@ -105,13 +105,13 @@ def dz_in_gemms():
     fused head through them end to end (bf16, |z| ~ 30; a policy loss without entropy; the peaked tail)."""
     from kernels.lm_head import fused, torch_backend as kc, triton_backend as kt
 
-    weights_tma = kt._weights_tma
+    tma_operands = kt._tma_operands
     try:
         for tma, V in ((False, 301), (True, 320)):  # TMA: rows 16-byte aligned
-            kt._weights_tma = lambda *operands, tma=tma: tma
+            kt._tma_operands = lambda *operands, tma=tma: tma
             _dz_in_gemms_kernels(kc, kt, V)
     finally:
-        kt._weights_tma = weights_tma
+        kt._tma_operands = tma_operands
     try:
         fused.DZ_IN_GEMMS = True
         check_cross_entropy(37, 40, 301, backend="triton", tol=1e-5, grad_tol=3e-3, dtype=torch.bfloat16,

@@ -185,28 +185,24 @@ def fused_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_token
         dz_gV = e_buf[: g1 - g0]
         tiles, coef = group_statistics(head, g0, g1, with_entropy, token_loss, dz_gV, totals)
         scale = dz_scale(coef, head.inv_temp) if half else torch.ones((), **f32)
+        # where the group's dH rows go (fp32), and its hidden rows as the dW GEMM's operand
+        dh_out = None if not need_h else (dH32[g0:g1] if dH32 is not None else dH_buf[: g1 - g0])
+        h_g = None if not need_w else (
+            hidden_TH[g0:g1] if not half else torch.mul(hidden_TH[g0:g1], h_scale_f, out=h_buf[: g1 - g0]))
         if in_gemms:  # alphas stay on the device: no host sync
-            dh_out = None if not need_h else (dH32[g0:g1] if dH32 is not None else dH_buf[: g1 - g0])
-            h_g = torch.mul(hidden_TH[g0:g1], h_scale_f, out=h_buf[: g1 - g0]) if need_w else None
             gradients_from_weights(head, g0, g1, dz_gV, tiles, coef, totals.tz[g0:g1], scale, w_g, dh_out, h_g,
                                    dW32, 1.0 / (scale * w_scale_f), 1.0 / (scale * h_scale_f))
-            if dH is not None:
-                dH[g0:g1].copy_(dh_out)
-            continue
-        head.kmod.dlogits_from_tiles(dz_gV, tiles, head.tgt[g0:g1], tiles.lse2, coef, head.inv_temp, scale)
-        # one host sync per group: cuBLAS takes alpha from the host. (Two buffers, software-pipelined so that the
-        # host reads the scale while the GPU runs the next group, measured no faster: docs/BENCHMARKS.md.)
-        s = float(scale)
-        if need_h:
-            if dH32 is not None:
-                gemm_acc(dH32[g0:g1], dz_gV, w_g, first=True, alpha=1.0 / (s * w_scale_f))
-            else:
-                out = dH_buf[: g1 - g0]
-                gemm_acc(out, dz_gV, w_g, first=True, alpha=1.0 / (s * w_scale_f))
-                dH[g0:g1].copy_(out)
-        if need_w:
-            h_g = hidden_TH[g0:g1] if not half else torch.mul(hidden_TH[g0:g1], h_scale_f, out=h_buf[: g1 - g0])
-            gemm_acc(dW32, dz_gV.T, h_g, first=(g0 == 0), alpha=1.0 / (s * h_scale_f))
+        else:
+            head.kmod.dlogits_from_tiles(dz_gV, tiles, head.tgt[g0:g1], tiles.lse2, coef, head.inv_temp, scale)
+            # one host sync per group: cuBLAS takes alpha from the host. (Two buffers, software-pipelined so that the
+            # host reads the scale while the GPU runs the next group, measured no faster: docs/BENCHMARKS.md.)
+            s = float(scale)
+            if dh_out is not None:
+                gemm_acc(dh_out, dz_gV, w_g, first=True, alpha=1.0 / (s * w_scale_f))
+            if h_g is not None:
+                gemm_acc(dW32, dz_gV.T, h_g, first=(g0 == 0), alpha=1.0 / (s * h_scale_f))
+        if dH is not None:
+            dH[g0:g1].copy_(dh_out)
     del e_buf, w_g, h_buf, dH_buf
     if dH32 is not None:
         dist.all_reduce(dH32, group=head.tp_group)

@@ -316,9 +316,22 @@ def merge_tiles(lse2_NT, ent_NT, with_entropy: bool):
 
 
 def _use_tma(hidden_TH, weight_VH, dot_fp32: bool) -> bool:
-    """TMA descriptors: NVIDIA Hopper or later, 16-bit operands, rows 16-byte aligned (H a multiple of 8)."""
-    return (_VENDOR == "nvidia" and _ARCH >= 9 and not dot_fp32 and hidden_TH.shape[1] % 8 == 0
-            and hidden_TH.data_ptr() % 16 == 0 and weight_VH.data_ptr() % 16 == 0)
+    """TMA descriptors for the logits GEMM: 16-bit operands (not the exact fp32 dot) that _tma_operands accepts."""
+    return not dot_fp32 and _tma_operands(hidden_TH, weight_VH)
+
+
+def _tma_operands(*operands) -> bool:
+    """TMA descriptors for these operands: NVIDIA Hopper or later, 16-bit, unit inner stride, rows and bases 16-byte
+    aligned."""
+    return (_VENDOR == "nvidia" and _ARCH >= 9
+            and all(t.element_size() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
+                    for t in operands))
+
+
+def _desc(t, block):
+    from triton.tools.tensor_descriptor import TensorDescriptor
+
+    return TensorDescriptor.from_tensor(t, block)
 
 
 def tile_vocab(hidden_TH) -> int:
@@ -354,10 +367,8 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
     outs = (e_arg, m2_NT, lse2_NT, ent_NT)
     k2 = inv_temp * LOG2E
     if _use_tma(hidden_TH, weight_VH, dot_fp32):
-        from triton.tools.tensor_descriptor import TensorDescriptor
-
-        h_desc = TensorDescriptor.from_tensor(hidden_TH, [c.block_t, c.block_k])
-        w_desc = TensorDescriptor.from_tensor(weight_VH, [c.block_v, c.block_k])
+        h_desc = _desc(hidden_TH, [c.block_t, c.block_k])
+        w_desc = _desc(weight_VH, [c.block_v, c.block_k])
         progs = min(grid_tiles, _num_sms(hidden_TH.device))
         _logits_tiles_tma_kernel[(progs,)](h_desc, w_desc, *outs, T, V, H, e_arg.stride(0), k2, progs, **meta)
     else:
@@ -583,20 +594,6 @@ def _dw_from_weights_kernel(e_ptr, u_ptr, h_ptr, order_ptr, sorted_tgt_ptr, star
     tl.store(ptrs, acc, mask=mask)
 
 
-def _weights_tma(*operands) -> bool:
-    """TMA descriptors for the gradient GEMMs' operands: NVIDIA Hopper or later, 16-bit, unit inner stride, rows and
-    bases 16-byte aligned."""
-    return (_VENDOR == "nvidia" and _ARCH >= 9
-            and all(t.element_size() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
-                    for t in operands))
-
-
-def _desc(t, block):
-    from triton.tools.tensor_descriptor import TensorDescriptor
-
-    return TensorDescriptor.from_tensor(t, block)
-
-
 def _weight_grad_config(tile_v: int):
     c = WEIGHT_GRAD_TILES[_VENDOR]
     if tile_v % c.block_k or tile_v % c.block_t:
@@ -612,7 +609,7 @@ def dh_from_weights(e_TV, u_NT, tile_v: int, tgt_T, dz_tgt_T, w_VH, out_TH, alph
     H = w_VH.shape[1]
     c = _weight_grad_config(tile_v)
     grid = (triton.cdiv(T, c.block_t) * triton.cdiv(H, c.block_v),)
-    tma = _weights_tma(e_TV, w_VH)
+    tma = _tma_operands(e_TV, w_VH)
     e_desc = _desc(e_TV, [c.block_t, c.block_k]) if tma else None
     w_desc = _desc(w_VH, [c.block_k, c.block_v]) if tma else None
     _dh_from_weights_kernel[grid](e_TV, u_NT, w_VH, tgt_T, dz_tgt_T, out_TH, alpha, e_desc, w_desc, T, V, H,
@@ -634,7 +631,7 @@ def dw_from_weights(e_TV, u_NT, tile_v: int, tgt_T, dz_tgt_T, h_TH, acc_VH, alph
     bounds = torch.arange(num_v + 1, device=tgt_T.device, dtype=torch.int64) * c.block_t
     starts = torch.searchsorted(sorted_tgt, bounds.clamp_max(V))
     grid = (num_v * triton.cdiv(H, c.block_v),)
-    tma = _weights_tma(e_TV, h_TH)
+    tma = _tma_operands(e_TV, h_TH)
     e_desc = _desc(e_TV, [c.block_k, c.block_t]) if tma else None
     h_desc = _desc(h_TH, [c.block_k, c.block_v]) if tma else None
     _dw_from_weights_kernel[grid](e_TV, u_NT, h_TH, order, sorted_tgt, starts, dz_tgt_T, acc_VH, alpha, e_desc,
