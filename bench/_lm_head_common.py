@@ -63,18 +63,3 @@ def quack_peers() -> dict:
     version = getattr(quack, "__version__", "?")
     return {f"quack {version} scaled-exp": lambda h, w, t: chunked_linear_cross_entropy(h, w, t),
             f"quack {version} base": lambda h, w, t: chunked_linear_cross_entropy(h, w, t, use_scaled_exp=False)}
-
-
-def with_dz_in_gemms(fn):
-    """fn run with the fused head forming dZ inside its two gradient GEMMs (kernels.lm_head.fused.DZ_IN_GEMMS)
-    instead of the dZ pass and cuBLAS: the A/B row "ours, dZ in GEMMs"."""
-    from kernels.lm_head import fused
-
-    def run(*args, **kw):
-        fused.DZ_IN_GEMMS = True
-        try:
-            return fn(*args, **kw)
-        finally:
-            fused.DZ_IN_GEMMS = False
-
-    return run

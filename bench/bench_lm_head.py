@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 import kernels.lm_head.fused  # noqa: E402
-from bench._lm_head_common import quack_peers, with_dz_in_gemms  # noqa: E402
+from bench._lm_head_common import quack_peers  # noqa: E402
 
 GIB = 2**30
 
@@ -95,7 +95,6 @@ def make_methods(modes_wanted):
         return lp, (lp * adv).sum()
 
     methods["ours"] = {"ce": ours_ce, "rl": ours_rl, "fwd": lambda h, w, t, adv: kernels.linear_logprobs(h, w, t)}
-    methods["ours, dZ in GEMMs"] = {"ce": with_dz_in_gemms(ours_ce), "rl": with_dz_in_gemms(ours_rl)}
     methods["ours, autograd 4-GEMM"] = {  # (the bench's targets are never ignored: the mean is over all T)
         "ce": lambda h, w, t, adv: kernels.linear_cross_entropy(h, w, t, reduction="none").mean(), "rl": generic_rl}
 

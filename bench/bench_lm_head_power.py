@@ -30,8 +30,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
-from bench._lm_head_common import (add_shape_args, head_inputs, load_module, quack_peers,  # noqa: E402
-                                  with_dz_in_gemms)
+from bench._lm_head_common import add_shape_args, head_inputs, load_module, quack_peers  # noqa: E402
 
 QUERY = "timestamp,power.draw,clocks.sm,clocks_event_reasons.active"
 
@@ -53,7 +52,7 @@ def main(argv=None):
         h.grad = w.grad = None
         kernels.linear_cross_entropy(h, w, t).backward()
 
-    methods = {"ours": ours, "ours, dZ in GEMMs": with_dz_in_gemms(ours)}
+    methods = {"ours": ours}
     for n in args.group_tokens:
         def ours_tg(n=n):
             h.grad = w.grad = None

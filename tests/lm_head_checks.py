@@ -194,30 +194,3 @@ def small_lean_chunks(monkeypatch, grain=4, tile=16):
     monkeypatch.setattr(lean, "GRAIN", grain)
     monkeypatch.setattr(lean, "PASS_W_CHUNKS", (4 * grain, 16 * grain))
     monkeypatch.setattr(torch_backend, "LOGITS_TILE_VOCAB", tile)
-
-
-def dz_in_gemms_inputs(T=37, H=40, V=301, tile=64, seed=0):
-    """One token group's tile weights (fp16, the torch backend's tiles of `tile` columns), statistics, coefficients
-    of a policy-like loss (a, c of both signs, some tokens ignored) and targets (repeated, outside [0, V), ignored):
-    what kernels.lm_head.fused.gradients_from_weights consumes."""
-    from kernels.lm_head import torch_backend as kc
-    from kernels.lm_head.numerics import LN2, Coefficients
-
-    g = torch.Generator().manual_seed(seed)
-    hidden = torch.randn(T, H, generator=g).to(torch.bfloat16)
-    weight = (torch.randn(V, H, generator=g) * 0.4).to(torch.bfloat16)
-    target = torch.randint(0, V, (T,), generator=g)
-    target[::5] = target[0]  # repeated targets: several terms on one dW row
-    target[1], target[2] = V + 3, -100  # on another rank; ignored
-    old = kc.LOGITS_TILE_VOCAB
-    kc.LOGITS_TILE_VOCAB = tile
-    try:
-        e = torch.empty(T, V, dtype=torch.float16)
-        st = kc.logits_tiles(hidden, weight, target, 0.7, False, e)
-    finally:
-        kc.LOGITS_TILE_VOCAB = old
-    a = torch.randn(T, generator=g)
-    a[2] = 0.0
-    coef = Coefficients(st.lse2 * LN2, a, None, -a * torch.rand(T, generator=g) * 2)
-    return hidden, weight, target, e, st, coef
-

@@ -7,7 +7,7 @@ import pytest
 import torch
 
 import kernels
-from lm_head_checks import check_cross_entropy, check_peaked_tail, check_policy_loss, dz_in_gemms_inputs, inputs, rel
+from lm_head_checks import check_cross_entropy, check_peaked_tail, check_policy_loss, inputs, rel
 
 SHAPES = [(37, 48, 301), (5, 16, 1000), (64, 33, 257)]
 
@@ -34,6 +34,13 @@ def test_policy_loss_bf16_mixed_group_scales_torch():
     # scale, undone exactly by its GEMMs' alpha; gradients stay at the bf16 output floor
     check_policy_loss(64, 48, 301, backend="torch", tol=2e-5, grad_tol=3e-3, dtype=torch.bfloat16,
                       adv_spread=1e3, chunk_tokens=32)
+
+
+def test_policy_loss_without_entropy_bf16_torch():
+    # no entropy term: the head computes no entropy and the loss's coefficients have b = 0; advantages spanning
+    # 1e-3..1e3 across the token groups, gradients at the bf16 output floor
+    check_policy_loss(64, 48, 301, backend="torch", tol=2e-5, grad_tol=3e-3, dtype=torch.bfloat16, adv_spread=1e3,
+                      chunk_tokens=32, entropy_coef=0.0)
 
 
 def test_tile_statistics_across_tiles_torch(monkeypatch):
@@ -86,61 +93,3 @@ def test_group_size_worked_example():
     assert group_size(65536, 248320, None, 2) == 4096
     assert group_size(65536, 248320, None, 4) == 2048
     assert group_size(300, 248320, None, 2) == 300 and group_size(65536, 248320, 1000, 2) == 1000
-
-
-def test_dz_in_gemms_forms_the_dz_pass_values():
-    """The factor u (one per row and logits tile) times the stored weights is what the dZ pass stores, to fp16's
-    rounding (one ulp of the fp32 product off the target column); the target column's dZ, formed in fp32 from the
-    target logit, is the pass's value before its fp16 rounding. Temperature 0.7, dZ scale 4, policy-like a and c."""
-    from kernels.lm_head import torch_backend as kc
-    from kernels.lm_head.fused import gradients_from_weights
-    from kernels.lm_head.numerics import Head
-
-    hidden, weight, target, e, st, coef = dz_in_gemms_inputs()
-    T, V = e.shape
-    dz_pass = e.clone()
-    kc.dlogits_from_tiles(dz_pass, st, target, st.lse2, coef, 0.7, torch.tensor(4.0))
-    head = Head(hidden, weight, target, 0.7, None, kc)
-    dz_captured = {}
-
-    class Spy:  # the torch backend's kernels, recording the dZ they form
-        def dh_from_weights(self, e_TV, u_NT, tile_v, tgt_T, dz_tgt_T, w_VH, out_TH, alpha):
-            d = kc._weights_times_factors(e_TV, u_NT, tile_v).float()
-            hit = (tgt_T >= 0) & (tgt_T < V)
-            rows = torch.nonzero(hit)[:, 0]
-            assert (d[rows, tgt_T[rows]] == 0).all()  # zeroed in the weights
-            d[rows, tgt_T[rows]] = dz_tgt_T[rows]
-            dz_captured["dz"] = d
-            kc.dh_from_weights(e_TV, u_NT, tile_v, tgt_T, dz_tgt_T, w_VH, out_TH, alpha)
-
-        dw_from_weights = staticmethod(kc.dw_from_weights)
-
-    head = Head(hidden, weight, target, 0.7, None, Spy())
-    gradients_from_weights(head, 0, T, e, st, coef, st.tz, torch.tensor(4.0), weight.half(),
-                           torch.empty(T, weight.shape[1]), None, None, torch.tensor(1.0), torch.tensor(1.0))
-    dz, ref = dz_captured["dz"], dz_pass.float()
-    hit = (target >= 0) & (target < V)
-    rows = torch.nonzero(hit)[:, 0]
-    on_target = torch.zeros_like(ref, dtype=torch.bool)
-    on_target[rows, target[rows]] = True
-    ulp = 2.0 ** (torch.floor(torch.log2(ref.abs().clamp_min(2.0 ** -24))) - 10)
-    assert ((dz - ref).abs() <= ulp)[~on_target].all()
-    assert ((dz - ref).abs() <= ulp)[on_target].all()  # the pass rounded it once; here it is exact
-
-
-@pytest.mark.parametrize("kw", [dict(reduction="mean"), dict(reduction="sum", z_loss=1e-3, temperature=0.7)])
-def test_dz_in_gemms_cross_entropy_torch(monkeypatch, kw):
-    from kernels.lm_head import fused
-
-    monkeypatch.setattr(fused, "DZ_IN_GEMMS", True)
-    check_cross_entropy(37, 48, 301, backend="torch", tol=2e-5, grad_tol=3e-3, dtype=torch.bfloat16,
-                        logit_scale=30.0, chunk_tokens=16, **kw)
-
-
-def test_dz_in_gemms_policy_loss_and_peaked_tail_torch(monkeypatch):
-    from kernels.lm_head import fused
-
-    monkeypatch.setattr(fused, "DZ_IN_GEMMS", True)
-    check_policy_loss(64, 48, 301, backend="torch", tol=2e-5, grad_tol=3e-3, dtype=torch.bfloat16, adv_spread=1e3,
-                      chunk_tokens=32, entropy_coef=0.0)  # (with an entropy term the dZ pass runs: b != 0)
-    check_peaked_tail("torch")

@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.lm_head.numerics import (
-    E_LOG2, LN2, LOG2E, Coefficients, Head, TileStats, amax, combine_over_group, dz_scale, gemm_acc, pow2_scale)
+    LN2, LOG2E, Coefficients, Head, TileStats, amax, combine_over_group, dz_scale, gemm_acc, pow2_scale)
 
 SCRATCH_BYTES = 2 * 2**30  # the most the group buffer of tile weights [Tg, V] holds (dZ is written over them)
 # The most tokens a group: the logits GEMM keeps the group's hidden block in L2 while it sweeps the vocabulary, and
@@ -46,10 +46,6 @@ SCRATCH_BYTES = 2 * 2**30  # the most the group buffer of tile weights [Tg, V] h
 # ran its GEMM at 612 TF/s against 647 for 4096, and the whole mean CE 0.5% slower sustained; 2048 tokens, whose dW
 # GEMM reads and writes its fp32 C twice as often, 2.6 to 3% slower at both vocab sizes (docs/BENCHMARKS.md).
 GROUP_TOKENS = 4096
-# Form dZ inside the two gradient GEMMs (Triton, from the tile weights and one factor per row and logits tile)
-# instead of a dZ pass and two cuBLAS GEMMs (docs/kernels.md, "dZ inside the gradient GEMMs"). Exact to the same
-# fp16 rounding; off until its speed is measured on the H200 against the default.
-DZ_IN_GEMMS = False
 
 TokenLoss = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, int, int], torch.Tensor]
 
@@ -125,27 +121,6 @@ def group_statistics(head: Head, g0: int, g1: int, with_entropy: bool, token_los
     return TileStats(st.m2, st.tile_v, lse2), coef
 
 
-def gradients_from_weights(head: Head, g0: int, g1: int, e_gV, tiles: TileStats, coef: Coefficients, tz, scale,
-                           w_g, dh_out, h_g, dW32, alpha_h, alpha_w) -> None:
-    """A group's dH rows (into dh_out, fp32) and dW contribution (into dW32) with dZ formed inside the GEMMs: per
-    row t and logits tile j the factor u = s · a_t · 2^(m2_jt − lse2_t − 14) / temperature turns the stored weights
-    into dZ = fp16(e · u), what the dZ pass would store; the target column is zeroed in e and its dZ, s · (p_y a +
-    c) / temperature with p_y = exp(tz − lse), enters each GEMM's epilogue in fp32. Entropy-free losses only (b = 0).
-    """
-    tgt = head.tgt[g0:g1]
-    V = e_gV.shape[1]
-    k = scale * head.inv_temp
-    u = torch.exp2(tiles.m2 - (tiles.lse2 + E_LOG2)) * (coef.a * k)
-    dz_tgt = (torch.exp(tz - coef.lse) * coef.a + coef.c) * k
-    hit = (tgt >= 0) & (tgt < V)
-    idx = tgt.clamp(0, max(V - 1, 0))[:, None]
-    e_gV.scatter_(1, idx, torch.where(hit[:, None], 0.0, e_gV.gather(1, idx).float()).to(e_gV.dtype))
-    if dh_out is not None:
-        head.kmod.dh_from_weights(e_gV, u, tiles.tile_v, tgt, dz_tgt, w_g, dh_out, alpha_h)
-    if dW32 is not None:
-        head.kmod.dw_from_weights(e_gV, u, tiles.tile_v, tgt, dz_tgt, h_g, dW32, alpha_w, first=g0 == 0)
-
-
 def fused_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_tokens, need_h: bool, need_w: bool):
     """The loss and its gradients in one pass. Returns (Totals, dH [T, H] or None, dW [V, H] or None)."""
     hidden_TH, weight_VH = head.hidden, head.weight
@@ -179,30 +154,23 @@ def fused_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_token
     dH_buf = torch.empty((Tg, H), **f32) if dH is not None else None  # one group's fp32 dH, cast into dH
     totals = Totals.empty(T, with_entropy, dev)
 
-    in_gemms = half and DZ_IN_GEMMS and not with_entropy and hasattr(head.kmod, "dh_from_weights")
     for g0 in range(0, T, Tg):
         g1 = min(g0 + Tg, T)
         dz_gV = e_buf[: g1 - g0]
         tiles, coef = group_statistics(head, g0, g1, with_entropy, token_loss, dz_gV, totals)
         scale = dz_scale(coef, head.inv_temp) if half else torch.ones((), **f32)
-        # where the group's dH rows go (fp32), and its hidden rows as the dW GEMM's operand
-        dh_out = None if not need_h else (dH32[g0:g1] if dH32 is not None else dH_buf[: g1 - g0])
-        h_g = None if not need_w else (
-            hidden_TH[g0:g1] if not half else torch.mul(hidden_TH[g0:g1], h_scale_f, out=h_buf[: g1 - g0]))
-        if in_gemms:  # alphas stay on the device: no host sync
-            gradients_from_weights(head, g0, g1, dz_gV, tiles, coef, totals.tz[g0:g1], scale, w_g, dh_out, h_g,
-                                   dW32, 1.0 / (scale * w_scale_f), 1.0 / (scale * h_scale_f))
-        else:
-            head.kmod.dlogits_from_tiles(dz_gV, tiles, head.tgt[g0:g1], tiles.lse2, coef, head.inv_temp, scale)
-            # one host sync per group: cuBLAS takes alpha from the host. (Two buffers, software-pipelined so that the
-            # host reads the scale while the GPU runs the next group, measured no faster: docs/BENCHMARKS.md.)
-            s = float(scale)
-            if dh_out is not None:
-                gemm_acc(dh_out, dz_gV, w_g, first=True, alpha=1.0 / (s * w_scale_f))
-            if h_g is not None:
-                gemm_acc(dW32, dz_gV.T, h_g, first=(g0 == 0), alpha=1.0 / (s * h_scale_f))
-        if dH is not None:
-            dH[g0:g1].copy_(dh_out)
+        head.kmod.dlogits_from_tiles(dz_gV, tiles, head.tgt[g0:g1], tiles.lse2, coef, head.inv_temp, scale)
+        # one host sync per group: cuBLAS takes alpha from the host. (Two buffers, software-pipelined so that the
+        # host reads the scale while the GPU runs the next group, measured no faster: docs/BENCHMARKS.md.)
+        s = float(scale)
+        if need_h:
+            dh_out = dH32[g0:g1] if dH32 is not None else dH_buf[: g1 - g0]  # the group's dH rows, fp32
+            gemm_acc(dh_out, dz_gV, w_g, first=True, alpha=1.0 / (s * w_scale_f))
+            if dH is not None:
+                dH[g0:g1].copy_(dh_out)
+        if need_w:
+            h_g = hidden_TH[g0:g1] if not half else torch.mul(hidden_TH[g0:g1], h_scale_f, out=h_buf[: g1 - g0])
+            gemm_acc(dW32, dz_gV.T, h_g, first=(g0 == 0), alpha=1.0 / (s * h_scale_f))
     del e_buf, w_g, h_buf, dH_buf
     if dH32 is not None:
         dist.all_reduce(dH32, group=head.tp_group)

@@ -77,18 +77,11 @@ DW_ACC_TILES = {"nvidia": TileConfig(128, 128, 64, 8, 3), "amd": TileConfig(128,
                 "interpreter": TileConfig(16, 16, 16, 1, 1)}  # (block_v, block_h, block_k = tokens, ...)
 
 
-# The two gradient GEMMs with dZ formed in their operand load (triton_backend.py: _dh_from_weights_kernel,
-# _dw_from_weights_kernel): block_t rows of the output (tokens for dH, vocab rows for dW) x block_v hidden columns x
-# block_k of the reduction (vocab for dH, tokens for dW). Both must divide the logits tile width (256 on NVIDIA, 128
-# on AMD, 64 in the interpreter), so one K step (dH) or one program's rows (dW) share one tile's factor.
-#   NVIDIA: 128 x 256 x 64 over 8 warps, 3 stages = (128 + 256) x 64 x 2 B x 3 = 144 KiB of SMEM (the logits GEMM's
-#     shape: 85 FLOP per operand byte); the fp16 operand is formed in registers from the loaded weights (one fp32
-#     multiply and one conversion an element).
-#   AMD CDNA3: 128 x 128 x 32 over 8 wavefronts, 2 stages = 32 KiB of the 64 KiB LDS.
-#   Interpreter: small, so the test shapes cross several K steps, tiles and masked edges.
-WEIGHT_GRAD_TILES = {"nvidia": TileConfig(128, 256, 64, 8, 3), "amd": TileConfig(128, 128, 32, 8, 2),
-                     "interpreter": TileConfig(16, 16, 16, 1, 1)}  # (block_t, block_v = hidden, block_k, ...)
 
+# The fused head's dW GEMM as a persistent Triton kernel (triton_backend.py, _dw_gemm_kernel; bench/bench_dw_gemm.py
+# times it against cuBLAS): (block_t, block_v, block_k) = (vocab rows, hidden columns, tokens). NVIDIA: 128 x 256 x 64
+# over 8 warps, 3 stages = 144 KiB of SMEM for the operands plus 64 KiB staging half the fp32 C tile.
+DW_GEMM_TILES = {"nvidia": TileConfig(128, 256, 64, 8, 3), "interpreter": TileConfig(16, 32, 16, 1, 1)}
 
 def logits_tile_config(vendor: str, elem_bytes: int) -> TileConfig:
     """The epilogue-statistics GEMM's tile for a vendor ("nvidia", "amd", "interpreter") and operand width."""

@@ -125,33 +125,3 @@ def dw_acc(acc_VH, dz_TV, h_TH, scale, first: bool) -> None:
         acc_VH.copy_(upd)
     else:
         acc_VH.add_(upd)
-
-
-def _weights_times_factors(e_TV, u_NT, tile_v: int):
-    """dZ off the target column: fp16(e · u[tile of v, t]) (the fp32 product rounded once to the weights' dtype)."""
-    T, V = e_TV.shape
-    u_TV = u_NT.T.repeat_interleave(tile_v, dim=1)[:, :V]
-    return (e_TV.float() * u_TV).to(e_TV.dtype)
-
-
-def dh_from_weights(e_TV, u_NT, tile_v: int, tgt_T, dz_tgt_T, w_VH, out_TH, alpha) -> None:
-    """out (fp32 [T, H]) = alpha · (dZ @ w), dZ formed from the tile weights inside the GEMM: e · u off the target
-    column (e must be 0 there) and dz_tgt at it, in fp32 (targets outside [0, V) add nothing)."""
-    V = w_VH.shape[0]
-    out_TH.copy_(_weights_times_factors(e_TV, u_NT, tile_v).float() @ w_VH.float())
-    hit = (tgt_T >= 0) & (tgt_T < V)
-    out_TH.add_(torch.where(hit, dz_tgt_T, 0.0)[:, None] * w_VH[tgt_T.clamp(0, max(V - 1, 0))].float())
-    out_TH.mul_(alpha)
-
-
-def dw_from_weights(e_TV, u_NT, tile_v: int, tgt_T, dz_tgt_T, h_TH, acc_VH, alpha, first: bool) -> None:
-    """acc (fp32 [V, H]) = (first) or += alpha · (dZ^T @ h), dZ as in dh_from_weights."""
-    V = acc_VH.shape[0]
-    upd = _weights_times_factors(e_TV, u_NT, tile_v).float().T @ h_TH.float()
-    hit = (tgt_T >= 0) & (tgt_T < V)
-    upd.index_add_(0, tgt_T.clamp(0, max(V - 1, 0)), torch.where(hit, dz_tgt_T, 0.0)[:, None] * h_TH.float())
-    upd.mul_(alpha)
-    if first:
-        acc_VH.copy_(upd)
-    else:
-        acc_VH.add_(upd)

@@ -18,7 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.lm_head.numerics import E_LOG2 as _E_LOG2, LOG2E, PARTS_PER_TILE, Coefficients, TileStats
-from kernels.lm_head.tiles import (DW_ACC_TILES, DZ_ROWS_TILE, DZ_TILES, MERGE_TILES, TARGET_TILES, WEIGHT_GRAD_TILES,
+from kernels.lm_head.tiles import (DW_ACC_TILES, DW_GEMM_TILES, DZ_ROWS_TILE, DZ_TILES, MERGE_TILES, TARGET_TILES,
                                    logits_tile_config)
 
 
@@ -316,16 +316,11 @@ def merge_tiles(lse2_NT, ent_NT, with_entropy: bool):
 
 
 def _use_tma(hidden_TH, weight_VH, dot_fp32: bool) -> bool:
-    """TMA descriptors for the logits GEMM: 16-bit operands (not the exact fp32 dot) that _tma_operands accepts."""
-    return not dot_fp32 and _tma_operands(hidden_TH, weight_VH)
-
-
-def _tma_operands(*operands) -> bool:
-    """TMA descriptors for these operands: NVIDIA Hopper or later, 16-bit, unit inner stride, rows and bases 16-byte
-    aligned."""
-    return (_VENDOR == "nvidia" and _ARCH >= 9
+    """TMA descriptors for the logits GEMM: NVIDIA Hopper or later, 16-bit operands (not the exact fp32 dot), unit
+    inner stride, rows and bases 16-byte aligned."""
+    return (not dot_fp32 and _VENDOR == "nvidia" and _ARCH >= 9
             and all(t.element_size() == 2 and t.stride(1) == 1 and t.stride(0) % 8 == 0 and t.data_ptr() % 16 == 0
-                    for t in operands))
+                    for t in (hidden_TH, weight_VH)))
 
 
 def _desc(t, block):
@@ -491,151 +486,63 @@ def dw_acc(acc_VH, dz_TV, h_TH, scale, first: bool) -> None:
                          BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
 
 
-# ---- the gradient GEMMs with dZ formed in their operand load (docs/kernels.md, "dZ inside the gradient GEMMs") ----
+# ---- the fused head's dW GEMM: persistent, TMA operands, C updated by a TMA reduce (bench/bench_dw_gemm.py) ----
 @triton.jit
-def _scaled_operand(e, u, DOT_FP32: tl.constexpr):
-    """dZ from a block of tile weights: the fp32 product e · u rounded once to fp16 (as the dZ pass stores it);
-    under DOT_FP32 (the interpreter) the rounded values go on in fp32."""
-    a = (e.to(tl.float32) * u).to(tl.float16)
-    if DOT_FP32:
-        return a.to(tl.float32)
-    return a
+def _c_update(c_desc, off_v, off_h, val, FIRST: tl.constexpr, REDUCE: tl.constexpr):
+    """C[off_v:, off_h:] = val (FIRST), += val by a TMA reduce in L2 (REDUCE), or += val by load, add, store."""
+    if FIRST:
+        c_desc.store([off_v, off_h], val)
+    elif REDUCE:
+        c_desc.atomic_add([off_v, off_h], val)
+    else:
+        c_desc.store([off_v, off_h], c_desc.load([off_v, off_h]) + val)
 
 
 @triton.jit
-def _dh_from_weights_kernel(e_ptr, u_ptr, w_ptr, tgt_ptr, dzt_ptr, out_ptr, alpha_ptr, e_desc, w_desc, T, V, H,
-                            stride_e, stride_w, stride_o, TILE_V: tl.constexpr, DOT_FP32: tl.constexpr,
-                            USE_TMA: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr,
-                            BLOCK_K: tl.constexpr):
-    """out[T, H] = alpha · (dZ @ w) with dZ = e · u[tile, t] off the target column (e is 0 there) and dz_tgt at
-    it. The hidden blocks of one token block are consecutive programs, so they share each e block through L2.
-    BLOCK_K divides TILE_V: a K step lies in one logits tile, one factor per row."""
+def _dw_gemm_kernel(dz_desc, h_desc, c_desc, alpha_ptr, T, V, H, NUM_PROGRAMS,
+                    FIRST: tl.constexpr, REDUCE: tl.constexpr, DOT_FP32: tl.constexpr,
+                    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
+    """acc[V, H] (fp32) = (FIRST) or += alpha · dz[T, V]^T @ h[T, H], both 16-bit through TMA descriptors (rows past
+    T or V read as zeros, C stores past V dropped). Persistent: one program per SM walks the tiles NUM_PROGRAMS apart,
+    the hidden blocks of one vocab block consecutive (programs running side by side share the dz block in L2); the
+    tile and K loops are one flattened loop, so the next tile's loads are in flight during this tile's epilogue. The
+    epilogue writes C in two halves of BLOCK_H / 2 columns (half the staging memory)."""
     pid = tl.program_id(0)
     num_h = tl.cdiv(H, BLOCK_H)
-    pid_t = pid // num_h
-    pid_h = pid % num_h
-    offs_t, t_mask, rows = _token_rows(pid_t, T, BLOCK_T)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    h_mask = offs_h < H
-    acc = tl.zeros([BLOCK_T, BLOCK_H], tl.float32)
-    e_rows = e_ptr + offs_t.to(tl.int64)[:, None] * stride_e
-    for k0 in range(0, V, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < V
-        if USE_TMA:  # (rows past T or V read as zeros)
-            e = e_desc.load([pid_t * BLOCK_T, k0])
-            w = w_desc.load([k0, pid_h * BLOCK_H])
-        else:
-            e = tl.load(e_rows + offs_k[None, :], mask=t_mask[:, None] & k_mask[None, :], other=0.0)
-            w = tl.load(w_ptr + offs_k.to(tl.int64)[:, None] * stride_w + offs_h[None, :],
-                        mask=k_mask[:, None] & h_mask[None, :], other=0.0)
-        u = tl.load(u_ptr + (k0 // TILE_V) * T + rows)  # (u holds N x T < 2^31 elements)
-        if DOT_FP32:
-            acc = tl.dot(_scaled_operand(e, u[:, None], DOT_FP32), w.to(tl.float32), acc, input_precision="ieee")
-        else:
-            acc = tl.dot(_scaled_operand(e, u[:, None], DOT_FP32), w, acc)
-    # the target column: dz_tgt (fp32) times the target's row of w
-    tgt = tl.load(tgt_ptr + rows)
-    hit = t_mask & (tgt >= 0) & (tgt < V)
-    w_t = tl.load(w_ptr + tgt.to(tl.int64)[:, None] * stride_w + offs_h[None, :], mask=hit[:, None] & h_mask[None, :],
-                  other=0.0)
-    acc += tl.where(hit, tl.load(dzt_ptr + rows), 0.0)[:, None] * w_t.to(tl.float32)
-    tl.store(out_ptr + offs_t.to(tl.int64)[:, None] * stride_o + offs_h[None, :], acc * tl.load(alpha_ptr),
-             mask=t_mask[:, None] & h_mask[None, :])
+    num_tiles = tl.cdiv(V, BLOCK_V) * num_h
+    alpha = tl.load(alpha_ptr)
+    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=True):
+        off_v = (tile // num_h) * BLOCK_V
+        off_h = (tile % num_h) * BLOCK_H
+        acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
+        for k0 in range(0, T, BLOCK_K):
+            a = dz_desc.load([k0, off_v])
+            b = h_desc.load([k0, off_h])
+            if DOT_FP32:
+                acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
+            else:
+                acc = tl.dot(tl.trans(a), b, acc)
+        acc = acc * alpha
+        left, right = acc.reshape(BLOCK_V, 2, BLOCK_H // 2).permute(0, 2, 1).split()
+        _c_update(c_desc, off_v, off_h, left, FIRST, REDUCE)
+        _c_update(c_desc, off_v, off_h + BLOCK_H // 2, right, FIRST, REDUCE)
 
 
-@triton.jit
-def _dw_from_weights_kernel(e_ptr, u_ptr, h_ptr, order_ptr, sorted_tgt_ptr, starts_ptr, dzt_ptr, acc_ptr, alpha_ptr,
-                            e_desc, h_desc, T, V, H, stride_e, stride_h, stride_acc, TILE_V: tl.constexpr,
-                            FIRST: tl.constexpr, DOT_FP32: tl.constexpr, USE_TMA: tl.constexpr,
-                            BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc[V, H] (fp32) = (FIRST) or += alpha · (dZ^T @ h), dZ as in _dh_from_weights_kernel. BLOCK_V divides
-    TILE_V: a program's vocab rows lie in one logits tile, so the factor is one per token. The target column's
-    terms are added in the epilogue, token by token in target order (the tokens whose target is in this block:
-    [starts[pid_v], starts[pid_v + 1]) of the sorted targets), so the sum does not depend on scheduling."""
-    pid = tl.program_id(0)
-    num_h = tl.cdiv(H, BLOCK_H)
-    pid_v = pid // num_h
-    pid_h = pid % num_h
-    offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-    offs_h = pid_h * BLOCK_H + tl.arange(0, BLOCK_H)
-    v_mask = offs_v < V
-    h_mask = offs_h < H
-    u_row = u_ptr + ((pid_v * BLOCK_V) // TILE_V) * T
-    acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
-    for k0 in range(0, T, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        k_mask = offs_k < T
-        toks = offs_k.to(tl.int64)[:, None]
-        if USE_TMA:
-            e = e_desc.load([k0, pid_v * BLOCK_V])
-            h = h_desc.load([k0, pid_h * BLOCK_H])
-        else:
-            e = tl.load(e_ptr + toks * stride_e + offs_v[None, :], mask=k_mask[:, None] & v_mask[None, :],
-                        other=0.0)
-            h = tl.load(h_ptr + toks * stride_h + offs_h[None, :], mask=k_mask[:, None] & h_mask[None, :],
-                        other=0.0)
-        u = tl.load(u_row + offs_k, mask=k_mask, other=0.0)
-        if DOT_FP32:
-            acc = tl.dot(tl.trans(_scaled_operand(e, u[:, None], DOT_FP32)), h.to(tl.float32), acc,
-                         input_precision="ieee")
-        else:
-            acc = tl.dot(tl.trans(_scaled_operand(e, u[:, None], DOT_FP32)), h, acc)
-    for i in range(tl.load(starts_ptr + pid_v), tl.load(starts_ptr + pid_v + 1)):
-        t = tl.load(order_ptr + i)
-        y = tl.load(sorted_tgt_ptr + i)
-        h_t = tl.load(h_ptr + t * stride_h + offs_h, mask=h_mask, other=0.0).to(tl.float32)
-        acc += tl.where(offs_v[:, None] == y, tl.load(dzt_ptr + t) * h_t[None, :], 0.0)
-    acc = acc * tl.load(alpha_ptr)
-    ptrs = acc_ptr + offs_v.to(tl.int64)[:, None] * stride_acc + offs_h[None, :]
-    mask = v_mask[:, None] & h_mask[None, :]
-    if not FIRST:
-        acc += tl.load(ptrs, mask=mask, other=0.0)
-    tl.store(ptrs, acc, mask=mask)
-
-
-def _weight_grad_config(tile_v: int):
-    c = WEIGHT_GRAD_TILES[_VENDOR]
-    if tile_v % c.block_k or tile_v % c.block_t:
-        raise ValueError(f"logits tile width {tile_v} is not a multiple of the gradient GEMMs' blocks {c}")
-    return c
-
-
-def dh_from_weights(e_TV, u_NT, tile_v: int, tgt_T, dz_tgt_T, w_VH, out_TH, alpha) -> None:
-    """out (fp32 [T, H]) = alpha · (dZ @ w), dZ formed from the tile weights inside the GEMM: e · u off the target
-    column (e must be 0 there) and dz_tgt at it, in fp32 (targets outside [0, V) add nothing). alpha: 0-dim fp32
-    tensor (no host sync)."""
-    T, V = e_TV.shape
-    H = w_VH.shape[1]
-    c = _weight_grad_config(tile_v)
-    grid = (triton.cdiv(T, c.block_t) * triton.cdiv(H, c.block_v),)
-    tma = _tma_operands(e_TV, w_VH)
-    e_desc = _desc(e_TV, [c.block_t, c.block_k]) if tma else None
-    w_desc = _desc(w_VH, [c.block_k, c.block_v]) if tma else None
-    _dh_from_weights_kernel[grid](e_TV, u_NT, w_VH, tgt_T, dz_tgt_T, out_TH, alpha, e_desc, w_desc, T, V, H,
-                                  e_TV.stride(0), w_VH.stride(0), out_TH.stride(0), TILE_V=tile_v,
-                                  DOT_FP32=_VENDOR == "interpreter", USE_TMA=tma, BLOCK_T=c.block_t,
-                                  BLOCK_H=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps,
-                                  num_stages=c.num_stages)
-
-
-def dw_from_weights(e_TV, u_NT, tile_v: int, tgt_T, dz_tgt_T, h_TH, acc_VH, alpha, first: bool) -> None:
-    """acc (fp32 [V, H]) = (first) or += alpha · (dZ^T @ h), dZ as in dh_from_weights; deterministic."""
-    T, V = e_TV.shape
+def dw_gemm(acc_VH, dz_TV, h_TH, alpha, first: bool, reduce: bool = True) -> None:
+    """acc (fp32 [V, H]) = (first) or += alpha · dz^T @ h: dz fp16 [T, V], h fp16 [T, H], alpha a 0-d fp32 tensor on
+    the device (no host sync). The fused head's dW GEMM on Hopper (the persistent TMA kernel above); reduce: C
+    updated by a TMA reduce, else by load, add, store."""
+    T, V = dz_TV.shape
     H = h_TH.shape[1]
-    c = _weight_grad_config(tile_v)
-    num_v = triton.cdiv(V, c.block_t)
-    # the target column's tokens in target order (targets outside [0, V) last), and where each vocab block's start
-    hit = (tgt_T >= 0) & (tgt_T < V)
-    sorted_tgt, order = torch.sort(torch.where(hit, tgt_T, V).to(torch.int64), stable=True)
-    bounds = torch.arange(num_v + 1, device=tgt_T.device, dtype=torch.int64) * c.block_t
-    starts = torch.searchsorted(sorted_tgt, bounds.clamp_max(V))
-    grid = (num_v * triton.cdiv(H, c.block_v),)
-    tma = _tma_operands(e_TV, h_TH)
-    e_desc = _desc(e_TV, [c.block_k, c.block_t]) if tma else None
-    h_desc = _desc(h_TH, [c.block_k, c.block_v]) if tma else None
-    _dw_from_weights_kernel[grid](e_TV, u_NT, h_TH, order, sorted_tgt, starts, dz_tgt_T, acc_VH, alpha, e_desc,
-                                  h_desc, T, V, H, e_TV.stride(0), h_TH.stride(0), acc_VH.stride(0), TILE_V=tile_v,
-                                  FIRST=first, DOT_FP32=_VENDOR == "interpreter", USE_TMA=tma, BLOCK_V=c.block_t,
-                                  BLOCK_H=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps,
-                                  num_stages=c.num_stages)
+    c = DW_GEMM_TILES[_VENDOR]
+    dz_desc = _desc(dz_TV, [c.block_k, c.block_t])
+    h_desc = _desc(h_TH, [c.block_k, c.block_v])
+    c_desc = _desc(acc_VH, [c.block_t, c.block_v // 2])
+    tiles = triton.cdiv(V, c.block_t) * triton.cdiv(H, c.block_v)
+    progs = min(tiles, _num_sms(acc_VH.device))
+    if not torch.is_tensor(alpha):
+        alpha = torch.tensor(float(alpha), dtype=torch.float32, device=acc_VH.device)
+    _dw_gemm_kernel[(progs,)](dz_desc, h_desc, c_desc, alpha, T, V, H, progs, FIRST=first,
+                              REDUCE=reduce and _VENDOR != "interpreter", DOT_FP32=_VENDOR == "interpreter",
+                              BLOCK_V=c.block_t, BLOCK_H=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps,
+                              num_stages=c.num_stages)
