@@ -78,10 +78,6 @@ DW_ACC_TILES = {"nvidia": TileConfig(128, 128, 64, 8, 3), "amd": TileConfig(128,
 
 
 
-# The fused head's dW GEMM as a persistent Triton kernel (triton_backend.py, _dw_gemm_kernel; bench/bench_dw_gemm.py
-# times it against cuBLAS): (block_t, block_v, block_k) = (vocab rows, hidden columns, tokens). NVIDIA: 128 x 256 x 64
-# over 8 warps, 3 stages = 144 KiB of SMEM for the operands plus 64 KiB staging half the fp32 C tile.
-DW_GEMM_TILES = {"nvidia": TileConfig(128, 256, 64, 8, 3), "interpreter": TileConfig(16, 32, 16, 1, 1)}
 
 def logits_tile_config(vendor: str, elem_bytes: int) -> TileConfig:
     """The epilogue-statistics GEMM's tile for a vendor ("nvidia", "amd", "interpreter") and operand width."""

@@ -18,8 +18,7 @@ import triton
 import triton.language as tl
 
 from kernels.lm_head.numerics import E_LOG2 as _E_LOG2, LOG2E, PARTS_PER_TILE, Coefficients, TileStats
-from kernels.lm_head.tiles import (DW_ACC_TILES, DW_GEMM_TILES, DZ_ROWS_TILE, DZ_TILES, MERGE_TILES, TARGET_TILES,
-                                   logits_tile_config)
+from kernels.lm_head.tiles import DW_ACC_TILES, DZ_ROWS_TILE, DZ_TILES, MERGE_TILES, TARGET_TILES, logits_tile_config
 
 
 def _vendor() -> tuple[str, int]:
@@ -484,65 +483,3 @@ def dw_acc(acc_VH, dz_TV, h_TH, scale, first: bool) -> None:
     _dw_acc_kernel[grid](dz_TV, h_TH, acc_VH, scale, T, V, H, dz_TV.stride(0), h_TH.stride(0), acc_VH.stride(0),
                          FIRST=first, DOT_FP32=_VENDOR == "interpreter", BLOCK_V=c.block_t, BLOCK_H=c.block_v,
                          BLOCK_K=c.block_k, num_warps=c.num_warps, num_stages=c.num_stages)
-
-
-# ---- the fused head's dW GEMM: persistent, TMA operands, C updated by a TMA reduce (bench/bench_dw_gemm.py) ----
-@triton.jit
-def _c_update(c_desc, off_v, off_h, val, FIRST: tl.constexpr, REDUCE: tl.constexpr):
-    """C[off_v:, off_h:] = val (FIRST), += val by a TMA reduce in L2 (REDUCE), or += val by load, add, store."""
-    if FIRST:
-        c_desc.store([off_v, off_h], val)
-    elif REDUCE:
-        c_desc.atomic_add([off_v, off_h], val)
-    else:
-        c_desc.store([off_v, off_h], c_desc.load([off_v, off_h]) + val)
-
-
-@triton.jit
-def _dw_gemm_kernel(dz_desc, h_desc, c_desc, alpha_ptr, T, V, H, NUM_PROGRAMS,
-                    FIRST: tl.constexpr, REDUCE: tl.constexpr, DOT_FP32: tl.constexpr,
-                    BLOCK_V: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_K: tl.constexpr):
-    """acc[V, H] (fp32) = (FIRST) or += alpha · dz[T, V]^T @ h[T, H], both 16-bit through TMA descriptors (rows past
-    T or V read as zeros, C stores past V dropped). Persistent: one program per SM walks the tiles NUM_PROGRAMS apart,
-    the hidden blocks of one vocab block consecutive (programs running side by side share the dz block in L2); the
-    tile and K loops are one flattened loop, so the next tile's loads are in flight during this tile's epilogue. The
-    epilogue writes C in two halves of BLOCK_H / 2 columns (half the staging memory)."""
-    pid = tl.program_id(0)
-    num_h = tl.cdiv(H, BLOCK_H)
-    num_tiles = tl.cdiv(V, BLOCK_V) * num_h
-    alpha = tl.load(alpha_ptr)
-    for tile in tl.range(pid, num_tiles, NUM_PROGRAMS, flatten=True):
-        off_v = (tile // num_h) * BLOCK_V
-        off_h = (tile % num_h) * BLOCK_H
-        acc = tl.zeros([BLOCK_V, BLOCK_H], tl.float32)
-        for k0 in range(0, T, BLOCK_K):
-            a = dz_desc.load([k0, off_v])
-            b = h_desc.load([k0, off_h])
-            if DOT_FP32:
-                acc = tl.dot(tl.trans(a.to(tl.float32)), b.to(tl.float32), acc, input_precision="ieee")
-            else:
-                acc = tl.dot(tl.trans(a), b, acc)
-        acc = acc * alpha
-        left, right = acc.reshape(BLOCK_V, 2, BLOCK_H // 2).permute(0, 2, 1).split()
-        _c_update(c_desc, off_v, off_h, left, FIRST, REDUCE)
-        _c_update(c_desc, off_v, off_h + BLOCK_H // 2, right, FIRST, REDUCE)
-
-
-def dw_gemm(acc_VH, dz_TV, h_TH, alpha, first: bool, reduce: bool = True) -> None:
-    """acc (fp32 [V, H]) = (first) or += alpha · dz^T @ h: dz fp16 [T, V], h fp16 [T, H], alpha a 0-d fp32 tensor on
-    the device (no host sync). The fused head's dW GEMM on Hopper (the persistent TMA kernel above); reduce: C
-    updated by a TMA reduce, else by load, add, store."""
-    T, V = dz_TV.shape
-    H = h_TH.shape[1]
-    c = DW_GEMM_TILES[_VENDOR]
-    dz_desc = _desc(dz_TV, [c.block_k, c.block_t])
-    h_desc = _desc(h_TH, [c.block_k, c.block_v])
-    c_desc = _desc(acc_VH, [c.block_t, c.block_v // 2])
-    tiles = triton.cdiv(V, c.block_t) * triton.cdiv(H, c.block_v)
-    progs = min(tiles, _num_sms(acc_VH.device))
-    if not torch.is_tensor(alpha):
-        alpha = torch.tensor(float(alpha), dtype=torch.float32, device=acc_VH.device)
-    _dw_gemm_kernel[(progs,)](dz_desc, h_desc, c_desc, alpha, T, V, H, progs, FIRST=first,
-                              REDUCE=reduce and _VENDOR != "interpreter", DOT_FP32=_VENDOR == "interpreter",
-                              BLOCK_V=c.block_t, BLOCK_H=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps,
-                              num_stages=c.num_stages)
