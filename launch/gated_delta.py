@@ -220,8 +220,11 @@ def fold_state_maps(maps_SHKX: torch.Tensor) -> torch.Tensor:
     V = X - K
     state = maps_SHKX.new_zeros(H, K, V)
     states = [state]
-    for j in range(S - 1):
-        state = maps_SHKX[j, ..., V:] @ state + maps_SHKX[j, ..., :V]
+    # unbind + split, not maps[j, ..., V:]: the backward of an indexed view writes a zero-filled gradient of the
+    # whole [S, H, K, V + K] stack per step (O(S^2) traffic); these backwards are one stack and one cat per map
+    for m_HKX in maps_SHKX[:-1].unbind(0):
+        b_HKV, a_HKK = m_HKX.split([V, K], dim=-1)
+        state = torch.baddbmm(b_HKV, a_HKK, state)
         states.append(state)
     return torch.stack(states)
 
