@@ -73,7 +73,7 @@ COLLECTIVE_LATENCY_S = 10e-6
 # Gated DeltaNet's CP combine against its FLOP count (cp_delta_rule_flops), measured on one H200 with fla
 # (bench/bench_cp_gdn.py: 32 value heads, d_k = d_v = 128, C = 64, 32,768 tokens a rank, forward + backward): it
 # costs 1.25 / 1.41 / 1.44 plain delta-rule passes at cp = 2 / 4 / 8 where its FLOPs are 1.00 / 1.01 / 1.01 of one.
-# Fitted by least squares, within 3.3% of the three: the FLOPs run at 1/1.180 of the plain pass's rate, and every
+# Fitted by least squares, within 3.5% of the three: the FLOPs run at 1/1.180 of the plain pass's rate, and every
 # doubling of cp adds 0.090 of a plain pass (the fold's 2·cp − 1 sequential steps are latency, not FLOPs).
 CP_COMBINE_EFFICIENCY = 1 / 1.180
 CP_COMBINE_PASSES_PER_DOUBLING = 0.090
