@@ -171,26 +171,48 @@ def with_incoming_states(o_aug_THX: torch.Tensor, states_SHKV: torch.Tensor) -> 
     return _Completion.apply(o_aug_THX, states_SHKV)
 
 
-COMPLETION_BLOCK_TOKENS = 8192  # tokens a segment's completion works on at once (bounds its fp32 temporaries)
+COMPLETION_BLOCK_TOKENS = 8192  # tokens a segment's completion works on at once (bounds its temporaries)
+
+
+def _bmm_f32(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """a @ b (batched) in fp32 from 16-bit operands: one GEMM with fp32 output on CUDA, fp32 operands elsewhere."""
+    if a.is_cuda:
+        try:
+            return torch.bmm(a, b, out_dtype=torch.float32)
+        except (TypeError, RuntimeError):
+            pass
+    return torch.bmm(a.float(), b.float())
 
 
 class _Completion(torch.autograd.Function):
-    """O = O_0 + Q_eff S_in block by block, so that neither the fp32 operands nor the result outlive a block, and
-    saving only Q_eff (in its own dtype) and the states for the backward: dO_0 = dO, dQ_eff = dO S_inᵀ,
-    dS_in = Σ_t Q_effᵀ dO."""
+    """O = O_0 + Q_eff S_in block by block, so that no temporary outlives a block, saving only Q_eff (in its own
+    dtype) and the states for the backward: dO_0 = dO, dQ_eff = dO S_inᵀ, dS_in = Σ_t Q_effᵀ dO.
+
+    16-bit outputs: tensor-core GEMMs in the outputs' dtype with fp32 accumulation, S_in rounded to that dtype as
+    fla's own output kernel rounds its states for the same product; O_0 is added in fp32 inside the GEMM and rounded
+    once, and dS_in is summed over the tokens in fp32. Per segment and head the operands are strided views (no copy
+    of the augmented outputs). Wider outputs (fp32, fp64): the products in that dtype, exact to it."""
 
     @staticmethod
     def forward(ctx, o_aug_THX, states_SHKV):
         T, H, X = o_aug_THX.shape
         S, _, K, V = states_SHKV.shape
-        dt = torch.promote_types(o_aug_THX.dtype, states_SHKV.dtype)
         seg = o_aug_THX.reshape(S, T // S, H, X)
-        st = states_SHKV.to(dt)
         out = o_aug_THX.new_empty(S, T // S, H, V)
-        for a in range(0, T // S, COMPLETION_BLOCK_TOKENS):
-            b = slice(a, a + COMPLETION_BLOCK_TOKENS)
-            out[:, b] = (seg[:, b, :, :V].to(dt)
-                         + torch.einsum("sthk,shkv->sthv", seg[:, b, :, V:].to(dt), st)).to(out.dtype)
+        if o_aug_THX.element_size() == 2:
+            st = states_SHKV.to(o_aug_THX.dtype)
+            for s in range(S):
+                for a in range(0, T // S, COMPLETION_BLOCK_TOKENS):
+                    blk = seg[s, a:a + COMPLETION_BLOCK_TOKENS].transpose(0, 1)  # [H, t, X]
+                    out[s, a:a + COMPLETION_BLOCK_TOKENS] = torch.baddbmm(
+                        blk[..., :V], blk[..., V:], st[s]).transpose(0, 1)
+        else:
+            dt = torch.promote_types(o_aug_THX.dtype, states_SHKV.dtype)
+            st = states_SHKV.to(dt)
+            for a in range(0, T // S, COMPLETION_BLOCK_TOKENS):
+                b = slice(a, a + COMPLETION_BLOCK_TOKENS)
+                out[:, b] = (seg[:, b, :, :V].to(dt)
+                             + torch.einsum("sthk,shkv->sthv", seg[:, b, :, V:].to(dt), st)).to(out.dtype)
         ctx.save_for_backward(seg[..., V:].contiguous(), states_SHKV)
         return out.reshape(T, H, V)
 
@@ -199,17 +221,28 @@ class _Completion(torch.autograd.Function):
         q_eff, states = ctx.saved_tensors  # [S, t, H, K], [S, H, K, V]
         S, t, H, K = q_eff.shape
         V = states.shape[-1]
-        dt = torch.promote_types(q_eff.dtype, states.dtype)
         dO = dO_THV.reshape(S, t, H, V)
-        st = states.to(dt)
         d_aug = q_eff.new_empty(S, t, H, V + K)
-        d_states = torch.zeros(S, H, K, V, dtype=dt, device=states.device)
-        for a in range(0, t, COMPLETION_BLOCK_TOKENS):
-            b = slice(a, a + COMPLETION_BLOCK_TOKENS)
-            g = dO[:, b].to(dt)
-            d_aug[:, b, :, :V] = g
-            d_aug[:, b, :, V:] = torch.einsum("sthv,shkv->sthk", g, st)
-            d_states += torch.einsum("sthk,sthv->shkv", q_eff[:, b].to(dt), g)
+        d_aug[..., :V] = dO
+        if q_eff.element_size() == 2:
+            dO = dO.to(q_eff.dtype)
+            st_t = states.to(q_eff.dtype).transpose(-1, -2)  # [S, H, V, K]
+            d_states = torch.zeros(S, H, K, V, dtype=torch.float32, device=states.device)
+            for s in range(S):
+                for a in range(0, t, COMPLETION_BLOCK_TOKENS):
+                    b = slice(a, a + COMPLETION_BLOCK_TOKENS)
+                    g = dO[s, b].transpose(0, 1)  # [H, t, V]
+                    d_aug[s, b, :, V:] = torch.bmm(g, st_t[s]).transpose(0, 1)
+                    d_states[s] += _bmm_f32(q_eff[s, b].permute(1, 2, 0), g)
+        else:
+            dt = torch.promote_types(q_eff.dtype, states.dtype)
+            st = states.to(dt)
+            d_states = torch.zeros(S, H, K, V, dtype=dt, device=states.device)
+            for a in range(0, t, COMPLETION_BLOCK_TOKENS):
+                b = slice(a, a + COMPLETION_BLOCK_TOKENS)
+                g = dO[:, b].to(dt)
+                d_aug[:, b, :, V:] = torch.einsum("sthv,shkv->sthk", g, st)
+                d_states += torch.einsum("sthk,sthv->shkv", q_eff[:, b].to(dt), g)
         return d_aug.reshape(S * t, H, V + K), d_states.to(states.dtype)
 
 

@@ -71,12 +71,14 @@ NAIVE_BYTES_PER_LOGIT = 18
 # round of latency on NVLink/xGMI, an order-of-magnitude figure, not measured.
 COLLECTIVE_LATENCY_S = 10e-6
 # Gated DeltaNet's CP combine against its FLOP count (cp_delta_rule_flops), measured on one H200 with fla
-# (bench/bench_cp_gdn.py: 32 value heads, d_k = d_v = 128, C = 64, 32,768 tokens a rank, forward + backward): it
-# costs 1.25 / 1.41 / 1.44 plain delta-rule passes at cp = 2 / 4 / 8 where its FLOPs are 1.00 / 1.01 / 1.01 of one.
-# Fitted by least squares, within 3.5% of the three: the FLOPs run at 1/1.180 of the plain pass's rate, and every
-# doubling of cp adds 0.090 of a plain pass (the fold's 2·cp − 1 sequential steps are latency, not FLOPs).
-CP_COMBINE_EFFICIENCY = 1 / 1.180
-CP_COMBINE_PASSES_PER_DOUBLING = 0.090
+# (bench/bench_cp_gdn.py: 32 value heads, d_k = d_v = 128, C = 64, 32,768 tokens a rank, forward + backward, 30
+# reps): it costs 0.73 / 0.84 / 0.93 plain delta-rule passes at cp = 2 / 4 / 8 where its FLOPs are 1.00 / 1.01 /
+# 1.01 of one (its completion is a bf16 tensor-core GEMM, faster per FLOP than the recurrence). Fitted by least
+# squares, within 0.7% of the three: the FLOPs take 0.642 of the plain pass's time per FLOP, and every doubling of
+# cp adds 0.094 of a plain pass (the fold's 2·cp − 1 sequential steps are latency, not FLOPs). Separate runs of
+# the same bench move a row by up to 0.15 of a pass.
+CP_COMBINE_EFFICIENCY = 1 / 0.642
+CP_COMBINE_PASSES_PER_DOUBLING = 0.094
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 

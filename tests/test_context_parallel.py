@@ -158,8 +158,8 @@ def test_state_map_of_a_segment_with_a_document_start_forgets_its_input():
 
 def test_the_completion_is_the_product_block_by_block(monkeypatch):
     """with_incoming_states in blocks smaller than a segment: O_0 + Q_eff S_in exactly in fp64 (gradcheck); with bf16
-    outputs and fp32 states it returns bf16 within bf16 rounding of the fp32 product and keeps for the backward only
-    Q_eff in bf16 and the states — no fp32 copy of the outputs."""
+    outputs and fp32 states it returns bf16 within bf16 rounding of the fp32 product, keeps for the backward only
+    Q_eff in bf16 and the states — no fp32 copy of the outputs — and its gradients match fp64 to bf16 rounding."""
     import launch.gated_delta as gd
 
     monkeypatch.setattr(gd, "COMPLETION_BLOCK_TOKENS", 3)
@@ -182,6 +182,15 @@ def test_the_completion_is_the_product_block_by_block(monkeypatch):
                                                                      ("torch.float32", (S, H, K, V))]
     ref = product(o.detach().bfloat16().double(), st.detach().float().double())
     assert ((y.double() - ref).abs().max() / ref.abs().max()) < 4e-3
+    # the bf16 path's gradients (bf16 GEMMs, dS_in summed in fp32) against fp64 autograd of the product
+    o16, st32 = o.detach().bfloat16().requires_grad_(), st.detach().float().requires_grad_()
+    o64, st64 = o16.detach().double().requires_grad_(), st32.detach().double().requires_grad_()
+    dy = torch.randn(T, H, V, generator=gen, dtype=torch.float64)
+    with_incoming_states(o16, st32).backward(dy.bfloat16())
+    product(o64, st64).backward(dy.bfloat16().double())
+    assert o16.grad.dtype == torch.bfloat16 and st32.grad.dtype == torch.float32
+    for got, want in ((o16.grad, o64.grad), (st32.grad, st64.grad)):
+        assert ((got.double() - want).abs().max() / want.abs().max()) < 8e-3
 
 
 def test_a_sharded_micro_batch_needs_a_parallelized_model():
