@@ -246,22 +246,26 @@ def profile_ours(h, w, t):
     print(line, flush=True)
 
 
-def trace_ours(h, w, t, chrome_path=None):
-    """torch.profiler's table of one mean-CE forward + backward (after a warm-up): every kernel's total time; and
-    the GPU's idle time between kernels, the largest gaps with the kernels around them (chrome trace to
+def trace_method(name, ce, h, w, t, adv, chrome_path=None):
+    """torch.profiler's table of one mean-CE forward + backward of a method (after a warm-up): every kernel's total
+    time; and the GPU's idle time between kernels, the largest gaps with the kernels around them (chrome trace to
     chrome_path when given)."""
     from torch.profiler import ProfilerActivity, profile
 
+    def sync():
+        if h.is_cuda:
+            torch.cuda.synchronize()
+
     def once():
         h.grad = w.grad = None
-        kernels.linear_cross_entropy(h, w, t).backward()
+        ce(h, w, t, adv).backward()
 
     once()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+    sync()
+    with profile(activities=[ProfilerActivity.CPU] + [ProfilerActivity.CUDA] * h.is_cuda) as prof:
         once()
-        torch.cuda.synchronize()
-    print(f"# trace T={h.shape[0]} V={w.shape[0]}", flush=True)
+        sync()
+    print(f"# trace {name} T={h.shape[0]} V={w.shape[0]}", flush=True)
     print(prof.key_averages().table(sort_by="cuda_time_total", row_limit=25, max_name_column_width=60), flush=True)
     kern = sorted((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                   if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -298,7 +302,8 @@ def main(argv=None):
                     help="the fused path's group buffer (kernels.lm_head.fused.SCRATCH_BYTES), GiB")
     ap.add_argument("--device", default="cuda", help="cuda, or cpu for a tiny check of the script itself")
     ap.add_argument("--trace", action="store_true",
-                    help="only print torch.profiler's kernel table and GPU idle gaps for one run of ours (ce) per shape")
+                    help="only print torch.profiler's kernel table and GPU idle gaps for one mean-CE run of each method "
+                         "(--methods, default ours) per shape")
     ap.add_argument("--chrome-trace", type=str, default=None, help="with --trace: write the chrome trace here")
     args = ap.parse_args(argv)
 
@@ -322,7 +327,10 @@ def main(argv=None):
             adv = torch.randn(T, device=dev, generator=g)
             ref = None
             if args.trace:
-                trace_ours(h, w, t, args.chrome_trace and f"{args.chrome_trace}.{T}.{V}.json")
+                for name in (args.methods or ["ours"]):
+                    if "ce" in methods.get(name, {}):
+                        path = args.chrome_trace and f"{args.chrome_trace}.{T}.{V}.{name.replace(' ', '_')}.json"
+                        trace_method(name, methods[name]["ce"], h, w, t, adv, path)
                 continue
             if "ours" in methods and not args.no_profile and dev.type == "cuda":
                 profile_ours(h, w, t)
