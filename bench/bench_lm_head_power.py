@@ -10,7 +10,7 @@ An A/B of a kernel change: --baseline FILE names a copy of kernels/lm_head/trito
 that file's logits_tiles and dlogits_from_tiles, interleaved with the rest.
 
 Usage: python bench/bench_lm_head_power.py [--tokens 65536] [--vocab 248320] [--hidden 2048] [--seconds 4]
-       [--rounds 2] [--baseline FILE] [--group-tokens N ...]
+       [--rounds 2] [--baseline FILE] [--group-tokens N ...] [--blocking-scale-read]
 
 --group-tokens adds a row "ours, Tg=N" per N: the fused path with N tokens a group instead of the default
 (kernels.lm_head.fused.GROUP_TOKENS, fewer where the group buffer would not fit SCRATCH_BYTES).
@@ -42,6 +42,9 @@ def main(argv=None):
     ap.add_argument("--rounds", type=int, default=2, help="how many times the heads are interleaved")
     ap.add_argument("--baseline", default=None, help="an earlier kernels/lm_head/triton_backend.py to A/B against")
     ap.add_argument("--group-tokens", type=int, nargs="*", default=[], help="fused-path group sizes to A/B")
+    ap.add_argument("--blocking-scale-read", action="store_true",
+                    help="add the row 'ours, blocking scale read': each group's dZ scale read by a plain float(), "
+                         "which drains the stream, instead of kernels.lm_head.fused.HostScalar's early copy")
     args = ap.parse_args(argv)
     dev = "cuda"
     T, H, V = args.tokens, args.hidden, args.vocab
@@ -59,6 +62,24 @@ def main(argv=None):
             kernels.linear_cross_entropy(h, w, t, chunk_tokens=n).backward()
 
         methods[f"ours, Tg={n}"] = ours_tg
+    if args.blocking_scale_read:
+        from kernels.lm_head import fused
+
+        class Blocking(fused.HostScalar):
+            def start(self, t):
+                self.value = t
+
+            def wait(self):
+                return float(self.value)
+
+        def ours_blocking():
+            early, fused.HostScalar = fused.HostScalar, Blocking
+            try:
+                ours()
+            finally:
+                fused.HostScalar = early
+
+        methods["ours, blocking scale read"] = ours_blocking
     if args.baseline:
         from kernels.lm_head import triton_backend as kt
 

@@ -67,6 +67,31 @@ class Totals:
         return Totals(torch.empty(T, **f32), torch.empty(T, **f32), ent, torch.zeros((), **f32))
 
 
+class HostScalar:
+    """A 0-d fp32 device tensor's value on the host without draining the stream: start() queues its copy into
+    pinned memory and an event after it; wait() blocks only until that copy is done, so the work queued between the
+    two keeps the GPU busy while the host waits. One value in flight at a time. (On CPU: a plain read.)"""
+
+    def __init__(self, device):
+        self.cuda = torch.device(device).type == "cuda"
+        self.buf = torch.empty((), dtype=torch.float32, pin_memory=True) if self.cuda else None
+        self.event = torch.cuda.Event() if self.cuda else None
+        self.value = None
+
+    def start(self, t: torch.Tensor) -> None:
+        if self.cuda:
+            self.buf.copy_(t, non_blocking=True)
+            self.event.record()
+        else:
+            self.value = t
+
+    def wait(self) -> float:
+        if self.cuda:
+            self.event.synchronize()
+            return float(self.buf)
+        return float(self.value)
+
+
 def group_size(T: int, V: int, chunk_tokens: int | None, elem_bytes: int = 2) -> int:
     """Tg, tokens per group: GROUP_TOKENS, or fewer (multiples of 256) where the group's tile weights [Tg, V]
     (elem_bytes each: 2 for 16-bit inputs, 4 for fp32) would not fit SCRATCH_BYTES. Worked example,
@@ -154,22 +179,25 @@ def fused_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_token
     dH_buf = torch.empty((Tg, H), **f32) if dH is not None else None  # one group's fp32 dH, cast into dH
     totals = Totals.empty(T, with_entropy, dev)
 
+    scale_host = HostScalar(dev)
     for g0 in range(0, T, Tg):
         g1 = min(g0 + Tg, T)
         dz_gV = e_buf[: g1 - g0]
         tiles, coef = group_statistics(head, g0, g1, with_entropy, token_loss, dz_gV, totals)
         scale = dz_scale(coef, head.inv_temp) if half else torch.ones((), **f32)
+        # cuBLAS takes alpha from the host: the scale's copy is queued before the dZ pass and the h operand, so the
+        # host has it while the GPU runs them and queues the GEMMs before the GPU runs dry
+        scale_host.start(scale)
         head.kmod.dlogits_from_tiles(dz_gV, tiles, head.tgt[g0:g1], tiles.lse2, coef, head.inv_temp, scale)
-        # one host sync per group: cuBLAS takes alpha from the host. (Two buffers, software-pipelined so that the
-        # host reads the scale while the GPU runs the next group, measured no faster: docs/BENCHMARKS.md.)
-        s = float(scale)
+        if need_w:
+            h_g = hidden_TH[g0:g1] if not half else torch.mul(hidden_TH[g0:g1], h_scale_f, out=h_buf[: g1 - g0])
+        s = scale_host.wait()
         if need_h:
             dh_out = dH32[g0:g1] if dH32 is not None else dH_buf[: g1 - g0]  # the group's dH rows, fp32
             gemm_acc(dh_out, dz_gV, w_g, first=True, alpha=1.0 / (s * w_scale_f))
             if dH is not None:
                 dH[g0:g1].copy_(dh_out)
         if need_w:
-            h_g = hidden_TH[g0:g1] if not half else torch.mul(hidden_TH[g0:g1], h_scale_f, out=h_buf[: g1 - g0])
             gemm_acc(dW32, dz_gV.T, h_g, first=(g0 == 0), alpha=1.0 / (s * h_scale_f))
     del e_buf, w_g, h_buf, dH_buf
     if dH32 is not None:
