@@ -569,16 +569,19 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     r = rates(hw)
     passes = 3 if opts.recompute == "full" else 2  # forward, recompute forward, backward
     comm, t = {}, {}
-    # EP all-to-all: dispatch + combine per MoE layer per pass; tokens leaving the rank: s·k·h·(ep−1)/ep
+    # EP all-to-all, per MoE layer: the forward dispatches and combines, the backward sends the output gradients
+    # and returns the input gradients, and the recomputed forward (full recompute) only dispatches: 4 or 5
+    # transfers, each s·k·h values of which (ep−1)/ep leave the rank (launch/expert_parallel.py)
     n_moe_local = n["moe"]
     a2a_bytes = s * m.top_k * m.hidden_size * BF16 * (ep - 1) / ep
-    t_ep_layer_comm = 2 * a2a_bytes / group_bw(hw, ep, 1, node) if ep > 1 else 0.0
+    t_a2a = a2a_bytes / group_bw(hw, ep, 1, node) if ep > 1 else 0.0
     expert_flops_tok = 2 * param_counts(m)["routed_experts"] * m.top_k / m.num_experts / max(m.num_moe_layers, 1)
     t_ep_layer_gemm = s * expert_flops_tok / (tp * etp) / r["expert_gemm"]
     chunks = opts.ep_overlap_chunks if ep > 1 else 1
-    t["ep_exposed"] = passes * n_moe_local * (ep_overlap_time(t_ep_layer_comm, t_ep_layer_gemm, chunks)
-                                              - t_ep_layer_gemm)
-    comm["ep_all_to_all"] = passes * n_moe_local * 2 * a2a_bytes
+    transfers = [2, 1, 2] if opts.recompute == "full" else [2, 2]  # per pass: forward, (recompute,) backward
+    t["ep_exposed"] = n_moe_local * sum(ep_overlap_time(x * t_a2a, t_ep_layer_gemm, chunks) - t_ep_layer_gemm
+                                        for x in transfers)
+    comm["ep_all_to_all"] = n_moe_local * sum(transfers) * a2a_bytes
     # CP: full attention all-gathers K/V (and reduce-scatters dK/dV); Gated DeltaNet passes its state
     t["cp"] = 0.0
     if cp > 1:

@@ -405,12 +405,26 @@ def test_pp_bubble_fraction():
 
 
 def test_ep_all_to_all_bytes_hand_worked():
-    """Per micro-batch per MoE layer per pass: dispatch + combine, s·k·h·2 bytes each, (ep−1)/ep leaves the rank;
-    three passes under full recompute (forward, recompute, backward)."""
+    """Per micro-batch per MoE layer: s·k·h·2 bytes a transfer, (ep−1)/ep of them leave the rank; the forward
+    dispatches and combines, the backward sends and returns, and under full recompute the recomputed forward only
+    dispatches (launch/expert_parallel.py): 5 transfers, 4 without recompute."""
     s, ep = 65_536, 8
+    one = s * 8 * 2048 * BF16 * (ep - 1) / ep
     est = estimate(Q35, H100, 32, Layout(cp=2, ep=ep), opts(131_072))
-    expected = 3 * 40 * 2 * s * 8 * 2048 * BF16 * (ep - 1) / ep
-    assert est.comm_bytes["ep_all_to_all"] == pytest.approx(expected)
+    assert est.comm_bytes["ep_all_to_all"] == pytest.approx(40 * 5 * one)
+    est = estimate(Q35, H100, 32, Layout(cp=2, ep=ep), opts(131_072, recompute="none"))
+    assert est.comm_bytes["ep_all_to_all"] == pytest.approx(40 * 4 * one)
+
+
+def test_ep_exposed_time_counts_each_pass_transfers():
+    """Unchunked (k = 1) the overlap is serial, so the exposed time is the transfers' time: 5 a layer under full
+    recompute, each a2a / bw(ep)."""
+    from recipe.cost import group_bw
+
+    s, ep = 65_536, 8
+    a2a = s * 8 * 2048 * BF16 * (ep - 1) / ep
+    est = estimate(Q35, H100, 32, Layout(cp=2, ep=ep), opts(131_072, ep_overlap_chunks=1))
+    assert est.time_s["ep_exposed"] == pytest.approx(40 * 5 * a2a / group_bw(H100, ep, 1, 8), rel=1e-9)
 
 
 def test_tokens_and_step_time_consistent():
