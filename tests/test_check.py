@@ -38,7 +38,7 @@ def edit(path: Path, **blocks) -> None:
 
 
 def tiny(tmp_path: Path, name: str = "tiny.yaml") -> Path:
-    return write_plan(tmp_path / name, Inputs(model="tiny-moe", seq_len=4096, hw="cpu", gpus=2))
+    return write_plan(tmp_path / name, Inputs(model="tiny-moe", seq_len=1024, hw="cpu", gpus=2))
 
 
 def q35_h100_128k(tmp_path: Path, name: str = "q35.yaml") -> Path:
@@ -231,7 +231,7 @@ def test_fix_rewrites_drifted_plans_and_never_touches_malformed_ones(tmp_path):
     drifted = q35_h100_128k(tmp_path, "a.yaml")
     clean_text = drifted.read_text()
     edit(drifted, layout={"cp": 1, "dp": 16})
-    as_json = write_plan(tmp_path / "b.json", Inputs(model="tiny-moe", seq_len=4096, hw="cpu", gpus=2), "json")
+    as_json = write_plan(tmp_path / "b.json", Inputs(model="tiny-moe", seq_len=1024, hw="cpu", gpus=2), "json")
     data = json.loads(as_json.read_text())
     data["layout"].update(ep=2, edp=1)
     as_json.write_text(json.dumps(data))
