@@ -77,7 +77,6 @@ class Group:
         self.h, self.w, self.y = h, w, y
         self.e0 = torch.empty(Tg, V, dtype=torch.float16, device=h.device)
         st = km.logits_tiles(h, w, y, 1.0, False, self.e0)
-        self.m2, self.tile_v, self.lse2, self.tz = st.m2, st.tile_v, st.lse2, st.tz
         self.a = torch.full((Tg,), 1.0 / Tg, device=h.device)
         self.coef = Coefficients(st.lse2 * 0.6931471805599453, self.a, None, -self.a)
         self.w_scale = float(pow2_scale(amax(w)))
@@ -91,7 +90,7 @@ class Group:
     def pass_and_cublas(self, dH, dW):
         self.e.copy_(self.e0)
         scale = dz_scale(self.coef, 1.0)
-        self.km.dlogits_from_tiles(self.e, self.st, self.y, self.lse2, self.coef, 1.0, scale)
+        self.km.dlogits_from_tiles(self.e, self.st, self.y, self.st.lse2, self.coef, 1.0, scale)
         s = float(scale)
         gemm_acc(dH, self.e, self.w16, first=True, alpha=1.0 / (s * self.w_scale))
         gemm_acc(dW, self.e.T, self.h16, first=True, alpha=1.0 / (s * self.h_scale))
@@ -100,9 +99,10 @@ class Group:
     def split(self):
         """strip u [V/64, Tg] fp16 (≤ 1), the dH epilogue's per-row factor, the dW operand xs [Tg, H] fp16 and its
         power-of-two undo, and the target column's c / temperature [Tg]."""
-        M = self.m2.max(0).values
-        u = torch.exp2(self.m2 - M).repeat_interleave(self.tile_v // 64, 0)[: -(-self.e0.shape[1] // 64)]
-        r = self.a * torch.exp2(M - self.lse2 - E_LOG2)
+        st = self.st
+        M = st.m2.max(0).values
+        u = torch.exp2(st.m2 - M).repeat_interleave(st.tile_v // 64, 0)[: -(-self.e0.shape[1] // 64)]
+        r = self.a * torch.exp2(M - st.lse2 - E_LOG2)
         hr = self.h.float() * r[:, None]
         k = pow2_scale(amax(hr))
         return u.half().contiguous(), r / self.w_scale, (hr * k).half(), 1.0 / k, self.coef.c
@@ -156,7 +156,7 @@ def quack_path():
         same operands."""
         g.e.copy_(g.e0)
         scale = dz_scale(g.coef, 1.0)
-        g.km.dlogits_from_tiles(g.e, g.st, g.y, g.lse2, g.coef, 1.0, scale)
+        g.km.dlogits_from_tiles(g.e, g.st, g.y, g.st.lse2, g.coef, 1.0, scale)
         identity_epi.gemm(g.e, g.w16.mT, dH, epi_args={}, tile_M=128, tile_N=256, tile_K=64, cluster_M=2,
                           cluster_N=1)
         identity_epi.gemm(g.e.t(), g.h16.mT, dW, epi_args={}, tile_M=128, tile_N=256, tile_K=64, cluster_M=1,

@@ -73,7 +73,7 @@ COLLECTIVE_LATENCY_S = 10e-6
 # Gated DeltaNet's CP combine against its FLOP count (cp_delta_rule_flops), measured on one H200 with fla
 # (bench/bench_cp_gdn.py: 32 value heads, d_k = d_v = 128, C = 64, 32,768 tokens a rank, forward + backward, 30
 # reps): it costs 0.73 / 0.84 / 0.93 plain delta-rule passes at cp = 2 / 4 / 8 where its FLOPs are 1.00 / 1.01 /
-# 1.01 of one (its completion is a bf16 tensor-core GEMM, faster per FLOP than the recurrence). Fitted by least
+# 1.01 of one (the augmented pass's extra value columns ride on the plain pass's chunk loop). Fitted by least
 # squares, within 0.7% of the three: the FLOPs take 0.642 of the plain pass's time per FLOP, and every doubling of
 # cp adds 0.094 of a plain pass (the fold's 2·cp − 1 sequential steps are latency, not FLOPs). Separate runs of
 # the same bench move a row by up to 0.15 of a pass.

@@ -77,8 +77,6 @@ DW_ACC_TILES = {"nvidia": TileConfig(128, 128, 64, 8, 3), "amd": TileConfig(128,
                 "interpreter": TileConfig(16, 16, 16, 1, 1)}  # (block_v, block_h, block_k = tokens, ...)
 
 
-
-
 def logits_tile_config(vendor: str, elem_bytes: int) -> TileConfig:
     """The epilogue-statistics GEMM's tile for a vendor ("nvidia", "amd", "interpreter") and operand width."""
     if vendor == "interpreter":
