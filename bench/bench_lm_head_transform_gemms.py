@@ -21,6 +21,7 @@ relative L2 errors after rounding to bf16 as the head returns them.
 device, CPU included (small shapes), without QuACK.
 
 Usage: python bench/bench_lm_head_transform_gemms.py [--vocab 248320] [--hidden 2048] [--group 4096] [--reps 5]
+       [--emulate] [--parts]
 CPU check: python bench/bench_lm_head_transform_gemms.py --device cpu --vocab 1024 --hidden 64 --group 128 --emulate
 """
 
@@ -87,13 +88,23 @@ class Group:
         self.km, self.st = km, st
 
     # -- the head as it runs: the in-place dZ pass, then two cuBLAS GEMMs ------------------------------------------
-    def pass_and_cublas(self, dH, dW):
+    def dz_pass(self):
+        """The in-place dZ pass over a fresh copy of the tile weights; its power-of-two scale."""
         self.e.copy_(self.e0)
         scale = dz_scale(self.coef, 1.0)
         self.km.dlogits_from_tiles(self.e, self.st, self.y, self.st.lse2, self.coef, 1.0, scale)
-        s = float(scale)
+        return float(scale)
+
+    def cublas_dh(self, dH, s):
         gemm_acc(dH, self.e, self.w16, first=True, alpha=1.0 / (s * self.w_scale))
-        gemm_acc(dW, self.e.T, self.h16, first=True, alpha=1.0 / (s * self.h_scale))
+
+    def cublas_dw(self, dW, s, first=True):
+        gemm_acc(dW, self.e.T, self.h16, first=first, alpha=1.0 / (s * self.h_scale))
+
+    def pass_and_cublas(self, dH, dW, first=True):
+        s = self.dz_pass()
+        self.cublas_dh(dH, s)
+        self.cublas_dw(dW, s, first)
 
     # -- the split factors -------------------------------------------------------------------------------------------
     def split(self):
@@ -123,8 +134,8 @@ class Group:
 
 
 def quack_path():
-    """QuACK's CuTe-DSL GEMMs: on the pass's dZ, and with dZ formed by the transform ({name: fn}), or None with the
-    reason printed."""
+    """QuACK's CuTe-DSL GEMMs: on the pass's dZ, and with dZ formed by the transform ({name: fn}), with the
+    transform's pieces ({dh, dw, run}), or None with the reason printed."""
     from bench._lm_head_common import quack_peers
 
     if not quack_peers():  # (prints why; also gives loggers the fingerprint quack 0.6.5 needs)
@@ -164,17 +175,23 @@ def quack_path():
         dH /= scale * g.w_scale
         dW /= scale * g.h_scale
 
-    def run(g: Group, dH, dW):
-        u, v, xs, undo, c = g.split()
+    def t_dh(g: Group, dH, u, v):
         bundle = transform_a_operand(dh_shift, g.e0, {"u": u}, 128, 64)
         rows_scaled.gemm(bundle, g.w16.mT, dH, epi_args=dict(v=v.unsqueeze(0)), transform_a=dh_shift, tile_M=128,
                          tile_N=256, tile_K=64, cluster_M=2, cluster_N=1)
+
+    def t_dw(g: Group, dW, u, xs, undo, add=False):
         bundle = transform_a_operand(dw_shift, g.e0.t(), {"u": u}, 128, 64)
         scaled.gemm(bundle, xs.mT, dW, epi_args=dict(alpha=undo.reshape(1)), transform_a=dw_shift, tile_M=128,
-                    tile_N=256, tile_K=64, cluster_M=1, cluster_N=2)
+                    tile_N=256, tile_K=64, cluster_M=1, cluster_N=2, add_to_output=add)
+
+    def run(g: Group, dH, dW, add=False):
+        u, v, xs, undo, c = g.split()
+        t_dh(g, dH, u, v)
+        t_dw(g, dW, u, xs, undo, add)
         g.corrections(dH, dW, c)
 
-    return {"dZ pass + QuACK GEMMs": plain, "transform, QuACK CuTe GEMMs": run}
+    return {"dZ pass + QuACK GEMMs": plain, "transform, QuACK CuTe GEMMs": run}, dict(dh=t_dh, dw=t_dw, run=run)
 
 
 def timed(fn, device, reps: int) -> float:
@@ -209,6 +226,28 @@ def one_vocab(V: int, args, paths: dict, dev) -> None:
         print(f"| {V} | {name} | {ms:.3f} | {rel(dH, ref_dh):.2e} | {rel(dW, ref_dw):.2e} |", flush=True)
 
 
+def parts(V: int, args, q: dict, dev) -> None:
+    """Each piece of both forms alone (one group), and both with dW accumulated over groups as the head runs it
+    (cuBLAS beta = 1 reading its fp32 C; QuACK's TMA reduce-add store)."""
+    g = Group(*group_inputs(args.group, V, args.hidden, dev))
+    dH = torch.empty(args.group, args.hidden, device=dev)
+    dW = torch.zeros(V, args.hidden, device=dev)
+    s = g.dz_pass()
+    u, v, xs, undo, c = g.split()
+    rows = {"dZ pass": g.dz_pass, "cuBLAS dH": lambda: g.cublas_dh(dH, s),
+            "cuBLAS dW (store)": lambda: g.cublas_dw(dW, s, True),
+            "cuBLAS dW (C += )": lambda: g.cublas_dw(dW, s, False),
+            "pass + cuBLAS, dW accumulated": lambda: g.pass_and_cublas(dH, dW, False),
+            "split (torch)": g.split, "corrections (torch)": lambda: g.corrections(dH, dW, c)}
+    if q:
+        rows.update({"QuACK transform dH": lambda: q["dh"](g, dH, u, v),
+                     "QuACK transform dW (store)": lambda: q["dw"](g, dW, u, xs, undo),
+                     "QuACK transform dW (reduce-add)": lambda: q["dw"](g, dW, u, xs, undo, True),
+                     "transform, dW accumulated": lambda: q["run"](g, dH, dW, True)})
+    for name, fn in rows.items():
+        print(f"| {V} | part: {name} | {timed(fn, dev, args.reps):.3f} | | |", flush=True)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--vocab", type=int, nargs="+", default=[248320, 151936])
@@ -216,6 +255,7 @@ def main(argv=None) -> int:
     ap.add_argument("--group", type=int, default=4096, help="tokens in the group")
     ap.add_argument("--reps", type=int, default=5)
     ap.add_argument("--emulate", action="store_true", help="also run the transform path's arithmetic in torch")
+    ap.add_argument("--parts", action="store_true", help="also time each piece alone, and dW accumulated")
     ap.add_argument("--device", default="cuda")
     args = ap.parse_args(argv)
     dev = torch.device(args.device)
@@ -223,11 +263,17 @@ def main(argv=None) -> int:
     paths = {"dZ pass + cuBLAS (the head)": lambda g, dH, dW: g.pass_and_cublas(dH, dW)}
     if args.emulate:
         paths["transform, emulated in torch"] = lambda g, dH, dW: g.emulated(dH, dW)
+    q = {}
     if dev.type == "cuda":
-        paths.update(quack_path() or {})
+        found = quack_path()
+        if found:
+            paths.update(found[0])
+            q = found[1]
     print("| V | path | ms | dH err | dW err |\n|---|---|---|---|---|")
     for V in args.vocab:
         one_vocab(V, args, paths, dev)
+        if args.parts:
+            parts(V, args, q, dev)
     return 0
 
 
