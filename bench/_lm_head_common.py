@@ -63,3 +63,33 @@ def quack_peers() -> dict:
     version = getattr(quack, "__version__", "?")
     return {f"quack {version} scaled-exp": lambda h, w, t: chunked_linear_cross_entropy(h, w, t),
             f"quack {version} base": lambda h, w, t: chunked_linear_cross_entropy(h, w, t, use_scaled_exp=False)}
+
+
+def liger_cutedsl_peers() -> dict:
+    """Liger-Kernel 0.8.5's CuTe-DSL Hopper kernels (`liger_kernel.ops.cutedsl`, opt-in there through
+    LIGER_KERNEL_IMPL=cutedsl): name → {mode: fn(h, w, t, adv)}. Empty, with a printed reason, where they do not
+    import (they need `cutlass.cute`, nvidia-cutlass-dsl ≥ 4.6: the same tree QuACK travels with).
+
+    - `flce-sm90`: logits GEMM writing bf16 logits [T, V] once, a CE kernel turning them into dZ in place, dX in the
+      forward and dW in the backward (T a multiple of 128, V of 256; mean CE only).
+    - `scaled-ce`: one fused GEMM + online softmax (logits never stored) returning the per-token NLL, and a fused
+      backward taking the per-token upstream gradient: mean CE, the RL loss and log-probs."""
+    try:
+        from liger_kernel.ops.cutedsl.ops.fused_linear_cross_entropy_sm90 import liger_fused_linear_cross_entropy_sm90
+        from liger_kernel.ops.cutedsl.ops.fused_scaled_cross_entropy_sm90 import (
+            LigerFusedScaledCrossEntropySM90Function as Scaled)
+    except Exception as e:  # ImportError, or the DSL failing to load its libraries
+        print(f"liger-kernel CuTe DSL not importable: {type(e).__name__}: {str(e)[:160]}", flush=True)
+        return {}
+
+    def nll(h, w, t):
+        return Scaled.apply(h, w, t.long())
+
+    def scaled_rl(h, w, t, adv):
+        lp = -nll(h, w, t)
+        return lp, (lp * adv).sum()
+
+    return {"liger 0.8.5 cutedsl flce-sm90": {"ce": lambda h, w, t, adv: liger_fused_linear_cross_entropy_sm90(
+                h, w, t.long())},
+            "liger 0.8.5 cutedsl scaled-ce": {"ce": lambda h, w, t, adv: nll(h, w, t).mean(), "rl": scaled_rl,
+                                              "fwd": lambda h, w, t, adv: -nll(h, w, t)}}

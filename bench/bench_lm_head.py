@@ -35,7 +35,7 @@ import torch.nn.functional as F
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
 import kernels.lm_head.fused  # noqa: E402
-from bench._lm_head_common import quack_peers  # noqa: E402
+from bench._lm_head_common import liger_cutedsl_peers, quack_peers  # noqa: E402
 
 GIB = 2**30
 
@@ -77,8 +77,9 @@ def _rel(x, ref):
     return ((x - ref).norm() / ref.norm()).item()
 
 
-def make_methods(modes_wanted):
-    """name -> {mode: fn(h, w, t, adv) -> (out, needs_backward_scalar)}."""
+def make_methods(modes_wanted, names=None):
+    """name -> {mode: fn(h, w, t, adv) -> (out, needs_backward_scalar)}. `names`: the methods asked for (None: all
+    but those that must be named, Liger's native kernels)."""
     methods = {}
 
     def ours_ce(h, w, t, adv):
@@ -142,6 +143,12 @@ def make_methods(modes_wanted):
         print(f"cut-cross-entropy not importable: {e}", flush=True)
     for name, fn in quack_peers().items():  # mean CE only: QuACK has no per-token log-prob output
         methods[name] = {"ce": lambda h, w, t, adv, fn=fn: fn(h, w, t)}
+    methods.update(liger_cutedsl_peers())
+    if any(n.startswith("liger-cute") for n in names or ()):  # only when named: its setup reserves ~2.6 GiB
+        from bench._liger_cute import liger_cute_peers
+
+        for name, fn in liger_cute_peers().items():
+            methods[name] = {"ce": lambda h, w, t, adv, fn=fn: fn(h, w, t)}
     return {name: {m: f for m, f in fns.items() if m in modes_wanted} for name, fns in methods.items()}
 
 
@@ -312,7 +319,7 @@ def main(argv=None):
     dev = torch.device(args.device)
     name = torch.cuda.get_device_name() if dev.type == "cuda" else "cpu"
     print(f"# {name} | torch {torch.__version__} | triton {__import__('triton').__version__}", flush=True)
-    methods = make_methods(set(args.modes))
+    methods = make_methods(set(args.modes), args.methods)
     if args.methods:
         methods = {k: v for k, v in methods.items() if k in args.methods}
     rows = []
