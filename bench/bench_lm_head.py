@@ -1,7 +1,9 @@
 """Bench: fused LM head (kernels.linear_cross_entropy / linear_logprobs) against its peers, one process, one GPU.
 
-Peers: torch naive (bf16 logits + fp32 CE), torch.compile of the same, Liger-Kernel fused linear CE, Cut
-Cross-Entropy (default settings), QuACK's linear CE (scaled-exp and base pipelines; mean CE only). Modes:
+Peers: torch naive (bf16 logits + fp32 CE), torch.compile of the same, Liger-Kernel fused linear CE (Triton), its
+CuTe-DSL Hopper kernels (`liger 0.8.5 cutedsl flce-sm90`, mean CE; `... scaled-ce`, all modes), Cut Cross-Entropy
+(default settings), QuACK's linear CE (scaled-exp and base pipelines; mean CE only), and, only when named in
+--methods, Liger's native CUTLASS + NVSHMEM kernels (`liger-cute 0.8.5`, bench/_liger_cute.py). Modes:
   ce  -- mean cross-entropy, forward + backward;
   rl  -- per-token log-probs, backward of sum(logp * advantage) with random per-token advantages (exact
          per-token gradients, what a PPO/GRPO loss needs). Ours hands that per-token loss to the head
