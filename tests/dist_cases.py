@@ -1,4 +1,5 @@
-"""Worker for tests/test_parallel.py: every layout case of one world size in one spawned process group (gloo).
+"""Worker for tests/test_parallel.py: every layout case of one world size in one spawned process group (gloo on CPU;
+NCCL on one GPU a rank when bench/bench_parity_nccl.py runs it with device "cuda", in fp32 or bf16).
 
 Each case runs the same steps under the layout on every rank (FSDP2 / expert parallel / context parallel: each
 data-parallel rank its share of the micro-batches, each cp rank its zigzag shard of them) and, once per data variant,
@@ -22,6 +23,31 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
+
+# The cases of each world size: [name, dp, ep, ep_overlap_chunks[, cp, variant[, recompute[, tp[, pp[, pp_stages]]]]]]
+# or [name, "pieces", cp]. Worlds 2 and 4 are tests/test_parallel.py's; 1 and 8 are for bench/bench_parity_nccl.py.
+CASES = {
+    1: [["one_rank", 1, 1, 1], ["one_rank_cp_data", 1, 1, 1, 1, "cp_off"], ["one_rank_dense", 1, 1, 1, 1, "dense"]],
+    2: [["dp2", 2, 1, 1], ["ep2_k1", 2, 2, 1], ["ep2_k2", 2, 2, 2], ["ep2_k4", 2, 2, 4],
+        ["ep2_k2_no_recompute", 2, 2, 2, 1, "base", "none"],
+        ["cp2", 1, 1, 1, 2, "cp"], ["pieces_cp2", "pieces", 2],
+        ["tp2", 1, 1, 1, 1, "cp", "full", 2], ["tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2],
+        # two stages of 3 and 1 layers, off-policy, sequence-mean
+        ["pp2", 1, 1, 1, 1, "cp_off", "full", 1, 2, [3, 1]],
+        ["pp2_v2", 1, 1, 1, 1, "cp", "full", 1, 2, [1, 1, 1, 1]],  # interleaved: 2 virtual stages a rank
+        ["dense_dp2", 2, 1, 1, 1, "dense"]],
+    4: [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
+        ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
+        ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
+        ["cp2_tp2_ep4", 1, 4, 1, 2, "cp_off", "full", 2],
+        ["pp2_dp2_ep2", 2, 2, 1, 1, "base", "full", 1, 2],  # the split from the cost model
+        ["pp4", 1, 1, 1, 1, "cp", "full", 1, 4], ["pp2_cp2", 1, 1, 1, 2, "cp", "full", 1, 2],
+        ["dense_tp2_dp2", 2, 1, 1, 1, "dense", "full", 2]],
+    8: [["dp8", 8, 1, 1], ["dp8_ep8_k2", 8, 8, 2], ["cp2_dp4_ep4_k2", 4, 4, 2, 2, "cp_off"],
+        ["tp2_dp4_ep8", 4, 8, 1, 1, "base", "full", 2], ["cp2_tp2_dp2_ep4", 2, 4, 2, 2, "cp_off", "full", 2],
+        ["pp2_dp4_ep4", 4, 4, 1, 1, "base", "full", 1, 2], ["pp2_cp2_dp2", 2, 1, 1, 2, "cp", "full", 1, 2],
+        ["dense_tp2_dp4", 4, 1, 1, 1, "dense", "full", 2]],
+}
 
 # variant: (micro-batch tokens, log-prob fields the rollouts carry, LossConfig fields, slow Gated DeltaNet decay and
 # advantages offset by +1)
@@ -57,15 +83,19 @@ def _shape(variant: str):
     return PRESETS["tiny-moe"]
 
 
+# where the cases run: set once per process by main()
+_RUN = {"device": torch.device("cpu"), "dtype": torch.float32}
+
+
 def _model(shape, variant: str):
     from launch.model import GatedDeltaNet, build_model
 
-    model = build_model(shape, seed=1)
+    model = build_model(shape, device=_RUN["device"], dtype=_RUN["dtype"], seed=1)
     if VARIANTS[variant][3]:
         with torch.no_grad():
             for m in model.modules():
                 if isinstance(m, GatedDeltaNet):
-                    m.A_log.copy_(torch.tensor(SLOW_DECAY[:m.num_v_heads]).log())
+                    m.A_log.copy_(torch.tensor(SLOW_DECAY[:m.num_v_heads]).log().to(m.A_log))
     return model
 
 
@@ -95,7 +125,7 @@ def _steps_data(vocab: int, tokens: int = 64, fields: tuple[str, ...] = (), offs
     steps = []
     for s in range(2):
         chosen = rollouts[s * 7:s * 7 + 8]
-        steps.append([make_batch(g) for g in pack_rollouts(chosen, tokens)])
+        steps.append([make_batch(g, _RUN["device"]) for g in pack_rollouts(chosen, tokens)])
     return steps
 
 
@@ -114,7 +144,7 @@ def _run(model, trainer, steps):
         losses.append(metrics["loss"])
         if i == 0:
             first = metrics
-            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().clone()
+            grads = {n: (p.grad.full_tensor() if hasattr(p.grad, "full_tensor") else p.grad).detach().cpu().clone()
                      for n, p in zip(trainer.optimizer.names, trainer.optimizer.params)}
         norm = trainer.optimizer.step()
         if i == 0:  # the clipping norm: every shard and replica counted once
@@ -140,8 +170,8 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
     shape = _shape(variant)
     steps = data[variant]
     plan = _plan(dp, ep, chunks, recompute, cp=cp, tp=tp, pp=pp, tokens=VARIANTS[variant][0], pp_stages=pp_stages)
-    meshes = build_meshes(plan.layout, "cpu")
-    model = parallelize(_model(shape, variant), plan, meshes, param_dtype=torch.float32)
+    meshes = build_meshes(plan.layout, _RUN["device"].type)
+    model = parallelize(_model(shape, variant), plan, meshes, param_dtype=_RUN["dtype"])
     trainer = Trainer(model, _config(variant), recompute=recompute, lm_head="fused", dp_rank=meshes.dp_rank,
                       dp_size=meshes.dp_size, dp_group=meshes.dp_group, metrics_group=meshes.data_group)
     shards = []
@@ -299,12 +329,32 @@ def run_pieces(name: str, cp: int) -> dict:
     return out
 
 
-def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
+def _reference_trainer(shape, variant: str):
+    """The one-process run of a variant: the model as `recipe launch` runs it on one GPU or CPU (in bf16, bf16
+    parameters with fp32 masters beside them), no process group."""
+    from launch.parallel import parallelize
+    from launch.train import Trainer
+
+    model = _model(shape, variant)
+    if _RUN["dtype"] != torch.float32:
+        model = parallelize(model, _plan(1, 1, 1, tokens=VARIANTS[variant][0]), None, param_dtype=_RUN["dtype"])
+    return Trainer(model, _config(variant), recompute="full", lm_head="fused")
+
+
+def main(rank: int, world: int, port: int, cases: list, out_path: str, device: str = "cpu",
+         dtype: str = "fp32") -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world),
                       LOCAL_RANK=str(rank))
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=world, timeout=timedelta(seconds=120))
-    from launch.train import Trainer
+    _RUN["dtype"] = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    if device == "cuda":
+        torch.cuda.set_device(rank)
+        torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 on both sides of the comparison
+        torch.backends.cudnn.allow_tf32 = False
+        _RUN["device"] = torch.device("cuda", rank)
+    dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=rank, world_size=world,
+                            timeout=timedelta(seconds=300 if device == "cuda" else 120),
+                            device_id=_RUN["device"] if device == "cuda" else None)
 
     variants = sorted({case[5] if len(case) > 5 else "base" for case in cases if case[1] != "pieces"})
     data, references = {}, ({} if rank == 0 else None)
@@ -313,7 +363,7 @@ def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
         tokens, fields, _, cp_variant = VARIANTS[v]
         data[v] = _steps_data(shape.vocab_size, tokens, fields, 1.0 if cp_variant else 0.0)
         if rank == 0:  # the one-process reference, once per variant
-            ref_trainer = Trainer(_model(shape, v), _config(v), recompute="full", lm_head="fused")
+            ref_trainer = _reference_trainer(shape, v)
             references[v] = _run(ref_trainer.model, ref_trainer, data[v])
     results = []
     for case in cases:
@@ -342,4 +392,4 @@ def main(rank: int, world: int, port: int, cases: list, out_path: str) -> None:
 
 
 if __name__ == "__main__":
-    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5])
+    main(int(sys.argv[1]), int(sys.argv[2]), int(sys.argv[3]), json.loads(sys.argv[4]), sys.argv[5], *sys.argv[6:8])

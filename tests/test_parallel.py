@@ -54,28 +54,16 @@ def _launch(world: int, cases: list, tmp_path: Path) -> dict:
 
 @pytest.fixture(scope="module")
 def world2(tmp_path_factory):
-    # (name, dp, ep, ep_overlap_chunks[, cp, data variant]) or (name, "pieces", cp)
-    cases = [["dp2", 2, 1, 1], ["ep2_k1", 2, 2, 1], ["ep2_k2", 2, 2, 2], ["ep2_k4", 2, 2, 4],
-             ["ep2_k2_no_recompute", 2, 2, 2, 1, "base", "none"],
-             ["cp2", 1, 1, 1, 2, "cp"], ["pieces_cp2", "pieces", 2],
-             ["tp2", 1, 1, 1, 1, "cp", "full", 2], ["tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2],
-             # [..., recompute, tp, pp, pp_stages]: two stages of 3 and 1 layers, off-policy, sequence-mean
-             ["pp2", 1, 1, 1, 1, "cp_off", "full", 1, 2, [3, 1]],
-             ["pp2_v2", 1, 1, 1, 1, "cp", "full", 1, 2, [1, 1, 1, 1]],  # interleaved: 2 virtual stages a rank
-             ["dense_dp2", 2, 1, 1, 1, "dense"]]
-    return _launch(2, cases, tmp_path_factory.mktemp("world2"))
+    import dist_cases
+
+    return _launch(2, dist_cases.CASES[2], tmp_path_factory.mktemp("world2"))
 
 
 @pytest.fixture(scope="module")
 def world4(tmp_path_factory):
-    cases = [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
-             ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
-             ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
-             ["cp2_tp2_ep4", 1, 4, 1, 2, "cp_off", "full", 2],
-             ["pp2_dp2_ep2", 2, 2, 1, 1, "base", "full", 1, 2],  # the split from the cost model
-             ["pp4", 1, 1, 1, 1, "cp", "full", 1, 4], ["pp2_cp2", 1, 1, 1, 2, "cp", "full", 1, 2],
-             ["dense_tp2_dp2", 2, 1, 1, 1, "dense", "full", 2]]
-    return _launch(4, cases, tmp_path_factory.mktemp("world4"))
+    import dist_cases
+
+    return _launch(4, dist_cases.CASES[4], tmp_path_factory.mktemp("world4"))
 
 
 def _assert_equal_to_one_process(r: dict) -> None:

@@ -1,0 +1,161 @@
+"""Chunked expert-parallel overlap at world size N: torchrun, one process a GPU, the layout a plan gives an MoE stack
+at EP = N (FSDP2 over the same N ranks, expert-DP 1). A model of the chosen shape at full width and reduced depth
+trains one packed sequence of T tokens on every rank; for each T and each chunk count k of the all-to-all overlap it
+reports, beside the cost model's prediction for the same layout, hardware profile and k (`recipe.cost.estimate`):
+
+- the step time (median over --steps, after a warm-up step) and its speedup over k = 1;
+- the all-to-all time a profiler trace of one step shows exposed: all-to-all kernel time during which no kernel runs
+  on another stream (CUDA only), against the model's `ep_exposed`;
+- every rank's peak allocated and reserved memory against the model's per-GPU peak.
+
+Every k runs on the same weights and data (the chunked dispatch is swapped in, as `launch.expert_parallel`'s test
+holds it bitwise equal to k = 1), so the rows differ only in the schedule. Each rank draws its own sequence (seed =
+rank), so routing and all-to-all volumes are those of a real step, not a copy to self.
+
+    torchrun --nproc-per-node 2 bench/bench_ep_overlap.py --tokens 16384,32768,65536 --chunks 1,2,4,8 \\
+        --hw h200 --out ep_overlap.json
+    torchrun --nproc-per-node 2 bench/bench_ep_overlap.py --model tiny-moe --tokens 256 --chunks 1,2 \\
+        --device cpu --hw cpu --steps 1                                           # smoke (gloo)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import types
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+from bench_ep_path import stream_summary  # noqa: E402
+from bench_train_step import _sync, _time  # noqa: E402
+
+
+def predict(shape, hw_name: str, world: int, tokens: int, chunks: int) -> dict:
+    """The cost model's figures for this layout: step time, exposed all-to-all and expert FSDP time, per-GPU peak."""
+    from recipe.cost import Layout, TrainOptions, estimate
+    from recipe.hw import load_profile
+
+    opts = TrainOptions(micro_batch_tokens=tokens, recompute="full", lm_head="fused", ep_overlap_chunks=chunks)
+    est = estimate(shape, load_profile(hw_name), world, Layout(ep=world), opts)
+    return {"step_s": est.step_time_s, "ep_exposed_s": est.time_s["ep_exposed"],
+            "fsdp_exposed_s": est.time_s["fsdp_exposed"], "peak_gb": est.memory_gb["total"]}
+
+
+def exposed_all_to_all_s(summary: dict) -> float | None:
+    share = summary["all_to_all_overlapped_share"]
+    return None if share is None else summary["all_to_all_ms"] * (1.0 - share) / 1e3
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="qwen35-35b")
+    p.add_argument("--layers", type=int, default=4)
+    p.add_argument("--tokens", default="16384,32768,65536", help="tokens per GPU, comma-separated")
+    p.add_argument("--chunks", default="1,2,4,8")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--hw", default="h200", help="hardware profile of the prediction")
+    p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    p.add_argument("--no-trace", action="store_true", help="skip the profiler step (no exposed all-to-all figure)")
+    p.add_argument("--out", help="rank 0 writes the rows as JSON here")
+    args = p.parse_args()
+
+    from launch.data import synthetic_long_batch
+    from launch.model import build_model, materialize
+    from launch.parallel import build_meshes, init_distributed, moe_layers, parallelize
+    from launch.train import TrainConfig, Trainer
+    from recipe.models import resolve_model
+    from recipe.plan import LayoutSpec
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    device = torch.device(args.device)
+    if device.type == "cuda":
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+    init_distributed(device.type)
+    shape = resolve_model(args.model).with_layers(args.layers)
+    if shape.num_experts % world:
+        raise SystemExit(f"error: {shape.num_experts} experts do not divide over {world} ranks")
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    chunks = [int(c) for c in args.chunks.split(",")]
+    layout = LayoutSpec(pp=1, tp=1, cp=1, ep=world, dp=world, etp=1, edp=1)
+    plan = types.SimpleNamespace(layout=layout, train=types.SimpleNamespace(
+        recompute="full", ep_overlap_chunks=chunks[0], lm_head="fused", pp_stages=None))
+    meshes = build_meshes(layout, device.type)
+    model = parallelize(build_model(shape, device="meta"), plan, meshes, param_dtype=dtype, ep_dispatch=True)
+    materialize(model, device, seed=0)
+    trainer = Trainer(model, TrainConfig(lr=1e-6), recompute="full", lm_head="fused", dp_rank=meshes.dp_rank,
+                      dp_size=meshes.dp_size, dp_group=meshes.dp_group, metrics_group=meshes.data_group)
+    experts = moe_layers(model)
+    first = experts[0].token_dispatch
+    dispatchers = {k: type(first)(first.group, first.num_experts, k, first.comm_stream) for k in chunks}
+
+    rows = []
+    for T in [int(t) for t in args.tokens.split(",")]:
+        batch = synthetic_long_batch(T, shape.vocab_size, device, seed=rank)
+        for k in chunks:
+            for ex in experts:
+                ex.token_dispatch = dispatchers[k]
+            trainer.step(batch)  # warm-up: compilation, autotuning, allocator growth
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            step_s = _time(lambda: trainer.step(batch), device, args.steps)
+            mine = {"step_s": step_s}
+            if device.type == "cuda":
+                mine.update(peak_allocated_gb=torch.cuda.max_memory_allocated(device) / 1e9,
+                            peak_reserved_gb=torch.cuda.max_memory_reserved(device) / 1e9)
+            if device.type == "cuda" and not args.no_trace:
+                from torch.profiler import ProfilerActivity, profile
+
+                with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    trainer.step(batch)
+                    _sync(device)
+                summary = stream_summary(prof)
+                mine.update(all_to_all_s=summary["all_to_all_ms"] / 1e3,
+                            exposed_all_to_all_s=exposed_all_to_all_s(summary))
+            every = [None] * world
+            dist.all_gather_object(every, mine)
+            row = {"tokens_per_gpu": T, "chunks": k, "world": world, "ranks": every,
+                   "step_s": max(r["step_s"] for r in every),
+                   "predicted": predict(shape, args.hw, world, T, k)}
+            exp = [r.get("exposed_all_to_all_s") for r in every]
+            row["exposed_all_to_all_s"] = max(exp) if all(e is not None for e in exp) else None
+            rows.append(row)
+            if rank == 0:
+                print(json.dumps(row), flush=True)
+    if rank == 0:
+        report(rows, shape, args)
+        if args.out:
+            Path(args.out).write_text(json.dumps({"model": shape.name, "layers": args.layers, "hw": args.hw,
+                                                  "device": torch.cuda.get_device_name(device)
+                                                  if device.type == "cuda" else "cpu", "rows": rows}, indent=1))
+    dist.destroy_process_group()
+
+
+def report(rows: list[dict], shape, args) -> None:
+    """The table: measured beside predicted, speedups over k = 1 of the same T."""
+    base = {r["tokens_per_gpu"]: r for r in rows if r["chunks"] == 1}
+    print(f"\n{shape.name} ({args.layers} layers), EP = {rows[0]['world']}, {args.device}, prediction for {args.hw}")
+    print("| tokens/GPU | k | step s | × vs k=1 | predicted step s | predicted × | exposed a2a ms | predicted ms | "
+          "peak GB (max rank) | predicted GB |")
+    print("|---|---|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        b = base.get(r["tokens_per_gpu"])
+        speed = b["step_s"] / r["step_s"] if b else float("nan")
+        pspeed = b["predicted"]["step_s"] / r["predicted"]["step_s"] if b else float("nan")
+        exp = r["exposed_all_to_all_s"]
+        peaks = [x["peak_allocated_gb"] for x in r["ranks"] if "peak_allocated_gb" in x]
+        print(f"| {r['tokens_per_gpu']:,} | {r['chunks']} | {r['step_s']:.3f} | {speed:.3f} | "
+              f"{r['predicted']['step_s']:.3f} | {pspeed:.3f} | "
+              f"{'—' if exp is None else f'{exp * 1e3:.1f}'} | {r['predicted']['ep_exposed_s'] * 1e3:.1f} | "
+              f"{f'{max(peaks):.1f}' if peaks else '—'} | {r['predicted']['peak_gb']:.1f} |", flush=True)
+
+
+if __name__ == "__main__":
+    main()
