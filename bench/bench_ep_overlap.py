@@ -1,5 +1,6 @@
 """Chunked expert-parallel overlap at world size N: torchrun, one process a GPU, the layout a plan gives an MoE stack
-at EP = N (FSDP2 over the same N ranks, expert-DP 1). A model of the chosen shape at full width and reduced depth
+at EP = N (FSDP2 over the same N ranks, expert-DP 1), or any EP that divides N (`--ep 1`: FSDP2 alone, the experts
+sharded like every other weight, tokens routed locally). A model of the chosen shape at full width and reduced depth
 trains one packed sequence of T tokens on every rank; for each T and each chunk count k of the all-to-all overlap it
 reports, beside the cost model's prediction for the same layout, hardware profile and k (`recipe.cost.estimate`):
 
@@ -14,6 +15,7 @@ rank), so routing and all-to-all volumes are those of a real step, not a copy to
 
     torchrun --nproc-per-node 2 bench/bench_ep_overlap.py --tokens 16384,32768,65536 --chunks 1,2,4,8 \\
         --hw h200 --out ep_overlap.json
+    torchrun --nproc-per-node 2 bench/bench_ep_overlap.py --ep 1 --tokens 16384,65536 --hw h200  # FSDP2 alone
     torchrun --nproc-per-node 2 bench/bench_ep_overlap.py --model tiny-moe --tokens 256 --chunks 1,2 \\
         --device cpu --hw cpu --steps 1                                           # smoke (gloo)
 """
@@ -36,13 +38,13 @@ from bench_ep_path import stream_summary  # noqa: E402
 from bench_train_step import _sync, _time  # noqa: E402
 
 
-def predict(shape, hw_name: str, world: int, tokens: int, chunks: int) -> dict:
+def predict(shape, hw_name: str, world: int, ep: int, tokens: int, chunks: int) -> dict:
     """The cost model's figures for this layout: step time, exposed all-to-all and expert FSDP time, per-GPU peak."""
     from recipe.cost import Layout, TrainOptions, estimate
     from recipe.hw import load_profile
 
     opts = TrainOptions(micro_batch_tokens=tokens, recompute="full", lm_head="fused", ep_overlap_chunks=chunks)
-    est = estimate(shape, load_profile(hw_name), world, Layout(ep=world), opts)
+    est = estimate(shape, load_profile(hw_name), world, Layout(ep=ep), opts)
     return {"step_s": est.step_time_s, "ep_exposed_s": est.time_s["ep_exposed"],
             "fsdp_exposed_s": est.time_s["fsdp_exposed"], "peak_gb": est.memory_gb["total"]}
 
@@ -57,7 +59,8 @@ def main() -> None:
     p.add_argument("--model", default="qwen35-35b")
     p.add_argument("--layers", type=int, default=4)
     p.add_argument("--tokens", default="16384,32768,65536", help="tokens per GPU, comma-separated")
-    p.add_argument("--chunks", default="1,2,4,8")
+    p.add_argument("--chunks", default="1,2,4,8", help="all-to-all chunk counts (EP > 1)")
+    p.add_argument("--ep", type=int, default=None, help="expert-parallel degree (default: the world size)")
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--hw", default="h200", help="hardware profile of the prediction")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
@@ -80,21 +83,23 @@ def main() -> None:
         torch.cuda.set_device(device)
     init_distributed(device.type)
     shape = resolve_model(args.model).with_layers(args.layers)
-    if shape.num_experts % world:
-        raise SystemExit(f"error: {shape.num_experts} experts do not divide over {world} ranks")
+    ep = args.ep or world
+    if world % ep or shape.num_experts % ep:
+        raise SystemExit(f"error: ep={ep} must divide the world size {world} and the {shape.num_experts} experts")
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    chunks = [int(c) for c in args.chunks.split(",")]
-    layout = LayoutSpec(pp=1, tp=1, cp=1, ep=world, dp=world, etp=1, edp=1)
+    chunks = [int(c) for c in args.chunks.split(",")] if ep > 1 else [1]
+    layout = LayoutSpec(pp=1, tp=1, cp=1, ep=ep, dp=world, etp=1, edp=world // ep)
     plan = types.SimpleNamespace(layout=layout, train=types.SimpleNamespace(
         recompute="full", ep_overlap_chunks=chunks[0], lm_head="fused", pp_stages=None))
     meshes = build_meshes(layout, device.type)
-    model = parallelize(build_model(shape, device="meta"), plan, meshes, param_dtype=dtype, ep_dispatch=True)
+    model = parallelize(build_model(shape, device="meta"), plan, meshes, param_dtype=dtype, ep_dispatch=ep > 1)
     materialize(model, device, seed=0)
     trainer = Trainer(model, TrainConfig(lr=1e-6), recompute="full", lm_head="fused", dp_rank=meshes.dp_rank,
                       dp_size=meshes.dp_size, dp_group=meshes.dp_group, metrics_group=meshes.data_group)
     experts = moe_layers(model)
     first = experts[0].token_dispatch
-    dispatchers = {k: type(first)(first.group, first.num_experts, k, first.comm_stream) for k in chunks}
+    dispatchers = ({k: type(first)(first.group, first.num_experts, k, first.comm_stream) for k in chunks}
+                   if ep > 1 else {1: None})
 
     rows = []
     for T in [int(t) for t in args.tokens.split(",")]:
@@ -121,9 +126,9 @@ def main() -> None:
                             exposed_all_to_all_s=exposed_all_to_all_s(summary))
             every = [None] * world
             dist.all_gather_object(every, mine)
-            row = {"tokens_per_gpu": T, "chunks": k, "world": world, "ranks": every,
+            row = {"tokens_per_gpu": T, "chunks": k, "world": world, "ep": ep, "ranks": every,
                    "step_s": max(r["step_s"] for r in every),
-                   "predicted": predict(shape, args.hw, world, T, k)}
+                   "predicted": predict(shape, args.hw, world, ep, T, k)}
             exp = [r.get("exposed_all_to_all_s") for r in every]
             row["exposed_all_to_all_s"] = max(exp) if all(e is not None for e in exp) else None
             rows.append(row)
@@ -141,7 +146,8 @@ def main() -> None:
 def report(rows: list[dict], shape, args) -> None:
     """The table: measured beside predicted, speedups over k = 1 of the same T."""
     base = {r["tokens_per_gpu"]: r for r in rows if r["chunks"] == 1}
-    print(f"\n{shape.name} ({args.layers} layers), EP = {rows[0]['world']}, {args.device}, prediction for {args.hw}")
+    print(f"\n{shape.name} ({args.layers} layers), world {rows[0]['world']}, EP = {rows[0]['ep']}, {args.device}, "
+          f"prediction for {args.hw}")
     print("| tokens/GPU | k | step s | × vs k=1 | predicted step s | predicted × | exposed a2a ms | predicted ms | "
           "peak GB (max rank) | predicted GB |")
     print("|---|---|---|---|---|---|---|---|---|---|")
