@@ -27,6 +27,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+from launch.hf_files import safetensors_files
 from launch.model import GatedDeltaNet, Transformer, assign_full, whole_model_name
 from recipe.models import ModelShape
 
@@ -41,21 +42,6 @@ def _strip(key: str) -> str:
     return key
 
 
-def _checkpoint_files(path: str | Path) -> list[Path]:
-    """The safetensors files of a checkpoint directory (sharded with an index, or one file), or the file itself."""
-    path = Path(path)
-    if path.is_file():
-        return [path]
-    if (path / "model.safetensors.index.json").exists():
-        index = json.loads((path / "model.safetensors.index.json").read_text())
-        return [path / f for f in sorted(set(index["weight_map"].values()))]
-    if (path / "model.safetensors").exists():
-        return [path / "model.safetensors"]
-    found = sorted(p.name for p in path.glob("*")) if path.is_dir() else []
-    raise ValueError(f"no safetensors checkpoint at {path} (expected model.safetensors or "
-                     f"model.safetensors.index.json; found {found[:10]})")
-
-
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
                        "U8": torch.uint8, "BOOL": torch.bool}
@@ -68,7 +54,7 @@ def _tensor_groups(path: str | Path, meta: bool):
     from safetensors import safe_open
 
     groups: dict[int, list] = {}
-    for f in _checkpoint_files(path):
+    for f in safetensors_files(path):
         h = safe_open(str(f), framework="pt")
         for key in h.keys():
             if _SKIP.match(key):

@@ -23,6 +23,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 
 from launch.checkpoint_index import latest, partial_dirs, step_dirs
+from launch.hf_files import safetensors_files
 
 TRAIN_MODULE = "launch.train"
 DEFAULT_PORT = 29500  # torchrun's own default rendezvous port
@@ -53,6 +54,7 @@ class LaunchOptions:
     resume: bool = False
     checkpoint_every: int | None = None
     export: str | None = None
+    hf_checkpoint: str | None = None
     lr: float | None = None
     objective: str | None = None
     max_grad_norm: float | None = None
@@ -66,6 +68,7 @@ class LaunchOptions:
     aggregation: str | None = None
     tis_cap: float | None = None
     rollouts_per_step: int | None = None
+    on_nonfinite: str | None = None
     # torchrun
     max_restarts: int = 0
     nnodes: int | None = None
@@ -79,11 +82,11 @@ class LaunchOptions:
 
 
 # the training options after --out and --steps, in the order they are passed; --device is always passed
-_TRAIN_FLAGS = ("data", "seed", "dtype", "device", "resume", "checkpoint_every", "export", "lr", "objective",
-                "max_grad_norm", "weight_decay", "temperature", "clip_low", "clip_high", "kl_coef", "kl_estimator",
-                "entropy_coef", "aggregation", "tis_cap", "rollouts_per_step")
+_TRAIN_FLAGS = ("data", "seed", "dtype", "device", "resume", "checkpoint_every", "hf_checkpoint", "export", "lr",
+                "objective", "max_grad_norm", "weight_decay", "temperature", "clip_low", "clip_high", "kl_coef",
+                "kl_estimator", "entropy_coef", "aggregation", "tis_cap", "rollouts_per_step", "on_nonfinite")
 CHOICES = {"dtype": ("bf16", "fp32"), "device": ("cpu", "cuda"), "objective": ("rl", "sft"),
-           "kl_estimator": ("k1", "k3"), "aggregation": ("token_mean", "seq_mean")}
+           "kl_estimator": ("k1", "k3"), "aggregation": ("token_mean", "seq_mean"), "on_nonfinite": ("raise", "skip")}
 
 
 # ---- the command ---------------------------------------------------------------------------------------------------
@@ -294,10 +297,21 @@ def preflight(plan_path: str | Path, opts: LaunchOptions, *, check_host: bool = 
         check_host_gpus(plan, hw, opts, gpus)
     if opts.data is not None:
         check_data(opts.data, vocab_size=_vocab(plan, plan_path))
+    if opts.hf_checkpoint is not None:
+        check_hf_checkpoint(opts.hf_checkpoint)
     resume_step = check_out_dir(opts)
     if opts.export is not None and Path(opts.export).exists():
         raise LaunchError(f"--export {opts.export} already exists; give a new folder (nothing is overwritten)")
     return Preflight(plan, hw, tuple(warnings), resume_step)
+
+
+def check_hf_checkpoint(path: str | Path) -> None:
+    """The starting weights are there: a safetensors file, or a folder with model.safetensors or an index whose every
+    shard is present. (Names and shapes are checked against the model where the weights are read, on every rank.)"""
+    try:
+        safetensors_files(path)
+    except (ValueError, OSError) as e:
+        raise LaunchError(f"--hf-checkpoint: {e}") from None
 
 
 def check_options(opts: LaunchOptions) -> None:

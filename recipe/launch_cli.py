@@ -36,6 +36,8 @@ def launch(
     dry_run: Annotated[bool, Opt("--dry-run", help="print the environment and the command; run nothing")] = False,
     emit: Annotated[Optional[str], Opt("--emit", help="slurm: write an sbatch script to <out>/launch.sbatch "
                                                       "instead of running")] = None,
+    hf_checkpoint: Annotated[Optional[Path], Opt("--hf-checkpoint", help="start from these weights: a Hugging Face "
+                                                                         "safetensors folder (or file)")] = None,
     export: Annotated[Optional[Path], Opt("--export", help="write the trained weights as a Hugging Face "
                                                            "checkpoint here (a new folder)")] = None,
     max_restarts: Annotated[int, Opt("--max-restarts", help="torchrun restarts of failed workers")] = 0,
@@ -55,10 +57,14 @@ def launch(
     tis_cap: Annotated[Optional[float], Opt("--tis-cap", help="truncated IS cap; 0 turns it off")] = None,
     rollouts_per_step: Annotated[Optional[int], Opt("--rollouts-per-step", help="0: every rollout every step")]
     = None,
+    on_nonfinite: Annotated[Optional[str], Opt("--on-nonfinite", help="raise | skip: a step whose loss or gradients "
+                                                                      "are not finite stops the run, or is "
+                                                                      "skipped")] = None,
 ):
     """Launch training from a plan: torchrun on this node (or on every node of a rendezvous, or through SLURM).
 
-    Checks the plan, this host's GPUs, --data, --out, --resume and --export first (one line, before any worker).
+    Checks the plan, this host's GPUs, --data, --hf-checkpoint, --out, --resume and --export first (one line,
+    before any worker).
 
     Exits with the training's status (130 on Ctrl-C). docs/launch.md has the details."""
     from launch.launcher import LaunchError, LaunchOptions
@@ -66,10 +72,10 @@ def launch(
     opts = LaunchOptions(
         out=str(out if out is not None else Path("runs") / plan.stem), steps=steps,
         data=_s(data), seed=seed, dtype=dtype, device=device, resume=resume, checkpoint_every=checkpoint_every,
-        export=_s(export), lr=lr, objective=objective, max_grad_norm=max_grad_norm, weight_decay=weight_decay,
+        hf_checkpoint=_s(hf_checkpoint), export=_s(export), lr=lr, objective=objective, max_grad_norm=max_grad_norm, weight_decay=weight_decay,
         temperature=temperature, clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef,
         kl_estimator=kl_estimator, entropy_coef=entropy_coef, aggregation=aggregation, tis_cap=tis_cap,
-        rollouts_per_step=rollouts_per_step, max_restarts=max_restarts, nnodes=nnodes, node_rank=node_rank,
+        rollouts_per_step=rollouts_per_step, on_nonfinite=on_nonfinite, max_restarts=max_restarts, nnodes=nnodes, node_rank=node_rank,
         rdzv_endpoint=rdzv_endpoint)
     try:
         code = _launch(plan, opts, dry_run=dry_run, emit=emit)

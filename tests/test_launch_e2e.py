@@ -113,11 +113,15 @@ def test_redeploy_from_one_process_to_two_and_export(tmp_path, reference, plan1)
     for (name, a), b in zip(exported.named_parameters(), saved.parameters()):
         assert torch.equal(a, b), name
     # and it starts a run under either layout: loaded into the shards of a model built on the meta device (two
-    # processes) or into the whole model (one), the first step's loss is the same, and not the random init's
-    starts = {}
-    for n, plan in ((2, PLAN2), (1, plan1)):
-        torchrun(n, plan, tmp_path / f"from_hf_{n}", "--steps", "1", "--hf-checkpoint", str(tmp_path / "hf"))
-        starts[n] = losses(tmp_path / f"from_hf_{n}")
+    # processes, started by `recipe launch --hf-checkpoint`) or into the whole model (one), the first step's loss
+    # is the same, and not the random init's
+    r = subprocess.run([sys.executable, "-m", "recipe", "launch", str(PLAN2), "--out", str(tmp_path / "from_hf_2"),
+                        *TRAIN, "--steps", "1", "--hf-checkpoint", str(tmp_path / "hf")],
+                       env=_env(), cwd=ROOT, capture_output=True, text=True, timeout=240)
+    assert r.returncode == 0, f"stdout: {r.stdout[-1500:]}\nstderr: {r.stderr[-3000:]}"
+    assert "--hf-checkpoint" in r.stderr  # the command it ran, echoed
+    torchrun(1, plan1, tmp_path / "from_hf_1", "--steps", "1", "--hf-checkpoint", str(tmp_path / "hf"))
+    starts = {n: losses(tmp_path / f"from_hf_{n}") for n in (2, 1)}
     close(starts[2], starts[1], [1], OTHER)
     assert abs(starts[1][1] - reference[1]) > 1e-3
 

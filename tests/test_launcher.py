@@ -112,13 +112,14 @@ def test_torchrun_argv_one_node_cpu_plan_exact():
 
     plan = load_plan(CPU_PLAN)
     opts = L.LaunchOptions(out="runs/x", steps=10, data="r.jsonl", dtype="fp32", resume=True, checkpoint_every=5,
-                           export="hf", kl_estimator="k1", aggregation="seq_mean", tis_cap=0.0,
-                           rollouts_per_step=4, max_restarts=2)
+                           hf_checkpoint="base", export="hf", kl_estimator="k1", aggregation="seq_mean", tis_cap=0.0,
+                           rollouts_per_step=4, on_nonfinite="skip", max_restarts=2)
     assert L.build_torchrun_argv("p.yaml", plan, opts) == [
         PY, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2", "--max-restarts", "2",
         "-m", "launch.train", "p.yaml", "--out", "runs/x", "--steps", "10", "--data", "r.jsonl", "--dtype", "fp32",
-        "--device", "cpu", "--resume", "--checkpoint-every", "5", "--export", "hf", "--kl-estimator", "k1",
-        "--aggregation", "seq_mean", "--tis-cap", "0.0", "--rollouts-per-step", "4"]
+        "--device", "cpu", "--resume", "--checkpoint-every", "5", "--hf-checkpoint", "base", "--export", "hf",
+        "--kl-estimator", "k1", "--aggregation", "seq_mean", "--tis-cap", "0.0", "--rollouts-per-step", "4",
+        "--on-nonfinite", "skip"]
     assert L.launch_env(plan, plan.hw_profile(), cpu_count=8) == {"OMP_NUM_THREADS": "4"}
 
 
@@ -380,6 +381,35 @@ def test_good_data_passes(tmp_path, no_launch):
     assert f"--data {data}" in r.stdout
 
 
+def test_starting_weights_are_checked_before_any_worker(tmp_path, no_launch):
+    """--hf-checkpoint: a missing folder, a folder without safetensors, an index that is not one or names a shard
+    that is not there: one line each, exit 2; a folder with model.safetensors, or an index whose shards are all
+    there, passes and reaches launch.train."""
+    base = ["--dry-run", "--out", str(tmp_path / "o"), "--hf-checkpoint"]
+    one_line_error(launch(str(CPU_PLAN), *base, str(tmp_path / "absent")), "--hf-checkpoint", "no such file or folder")
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "config.json").write_text("{}")
+    one_line_error(launch(str(CPU_PLAN), *base, str(empty)), "no safetensors checkpoint", "config.json")
+    sharded = tmp_path / "sharded"
+    sharded.mkdir()
+    (sharded / "model.safetensors.index.json").write_text("[1, 2]")
+    one_line_error(launch(str(CPU_PLAN), *base, str(sharded)), "is not a safetensors index")
+    index = {"weight_map": {"a": "model-00001-of-00002.safetensors", "b": "model-00002-of-00002.safetensors"}}
+    (sharded / "model.safetensors.index.json").write_text(json.dumps(index))
+    (sharded / "model-00001-of-00002.safetensors").write_bytes(b"x")
+    one_line_error(launch(str(CPU_PLAN), *base, str(sharded)), "names 1 shard(s) missing",
+                   "model-00002-of-00002.safetensors")
+    (sharded / "model-00002-of-00002.safetensors").write_bytes(b"x")
+    single = tmp_path / "single"
+    single.mkdir()
+    (single / "model.safetensors").write_bytes(b"x")
+    for good in (sharded, single, single / "model.safetensors"):
+        r = launch(str(CPU_PLAN), *base, str(good))
+        assert r.exit_code == 0, r.output
+        assert f"--hf-checkpoint {good}" in r.stdout
+
+
 def test_another_runs_checkpoints_are_never_overwritten(tmp_path, no_launch):
     out = tmp_path / "run"
     fake_checkpoint(out, 40)
@@ -427,6 +457,7 @@ def test_existing_export_metrics_dir_and_out_file(tmp_path, no_launch):
     (("--checkpoint-every", "0"), "--checkpoint-every must be positive"),
     (("--clip-low", "1.5"), "--clip-low must be below 1"),
     (("--max-restarts", "-1"), "--max-restarts must be zero or positive"),
+    (("--on-nonfinite", "ignore"), "--on-nonfinite must be one of raise, skip"),
     (("--dry-run", "--emit", "slurm"), "alternatives"),
 ])
 def test_bad_option_values(tmp_path, args, needle, no_launch):
@@ -493,7 +524,7 @@ def test_ctrl_c_is_forwarded_and_exits_130_quietly(tmp_path):
 
 def test_import_path_stays_torch_free():
     code = ("import sys\nimport recipe.cli, recipe.launch_cli, launch.launcher, launch.progress, "
-            "launch.checkpoint_index\nassert 'torch' not in sys.modules, 'torch was imported'\n")
+            "launch.checkpoint_index, launch.hf_files\nassert 'torch' not in sys.modules, 'torch was imported'\n")
     res = subprocess.run([PY, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
     assert res.returncode == 0, res.stderr
 
