@@ -165,14 +165,15 @@ def run(args, cfg, trainer_cls) -> int:
                       flush=True)
             signum = stop.agreed(device)
             due = args.checkpoint_every and step % args.checkpoint_every == 0
-            if out is not None and (due or signum or step == args.steps):
+            if out is not None and not args.no_checkpoint and (due or signum or step == args.steps):
                 t_save = time.perf_counter()
                 train_state.step, train_state.data = step, {"rollout_position": (step * per_step) % len(rollouts)}
                 path = save(out, step, {"optim": trainer.optimizer, "train": train_state})
                 last_saved = step
                 log(f"checkpoint {path} ({time.perf_counter() - t_save:.2f} s)")
             if signum:
-                where = f"checkpoint at {out / 'checkpoints' / f'step_{last_saved}'}" if out else "no --out: not saved"
+                where = ("no --out: not saved" if out is None else "--no-checkpoint: not saved" if args.no_checkpoint
+                         else f"checkpoint at {out / 'checkpoints' / f'step_{last_saved}'}")
                 if rank == 0:
                     print(f"stopped by {signal.Signals(signum).name} after step {step}; {where}", file=sys.stderr)
                 return 128 + signum

@@ -15,6 +15,7 @@ import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
@@ -24,6 +25,7 @@ from pathlib import Path
 
 from launch.checkpoint_index import latest, partial_dirs, step_dirs
 from launch.hf_files import safetensors_files
+from recipe.models import total_params
 
 TRAIN_MODULE = "launch.train"
 DEFAULT_PORT = 29500  # torchrun's own default rendezvous port
@@ -53,6 +55,7 @@ class LaunchOptions:
     device: str | None = None
     resume: bool = False
     checkpoint_every: int | None = None
+    no_checkpoint: bool = False
     export: str | None = None
     hf_checkpoint: str | None = None
     lr: float | None = None
@@ -82,7 +85,8 @@ class LaunchOptions:
 
 
 # the training options after --out and --steps, in the order they are passed; --device is always passed
-_TRAIN_FLAGS = ("data", "seed", "dtype", "device", "resume", "checkpoint_every", "hf_checkpoint", "export", "lr",
+_TRAIN_FLAGS = ("data", "seed", "dtype", "device", "resume", "checkpoint_every", "no_checkpoint", "hf_checkpoint",
+                "export", "lr",
                 "objective", "max_grad_norm", "weight_decay", "temperature", "clip_low", "clip_high", "kl_coef",
                 "kl_estimator", "entropy_coef", "aggregation", "tis_cap", "rollouts_per_step", "on_nonfinite")
 CHOICES = {"dtype": ("bf16", "fp32"), "device": ("cpu", "cuda"), "objective": ("rl", "sft"),
@@ -302,7 +306,48 @@ def preflight(plan_path: str | Path, opts: LaunchOptions, *, check_host: bool = 
     resume_step = check_out_dir(opts)
     if opts.export is not None and Path(opts.export).exists():
         raise LaunchError(f"--export {opts.export} already exists; give a new folder (nothing is overwritten)")
+    if check_host and not opts.no_checkpoint:
+        warnings = [*warnings, *check_checkpoint_room(plan, plan_path, opts, start=resume_step or 0)]
     return Preflight(plan, hw, tuple(warnings), resume_step)
+
+
+CHECKPOINT_BYTES_PER_PARAM = 12  # what a checkpoint holds a parameter: the fp32 master and Adam's two fp32 moments
+
+
+def checkpoint_bytes(plan, plan_path) -> int | None:
+    """The size of one of the run's checkpoints (all ranks' shards together), or None for a model it cannot read."""
+    try:
+        return total_params(plan.model_shape(Path(plan_path).parent)) * CHECKPOINT_BYTES_PER_PARAM
+    except ValueError:
+        return None
+
+
+def check_checkpoint_room(plan, plan_path, opts: LaunchOptions, free: int | None = None, start: int = 0) -> list[str]:
+    """Room for the checkpoints on --out's disk: the run keeps every checkpoint it saves (every --checkpoint-every
+    steps and after the last, from step `start`), each one total parameters x 12 bytes. Refuses a run whose first
+    save cannot fit (it would fail after its first steps' work, with nothing saved); warns when a later one cannot,
+    and on a multi-node plan (where --out may be each node's own disk, holding its ranks' shards). Returns the
+    warnings. `free`: the free bytes (default: measured)."""
+    need = checkpoint_bytes(plan, plan_path)
+    if not need:
+        return []
+    if free is None:
+        where = Path(opts.out).absolute()
+        while not where.exists():
+            where = where.parent
+        free = shutil.disk_usage(where).free
+    every = opts.checkpoint_every
+    saves = len({s for s in range(start + 1, opts.steps + 1) if every and s % every == 0} | {opts.steps})
+    room = f"a checkpoint of this model takes {need / 1e9:.1f} GB and {opts.out}'s disk has {free / 1e9:.1f} GB free"
+    fix = "free space, give another --out, or pass --no-checkpoint"
+    if free < need:
+        if plan.launch.nnodes > 1:
+            return [f"{room} (on this node: a shared --out holds every node's shards); {fix}"]
+        raise LaunchError(f"{room}: the run would fail at its first save; {fix}")
+    if free < saves * need:
+        return [f"{room}: the run keeps its {saves} checkpoints and only {free // need} fit; {fix} or a larger "
+                f"--checkpoint-every"]
+    return []
 
 
 def check_hf_checkpoint(path: str | Path) -> None:
@@ -337,6 +382,8 @@ def check_options(opts: LaunchOptions) -> None:
         raise LaunchError(f"--clip-low must be below 1 (the ratio is clipped at 1 - clip_low), got {opts.clip_low}")
     if opts.checkpoint_every is not None and opts.checkpoint_every <= 0:
         raise LaunchError(f"--checkpoint-every must be positive, got {opts.checkpoint_every}")
+    if opts.no_checkpoint and opts.checkpoint_every is not None:
+        raise LaunchError("--no-checkpoint and --checkpoint-every are alternatives; give one")
     if opts.rollouts_per_step is not None and opts.rollouts_per_step < 0:
         raise LaunchError(f"--rollouts-per-step must be zero (every rollout) or positive, got {opts.rollouts_per_step}")
     if opts.seed is not None and not 0 <= opts.seed < 2 ** 63:

@@ -189,6 +189,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="run folder: DIR/metrics.jsonl, DIR/checkpoints/step_N (default: neither)")
     p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only the last)")
+    p.add_argument("--no-checkpoint", action="store_true",
+                   help="write no checkpoint: not every N steps, not after the last step, not on a stop signal")
     p.add_argument("--hf-checkpoint", help="Hugging Face safetensors directory to start from")
     p.add_argument("--export", help="write the trained weights as a Hugging Face checkpoint here")
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cpu", "cuda"])
@@ -212,6 +214,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
         if getattr(args, name) < 0 or (name == "steps" and args.steps == 0):
             p.error(f"--{name.replace('_', '-')} must be {'positive' if name == 'steps' else 'non-negative'}, "
                     f"got {getattr(args, name)}")
+    if args.no_checkpoint and args.checkpoint_every:
+        p.error("--no-checkpoint and --checkpoint-every are alternatives; give one")
     if args.resume and not args.out:
         p.error("--resume needs --out (the run folder holding the checkpoints)")
     return args

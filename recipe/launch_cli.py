@@ -29,6 +29,8 @@ def launch(
     resume: Annotated[bool, Opt("--resume", help="continue from the last complete checkpoint in --out")] = False,
     checkpoint_every: Annotated[Optional[int], Opt("--checkpoint-every", help="save a checkpoint every N steps")]
     = None,
+    no_checkpoint: Annotated[bool, Opt("--no-checkpoint", help="save no checkpoint (not at the end, not on a "
+                                                               "stop signal)")] = False,
     nnodes: Annotated[Optional[int], Opt("--nnodes", help="nodes of a multi-node launch (the plan's)")] = None,
     node_rank: Annotated[Optional[int], Opt("--node-rank", help="this node's rank, 0 … nnodes-1")] = None,
     rdzv_endpoint: Annotated[Optional[str], Opt("--rdzv-endpoint", help="HOST:PORT of the rendezvous (the first "
@@ -72,11 +74,11 @@ def launch(
     opts = LaunchOptions(
         out=str(out if out is not None else Path("runs") / plan.stem), steps=steps,
         data=_s(data), seed=seed, dtype=dtype, device=device, resume=resume, checkpoint_every=checkpoint_every,
-        hf_checkpoint=_s(hf_checkpoint), export=_s(export), lr=lr, objective=objective, max_grad_norm=max_grad_norm, weight_decay=weight_decay,
-        temperature=temperature, clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef,
-        kl_estimator=kl_estimator, entropy_coef=entropy_coef, aggregation=aggregation, tis_cap=tis_cap,
-        rollouts_per_step=rollouts_per_step, on_nonfinite=on_nonfinite, max_restarts=max_restarts, nnodes=nnodes, node_rank=node_rank,
-        rdzv_endpoint=rdzv_endpoint)
+        no_checkpoint=no_checkpoint, hf_checkpoint=_s(hf_checkpoint), export=_s(export), lr=lr, objective=objective,
+        max_grad_norm=max_grad_norm, weight_decay=weight_decay, temperature=temperature, clip_low=clip_low,
+        clip_high=clip_high, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+        aggregation=aggregation, tis_cap=tis_cap, rollouts_per_step=rollouts_per_step, on_nonfinite=on_nonfinite,
+        max_restarts=max_restarts, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     try:
         code = _launch(plan, opts, dry_run=dry_run, emit=emit)
     except LaunchError as e:

@@ -16,7 +16,7 @@ RECIPE = {
     "hw": ["--format", "-f", "show"],
     "launch": ["--aggregation", "--checkpoint-every", "--clip-high", "--clip-low", "--data", "--device", "--dry-run",
                "--dtype", "--emit", "--entropy-coef", "--export", "--hf-checkpoint", "--kl-coef", "--kl-estimator",
-               "--lr", "--max-grad-norm", "--max-restarts", "--nnodes", "--node-rank", "--objective",
+               "--lr", "--max-grad-norm", "--max-restarts", "--nnodes", "--no-checkpoint", "--node-rank", "--objective",
                "--on-nonfinite", "--out",
                "--rdzv-endpoint", "--resume", "--rollouts-per-step", "--seed", "--steps", "--temperature", "--tis-cap",
                "--weight-decay", "plan"],
@@ -31,8 +31,8 @@ RECIPE = {
 
 TRAIN = ["--aggregation", "--checkpoint-every", "--clip-high", "--clip-low", "--data", "--device", "--dtype",
          "--entropy-coef", "--export", "--help", "--hf-checkpoint", "--kl-coef", "--kl-estimator", "--lr",
-         "--max-grad-norm", "--objective", "--on-nonfinite", "--out", "--resume", "--rollouts-per-step", "--seed",
-         "--steps", "--temperature", "--tis-cap", "--weight-decay", "-h", "plan"]
+         "--max-grad-norm", "--no-checkpoint", "--objective", "--on-nonfinite", "--out", "--resume",
+         "--rollouts-per-step", "--seed", "--steps", "--temperature", "--tis-cap", "--weight-decay", "-h", "plan"]
 
 
 def test_recipe_commands_and_options():

@@ -410,6 +410,51 @@ def test_starting_weights_are_checked_before_any_worker(tmp_path, no_launch):
         assert f"--hf-checkpoint {good}" in r.stdout
 
 
+def test_room_for_checkpoints_on_the_out_disk(tmp_path):
+    """One checkpoint is total parameters x 12 bytes (fp32 master and two Adam moments): qwen35-35b at 4 layers
+    takes 52.6 GB, and a run keeps every one it saves. A run whose first save cannot fit is refused; one whose
+    later saves cannot warns (steps 5 and 10 of 10 are two saves; resumed from step 5, one); a multi-node plan only
+    warns."""
+    from recipe.plan import load_plan
+
+    path = tmp_path / "q4.yaml"
+    r = runner.invoke(app, ["solve", "--model", "qwen35-35b", "--layers", "4", "--seq", "32k", "--hw", "h200",
+                            "--gpus", "1", "-o", str(path)])
+    assert r.exit_code == 0, r.output
+    plan = load_plan(path)
+    need = L.checkpoint_bytes(plan, path)
+    assert need == 4_381_469_760 * 12
+    opts = L.LaunchOptions(out=str(tmp_path / "run"), steps=10)
+    with pytest.raises(L.LaunchError, match=r"takes 52.6 GB .* has 52.6 GB free: the run would fail at its first "
+                                            r"save; free space, give another --out, or pass --no-checkpoint"):
+        L.check_checkpoint_room(plan, path, opts, free=need - 1)
+    assert L.check_checkpoint_room(plan, path, opts, free=need) == []  # one save, at the end
+    every = L.LaunchOptions(out=str(tmp_path / "run"), steps=10, checkpoint_every=5)
+    (warning,) = L.check_checkpoint_room(plan, path, every, free=2 * need - 1)
+    assert "the run keeps its 2 checkpoints and only 1 fit" in warning
+    assert L.check_checkpoint_room(plan, path, every, free=2 * need) == []
+    (warning,) = L.check_checkpoint_room(plan, path, L.LaunchOptions(out="o", steps=11, checkpoint_every=5),
+                                         free=2 * need)  # steps 5, 10 and the last, 11
+    assert "keeps its 3 checkpoints and only 2 fit" in warning
+    assert L.check_checkpoint_room(plan, path, every, free=need, start=5) == []
+    multi = tmp_path / "q16.yaml"
+    r = runner.invoke(app, ["solve", "--model", "qwen35-35b", "--layers", "4", "--seq", "32k", "--hw", "h100",
+                            "--gpus", "16", "-o", str(multi)])
+    assert r.exit_code == 0, r.output
+    (warning,) = L.check_checkpoint_room(load_plan(multi), multi, opts, free=0)
+    assert "on this node" in warning
+    # measured when not given: this disk has room for a tiny model's checkpoint
+    assert L.check_checkpoint_room(load_plan(CPU_PLAN), CPU_PLAN, opts) == []
+
+
+def test_no_checkpoint_is_passed_on_and_excludes_checkpoint_every(tmp_path, no_launch):
+    r = launch(str(CPU_PLAN), "--dry-run", "--out", str(tmp_path / "o"), "--no-checkpoint")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.rstrip().endswith("--device cpu --no-checkpoint")
+    one_line_error(launch(str(CPU_PLAN), "--dry-run", "--out", str(tmp_path / "o"), "--no-checkpoint",
+                          "--checkpoint-every", "5"), "--no-checkpoint and --checkpoint-every are alternatives")
+
+
 def test_another_runs_checkpoints_are_never_overwritten(tmp_path, no_launch):
     out = tmp_path / "run"
     fake_checkpoint(out, 40)

@@ -172,6 +172,13 @@ def test_cli_runs_a_plan(tmp_path, capsys):
     assert "holds another run's checkpoints" in capsys.readouterr().err
     assert main([str(plan_path), "--data", str(tmp_path / "missing.jsonl"), "--device", "cpu"]) == 2
     assert "error: cannot read rollouts" in capsys.readouterr().err
+    # --no-checkpoint: the metrics, no checkpoint at all
+    assert main([str(plan_path), "--data", str(data), "--steps", "1", "--device", "cpu", "--no-checkpoint",
+                 "--out", str(tmp_path / "bare")]) == 0
+    assert (tmp_path / "bare" / "metrics.jsonl").exists() and not (tmp_path / "bare" / "checkpoints").exists()
+    with pytest.raises(SystemExit):
+        main([str(plan_path), "--no-checkpoint", "--checkpoint-every", "2"])
+    assert "alternatives" in capsys.readouterr().err
 
 
 def _tiny_plan(plan_mod) -> str:
