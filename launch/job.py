@@ -168,7 +168,8 @@ def run(args, cfg, trainer_cls) -> int:
             if out is not None and not args.no_checkpoint and (due or signum or step == args.steps):
                 t_save = time.perf_counter()
                 train_state.step, train_state.data = step, {"rollout_position": (step * per_step) % len(rollouts)}
-                path = save(out, step, {"optim": trainer.optimizer, "train": train_state})
+                path = save(out, step, {"optim": trainer.optimizer, "train": train_state},
+                            keep_last=args.keep_last or None)
                 last_saved = step
                 log(f"checkpoint {path} ({time.perf_counter() - t_save:.2f} s)")
             if signum:

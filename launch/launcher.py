@@ -55,6 +55,7 @@ class LaunchOptions:
     device: str | None = None
     resume: bool = False
     checkpoint_every: int | None = None
+    keep_last: int | None = None
     no_checkpoint: bool = False
     export: str | None = None
     hf_checkpoint: str | None = None
@@ -85,8 +86,8 @@ class LaunchOptions:
 
 
 # the training options after --out and --steps, in the order they are passed; --device is always passed
-_TRAIN_FLAGS = ("data", "seed", "dtype", "device", "resume", "checkpoint_every", "no_checkpoint", "hf_checkpoint",
-                "export", "lr",
+_TRAIN_FLAGS = ("data", "seed", "dtype", "device", "resume", "checkpoint_every", "keep_last", "no_checkpoint",
+                "hf_checkpoint", "export", "lr",
                 "objective", "max_grad_norm", "weight_decay", "temperature", "clip_low", "clip_high", "kl_coef",
                 "kl_estimator", "entropy_coef", "aggregation", "tis_cap", "rollouts_per_step", "on_nonfinite")
 CHOICES = {"dtype": ("bf16", "fp32"), "device": ("cpu", "cuda"), "objective": ("rl", "sft"),
@@ -323,11 +324,12 @@ def checkpoint_bytes(plan, plan_path) -> int | None:
 
 
 def check_checkpoint_room(plan, plan_path, opts: LaunchOptions, free: int | None = None, start: int = 0) -> list[str]:
-    """Room for the checkpoints on --out's disk: the run keeps every checkpoint it saves (every --checkpoint-every
-    steps and after the last, from step `start`), each one total parameters x 12 bytes. Refuses a run whose first
-    save cannot fit (it would fail after its first steps' work, with nothing saved); warns when a later one cannot,
-    and on a multi-node plan (where --out may be each node's own disk, holding its ranks' shards). Returns the
-    warnings. `free`: the free bytes (default: measured)."""
+    """Room for the checkpoints on --out's disk: the run saves every --checkpoint-every steps and after the last
+    (from step `start`), each checkpoint total parameters x 12 bytes, and keeps them all, or the newest --keep-last
+    (a save is written beside them before the oldest goes: K + 1 at once). Refuses a run whose first save cannot
+    fit (it would fail after its first steps' work, with nothing saved); warns when a later one cannot, and on a
+    multi-node plan (where --out may be each node's own disk, holding its ranks' shards). Returns the warnings.
+    `free`: the free bytes (default: measured)."""
     need = checkpoint_bytes(plan, plan_path)
     if not need:
         return []
@@ -338,15 +340,17 @@ def check_checkpoint_room(plan, plan_path, opts: LaunchOptions, free: int | None
         free = shutil.disk_usage(where).free
     every = opts.checkpoint_every
     saves = len({s for s in range(start + 1, opts.steps + 1) if every and s % every == 0} | {opts.steps})
+    at_once = min(saves, opts.keep_last + 1) if opts.keep_last else saves
     room = f"a checkpoint of this model takes {need / 1e9:.1f} GB and {opts.out}'s disk has {free / 1e9:.1f} GB free"
     fix = "free space, give another --out, or pass --no-checkpoint"
     if free < need:
         if plan.launch.nnodes > 1:
             return [f"{room} (on this node: a shared --out holds every node's shards); {fix}"]
         raise LaunchError(f"{room}: the run would fail at its first save; {fix}")
-    if free < saves * need:
-        return [f"{room}: the run keeps its {saves} checkpoints and only {free // need} fit; {fix} or a larger "
-                f"--checkpoint-every"]
+    if free < at_once * need:
+        held = f"holds {at_once} checkpoints at once" if opts.keep_last else f"keeps its {saves} checkpoints"
+        return [f"{room}: the run {held} and only {free // need} fit; {fix}, a larger --checkpoint-every or a "
+                f"smaller --keep-last"]
     return []
 
 
@@ -382,8 +386,11 @@ def check_options(opts: LaunchOptions) -> None:
         raise LaunchError(f"--clip-low must be below 1 (the ratio is clipped at 1 - clip_low), got {opts.clip_low}")
     if opts.checkpoint_every is not None and opts.checkpoint_every <= 0:
         raise LaunchError(f"--checkpoint-every must be positive, got {opts.checkpoint_every}")
-    if opts.no_checkpoint and opts.checkpoint_every is not None:
-        raise LaunchError("--no-checkpoint and --checkpoint-every are alternatives; give one")
+    if opts.keep_last is not None and opts.keep_last <= 0:
+        raise LaunchError(f"--keep-last must be positive, got {opts.keep_last}")
+    for name in ("checkpoint_every", "keep_last"):
+        if opts.no_checkpoint and getattr(opts, name) is not None:
+            raise LaunchError(f"--no-checkpoint and --{name.replace('_', '-')} are alternatives; give one")
     if opts.rollouts_per_step is not None and opts.rollouts_per_step < 0:
         raise LaunchError(f"--rollouts-per-step must be zero (every rollout) or positive, got {opts.rollouts_per_step}")
     if opts.seed is not None and not 0 <= opts.seed < 2 ** 63:

@@ -189,6 +189,8 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", help="run folder: DIR/metrics.jsonl, DIR/checkpoints/step_N (default: neither)")
     p.add_argument("--resume", action="store_true", help="continue from the last complete checkpoint in --out")
     p.add_argument("--checkpoint-every", type=int, default=0, help="steps between checkpoints (0: only the last)")
+    p.add_argument("--keep-last", type=int, default=0,
+                   help="keep only the newest N checkpoints, deleting older ones after each save (0: keep all)")
     p.add_argument("--no-checkpoint", action="store_true",
                    help="write no checkpoint: not every N steps, not after the last step, not on a stop signal")
     p.add_argument("--hf-checkpoint", help="Hugging Face safetensors directory to start from")
@@ -210,12 +212,13 @@ def _parse(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--tis-cap", type=float, default=2.0, help="truncated IS cap; 0 turns the correction off")
     p.add_argument("--on-nonfinite", choices=["raise", "skip"], default="raise")
     args = p.parse_args(argv)
-    for name in ("steps", "rollouts_per_step", "checkpoint_every", "max_grad_norm", "weight_decay"):
+    for name in ("steps", "rollouts_per_step", "checkpoint_every", "keep_last", "max_grad_norm", "weight_decay"):
         if getattr(args, name) < 0 or (name == "steps" and args.steps == 0):
             p.error(f"--{name.replace('_', '-')} must be {'positive' if name == 'steps' else 'non-negative'}, "
                     f"got {getattr(args, name)}")
-    if args.no_checkpoint and args.checkpoint_every:
-        p.error("--no-checkpoint and --checkpoint-every are alternatives; give one")
+    if args.no_checkpoint and (args.checkpoint_every or args.keep_last):
+        p.error(f"--no-checkpoint and --{'checkpoint-every' if args.checkpoint_every else 'keep-last'} are "
+                f"alternatives; give one")
     if args.resume and not args.out:
         p.error("--resume needs --out (the run folder holding the checkpoints)")
     return args

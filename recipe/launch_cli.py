@@ -29,6 +29,8 @@ def launch(
     resume: Annotated[bool, Opt("--resume", help="continue from the last complete checkpoint in --out")] = False,
     checkpoint_every: Annotated[Optional[int], Opt("--checkpoint-every", help="save a checkpoint every N steps")]
     = None,
+    keep_last: Annotated[Optional[int], Opt("--keep-last", help="keep only the newest N checkpoints (default: "
+                                                                "all)")] = None,
     no_checkpoint: Annotated[bool, Opt("--no-checkpoint", help="save no checkpoint (not at the end, not on a "
                                                                "stop signal)")] = False,
     nnodes: Annotated[Optional[int], Opt("--nnodes", help="nodes of a multi-node launch (the plan's)")] = None,
@@ -74,7 +76,7 @@ def launch(
     opts = LaunchOptions(
         out=str(out if out is not None else Path("runs") / plan.stem), steps=steps,
         data=_s(data), seed=seed, dtype=dtype, device=device, resume=resume, checkpoint_every=checkpoint_every,
-        no_checkpoint=no_checkpoint, hf_checkpoint=_s(hf_checkpoint), export=_s(export), lr=lr, objective=objective,
+        keep_last=keep_last, no_checkpoint=no_checkpoint, hf_checkpoint=_s(hf_checkpoint), export=_s(export), lr=lr, objective=objective,
         max_grad_norm=max_grad_norm, weight_decay=weight_decay, temperature=temperature, clip_low=clip_low,
         clip_high=clip_high, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
         aggregation=aggregation, tis_cap=tis_cap, rollouts_per_step=rollouts_per_step, on_nonfinite=on_nonfinite,

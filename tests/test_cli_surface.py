@@ -15,8 +15,8 @@ RECIPE = {
                 "-g", "-m", "-s"],
     "hw": ["--format", "-f", "show"],
     "launch": ["--aggregation", "--checkpoint-every", "--clip-high", "--clip-low", "--data", "--device", "--dry-run",
-               "--dtype", "--emit", "--entropy-coef", "--export", "--hf-checkpoint", "--kl-coef", "--kl-estimator",
-               "--lr", "--max-grad-norm", "--max-restarts", "--nnodes", "--no-checkpoint", "--node-rank", "--objective",
+               "--dtype", "--emit", "--entropy-coef", "--export", "--hf-checkpoint", "--keep-last", "--kl-coef",
+               "--kl-estimator", "--lr", "--max-grad-norm", "--max-restarts", "--nnodes", "--no-checkpoint", "--node-rank", "--objective",
                "--on-nonfinite", "--out",
                "--rdzv-endpoint", "--resume", "--rollouts-per-step", "--seed", "--steps", "--temperature", "--tis-cap",
                "--weight-decay", "plan"],
@@ -30,7 +30,8 @@ RECIPE = {
 }
 
 TRAIN = ["--aggregation", "--checkpoint-every", "--clip-high", "--clip-low", "--data", "--device", "--dtype",
-         "--entropy-coef", "--export", "--help", "--hf-checkpoint", "--kl-coef", "--kl-estimator", "--lr",
+         "--entropy-coef", "--export", "--help", "--hf-checkpoint", "--keep-last", "--kl-coef", "--kl-estimator",
+         "--lr",
          "--max-grad-norm", "--no-checkpoint", "--objective", "--on-nonfinite", "--out", "--resume",
          "--rollouts-per-step", "--seed", "--steps", "--temperature", "--tis-cap", "--weight-decay", "-h", "plan"]
 

@@ -437,6 +437,11 @@ def test_room_for_checkpoints_on_the_out_disk(tmp_path):
                                          free=2 * need)  # steps 5, 10 and the last, 11
     assert "keeps its 3 checkpoints and only 2 fit" in warning
     assert L.check_checkpoint_room(plan, path, every, free=need, start=5) == []
+    # --keep-last 1: at most two at once (the new one beside the last), however many saves
+    hourly = L.LaunchOptions(out="o", steps=100, checkpoint_every=10, keep_last=1)
+    assert L.check_checkpoint_room(plan, path, hourly, free=2 * need) == []
+    (warning,) = L.check_checkpoint_room(plan, path, hourly, free=2 * need - 1)
+    assert "the run holds 2 checkpoints at once and only 1 fit" in warning
     multi = tmp_path / "q16.yaml"
     r = runner.invoke(app, ["solve", "--model", "qwen35-35b", "--layers", "4", "--seq", "32k", "--hw", "h100",
                             "--gpus", "16", "-o", str(multi)])
@@ -453,6 +458,11 @@ def test_no_checkpoint_is_passed_on_and_excludes_checkpoint_every(tmp_path, no_l
     assert r.stdout.rstrip().endswith("--device cpu --no-checkpoint")
     one_line_error(launch(str(CPU_PLAN), "--dry-run", "--out", str(tmp_path / "o"), "--no-checkpoint",
                           "--checkpoint-every", "5"), "--no-checkpoint and --checkpoint-every are alternatives")
+    one_line_error(launch(str(CPU_PLAN), "--dry-run", "--out", str(tmp_path / "o"), "--no-checkpoint",
+                          "--keep-last", "2"), "--no-checkpoint and --keep-last are alternatives")
+    r = launch(str(CPU_PLAN), "--dry-run", "--out", str(tmp_path / "o"), "--checkpoint-every", "5", "--keep-last", "2")
+    assert r.exit_code == 0, r.output
+    assert r.stdout.rstrip().endswith("--device cpu --checkpoint-every 5 --keep-last 2")
 
 
 def test_another_runs_checkpoints_are_never_overwritten(tmp_path, no_launch):
@@ -503,6 +513,7 @@ def test_existing_export_metrics_dir_and_out_file(tmp_path, no_launch):
     (("--clip-low", "1.5"), "--clip-low must be below 1"),
     (("--max-restarts", "-1"), "--max-restarts must be zero or positive"),
     (("--on-nonfinite", "ignore"), "--on-nonfinite must be one of raise, skip"),
+    (("--keep-last", "0"), "--keep-last must be positive, got 0"),
     (("--dry-run", "--emit", "slurm"), "alternatives"),
 ])
 def test_bad_option_values(tmp_path, args, needle, no_launch):

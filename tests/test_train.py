@@ -172,6 +172,10 @@ def test_cli_runs_a_plan(tmp_path, capsys):
     assert "holds another run's checkpoints" in capsys.readouterr().err
     assert main([str(plan_path), "--data", str(tmp_path / "missing.jsonl"), "--device", "cpu"]) == 2
     assert "error: cannot read rollouts" in capsys.readouterr().err
+    # --keep-last 1 with a checkpoint every step: only the newest is left
+    assert main([str(plan_path), "--data", str(data), "--steps", "3", "--device", "cpu", "--checkpoint-every", "1",
+                 "--keep-last", "1", "--out", str(tmp_path / "kept")]) == 0
+    assert sorted(p.name for p in (tmp_path / "kept" / "checkpoints").iterdir()) == ["step_3"]
     # --no-checkpoint: the metrics, no checkpoint at all
     assert main([str(plan_path), "--data", str(data), "--steps", "1", "--device", "cpu", "--no-checkpoint",
                  "--out", str(tmp_path / "bare")]) == 0
