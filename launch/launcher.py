@@ -87,9 +87,9 @@ class LaunchOptions:
 
 # the training options after --out and --steps, in the order they are passed; --device is always passed
 _TRAIN_FLAGS = ("data", "seed", "dtype", "device", "resume", "checkpoint_every", "keep_last", "no_checkpoint",
-                "hf_checkpoint", "export", "lr",
-                "objective", "max_grad_norm", "weight_decay", "temperature", "clip_low", "clip_high", "kl_coef",
-                "kl_estimator", "entropy_coef", "aggregation", "tis_cap", "rollouts_per_step", "on_nonfinite")
+                "hf_checkpoint", "export", "lr", "objective", "max_grad_norm", "weight_decay", "temperature",
+                "clip_low", "clip_high", "kl_coef", "kl_estimator", "entropy_coef", "aggregation", "tis_cap",
+                "rollouts_per_step", "on_nonfinite")
 CHOICES = {"dtype": ("bf16", "fp32"), "device": ("cpu", "cuda"), "objective": ("rl", "sft"),
            "kl_estimator": ("k1", "k3"), "aggregation": ("token_mean", "seq_mean"), "on_nonfinite": ("raise", "skip")}
 
@@ -339,7 +339,8 @@ def check_checkpoint_room(plan, plan_path, opts: LaunchOptions, free: int | None
             where = where.parent
         free = shutil.disk_usage(where).free
     every = opts.checkpoint_every
-    saves = len({s for s in range(start + 1, opts.steps + 1) if every and s % every == 0} | {opts.steps})
+    # the multiples of --checkpoint-every in (start, steps], and the last step when it is not one of them
+    saves = (opts.steps // every - start // every + (opts.steps % every != 0)) if every else 1
     at_once = min(saves, opts.keep_last + 1) if opts.keep_last else saves
     room = f"a checkpoint of this model takes {need / 1e9:.1f} GB and {opts.out}'s disk has {free / 1e9:.1f} GB free"
     fix = "free space, give another --out, or pass --no-checkpoint"
