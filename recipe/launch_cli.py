@@ -67,8 +67,7 @@ def launch(
 ):
     """Launch training from a plan: torchrun on this node (or on every node of a rendezvous, or through SLURM).
 
-    Checks the plan, this host's GPUs, --data, --hf-checkpoint, --out, --resume and --export first (one line,
-    before any worker).
+    Checks the plan, this host, --data, --hf-checkpoint, --out, --resume and --export first (one line, no worker).
 
     Exits with the training's status (130 on Ctrl-C). docs/launch.md has the details."""
     from launch.launcher import LaunchError, LaunchOptions
@@ -76,7 +75,8 @@ def launch(
     opts = LaunchOptions(
         out=str(out if out is not None else Path("runs") / plan.stem), steps=steps,
         data=_s(data), seed=seed, dtype=dtype, device=device, resume=resume, checkpoint_every=checkpoint_every,
-        keep_last=keep_last, no_checkpoint=no_checkpoint, hf_checkpoint=_s(hf_checkpoint), export=_s(export), lr=lr, objective=objective,
+        keep_last=keep_last, no_checkpoint=no_checkpoint, hf_checkpoint=_s(hf_checkpoint), export=_s(export), lr=lr,
+        objective=objective,
         max_grad_norm=max_grad_norm, weight_decay=weight_decay, temperature=temperature, clip_low=clip_low,
         clip_high=clip_high, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
         aggregation=aggregation, tis_cap=tis_cap, rollouts_per_step=rollouts_per_step, on_nonfinite=on_nonfinite,
