@@ -84,6 +84,17 @@ def run(args, cfg, trainer_cls) -> int:
         raise ValueError(f"--rollouts-per-step {per_step} but the data holds {len(rollouts)} rollouts")
     stop = Stop()
 
+    # the run folder first: a resume, or a refusal, before any process group or weight exists
+    out = Path(args.out) if args.out else None
+    resume = bool(out) and (args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
+    found = latest(out) if out is not None else None
+    if args.resume and not found:
+        raise ValueError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
+    if found and not resume:
+        raise ValueError(f"{out} holds another run's checkpoints (last: step {found[0]}): pass --resume to continue "
+                         f"it, or choose another --out")
+    if args.export and Path(args.export).exists():
+        raise ValueError(f"--export {args.export} exists; choose a new folder")
     meshes = None
     if world > 1:
         init_distributed(device.type)
@@ -99,7 +110,7 @@ def run(args, cfg, trainer_cls) -> int:
     else:
         model = parallelize(build_model(shape, device="meta"), plan, meshes, param_dtype=dtype)
         materialize(model, device, seed=args.seed)
-    if args.hf_checkpoint:
+    if args.hf_checkpoint and not found:  # a resumed run (or a torchrun restart) continues from its checkpoint
         from launch.hf_io import load_hf_checkpoint
 
         load_hf_checkpoint(model, args.hf_checkpoint)
@@ -109,16 +120,6 @@ def run(args, cfg, trainer_cls) -> int:
                           metrics_group=meshes.data_group if meshes else None)
 
     train_state = TrainState()
-    out = Path(args.out) if args.out else None
-    resume = bool(out) and (args.resume or int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")) > 0)
-    found = latest(out) if out is not None else None
-    if args.resume and not found:
-        raise ValueError(f"--resume: no complete checkpoint in {out / 'checkpoints'}")
-    if found and not resume:
-        raise ValueError(f"{out} holds another run's checkpoints (last: step {found[0]}): pass --resume to continue "
-                         f"it, or choose another --out")
-    if args.export and Path(args.export).exists():
-        raise ValueError(f"--export {args.export} exists; choose a new folder")
     load_s = 0.0
     if found:
         t_load = time.perf_counter()

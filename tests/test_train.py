@@ -172,6 +172,10 @@ def test_cli_runs_a_plan(tmp_path, capsys):
     assert "holds another run's checkpoints" in capsys.readouterr().err
     assert main([str(plan_path), "--data", str(tmp_path / "missing.jsonl"), "--device", "cpu"]) == 2
     assert "error: cannot read rollouts" in capsys.readouterr().err
+    # a resumed run continues from its checkpoint and does not read --hf-checkpoint (here a folder that is not there)
+    assert main([str(plan_path), "--data", str(data), "--steps", "3", "--device", "cpu", "--resume",
+                 "--out", str(tmp_path / "run"), "--hf-checkpoint", str(tmp_path / "absent")]) == 0
+    assert (tmp_path / "run" / "checkpoints" / "step_3" / "COMPLETE").exists()
     # --keep-last 1 with a checkpoint every step: only the newest is left
     assert main([str(plan_path), "--data", str(data), "--steps", "3", "--device", "cpu", "--checkpoint-every", "1",
                  "--keep-last", "1", "--out", str(tmp_path / "kept")]) == 0
