@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import socket
 import sys
 import tempfile
 import time
@@ -33,26 +32,18 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 sys.path.insert(0, str(ROOT / "tests"))
 
+import torch  # noqa: E402
+
+import dist_cases  # noqa: E402
+
 TOLERANCE = {"fp32": (1e-5, 1e-4), "bf16": (2e-2, None)}  # (losses and metrics, gradients; None: not judged)
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def run_world(world: int, dtype: str, device: str) -> list[dict]:
-    import torch.multiprocessing as mp
-
-    import dist_cases
-
     # the CP exchanges alone ("pieces") are fp64 function checks on CPU tensors: the CPU suite's
     cases = [c for c in dist_cases.CASES[world] if c[1] != "pieces"]
     with tempfile.TemporaryDirectory() as d:
-        out = Path(d) / "results.json"
-        mp.spawn(dist_cases.main, args=(world, _free_port(), cases, str(out), device, dtype), nprocs=world, join=True)
-        return json.loads(out.read_text())
+        return dist_cases.spawn(world, cases, Path(d) / "results.json", device, dtype)
 
 
 def main() -> int:
@@ -64,11 +55,6 @@ def main() -> int:
     p.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     p.add_argument("--out", help="write every case's figures as JSON here")
     args = p.parse_args()
-
-    import torch
-
-    import dist_cases
-
     if args.device == "cuda" and torch.cuda.device_count() < args.gpus:
         print(f"error: --gpus {args.gpus} but {torch.cuda.device_count()} CUDA devices are visible", file=sys.stderr)
         return 2

@@ -301,7 +301,8 @@ def preflight(plan_path: str | Path, opts: LaunchOptions, *, check_host: bool = 
     if check_host:
         check_host_gpus(plan, hw, opts, gpus)
     if opts.data is not None:
-        check_data(opts.data, vocab_size=_vocab(plan, plan_path))
+        shape = _model_shape(plan, plan_path)
+        check_data(opts.data, vocab_size=shape.vocab_size if shape else None)
     if opts.hf_checkpoint is not None:
         check_hf_checkpoint(opts.hf_checkpoint)
     resume_step = check_out_dir(opts)
@@ -317,10 +318,8 @@ CHECKPOINT_BYTES_PER_PARAM = 12  # what a checkpoint holds a parameter: the fp32
 
 def checkpoint_bytes(plan, plan_path) -> int | None:
     """The size of one of the run's checkpoints (all ranks' shards together), or None for a model it cannot read."""
-    try:
-        return total_params(plan.model_shape(Path(plan_path).parent)) * CHECKPOINT_BYTES_PER_PARAM
-    except ValueError:
-        return None
+    shape = _model_shape(plan, plan_path)
+    return total_params(shape) * CHECKPOINT_BYTES_PER_PARAM if shape else None
 
 
 def check_checkpoint_room(plan, plan_path, opts: LaunchOptions, free: int | None = None, start: int = 0) -> list[str]:
@@ -573,9 +572,10 @@ def check_out_dir(opts: LaunchOptions) -> int | None:
     return step
 
 
-def _vocab(plan, plan_path) -> int | None:
+def _model_shape(plan, plan_path):
+    """The plan's model shape, or None for a model it cannot read (the plan check has said so already)."""
     try:
-        return plan.model_shape(Path(plan_path).parent).vocab_size
+        return plan.model_shape(Path(plan_path).parent)
     except ValueError:
         return None
 

@@ -76,9 +76,8 @@ def launch(
         out=str(out if out is not None else Path("runs") / plan.stem), steps=steps,
         data=_s(data), seed=seed, dtype=dtype, device=device, resume=resume, checkpoint_every=checkpoint_every,
         keep_last=keep_last, no_checkpoint=no_checkpoint, hf_checkpoint=_s(hf_checkpoint), export=_s(export), lr=lr,
-        objective=objective,
-        max_grad_norm=max_grad_norm, weight_decay=weight_decay, temperature=temperature, clip_low=clip_low,
-        clip_high=clip_high, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
+        objective=objective, max_grad_norm=max_grad_norm, weight_decay=weight_decay, temperature=temperature,
+        clip_low=clip_low, clip_high=clip_high, kl_coef=kl_coef, kl_estimator=kl_estimator, entropy_coef=entropy_coef,
         aggregation=aggregation, tis_cap=tis_cap, rollouts_per_step=rollouts_per_step, on_nonfinite=on_nonfinite,
         max_restarts=max_restarts, nnodes=nnodes, node_rank=node_rank, rdzv_endpoint=rdzv_endpoint)
     try:

@@ -16,9 +16,11 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import sys
 import types
 from datetime import timedelta
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -389,6 +391,17 @@ def main(rank: int, world: int, port: int, cases: list, out_path: str, device: s
             json.dump(results, f)
     dist.barrier()
     dist.destroy_process_group()
+
+
+def spawn(world: int, cases: list, out_path: str | Path, device: str = "cpu", dtype: str = "fp32") -> list[dict]:
+    """Run `cases` in `world` spawned processes on a free local port; rank 0's results, one dict a case."""
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(main, args=(world, port, cases, str(out_path), device, dtype), nprocs=world, join=True)
+    return json.loads(Path(out_path).read_text())
 
 
 if __name__ == "__main__":

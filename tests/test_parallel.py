@@ -18,8 +18,6 @@ Plus the pieces by hand: the regroup index, the micro-batch share, the layout ch
 
 from __future__ import annotations
 
-import json
-import socket
 import sys
 import types
 from pathlib import Path
@@ -36,20 +34,10 @@ from recipe.plan import LayoutSpec  # noqa: E402
 LOSS_TOL, GRAD_TOL = 1e-6, 1e-5
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _launch(world: int, cases: list, tmp_path: Path) -> dict:
-    import torch.multiprocessing as mp
-
     import dist_cases
 
-    out = tmp_path / f"world{world}.json"
-    mp.spawn(dist_cases.main, args=(world, _free_port(), cases, str(out)), nprocs=world, join=True)
-    return {r["name"]: r for r in json.loads(out.read_text())}
+    return {r["name"]: r for r in dist_cases.spawn(world, cases, tmp_path / f"world{world}.json")}
 
 
 @pytest.fixture(scope="module")
