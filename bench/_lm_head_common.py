@@ -3,10 +3,18 @@ kernel module for an A/B in one process."""
 
 from __future__ import annotations
 
+import dataclasses
+import datetime
 import importlib.util
 import math
+import statistics
+import subprocess
+import time
 
 import torch
+
+SMI_QUERY = "timestamp,power.draw,clocks.sm,clocks_event_reasons.active"
+REASONS = "# reasons: 0x4 = the software power cap (nvidia-smi -q -d PERFORMANCE names each bit)"
 
 
 def add_shape_args(ap) -> None:
@@ -23,6 +31,52 @@ def head_inputs(T: int, V: int, H: int, seed: int = 1, logit_std: float = 2.0, d
     w = (torch.randn(V, H, device=device, generator=g) * (logit_std / math.sqrt(H))).bfloat16().requires_grad_()
     t = torch.randint(0, V, (T,), device=device, generator=g)
     return h, w, t
+
+
+@dataclasses.dataclass
+class Sustained:
+    """One method's sustained run: mean ms a call, and nvidia-smi's samples (unix time, W, SM MHz, reasons)
+    taken while it ran (its first 0.5 s skipped)."""
+    name: str
+    ms: float
+    samples: list
+
+    def power_cells(self) -> str:
+        """'power W (median, max) | SM MHz (median) | clock-event reasons' as table cells."""
+        if not self.samples:
+            return "(no samples) | |"
+        p = [s[1] for s in self.samples]
+        return (f"{statistics.median(p):.0f}, {max(p):.0f} | {statistics.median(s[2] for s in self.samples):.0f} | "
+                f"{' '.join(sorted(set(s[3] for s in self.samples)))}")
+
+
+def sustained(methods: dict, order: list, seconds: float) -> list[Sustained]:
+    """Run methods[name]() back to back for `seconds` each, in `order` (names may repeat: interleaved rounds), a
+    second's rest between, while nvidia-smi samples power, SM clock and clock-event reasons every 50 ms."""
+    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={SMI_QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
+                           stdout=subprocess.PIPE, text=True)
+    marks = []
+    for name in order:
+        fn = methods[name]
+        fn()
+        torch.cuda.synchronize()
+        t0, n = time.time(), 0
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        while time.time() - t0 < seconds:
+            fn()
+            n += 1
+        end.record()
+        torch.cuda.synchronize()
+        marks.append((name, t0 + 0.5, time.time(), start.elapsed_time(end) / n))
+        time.sleep(1.0)
+    smi.terminate()
+    samples = []
+    for line in smi.communicate()[0].strip().splitlines():
+        ts, p, c, r = (x.strip() for x in line.split(","))
+        # nvidia-smi prints local wall time, as naive datetime.timestamp() reads it
+        samples.append((datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(p), float(c), r))
+    return [Sustained(name, ms, [s for s in samples if a0 <= s[0] <= a1]) for name, a0, a1, ms in marks]
 
 
 def load_module(path: str, name: str = "lm_head_baseline"):

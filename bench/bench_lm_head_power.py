@@ -19,21 +19,15 @@ Usage: python bench/bench_lm_head_power.py [--tokens 65536] [--vocab 248320] [--
 from __future__ import annotations
 
 import argparse
-import datetime
 import statistics
-import subprocess
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
-from bench._lm_head_common import add_shape_args, head_inputs, load_module, quack_peers  # noqa: E402
-
-QUERY = "timestamp,power.draw,clocks.sm,clocks_event_reasons.active"
-
+from bench._lm_head_common import REASONS, add_shape_args, head_inputs, load_module, quack_peers, sustained  # noqa: E402
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -119,48 +113,20 @@ def main(argv=None):
     heads = [m for m in methods if not m.startswith("cuBLAS")]
     order = list(methods) + heads * (args.rounds - 1)  # then the heads again, interleaved
 
-    smi = subprocess.Popen(["nvidia-smi", f"--query-gpu={QUERY}", "--format=csv,noheader,nounits", "-lms", "50"],
-                           stdout=subprocess.PIPE, text=True)
-    marks = []
-    for name in order:
-        fn = methods[name]
-        fn()
-        torch.cuda.synchronize()
-        t0, n = time.time(), 0
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        while time.time() - t0 < args.seconds:
-            fn()
-            n += 1
-        end.record()
-        torch.cuda.synchronize()
-        marks.append((name, t0 + 0.5, time.time(), start.elapsed_time(end) / n))  # (skip the first 0.5 s)
-        time.sleep(1.0)
-    smi.terminate()
-    samples = []
-    for line in smi.communicate()[0].strip().splitlines():
-        ts, p, c, r = (x.strip() for x in line.split(","))
-        # nvidia-smi prints local wall time, as naive datetime.timestamp() reads it
-        samples.append((datetime.datetime.strptime(ts, "%Y/%m/%d %H:%M:%S.%f").timestamp(), float(p), float(c), r))
-    ours_ms = [ms for name, _, _, ms in marks if name == "ours"]
+    marks = sustained(methods, order, args.seconds)
+    ours_ms = [m.ms for m in marks if m.name == "ours"]
     print(f"# {torch.cuda.get_device_name()} | T={T} V={V} H={H} | mean CE fwd+bwd, {args.seconds:.0f} s each")
     print("| method | ms / iter | ours / method time | power W (median, max) | SM MHz (median) | clock-event reasons |")
     print("|---|---|---|---|---|---|")
-    for i, (name, a0, a1, ms) in enumerate(marks):
-        sel = [s for s in samples if a0 <= s[0] <= a1]
+    for i, m in enumerate(marks):
         ref = ours_ms[0] if i < len(methods) else ours_ms[1 + (i - len(methods)) // len(heads)]
-        ratio = "—" if name == "ours" or name.startswith("cuBLAS") else f"{ref / ms:.3f}"
-        if not sel:
-            print(f"| {name} | {ms:.1f} | {ratio} | (no samples) | | |")
-            continue
-        print(f"| {name} | {ms:.1f} | {ratio} | {statistics.median(s[1] for s in sel):.0f}, "
-              f"{max(s[1] for s in sel):.0f} | {statistics.median(s[2] for s in sel):.0f} | "
-              f"{' '.join(sorted(set(s[3] for s in sel)))} |")
+        ratio = "—" if m.name == "ours" or m.name.startswith("cuBLAS") else f"{ref / m.ms:.3f}"
+        print(f"| {m.name} | {m.ms:.1f} | {ratio} | {m.power_cells()} |")
     for name in heads:
-        runs = [ms for n, _, _, ms in marks if n == name]
+        runs = [m.ms for m in marks if m.name == name]
         print(f"# {name}: median {statistics.median(runs):.1f} ms over {len(runs)} rounds"
               + ("" if name == "ours" else f", ours / it {statistics.median(ours_ms) / statistics.median(runs):.3f}"))
-    print("# reasons: 0x4 = the software power cap (nvidia-smi -q -d PERFORMANCE names each bit)")
+    print(REASONS)
 
 
 if __name__ == "__main__":
