@@ -69,8 +69,8 @@ def main() -> None:
     args = p.parse_args()
 
     from launch.data import synthetic_long_batch
-    from launch.model import build_model, materialize
-    from launch.parallel import build_meshes, init_distributed, moe_layers, parallelize
+    from launch.job import build_parallel_model
+    from launch.parallel import build_meshes, init_distributed, moe_layers
     from launch.train import TrainConfig, Trainer
     from recipe.models import resolve_model
     from recipe.plan import LayoutSpec
@@ -92,8 +92,7 @@ def main() -> None:
     plan = types.SimpleNamespace(layout=layout, train=types.SimpleNamespace(
         recompute="full", ep_overlap_chunks=chunks[0], lm_head="fused", pp_stages=None))
     meshes = build_meshes(layout, device.type)
-    model = parallelize(build_model(shape, device="meta"), plan, meshes, param_dtype=dtype, ep_dispatch=ep > 1)
-    materialize(model, device, seed=0)
+    model = build_parallel_model(shape, plan, meshes, device, dtype, seed=0, ep_dispatch=ep > 1)
     trainer = Trainer(model, TrainConfig(lr=1e-6), recompute="full", lm_head="fused", dp_rank=meshes.dp_rank,
                       dp_size=meshes.dp_size, dp_group=meshes.dp_group, metrics_group=meshes.data_group)
     experts = moe_layers(model)

@@ -6,13 +6,14 @@
 # last lines: the measured-against-predicted summary) and metrics_SEQ.jsonl; and init.log.
 #
 #   OUT=out GPUS=8 bash bench/whole_model.sh                        # qwen35-35b (40 layers), 64K and 128K, h200
+#   OUT=out GPUS=1 LAYERS=4 SEQS="32k 64k" STEPS=4 bash bench/whole_model.sh   # full width, 4 layers, one GPU
 #   OUT=/tmp/o MODEL=tiny-moe HW=cpu GPUS=2 SEQS="1k 2k" STEPS=2 bash bench/whole_model.sh     # smoke, CPU
 set -u
 MODEL=${MODEL:-qwen35-35b}; HW=${HW:-h200}; GPUS=${GPUS:-8}; SEQS=${SEQS:-"64k 128k"}; STEPS=${STEPS:-12}
-WORK=${WORK:-/tmp/whole_model}; LR=${LR:-1e-6}
+WORK=${WORK:-/tmp/whole_model}; LR=${LR:-1e-6}; LAYERS=${LAYERS:+--layers $LAYERS}
 mkdir -p "$OUT"; rm -rf "$WORK"; mkdir -p "$WORK"
 for SEQ in $SEQS; do
-  python3 -m recipe solve --model $MODEL --seq $SEQ --hw $HW --gpus $GPUS -o "$OUT/plan_$SEQ.yaml" \
+  python3 -m recipe solve --model $MODEL $LAYERS --seq $SEQ --hw $HW --gpus $GPUS -o "$OUT/plan_$SEQ.yaml" \
     > "$OUT/solve_$SEQ.txt" 2>&1 || { cat "$OUT/solve_$SEQ.txt"; exit 1; }
   head -3 "$OUT/solve_$SEQ.txt"
   # rollouts: data-parallel ranks x micro-batches of them, each one sequence of the plan's micro-batch length

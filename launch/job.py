@@ -100,16 +100,7 @@ def run(args, cfg, trainer_cls) -> int:
         init_distributed(device.type)
         meshes = build_meshes(plan.layout, device.type)
     torch.manual_seed(args.seed)
-    # one process keeps bf16 parameters with fp32 masters beside them; under FSDP2 the fp32 shards are the masters
-    # and bf16 exists only while a layer is gathered. Distributed, the model is built on the meta device and
-    # parallelized before any weight exists, so no rank ever holds the whole model: each allocates and initializes
-    # (or loads) only its shards, and they equal the whole model's (launch.model.init_parameters).
-    if meshes is None:
-        model = parallelize(build_model(shape, device=device, dtype=dtype, seed=args.seed), plan, None,
-                            param_dtype=dtype)
-    else:
-        model = parallelize(build_model(shape, device="meta"), plan, meshes, param_dtype=dtype)
-        materialize(model, device, seed=args.seed)
+    model = build_parallel_model(shape, plan, meshes, device, dtype, args.seed)
     if args.hf_checkpoint and not found:  # a resumed run (or a torchrun restart) continues from its checkpoint
         from launch.hf_io import load_hf_checkpoint
 
@@ -199,6 +190,20 @@ def _saved_world(path: Path) -> str:
     from launch.checkpoint_index import read_marker
 
     return str(read_marker(path).get("world_size", "?"))
+
+
+def build_parallel_model(shape, plan, meshes, device: torch.device, dtype: torch.dtype, seed: int, **kw):
+    """The model of `shape` with the plan's layout on this rank. One process (meshes None, or a world of one) keeps `dtype`
+    parameters (with fp32 masters beside them, in the trainer); under FSDP2 the fp32 shards are the masters and
+    `dtype` exists only while a layer is gathered. Distributed, the model is built on the meta device and
+    parallelized before any weight exists, so no rank ever holds the whole model: each allocates and initializes
+    (or loads) only its shards, and they equal the whole model's (launch.model.init_parameters). `kw` goes to
+    parallelize (ep_dispatch)."""
+    if meshes is None or meshes.world == 1:  # no FSDP2: nothing would cast the parameters for compute
+        return parallelize(build_model(shape, device=device, dtype=dtype, seed=seed), plan, meshes,
+                           param_dtype=dtype, **kw)
+    model = parallelize(build_model(shape, device="meta"), plan, meshes, param_dtype=dtype, **kw)
+    return materialize(model, device, seed=seed)
 
 
 def _export(model, out_dir: str, rank: int, dtype: torch.dtype) -> None:

@@ -141,7 +141,8 @@ class Progress:
 
         mems = [r["peak_mem_gb"] for r in self.rows if isinstance(r.get("peak_mem_gb"), (int, float))]
         return {"peak_mem_gb": max(mems) if mems else None, "tokens_per_s_per_gpu": median("tokens_per_s_per_gpu"),
-                "tflops_per_gpu": median("tflops_per_gpu"), "step_time_s": median("step_time_s")}
+                "tflops_per_gpu": median("tflops_per_gpu"), "step_time_s": median("step_time_s"),
+                "warm_steps": len(self.rows) - 1 if len(self.rows) > 1 else 0}
 
     # ---- closing ----
     def close(self) -> None:
@@ -230,7 +231,10 @@ def _cells(row: Mapping[str, Any], total_steps: int, eta_s: float | None) -> lis
 
 def summary(measured: Mapping[str, Any], prediction) -> str:
     """The measured peak memory and throughput beside the plan's prediction (`plan.prediction`, or its dict), with
-    the error of the prediction in percent of the prediction ((measured − predicted) / predicted)."""
+    the error of the prediction in percent of the prediction ((measured − predicted) / predicted). A run of one
+    step (`warm_steps` 0) has only its first step's throughput, compilation and autotuning included: shown, not
+    compared."""
+    cold = measured.get("warm_steps") == 0
     rows = [("peak memory (GB)", measured.get("peak_mem_gb"), _get(prediction, "memory_gb", "total"), "{:.2f}"),
             ("tokens/s per GPU", measured.get("tokens_per_s_per_gpu"), _get(prediction, "tokens_per_s_per_gpu"),
              "{:,.0f}"),
@@ -238,11 +242,14 @@ def summary(measured: Mapping[str, Any], prediction) -> str:
     table = [("", "measured", "predicted", "error")]
     for name, m, p, fmt in rows:
         m, p = _num(m), _num(p)
-        err = f"{(m - p) / p:+.1%}" if m is not None and p else "—"
+        err = f"{(m - p) / p:+.1%}" if m is not None and p and not (cold and name != rows[0][0]) else "—"
         table.append((name, _fmt(m, fmt), _fmt(p, fmt), err))
     widths = [max(len(r[i]) for r in table) for i in range(4)]
-    return "\n".join(r[0].ljust(widths[0]) + "".join("  " + c.rjust(w) for c, w in zip(r[1:], widths[1:]))
+    text = "\n".join(r[0].ljust(widths[0]) + "".join("  " + c.rjust(w) for c, w in zip(r[1:], widths[1:]))
                      for r in table)
+    if cold:
+        text += "\n(one step: its throughput includes compilation and autotuning, so it is not compared; run 2+ steps)"
+    return text
 
 
 def plan_rates(plan, base_dir: str | Path | None = None) -> tuple[float | None, float | None]:

@@ -878,3 +878,26 @@ def test_summary_against_the_prediction():
     assert lines[2].startswith("tokens/s per GPU") and lines[2].endswith(f"{err:+.1%}")
     assert lines[3].startswith("TFLOP/s per GPU") and lines[3].split()[3] == "—" and lines[3].endswith("—")
     assert summary({"peak_mem_gb": 1.0}, plan.prediction.model_dump()).splitlines()[1].split()[-1].endswith("%")
+
+
+def test_summary_of_one_step_compares_memory_only():
+    """One step has only the cold first step's throughput (compilation, autotuning): shown, never compared."""
+    from launch.progress import Progress, summary
+    from recipe.plan import load_plan
+
+    pred = load_plan(H100_PLAN).prediction
+    measured = {"peak_mem_gb": pred.memory_gb.total, "tokens_per_s_per_gpu": 100.0, "tflops_per_gpu": 1.0,
+                "warm_steps": 0}
+    lines = summary(measured, pred).splitlines()
+    assert lines[1].endswith("+0.0%")
+    assert lines[2].split()[-1] == "—" and "100" in lines[2]
+    assert lines[3].split()[-1] == "—"
+    assert lines[4].startswith("(one step:")
+    two = summary({**measured, "warm_steps": 1}, pred).splitlines()
+    assert len(two) == 4 and two[2].endswith("%")
+    # Progress.measured counts the warm steps after the first
+    p = Progress.__new__(Progress)
+    p.rows = [{"tokens_per_s_per_gpu": 5.0}]
+    assert p.measured()["warm_steps"] == 0 and p.measured()["tokens_per_s_per_gpu"] == 5.0
+    p.rows = [{"tokens_per_s_per_gpu": 5.0}, {"tokens_per_s_per_gpu": 50.0}, {"tokens_per_s_per_gpu": 70.0}]
+    assert p.measured()["warm_steps"] == 2 and p.measured()["tokens_per_s_per_gpu"] == 60.0
