@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from kernels.expert_grads import slot_grads, swiglu_backward
 from launch.moe import permute
 
 
@@ -261,16 +262,11 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             n = sum(recv[c])
             idx = regroup_index(recv_RCEl[:, c], (1, 0), n)
             rows = rows_src[idx]
-            dout, w = rows[:, :D], rows[:, D:D + 1]
-            h, y = saved[3 * c + 1], saved[3 * c + 2]
-            g = dout * w  # dL/dy of each slot
-            dw = (dout.float() * y.float()).sum(-1)  # dL/dw_tk = dL/dout_t · y_tk
-            gate, up = h.float().chunk(2, dim=-1)
-            sig = torch.sigmoid(gate)
-            silu = gate * sig
-            da = grouped_linear_dx(g, w2, local[c], offs_CEl[c]).float()
-            dh = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * silu], dim=-1).to(dtype)
-            g_parts.append(g), a_parts.append((silu * up).to(dtype)), dh_parts.append(dh)
+            # g = dL/dy of each slot, dw = dL/dw_tk = dL/dout_t · y_tk (fp32)
+            g, dw = slot_grads(rows[:, :D], rows[:, D:D + 1], saved[3 * c + 2])
+            # the SwiGLU's input gradient and its output a (the down projection's input, for its weight gradient)
+            dh, a = swiglu_backward(saved[3 * c + 1], grouped_linear_dx(g, w2, local[c], offs_CEl[c]))
+            g_parts.append(g), a_parts.append(a), dh_parts.append(dh)
             back_em = dout_TD.new_zeros((n, D + _EXTRA), dtype=dtype)
             back_em[:, :D] = grouped_linear_dx(dh, w1, local[c], offs_CEl[c])
             back_em[:, D] = dw
@@ -280,11 +276,14 @@ class _DispatchExpertsCombine(torch.autograd.Function):
                 _scatter_back(dx_TD, dw_TK, ep.wait(returned.pop(c - 1)), orders[c - 1], bounds[c - 1], D)
         # weight gradients once, over every chunk's rows in one-chunk order (expert, source rank, chunk)
         El = w1.shape[0]
-        perm = regroup_index(recv_RCEl.permute(1, 2, 0), (1, 2, 0), sum(map(sum, recv)))
         per_expert = [sum(local[c][e] for c in range(C)) for e in range(El)]
-        xs = torch.cat(saved[0::3])[perm]
-        dw2 = grouped_weight_grad(torch.cat(g_parts)[perm], torch.cat(a_parts)[perm], per_expert, offs_El)
-        dw1 = grouped_weight_grad(torch.cat(dh_parts)[perm], xs, per_expert, offs_El)
+        if C == 1:  # one chunk's rows are already in that order
+            xs, gs, acts, dhs = saved[0], g_parts[0], a_parts[0], dh_parts[0]
+        else:
+            perm = regroup_index(recv_RCEl.permute(1, 2, 0), (1, 2, 0), sum(map(sum, recv)))
+            xs, gs, acts, dhs = (torch.cat(parts)[perm] for parts in (saved[0::3], g_parts, a_parts, dh_parts))
+        dw2 = grouped_weight_grad(gs, acts, per_expert, offs_El)
+        dw1 = grouped_weight_grad(dhs, xs, per_expert, offs_El)
         _scatter_back(dx_TD, dw_TK, ep.wait(returned.pop(C - 1)), orders[C - 1], bounds[C - 1], D)
         return dx_TD.to(dout_TD.dtype), dw_TK, None, dw1.to(w1.dtype), dw2.to(w2.dtype), None
 

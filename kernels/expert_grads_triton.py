@@ -1,0 +1,91 @@
+"""Triton kernels of kernels/expert_grads.py (what each computes and why it is fused: see there).
+
+Both stream rows once: every input element is read once and every output written once, fp32 in registers.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.gdn_fused_triton import _VENDOR
+
+# (rows, columns, warps). slot_grads: a program owns BLOCK_M whole rows and walks D in BLOCK_D steps, keeping the
+# row dots in fp32 registers; 16 x 256 over 4 warps is 32 values a thread per step (4 x 16-byte loads of each
+# operand). swiglu: 2-D tiles of [rows, I columns], each element independent. Interpreter: small, so the test
+# shapes cross tile edges on both axes and the D loop runs several steps.
+SLOT_TILE = {"nvidia": (16, 256, 4), "amd": (16, 256, 4), "interpreter": (4, 16, 1)}
+SWIGLU_TILE = {"nvidia": (16, 256, 4), "amd": (16, 256, 4), "interpreter": (4, 16, 1)}
+
+
+@triton.jit
+def _slot_grads_kernel(dout_ptr, s_dout, w_ptr, s_w, y_ptr, s_y, g_ptr, s_g, dw_ptr, M, D,
+                       BLOCK_M: tl.constexpr, BLOCK_D: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r_ok = rows < M
+    w = tl.load(w_ptr + rows * s_w, mask=r_ok, other=0.0).to(tl.float32)
+    acc = tl.zeros([BLOCK_M], tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        cols = d0 + tl.arange(0, BLOCK_D)
+        ok = r_ok[:, None] & (cols < D)[None, :]
+        dout = tl.load(dout_ptr + rows[:, None] * s_dout + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        y = tl.load(y_ptr + rows[:, None] * s_y + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+        acc += tl.sum(dout * y, axis=1)
+        tl.store(g_ptr + rows[:, None] * s_g + cols[None, :], (dout * w[:, None]).to(g_ptr.dtype.element_ty), mask=ok)
+    tl.store(dw_ptr + rows, acc, mask=r_ok)
+
+
+@triton.jit
+def _swiglu_bwd_kernel(h_ptr, s_h, da_ptr, s_da, dh_ptr, s_dh, a_ptr, s_a, M, I,
+                       BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
+    pid_m = tl.program_id(0)
+    pid_i = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    ok = (rows < M)[:, None] & (cols < I)[None, :]
+    h_row = h_ptr + rows[:, None] * s_h + cols[None, :]
+    gate = tl.load(h_row, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(h_row + I, mask=ok, other=0.0).to(tl.float32)
+    da = tl.load(da_ptr + rows[:, None] * s_da + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    sig = tl.sigmoid(gate)
+    silu = gate * sig
+    dgate = da * up * sig * (1 + gate * (1 - sig))
+    dh_row = dh_ptr + rows[:, None] * s_dh + cols[None, :]
+    tl.store(dh_row, dgate.to(dh_ptr.dtype.element_ty), mask=ok)
+    tl.store(dh_row + I, (da * silu).to(dh_ptr.dtype.element_ty), mask=ok)
+    tl.store(a_ptr + rows[:, None] * s_a + cols[None, :], (silu * up).to(a_ptr.dtype.element_ty), mask=ok)
+
+
+def _unit_columns(*ts: torch.Tensor) -> None:
+    for t in ts:
+        if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
+            raise ValueError(f"expected a 2-D tensor with unit column stride, got shape {tuple(t.shape)} "
+                             f"strides {t.stride()}")
+
+
+def slot_grads(dout_MD: torch.Tensor, w_M1: torch.Tensor, y_MD: torch.Tensor):
+    _unit_columns(dout_MD, y_MD)
+    M, D = dout_MD.shape
+    g = torch.empty((M, D), dtype=dout_MD.dtype, device=dout_MD.device)
+    dw = torch.empty((M,), dtype=torch.float32, device=dout_MD.device)
+    if M:
+        bm, bd, warps = SLOT_TILE[_VENDOR]
+        _slot_grads_kernel[(triton.cdiv(M, bm),)](dout_MD, dout_MD.stride(0), w_M1, w_M1.stride(0), y_MD,
+                                                 y_MD.stride(0), g, g.stride(0), dw, M, D,
+                                                 BLOCK_M=bm, BLOCK_D=bd, num_warps=warps)
+    return g, dw
+
+
+def swiglu_backward(h_MF: torch.Tensor, da_MI: torch.Tensor):
+    _unit_columns(h_MF, da_MI)
+    M, I = da_MI.shape
+    dh = torch.empty((M, 2 * I), dtype=h_MF.dtype, device=h_MF.device)
+    a = torch.empty((M, I), dtype=h_MF.dtype, device=h_MF.device)
+    if M:
+        bm, bi, warps = SWIGLU_TILE[_VENDOR]
+        _swiglu_bwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bi))](h_MF, h_MF.stride(0), da_MI, da_MI.stride(0),
+                                                                     dh, dh.stride(0), a, a.stride(0), M, I,
+                                                                     BLOCK_M=bm, BLOCK_I=bi, num_warps=warps)
+    return dh, a

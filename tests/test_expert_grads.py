@@ -1,0 +1,124 @@
+"""Fused steps of the expert-parallel backward (kernels.expert_grads): the Triton kernels against the torch
+reference and against hand-derived gradients.
+
+The Triton kernels run on CPU tensors under TRITON_INTERPRET=1 in one subprocess (tests/interpreter.py), one test
+per check. Shapes are odd (not multiples of the tiles), the row operands are column slices of one wider buffer as
+the backward passes them, and an empty chunk (M = 0) returns empty outputs.
+fp32: within 1e-6 (relative L2) of the torch reference. bf16: every output element within one bf16 rounding
+(2^-7 relative, whichever way it rounds: the interpreter truncates where the GPU rounds to nearest) of the fp32
+reference on the same bf16 inputs, and dw within 1e-6 of an fp64 reference.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from kernels.expert_grads import slot_grads, slot_grads_torch, swiglu_backward, swiglu_backward_torch
+
+
+def _rel(x, ref) -> float:
+    x, ref = x.double(), ref.double()
+    return ((x - ref).norm() / ref.norm().clamp_min(1e-30)).item()
+
+
+def _rows(M: int, D: int, dtype, extra: int = 8):
+    """A received row buffer [M, D + extra]: the output gradient in columns :D, the routing weight in column D."""
+    buf = torch.randn(M, D + extra).to(dtype)
+    buf[:, D] = torch.rand(M).to(dtype)
+    return buf[:, :D], buf[:, D:D + 1]
+
+
+def _one_rounding(ours: torch.Tensor, ref32: torch.Tensor) -> bool:
+    """Every element of a 16-bit output within one bf16 rounding of the fp32 value (plus fp32 noise)."""
+    return bool(((ours.float() - ref32).abs() <= ref32.abs() * 2.0 ** -7 + 1e-6).all())
+
+
+def slot_checks():
+    for M, D in [(37, 45), (5, 16), (1, 3)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            dout, w = _rows(M, D, dtype)
+            y = torch.randn(M, D).to(dtype)
+            g, dw = slot_grads(dout, w, y, backend="triton")
+            g_ref, dw_ref = slot_grads_torch(dout, w, y)
+            assert g.dtype == dtype and dw.dtype == torch.float32 and dw.shape == (M,)
+            dw64 = (dout.double() * y.double()).sum(-1)
+            assert _rel(dw, dw64) <= 1e-6, (M, D, dtype, _rel(dw, dw64))
+            if dtype == torch.float32:
+                assert _rel(g, g_ref) <= 1e-6
+            else:
+                assert _one_rounding(g, slot_grads_torch(dout.float(), w.float(), y.float())[0]), (M, D)
+    g, dw = slot_grads(torch.empty(0, 8), torch.empty(0, 1), torch.empty(0, 8), backend="triton")
+    assert g.shape == (0, 8) and dw.shape == (0,)
+
+
+def swiglu_checks():
+    for M, I in [(37, 21), (3, 16), (1, 1)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            h = (torch.randn(M, 2 * I) * 3).to(dtype)
+            da = torch.randn(M, I).to(dtype)
+            dh, a = swiglu_backward(h, da, backend="triton")
+            dh_ref, a_ref = swiglu_backward_torch(h, da)
+            assert dh.dtype == a.dtype == dtype and dh.shape == (M, 2 * I) and a.shape == (M, I)
+            if dtype == torch.float32:
+                assert _rel(dh, dh_ref) <= 1e-6 and _rel(a, a_ref) <= 1e-6, (_rel(dh, dh_ref), _rel(a, a_ref))
+            else:
+                dh32, a32 = swiglu_backward_torch(h.float(), da.float())
+                assert _one_rounding(dh, dh32) and _one_rounding(a, a32), (M, I)
+    dh, a = swiglu_backward(torch.empty(0, 6), torch.empty(0, 3), backend="triton")
+    assert dh.shape == (0, 6) and a.shape == (0, 3)
+
+
+INTERPRETER_CHECKS = {f.__name__: f for f in (slot_checks, swiglu_checks)}
+
+
+@pytest.fixture(scope="module")
+def interpreter_results() -> dict[str, str]:
+    import interpreter
+
+    return interpreter.run(Path(__file__), list(INTERPRETER_CHECKS))
+
+
+@pytest.mark.parametrize("name", list(INTERPRETER_CHECKS))
+def test_triton_kernels_interpreter(name, interpreter_results):
+    import interpreter
+
+    interpreter.assert_ok(interpreter_results, name)
+
+
+def test_swiglu_backward_is_the_gradient_of_swiglu():
+    """The reference against autograd through silu(gate) · up, from fp64 inputs: dh is the input gradient,
+    a the output (to the fp32 the reference computes in)."""
+    g = torch.Generator().manual_seed(3)
+    h = torch.randn(7, 10, generator=g, dtype=torch.float64, requires_grad=True)
+    da = torch.randn(7, 5, generator=g, dtype=torch.float64)
+    gate, up = h.chunk(2, dim=-1)
+    out = torch.nn.functional.silu(gate) * up
+    out.backward(da)
+    dh, a = swiglu_backward(h.detach(), da)
+    assert torch.allclose(dh, h.grad, rtol=1e-6, atol=1e-6)  # fp32 inside
+    assert torch.allclose(a, out.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_slot_grads_by_hand():
+    """g = dout · w per row, dw = the row dot of dout and y (worked by hand)."""
+    dout = torch.tensor([[1.0, 2.0], [3.0, -1.0]])
+    w = torch.tensor([[0.5], [2.0]])
+    y = torch.tensor([[4.0, 1.0], [1.0, 5.0]])
+    g, dw = slot_grads(dout, w, y)
+    assert torch.equal(g, torch.tensor([[0.5, 1.0], [6.0, -2.0]]))
+    assert torch.equal(dw, torch.tensor([6.0, -2.0]))
+
+
+def test_bad_shapes():
+    with pytest.raises(ValueError, match=r"\[M, 2I\]"):
+        swiglu_backward(torch.randn(3, 5), torch.randn(3, 2))
+
+
+if __name__ == "__main__" and sys.argv[1:2] == ["interpreter"]:
+    from interpreter import main
+
+    main(INTERPRETER_CHECKS, sys.argv[2:])
