@@ -61,12 +61,12 @@ def main(argv=None):
         errs = [_rel(o, r) for o, r in zip(outs["triton"], outs["torch"])]
         del outs
         t_torch, t_triton = _ms(lambda: fn("torch"), args.reps), _ms(lambda: fn("triton"), args.reps)
-        rows.append((name, t_torch, t_triton, min_bytes / t_triton / 1e9, errs))
+        rows.append((name, t_torch, t_triton, min_bytes / t_triton / 1e9, errs))  # bytes / ms / 1e9 = TB/s
     print(f"# {torch.cuda.get_device_name()} | M={M} D={D} I={I} bf16 | median of {args.reps}")
-    print("| op | torch ms | fused ms | torch / fused | fused GB/s (min bytes) | rel. diff of each output |")
+    print("| op | torch ms | fused ms | torch / fused | fused TB/s (min bytes) | rel. diff of each output |")
     print("|---|---|---|---|---|---|")
     for name, a, b, bw, errs in rows:
-        print(f"| {name} | {a:.3f} | {b:.3f} | {a / b:.1f} | {bw:.0f} | {' / '.join(f'{e:.1e}' for e in errs)} |")
+        print(f"| {name} | {a:.3f} | {b:.3f} | {a / b:.1f} | {bw:.2f} | {' / '.join(f'{e:.1e}' for e in errs)} |")
 
 
 if __name__ == "__main__":

@@ -119,17 +119,22 @@ class ExpertParallel:
         return _DispatchExpertsCombine.apply(x_TD, top_w_TK, top_e_TK, w1, w2, self)
 
     # ---- communication -------------------------------------------------------------------------------------
-    def all_to_all(self, x, out_splits: list[int], in_splits: list[int], after=None):
+    def all_to_all(self, x, out_splits: list[int], in_splits: list[int]):
         """Rows of x (grouped by destination, in_splits of them each) to every rank; returns (received rows, an
-        event the consumer waits on, or None). On CUDA it runs on the comm stream once `after` (an event of the
-        compute stream) has fired."""
+        event the consumer waits on, or None). On CUDA it runs on the comm stream once the compute stream has run
+        everything queued before this call.
+
+        That wait also guards the receive buffer: it comes from the compute stream's pool, where its memory may
+        have been freed by a tensor that kernels queued earlier on the compute stream still read or write; the
+        transfer must not write it before they ran. (Waiting on an earlier event instead, one recorded before the
+        chunk loop, let a dispatch pre-issued in the loop overwrite a previous chunk's freed temporaries while
+        its GEMMs still read them.)"""
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         if self.comm_stream is None:
             dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group)
             return out, None
-        if after is None:
-            after = torch.cuda.Event()
-            after.record()
+        after = torch.cuda.Event()
+        after.record()
         with torch.cuda.stream(self.comm_stream):
             self.comm_stream.wait_event(after)
             dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group)
@@ -137,14 +142,6 @@ class ExpertParallel:
             done.record(self.comm_stream)
         x.record_stream(self.comm_stream)  # x's memory must outlive the transfer, whatever the compute stream does
         return out, done
-
-    def mark(self):
-        """An event on the compute stream now (None on CPU)."""
-        if self.comm_stream is None:
-            return None
-        ev = torch.cuda.Event()
-        ev.record()
-        return ev
 
     @staticmethod
     def wait(pending):
@@ -209,13 +206,12 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         rt = ep.route(top_e_TK)
         C = len(rt.bounds)
         sends = [x_TD[token_M] for _, token_M in rt.orders]  # [M_c, D] sorted by global expert
-        ready = ep.mark()  # after the sends: the dispatches read them
-        pending = {0: ep.all_to_all(sends[0], rt.recv[0], rt.send[0], ready)}
+        pending = {0: ep.all_to_all(sends[0], rt.recv[0], rt.send[0])}
         combined, saved = {}, []
         out_TD = torch.zeros_like(x_TD)
         for c in range(C):
             if c + 1 < C:
-                pending[c + 1] = ep.all_to_all(sends[c + 1], rt.recv[c + 1], rt.send[c + 1], ready)
+                pending[c + 1] = ep.all_to_all(sends[c + 1], rt.recv[c + 1], rt.send[c + 1])
             rows_src = ep.wait(pending.pop(c))
             idx = regroup_index(rt.recv_RCEl[:, c], (1, 0), sum(rt.recv[c]))
             x_em = rows_src[idx]
@@ -250,14 +246,13 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             rows[:, :D] = dout_TD[t0:t1].repeat_interleave(K, 0)
             rows[:, D] = top_w_TK[t0:t1].reshape(-1)
             sends.append(rows[order_M])
-        ready = ep.mark()
-        pending = {0: ep.all_to_all(sends[0], recv[0], send[0], ready)}
+        pending = {0: ep.all_to_all(sends[0], recv[0], send[0])}
         returned, g_parts, a_parts, dh_parts = {}, [], [], []
         dx_TD = torch.zeros_like(dout_TD, dtype=dtype)
         dw_TK = torch.zeros_like(top_w_TK)
         for c in range(C):
             if c + 1 < C:
-                pending[c + 1] = ep.all_to_all(sends[c + 1], recv[c + 1], send[c + 1], ready)
+                pending[c + 1] = ep.all_to_all(sends[c + 1], recv[c + 1], send[c + 1])
             rows_src = ep.wait(pending.pop(c))
             n = sum(recv[c])
             idx = regroup_index(recv_RCEl[:, c], (1, 0), n)

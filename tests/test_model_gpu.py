@@ -157,6 +157,65 @@ def test_ep_grouped_gemms_match_the_per_expert_loop():
     assert pairs[2][0][1].abs().max() == 0 and pairs[2][0][4].abs().max() == 0  # idle experts: zero gradient
 
 
+def test_ep_chunks_on_the_comm_stream_equal_one_chunk(monkeypatch):
+    """The chunked dispatch on CUDA (its all-to-alls on a communication stream, an NCCL group of one rank) against
+    one chunk, under activation recompute: the output and every gradient of k = 4 within bf16 rounding of k = 1. The
+    compute stream is held back in every chunk (a spin kernel queued with each regroup) so that it lags the
+    communication stream, as it does under real GEMMs: a receive buffer written before the compute stream is done
+    with the memory it reuses then shows as errors of percents in the gradients (a dispatch pre-issued against an
+    event recorded before the chunk loop did that in the recomputed forward, which issues no combine)."""
+    import os
+
+    import torch.distributed as dist
+    from torch.utils.checkpoint import checkpoint
+
+    import launch.expert_parallel as ep_mod
+    from launch.expert_parallel import ExpertParallel
+    from launch.moe import GroupedExperts
+
+    regroup = ep_mod.regroup_index
+
+    def lagging_regroup(*a, **kw):
+        torch.cuda._sleep(2_000_000)  # ~1 ms of spinning on the compute stream
+        return regroup(*a, **kw)
+
+    monkeypatch.setattr(ep_mod, "regroup_index", lagging_regroup)
+
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29517")
+    own = not dist.is_initialized()
+    if own:
+        dist.init_process_group("nccl", rank=0, world_size=1, device_id=torch.device("cuda", 0))
+    try:
+        torch.manual_seed(0)
+        T, D, E, K, I = 8192, 1024, 64, 8, 512
+        experts = GroupedExperts(E, D, I).cuda().bfloat16()
+        with torch.no_grad():
+            experts.gate_up_proj.normal_(0, 0.03)
+            experts.down_proj.normal_(0, 0.03)
+        x0 = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        probs = torch.softmax(torch.randn(T, E, device="cuda"), -1)
+        w0, e = torch.topk(probs, K, dim=-1)
+        dout = torch.randn(T, D, device="cuda", dtype=torch.bfloat16)
+        stream = torch.cuda.Stream()
+        got = {}
+        for k in (1, 4):
+            experts.token_dispatch = ExpertParallel(dist.group.WORLD, E, k, stream)
+            experts.zero_grad()
+            x, w = x0.clone().requires_grad_(), w0.to(torch.bfloat16).requires_grad_()
+            # under recompute, as the model runs: the recomputed forward pre-issues every dispatch with no combine
+            # between them, the schedule where a receive buffer can reuse an earlier chunk's memory
+            out = checkpoint(experts, x, w, e, use_reentrant=False)
+            out.backward(dout)
+            torch.cuda.synchronize()
+            got[k] = [out.detach(), x.grad, w.grad, experts.gate_up_proj.grad.clone(), experts.down_proj.grad.clone()]
+        for name, a, b in zip(["out", "dx", "dw_route", "d gate_up", "d down"], got[4], got[1]):
+            assert _rel(a, b) < 1e-2, f"{name}: k = 4 off k = 1 by {_rel(a, b):.2e}"
+    finally:
+        if own:
+            dist.destroy_process_group()
+
+
 @pytest.fixture
 def untuned_triton(monkeypatch):
     """Each autotuned Triton kernel takes its least demanding config (fewest stages, then warps, then the smallest
