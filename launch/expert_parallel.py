@@ -239,13 +239,15 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         C, D, K, dtype = len(bounds), dout_TD.shape[1], top_w_TK.shape[1], saved[2].dtype
         # the slot order of each chunk again (a stable sort by expert id: the order of the forward)
         orders = [torch.argsort(top_e_TK[t0:t1].reshape(-1), stable=True) for t0, t1 in bounds]
-        # D': each slot gets its token's output gradient and its routing weight (column D)
+        # D': each slot gets its token's output gradient and its routing weight (column D), gathered straight into
+        # the send rows in expert order (the padding columns travel unread)
         sends = []
+        g_out = dout_TD if dout_TD.dtype == dtype else dout_TD.to(dtype)
         for (t0, t1), order_M in zip(bounds, orders):
-            rows = dout_TD.new_zeros(((t1 - t0) * K, D + _EXTRA), dtype=dtype)
-            rows[:, :D] = dout_TD[t0:t1].repeat_interleave(K, 0)
-            rows[:, D] = top_w_TK[t0:t1].reshape(-1)
-            sends.append(rows[order_M])
+            rows = dout_TD.new_empty((len(order_M), D + _EXTRA), dtype=dtype)
+            torch.index_select(g_out[t0:t1], 0, order_M // K, out=rows[:, :D])
+            torch.index_select(top_w_TK[t0:t1].reshape(-1).to(dtype), 0, order_M, out=rows[:, D])
+            sends.append(rows)
         pending = {0: ep.all_to_all(sends[0], recv[0], send[0])}
         returned, g_parts, a_parts, dh_parts = {}, [], [], []
         dx_TD = torch.zeros_like(dout_TD, dtype=dtype)
@@ -262,10 +264,10 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             # the SwiGLU's input gradient and its output a (the down projection's input, for its weight gradient)
             dh, a = swiglu_backward(saved[3 * c + 1], grouped_linear_dx(g, w2, local[c], offs_CEl[c]))
             g_parts.append(g), a_parts.append(a), dh_parts.append(dh)
-            back_em = dout_TD.new_zeros((n, D + _EXTRA), dtype=dtype)
-            back_em[:, :D] = grouped_linear_dx(dh, w1, local[c], offs_CEl[c])
-            back_em[:, D] = dw
-            back = torch.empty_like(back_em).index_copy_(0, idx, back_em)
+            # dX and dL/dw back to source-major, placed straight into the send rows
+            back = dout_TD.new_empty((n, D + _EXTRA), dtype=dtype)
+            back[:, :D].index_copy_(0, idx, grouped_linear_dx(dh, w1, local[c], offs_CEl[c]))
+            back[:, D].index_copy_(0, idx, dw.to(dtype))
             returned[c] = ep.all_to_all(back, send[c], recv[c])
             if c > 0:
                 _scatter_back(dx_TD, dw_TK, ep.wait(returned.pop(c - 1)), orders[c - 1], bounds[c - 1], D)
