@@ -9,27 +9,15 @@ Usage: python bench/bench_expert_grads.py [--rows 262144] [--dim 2048] [--ffn 51
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from bench_gdn_fused import _time  # noqa: E402
 from kernels.expert_grads import slot_grads, swiglu_backward  # noqa: E402
-
-
-def _ms(fn, reps: int) -> float:
-    fn()
-    times = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b))
-    return statistics.median(times)
 
 
 def _rel(x, ref) -> float:
@@ -60,7 +48,7 @@ def main(argv=None):
         outs = {b: fn(b) for b in ("torch", "triton")}
         errs = [_rel(o, r) for o, r in zip(outs["triton"], outs["torch"])]
         del outs
-        t_torch, t_triton = _ms(lambda: fn("torch"), args.reps), _ms(lambda: fn("triton"), args.reps)
+        t_torch, t_triton = (_time(lambda b=b: fn(b), args.reps, warmup=1) for b in ("torch", "triton"))
         rows.append((name, t_torch, t_triton, min_bytes / t_triton / 1e9, errs))  # bytes / ms / 1e9 = TB/s
     print(f"# {torch.cuda.get_device_name()} | M={M} D={D} I={I} bf16 | median of {args.reps}")
     print("| op | torch ms | fused ms | torch / fused | fused TB/s (min bytes) | rel. diff of each output |")
