@@ -9,8 +9,10 @@ reports, beside the cost model's prediction for the same layout, hardware profil
   on another stream (CUDA only), against the model's `ep_exposed`;
 - every rank's peak allocated and reserved memory against the model's per-GPU peak.
 
-Every k runs on the same weights and data (the chunked dispatch is swapped in, as `launch.expert_parallel`'s test
-holds it bitwise equal to k = 1), so the rows differ only in the schedule. Each rank draws its own sequence (seed =
+Every k runs on the same weights and data (the chunked dispatch is swapped in), so the rows differ only in the
+schedule. Before timing each T, one forward and backward per k on the same weights checks that it computes what
+the first k does (loss and gradient norm within 1e-3; bitwise on CPU): the CPU tests cannot see a race between the
+communication and compute streams, and the bench exits non-zero, after its table, if any k is off. Each rank draws its own sequence (seed =
 rank), so routing and all-to-all volumes are those of a real step, not a copy to self.
 
     torchrun --nproc-per-node 2 bench/bench_ep_overlap.py --tokens 16384,32768,65536 --chunks 1,2,4,8 \\
@@ -34,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_ep_path import stream_summary  # noqa: E402
+from bench_ep_path import PARITY_TOL, check_parity, stream_summary  # noqa: E402
 from bench_train_step import _sync, _time  # noqa: E402
 
 
@@ -100,12 +102,18 @@ def main() -> None:
     dispatchers = ({k: type(first)(first.group, first.num_experts, k, first.comm_stream) for k in chunks}
                    if ep > 1 else {1: None})
 
-    rows = []
+    def use(dispatch):
+        for ex in experts:
+            ex.token_dispatch = dispatch
+
+    rows, off = [], []
     for T in [int(t) for t in args.tokens.split(",")]:
         batch = synthetic_long_batch(T, shape.vocab_size, device, seed=rank)
+        if len(chunks) > 1:  # every k against the first on the same weights: a timing of a wrong schedule is void
+            off += [f"{name} at {T:,} tokens" for name in
+                    check_parity(trainer, batch, [(f"k={k}", dispatchers[k]) for k in chunks], use, rank == 0)[1]]
         for k in chunks:
-            for ex in experts:
-                ex.token_dispatch = dispatchers[k]
+            use(dispatchers[k])
             trainer.step(batch)  # warm-up: compilation, autotuning, allocator growth
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
@@ -140,6 +148,9 @@ def main() -> None:
                                                   "device": torch.cuda.get_device_name(device)
                                                   if device.type == "cuda" else "cpu", "rows": rows}, indent=1))
     dist.destroy_process_group()
+    if off:
+        raise SystemExit(f"parity FAILED: {', '.join(off)} off k = {chunks[0]} by more than {PARITY_TOL:g} (loss or "
+                         f"gradient norm); those rows time a wrong computation")
 
 
 def report(rows: list[dict], shape, args) -> None:

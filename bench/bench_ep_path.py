@@ -30,6 +30,30 @@ from bench_train_step import _sync, _time  # noqa: E402
 PARITY_TOL = 1e-3
 
 
+def check_parity(trainer, batch, variants: list, use, echo: bool = True) -> tuple[dict, list[str]]:
+    """Loss and gradient norm of one forward and backward on the same weights and batch for each (name, token
+    dispatch) of `variants` (`use(dispatch)` installs one), each against the first; prints a line each (where `echo`). Returns
+    ({name: (loss, grad norm)}, the names off the first by more than PARITY_TOL). Gradients are zeroed after."""
+    parity = {}
+    for name, dispatch in variants:
+        use(dispatch)
+        trainer.optimizer.zero_grad()
+        m = trainer.forward_backward([batch])
+        parity[name] = (m["loss"], float(trainer.optimizer.grad_norm()))
+    trainer.optimizer.zero_grad()
+    off = []
+    first = variants[0][0]
+    loss0, gn0 = parity[first]
+    for name, (loss, gn) in parity.items():
+        rl, rg = abs(loss - loss0) / abs(loss0), abs(gn - gn0) / gn0
+        if echo:
+            print(f"parity {name}: loss {loss:.6f} grad norm {gn:.6f} (rel. to {first}: loss {rl:.2e}, grad norm "
+                  f"{rg:.2e})", flush=True)
+        if max(rl, rg) > PARITY_TOL:
+            off.append(name)
+    return parity, off
+
+
 def _category(name: str) -> str:
     n = name.lower()
     if "nccl" in n or "sendrecv" in n:
@@ -143,21 +167,7 @@ def main() -> None:
             ex.token_dispatch = dispatch
 
     # parity first, on the same weights: loss and gradient norm of the local path against each k
-    parity = {}
-    for name, dispatch in [("local", None)] + [(f"k={k}", dispatchers[k]) for k in chunks]:
-        use(dispatch)
-        trainer.optimizer.zero_grad()
-        m = trainer.forward_backward([batch])
-        parity[name] = (m["loss"], float(trainer.optimizer.grad_norm()))
-    trainer.optimizer.zero_grad()
-    off = []
-    loss0, gn0 = parity["local"]
-    for name, (loss, gn) in parity.items():
-        rl, rg = abs(loss - loss0) / abs(loss0), abs(gn - gn0) / gn0
-        print(f"parity {name}: loss {loss:.6f} grad norm {gn:.6f} (rel. to local: loss {rl:.2e}, grad norm "
-              f"{rg:.2e})", flush=True)
-        if max(rl, rg) > PARITY_TOL:
-            off.append(name)
+    parity, off = check_parity(trainer, batch, [("local", None)] + [(f"k={k}", dispatchers[k]) for k in chunks], use)
     results = []
     variants = [("local dispatch", None)] + [(f"EP path, k={k}", dispatchers[k]) for k in chunks]
     for name, dispatch in variants:
