@@ -8,8 +8,8 @@ and h16 are bf16 values times a power of two (8 significant bits). A dZ rounded 
 partial products in the tensor cores. This measures what that is worth, k = 11 (the head today) down to 8 (bf16's
 precision in fp16's range), beside bf16 operands throughout (QuACK's gradient GEMMs).
 
-The dZ is a group's softmax of logits of std 2 (the bench heads' inputs) times the power of two that puts its
-largest entry at 2^14, as the head scales it; the last row's token of each row gets p − 1.
+The dZ is a group's softmax of logits of std 2 (the bench heads' inputs), with p − 1 at a random target token of
+each row, times the power of two that puts its largest magnitude at 2^14, as the head scales it.
 
 Usage: python bench/bench_dz_bits.py [--vocab 248320] [--group 4096] [--bits 11 10 9 8] [--seconds 3] [--rounds 2]
 """

@@ -11,9 +11,10 @@ reports, beside the cost model's prediction for the same layout, hardware profil
 
 Every k runs on the same weights and data (the chunked dispatch is swapped in), so the rows differ only in the
 schedule. Before timing each T, one forward and backward per k on the same weights checks that it computes what
-the first k does (loss and gradient norm within 1e-3; bitwise on CPU): the CPU tests cannot see a race between the
-communication and compute streams, and the bench exits non-zero, after its table, if any k is off. Each rank draws its own sequence (seed =
-rank), so routing and all-to-all volumes are those of a real step, not a copy to self.
+the first k does (loss and gradient norm within 1e-3): the CPU tests cannot see a race between the communication
+and compute streams, and the bench exits non-zero, after its table, if any k is off. The step holds one sequence
+a rank (rank r runs the one drawn with seed r, at loss weight 1/world), so routing and all-to-all volumes are those
+of a real step, not a copy to self, and every rank's rows reach the gradients the check compares.
 
     torchrun --nproc-per-node 2 bench/bench_ep_overlap.py --tokens 16384,32768,65536 --chunks 1,2,4,8 \\
         --hw h200 --out ep_overlap.json
@@ -108,7 +109,8 @@ def main() -> None:
 
     rows, off = [], []
     for T in [int(t) for t in args.tokens.split(",")]:
-        batch = synthetic_long_batch(T, shape.vocab_size, device, seed=rank)
+        # the step's micro-batches, one a rank (the same list on every rank; rank r runs the r-th, weight 1/world)
+        batch = [synthetic_long_batch(T, shape.vocab_size, device, seed=r) for r in range(world)]
         if len(chunks) > 1:  # every k against the first on the same weights: a timing of a wrong schedule is void
             off += [f"{name} at {T:,} tokens" for name in
                     check_parity(trainer, batch, [(f"k={k}", dispatchers[k]) for k in chunks], use, rank == 0)[1]]

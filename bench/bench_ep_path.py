@@ -30,15 +30,16 @@ from bench_train_step import _sync, _time  # noqa: E402
 PARITY_TOL = 1e-3
 
 
-def check_parity(trainer, batch, variants: list, use, echo: bool = True) -> tuple[dict, list[str]]:
-    """Loss and gradient norm of one forward and backward on the same weights and batch for each (name, token
-    dispatch) of `variants` (`use(dispatch)` installs one), each against the first; prints a line each (where `echo`). Returns
-    ({name: (loss, grad norm)}, the names off the first by more than PARITY_TOL). Gradients are zeroed after."""
+def check_parity(trainer, batches: list, variants: list, use, echo: bool = True) -> tuple[dict, list[str]]:
+    """Loss and gradient norm of one forward and backward of the step `batches` (the same list on every rank) on
+    the same weights for each (name, token dispatch) of `variants` (`use(dispatch)` installs one), each against
+    the first; prints a line each where `echo`. Returns ({name: (loss, grad norm)}, the names off the first by
+    more than PARITY_TOL). Gradients are zeroed after."""
     parity = {}
     for name, dispatch in variants:
         use(dispatch)
         trainer.optimizer.zero_grad()
-        m = trainer.forward_backward([batch])
+        m = trainer.forward_backward(batches)
         parity[name] = (m["loss"], float(trainer.optimizer.grad_norm()))
     trainer.optimizer.zero_grad()
     off = []
@@ -131,8 +132,8 @@ def main() -> None:
     args = p.parse_args()
 
     from launch.data import synthetic_long_batch
-    from launch.model import build_model
-    from launch.parallel import build_meshes, init_distributed, moe_layers, parallelize
+    from launch.job import build_parallel_model
+    from launch.parallel import build_meshes, init_distributed, moe_layers
     from launch.train import TrainConfig, Trainer
     from recipe.models import resolve_model
 
@@ -146,14 +147,14 @@ def main() -> None:
     init_distributed(device.type)
     shape = resolve_model(args.model).with_layers(args.layers)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    model = build_model(shape, device=device, dtype=dtype, seed=0)
     chunks = [int(c) for c in args.chunks.split(",")]
     import types
 
     layout = types.SimpleNamespace(pp=1, tp=1, cp=1, ep=1, dp=1, etp=1, edp=1, world=1)
     plan = types.SimpleNamespace(layout=layout, train=types.SimpleNamespace(recompute="full",
                                                                             ep_overlap_chunks=chunks[0]))
-    model = parallelize(model, plan, build_meshes(layout, device.type), ep_dispatch=True)
+    model = build_parallel_model(shape, plan, build_meshes(layout, device.type), device, dtype, seed=0,
+                                 ep_dispatch=True)
     dispatchers = {k: None for k in chunks}
     experts = moe_layers(model)
     first = experts[0].token_dispatch
@@ -167,7 +168,7 @@ def main() -> None:
             ex.token_dispatch = dispatch
 
     # parity first, on the same weights: loss and gradient norm of the local path against each k
-    parity, off = check_parity(trainer, batch, [("local", None)] + [(f"k={k}", dispatchers[k]) for k in chunks], use)
+    parity, off = check_parity(trainer, [batch], [("local", None)] + [(f"k={k}", dispatchers[k]) for k in chunks], use)
     results = []
     variants = [("local dispatch", None)] + [(f"EP path, k={k}", dispatchers[k]) for k in chunks]
     for name, dispatch in variants:

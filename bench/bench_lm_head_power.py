@@ -27,7 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import kernels  # noqa: E402
-from bench._lm_head_common import REASONS, add_shape_args, head_inputs, load_module, quack_peers, sustained  # noqa: E402
+from bench._lm_head_common import (REASONS, add_shape_args, head_inputs, load_module, quack_peers,  # noqa: E402
+                                   sustained)
+
 
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)

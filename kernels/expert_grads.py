@@ -44,6 +44,12 @@ def swiglu_backward_torch(h_MF: torch.Tensor, da_MI: torch.Tensor):
 def slot_grads(dout_MD: torch.Tensor, w_M1: torch.Tensor, y_MD: torch.Tensor, backend: str | None = None):
     """(g [M, D] in dout's dtype, dw [M] fp32). dout and w may be column slices of one row buffer (any row
     stride, unit column stride); w is [M, 1]."""
+    M = dout_MD.shape[0]
+    if y_MD.shape != dout_MD.shape or tuple(w_M1.shape) != (M, 1):
+        raise ValueError(f"dout {tuple(dout_MD.shape)} and y {tuple(y_MD.shape)} must be one [M, D] shape and w "
+                         f"{tuple(w_M1.shape)} [M, 1]")
+    if not dout_MD.dtype == w_M1.dtype == y_MD.dtype:
+        raise ValueError(f"dout, w and y must share a dtype, got {dout_MD.dtype}, {w_M1.dtype}, {y_MD.dtype}")
     if _pick_backend(dout_MD, backend) == "torch":
         return slot_grads_torch(dout_MD, w_M1, y_MD)
     from kernels import expert_grads_triton

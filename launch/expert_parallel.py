@@ -127,8 +127,8 @@ class ExpertParallel:
         That wait also guards the receive buffer: it comes from the compute stream's pool, where its memory may
         have been freed by a tensor that kernels queued earlier on the compute stream still read or write; the
         transfer must not write it before they ran. (Waiting on an earlier event instead, one recorded before the
-        chunk loop, let a dispatch pre-issued in the loop overwrite a previous chunk's freed temporaries while
-        its GEMMs still read them.)"""
+        chunk loop, let the recomputed forward's dispatch D(c+3), with no combine queued between, overwrite chunk
+        c's freed receive buffer before chunk c's regroup had read it.)"""
         out = x.new_empty((sum(out_splits), *x.shape[1:]))
         if self.comm_stream is None:
             dist.all_to_all_single(out, x, out_splits, in_splits, group=self.group)

@@ -193,9 +193,9 @@ def _saved_world(path: Path) -> str:
 
 
 def build_parallel_model(shape, plan, meshes, device: torch.device, dtype: torch.dtype, seed: int, **kw):
-    """The model of `shape` with the plan's layout on this rank. One process (meshes None, or a world of one) keeps `dtype`
-    parameters (with fp32 masters beside them, in the trainer); under FSDP2 the fp32 shards are the masters and
-    `dtype` exists only while a layer is gathered. Distributed, the model is built on the meta device and
+    """The model of `shape` with the plan's layout on this rank. One process (meshes None, or a world of one)
+    keeps `dtype` parameters (with fp32 masters beside them, in the trainer); under FSDP2 the fp32 shards are the
+    masters and `dtype` exists only while a layer is gathered. Distributed, the model is built on the meta device and
     parallelized before any weight exists, so no rank ever holds the whole model: each allocates and initializes
     (or loads) only its shards, and they equal the whole model's (launch.model.init_parameters). `kw` goes to
     parallelize (ep_dispatch)."""

@@ -142,7 +142,7 @@ class Progress:
         mems = [r["peak_mem_gb"] for r in self.rows if isinstance(r.get("peak_mem_gb"), (int, float))]
         return {"peak_mem_gb": max(mems) if mems else None, "tokens_per_s_per_gpu": median("tokens_per_s_per_gpu"),
                 "tflops_per_gpu": median("tflops_per_gpu"), "step_time_s": median("step_time_s"),
-                "warm_steps": len(self.rows) - 1 if len(self.rows) > 1 else 0}
+                "warm_steps": max(len(self.rows) - 1, 0) if self.rows else None}
 
     # ---- closing ----
     def close(self) -> None:

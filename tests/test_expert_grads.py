@@ -43,7 +43,7 @@ def slot_checks():
             dout, w = _rows(M, D, dtype)
             y = torch.randn(M, D).to(dtype)
             g, dw = slot_grads(dout, w, y, backend="triton")
-            g_ref, dw_ref = slot_grads_torch(dout, w, y)
+            g_ref = slot_grads_torch(dout, w, y)[0]
             assert g.dtype == dtype and dw.dtype == torch.float32 and dw.shape == (M,)
             dw64 = (dout.double() * y.double()).sum(-1)
             assert _rel(dw, dw64) <= 1e-6, (M, D, dtype, _rel(dw, dw64))
@@ -82,6 +82,7 @@ def interpreter_results() -> dict[str, str]:
     return interpreter.run(Path(__file__), list(INTERPRETER_CHECKS))
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("name", list(INTERPRETER_CHECKS))
 def test_triton_kernels_interpreter(name, interpreter_results):
     import interpreter

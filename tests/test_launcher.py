@@ -651,7 +651,6 @@ def test_checkpoint_round_trip_at_world_1(tmp_path):
 
 
 def test_a_crash_mid_save_leaves_the_last_checkpoint_whole(tmp_path, monkeypatch):
-    import torch
     from torch.distributed.checkpoint import FileSystemWriter
 
     from launch import checkpoint as ck
@@ -901,3 +900,5 @@ def test_summary_of_one_step_compares_memory_only():
     assert p.measured()["warm_steps"] == 0 and p.measured()["tokens_per_s_per_gpu"] == 5.0
     p.rows = [{"tokens_per_s_per_gpu": 5.0}, {"tokens_per_s_per_gpu": 50.0}, {"tokens_per_s_per_gpu": 70.0}]
     assert p.measured()["warm_steps"] == 2 and p.measured()["tokens_per_s_per_gpu"] == 60.0
+    p.rows = []  # no step ran (a resumed run already at --steps): nothing to call cold
+    assert p.measured()["warm_steps"] is None and "(one step" not in summary(p.measured(), pred)

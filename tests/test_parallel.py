@@ -292,6 +292,25 @@ def test_parallelize_refuses_ep_without_a_process_group():
         parallelize(build_model(PRESETS["tiny-moe"]), plan, None, ep_dispatch=True)
 
 
+def test_a_world_of_one_builds_its_parameters_in_the_compute_dtype():
+    """FSDP2 (which casts parameters for compute) is not applied at world size 1, so a rank alone must build
+    `dtype` parameters itself, with meshes or without; building on the meta device and materializing, as the
+    distributed branch does, would leave every GEMM in fp32. Both branches build the same weights."""
+    from launch.job import build_parallel_model
+    from recipe.models import PRESETS
+
+    plan = types.SimpleNamespace(layout=LayoutSpec(pp=1, tp=1, cp=1, ep=1, dp=1, etp=1, edp=1),
+                                 train=types.SimpleNamespace(recompute="full", ep_overlap_chunks=1))
+    alone = types.SimpleNamespace(world=1)  # the meshes of a one-rank group, as far as parallelize looks
+    shape = PRESETS["tiny-moe"]
+    models = [build_parallel_model(shape, plan, meshes, torch.device("cpu"), torch.bfloat16, seed=3)
+              for meshes in (None, alone)]
+    for model in models:
+        assert {p.dtype for p in model.parameters()} == {torch.bfloat16}
+    a, b = (m.state_dict() for m in models)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_grouped_gemms_by_expert_with_idle_experts():
     torch.manual_seed(0)
     counts = [3, 0, 5, 1]
