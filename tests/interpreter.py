@@ -52,3 +52,23 @@ def assert_ok(results: dict[str, str], name: str) -> None:
     line = results.get(name)
     assert line is not None, f"{name} did not report (the process ended early): {results['<stderr>']}"
     assert line == f"ok {name}", line
+
+
+def pytest_cases(script: Path | str, checks: dict):
+    """The module-scoped fixture that runs `checks` of `script` in one interpreter subprocess, and the slow test
+    parametrized over them that asserts each one's line. A test module binds both at its top level:
+
+        interpreter_results, test_triton_kernels_interpreter = interpreter.pytest_cases(__file__, CHECKS)
+    """
+    import pytest
+
+    @pytest.fixture(scope="module")
+    def interpreter_results() -> dict[str, str]:
+        return run(script, list(checks))
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize("name", list(checks))
+    def test_triton_kernels_interpreter(name, interpreter_results):
+        assert_ok(interpreter_results, name)
+
+    return interpreter_results, test_triton_kernels_interpreter

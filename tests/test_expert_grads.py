@@ -12,11 +12,11 @@ reference on the same bf16 inputs, and dw within 1e-6 of an fp64 reference.
 from __future__ import annotations
 
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+import interpreter
 from kernels.expert_grads import slot_grads, slot_grads_torch, swiglu_backward, swiglu_backward_torch
 
 
@@ -75,19 +75,7 @@ def swiglu_checks():
 INTERPRETER_CHECKS = {f.__name__: f for f in (slot_checks, swiglu_checks)}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    import interpreter
-
-    return interpreter.run(Path(__file__), list(INTERPRETER_CHECKS))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(INTERPRETER_CHECKS))
-def test_triton_kernels_interpreter(name, interpreter_results):
-    import interpreter
-
-    interpreter.assert_ok(interpreter_results, name)
+interpreter_results, test_triton_kernels_interpreter = interpreter.pytest_cases(__file__, INTERPRETER_CHECKS)
 
 
 def test_swiglu_backward_is_the_gradient_of_swiglu():

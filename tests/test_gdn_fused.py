@@ -14,11 +14,11 @@ from __future__ import annotations
 
 import os
 import sys
-from pathlib import Path
 
 import pytest
 import torch
 
+import interpreter
 from kernels.gdn_fused import (causal_conv1d_silu, causal_conv1d_silu_torch, gated_rms_norm,
                                gated_rms_norm_torch)
 
@@ -131,19 +131,7 @@ def cpu_path_never_imports_triton() -> None:
 INTERPRETER_CHECKS = {f.__name__: f for f in (cpu_path_never_imports_triton, conv_checks, norm_checks)}
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    import interpreter
-
-    return interpreter.run(Path(__file__), list(INTERPRETER_CHECKS))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(INTERPRETER_CHECKS))
-def test_triton_kernels_interpreter(name, interpreter_results):
-    import interpreter
-
-    interpreter.assert_ok(interpreter_results, name)
+interpreter_results, test_triton_kernels_interpreter = interpreter.pytest_cases(__file__, INTERPRETER_CHECKS)
 
 
 def test_torch_path_is_the_model_conv():

@@ -12,15 +12,8 @@ from lm_head_checks import REPO, check_cross_entropy, check_logprobs, check_poli
 from lm_head_interpreter import CHECKS
 
 
-@pytest.fixture(scope="module")
-def interpreter_results() -> dict[str, str]:
-    return interpreter.run(REPO / "tests" / "lm_head_interpreter.py", list(CHECKS))
-
-
-@pytest.mark.slow
-@pytest.mark.parametrize("name", list(CHECKS))
-def test_triton_kernels_interpreter(name, interpreter_results):
-    interpreter.assert_ok(interpreter_results, name)
+interpreter_results, test_triton_kernels_interpreter = interpreter.pytest_cases(
+    REPO / "tests" / "lm_head_interpreter.py", CHECKS)
 
 
 # ------------------------------------------------------------------------------------------ GPU (bf16)
