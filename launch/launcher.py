@@ -333,10 +333,7 @@ def check_checkpoint_room(plan, plan_path, opts: LaunchOptions, free: int | None
     if not need:
         return []
     if free is None:
-        where = Path(opts.out).absolute()
-        while not where.exists():
-            where = where.parent
-        free = shutil.disk_usage(where).free
+        free = shutil.disk_usage(nearest_existing(Path(opts.out))).free
     every = opts.checkpoint_every
     # the multiples of --checkpoint-every in (start, steps], and the last step when it is not one of them
     saves = (opts.steps // every - start // every + (opts.steps % every != 0)) if every else 1
@@ -551,6 +548,10 @@ def check_out_dir(opts: LaunchOptions) -> int | None:
     out = Path(opts.out)
     if out.exists() and not out.is_dir():
         raise LaunchError(f"--out {out} is a file; the run needs a folder")
+    where = nearest_existing(out)
+    if not _writable(where):
+        what = "is not writable" if where == out.absolute() else f"cannot be created: {where} is not writable"
+        raise LaunchError(f"--out {out} {what}; give another --out")
     metrics = out / "metrics.jsonl"
     if metrics.is_dir():
         raise LaunchError(f"{metrics} is a directory; the run writes its metrics file there")
@@ -570,6 +571,23 @@ def check_out_dir(opts: LaunchOptions) -> int | None:
         raise LaunchError(f"--resume: the last checkpoint is at step {step} and --steps is {opts.steps}: nothing "
                           f"left to run (--steps is the run's total)")
     return step
+
+
+def nearest_existing(path: Path) -> Path:
+    """`path` made absolute, or its nearest ancestor that exists (the folder a run would be created in)."""
+    where = path.absolute()
+    while not where.exists():
+        where = where.parent
+    return where
+
+
+def _writable(folder: Path) -> bool:
+    """Whether this process may create entries in `folder`: its permission bits allow it and its filesystem is not
+    mounted read-only (root passes the first test everywhere)."""
+    try:
+        return os.access(folder, os.W_OK | os.X_OK) and not os.statvfs(folder).f_flag & os.ST_RDONLY
+    except OSError:
+        return False
 
 
 def _model_shape(plan, plan_path):

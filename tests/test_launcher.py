@@ -499,6 +499,23 @@ def test_existing_export_metrics_dir_and_out_file(tmp_path, no_launch):
     one_line_error(launch(str(CPU_PLAN), "--dry-run", "--out", str(tmp_path / "f")), "is a file")
 
 
+def test_an_out_folder_that_cannot_be_written(tmp_path, monkeypatch, no_launch):
+    """--out in a folder this process may not write (its permission bits here; a read-only mount alike): refused in
+    one line before anything starts, whether --out exists or would be created in it."""
+    import launch.launcher as launcher
+
+    ro = tmp_path / "ro"
+    (ro / "old").mkdir(parents=True)
+    real = os.access
+    monkeypatch.setattr(launcher.os, "access",
+                        lambda p, mode: False if Path(p) in (ro, ro / "old") and mode & os.W_OK else real(p, mode))
+    one_line_error(launch(str(CPU_PLAN), "--dry-run", "--out", str(ro / "new" / "run")),
+                   f"--out {ro / 'new' / 'run'} cannot be created: {ro} is not writable")
+    one_line_error(launch(str(CPU_PLAN), "--dry-run", "--out", str(ro / "old")), f"--out {ro / 'old'} is not writable")
+    assert sorted(p.name for p in ro.iterdir()) == ["old"]  # nothing created
+    assert launch(str(CPU_PLAN), "--dry-run", "--out", str(tmp_path / "fine")).exit_code == 0
+
+
 @pytest.mark.parametrize("args, needle", [
     (("--steps", "0"), "--steps must be positive, got 0"),
     (("--steps", "-3"), "--steps must be positive, got -3"),
