@@ -37,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 import torch.distributed as dist  # noqa: E402
-from bench_ep_path import PARITY_TOL, check_parity, stream_summary  # noqa: E402
+from bench_ep_path import PARITY_TOL, check_parity, chunked_dispatchers, install, stream_summary  # noqa: E402
 from bench_train_step import _sync, _time  # noqa: E402
 
 
@@ -99,13 +99,7 @@ def main() -> None:
     trainer = Trainer(model, TrainConfig(lr=1e-6), recompute="full", lm_head="fused", dp_rank=meshes.dp_rank,
                       dp_size=meshes.dp_size, dp_group=meshes.dp_group, metrics_group=meshes.data_group)
     experts = moe_layers(model)
-    first = experts[0].token_dispatch
-    dispatchers = ({k: type(first)(first.group, first.num_experts, k, first.comm_stream) for k in chunks}
-                   if ep > 1 else {1: None})
-
-    def use(dispatch):
-        for ex in experts:
-            ex.token_dispatch = dispatch
+    dispatchers = chunked_dispatchers(experts, chunks) if ep > 1 else {1: None}
 
     rows, off = [], []
     for T in [int(t) for t in args.tokens.split(",")]:
@@ -113,9 +107,9 @@ def main() -> None:
         batch = [synthetic_long_batch(T, shape.vocab_size, device, seed=r) for r in range(world)]
         if len(chunks) > 1:  # every k against the first on the same weights: a timing of a wrong schedule is void
             off += [f"{name} at {T:,} tokens" for name in
-                    check_parity(trainer, batch, [(f"k={k}", dispatchers[k]) for k in chunks], use, rank == 0)[1]]
+                    check_parity(trainer, batch, experts, [(f"k={k}", dispatchers[k]) for k in chunks], rank == 0)[1]]
         for k in chunks:
-            use(dispatchers[k])
+            install(experts, dispatchers[k])
             trainer.step(batch)  # warm-up: compilation, autotuning, allocator growth
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)

@@ -30,14 +30,27 @@ from bench_train_step import _sync, _time  # noqa: E402
 PARITY_TOL = 1e-3
 
 
-def check_parity(trainer, batches: list, variants: list, use, echo: bool = True) -> tuple[dict, list[str]]:
+def install(experts: list, dispatch) -> None:
+    """Every MoE layer's token dispatch (None: the local one)."""
+    for ex in experts:
+        ex.token_dispatch = dispatch
+
+
+def chunked_dispatchers(experts: list, chunks: list[int]) -> dict:
+    """k -> an ExpertParallel dispatch with k chunks on the group and communication stream that parallelize gave
+    the first layer (one dispatch object serves every layer: it holds no per-layer state)."""
+    first = experts[0].token_dispatch
+    return {k: type(first)(first.group, first.num_experts, k, first.comm_stream) for k in chunks}
+
+
+def check_parity(trainer, batches: list, experts: list, variants: list, echo: bool = True) -> tuple[dict, list[str]]:
     """Loss and gradient norm of one forward and backward of the step `batches` (the same list on every rank) on
-    the same weights for each (name, token dispatch) of `variants` (`use(dispatch)` installs one), each against
-    the first; prints a line each where `echo`. Returns ({name: (loss, grad norm)}, the names off the first by
-    more than PARITY_TOL). Gradients are zeroed after."""
+    the same weights for each (name, token dispatch) of `variants` (installed in `experts`), each against the
+    first; prints a line each where `echo`. Returns ({name: (loss, grad norm)}, the names off the first by more
+    than PARITY_TOL). Gradients are zeroed after."""
     parity = {}
     for name, dispatch in variants:
-        use(dispatch)
+        install(experts, dispatch)
         trainer.optimizer.zero_grad()
         m = trainer.forward_backward(batches)
         parity[name] = (m["loss"], float(trainer.optimizer.grad_norm()))
@@ -155,24 +168,18 @@ def main() -> None:
                                                                             ep_overlap_chunks=chunks[0]))
     model = build_parallel_model(shape, plan, build_meshes(layout, device.type), device, dtype, seed=0,
                                  ep_dispatch=True)
-    dispatchers = {k: None for k in chunks}
     experts = moe_layers(model)
-    first = experts[0].token_dispatch
-    for k in chunks:
-        dispatchers[k] = type(first)(first.group, first.num_experts, k, first.comm_stream)
+    dispatchers = chunked_dispatchers(experts, chunks)
     trainer = Trainer(model, TrainConfig(lr=1e-6), recompute="full", lm_head="fused")
     batch = synthetic_long_batch(args.seq, shape.vocab_size, device)
 
-    def use(dispatch):
-        for ex in experts:
-            ex.token_dispatch = dispatch
-
     # parity first, on the same weights: loss and gradient norm of the local path against each k
-    parity, off = check_parity(trainer, [batch], [("local", None)] + [(f"k={k}", dispatchers[k]) for k in chunks], use)
+    parity, off = check_parity(trainer, [batch], experts,
+                               [("local", None)] + [(f"k={k}", dispatchers[k]) for k in chunks])
     results = []
     variants = [("local dispatch", None)] + [(f"EP path, k={k}", dispatchers[k]) for k in chunks]
     for name, dispatch in variants:
-        use(dispatch)
+        install(experts, dispatch)
         trainer.step(batch)  # warm-up
         if device.type == "cuda":
             torch.cuda.reset_peak_memory_stats()
@@ -193,7 +200,7 @@ def main() -> None:
         from torch.profiler import ProfilerActivity, profile
 
         for tag, dispatch in (("local", None), ("ep", dispatchers[chunks[-1]])):
-            use(dispatch)
+            install(experts, dispatch)
             with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
                 trainer.step(batch)
                 _sync(device)

@@ -242,7 +242,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         # D': each slot gets its token's output gradient and its routing weight (column D), gathered straight into
         # the send rows in expert order (the padding columns travel unread)
         sends = []
-        g_out = dout_TD if dout_TD.dtype == dtype else dout_TD.to(dtype)
+        g_out = dout_TD.to(dtype)  # (itself when it is already)
         for (t0, t1), order_M in zip(bounds, orders):
             rows = dout_TD.new_empty((len(order_M), D + _EXTRA), dtype=dtype)
             torch.index_select(g_out[t0:t1], 0, order_M // K, out=rows[:, :D])
