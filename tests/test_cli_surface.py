@@ -16,10 +16,9 @@ RECIPE = {
     "hw": ["--format", "-f", "show"],
     "launch": ["--aggregation", "--checkpoint-every", "--clip-high", "--clip-low", "--data", "--device", "--dry-run",
                "--dtype", "--emit", "--entropy-coef", "--export", "--hf-checkpoint", "--keep-last", "--kl-coef",
-               "--kl-estimator", "--lr", "--max-grad-norm", "--max-restarts", "--nnodes", "--no-checkpoint", "--node-rank", "--objective",
-               "--on-nonfinite", "--out",
-               "--rdzv-endpoint", "--resume", "--rollouts-per-step", "--seed", "--steps", "--temperature", "--tis-cap",
-               "--weight-decay", "plan"],
+               "--kl-estimator", "--lr", "--max-grad-norm", "--max-restarts", "--nnodes", "--no-checkpoint",
+               "--node-rank", "--objective", "--on-nonfinite", "--out", "--rdzv-endpoint", "--resume",
+               "--rollouts-per-step", "--seed", "--steps", "--temperature", "--tis-cap", "--weight-decay", "plan"],
     "models": ["--format", "-f", "model"],
     "solve": ["--cp", "--ep", "--ep-chunks", "--explain", "--format", "--gpus", "--hw", "--layers", "--lm-head",
               "--micro-batch-tokens", "--micro-batches", "--model", "--output", "--pp", "--recompute", "--seq", "--tp",
@@ -31,8 +30,7 @@ RECIPE = {
 
 TRAIN = ["--aggregation", "--checkpoint-every", "--clip-high", "--clip-low", "--data", "--device", "--dtype",
          "--entropy-coef", "--export", "--help", "--hf-checkpoint", "--keep-last", "--kl-coef", "--kl-estimator",
-         "--lr",
-         "--max-grad-norm", "--no-checkpoint", "--objective", "--on-nonfinite", "--out", "--resume",
+         "--lr", "--max-grad-norm", "--no-checkpoint", "--objective", "--on-nonfinite", "--out", "--resume",
          "--rollouts-per-step", "--seed", "--steps", "--temperature", "--tis-cap", "--weight-decay", "-h", "plan"]
 
 
