@@ -205,16 +205,16 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         recompute = torch._C._current_graph_task_id() != -1
         rt = ep.route(top_e_TK)
         C = len(rt.bounds)
-        sends = [x_TD[token_M] for _, token_M in rt.orders]  # [M_c, D] sorted by global expert
-        pending = {0: ep.all_to_all(sends[0], rt.recv[0], rt.send[0])}
+        # each chunk's send rows ([M_c, D], sorted by global expert) are gathered just before their transfer is
+        # queued and dropped once it is (record_stream keeps them alive for it): one chunk's rows at a time
+        pending = {0: ep.all_to_all(x_TD[rt.orders[0][1]], rt.recv[0], rt.send[0])}
         combined, saved = {}, []
         out_TD = torch.zeros_like(x_TD)
         for c in range(C):
             if c + 1 < C:
-                pending[c + 1] = ep.all_to_all(sends[c + 1], rt.recv[c + 1], rt.send[c + 1])
-            rows_src = ep.wait(pending.pop(c))
+                pending[c + 1] = ep.all_to_all(x_TD[rt.orders[c + 1][1]], rt.recv[c + 1], rt.send[c + 1])
             idx = regroup_index(rt.recv_RCEl[:, c], (1, 0), sum(rt.recv[c]))
-            x_em = rows_src[idx]
+            x_em = ep.wait(pending.pop(c))[idx]
             h_em = grouped_linear(x_em, w1_EFD, rt.local[c], rt.offs_CEl[c])
             gate, up = h_em.chunk(2, dim=-1)
             y_em = grouped_linear(F.silu(gate) * up, w2_EDI, rt.local[c], rt.offs_CEl[c])
@@ -239,28 +239,31 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         C, D, K, dtype = len(bounds), dout_TD.shape[1], top_w_TK.shape[1], saved[2].dtype
         # the slot order of each chunk again (a stable sort by expert id: the order of the forward)
         orders = [torch.argsort(top_e_TK[t0:t1].reshape(-1), stable=True) for t0, t1 in bounds]
-        # D': each slot gets its token's output gradient and its routing weight (column D), gathered straight into
-        # the send rows in expert order (the padding columns travel unread)
-        sends = []
         g_out = dout_TD.to(dtype)  # (itself when it is already)
-        for (t0, t1), order_M in zip(bounds, orders):
+
+        def send_rows(c):
+            # D': each slot gets its token's output gradient and its routing weight (column D), gathered straight
+            # into the send rows in expert order (the padding columns travel unread); as in the forward, built
+            # just before the transfer is queued and dropped once it is
+            (t0, t1), order_M = bounds[c], orders[c]
             rows = dout_TD.new_empty((len(order_M), D + _EXTRA), dtype=dtype)
             torch.index_select(g_out[t0:t1], 0, order_M // K, out=rows[:, :D])
             torch.index_select(top_w_TK[t0:t1].reshape(-1).to(dtype), 0, order_M, out=rows[:, D])
-            sends.append(rows)
-        pending = {0: ep.all_to_all(sends[0], recv[0], send[0])}
+            return rows
+
+        pending = {0: ep.all_to_all(send_rows(0), recv[0], send[0])}
         returned, g_parts, a_parts, dh_parts = {}, [], [], []
         dx_TD = torch.zeros_like(dout_TD, dtype=dtype)
         dw_TK = torch.zeros_like(top_w_TK)
         for c in range(C):
             if c + 1 < C:
-                pending[c + 1] = ep.all_to_all(sends[c + 1], recv[c + 1], send[c + 1])
-            rows_src = ep.wait(pending.pop(c))
+                pending[c + 1] = ep.all_to_all(send_rows(c + 1), recv[c + 1], send[c + 1])
             n = sum(recv[c])
             idx = regroup_index(recv_RCEl[:, c], (1, 0), n)
-            rows = rows_src[idx]
+            rows = ep.wait(pending.pop(c))[idx]
             # g = dL/dy of each slot, dw = dL/dw_tk = dL/dout_t · y_tk (fp32)
             g, dw = slot_grads(rows[:, :D], rows[:, D:D + 1], saved[3 * c + 2])
+            del rows
             # the SwiGLU's input gradient and its output a (the down projection's input, for its weight gradient)
             dh, a = swiglu_backward(saved[3 * c + 1], grouped_linear_dx(g, w2, local[c], offs_CEl[c]))
             g_parts.append(g), a_parts.append(a), dh_parts.append(dh)
@@ -269,18 +272,27 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             back[:, :D].index_copy_(0, idx, grouped_linear_dx(dh, w1, local[c], offs_CEl[c]))
             back[:, D].index_copy_(0, idx, dw.to(dtype))
             returned[c] = ep.all_to_all(back, send[c], recv[c])
+            del back
             if c > 0:
                 _scatter_back(dx_TD, dw_TK, ep.wait(returned.pop(c - 1)), orders[c - 1], bounds[c - 1], D)
         # weight gradients once, over every chunk's rows in one-chunk order (expert, source rank, chunk)
         El = w1.shape[0]
         per_expert = [sum(local[c][e] for c in range(C)) for e in range(El)]
         if C == 1:  # one chunk's rows are already in that order
-            xs, gs, acts, dhs = saved[0], g_parts[0], a_parts[0], dh_parts[0]
+            xs, gs, acts, dhs = saved[0], g_parts.pop(), a_parts.pop(), dh_parts.pop()
         else:
             perm = regroup_index(recv_RCEl.permute(1, 2, 0), (1, 2, 0), sum(map(sum, recv)))
-            xs, gs, acts, dhs = (torch.cat(parts)[perm] for parts in (saved[0::3], g_parts, a_parts, dh_parts))
+
+            def ordered(parts):  # the chunks' rows in that order; the chunks' own copies go as soon as it is made
+                whole = torch.cat(parts)[perm]
+                parts.clear()
+                return whole
+
+            xs, gs, acts, dhs = ordered(list(saved[0::3])), ordered(g_parts), ordered(a_parts), ordered(dh_parts)
         dw2 = grouped_weight_grad(gs, acts, per_expert, offs_El)
+        del gs, acts
         dw1 = grouped_weight_grad(dhs, xs, per_expert, offs_El)
+        del dhs, xs
         _scatter_back(dx_TD, dw_TK, ep.wait(returned.pop(C - 1)), orders[C - 1], bounds[C - 1], D)
         return dx_TD.to(dout_TD.dtype), dw_TK, None, dw1.to(w1.dtype), dw2.to(w2.dtype), None
 
