@@ -316,26 +316,21 @@ def refresh(path: str, hw: str | None) -> None:
           f"{data['errors']['fit']['time']:.3f}, held out {data['errors']['held_out']['time']:.3f})")
 
 
-FIT_TERMS = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "ep_dispatch", "layer_passes",
+FIT_TERMS = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "ep_passes", "layer_passes",
              "optimizer")
+# The operations the grid's components time alone (bench_train_step.profile_components), by component name: their
+# rates are measured directly, not fitted. Every part of the step scales with tokens × layers, so over two models
+# the step times alone cannot tell the routed experts' rate from the delta rule's and the other matmuls' (a free fit
+# of all of them lands on a free delta rule and experts above the peak).
+ANCHORS = {"expert_gemm": "routed experts (grouped GEMMs)", "delta_rule": "delta rule (kernel only)"}
 
 
-def fit(path: str) -> dict:
-    """The per-operation efficiencies that best reproduce the measured step times of the grid's `fit` points
-    (the held-out points are left out): the step at world size 1 is linear in the inverse rates,
-    step = Σ work_op / rate_op + layer_passes · latency + optimizer bytes / rate_opt, so a non-negative least
-    squares fit of the inverse rates to the relative step times (each row divided by its measurement) finds them.
-    Prints the efficiencies in the profile's terms (fractions of the dense bf16 peak or of the HBM bandwidth,
-    ms per layer pass) and the fitted and held-out errors they give."""
-    import numpy as np
-
+def _work_rows(data: dict, hw) -> tuple[list[dict], list[dict]]:
+    """(each measured point's work by operation, with the optimizer's bytes; the points themselves)."""
     from recipe.cost import ADAM_BYTES_MOVED, Layout, TrainOptions, compute_work, local_param_count
-    from recipe.hw import load_profile
     from recipe.models import resolve_model
 
-    data = json.loads(Path(path).read_text())
-    hw = load_profile(data.get("hw") or Path(path).stem)
-    rows, ys, roles = [], [], []
+    rows, points = [], []
     for r in data["points"]:
         if "step_s" not in r:
             continue
@@ -343,12 +338,51 @@ def fit(path: str) -> dict:
         opts = TrainOptions(micro_batch_tokens=int(r["seq"]), recompute=r["recompute"], lm_head=r["lm_head"])
         work = compute_work(m, Layout(), opts, ep_path=bool(r["ep_path"]))
         work["optimizer"] = local_param_count(m, 1, Layout()) * ADAM_BYTES_MOVED
-        rows.append([work[k] for k in FIT_TERMS])
-        ys.append(r["step_s"])
-        roles.append(r.get("role", "fit"))
-    a, y = np.array(rows), np.array(ys)
-    fit_rows = np.array([x == "fit" for x in roles])
-    lhs, rhs = a[fit_rows] / y[fit_rows, None], np.ones(fit_rows.sum())
+        rows.append(work)
+        points.append(r)
+    return rows, points
+
+
+def anchored_rates(data: dict, hw) -> dict[str, float]:
+    """FLOP/s of each ANCHORS operation: its work in a component's step over the time the component took in it
+    (forward, recomputed forward and backward), averaged over the grid's component profiles."""
+    from recipe.cost import Layout, TrainOptions, compute_work
+    from recipe.models import resolve_model
+
+    found: dict[str, list[float]] = {}
+    for c in data.get("components", []):
+        m = resolve_model(c["model"]).with_layers(int(c["layers"]))
+        work = compute_work(m, Layout(), TrainOptions(micro_batch_tokens=int(c["seq"]), recompute="full",
+                                                      lm_head="fused"))
+        for op, part in ANCHORS.items():
+            if part in c["parts"] and work[op]:
+                found.setdefault(op, []).append(work[op] / c["parts"][part]["in_step_s"])
+    return {op: sum(v) / len(v) for op, v in found.items()}
+
+
+def fit(path: str) -> dict:
+    """The per-operation efficiencies that best reproduce the measured step times of the grid's `fit` points
+    (the held-out points are left out). The operations its components time alone take their measured rates
+    (anchored_rates); the step at world size 1 is linear in the other inverse rates,
+    step = Σ work_op / rate_op + passes · latency + optimizer bytes / rate_opt, so a non-negative least-squares fit
+    of them to the relative step times (each row divided by its measurement, less the anchored operations' share)
+    finds them. Prints the efficiencies in the profile's terms (fractions of the dense bf16 peak or of the HBM
+    bandwidth, ms per pass) and the fitted and held-out errors they give."""
+    import numpy as np
+
+    from recipe.hw import load_profile
+
+    data = json.loads(Path(path).read_text())
+    hw = load_profile(data.get("hw") or Path(path).stem)
+    peak, hbm = hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
+    anchored = anchored_rates(data, hw)
+    free = [k for k in FIT_TERMS if k not in anchored]
+    rows, points = _work_rows(data, hw)
+    y = np.array([r["step_s"] for r in points])
+    known = np.array([sum(w[k] / rate for k, rate in anchored.items()) for w in rows])
+    a = np.array([[w[k] for k in free] for w in rows])
+    fit_rows = np.array([r.get("role", "fit") == "fit" for r in points])
+    lhs, rhs = a[fit_rows] / y[fit_rows, None], 1 - known[fit_rows] / y[fit_rows]
     try:
         from scipy.optimize import nnls
 
@@ -357,16 +391,14 @@ def fit(path: str) -> dict:
         inv, *_ = np.linalg.lstsq(lhs, rhs, rcond=None)
         if (inv <= 0).any():
             raise SystemExit("the unconstrained fit has a non-positive rate: install scipy for the NNLS fit")
-    peak, hbm = hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
-    eff = {}
-    for k, v in zip(FIT_TERMS, inv):
-        if k == "layer_passes":
-            eff["layer_latency_ms"] = round(v * 1e3, 3)
+    eff = {k: round(rate / peak, 3) for k, rate in anchored.items()}
+    for k, v in zip(free, inv):
+        if k.endswith("_passes"):
+            eff[k.replace("passes", "latency_ms")] = round(v * 1e3, 3)
         else:
-            eff[k] = round(min(1.0, 1 / (v * (hbm if k in ("optimizer", "ep_dispatch") else peak))), 3) if v \
-                else 1.0
-    err = a @ inv / y - 1
-    out = {"efficiency": eff, "fit_error": float(np.abs(err[fit_rows]).max()),
+            eff[k] = round(min(1.0, 1 / (v * (hbm if k == "optimizer" else peak))), 3) if v else 1.0
+    err = (a @ inv + known) / y - 1
+    out = {"efficiency": eff, "anchored": sorted(anchored), "fit_error": float(np.abs(err[fit_rows]).max()),
            "held_out_error": float(np.abs(err[~fit_rows]).max()) if (~fit_rows).any() else None,
            "fit_points": int(fit_rows.sum()), "held_out_points": int((~fit_rows).sum())}
     print(json.dumps(out, indent=1))

@@ -24,6 +24,8 @@ class Calibration:
     # the worst errors split by role: {"all" | "fit" | "held_out": {"memory", "time", "points"}}; `fit` points fixed
     # the profile's per-operation efficiencies, `held_out` ones (deeper models) did not
     errors: dict = field(default_factory=dict)
+    # the step's parts timed alone at one grid configuration each (bench_train_step.profile_components)
+    components: tuple[dict, ...] = ()
 
     @property
     def basis(self) -> str:
@@ -42,7 +44,7 @@ def load(hw: str) -> Calibration | None:
     data = json.loads(path.read_text())
     return Calibration(hw=hw, memory_error=float(data["memory_error"]), time_error=float(data["time_error"]),
                        points=tuple(data.get("points", ())), environment=dict(data.get("environment", {})),
-                       errors=dict(data.get("errors", {})))
+                       errors=dict(data.get("errors", {})), components=tuple(data.get("components", ())))
 
 
 def basis(hw: str) -> str:

@@ -45,28 +45,39 @@ LEAN_EXTRA_BYTES = 4 * 2**20
 # Its time as head passes (one pass = one logits-sized GEMM): four GEMMs, measured 2.0x to 2.3x the fused head's
 # three at T = 65,536 on an H200 (703 / 485 ms against 331 / 204 at V = 248,320 / 151,936; docs/BENCHMARKS.md).
 LEAN_HEAD_PASSES = 6.6
+# The naive head's time in the same passes: its three GEMMs and its fp32 elementwise passes over [s, V] (the cast,
+# the temperature, the log-softmax and their backward, ~60 bytes a logit moved), measured 2x the fused head on the
+# H200 grid (Qwen3-30B-A3B, 2 layers, 8K tokens: the step 21 ms above the fused head's).
+NAIVE_HEAD_PASSES = 6.0
 HEAD_MODES = ("fused", "lean", "naive")
 EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (a 64K sequence in 32 chunks)
 # The optimizer step per local parameter: cast the bf16 gradient to fp32 (2 + 4 bytes), fused AdamW (read master,
 # grad, both moments, write master and moments: 28), write the bf16 compute copy back (4 + 2): 40 bytes.
 ADAM_BYTES_MOVED = 40
 # Gradients in flight during a layer's backward, as a fraction of the larger block's saved activations. Calibrated
-# on the H200 grid (hw_profiles/calibration/h200.json) together with MOE_SAVED_FACTOR: with the MoE block's saved set
-# at its measured size no separate allowance is needed (0.5 was the fit when the MoE block was counted at 1x).
+# on the H200 grid (hw_profiles/calibration/h200.json) together with the MoE factors below: with the MoE block's
+# saved set at its measured size no separate allowance is needed (0.5 was the fit when it was counted at 1x).
 BACKWARD_TRANSIENT = 0.0
-# What the MoE block's forward saves, as a multiple of the tensors moe_working_set names (router logits and weights,
-# permuted tokens, gate/up/activation intermediates, expert outputs and the combine). Calibrated on the H200 grid:
-# 1.8 reproduces the peak allocated memory of every point (Qwen3.5-35B-A3B and Qwen3-30B-A3B, 2 to 8 layers, 8K to
-# 128K tokens, recompute full and none) within 4%; the tensors it does not name (the autograd copies of the
-# grouped GEMMs' inputs and the combine's) are not yet itemised.
-MOE_SAVED_FACTOR = 1.8
+# What the MoE block holds in its backward, as multiples of the tensors moe_working_set names: MOE_SAVED_H of the
+# hidden-width ones (router logits and weights, permuted tokens, expert outputs and the combine), MOE_SAVED_F of the
+# expert-width ones (gate, up, act(gate)·up, and the shared expert's). The expert-width side weighs more: autograd
+# saves act(gate) as well as the activation (4 of f a copy where 3 are named), and the SwiGLU's backward forms
+# d_act, d_gate, d_up and their concatenation beside them, where the hidden-width side adds only dL/dy and its
+# gathered copy. Fitted on the H200 grid (minimax over every point but the naive head's and the EP path's:
+# Qwen3.5-35B-A3B and Qwen3-30B-A3B, whose expert widths are 512 and 768, 2 to 8 layers, 8K to 128K tokens,
+# recompute full and none): every peak within +4.8% / −3.8%, where one factor for both sides (1.8) left
+# Qwen3-30B-A3B at 128K tokens 8.4% under its measured peak.
+MOE_SAVED_H = 1.6
+MOE_SAVED_F = 2.8
 # MasterAdamW (launch/optim.py) steps its parameters in groups of at most this many elements (a larger tensor is a
 # group of its own), casting each group's bf16 gradients to fp32 first.
 OPT_GROUP_NUMEL = 2**28
-# The naive head (launch/rl.py: token_logprobs, mode "naive"), bytes per logit at its peak: the bf16 logits, their
-# fp32 copy, the fp32 log-softmax and its exp (both saved for the entropy's backward) and the fp32 gradient coming
-# back: 2 + 4 + 4 + 4 + 4.
-NAIVE_BYTES_PER_LOGIT = 18
+# The naive head (launch/rl.py: token_logprobs, mode "naive"), bytes per logit at its peak, in its backward: the
+# log-softmax output (saved, fp32), the gradient coming back to it (the gather's, fp32) and the one it passes on to
+# the logits (fp32): 4 + 4 + 4. The bf16 logits and the fp32 copies before the log-softmax are not saved by anything
+# and are gone by then. Measured on the H200 grid: 11.7 bytes a logit above the fused head's point (Qwen3-30B-A3B,
+# 2 layers, 8K tokens).
+NAIVE_BYTES_PER_LOGIT = 12
 # Fixed cost of one small collective (a CP all-gather of Gated DeltaNet's maps or conv halos): launch and one
 # round of latency on NVLink/xGMI, an order-of-magnitude figure, not measured.
 COLLECTIVE_LATENCY_S = 10e-6
@@ -231,7 +242,7 @@ def moe_working_set(m: ModelShape, s: float) -> float:
     inter = s * k * m.expert_ffn * 3 * BF16  # gate, up, act(gate)·up
     out = s * k * h * BF16 + s * h * BF16
     shared = s * m.shared_expert_ffn * 3 * BF16 if m.shared_expert_ffn else 0.0
-    return MOE_SAVED_FACTOR * (router + permuted + inter + out + shared)
+    return MOE_SAVED_H * (router + permuted + out) + MOE_SAVED_F * (inter + shared)
 
 
 def dense_ffn_working_set(m: ModelShape, s: float, tp: int) -> float:
@@ -340,15 +351,17 @@ def default_ep_chunks(s_local: float, ep: int) -> int:
 # ---- the estimate, by section of docs/cost_model.md ---------------------------------------------------------
 def ep_dispatch_bytes(m: ModelShape, s: float, chunks: int = 1) -> float:
     """What the expert-parallel code path (launch/expert_parallel.py) holds beyond the local dispatch during one MoE
-    layer's backward, for the s·k token copies a rank receives (about s·k whatever ep is, under balance): the
-    concatenated and expert-ordered copies of the inputs, output gradients, activations and their gradients that
-    the weight gradients read, 2·(2h + 3f)·2 bytes a copy; and, for one of the `chunks` chunks at a time, the
-    exchanged rows in flight (h values and the routing weight, padded to h + 8; three of them) and the fp32
-    activation-gradient temporaries (5·f·4)."""
+    layer's backward, for the s·k token copies a rank receives (about s·k whatever ep is, under balance): rows of
+    h + 8 bf16 values (the exchanged rows: h columns, the routing weight and padding) and the slot gradients, about
+    3 a copy whatever the chunk count plus one half for the chunk in flight; less the 2·f a copy that the local
+    path's autograd saves (act(gate) and the activation) and the EP path does not (its backward recomputes the
+    SwiGLU in one kernel). Measured on one H200 (docs/cost_model.md, "The expert-parallel code path"): 3.49, 3.39
+    and 3.09 rows of h + 8 a copy at 1, 2 and 4 chunks for Qwen3.5-35B-A3B (f = 512), 3.44 at one chunk for
+    Qwen3-30B-A3B (f = 768)."""
     h, f = m.hidden_size, m.expert_ffn
     if not m.num_moe_layers:
         return 0.0
-    return s * m.top_k * (2 * (2 * h + 3 * f) * BF16 + (3 * (h + 8) * BF16 + 5 * f * FP32) / max(chunks, 1))
+    return s * m.top_k * max(0.0, (3 + 0.5 / max(chunks, 1)) * (h + 8) - 2 * f) * BF16
 
 
 def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions,
@@ -444,14 +457,21 @@ def forward_equivalents(opts: TrainOptions) -> int:
     return 4 if opts.recompute == "full" else 3
 
 
+def head_pass_count(mode: str) -> float:
+    """The head's time in logits-sized GEMMs: the fused head's three; the lean and naive heads' measured multiples."""
+    return {"lean": LEAN_HEAD_PASSES, "naive": NAIVE_HEAD_PASSES}.get(mode, 3)
+
+
 def flop_terms(m: ModelShape, opts: TrainOptions) -> tuple[dict[str, float], float, float, float]:
     """Section 2: forward FLOPs per token by part, model and hardware FLOPs per token, and the head's passes."""
     f = forward_flops_per_token(m, opts.micro_batch_tokens)
     fwd = sum(f.values())
     # the fused head's eager path forms its gradients in the forward: three GEMMs, as unfused; the lean head four
-    head_passes = LEAN_HEAD_PASSES if opts.lm_head == "lean" else 3
-    hw_flops_tok = forward_equivalents(opts) * (fwd - f["head"]) + head_passes * f["head"]
-    return f, 3 * fwd, hw_flops_tok, head_passes
+    # the FLOPs the hardware runs count the head's GEMMs (four for lean, three otherwise); its time, head_passes,
+    # also carries the lean and naive heads' measured extra
+    gemms = 4 if opts.lm_head == "lean" else 3
+    hw_flops_tok = forward_equivalents(opts) * (fwd - f["head"]) + gemms * f["head"]
+    return f, 3 * fwd, hw_flops_tok, head_pass_count(opts.lm_head)
 
 
 def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: bool = False,
@@ -476,14 +496,14 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         "attention": layers * f["attention"] * share["attention"],
         "delta_rule": layers * f.get("linear_attention", 0.0) * share["delta_rule"],
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
-        "ep_dispatch": 0.0,
+        "ep_passes": 0.0,
         "layer_passes": mult * len(stage),
     }
     if layout.ep > 1 or ep_path:
-        # the bytes the path copies: every chunk's rows pass through once, so the count is the one-chunk
-        # footprint (ep_dispatch_bytes at chunks=1), whatever the chunk count (which shrinks only what is resident)
-        copies = ep_dispatch_bytes(m, s, 1)
-        work["ep_dispatch"] = (mult - 1) * _stage_counts(m, stage)["moe"] * copies
+        # the path's passes through each MoE layer: forward, the recomputed forward, backward (mult − 1), each with
+        # its route's count exchange and host sync; its extra copies are memory-bound and too small to time apart
+        # (docs/cost_model.md, "The expert-parallel code path")
+        work["ep_passes"] = (mult - 1) * _stage_counts(m, stage)["moe"]
     return work
 
 
@@ -521,16 +541,19 @@ def rates(hw: HwProfile) -> dict[str, float]:
     if e is None:
         r = peak * hw.compute_efficiency
         return {"expert_gemm": r, "dense_gemm": r, "attention": r, "delta_rule": r, "lm_head": r,
-                "optimizer": hbm * HBM_EFFICIENCY, "ep_dispatch": float("inf"), "layer_passes": 0.0}
+                "optimizer": hbm * HBM_EFFICIENCY, "ep_passes": 0.0, "layer_passes": 0.0}
     return {"expert_gemm": peak * e.expert_gemm, "dense_gemm": peak * e.dense_gemm, "attention": peak * e.attention,
             "delta_rule": peak * e.delta_rule, "lm_head": peak * e.lm_head, "optimizer": hbm * e.optimizer,
-            "ep_dispatch": hbm * e.ep_dispatch, "layer_passes": e.layer_latency_ms * 1e-3}
+            "ep_passes": e.ep_latency_ms * 1e-3, "layer_passes": e.layer_latency_ms * 1e-3}
+
+
+PASS_TERMS = ("layer_passes", "ep_passes")  # counted in passes, charged at a fixed time each
 
 
 def compute_times(work: dict[str, float], hw: HwProfile) -> dict[str, float]:
     """Seconds of each operation in compute_work: work over its rate (the layer passes times their latency)."""
     r = rates(hw)
-    return {k: (w * r[k] if k == "layer_passes" else (w / r[k] if w else 0.0)) for k, w in work.items()}
+    return {k: (w * r[k] if k in PASS_TERMS else (w / r[k] if w else 0.0)) for k, w in work.items()}
 
 
 def delta_rule_flops_per_token_head(la) -> float:
@@ -734,8 +757,7 @@ def _stage_costs(m: ModelShape, seq: float, opts: TrainOptions, r: dict[str, flo
             costs.append(passes * sum(w.values()))
         else:
             costs.append(passes * (sum(x / r[op] for op, x in w.items() if x) + r["layer_passes"] / seq))
-    head_passes = LEAN_HEAD_PASSES if opts.lm_head == "lean" else 3
-    head = head_passes * forward_flops_per_token(m, seq)["head"]
+    head = head_pass_count(opts.lm_head) * forward_flops_per_token(m, seq)["head"]
     return costs, 0.0, head if r is None else head / r["lm_head"]
 
 
