@@ -316,8 +316,8 @@ def refresh(path: str, hw: str | None) -> None:
           f"{data['errors']['fit']['time']:.3f}, held out {data['errors']['held_out']['time']:.3f})")
 
 
-FIT_TERMS = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "ep_passes", "layer_passes",
-             "optimizer")
+FIT_TERMS = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "ep_dispatch", "ep_passes",
+             "layer_passes", "optimizer")
 # The operations the grid's components time alone (bench_train_step.profile_components), by component name: their
 # rates are measured directly, not fitted. Every part of the step scales with tokens × layers, so over two models
 # the step times alone cannot tell the routed experts' rate from the delta rule's and the other matmuls' (a free fit
@@ -396,7 +396,8 @@ def fit(path: str) -> dict:
         if k.endswith("_passes"):
             eff[k.replace("passes", "latency_ms")] = round(v * 1e3, 3)
         else:
-            eff[k] = round(min(1.0, 1 / (v * (hbm if k == "optimizer" else peak))), 3) if v else 1.0
+            eff[k] = round(min(1.0, 1 / (v * (hbm if k in ("optimizer", "ep_dispatch") else peak))), 3) if v \
+                else 1.0
     err = (a @ inv + known) / y - 1
     out = {"efficiency": eff, "anchored": sorted(anchored), "fit_error": float(np.abs(err[fit_rows]).max()),
            "held_out_error": float(np.abs(err[~fit_rows]).max()) if (~fit_rows).any() else None,

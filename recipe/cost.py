@@ -364,6 +364,16 @@ def ep_dispatch_bytes(m: ModelShape, s: float, chunks: int = 1) -> float:
     return s * m.top_k * max(0.0, (3 + 0.5 / max(chunks, 1)) * (h + 8) - 2 * f) * BF16
 
 
+def ep_copy_bytes(m: ModelShape, s: float, recompute: bool) -> float:
+    """Bytes the expert-parallel path moves beyond the local dispatch in one MoE layer's step, for s·k token copies
+    of h + 8 bf16 values, each read and written once: four copies in the forward (the exchange out, the regroup by
+    expert, the rows back to source order, the exchange back), four in the backward (the same four for the
+    gradients), and one in the recomputed forward (its exchange and regroup, less the combine it skips)."""
+    if not m.num_moe_layers:
+        return 0.0
+    return s * m.top_k * (m.hidden_size + 8) * BF16 * 2 * (8 + (1 if recompute else 0))
+
+
 def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions,
                  ep_path: bool = False) -> tuple[dict[str, float], float, float]:
     """Section 1: bytes per GPU by component (weights, grads, master, optimizer, activations, lm_head, overhead),
@@ -496,14 +506,17 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         "attention": layers * f["attention"] * share["attention"],
         "delta_rule": layers * f.get("linear_attention", 0.0) * share["delta_rule"],
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
+        "ep_dispatch": 0.0,
         "ep_passes": 0.0,
         "layer_passes": mult * len(stage),
     }
     if layout.ep > 1 or ep_path:
-        # the path's passes through each MoE layer: forward, the recomputed forward, backward (mult − 1), each with
-        # its route's count exchange and host sync; its extra copies are memory-bound and too small to time apart
-        # (docs/cost_model.md, "The expert-parallel code path")
-        work["ep_passes"] = (mult - 1) * _stage_counts(m, stage)["moe"]
+        # the rows the path copies (every chunk's pass through once, so the chunk count does not change them), and
+        # its passes through each MoE layer: forward, the recomputed forward, backward (mult − 1), each with its
+        # route's count exchange and host sync (docs/cost_model.md, "Step time from its parts")
+        moe = _stage_counts(m, stage)["moe"]
+        work["ep_dispatch"] = moe * ep_copy_bytes(m, s, opts.recompute == "full")
+        work["ep_passes"] = (mult - 1) * moe
     return work
 
 
@@ -541,10 +554,12 @@ def rates(hw: HwProfile) -> dict[str, float]:
     if e is None:
         r = peak * hw.compute_efficiency
         return {"expert_gemm": r, "dense_gemm": r, "attention": r, "delta_rule": r, "lm_head": r,
-                "optimizer": hbm * HBM_EFFICIENCY, "ep_passes": 0.0, "layer_passes": 0.0}
+                "optimizer": hbm * HBM_EFFICIENCY, "ep_dispatch": float("inf"), "ep_passes": 0.0,
+                "layer_passes": 0.0}
     return {"expert_gemm": peak * e.expert_gemm, "dense_gemm": peak * e.dense_gemm, "attention": peak * e.attention,
             "delta_rule": peak * e.delta_rule, "lm_head": peak * e.lm_head, "optimizer": hbm * e.optimizer,
-            "ep_passes": e.ep_latency_ms * 1e-3, "layer_passes": e.layer_latency_ms * 1e-3}
+            "ep_dispatch": hbm * e.ep_dispatch, "ep_passes": e.ep_latency_ms * 1e-3,
+            "layer_passes": e.layer_latency_ms * 1e-3}
 
 
 PASS_TERMS = ("layer_passes", "ep_passes")  # counted in passes, charged at a fixed time each

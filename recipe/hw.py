@@ -54,12 +54,13 @@ class Efficiency(Record):
     delta_rule: float  # Gated DeltaNet's chunked rule
     lm_head: float  # the LM head's logits-sized GEMMs with the loss fused in
     optimizer: float  # AdamW's streaming update, of the HBM bandwidth
+    ep_dispatch: float  # the expert-parallel path's row copies (exchanges, regroups, their gradients), of HBM bw
     layer_latency_ms: float  # fixed time per decoder layer and pass (launches, the router's host sync)
     ep_latency_ms: float  # fixed time per MoE layer and pass of the expert-parallel path (its route's count
-    #                       exchange and host sync; its copies are too small to time apart)
+    #                       exchange and host sync)
 
     def __post_init__(self) -> None:
-        names = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "optimizer")
+        names = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "optimizer", "ep_dispatch")
         _check_positive(self, names + ("layer_latency_ms", "ep_latency_ms"))
         for n in names:
             if getattr(self, n) > 1:

@@ -470,12 +470,17 @@ def test_measured_profile_times_each_operation_at_its_own_rate():
     n = estimate(m4, h200, 1, Layout(), opts(s, recompute="none"))
     assert n.compute_s["expert_gemm"] == pytest.approx(e.compute_s["expert_gemm"] * 3 / 4)
     assert n.compute_s["lm_head"] == pytest.approx(e.compute_s["lm_head"])
-    # the EP code path adds its fixed time per MoE layer and pass (three passes under recompute, two without) and
-    # nothing else
+    # the EP code path adds its row copies (nine of s·k rows of h + 8 bf16 values a layer under recompute, read and
+    # written once; eight without) and its fixed time per MoE layer and pass (three passes under recompute, two
+    # without), and nothing else
     ep = estimate(m4, h200, 1, Layout(), opts(s), ep_path=True)
-    assert ep.step_time_s - e.step_time_s == pytest.approx(3 * m4.num_moe_layers * eff.ep_latency_ms / 1e3)
+    rows = s * m4.top_k * (m4.hidden_size + 8) * 2 * 2
+    copies = m4.num_moe_layers * 9 * rows / (h200.hbm_bw_tb_s * 1e12 * eff.ep_dispatch)
+    fixed = 3 * m4.num_moe_layers * eff.ep_latency_ms / 1e3
+    assert ep.step_time_s - e.step_time_s == pytest.approx(copies + fixed)
     ep_n = estimate(m4, h200, 1, Layout(), opts(s, recompute="none"), ep_path=True)
     assert ep_n.compute_s["ep_passes"] * 1e3 == pytest.approx(2 * m4.num_moe_layers * eff.ep_latency_ms)
+    assert ep_n.compute_s["ep_dispatch"] == pytest.approx(copies * 8 / 9)
 
 
 def test_optimizer_step_can_set_the_peak():
