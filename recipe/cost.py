@@ -364,14 +364,17 @@ def ep_dispatch_bytes(m: ModelShape, s: float, chunks: int = 1) -> float:
     return s * m.top_k * max(0.0, (3 + 0.5 / max(chunks, 1)) * (h + 8) - 2 * f) * BF16
 
 
-def ep_copy_bytes(m: ModelShape, s: float, recompute: bool) -> float:
+def ep_copy_bytes(m: ModelShape, s: float, recompute: bool, ep: int = 1) -> float:
     """Bytes the expert-parallel path moves beyond the local dispatch in one MoE layer's step, for s·k token copies
-    of h + 8 bf16 values, each read and written once: four copies in the forward (the exchange out, the regroup by
-    expert, the rows back to source order, the exchange back), four in the backward (the same four for the
-    gradients), and one in the recomputed forward (its exchange and regroup, less the combine it skips)."""
+    of h + 8 bf16 values, each read and written once. On the compute stream, four regroups: in the forward the rows
+    into expert order and the outputs back to source order, in the backward the same for the gradients (the
+    recomputed forward's regroup stands in for the combine it skips). Then the exchanges: two in the forward, two in
+    the backward, one in the recomputed forward; of each, the 1/ep of the rows a rank sends itself is a local copy,
+    the rest is the all-to-all, charged as communication (section 4)."""
     if not m.num_moe_layers:
         return 0.0
-    return s * m.top_k * (m.hidden_size + 8) * BF16 * 2 * (8 + (1 if recompute else 0))
+    exchanges = 4 + (1 if recompute else 0)
+    return s * m.top_k * (m.hidden_size + 8) * BF16 * 2 * (4 + exchanges / max(ep, 1))
 
 
 def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions,
@@ -515,7 +518,7 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         # its passes through each MoE layer: forward, the recomputed forward, backward (mult − 1), each with its
         # route's count exchange and host sync (docs/cost_model.md, "Step time from its parts")
         moe = _stage_counts(m, stage)["moe"]
-        work["ep_dispatch"] = moe * ep_copy_bytes(m, s, opts.recompute == "full")
+        work["ep_dispatch"] = moe * ep_copy_bytes(m, s, opts.recompute == "full", layout.ep)
         work["ep_passes"] = (mult - 1) * moe
     return work
 

@@ -8,7 +8,7 @@ import pytest
 
 import recipe.sweep as sweep_mod
 from recipe.cost import (BF16, BYTES_UNSHARDED, FP32, GB, Layout, TrainOptions, default_ep_chunks,
-                         ep_dispatch_bytes, ep_overlap_time, estimate, forward_flops_per_token, layer_params,
+                         ep_copy_bytes, ep_dispatch_bytes, ep_overlap_time, estimate, forward_flops_per_token, layer_params,
                          layer_saved, layer_working_set, lm_head_bytes, overlap_efficiency, stage_params)
 from recipe.hw import all_profiles, load_profile
 from recipe.models import PRESETS, active_matmul_params, param_counts, total_params
@@ -497,3 +497,15 @@ def test_optimizer_step_can_set_the_peak():
     # at 64K the activations are larger than the copies: the moments alone
     e64 = estimate(m4, load_profile("h200"), 1, Layout(), opts(65_536))
     assert e64.memory_gb["optimizer"] == pytest.approx(moments)
+
+
+def test_ep_copies_count_the_regroups_and_only_the_local_share_of_each_exchange():
+    """By hand, Qwen3.5-35B-A3B at 32K tokens: 262,144 copies of 2,056 bf16 values, read and written once, are
+    2.156 GB a row copy. Four regroups on the compute stream, plus five exchanges under recompute (four without),
+    of which the 1/ep a rank sends itself is a local copy; the rest is the all-to-all, charged as communication."""
+    row = 32_768 * 8 * (2048 + 8) * 2 * 2
+    assert row / GB == pytest.approx(2.156, abs=1e-3)
+    assert ep_copy_bytes(Q35, 32_768, recompute=True) == pytest.approx(9 * row)  # world 1: every exchange is local
+    assert ep_copy_bytes(Q35, 32_768, recompute=False) == pytest.approx(8 * row)
+    assert ep_copy_bytes(Q35, 32_768, recompute=True, ep=8) == pytest.approx((4 + 5 / 8) * row)
+    assert ep_copy_bytes(PRESETS["deepseek-v3"].with_layers(3), 32_768, recompute=True) == 0.0  # its dense layers
