@@ -368,7 +368,8 @@ def ep_copy_bytes(m: ModelShape, s: float, recompute: bool, ep: int = 1) -> floa
     """Bytes the expert-parallel path moves beyond the local dispatch in one MoE layer's step, for s·k token copies
     of h + 8 bf16 values, each read and written once. On the compute stream, four regroups: in the forward the rows
     into expert order and the outputs back to source order, in the backward the same for the gradients (the
-    recomputed forward's regroup stands in for the combine it skips). Then the exchanges: two in the forward, two in
+    recomputed forward's regroup stands in for the local path's combine, which it skips: nothing goes back). Then
+    the exchanges: two in the forward, two in
     the backward, one in the recomputed forward; of each, the 1/ep of the rows a rank sends itself is a local copy,
     the rest is the all-to-all, charged as communication (section 4)."""
     if not m.num_moe_layers:
