@@ -37,7 +37,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels.expert_grads import slot_grads, swiglu_backward
-from launch.moe import permute
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -93,9 +92,42 @@ def regroup_index(counts: torch.Tensor, perm: tuple[int, ...], total: int) -> to
     (1, 0) (expert-major: e0 from s0, s1, then e1 from s0, s1) → [0, 1, 3, 2, 4, 5]."""
     flat = counts.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).view(counts.shape)
+    return _listed_in(counts, starts, perm, total)
+
+
+def _listed_in(counts, starts, perm, total):
     c_t, s_t = counts.permute(perm).reshape(-1), starts.permute(perm).reshape(-1)
     seg = torch.repeat_interleave(torch.arange(c_t.numel(), device=counts.device), c_t, output_size=total)
     return s_t[seg] + torch.arange(total, device=counts.device) - (torch.cumsum(c_t, 0) - c_t)[seg]
+
+
+def chunk_regroup_index(recv_RCEl: torch.Tensor, total: int) -> torch.Tensor:
+    """Every chunk's regroup at once: chunk c's received rows are source-major segments ([R, El] of
+    recv_RCEl[:, c]); the result, cut at the chunks' row totals, is each chunk's `regroup_index(recv_RCEl[:, c],
+    (1, 0), n_c)` (expert-major, indices local to the chunk), for the kernels of one call instead of C."""
+    counts = recv_RCEl.permute(1, 0, 2).contiguous()  # [C, R, El]: the chunks' buffers one after another
+    flat = counts.reshape(-1)
+    starts = (torch.cumsum(flat, 0) - flat).view(counts.shape)
+    starts = starts - starts[:, :1, :1]  # each chunk's rows counted from its own first
+    return _listed_in(counts, starts, (0, 2, 1), total)
+
+
+def chunk_orders(top_e_TK: torch.Tensor, num_chunks: int, num_experts: int):
+    """The slots of each of `num_chunks` token chunks (chunk c: tokens c·T//C to (c+1)·T//C) sorted by expert, in
+    one stable sort by (chunk, expert): each chunk's order is the one a stable sort of that chunk alone gives.
+    Returns ([(slot order local to the chunk, its tokens)] per chunk, as views, and the [C, E] slot counts)."""
+    T, K = top_e_TK.shape
+    C = num_chunks
+    token_M = torch.arange(T * K, device=top_e_TK.device) // K
+    chunk_M = ((token_M + 1) * C - 1) // T  # the chunk of token t: ⌊c·T/C⌋ ≤ t < ⌊(c+1)·T/C⌋
+    key_M = chunk_M * num_experts + top_e_TK.reshape(-1)
+    order_M = torch.argsort(key_M, stable=True)
+    # the sort keeps every chunk in its own slot range, so chunk_M is also the chunk of each sorted position
+    local_M = order_M - (chunk_M * T // C) * K
+    counts_CE = torch.zeros(C * num_experts, dtype=torch.int64, device=top_e_TK.device)
+    counts_CE.scatter_add_(0, key_M, torch.ones_like(key_M))
+    slots = [(c * T // C * K, (c + 1) * T // C * K) for c in range(C)]
+    return [(local_M[a:b], order_M[a:b] // K) for a, b in slots], counts_CE.view(C, num_experts)
 
 
 class ExpertParallel:
@@ -158,19 +190,16 @@ class ExpertParallel:
         C, R, E = self.num_chunks, self.num_ranks, self.num_experts
         El = E // R
         bounds = [(c * T // C, (c + 1) * T // C) for c in range(C)]
-        orders, counts = [], []
-        for t0, t1 in bounds:
-            order_M, token_M, counts_E = permute(top_e_TK[t0:t1], E)
-            orders.append((order_M, token_M + t0))
-            counts.append(counts_E)
-        send_RCEl = torch.stack(counts).view(C, R, El).transpose(0, 1).contiguous()
+        orders, counts_CE = chunk_orders(top_e_TK, C, E)
+        send_RCEl = counts_CE.view(C, R, El).transpose(0, 1).contiguous()
         recv_RCEl = torch.empty_like(send_RCEl)
         dist.all_to_all_single(recv_RCEl, send_RCEl, group=self.group)
         local_CEl = recv_RCEl.sum(0)
         host = torch.stack([send_RCEl, recv_RCEl]).tolist()  # host sync: the split sizes of every chunk
-        return Route(bounds, orders, recv_RCEl,
+        recv = [[sum(host[1][r][c]) for r in range(R)] for c in range(C)]
+        return Route(bounds, orders, recv_RCEl, chunk_regroup_index(recv_RCEl, sum(map(sum, recv))),
                      send=[[sum(host[0][r][c]) for r in range(R)] for c in range(C)],
-                     recv=[[sum(host[1][r][c]) for r in range(R)] for c in range(C)],
+                     recv=recv,
                      local=[[sum(host[1][r][c][e] for r in range(R)) for e in range(El)] for c in range(C)],
                      offs_CEl=torch.cumsum(local_CEl, 1).to(torch.int32),
                      offs_El=torch.cumsum(local_CEl.sum(0), 0).to(torch.int32))
@@ -186,11 +215,18 @@ class Route:
     bounds: list[tuple[int, int]]
     orders: list[tuple[torch.Tensor, torch.Tensor]]
     recv_RCEl: torch.Tensor
+    regroup: torch.Tensor  # every chunk's received rows to expert order, chunk after chunk (Route.regroup_of)
     send: list[list[int]]
     recv: list[list[int]]
     local: list[list[int]]
     offs_CEl: torch.Tensor
     offs_El: torch.Tensor
+
+    @staticmethod
+    def regroup_of(regroup: torch.Tensor, recv: list[list[int]], c: int) -> torch.Tensor:
+        """Chunk c's part of `regroup`: the row index that puts its received rows in expert order."""
+        start = sum(map(sum, recv[:c]))
+        return regroup[start:start + sum(recv[c])]
 
 
 # rows of a backward all-to-all carry D gradient columns plus one column for the routing weight (or its gradient),
@@ -213,7 +249,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         for c in range(C):
             if c + 1 < C:
                 pending[c + 1] = ep.all_to_all(x_TD[rt.orders[c + 1][1]], rt.recv[c + 1], rt.send[c + 1])
-            idx = regroup_index(rt.recv_RCEl[:, c], (1, 0), sum(rt.recv[c]))
+            idx = Route.regroup_of(rt.regroup, rt.recv, c)
             x_em = ep.wait(pending.pop(c))[idx]
             h_em = grouped_linear(x_em, w1_EFD, rt.local[c], rt.offs_CEl[c])
             gate, up = h_em.chunk(2, dim=-1)
@@ -229,16 +265,17 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         if not recompute:
             _unpermute_into(out_TD, ep.wait(combined.pop(C - 1)), rt.orders[C - 1][0], top_w_TK, rt.bounds[C - 1])
         ctx.ep, ctx.rt_host = ep, (rt.bounds, rt.send, rt.recv, rt.local)
-        ctx.save_for_backward(top_w_TK, top_e_TK, w1_EFD, w2_EDI, rt.recv_RCEl, rt.offs_CEl, rt.offs_El, *saved)
+        ctx.save_for_backward(top_w_TK, top_e_TK, w1_EFD, w2_EDI, rt.recv_RCEl, rt.regroup, rt.offs_CEl, rt.offs_El,
+                              *saved)
         return out_TD
 
     @staticmethod
     def backward(ctx, dout_TD):
-        top_w_TK, top_e_TK, w1, w2, recv_RCEl, offs_CEl, offs_El, *saved = ctx.saved_tensors
+        top_w_TK, top_e_TK, w1, w2, recv_RCEl, regroup, offs_CEl, offs_El, *saved = ctx.saved_tensors
         ep, (bounds, send, recv, local) = ctx.ep, ctx.rt_host
         C, D, K, dtype = len(bounds), dout_TD.shape[1], top_w_TK.shape[1], saved[2].dtype
-        # the slot order of each chunk again (a stable sort by expert id: the order of the forward)
-        orders = [torch.argsort(top_e_TK[t0:t1].reshape(-1), stable=True) for t0, t1 in bounds]
+        # the slot order of each chunk again (the forward's sort)
+        orders = [order_M for order_M, _ in chunk_orders(top_e_TK, C, w1.shape[0] * ep.num_ranks)[0]]
         g_out = dout_TD.to(dtype)  # (itself when it is already)
 
         def send_rows(c):
@@ -259,7 +296,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             if c + 1 < C:
                 pending[c + 1] = ep.all_to_all(send_rows(c + 1), recv[c + 1], send[c + 1])
             n = sum(recv[c])
-            idx = regroup_index(recv_RCEl[:, c], (1, 0), n)
+            idx = Route.regroup_of(regroup, recv, c)
             rows = ep.wait(pending.pop(c))[idx]
             # g = dL/dy of each slot, dw = dL/dw_tk = dL/dout_t · y_tk (fp32)
             g, dw = slot_grads(rows[:, :D], rows[:, D:D + 1], saved[3 * c + 2])

@@ -27,7 +27,9 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from launch.expert_parallel import grouped_linear, grouped_linear_dx, grouped_weight_grad, regroup_index  # noqa: E402
+from launch.expert_parallel import (chunk_orders, chunk_regroup_index, grouped_linear, grouped_linear_dx,  # noqa: E402
+                                    grouped_weight_grad, regroup_index)
+from launch.moe import permute  # noqa: E402
 from launch.parallel import LayoutError, check_layout, micro_batch_share  # noqa: E402
 from recipe.plan import LayoutSpec  # noqa: E402
 
@@ -200,6 +202,27 @@ def test_regroup_index_by_hand():
     assert regroup_index(torch.tensor([[0, 3], [0, 0]]), (1, 0), 3).tolist() == [0, 1, 2]  # idle expert and rank
     # chunk-major [C=2, El=1, R=2] → (expert, source, chunk): c0 s0 row 0, c0 s1 rows 1-2, c1 s0 row 3, c1 s1 row 4
     assert regroup_index(torch.tensor([[[1, 2]], [[1, 1]]]), (1, 2, 0), 5).tolist() == [0, 3, 1, 2, 4]
+
+
+@pytest.mark.parametrize("T,C", [(7, 1), (7, 3), (13, 4), (16, 16), (64, 5)])
+def test_one_sort_of_every_chunk_equals_a_sort_of_each(T, C):
+    """The route sorts every chunk's slots in one stable sort by (chunk, expert) and regroups every chunk's received
+    rows in one call; each chunk's part equals what a sort of that chunk alone and its own regroup give, idle experts
+    and empty segments included."""
+    g = torch.Generator().manual_seed(T * 31 + C)
+    E, K, R = 6, 2, 3
+    top_e = torch.randint(0, E - 1, (T, K), generator=g)  # expert E-1 idle
+    orders, counts = chunk_orders(top_e, C, E)
+    for c, (local, token) in enumerate(orders):
+        t0, t1 = c * T // C, (c + 1) * T // C
+        order, tok, n = permute(top_e[t0:t1], E)
+        assert torch.equal(local, order) and torch.equal(token, tok + t0) and torch.equal(counts[c], n)
+    recv = torch.randint(0, 3, (R, C, E // R), generator=g)
+    recv[0, :, 1] = 0
+    sizes = recv.sum((0, 2)).tolist()
+    whole = chunk_regroup_index(recv, sum(sizes))
+    for c, part in enumerate(torch.split(whole, sizes)):
+        assert torch.equal(part, regroup_index(recv[:, c], (1, 0), sizes[c]))
 
 
 def test_micro_batch_share_by_hand():
