@@ -194,13 +194,13 @@ def test_ep_chunks_on_the_comm_stream_equal_one_chunk(monkeypatch):
     from launch.expert_parallel import ExpertParallel
     from launch.moe import GroupedExperts
 
-    regroup = ep_mod.regroup_index
+    regroup_of = ep_mod.Route.regroup_of
 
-    def lagging_regroup(*a, **kw):
-        torch.cuda._sleep(2_000_000)  # ~1 ms of spinning on the compute stream
-        return regroup(*a, **kw)
+    def lagging_regroup_of(*a, **kw):
+        torch.cuda._sleep(2_000_000)  # ~1 ms of spinning on the compute stream, once a chunk and pass
+        return regroup_of(*a, **kw)
 
-    monkeypatch.setattr(ep_mod, "regroup_index", lagging_regroup)
+    monkeypatch.setattr(ep_mod.Route, "regroup_of", staticmethod(lagging_regroup_of))
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
     monkeypatch.setenv("MASTER_PORT", "29531")
 
