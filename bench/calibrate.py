@@ -5,8 +5,9 @@ memory and step time next to the cost model's prediction for the same configurat
 Grid (the default, `--grid full`): Qwen3.5-35B-A3B and Qwen3-30B-A3B at full width, 2, 4 and 8 decoder layers,
 8K to 128K tokens in one packed sequence, full recompute and none (none where it fits), the fused, lean and naive
 heads at a subset, and the expert-parallel code path at world size 1 (parallelize(..., ep_dispatch=True) under a
-one-process group) at 8K to 64K tokens, so its fixed cost and its per-token cost separate. The 2- and 4-layer points are the ones the per-operation efficiencies are fit on; the 8-layer
-points are held out. Points that do not fit are recorded with their error, not dropped.
+one-process group) at 8K to 64K tokens, so its fixed cost and its per-token cost separate. The 2- and 4-layer points
+are the ones the per-operation efficiencies are fit on; the 8-layer points are held out. Points that do not fit
+are recorded with their error, not dropped.
 
 Every (model, depth) group builds its model once and runs its points in order (recompute none first: full recompute
 wraps the layers for good); each point empties the allocator's cache, runs one warm-up step, then times `--steps`
@@ -325,7 +326,7 @@ FIT_TERMS = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", 
 ANCHORS = {"expert_gemm": "routed experts (grouped GEMMs)", "delta_rule": "delta rule (kernel only)"}
 
 
-def _work_rows(data: dict, hw) -> tuple[list[dict], list[dict]]:
+def _work_rows(data: dict) -> tuple[list[dict], list[dict]]:
     """(each measured point's work by operation, with the optimizer's bytes; the points themselves)."""
     from recipe.cost import ADAM_BYTES_MOVED, Layout, TrainOptions, compute_work, local_param_count
     from recipe.models import resolve_model
@@ -343,7 +344,7 @@ def _work_rows(data: dict, hw) -> tuple[list[dict], list[dict]]:
     return rows, points
 
 
-def anchored_rates(data: dict, hw) -> dict[str, float]:
+def anchored_rates(data: dict) -> dict[str, float]:
     """FLOP/s of each ANCHORS operation: its work in a component's step over the time the component took in it
     (forward, recomputed forward and backward), averaged over the grid's component profiles."""
     from recipe.cost import Layout, TrainOptions, compute_work
@@ -375,9 +376,9 @@ def fit(path: str) -> dict:
     data = json.loads(Path(path).read_text())
     hw = load_profile(data.get("hw") or Path(path).stem)
     peak, hbm = hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
-    anchored = anchored_rates(data, hw)
+    anchored = anchored_rates(data)
     free = [k for k in FIT_TERMS if k not in anchored]
-    rows, points = _work_rows(data, hw)
+    rows, points = _work_rows(data)
     y = np.array([r["step_s"] for r in points])
     known = np.array([sum(w[k] / rate for k, rate in anchored.items()) for w in rows])
     a = np.array([[w[k] for k in free] for w in rows])
@@ -391,7 +392,7 @@ def fit(path: str) -> dict:
         inv, *_ = np.linalg.lstsq(lhs, rhs, rcond=None)
         if (inv <= 0).any():
             raise SystemExit("the unconstrained fit has a non-positive rate: install scipy for the NNLS fit")
-    eff = {k: round(rate / peak, 3) for k, rate in anchored.items()}
+    eff = {k: round(min(1.0, rate / peak), 3) for k, rate in anchored.items()}
     for k, v in zip(free, inv):
         if k.endswith("_passes"):
             eff[k.replace("passes", "latency_ms")] = round(v * 1e3, 3)

@@ -9,7 +9,7 @@ grouped GEMMs want).
 One call per MoE layer (`ExpertParallel.__call__`, installed as `GroupedExperts.token_dispatch` by
 `launch.parallel.parallelize`), so the experts stay one FSDP unit that is all-gathered once:
 
-    route:    per chunk, stable sort of its T_c·K slots by expert (rank j owns experts [j·El, (j+1)·El))
+    route:    one stable sort of the T·K slots by (chunk, expert) (rank j owns experts [j·El, (j+1)·El))
     counts:   one all-to-all of the [R, C, El] row counts, one host sync: every split size of every chunk is known
     forward:  D(0) ; for c: D(c+1) ‖ GEMM(c) ; C(c) ‖ GEMM(c+1) ; unpermute(c)
     backward: D'(0); for c: D'(c+1) ‖ dX-GEMMs(c) ; C'(c) ‖ dX-GEMMs(c+1) ; then every dW GEMM (hides C'(C−1))
@@ -275,7 +275,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         ep, (bounds, send, recv, local) = ctx.ep, ctx.rt_host
         C, D, K, dtype = len(bounds), dout_TD.shape[1], top_w_TK.shape[1], saved[2].dtype
         # the slot order of each chunk again (the forward's sort)
-        orders = [order_M for order_M, _ in chunk_orders(top_e_TK, C, w1.shape[0] * ep.num_ranks)[0]]
+        orders = [order_M for order_M, _ in chunk_orders(top_e_TK, C, ep.num_experts)[0]]
         g_out = dout_TD.to(dtype)  # (itself when it is already)
 
         def send_rows(c):
@@ -320,7 +320,8 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         else:
             perm = regroup_index(recv_RCEl.permute(1, 2, 0), (1, 2, 0), sum(map(sum, recv)))
 
-            def ordered(parts):  # the chunks' rows in that order; the chunks' own copies go as soon as it is made
+            def ordered(parts):  # the chunks' rows in that order; the chunks' own copies go once it is made (but
+                # the inputs', which autograd keeps until the backward returns)
                 whole = torch.cat(parts)[perm]
                 parts.clear()
                 return whole

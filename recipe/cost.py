@@ -56,7 +56,8 @@ EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (a 64K sequence i
 ADAM_BYTES_MOVED = 40
 # Gradients in flight during a layer's backward, as a fraction of the larger block's saved activations. Calibrated
 # on the H200 grid (hw_profiles/calibration/h200.json) together with the MoE factors below: with the MoE block's
-# saved set at its measured size no separate allowance is needed (0.5 was the fit when it was counted at 1x).
+# saved set at its measured size no separate allowance is needed (with the block at the named tensors, 1x, the fit
+# is 0.5).
 BACKWARD_TRANSIENT = 0.0
 # What the MoE block holds in its backward, as multiples of the tensors moe_working_set names: MOE_SAVED_H of the
 # hidden-width ones (router logits and weights, permuted tokens, expert outputs and the combine), MOE_SAVED_F of the
@@ -65,7 +66,7 @@ BACKWARD_TRANSIENT = 0.0
 # d_act, d_gate, d_up and their concatenation beside them, where the hidden-width side adds only dL/dy and its
 # gathered copy. Fitted on the H200 grid (minimax over every point but the naive head's and the EP path's:
 # Qwen3.5-35B-A3B and Qwen3-30B-A3B, whose expert widths are 512 and 768, 2 to 8 layers, 8K to 128K tokens,
-# recompute full and none): every peak within +4.8% / −3.8%, where one factor for both sides (1.8) left
+# recompute full and none): every peak within +4.8% / −3.8%, where one factor for both sides (1.8) puts
 # Qwen3-30B-A3B at 128K tokens 8.4% under its measured peak.
 MOE_SAVED_H = 1.6
 MOE_SAVED_F = 2.8
@@ -480,9 +481,9 @@ def flop_terms(m: ModelShape, opts: TrainOptions) -> tuple[dict[str, float], flo
     """Section 2: forward FLOPs per token by part, model and hardware FLOPs per token, and the head's passes."""
     f = forward_flops_per_token(m, opts.micro_batch_tokens)
     fwd = sum(f.values())
-    # the fused head's eager path forms its gradients in the forward: three GEMMs, as unfused; the lean head four
-    # the FLOPs the hardware runs count the head's GEMMs (four for lean, three otherwise); its time, head_passes,
-    # also carries the lean and naive heads' measured extra
+    # the FLOPs the hardware runs count the head's GEMMs: the fused head's eager path forms its gradients in the
+    # forward, three GEMMs as unfused, the lean head four; its time (head_passes) also carries the lean and naive
+    # heads' measured extra
     gemms = 4 if opts.lm_head == "lean" else 3
     hw_flops_tok = forward_equivalents(opts) * (fwd - f["head"]) + gemms * f["head"]
     return f, 3 * fwd, hw_flops_tok, head_pass_count(opts.lm_head)
@@ -491,8 +492,9 @@ def flop_terms(m: ModelShape, opts: TrainOptions) -> tuple[dict[str, float], flo
 def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: bool = False,
                  hw: HwProfile | None = None) -> dict[str, float]:
     """The work of one micro-batch on one GPU by operation (section 5): hardware FLOPs of the routed experts'
-    GEMMs, the other matmuls, attention's quadratic term, the delta rule and the head; the EP path's copied bytes;
-    and the count of layer passes (forward-equivalents: 4 a layer with full recompute, 3 without). TP splits the
+    GEMMs, the other matmuls, attention's quadratic term, the delta rule and the head; the EP path's copied bytes
+    and its passes through the MoE layers; and the count of layer passes (forward-equivalents: 4 a layer with full
+    recompute, 3 without). TP splits the
     matmuls; under PP the GPU is one of the slowest stage's (slowest_stage on `hw`: its layers' share of each
     operation, the head only if it holds it), since every pipeline slot waits for that stage."""
     tp = layout.tp

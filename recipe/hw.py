@@ -45,7 +45,8 @@ class Link(Record):
 class Efficiency(Record):
     """Per-operation efficiencies of the step-time model (docs/cost_model.md, "Step time from its parts"), each
     measured on the profile's calibration grid: the GEMM-like parts as a fraction of the dense bf16 peak, the
-    streaming parts as a fraction of the HBM bandwidth, and a fixed time per decoder layer and pass."""
+    streaming parts as a fraction of the HBM bandwidth, and fixed times per decoder layer and pass and per MoE layer
+    and pass of the expert-parallel path."""
 
     expert_gemm: float  # routed experts' grouped GEMMs (and the routing, permutation and activation beside them)
     dense_gemm: float  # every other matmul of a layer (projections, shared expert, router), with its norms and

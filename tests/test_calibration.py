@@ -63,8 +63,8 @@ def test_cost_model_reproduces_each_measured_point(hw, point):
 @pytest.mark.parametrize("hw,point", _points("oom"))
 def test_points_that_ran_out_of_memory_are_predicted_not_to_fit(hw, point):
     """What the solver asks of a layout: the whole prediction within the profile's usable memory (the allocator's
-    slack is outside the allocated figure: a point of 30 GiB blocks ran out with the allocated prediction ~6% under
-    the card)."""
+    slack is outside the allocated figure: the 2-layer 32K naive point, of 30 GiB blocks, runs out of memory with
+    its allocated prediction, 149.8 GB, just under the card's 150.1)."""
     assert predict_point(point, hw)["total_gb"] > load_profile(hw).usable_gb
 
 

@@ -447,7 +447,10 @@ def test_profile_without_efficiencies_keeps_one_compute_efficiency():
     hw_flops = 4 * (fwd - f["head"]) + 3 * f["head"]
     assert e.time_s["compute"] == pytest.approx(s * hw_flops / (MI300X.peak_bf16_tflops * 1e12
                                                                 * MI300X.compute_efficiency))
-    assert e.compute_s["layer_passes"] == 0.0 and e.compute_s["ep_passes"] == 0.0
+    assert e.compute_s["layer_passes"] == 0.0
+    on_ep = estimate(Q35, MI300X, 8, Layout(cp=2), o, ep_path=True)  # the EP path: no copy or fixed cost either
+    assert on_ep.compute_s["ep_passes"] == 0.0 and on_ep.compute_s["ep_dispatch"] == 0.0
+    assert on_ep.time_s["compute"] == pytest.approx(e.time_s["compute"])
     local = total_params(Q35) / 8
     assert e.time_s["optimizer"] == pytest.approx(local * 40 / (MI300X.hbm_bw_tb_s * 1e12 * 0.9))
 

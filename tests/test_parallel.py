@@ -204,7 +204,7 @@ def test_regroup_index_by_hand():
     assert regroup_index(torch.tensor([[[1, 2]], [[1, 1]]]), (1, 2, 0), 5).tolist() == [0, 3, 1, 2, 4]
 
 
-@pytest.mark.parametrize("T,C", [(7, 1), (7, 3), (13, 4), (16, 16), (64, 5)])
+@pytest.mark.parametrize("T,C", [(7, 1), (7, 3), (13, 4), (16, 16), (64, 5), (3, 5), (0, 2)])
 def test_one_sort_of_every_chunk_equals_a_sort_of_each(T, C):
     """The route sorts every chunk's slots in one stable sort by (chunk, expert) and regroups every chunk's received
     rows in one call; each chunk's part equals what a sort of that chunk alone and its own regroup give, idle experts
@@ -218,7 +218,9 @@ def test_one_sort_of_every_chunk_equals_a_sort_of_each(T, C):
         order, tok, n = permute(top_e[t0:t1], E)
         assert torch.equal(local, order) and torch.equal(token, tok + t0) and torch.equal(counts[c], n)
     recv = torch.randint(0, 3, (R, C, E // R), generator=g)
-    recv[0, :, 1] = 0
+    recv[0, :, 1] = 0  # an expert that receives nothing from rank 0
+    if C > 1:
+        recv[:, 1] = 0  # a chunk that receives nothing at all
     sizes = recv.sum((0, 2)).tolist()
     whole = chunk_regroup_index(recv, sum(sizes))
     for c, part in enumerate(torch.split(whole, sizes)):
