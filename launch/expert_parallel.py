@@ -85,17 +85,17 @@ def grouped_weight_grad(dy_MO, x_MD, counts: list[int], offs_E) -> torch.Tensor:
     return torch.stack([dy_e.t() @ x_e for dy_e, x_e in zip(torch.split(dy_MO, counts), torch.split(x_MD, counts))])
 
 
-def regroup_index(counts: torch.Tensor, perm: tuple[int, ...], total: int) -> torch.Tensor:
+def regroup_index(counts: torch.Tensor, perm: tuple[int, ...], total: int, per_block: bool = False) -> torch.Tensor:
     """Rows stored as contiguous segments in the row-major order of `counts` (one segment per entry, of that many
     rows); returns the row index that lists the same segments in the order of `counts.permute(perm)`.
     E.g. counts [[2, 1], [1, 2]] (src-major, R = 2 × El = 2: rows 0-1 s0e0, 2 s0e1, 3 s1e0, 4-5 s1e1) with perm
-    (1, 0) (expert-major: e0 from s0, s1, then e1 from s0, s1) → [0, 1, 3, 2, 4, 5]."""
+    (1, 0) (expert-major: e0 from s0, s1, then e1 from s0, s1) → [0, 1, 3, 2, 4, 5].
+    `per_block`: the rows of each entry of counts' first dimension are a buffer of their own, and each row index
+    counts from its buffer's first row."""
     flat = counts.reshape(-1)
     starts = (torch.cumsum(flat, 0) - flat).view(counts.shape)
-    return _listed_in(counts, starts, perm, total)
-
-
-def _listed_in(counts, starts, perm, total):
+    if per_block:
+        starts = starts - starts.reshape(counts.shape[0], -1)[:, :1].view(-1, *[1] * (counts.dim() - 1))
     c_t, s_t = counts.permute(perm).reshape(-1), starts.permute(perm).reshape(-1)
     seg = torch.repeat_interleave(torch.arange(c_t.numel(), device=counts.device), c_t, output_size=total)
     return s_t[seg] + torch.arange(total, device=counts.device) - (torch.cumsum(c_t, 0) - c_t)[seg]
@@ -105,11 +105,8 @@ def chunk_regroup_index(recv_RCEl: torch.Tensor, total: int) -> torch.Tensor:
     """Every chunk's regroup at once: chunk c's received rows are source-major segments ([R, El] of
     recv_RCEl[:, c]); the result, cut at the chunks' row totals, is each chunk's `regroup_index(recv_RCEl[:, c],
     (1, 0), n_c)` (expert-major, indices local to the chunk), for the kernels of one call instead of C."""
-    counts = recv_RCEl.permute(1, 0, 2).contiguous()  # [C, R, El]: the chunks' buffers one after another
-    flat = counts.reshape(-1)
-    starts = (torch.cumsum(flat, 0) - flat).view(counts.shape)
-    starts = starts - starts[:, :1, :1]  # each chunk's rows counted from its own first
-    return _listed_in(counts, starts, (0, 2, 1), total)
+    # [C, R, El]: the chunks' buffers one after another, each counted from its own first row
+    return regroup_index(recv_RCEl.permute(1, 0, 2), (0, 2, 1), total, per_block=True)
 
 
 def chunk_orders(top_e_TK: torch.Tensor, num_chunks: int, num_experts: int):
@@ -277,6 +274,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         # the slot order of each chunk again (the forward's sort)
         orders = [order_M for order_M, _ in chunk_orders(top_e_TK, C, ep.num_experts)[0]]
         g_out = dout_TD.to(dtype)  # (itself when it is already)
+        w_M = top_w_TK.reshape(-1).to(dtype)
 
         def send_rows(c):
             # D': each slot gets its token's output gradient and its routing weight (column D), gathered straight
@@ -285,7 +283,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             (t0, t1), order_M = bounds[c], orders[c]
             rows = dout_TD.new_empty((len(order_M), D + _EXTRA), dtype=dtype)
             torch.index_select(g_out[t0:t1], 0, order_M // K, out=rows[:, :D])
-            torch.index_select(top_w_TK[t0:t1].reshape(-1).to(dtype), 0, order_M, out=rows[:, D])
+            torch.index_select(w_M[t0 * K:t1 * K], 0, order_M, out=rows[:, D])
             return rows
 
         pending = {0: ep.all_to_all(send_rows(0), recv[0], send[0])}
@@ -320,13 +318,14 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         else:
             perm = regroup_index(recv_RCEl.permute(1, 2, 0), (1, 2, 0), sum(map(sum, recv)))
 
-            def ordered(parts):  # the chunks' rows in that order; the chunks' own copies go once it is made (but
-                # the inputs', which autograd keeps until the backward returns)
+            def ordered(parts):  # the chunks' rows in that order; the chunks' own copies go once it is made
                 whole = torch.cat(parts)[perm]
                 parts.clear()
                 return whole
 
-            xs, gs, acts, dhs = ordered(list(saved[0::3])), ordered(g_parts), ordered(a_parts), ordered(dh_parts)
+            # (the inputs' chunks stay: autograd keeps them until the backward returns)
+            xs = torch.cat(saved[0::3])[perm]
+            gs, acts, dhs = ordered(g_parts), ordered(a_parts), ordered(dh_parts)
         dw2 = grouped_weight_grad(gs, acts, per_expert, offs_El)
         del gs, acts
         dw1 = grouped_weight_grad(dhs, xs, per_expert, offs_El)

@@ -370,9 +370,9 @@ def ep_copy_bytes(m: ModelShape, s: float, recompute: bool, ep: int = 1) -> floa
     of h + 8 bf16 values, each read and written once. On the compute stream, four regroups: in the forward the rows
     into expert order and the outputs back to source order, in the backward the same for the gradients (the
     recomputed forward's regroup stands in for the local path's combine, which it skips: nothing goes back). Then
-    the exchanges: two in the forward, two in
-    the backward, one in the recomputed forward; of each, the 1/ep of the rows a rank sends itself is a local copy,
-    the rest is the all-to-all, charged as communication (section 4)."""
+    the exchanges: two in the forward, two in the backward, one in the recomputed forward; of each, the 1/ep of
+    the rows a rank sends itself is a local copy, the rest is the all-to-all, charged as communication
+    (section 4)."""
     if not m.num_moe_layers:
         return 0.0
     exchanges = 4 + (1 if recompute else 0)
@@ -494,9 +494,9 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
     """The work of one micro-batch on one GPU by operation (section 5): hardware FLOPs of the routed experts'
     GEMMs, the other matmuls, attention's quadratic term, the delta rule and the head; the EP path's copied bytes
     and its passes through the MoE layers; and the count of layer passes (forward-equivalents: 4 a layer with full
-    recompute, 3 without). TP splits the
-    matmuls; under PP the GPU is one of the slowest stage's (slowest_stage on `hw`: its layers' share of each
-    operation, the head only if it holds it), since every pipeline slot waits for that stage."""
+    recompute, 3 without). TP splits the matmuls; under PP the GPU is one of the slowest stage's (slowest_stage on
+    `hw`: its layers' share of each operation, the head only if it holds it), since every pipeline slot waits for
+    that stage."""
     tp = layout.tp
     s = opts.micro_batch_tokens / layout.cp
     mult = forward_equivalents(opts)
@@ -572,7 +572,7 @@ PASS_TERMS = ("layer_passes", "ep_passes")  # counted in passes, charged at a fi
 
 
 def compute_times(work: dict[str, float], hw: HwProfile) -> dict[str, float]:
-    """Seconds of each operation in compute_work: work over its rate (the layer passes times their latency)."""
+    """Seconds of each operation in compute_work: work over its rate (the PASS_TERMS times their latency)."""
     r = rates(hw)
     return {k: (w * r[k] if k in PASS_TERMS else (w / r[k] if w else 0.0)) for k, w in work.items()}
 
