@@ -131,6 +131,18 @@ def stream_summary(prof) -> dict:
             "all_to_all_overlapped_share": overlapped / total if total else None}
 
 
+def chunk_cost_ms(results: list[dict], chunks: list[int], moe_layers: int, passes: int) -> float | None:
+    """The EP path's fixed time per MoE layer, pass and chunk beyond the first: the least-squares slope of the step
+    time over the chunk count (results[1:] are the EP rows, in `chunks` order), over the layer-passes. None with
+    fewer than two counts."""
+    if len(set(chunks)) < 2:
+        return None
+    ts = [r["step_s"] for r in results[1:]]
+    mk, mt = sum(chunks) / len(chunks), sum(ts) / len(ts)
+    slope = sum((k - mk) * (t - mt) for k, t in zip(chunks, ts)) / sum((k - mk) ** 2 for k in chunks)
+    return slope * 1e3 / (moe_layers * passes)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--model", default="qwen35-35b")
@@ -195,6 +207,10 @@ def main() -> None:
     for r in results:
         print(f"{r['variant']:<18} {r['step_s']:>9.3f} {r['step_s'] / base:>8.3f} "
               f"{r.get('peak_allocated_gib', float('nan')):>9.1f}")
+    per_chunk = chunk_cost_ms(results, chunks, len(experts), passes=3)
+    if per_chunk is not None:
+        print(f"each chunk beyond the first: {per_chunk:.3f} ms a MoE layer and pass (least-squares slope of the step "
+              f"over k, {len(experts)} MoE layers, 3 passes: forward, recomputed forward, backward)")
     summary = {}
     if args.trace and device.type == "cuda":
         from torch.profiler import ProfilerActivity, profile
@@ -208,8 +224,10 @@ def main() -> None:
             summary[tag] = stream_summary(prof)
         print(json.dumps(summary, indent=1))
     if args.out:
-        Path(args.out).write_text(json.dumps({"results": results, "parity": parity, "trace_summary": summary},
-                                             indent=1))
+        Path(args.out).write_text(json.dumps({"results": results, "parity": parity, "trace_summary": summary,
+                                              "chunk_ms": per_chunk, "moe_layers": len(experts),
+                                              "device": torch.cuda.get_device_name() if device.type == "cuda"
+                                              else "cpu", "torch": torch.__version__}, indent=1))
     dist.destroy_process_group()
     if off:
         raise SystemExit(f"parity FAILED: {', '.join(off)} off the local path by more than {PARITY_TOL:g} "

@@ -50,7 +50,13 @@ LEAN_HEAD_PASSES = 6.6
 # H200 grid (Qwen3-30B-A3B, 2 layers, 8K tokens: the step 21 ms above the fused head's).
 NAIVE_HEAD_PASSES = 6.0
 HEAD_MODES = ("fused", "lean", "naive")
-EP_CHUNK_TOKENS = 2048  # chunked EP overlap: tokens per chunk (a 64K sequence in 32 chunks)
+# Chunked EP overlap: the counts default_ep_chunks chooses from, each chunk at least EP_CHUNK_TOKENS tokens.
+EP_CHUNK_COUNTS = (1, 2, 4, 8, 16, 32)
+EP_CHUNK_TOKENS = 2048
+# The EP path's fixed time per MoE layer, pass and chunk beyond the first where a profile has no measured
+# efficiency.ep_chunk_ms: the H200's figure (the chunk loop's launches and index work, which the host's launch rate
+# sets more than the GPU).
+EP_CHUNK_MS_ASSUMED = 0.63
 # The optimizer step per local parameter: cast the bf16 gradient to fp32 (2 + 4 bytes), fused AdamW (read master,
 # grad, both moments, write master and moments: 28), write the bf16 compute copy back (4 + 2): 40 bytes.
 ADAM_BYTES_MOVED = 40
@@ -343,13 +349,50 @@ def overlap_efficiency(chunks: int) -> float:
     return chunks / (chunks + 1)
 
 
-def default_ep_chunks(s_local: float, ep: int) -> int:
-    if ep <= 1:
+def default_ep_chunks(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions) -> int:
+    """The chunk count of EP_CHUNK_COUNTS (chunks of at least EP_CHUNK_TOKENS local tokens) that costs the step least:
+    the all-to-all time chunked overlap leaves exposed against the chunk loop's fixed time per extra chunk
+    (docs/cost_model.md, section 4). 1 when ep = 1: nothing to overlap."""
+    if layout.ep <= 1:
         return 1
-    return int(max(1, min(32, s_local // EP_CHUNK_TOKENS)))
+    s = opts.micro_batch_tokens / layout.cp
+    t_a2a, t_gemm, transfers = ep_layer_times(m, hw, world, layout, opts)
+    per_chunk = rates(hw)["ep_chunks"]
+
+    def cost(k: int) -> float:
+        return ep_exposed_time(t_a2a, t_gemm, transfers, k) + len(transfers) * (k - 1) * per_chunk
+
+    counts = [k for k in EP_CHUNK_COUNTS if k == 1 or s / k >= EP_CHUNK_TOKENS]
+    return min(counts, key=lambda k: (cost(k), k))
 
 
-# ---- the estimate, by section of docs/cost_model.md ---------------------------------------------------------
+def with_default_chunks(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions
+                        ) -> TrainOptions:
+    """`opts` with the layout's default_ep_chunks: the options the solver estimates a layout with."""
+    return opts.model_copy(update={"ep_overlap_chunks": default_ep_chunks(m, hw, world, layout, opts)})
+
+
+def ep_layer_times(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions
+                   ) -> tuple[float, float, list[int]]:
+    """Per MoE layer of one micro-batch: the seconds of one all-to-all transfer (s·k·h values, (ep−1)/ep of them
+    leaving the rank), of the expert GEMMs in one pass, and the transfers of each pass: the forward dispatches and
+    combines, the backward sends the output gradients and returns the input gradients, the recomputed forward (full
+    recompute) only dispatches (launch/expert_parallel.py)."""
+    ep = layout.ep
+    s = opts.micro_batch_tokens / layout.cp
+    a2a_bytes = s * m.top_k * m.hidden_size * BF16 * (ep - 1) / ep
+    t_a2a = a2a_bytes / group_bw(hw, ep, 1, gpus_per_node_used(hw, world)) if ep > 1 else 0.0
+    expert_flops_tok = 2 * param_counts(m)["routed_experts"] * m.top_k / m.num_experts / max(m.num_moe_layers, 1)
+    t_gemm = s * expert_flops_tok / (layout.tp * layout.etp) / rates(hw)["expert_gemm"]
+    transfers = [2, 1, 2] if opts.recompute == "full" else [2, 2]  # per pass: forward, (recompute,) backward
+    return t_a2a, t_gemm, transfers
+
+
+def ep_exposed_time(t_a2a: float, t_gemm: float, transfers: list[int], chunks: int) -> float:
+    """The all-to-all seconds one MoE layer leaves on the critical path over its passes at `chunks` chunks."""
+    return sum(ep_overlap_time(x * t_a2a, t_gemm, chunks) - t_gemm for x in transfers)
+
+
 def ep_dispatch_bytes(m: ModelShape, s: float, chunks: int = 1) -> float:
     """What the expert-parallel code path (launch/expert_parallel.py) holds beyond the local dispatch during one MoE
     layer's backward, for the s·k token copies a rank receives (about s·k whatever ep is, under balance): rows of
@@ -514,6 +557,7 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
         "ep_dispatch": 0.0,
         "ep_passes": 0.0,
+        "ep_chunks": 0.0,
         "layer_passes": mult * len(stage),
     }
     if layout.ep > 1 or ep_path:
@@ -523,6 +567,8 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         moe = _stage_counts(m, stage)["moe"]
         work["ep_dispatch"] = moe * ep_copy_bytes(m, s, opts.recompute == "full", layout.ep)
         work["ep_passes"] = (mult - 1) * moe
+        # and each pass's chunk loop: a fixed time per chunk beyond the first (its launches and index work)
+        work["ep_chunks"] = (mult - 1) * moe * (opts.ep_overlap_chunks - 1)
     return work
 
 
@@ -561,14 +607,14 @@ def rates(hw: HwProfile) -> dict[str, float]:
         r = peak * hw.compute_efficiency
         return {"expert_gemm": r, "dense_gemm": r, "attention": r, "delta_rule": r, "lm_head": r,
                 "optimizer": hbm * HBM_EFFICIENCY, "ep_dispatch": float("inf"), "ep_passes": 0.0,
-                "layer_passes": 0.0}
+                "ep_chunks": EP_CHUNK_MS_ASSUMED * 1e-3, "layer_passes": 0.0}
     return {"expert_gemm": peak * e.expert_gemm, "dense_gemm": peak * e.dense_gemm, "attention": peak * e.attention,
             "delta_rule": peak * e.delta_rule, "lm_head": peak * e.lm_head, "optimizer": hbm * e.optimizer,
             "ep_dispatch": hbm * e.ep_dispatch, "ep_passes": e.ep_latency_ms * 1e-3,
-            "layer_passes": e.layer_latency_ms * 1e-3}
+            "ep_chunks": e.ep_chunk_ms * 1e-3, "layer_passes": e.layer_latency_ms * 1e-3}
 
 
-PASS_TERMS = ("layer_passes", "ep_passes")  # counted in passes, charged at a fixed time each
+PASS_TERMS = ("layer_passes", "ep_passes", "ep_chunks")  # counted in passes, charged at a fixed time each
 
 
 def compute_times(work: dict[str, float], hw: HwProfile) -> dict[str, float]:
@@ -613,19 +659,12 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     r = rates(hw)
     passes = 3 if opts.recompute == "full" else 2  # forward, recompute forward, backward
     comm, t = {}, {}
-    # EP all-to-all, per MoE layer: the forward dispatches and combines, the backward sends the output gradients
-    # and returns the input gradients, and the recomputed forward (full recompute) only dispatches: 4 or 5
-    # transfers, each s·k·h values of which (ep−1)/ep leave the rank (launch/expert_parallel.py)
+    # EP all-to-all, per MoE layer: 4 or 5 transfers over its passes (ep_layer_times), less what chunked overlap
+    # hides under the expert GEMMs
     n_moe_local = n["moe"]
-    a2a_bytes = s * m.top_k * m.hidden_size * BF16 * (ep - 1) / ep
-    t_a2a = a2a_bytes / group_bw(hw, ep, 1, node) if ep > 1 else 0.0
-    expert_flops_tok = 2 * param_counts(m)["routed_experts"] * m.top_k / m.num_experts / max(m.num_moe_layers, 1)
-    t_ep_layer_gemm = s * expert_flops_tok / (tp * etp) / r["expert_gemm"]
-    chunks = opts.ep_overlap_chunks if ep > 1 else 1
-    transfers = [2, 1, 2] if opts.recompute == "full" else [2, 2]  # per pass: forward, (recompute,) backward
-    t["ep_exposed"] = n_moe_local * sum(ep_overlap_time(x * t_a2a, t_ep_layer_gemm, chunks) - t_ep_layer_gemm
-                                        for x in transfers)
-    comm["ep_all_to_all"] = n_moe_local * sum(transfers) * a2a_bytes
+    t_a2a, t_gemm, transfers = ep_layer_times(m, hw, world, layout, opts)
+    t["ep_exposed"] = n_moe_local * ep_exposed_time(t_a2a, t_gemm, transfers, opts.ep_overlap_chunks if ep > 1 else 1)
+    comm["ep_all_to_all"] = n_moe_local * sum(transfers) * s * m.top_k * m.hidden_size * BF16 * (ep - 1) / ep
     # CP: full attention all-gathers K/V (and reduce-scatters dK/dV); Gated DeltaNet passes its state
     t["cp"] = 0.0
     if cp > 1:

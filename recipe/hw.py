@@ -59,10 +59,12 @@ class Efficiency(Record):
     layer_latency_ms: float  # fixed time per decoder layer and pass (launches, the router's host sync)
     ep_latency_ms: float  # fixed time per MoE layer and pass of the expert-parallel path (its route's count
     #                       exchange and host sync)
+    ep_chunk_ms: float  # fixed time per MoE layer, pass and overlap chunk beyond the first of that path (the chunk
+    #                     loop's launches and index work)
 
     def __post_init__(self) -> None:
         names = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "optimizer", "ep_dispatch")
-        _check_positive(self, names + ("layer_latency_ms", "ep_latency_ms"))
+        _check_positive(self, names + ("layer_latency_ms", "ep_latency_ms", "ep_chunk_ms"))
         for n in names:
             if getattr(self, n) > 1:
                 raise ValueError(f"efficiency.{n} must be at most 1, got {getattr(self, n)!r}")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from .cost import Estimate, Layout, TrainOptions, default_ep_chunks
+from .cost import Estimate, Layout, TrainOptions, with_default_chunks
 from .margin import estimate_with_margin as estimate  # "fits" as the solver means it: peak + margin ≤ usable
 from .hw import HwProfile
 from .models import ModelShape
@@ -33,11 +33,8 @@ def grid(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions, auto_chun
         for tp in tp_candidates(m, hw, world // pp):
             for ep in ep_candidates(m, world // pp):
                 for cp in cp_candidates(m, opts.micro_batch_tokens, world // (pp * tp), tp):
-                    o = opts
-                    if auto_chunks:
-                        o = opts.model_copy(update={"ep_overlap_chunks":
-                                                    default_ep_chunks(opts.micro_batch_tokens / cp, ep)})
                     lay = Layout(pp=pp, tp=tp, cp=cp, ep=ep)
+                    o = with_default_chunks(m, hw, world, lay, opts) if auto_chunks else opts
                     out.append(GridPoint(lay, estimate(m, hw, world, lay, o)))
     return out
 

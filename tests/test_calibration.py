@@ -162,3 +162,21 @@ def test_h200_efficiencies_are_the_fit_of_its_grid():
         assert getattr(eff, k) == pytest.approx(1 / (fitted[k] * hbm), abs=6e-4), k
     assert eff.layer_latency_ms == pytest.approx(fitted["layer_passes"] * 1e3, abs=6e-4)
     assert eff.ep_latency_ms == pytest.approx(fitted["ep_passes"] * 1e3, abs=6e-4)
+
+
+def test_ep_chunk_cost_is_the_committed_runs_slope():
+    """efficiency.ep_chunk_ms is the slope of the EP path's step over its chunk count in the committed runs (pooled
+    least squares, each run its own intercept), per MoE layer and pass; the H100 carries the H200's figure."""
+    raw = json.loads(resources.files("hw_profiles").joinpath("calibration", "h200_ep_chunks.json").read_text())
+    num = den = 0.0
+    for run in raw["runs"]:
+        pts = [(int(p["variant"].split("=")[1]), p["step_s"]) for p in run["steps"] if p["variant"].startswith("EP")]
+        mk = sum(k for k, _ in pts) / len(pts)
+        mt = sum(t for _, t in pts) / len(pts)
+        scale = run["moe_layers"] * run["passes"]
+        num += sum((k - mk) * (t - mt) for k, t in pts) / scale
+        den += sum((k - mk) ** 2 for k, _ in pts)
+    slope_ms = num / den * 1e3
+    for hw in ("h200", "h100"):
+        assert load_profile(hw).efficiency.ep_chunk_ms == pytest.approx(slope_ms, abs=5e-3)
+    assert 0.3 < slope_ms < 1.5  # a launch-bound loop's figure, not a unit slip

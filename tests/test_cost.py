@@ -7,8 +7,8 @@ import itertools
 import pytest
 
 import recipe.sweep as sweep_mod
-from recipe.cost import (BF16, BYTES_UNSHARDED, FP32, GB, Layout, TrainOptions, default_ep_chunks,
-                         ep_copy_bytes, ep_dispatch_bytes, ep_overlap_time, estimate, forward_flops_per_token, layer_params,
+from recipe.cost import (BF16, BYTES_UNSHARDED, EP_CHUNK_COUNTS, FP32, GB, Layout, TrainOptions, default_ep_chunks,
+                         ep_copy_bytes, ep_layer_times, ep_dispatch_bytes, ep_overlap_time, estimate, forward_flops_per_token, layer_params,
                          layer_saved, layer_working_set, lm_head_bytes, overlap_efficiency, stage_params)
 from recipe.hw import all_profiles, load_profile
 from recipe.models import PRESETS, active_matmul_params, param_counts, total_params
@@ -192,11 +192,52 @@ def test_ep_overlap_time_is_max_plus_one_ramp():
     assert ep_overlap_time(3.0, 1.0, 4) == 3.25  # comm-bound: the gemm hides, one chunk of it shows
 
 
-def test_default_ep_chunks_2048_token_chunks():
-    assert [default_ep_chunks(s, 8) for s in (16_384, 32_768, 65_536)] == [8, 16, 32]
-    assert default_ep_chunks(1 << 20, 8) == 32  # capped
-    assert default_ep_chunks(1024, 8) == 1
-    assert default_ep_chunks(65_536, 1) == 1  # no EP, nothing to overlap
+def test_default_ep_chunks_worked_by_hand():
+    """qwen35-35b on 8 H200s at ep = 8, 64K tokens a rank, full recompute. One all-to-all transfer moves
+    s·k·h·2·(ep − 1)/ep = 65,536 · 8 · 2048 · 2 · 7/8 bytes at the in-node bus bandwidth, A = 5.22 ms; the expert
+    GEMMs of one pass take G = 9.64 ms. Per MoE layer the passes carry 2, 1 and 2 transfers, and each chunk beyond
+    the first costs 0.63 ms a pass:
+        cost(k) = 2·(2A − G) + (2G + A)/k + 3·0.63·(k − 1)     (2A > G in the two two-transfer passes)
+        k = 1: 26.1   k = 2: 15.7   k = 4: 13.4   k = 8: 17.9   k = 16: 31.5 ms
+    so 4 chunks, where 2048-token chunks would be 32."""
+    h200 = load_profile("h200")
+    lay, o = Layout(ep=8), opts(65_536)
+    a, g, transfers = ep_layer_times(Q35, h200, 8, lay, o)
+    s, k, h = 65_536, Q35.top_k, Q35.hidden_size
+    assert a == pytest.approx(s * k * h * 2 * 7 / 8 / (h200.intra_node.bw_gb_s * 1e9))
+    assert (round(a * 1e3, 2), round(g * 1e3, 2), transfers) == (5.22, 9.64, [2, 1, 2])
+    c = h200.efficiency.ep_chunk_ms * 1e-3
+    cost = {n: 2 * (2 * a - g) + (2 * g + a) / n + 3 * c * (n - 1) for n in EP_CHUNK_COUNTS}
+    assert [round(cost[n] * 1e3, 1) for n in (1, 2, 4, 8, 16)] == [26.1, 15.7, 13.4, 17.9, 31.5]
+    assert default_ep_chunks(Q35, h200, 8, lay, o) == min(cost, key=cost.get) == 4
+
+
+@pytest.mark.parametrize("hw", ["h100", "mi300x"])
+def test_default_ep_chunks_minimizes_the_step(hw):
+    """The chosen count gives the least step time of the estimate itself (which charges both the exposed
+    all-to-all and the chunk loop), over every count with chunks of at least 2048 tokens; at ep = 1 it is 1."""
+    prof = load_profile(hw)
+    for seq, lay, world in ((8_192, Layout(ep=8), 8), (65_536, Layout(ep=8), 8), (262_144, Layout(cp=2, ep=8), 16),
+                            (131_072, Layout(ep=32), 32), (65_536, Layout(), 8)):
+        o = opts(seq)
+        k = default_ep_chunks(Q35, prof, world, lay, o)
+        steps = {n: estimate(Q35, prof, world, lay, o.model_copy(update={"ep_overlap_chunks": n})).step_time_s
+                 for n in EP_CHUNK_COUNTS if n == 1 or seq / lay.cp / n >= 2048}
+        assert steps[k] == min(steps.values()), (hw, seq, lay, k, steps)
+        if lay.ep == 1:
+            assert k == 1
+    assert default_ep_chunks(Q35, prof, 8, Layout(ep=8), opts(2048)) == 1  # one chunk's worth of tokens
+
+
+def test_free_chunks_take_the_most_2048_token_chunks(monkeypatch):
+    """With the chunk loop free, more chunks always hide more: the count is the largest with 2048-token chunks
+    (32 at most), as the overlap model alone would have it."""
+    import dataclasses
+
+    h200 = load_profile("h200")
+    free = dataclasses.replace(h200, efficiency=dataclasses.replace(h200.efficiency, ep_chunk_ms=1e-9))
+    assert [default_ep_chunks(Q35, free, 8, Layout(ep=8), opts(s)) for s in (16_384, 32_768, 65_536, 1 << 20)] \
+        == [8, 16, 32, 32]
 
 
 def test_chunked_overlap_lowers_exposed_ep_time():
@@ -481,6 +522,11 @@ def test_measured_profile_times_each_operation_at_its_own_rate():
     copies = m4.num_moe_layers * 9 * rows / (h200.hbm_bw_tb_s * 1e12 * eff.ep_dispatch)
     fixed = 3 * m4.num_moe_layers * eff.ep_latency_ms / 1e3
     assert ep.step_time_s - e.step_time_s == pytest.approx(copies + fixed)
+    # each chunk beyond the first adds its fixed time to each pass of each MoE layer
+    ep8 = estimate(m4, h200, 1, Layout(), opts(s, ep_overlap_chunks=8), ep_path=True)
+    assert ep8.compute_s["ep_chunks"] * 1e3 == pytest.approx(3 * m4.num_moe_layers * 7 * eff.ep_chunk_ms)
+    assert ep8.step_time_s - ep.step_time_s == pytest.approx(ep8.compute_s["ep_chunks"])
+    assert ep.compute_s["ep_chunks"] == e.compute_s["ep_chunks"] == 0
     ep_n = estimate(m4, h200, 1, Layout(), opts(s, recompute="none"), ep_path=True)
     assert ep_n.compute_s["ep_passes"] * 1e3 == pytest.approx(2 * m4.num_moe_layers * eff.ep_latency_ms)
     assert ep_n.compute_s["ep_dispatch"] == pytest.approx(copies * 8 / 9)

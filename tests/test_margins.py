@@ -13,7 +13,7 @@ from typer.testing import CliRunner
 
 from recipe import calibration, margin
 from recipe.cli import app
-from recipe.cost import GB, Layout, TrainOptions, default_ep_chunks, estimate, gpus_per_node_used, group_bw
+from recipe.cost import GB, Layout, TrainOptions, estimate, gpus_per_node_used, group_bw, with_default_chunks
 from recipe.hw import load_profile
 from recipe.margin import estimate_with_margin, memory_margin
 from recipe.models import PRESETS
@@ -31,8 +31,9 @@ def _hw(name):
     return load_profile(name)
 
 
-def _opts(seq, cp=1, ep=1):
-    return TrainOptions(micro_batch_tokens=seq, ep_overlap_chunks=default_ep_chunks(seq / cp, ep))
+def _opts(seq, m, hw, world, lay):
+    """The options the solver estimates `lay` with: its default chunk count."""
+    return with_default_chunks(m, _hw(hw), world, lay, TrainOptions(micro_batch_tokens=seq))
 
 
 @pytest.fixture
@@ -64,8 +65,9 @@ def test_margin_terms_by_hand(measured):
       all-to-all = (4 − 1) · 2 · 4 channels · 4 MiB = 100,663,296 B
       imbalance  = 0.25 · s·k·(2h + 3I)·2 = 0.25 · 65,536 · 8 · 5,632 · 2 = 1,476,395,008 B (one layer: recompute)"""
     lay, seq = Layout(cp=2, ep=4), 131_072
-    est = estimate(Q35, _hw("h100"), 32, lay, _opts(seq, 2, 4))
-    mg = memory_margin(Q35, _hw("h100"), 32, lay, _opts(seq, 2, 4), est)
+    o = _opts(seq, Q35, "h100", 32, lay)
+    est = estimate(Q35, _hw("h100"), 32, lay, o)
+    mg = memory_margin(Q35, _hw("h100"), 32, lay, o, est)
     p = mg.parts_gb
     assert mg.bands.basis == {"memory": "measured", "step_time": "measured"}
     assert p["error"] == pytest.approx(est.total_gb * 0.05 / 0.95)
@@ -83,14 +85,16 @@ def test_margin_terms_by_hand(measured):
 def test_one_gpu_has_no_multi_gpu_allowance(measured):
     """On one GPU nothing is sharded or exchanged: the margin is the calibration's error term alone."""
     m = Q35.with_layers(4)
-    est = estimate(m, _hw("h200"), 1, Layout(), _opts(65_536))
-    mg = memory_margin(m, _hw("h200"), 1, Layout(), _opts(65_536), est)
+    o = _opts(65_536, m, "h200", 1, Layout())
+    est = estimate(m, _hw("h200"), 1, Layout(), o)
+    mg = memory_margin(m, _hw("h200"), 1, Layout(), o, est)
     assert mg.multi_gpu_gb == 0 and mg.total_gb == pytest.approx(est.total_gb * 0.05 / 0.95)
 
 
 def test_assumed_profiles_hold_back_more(assumed):
-    est = estimate(Q35, _hw("mi300x"), 8, Layout(), _opts(131_072))
-    mg = memory_margin(Q35, _hw("mi300x"), 8, Layout(), _opts(131_072), est)
+    o = _opts(131_072, Q35, "mi300x", 8, Layout())
+    est = estimate(Q35, _hw("mi300x"), 8, Layout(), o)
+    mg = memory_margin(Q35, _hw("mi300x"), 8, Layout(), o, est)
     assert mg.bands.basis == {"memory": "assumed", "step_time": "assumed"}
     assert mg.bands.error == {"memory": margin.ASSUMED_MEMORY_ERROR, "step_time": margin.ASSUMED_TIME_ERROR}
     assert mg.parts_gb["error"] == pytest.approx(est.total_gb * 0.15 / 0.85)
@@ -99,7 +103,7 @@ def test_assumed_profiles_hold_back_more(assumed):
 
 def test_no_recompute_counts_every_layers_imbalance(measured):
     lay, seq = Layout(cp=8, ep=8), 32_768
-    o = _opts(seq, 8, 8).model_copy(update={"recompute": "none"})
+    o = _opts(seq, Q35, "h100", 64, lay).model_copy(update={"recompute": "none"})
     mg = memory_margin(Q35, _hw("h100"), 64, lay, o, estimate(Q35, _hw("h100"), 64, lay, o))
     assert mg.parts_gb["imbalance"] == pytest.approx(0.25 * 4096 * 8 * 5632 * 2 * Q35.num_moe_layers / 1e9)
 
@@ -135,10 +139,10 @@ def test_a_layout_that_fits_only_without_the_margin_is_refused():
     splits the activations instead (over cp or tp, whichever is faster), keeping at least the margin free."""
     hw, lay = _hw("h100"), Layout(cp=1, ep=4)
     seq = 16_384
-    while estimate(Q35, hw, 32, lay, _opts(seq + 4096, 1, 4)).fits:
+    while estimate(Q35, hw, 32, lay, _opts(seq + 4096, Q35, "h100", 32, lay)).fits:
         seq += 4096
-    raw = estimate(Q35, hw, 32, lay, _opts(seq, 1, 4))
-    withm = estimate_with_margin(Q35, hw, 32, lay, _opts(seq, 1, 4))
+    raw = estimate(Q35, hw, 32, lay, _opts(seq, Q35, "h100", 32, lay))
+    withm = estimate_with_margin(Q35, hw, 32, lay, _opts(seq, Q35, "h100", 32, lay))
     assert raw.fits and not withm.fits and 0 <= raw.headroom_gb < withm.margin.total_gb
     with pytest.raises(InfeasibleError, match=rf"peaks at {raw.total_gb:.1f} GB \+ margin "
                                               rf"{withm.margin.total_gb:.1f} GB against 78\.6 GB usable"):
@@ -210,8 +214,9 @@ def test_twelve_h100s_cost_a_four_rank_group_across_nodes():
     s = solve(Q35, hw, 12, TrainOptions(micro_batch_tokens=32_768), pins={"ep": 4})
     assert "across 2 nodes (12 GPUs as nodes of 6)" in s.decisions["ep"].reason
     # the all-to-all time at 12 GPUs is the inter-node one: same layout on 16 GPUs (inside a node) is faster at it
-    e12 = estimate(Q35, hw, 12, Layout(cp=2, ep=4), _opts(32_768, 2, 4))
-    e16 = estimate(Q35, hw, 16, Layout(cp=2, ep=4), _opts(32_768, 2, 4))
+    o = TrainOptions(micro_batch_tokens=32_768, ep_overlap_chunks=8)
+    e12 = estimate(Q35, hw, 12, Layout(cp=2, ep=4), o)
+    e16 = estimate(Q35, hw, 16, Layout(cp=2, ep=4), o)
     assert e12.time_s["ep_exposed"] > e16.time_s["ep_exposed"]
 
 

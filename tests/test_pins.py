@@ -14,7 +14,7 @@ from typer.testing import CliRunner
 
 from recipe.cli import app
 from recipe.solving import solve_inputs
-from recipe.cost import Layout, TrainOptions, default_ep_chunks, estimate
+from recipe.cost import Layout, TrainOptions, estimate, with_default_chunks
 from recipe.hw import load_profile
 from recipe.models import PRESETS
 from recipe.plan import Inputs, build_plan, dumps, load_plan, parse_plan
@@ -163,8 +163,9 @@ def test_pinned_layout_that_does_not_fit_names_the_shortfall():
     from recipe.margin import estimate_with_margin
 
     seq = 262_144
-    e = estimate_with_margin(PRESETS["qwen35-35b"], load_profile("h100"), 32, Layout(ep=8),
-                             TrainOptions(micro_batch_tokens=seq, ep_overlap_chunks=default_ep_chunks(seq, 8)))
+    m, hw = PRESETS["qwen35-35b"], load_profile("h100")
+    e = estimate_with_margin(m, hw, 32, Layout(ep=8),
+                             with_default_chunks(m, hw, 32, Layout(ep=8), TrainOptions(micro_batch_tokens=seq)))
     over = e.total_gb + e.margin.total_gb - load_profile("h100").usable_gb
     r = run("solve", "--model", "qwen35-35b", "--seq", "256k", "--hw", "h100", "--gpus", "32",
             "--pp", "1", "--tp", "1", "--cp", "1", "--ep", "8")
@@ -183,8 +184,9 @@ def test_tiny_pinned_layout_out_of_memory_on_cpu():
     peak, margin, over = map(float, re.search(r"peaks at ([\d.]+) GB \+ margin ([\d.]+) GB against 12\.9 GB usable "
                                               r"\(([\d.]+) GB over", err).groups())
     seq = 4 << 20
-    o = TrainOptions(micro_batch_tokens=seq, ep_overlap_chunks=default_ep_chunks(seq, 2))
-    est = estimate(PRESETS["tiny-moe"], load_profile("cpu"), 2, Layout(ep=2), o)
+    m, hw = PRESETS["tiny-moe"], load_profile("cpu")
+    o = with_default_chunks(m, hw, 2, Layout(ep=2), TrainOptions(micro_batch_tokens=seq))
+    est = estimate(m, hw, 2, Layout(ep=2), o)
     assert peak == round(est.total_gb, 1) and over == pytest.approx(peak + margin - load_profile("cpu").usable_gb,
                                                                   abs=0.16)
     # the 4 layers' checkpointed inputs alone are 4 · 4,194,304 · 64 · 2 bytes = 2.1 GB of it

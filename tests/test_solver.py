@@ -59,14 +59,14 @@ def test_cp_never_shrinks_when_the_sequence_grows(model):
 def _min_fitting_cp(model: str, hw: str, s: Solution) -> int:
     """The smallest CP that fits (peak + margin within usable) at the solver's own pp, tp and ep: the memory rule
     alone."""
-    from recipe.cost import Layout, default_ep_chunks
+    from recipe.cost import Layout, with_default_chunks
     from recipe.margin import estimate_with_margin as estimate
     from recipe.solver import cp_candidates
 
     m, o, lay = PRESETS[model], s.opts, s.layout
     for c in cp_candidates(m, o.micro_batch_tokens, s.world // (lay.pp * lay.tp), lay.tp):
-        oc = o.model_copy(update={"ep_overlap_chunks": default_ep_chunks(o.micro_batch_tokens / c, lay.ep)})
-        if estimate(m, _hw(hw), s.world, Layout(pp=lay.pp, tp=lay.tp, cp=c, ep=lay.ep), oc).fits:
+        at = Layout(pp=lay.pp, tp=lay.tp, cp=c, ep=lay.ep)
+        if estimate(m, _hw(hw), s.world, at, with_default_chunks(m, _hw(hw), s.world, at, o)).fits:
             return c
     raise AssertionError("the solver's own layout must fit")
 
