@@ -177,7 +177,7 @@ LmHead = Annotated[str, typer.Option("--lm-head", help="fused (the loss in the h
 Mbt = Annotated[Optional[str], typer.Option("--micro-batch-tokens", help="tokens per micro-batch (default: --seq)")]
 Mb = Annotated[int, typer.Option("--micro-batches", help="micro-batches per DP rank per optimizer step")]
 Chunks = Annotated[Optional[int], typer.Option("--ep-chunks", help="EP all-to-all overlap chunks (1 = off; "
-                                                                   "default: from the local sequence)")]
+                                                                   "default: the count the cost model finds fastest)")]
 PinPP = Annotated[Optional[int], typer.Option("--pp", help="pin the pipeline degree; the rest is solved around it")]
 PinTP = Annotated[Optional[int], typer.Option("--tp", help="pin the tensor-parallel degree")]
 PinCP = Annotated[Optional[int], typer.Option("--cp", help="pin the context-parallel degree")]

@@ -236,6 +236,14 @@ def _ep_numbers(m: ModelShape, ranks: int, ep: int) -> dict:
             "expert_fsdp_gb_per_layer": round(layer_expert / ep * (edp - 1) / edp * (2 * BF16 + 4) / GB, 3)}
 
 
+def _ep_times(est: Estimate, ep: int) -> dict:
+    """The step's exposed MoE communication, and at ep > 1 the time of the EP chunk loop's extra rounds."""
+    n = {"exposed_moe_comm_s": round(est.time_s["ep_exposed"] + est.time_s["fsdp_exposed"], 4)}
+    if ep > 1:
+        n["chunk_loop_s"] = round(est.compute_s["ep_chunks"], 4)
+    return n
+
+
 def in_node(hw: HwProfile, world: int, group: int, stride: int = 1) -> bool:
     """Whether each group of `group` ranks `stride` apart lies inside one node of the job's layout (`world` GPUs as
     nodes of gpus_per_node_used): its span group·stride divides the node (recipe/cost.py, group_bw)."""
@@ -285,7 +293,7 @@ def solve_ep(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, cp: int
     ep = max(inside) if inside else min(near)
     est = scored[ep]
     n = _ep_numbers(m, ranks, ep)
-    n["exposed_moe_comm_s"] = round(est.time_s["ep_exposed"] + est.time_s["fsdp_exposed"], 4)
+    n.update(_ep_times(est, ep))
     others = sorted((e for e in scored if e != ep), key=lambda e: scored[e].step_time_s)
     rejected = ""
     if others:
@@ -533,7 +541,7 @@ def _pinned_decision(dim: str, m: ModelShape, hw: HwProfile, world: int, lay: La
          "margin_gb": round(_margin_gb(est), 2)}
     if dim == "ep":
         n.update(_ep_numbers(m, world // lay.pp, v))
-        n["exposed_moe_comm_s"] = round(est.time_s["ep_exposed"] + est.time_s["fsdp_exposed"], 4)
+        n.update(_ep_times(est, v))
         where = _where(hw, world, v)
         detail = (f"{n['experts_per_rank']} experts/rank, {where}, unsharded expert layer "
                   f"{n['unsharded_expert_layer_gb']:.2f} GB")

@@ -207,3 +207,20 @@ def test_infeasible_names_constraint_and_shortfall():
 def test_world_out_of_range():
     with pytest.raises(InfeasibleError, match="--gpus must be between 1 and"):
         solve(PRESETS["qwen35-35b"], _hw("h100"), 0, TrainOptions(micro_batch_tokens=8192))
+
+
+def test_ep_decision_names_its_chunk_count_and_loop_time():
+    """qwen35-35b at 128K on 32 H100s with cp = 8 pinned: the EP rule's layout runs the chunk count the cost model
+    finds fastest for it, and the decision names the chunk loop's time: 3 passes × 40 MoE layers × (k − 1) extra
+    rounds at the profile's ep_chunk_ms."""
+    from recipe.cost import default_ep_chunks, estimate
+
+    m, hw = PRESETS["qwen35-35b"], load_profile("h100")
+    s = solve(m, hw, 32, TrainOptions(micro_batch_tokens=131_072), pins={"cp": 8})
+    k = s.opts.ep_overlap_chunks
+    assert s.layout.ep > 1 and k == default_ep_chunks(m, hw, 32, s.layout, TrainOptions(micro_batch_tokens=131_072))
+    n = s.decisions["ep"].numbers
+    assert n["chunk_loop_s"] == pytest.approx(3 * 40 * (k - 1) * hw.efficiency.ep_chunk_ms / 1e3, abs=1e-4)
+    slower = [estimate(m, hw, 32, s.layout, s.opts.model_copy(update={"ep_overlap_chunks": j})).step_time_s
+              for j in (1, 2 * k)]
+    assert s.estimate.step_time_s < min(slower)  # fewer and more chunks both cost this layout time
