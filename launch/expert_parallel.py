@@ -286,8 +286,24 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             torch.index_select(w_M[t0 * K:t1 * K], 0, order_M, out=rows[:, D])
             return rows
 
+        # the weight gradients take every chunk's rows in one-chunk order (expert, source rank, chunk): with more
+        # than one chunk each chunk's g, a and dh are copied to their place there as they are made (`dest`: the
+        # place of each row of the chunks' concatenated rows, chunk after chunk) and dropped
+        total = sum(map(sum, recv))
+        dest = regroup_index(recv_RCEl.permute(2, 0, 1), (2, 0, 1), total) if C > 1 else None
+        wholes: dict[str, torch.Tensor] = {}
+
+        def place(name: str, c: int, part: torch.Tensor) -> None:
+            if dest is None:
+                wholes[name] = part
+                return
+            if name not in wholes:
+                wholes[name] = part.new_empty((total, *part.shape[1:]))
+            start = sum(map(sum, recv[:c]))
+            wholes[name].index_copy_(0, dest[start:start + len(part)], part)
+
         pending = {0: ep.all_to_all(send_rows(0), recv[0], send[0])}
-        returned, g_parts, a_parts, dh_parts = {}, [], [], []
+        returned = {}
         dx_TD = torch.zeros_like(dout_TD, dtype=dtype)
         dw_TK = torch.zeros_like(top_w_TK)
         for c in range(C):
@@ -301,31 +317,25 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             del rows
             # the SwiGLU's input gradient and its output a (the down projection's input, for its weight gradient)
             dh, a = swiglu_backward(saved[3 * c + 1], grouped_linear_dx(g, w2, local[c], offs_CEl[c]))
-            g_parts.append(g), a_parts.append(a), dh_parts.append(dh)
+            place("g", c, g), place("a", c, a)
+            del g, a
             # dX and dL/dw back to source-major, placed straight into the send rows
             back = dout_TD.new_empty((n, D + _EXTRA), dtype=dtype)
             back[:, :D].index_copy_(0, idx, grouped_linear_dx(dh, w1, local[c], offs_CEl[c]))
+            place("dh", c, dh)
+            del dh
             back[:, D].index_copy_(0, idx, dw.to(dtype))
             returned[c] = ep.all_to_all(back, send[c], recv[c])
             del back
             if c > 0:
                 _scatter_back(dx_TD, dw_TK, ep.wait(returned.pop(c - 1)), orders[c - 1], bounds[c - 1], D)
-        # weight gradients once, over every chunk's rows in one-chunk order (expert, source rank, chunk)
+        # weight gradients once, over every chunk's rows in one-chunk order (the inputs' chunks stay: autograd
+        # keeps them until the backward returns)
         El = w1.shape[0]
         per_expert = [sum(local[c][e] for c in range(C)) for e in range(El)]
-        if C == 1:  # one chunk's rows are already in that order
-            xs, gs, acts, dhs = saved[0], g_parts.pop(), a_parts.pop(), dh_parts.pop()
-        else:
-            perm = regroup_index(recv_RCEl.permute(1, 2, 0), (1, 2, 0), sum(map(sum, recv)))
-
-            def ordered(parts):  # the chunks' rows in that order; the chunks' own copies go once it is made
-                whole = torch.cat(parts)[perm]
-                parts.clear()
-                return whole
-
-            # (the inputs' chunks stay: autograd keeps them until the backward returns)
-            xs = torch.cat(saved[0::3])[perm]
-            gs, acts, dhs = ordered(g_parts), ordered(a_parts), ordered(dh_parts)
+        for c in range(C):
+            place("x", c, saved[3 * c])
+        xs, gs, acts, dhs = (wholes.pop(k) for k in ("x", "g", "a", "dh"))
         dw2 = grouped_weight_grad(gs, acts, per_expert, offs_El)
         del gs, acts
         dw1 = grouped_weight_grad(dhs, xs, per_expert, offs_El)

@@ -202,6 +202,9 @@ def test_regroup_index_by_hand():
     assert regroup_index(torch.tensor([[0, 3], [0, 0]]), (1, 0), 3).tolist() == [0, 1, 2]  # idle expert and rank
     # chunk-major [C=2, El=1, R=2] → (expert, source, chunk): c0 s0 row 0, c0 s1 rows 1-2, c1 s0 row 3, c1 s1 row 4
     assert regroup_index(torch.tensor([[[1, 2]], [[1, 1]]]), (1, 2, 0), 5).tolist() == [0, 3, 1, 2, 4]
+    # and back: where each chunk-major row lands in that order (the backward's `dest`, the inverse of the above),
+    # from the counts in (expert, source, chunk) order [El=1, R=2, C=2]
+    assert regroup_index(torch.tensor([[[1, 1], [2, 1]]]), (2, 0, 1), 5).tolist() == [0, 2, 3, 1, 4]
 
 
 @pytest.mark.parametrize("T,C", [(7, 1), (7, 3), (13, 4), (16, 16), (64, 5), (3, 5), (0, 2)])
