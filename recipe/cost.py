@@ -393,6 +393,7 @@ def ep_exposed_time(t_a2a: float, t_gemm: float, transfers: list[int], chunks: i
     return sum(ep_overlap_time(x * t_a2a, t_gemm, chunks) - t_gemm for x in transfers)
 
 
+# ---- the estimate, by section of docs/cost_model.md ---------------------------------------------------------
 def ep_dispatch_bytes(m: ModelShape, s: float, chunks: int = 1) -> float:
     """What the expert-parallel code path (launch/expert_parallel.py) holds beyond the local dispatch during one MoE
     layer's backward, for the s·k token copies a rank receives (about s·k whatever ep is, under balance): rows of
