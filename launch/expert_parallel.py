@@ -37,6 +37,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels.expert_grads import slot_grads, swiglu_backward
+from launch.moe import scatter_rows
 
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
@@ -254,7 +255,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             saved += [x_em, h_em, y_em]
             if recompute:
                 continue
-            y_src = torch.empty_like(y_em).index_copy_(0, idx, y_em)
+            y_src = scatter_rows(torch.empty_like(y_em), idx, y_em)
             combined[c] = ep.all_to_all(y_src, rt.send[c], rt.recv[c])
             if c > 0:
                 _unpermute_into(out_TD, ep.wait(combined.pop(c - 1)), rt.orders[c - 1][0], top_w_TK,
@@ -300,7 +301,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             if name not in wholes:
                 wholes[name] = part.new_empty((total, *part.shape[1:]))
             start = sum(map(sum, recv[:c]))
-            wholes[name].index_copy_(0, dest[start:start + len(part)], part)
+            scatter_rows(wholes[name], dest[start:start + len(part)], part)
 
         pending = {0: ep.all_to_all(send_rows(0), recv[0], send[0])}
         returned = {}
@@ -321,7 +322,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             del g, a
             # dX and dL/dw back to source-major, placed straight into the send rows
             back = dout_TD.new_empty((n, D + _EXTRA), dtype=dtype)
-            back[:, :D].index_copy_(0, idx, grouped_linear_dx(dh, w1, local[c], offs_CEl[c]))
+            scatter_rows(back[:, :D], idx, grouped_linear_dx(dh, w1, local[c], offs_CEl[c]))
             place("dh", c, dh)
             del dh
             back[:, D].index_copy_(0, idx, dw.to(dtype))
@@ -347,7 +348,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
 def _unpermute_into(out_TD, y_MD, order_M, top_w_TK, bounds) -> None:
     t0, t1 = bounds
     K = top_w_TK.shape[1]
-    y_TKD = torch.empty_like(y_MD).index_copy_(0, order_M, y_MD).view(t1 - t0, K, -1)
+    y_TKD = scatter_rows(torch.empty_like(y_MD), order_M, y_MD).view(t1 - t0, K, -1)
     out_TD[t0:t1] = torch.bmm(top_w_TK[t0:t1].unsqueeze(1), y_TKD).squeeze(1)
 
 
@@ -356,6 +357,6 @@ def _scatter_back(dx_TD, dw_TK, rows_M, order_M, bounds, D: int) -> None:
     token order."""
     t0, t1 = bounds
     K = dw_TK.shape[1]
-    slots = torch.empty_like(rows_M).index_copy_(0, order_M, rows_M).view(t1 - t0, K, -1)
+    slots = scatter_rows(torch.empty_like(rows_M), order_M, rows_M).view(t1 - t0, K, -1)
     dx_TD[t0:t1] = slots[..., :D].sum(1)
     dw_TK[t0:t1] = slots[..., D].to(dw_TK.dtype)

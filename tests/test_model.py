@@ -7,7 +7,7 @@ import torch
 
 from launch.gated_delta import chunk_gated_delta_rule_torch, recurrent_gated_delta_rule_ref
 from launch.model import Packing, build_model
-from launch.moe import MoE, permute
+from launch.moe import MoE, combine, permute, scatter_rows
 from launch.recompute import apply_recompute
 from recipe.models import PRESETS
 
@@ -62,6 +62,44 @@ def test_permutation_by_hand():
     assert order.tolist() == [1, 4, 2, 5, 0, 3]
     assert token.tolist() == [0, 2, 1, 2, 0, 1]
     assert counts.tolist() == [2, 2, 2, 0]
+
+
+def test_scatter_rows_is_index_copy_bitwise():
+    """Whole rows moved as 8-byte words where the layout allows (bf16 and fp16 rows of 4k values, fp32 of 2k, a
+    column slice of a wider buffer) and by index_copy_ elsewhere (odd widths, fp64, a misaligned slice): every case
+    gives index_copy_'s bytes."""
+    g = torch.Generator().manual_seed(0)
+    index = torch.randperm(37, generator=g)
+    for dtype in (torch.bfloat16, torch.float16, torch.float32, torch.float64):
+        for width in (8, 12, 6, 3):
+            src = torch.randn(37, width, generator=g).to(dtype)
+            ref = torch.zeros_like(src).index_copy_(0, index, src)
+            assert torch.equal(scatter_rows(torch.zeros_like(src), index, src), ref), (dtype, width)
+        wide = torch.randn(37, 16 + 8, generator=g).to(dtype)  # the backward's rows: D columns + 8
+        for cols in (slice(0, 16), slice(1, 17)):
+            src = torch.randn(37, 16, generator=g).to(dtype)
+            ref = wide.clone()
+            ref[:, cols].index_copy_(0, index, src)
+            got = wide.clone()
+            scatter_rows(got[:, cols], index, src)
+            assert torch.equal(got, ref), (dtype, cols)
+
+
+def test_combine_gradient_is_index_copys():
+    """combine's unpermute (scatter_rows forward, a gather backward) gives the gradients autograd gives through
+    index_copy_."""
+    g = torch.Generator().manual_seed(1)
+    T, K, D = 5, 3, 8
+    order = torch.randperm(T * K, generator=g)
+    y = torch.randn(T * K, D, generator=g, dtype=torch.float64, requires_grad=True)
+    w = torch.rand(T, K, generator=g, dtype=torch.float64, requires_grad=True)
+    r = torch.randn(T, D, generator=g, dtype=torch.float64)
+    (combine(y, order, w) * r).sum().backward()
+    got = y.grad.clone(), w.grad.clone()
+    y.grad = w.grad = None
+    ref_TKD = torch.zeros_like(y).index_copy(0, order, y).view(T, K, D)
+    (torch.bmm(w.unsqueeze(1), ref_TKD).squeeze(1) * r).sum().backward()
+    assert torch.equal(got[0], y.grad) and torch.equal(got[1], w.grad)
 
 
 def test_moe_matches_dense_per_token_loop():
