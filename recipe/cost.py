@@ -73,7 +73,10 @@ BACKWARD_TRANSIENT = 0.0
 # gathered copy. Fitted on the H200 grid (minimax over every point but the naive head's and the EP path's:
 # Qwen3.5-35B-A3B and Qwen3-30B-A3B, whose expert widths are 512 and 768, 2 to 8 layers, 8K to 128K tokens,
 # recompute full and none): every peak within +4.8% / −3.8%, where one factor for both sides (1.8) puts
-# Qwen3-30B-A3B at 128K tokens 8.4% under its measured peak.
+# Qwen3-30B-A3B at 128K tokens 8.4% under its measured peak. The grid predates the combine's unpermute as its own
+# autograd Function (launch/moe.py), which no longer keeps the expert outputs [s·k, h] beside the unpermuted rows: the
+# hidden-width factor is about one such tensor high (1.5 GiB of 80 at 64K tokens, 4 layers) until the grid is measured
+# again.
 MOE_SAVED_H = 1.6
 MOE_SAVED_F = 2.8
 # MasterAdamW (launch/optim.py) steps its parameters in groups of at most this many elements (a larger tensor is a
