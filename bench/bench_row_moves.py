@@ -12,8 +12,10 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
+from bench_gdn_fused import _time as cuda_median_ms  # noqa: E402
 
 from launch.expert_parallel import regroup_index  # noqa: E402
 
@@ -69,15 +71,7 @@ def main() -> None:
         out = fn()
         got = out if out.dtype == torch.bfloat16 else out.view(torch.bfloat16)
         assert torch.equal(got.view(M, D), ref), name
-        ts = []
-        for _ in range(args.reps):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn()
-            b.record()
-            torch.cuda.synchronize()
-            ts.append(a.elapsed_time(b))
-        ms = sorted(ts)[len(ts) // 2]
+        ms = cuda_median_ms(fn, args.reps, warmup=1)
         print(f"{name:<36} {ms:8.3f} {moved / ms / 1e6:12.0f}")
 
 
