@@ -282,3 +282,28 @@ def test_solve_never_tracebacks_on_random_options():
             assert len([ln for ln in r.output.splitlines() if ln.startswith("error:")]) == 1, (args, r.output)
 
     check()
+
+
+def test_compare_ep_overlap_names_the_chunk_loop():
+    """Where the plan runs EP, the overlap row gives its chunk count, the step it saves against one chunk and its chunk
+    loop's time, as the cost model has them (qwen35-397b at 32K on 64 MI300X: ep = 8)."""
+    import re
+
+    from recipe.compare import technique_effects
+    from recipe.cost import TrainOptions, estimate
+    from recipe.hw import load_profile
+    from recipe.models import PRESETS
+    from recipe.solver import solve
+
+    m, hw = PRESETS["qwen35-397b"], load_profile("mi300x")
+    sol = solve(m, hw, 64, TrainOptions(micro_batch_tokens=32_768))
+    assert sol.layout.ep > 1
+    k = sol.opts.ep_overlap_chunks
+    one = estimate(m, hw, 64, sol.layout, sol.opts.model_copy(update={"ep_overlap_chunks": 1}))
+    got = re.fullmatch(r"k=(\d+): saves (-?[\d.]+)% of the step against k=1, its chunk loop's ([\d.]+) s included",
+                       technique_effects(m, hw, sol)["ep_overlap"])
+    assert got, technique_effects(m, hw, sol)["ep_overlap"]
+    assert int(got[1]) == k > 1
+    assert float(got[2]) == pytest.approx(100 * (1 - sol.estimate.step_time_s / one.step_time_s), abs=0.05)
+    assert float(got[3]) == pytest.approx(sol.estimate.compute_s["ep_chunks"], abs=0.005)
+    assert sol.estimate.compute_s["ep_chunks"] > 0
