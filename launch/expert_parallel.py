@@ -221,10 +221,15 @@ class Route:
     offs_El: torch.Tensor
 
     @staticmethod
+    def rows_of(recv: list[list[int]], c: int) -> slice:
+        """Chunk c's rows among every chunk's received rows, chunk after chunk."""
+        start = sum(map(sum, recv[:c]))
+        return slice(start, start + sum(recv[c]))
+
+    @staticmethod
     def regroup_of(regroup: torch.Tensor, recv: list[list[int]], c: int) -> torch.Tensor:
         """Chunk c's part of `regroup`: the row index that puts its received rows in expert order."""
-        start = sum(map(sum, recv[:c]))
-        return regroup[start:start + sum(recv[c])]
+        return regroup[Route.rows_of(recv, c)]
 
 
 # rows of a backward all-to-all carry D gradient columns plus one column for the routing weight (or its gradient),
@@ -300,8 +305,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
                 return
             if name not in wholes:
                 wholes[name] = part.new_empty((total, *part.shape[1:]))
-            start = sum(map(sum, recv[:c]))
-            scatter_rows(wholes[name], dest[start:start + len(part)], part)
+            scatter_rows(wholes[name], dest[Route.rows_of(recv, c)], part)
 
         pending = {0: ep.all_to_all(send_rows(0), recv[0], send[0])}
         returned = {}

@@ -375,6 +375,11 @@ def with_default_chunks(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     return opts.model_copy(update={"ep_overlap_chunks": default_ep_chunks(m, hw, world, layout, opts)})
 
 
+def ep_transfer_bytes(m: ModelShape, s: float, ep: int) -> float:
+    """Bytes one EP all-to-all transfer sends off a rank: s·k rows of h bf16 values, (ep − 1)/ep of them."""
+    return s * m.top_k * m.hidden_size * BF16 * (ep - 1) / ep
+
+
 def ep_layer_times(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions
                    ) -> tuple[float, float, list[int]]:
     """Per MoE layer of one micro-batch: the seconds of one all-to-all transfer (s·k·h values, (ep−1)/ep of them
@@ -383,8 +388,7 @@ def ep_layer_times(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opt
     recompute) only dispatches (launch/expert_parallel.py)."""
     ep = layout.ep
     s = opts.micro_batch_tokens / layout.cp
-    a2a_bytes = s * m.top_k * m.hidden_size * BF16 * (ep - 1) / ep
-    t_a2a = a2a_bytes / group_bw(hw, ep, 1, gpus_per_node_used(hw, world)) if ep > 1 else 0.0
+    t_a2a = ep_transfer_bytes(m, s, ep) / group_bw(hw, ep, 1, gpus_per_node_used(hw, world)) if ep > 1 else 0.0
     expert_flops_tok = 2 * param_counts(m)["routed_experts"] * m.top_k / m.num_experts / max(m.num_moe_layers, 1)
     t_gemm = s * expert_flops_tok / (layout.tp * layout.etp) / rates(hw)["expert_gemm"]
     transfers = [2, 1, 2] if opts.recompute == "full" else [2, 2]  # per pass: forward, (recompute,) backward
@@ -668,7 +672,7 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     n_moe_local = n["moe"]
     t_a2a, t_gemm, transfers = ep_layer_times(m, hw, world, layout, opts)
     t["ep_exposed"] = n_moe_local * ep_exposed_time(t_a2a, t_gemm, transfers, opts.ep_overlap_chunks if ep > 1 else 1)
-    comm["ep_all_to_all"] = n_moe_local * sum(transfers) * s * m.top_k * m.hidden_size * BF16 * (ep - 1) / ep
+    comm["ep_all_to_all"] = n_moe_local * sum(transfers) * ep_transfer_bytes(m, s, ep)
     # CP: full attention all-gathers K/V (and reduce-scatters dK/dV); Gated DeltaNet passes its state
     t["cp"] = 0.0
     if cp > 1:
