@@ -105,6 +105,8 @@ def environment(args) -> dict:
                                            capture_output=True, text=True, timeout=30).stdout.strip()
         except (OSError, subprocess.SubprocessError):
             env["driver"] = None
+    env["cpu"] = _cpu_name()
+    env["host_launch_us"] = _host_launch_us(torch, args.device)
     try:
         from launch.gated_delta import fla_status
 
@@ -112,6 +114,35 @@ def environment(args) -> dict:
     except Exception as e:  # noqa: BLE001 - informational only
         env["delta_rule"] = f"unknown ({type(e).__name__})"
     return env
+
+
+def _cpu_name() -> str | None:
+    """The host CPU's model name (Linux), or None."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return None
+
+
+def _host_launch_us(torch, device: str, n: int = 400) -> float:
+    """Host microseconds to queue one small kernel: the launch rate that bounds the short points (8K tokens) and the
+    lean head's many chunk iterations, so a grid's step times can be read against the host they ran on. The
+    median of five rounds of n launches (n below the launch queue's depth, so the host never waits on the GPU)."""
+    x = torch.zeros(256, device=device)
+    rounds = []
+    for _ in range(5):
+        if device == "cuda":
+            torch.cuda.synchronize()
+        t = time.perf_counter()
+        for _ in range(n):
+            x.add_(1.0)
+        rounds.append((time.perf_counter() - t) / n * 1e6)
+    if device == "cuda":
+        torch.cuda.synchronize()
+    return round(statistics.median(rounds), 2)
 
 
 def _git_commit() -> str | None:
@@ -295,8 +326,6 @@ def run_grid(args) -> None:
     print(f"\nwrote {out} ({len(data['points'])} points, {time.monotonic() - t_start:.0f} s); "
           f"memory error {data['memory_error']:.3f}, time error {data['time_error']:.3f}", flush=True)
     if ep_meshes is not None:
-        import torch.distributed as dist
-
         dist.destroy_process_group()
 
 
