@@ -72,13 +72,20 @@ BACKWARD_TRANSIENT = 0.0
 # d_act, d_gate, d_up and their concatenation beside them, where the hidden-width side adds only dL/dy and its
 # gathered copy. Fitted on the H200 grid (minimax over every point but the naive head's and the EP path's:
 # Qwen3.5-35B-A3B and Qwen3-30B-A3B, whose expert widths are 512 and 768, 2 to 8 layers, 8K to 128K tokens,
-# recompute full and none): every peak within +4.8% / −3.8%, where one factor for both sides (1.8) puts
-# Qwen3-30B-A3B at 128K tokens 8.4% under its measured peak. The grid predates the combine's unpermute as its own
-# autograd Function (launch/moe.py), which no longer keeps the expert outputs [s·k, h] beside the unpermuted rows: the
-# hidden-width factor is about one such tensor high (1.5 GiB of 80 at 64K tokens, 4 layers) until the grid is measured
-# again.
-MOE_SAVED_H = 1.6
-MOE_SAVED_F = 2.8
+# recompute full and none). The two factors trade against each other along a flat valley (the worst error goes from
+# 3.9% to 4.8% as the hidden-width factor goes from 0.6 to 1.2, the other refitted at each): the hidden-width
+# tensors are taken once, as the combine's unpermute keeps only its order (launch/moe.py), and the expert-width
+# factor is the minimax at that, every peak within +4.3% / −3.6% (bench/calibrate.py --fit prints both).
+MOE_SAVED_H = 1.0
+MOE_SAVED_F = 3.15
+# The expert-parallel path's rows held beyond the local dispatch's in a MoE layer's backward (ep_dispatch_bytes), in
+# rows of h + 8 bf16 values a received copy, besides one half for the chunk in flight. Measured on the H200 grid's EP
+# points at one chunk (hw_profiles/calibration/h200.json, EP peak less the local peak of the same point): 2.61 rows
+# for Qwen3.5-35B-A3B (f = 512) and 3.11 for Qwen3-30B-A3B (f = 768), the 2f the local path saves added back; this
+# is the two models' mean less the half (bench/calibrate.py --fit prints it). The half a chunk was measured before the
+# backward placed each chunk's rows straight into the weight gradients' order (3.49, 3.39 and 3.09 rows at 1, 2 and 4
+# chunks for Qwen3.5-35B-A3B).
+EP_HELD_ROWS = 2.36
 # MasterAdamW (launch/optim.py) steps its parameters in groups of at most this many elements (a larger tensor is a
 # group of its own), casting each group's bf16 gradients to fp32 first.
 OPT_GROUP_NUMEL = 2**28
@@ -404,16 +411,14 @@ def ep_exposed_time(t_a2a: float, t_gemm: float, transfers: list[int], chunks: i
 def ep_dispatch_bytes(m: ModelShape, s: float, chunks: int = 1) -> float:
     """What the expert-parallel code path (launch/expert_parallel.py) holds beyond the local dispatch during one MoE
     layer's backward, for the s·k token copies a rank receives (about s·k whatever ep is, under balance): rows of
-    h + 8 bf16 values (the exchanged rows: h columns, the routing weight and padding) and the slot gradients, about
-    3 a copy whatever the chunk count plus one half for the chunk in flight; less the 2·f a copy that the local
-    path's autograd saves (act(gate) and the activation) and the EP path does not (its backward recomputes the
-    SwiGLU in one kernel). Measured on one H200 (docs/cost_model.md, "The expert-parallel code path"): 3.49, 3.39
-    and 3.09 rows of h + 8 a copy at 1, 2 and 4 chunks for Qwen3.5-35B-A3B (f = 512), 3.44 at one chunk for
-    Qwen3-30B-A3B (f = 768)."""
+    h + 8 bf16 values (the exchanged rows: h columns, the routing weight and padding) and the slot gradients,
+    EP_HELD_ROWS a copy whatever the chunk count plus one half for the chunk in flight; less the 2·f a copy that the
+    local path's autograd saves (act(gate) and the activation) and the EP path does not (its backward recomputes the
+    SwiGLU in one kernel)."""
     h, f = m.hidden_size, m.expert_ffn
     if not m.num_moe_layers:
         return 0.0
-    return s * m.top_k * max(0.0, (3 + 0.5 / max(chunks, 1)) * (h + 8) - 2 * f) * BF16
+    return s * m.top_k * max(0.0, (EP_HELD_ROWS + 0.5 / max(chunks, 1)) * (h + 8) - 2 * f) * BF16
 
 
 def ep_copy_bytes(m: ModelShape, s: float, recompute: bool, ep: int = 1) -> float:
