@@ -148,11 +148,15 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
     measure("moe (router+experts+shared)", wrap(lambda xin: moe(xin)), len(layers))
 
     def experts_only(xin):
-        _, _, top_e = moe.gate(xin)
-        from launch.moe import permute
+        # the two grouped GEMMs and the SwiGLU between them, under autograd (the same GEMMs the experts' backward
+        # runs), without the routing's gathers and the weighted sum
+        from launch.moe import grouped_linear, permute
 
+        _, _, top_e = moe.gate(xin)
         order, token, counts = permute(top_e, moe.num_experts)
-        return moe.experts.ffn(xin[token], counts)
+        offs, host = torch.cumsum(counts, 0, dtype=torch.int32), counts.tolist()
+        gate, up = grouped_linear(xin[token], moe.experts.gate_up_proj, host, offs).chunk(2, dim=-1)
+        return grouped_linear(torch.nn.functional.silu(gate) * up, moe.experts.down_proj, host, offs)
     measure("routed experts (grouped GEMMs)", wrap(experts_only), len(layers))
     w = model.lm_head.weight
 

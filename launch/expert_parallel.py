@@ -37,53 +37,11 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels.expert_grads import slot_grads, swiglu_backward
-from launch.moe import scatter_rows
-
-
-def _use_grouped_mm(x: torch.Tensor) -> bool:
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+from launch.moe import grouped_linear, grouped_linear_dx, grouped_weight_grad, scatter_rows, unpermute
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
     return p.to_local() if hasattr(p, "to_local") else p
-
-
-# On CPU a GEMM of fewer than 4 rows takes another kernel (another summation order) than a taller one; padding each
-# expert's rows to 4 makes every row's result independent of how many rows share its expert, which is what makes k
-# chunks equal one chunk bitwise.
-_CPU_MIN_ROWS = 4
-
-
-def _per_expert(op, x_MD, counts: list[int], w_E):
-    outs = []
-    for e, x_e in enumerate(torch.split(x_MD, counts)):
-        n = x_e.shape[0]
-        if 0 < n < _CPU_MIN_ROWS:
-            x_e = torch.cat([x_e, x_e.new_zeros(_CPU_MIN_ROWS - n, x_e.shape[1])])
-        outs.append(op(x_e, w_E[e])[:n])
-    return torch.cat(outs)
-
-
-# ---- grouped GEMMs over experts (rows sorted by expert; counts on the host, offsets on the device) ------------
-def grouped_linear(x_MD, w_EOD, counts: list[int], offs_E) -> torch.Tensor:
-    """Per expert e: x_e @ w_eᵀ → [M, O]."""
-    if _use_grouped_mm(x_MD):
-        return torch._grouped_mm(x_MD, w_EOD.transpose(-2, -1), offs=offs_E)
-    return _per_expert(F.linear, x_MD, counts, w_EOD)
-
-
-def grouped_linear_dx(dy_MO, w_EOD, counts: list[int], offs_E) -> torch.Tensor:
-    """Per expert e: dy_e @ w_e → [M, D] (the input gradient of `grouped_linear`)."""
-    if _use_grouped_mm(dy_MO):
-        return torch._grouped_mm(dy_MO, w_EOD, offs=offs_E)
-    return _per_expert(torch.matmul, dy_MO, counts, w_EOD)
-
-
-def grouped_weight_grad(dy_MO, x_MD, counts: list[int], offs_E) -> torch.Tensor:
-    """Per expert e: dy_eᵀ @ x_e → [E, O, D] (the weight gradient of `grouped_linear`; zero for an idle expert)."""
-    if _use_grouped_mm(dy_MO):
-        return torch._grouped_mm(dy_MO.t(), x_MD, offs=offs_E)
-    return torch.stack([dy_e.t() @ x_e for dy_e, x_e in zip(torch.split(dy_MO, counts), torch.split(x_MD, counts))])
 
 
 def regroup_index(counts: torch.Tensor, perm: tuple[int, ...], total: int, per_block: bool = False) -> torch.Tensor:
@@ -352,7 +310,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
 def _unpermute_into(out_TD, y_MD, order_M, top_w_TK, bounds) -> None:
     t0, t1 = bounds
     K = top_w_TK.shape[1]
-    y_TKD = scatter_rows(torch.empty_like(y_MD), order_M, y_MD).view(t1 - t0, K, -1)
+    y_TKD = unpermute(y_MD, order_M).view(t1 - t0, K, -1)
     out_TD[t0:t1] = torch.bmm(top_w_TK[t0:t1].unsqueeze(1), y_TKD).squeeze(1)
 
 
@@ -361,6 +319,6 @@ def _scatter_back(dx_TD, dw_TK, rows_M, order_M, bounds, D: int) -> None:
     token order."""
     t0, t1 = bounds
     K = dw_TK.shape[1]
-    slots = scatter_rows(torch.empty_like(rows_M), order_M, rows_M).view(t1 - t0, K, -1)
+    slots = unpermute(rows_M, order_M).view(t1 - t0, K, -1)
     dx_TD[t0:t1] = slots[..., :D].sum(1)
     dw_TK[t0:t1] = slots[..., D].to(dw_TK.dtype)

@@ -16,11 +16,51 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.expert_grads import slot_grads, swiglu_backward
+
 
 def _use_grouped_mm(x: torch.Tensor) -> bool:
     # torch._grouped_mm runs on Hopper-class CUDA in bf16; its CPU backward fails on empty groups (torch 2.13), so CPU
     # and fp32 take the per-expert loop, which computes the same function.
     return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+
+
+# On CPU a GEMM of fewer than 4 rows takes another kernel (another summation order) than a taller one; padding each
+# expert's rows to 4 makes every row's result independent of how many rows share its expert, which is what makes k
+# chunks equal one chunk bitwise.
+_CPU_MIN_ROWS = 4
+
+
+def _per_expert(op, x_MD, counts: list[int], w_E):
+    outs = []
+    for e, x_e in enumerate(torch.split(x_MD, counts)):
+        n = x_e.shape[0]
+        if 0 < n < _CPU_MIN_ROWS:
+            x_e = torch.cat([x_e, x_e.new_zeros(_CPU_MIN_ROWS - n, x_e.shape[1])])
+        outs.append(op(x_e, w_E[e])[:n])
+    return torch.cat(outs)
+
+
+# ---- grouped GEMMs over experts (rows sorted by expert; offsets on the device, counts on the host for the loop) -
+def grouped_linear(x_MD, w_EOD, counts: list[int] | None, offs_E) -> torch.Tensor:
+    """Per expert e: x_e @ w_eᵀ → [M, O]."""
+    if _use_grouped_mm(x_MD):
+        return torch._grouped_mm(x_MD, w_EOD.transpose(-2, -1), offs=offs_E)
+    return _per_expert(F.linear, x_MD, counts, w_EOD)
+
+
+def grouped_linear_dx(dy_MO, w_EOD, counts: list[int] | None, offs_E) -> torch.Tensor:
+    """Per expert e: dy_e @ w_e → [M, D] (the input gradient of `grouped_linear`)."""
+    if _use_grouped_mm(dy_MO):
+        return torch._grouped_mm(dy_MO, w_EOD, offs=offs_E)
+    return _per_expert(torch.matmul, dy_MO, counts, w_EOD)
+
+
+def grouped_weight_grad(dy_MO, x_MD, counts: list[int] | None, offs_E) -> torch.Tensor:
+    """Per expert e: dy_eᵀ @ x_e → [E, O, D] (the weight gradient of `grouped_linear`; zero for an idle expert)."""
+    if _use_grouped_mm(dy_MO):
+        return torch._grouped_mm(dy_MO.t(), x_MD, offs=offs_E)
+    return torch.stack([dy_e.t() @ x_e for dy_e, x_e in zip(torch.split(dy_MO, counts), torch.split(x_MD, counts))])
 
 
 class GroupedExperts(nn.Module):
@@ -36,26 +76,7 @@ class GroupedExperts(nn.Module):
         """Σ_k top_w_TK[t, k] · expert_{top_e_TK[t, k]}(x_TD[t]) for every token t."""
         if self.token_dispatch is not None:
             return self.token_dispatch(self, x_TD, top_w_TK, top_e_TK)
-        T, K = top_e_TK.shape
-        order_M, token_M, num_tokens_per_expert_E = permute(top_e_TK, self.num_experts)
-        y_MD = self.ffn(x_TD[token_M], num_tokens_per_expert_E)
-        return combine(y_MD, order_M, top_w_TK)
-
-    def ffn(self, x_MD: torch.Tensor, num_tokens_per_expert_E: torch.Tensor) -> torch.Tensor:
-        """Rows of x are sorted by expert; expert e owns the next num_tokens_per_expert_E[e] rows."""
-        if _use_grouped_mm(x_MD):
-            offsets_E = torch.cumsum(num_tokens_per_expert_E, 0, dtype=torch.int32)
-            h_MF = torch._grouped_mm(x_MD, self.gate_up_proj.transpose(-2, -1), offs=offsets_E)
-            gate, up = h_MF.chunk(2, dim=-1)
-            return torch._grouped_mm(F.silu(gate) * up, self.down_proj.transpose(-2, -1), offs=offsets_E)
-        counts = num_tokens_per_expert_E.tolist()  # host sync: the loop needs the split sizes
-        outs = []
-        for e, x_e in enumerate(torch.split(x_MD, counts)):
-            if counts[e] == 0:
-                continue
-            gate, up = F.linear(x_e, self.gate_up_proj[e]).chunk(2, dim=-1)
-            outs.append(F.linear(F.silu(gate) * up, self.down_proj[e]))
-        return torch.cat(outs) if outs else x_MD.new_zeros(0, self.dim)
+        return _RoutedExperts.apply(x_TD, top_w_TK, top_e_TK, self.gate_up_proj, self.down_proj)
 
 
 class TopKRouter(nn.Module):
@@ -116,26 +137,62 @@ def scatter_rows(dst: torch.Tensor, index: torch.Tensor, src: torch.Tensor) -> t
     return dst
 
 
-class _Unpermute(torch.autograd.Function):
-    """Rows into the places `order_M` gives (scatter_rows); the gradient gathers them back."""
+def unpermute(rows_M: torch.Tensor, order_M: torch.Tensor) -> torch.Tensor:
+    """Rows in expert order back to flat (token, slot) order: out[order_M[i]] = rows_M[i] (see `permute`)."""
+    return scatter_rows(torch.empty_like(rows_M), order_M, rows_M)
+
+
+class _RoutedExperts(torch.autograd.Function):
+    """Every routed expert on this rank, forward and backward written out (what autograd would do, less what it
+    would keep and the kernels it would add):
+
+        forward:  x_M = x[token_M] (sorted by expert); h = x_M W1ᵀ; y = (silu(gate)·up) W2ᵀ; out_t = Σ_k w_tk y_tk
+        backward: g = dL/dout_t · w_tk and dL/dw_tk = dL/dout_t · y_tk, one kernel over the rows (slot_grads);
+                  dh and the activation a from g W2 and h, one kernel (swiglu_backward); the weight gradients
+                  gᵀa and dhᵀx_M; dx_M = dh W1, back to (token, slot) order and summed over the slots
+
+    It saves x_M, h and y (the activation is recomputed in the backward's SwiGLU kernel), where autograd's graph of
+    the same forward keeps the activation and silu(gate) as well, and its backward forms the routing weights'
+    gradient and the slot gradients as batched products of one-row matrices. Under full recompute the recomputed
+    forward skips the combine: nothing in the backward reads the layer's output (the expert-parallel path,
+    launch/expert_parallel.py, does the same)."""
 
     @staticmethod
-    def forward(ctx, y_MD, order_M):
-        ctx.save_for_backward(order_M)
-        return scatter_rows(torch.empty_like(y_MD), order_M, y_MD)
+    def forward(ctx, x_TD, top_w_TK, top_e_TK, w1_EFD, w2_EDI):
+        # inside the backward pass (graph task running): this is the recompute of a checkpointed layer
+        recompute = torch._C._current_graph_task_id() != -1
+        T, K = top_e_TK.shape
+        order_M, token_M, counts_E = permute(top_e_TK, w1_EFD.shape[0])
+        offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
+        ctx.counts = None if _use_grouped_mm(x_TD) else counts_E.tolist()  # the loop needs them on the host
+        x_MD = x_TD[token_M]
+        h_MF = grouped_linear(x_MD, w1_EFD, ctx.counts, offs_E)
+        gate, up = h_MF.chunk(2, dim=-1)
+        y_MD = grouped_linear(F.silu(gate) * up, w2_EDI, ctx.counts, offs_E)
+        ctx.save_for_backward(x_MD, h_MF, y_MD, order_M, offs_E, top_w_TK, w1_EFD, w2_EDI)
+        out_TD = x_TD.new_empty(x_TD.shape)
+        if recompute:
+            return out_TD
+        # the weighted sum over slots as a batched product written into a fresh tensor (a view would trip FSDP2's
+        # output hook); no atomics, so recompute reproduces it bitwise
+        torch.bmm(top_w_TK.unsqueeze(1), unpermute(y_MD, order_M).view(T, K, -1), out=out_TD.unsqueeze(1))
+        return out_TD
 
     @staticmethod
-    def backward(ctx, g_MD):
-        (order_M,) = ctx.saved_tensors
-        return g_MD.index_select(0, order_M), None
-
-
-def combine(y_MD: torch.Tensor, order_M: torch.Tensor, top_w_TK: torch.Tensor) -> torch.Tensor:
-    """Unpermute the expert outputs to (token, slot) order and take the weighted sum over slots (a scatter of
-    whole rows and a batched product, no atomics: deterministic, so recompute reproduces it bitwise)."""
-    T, K = top_w_TK.shape
-    y_TKD = _Unpermute.apply(y_MD, order_M).view(T, K, y_MD.shape[-1])
-    return torch.bmm(top_w_TK.unsqueeze(1), y_TKD).squeeze(1).clone()  # a view would trip FSDP2's output hook
+    def backward(ctx, dout_TD):
+        x_MD, h_MF, y_MD, order_M, offs_E, top_w_TK, w1, w2 = ctx.saved_tensors
+        counts, (T, K), dtype = ctx.counts, top_w_TK.shape, y_MD.dtype
+        g_MD, dw_M = slot_grads(dout_TD.to(dtype).index_select(0, order_M // K),
+                                top_w_TK.reshape(-1).index_select(0, order_M).to(dtype).unsqueeze(1), y_MD)
+        dh_MF, a_MI = swiglu_backward(h_MF, grouped_linear_dx(g_MD, w2, counts, offs_E))
+        dw2 = grouped_weight_grad(g_MD, a_MI, counts, offs_E)
+        del g_MD, a_MI
+        dx_MD = grouped_linear_dx(dh_MF, w1, counts, offs_E)
+        dw1 = grouped_weight_grad(dh_MF, x_MD, counts, offs_E)
+        del dh_MF
+        dx_TD = unpermute(dx_MD, order_M).view(T, K, -1).sum(1)
+        dw_TK = dw_M.new_empty(T * K).index_copy_(0, order_M, dw_M).view(T, K)
+        return dx_TD.to(dout_TD.dtype), dw_TK.to(top_w_TK.dtype), None, dw1.to(w1.dtype), dw2.to(w2.dtype)
 
 
 class MoE(nn.Module):

@@ -7,7 +7,7 @@ import torch
 
 from launch.gated_delta import chunk_gated_delta_rule_torch, recurrent_gated_delta_rule_ref
 from launch.model import Packing, build_model
-from launch.moe import MoE, combine, permute, scatter_rows
+from launch.moe import GroupedExperts, MoE, permute, scatter_rows, unpermute
 from launch.recompute import apply_recompute
 from recipe.models import PRESETS
 
@@ -85,34 +85,86 @@ def test_scatter_rows_is_index_copy_bitwise():
             assert torch.equal(got, ref), (dtype, cols)
 
 
-def test_combine_gradient_is_index_copys():
-    """combine's unpermute (scatter_rows forward, a gather backward) gives the gradients autograd gives through
-    index_copy_."""
-    g = torch.Generator().manual_seed(1)
-    T, K, D = 5, 3, 8
-    order = torch.randperm(T * K, generator=g)
-    y = torch.randn(T * K, D, generator=g, dtype=torch.float64, requires_grad=True)
-    w = torch.rand(T, K, generator=g, dtype=torch.float64, requires_grad=True)
-    r = torch.randn(T, D, generator=g, dtype=torch.float64)
-    (combine(y, order, w) * r).sum().backward()
-    got = y.grad.clone(), w.grad.clone()
-    y.grad = w.grad = None
-    ref_TKD = torch.zeros_like(y).index_copy(0, order, y).view(T, K, D)
-    (torch.bmm(w.unsqueeze(1), ref_TKD).squeeze(1) * r).sum().backward()
-    assert torch.equal(got[0], y.grad) and torch.equal(got[1], w.grad)
+def _experts_by_autograd(ex, x, w, e):
+    """The routed experts as autograd would run them from plain ops: the reference for GroupedExperts' own
+    backward."""
+    T, K = e.shape
+    order, token, counts = permute(e, ex.num_experts)
+    rows = []
+    for i, x_e in enumerate(torch.split(x[token], counts.tolist())):
+        gate, up = (x_e @ ex.gate_up_proj[i].T).chunk(2, dim=-1)
+        rows.append((torch.nn.functional.silu(gate) * up) @ ex.down_proj[i].T)
+    y = torch.zeros(T * K, x.shape[1], dtype=x.dtype).index_copy(0, order, torch.cat(rows)).view(T, K, -1)
+    return torch.bmm(w.unsqueeze(1), y).squeeze(1)
 
 
-def test_combine_saves_the_expert_rows_once():
-    """For its backward the combine keeps the unpermuted rows [T, K, D] (the batched product's operand), the
-    routing weights and the order, and not the expert outputs [T·K, D] as well (an in-place index_copy_ saves its
-    source: one more [T·K, D] tensor a MoE layer, 2 GiB at 64K tokens of Qwen3.5-35B-A3B)."""
-    T, K, D = 16, 4, 8
-    y = torch.randn(T * K, D, requires_grad=True)
-    w = torch.rand(T, K, requires_grad=True)
+def _routed_case(seed=2, T=13, K=3, E=5, D=8, F=6, dtype=torch.float64):
+    g = torch.Generator().manual_seed(seed)
+    ex = GroupedExperts(E, D, F).to(dtype)
+    for prm in ex.parameters():
+        prm.data = torch.randn(prm.shape, generator=g, dtype=dtype) * 0.4
+    x = torch.randn(T, D, generator=g, dtype=dtype, requires_grad=True)
+    w = torch.rand(T, K, generator=g, dtype=dtype, requires_grad=True)
+    e = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(T)])
+    e[0] = e[1]  # two tokens with the same experts; expert E-1 idle in most draws
+    return ex, x, w, e
+
+
+def test_routed_experts_backward_equals_autograds():
+    """GroupedExperts' written-out backward (slot gradients and the SwiGLU's in one kernel each, the input gradient
+    summed over the slots) gives autograd's gradients for x, the routing weights and both weight tensors (fp32: the
+    two kernels compute in fp32 whatever their inputs)."""
+    ex, x, w, e = _routed_case(dtype=torch.float32)
+    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(3), dtype=x.dtype)
+    out = ex(x, w, e)
+    (out * r).sum().backward()
+    got = [out.detach(), x.grad, w.grad, ex.gate_up_proj.grad, ex.down_proj.grad]
+    x.grad = w.grad = ex.gate_up_proj.grad = ex.down_proj.grad = None
+    ref = _experts_by_autograd(ex, x, w, e)
+    (ref * r).sum().backward()
+    for name, a, b in zip(["out", "dx", "dw", "dW1", "dW2"], got,
+                          [ref.detach(), x.grad, w.grad, ex.gate_up_proj.grad, ex.down_proj.grad]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-6), (name, (a - b).abs().max())
+
+
+def test_routed_experts_under_recompute_equal_without():
+    """Under a non-reentrant checkpoint the recomputed forward skips the weighted sum (nothing in the backward
+    reads it): the gradients are those of the plain run, bitwise, and the layer's output is the plain output."""
+    ex, x, w, e = _routed_case(seed=4)
+    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(5), dtype=x.dtype)
+
+    def layer(x, w):
+        return x + ex(x, w, e)
+
+    runs = []
+    for ckpt in (False, True):
+        out = torch.utils.checkpoint.checkpoint(layer, x, w, use_reentrant=False) if ckpt else layer(x, w)
+        (out * r).sum().backward()
+        runs.append([out.detach(), x.grad, w.grad, ex.gate_up_proj.grad, ex.down_proj.grad])
+        x.grad = w.grad = ex.gate_up_proj.grad = ex.down_proj.grad = None
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
+def test_routed_experts_save_rows_once():
+    """For its backward the experts keep their input rows, the gate/up projection and the output rows ([M, D],
+    [M, 2F], [M, D]), the order, the offsets, the routing weights and the two weight tensors: not the activation
+    silu(gate)·up, which the backward's SwiGLU kernel recomputes, nor the unpermuted outputs [T, K, D]."""
+    ex, x, w, e = _routed_case(seed=6, dtype=torch.float32)
+    T, K = e.shape
+    M, D, F, E = T * K, ex.dim, ex.ffn_dim, ex.num_experts
     saved = []
     with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(tuple(t.shape)) or t, lambda t: t):
-        combine(y, torch.randperm(T * K), w)
-    assert sorted(saved) == sorted([(T * K,), (T, K, D), (T, 1, K)]), saved
+        ex(x, w, e)
+    assert sorted(saved) == sorted([(M, D), (M, 2 * F), (M, D), (M,), (E,), (T, K), (E, 2 * F, D), (E, D, F)]), saved
+
+
+def test_unpermute_inverts_the_permutation():
+    top_e = torch.tensor([[2, 0], [1, 2], [0, 1]])
+    order, token, _ = permute(top_e, num_experts=4)
+    rows = torch.arange(6.0).unsqueeze(1) * 10  # row i: expert-order row i
+    slots = unpermute(rows, order)
+    assert slots[order].equal(rows) and slots.squeeze(1).tolist() == [40.0, 0.0, 20.0, 50.0, 10.0, 30.0]
 
 
 def test_moe_matches_dense_per_token_loop():

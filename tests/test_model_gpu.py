@@ -45,24 +45,28 @@ def test_fla_delta_rule_matches_torch_reference(lengths):
 
 
 def test_grouped_mm_experts_match_loop():
+    """The routed experts in bf16 (torch._grouped_mm, the slot-gradient and SwiGLU kernels) against the same
+    experts in fp32 (the per-expert loop, the torch backward), two experts idle."""
     from launch.moe import GroupedExperts
 
     torch.manual_seed(0)
-    ex = GroupedExperts(8, 256, 128).cuda().to(torch.bfloat16)
+    T, K, E = 96, 2, 8
+    ex = GroupedExperts(E, 256, 128).cuda().to(torch.bfloat16)
     torch.nn.init.normal_(ex.gate_up_proj, std=0.05)
     torch.nn.init.normal_(ex.down_proj, std=0.05)
-    counts = torch.tensor([5, 0, 17, 3, 0, 40, 1, 9], device="cuda")
-    x = torch.randn(int(counts.sum()), 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
-    y = ex.ffn(x, counts)
+    e = torch.stack([torch.randperm(E - 2)[:K] for _ in range(T)]).cuda()
+    x = torch.randn(T, 256, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    w = torch.rand(T, K, device="cuda", dtype=torch.bfloat16, requires_grad=True)
+    y = ex(x, w, e)
     y.float().square().sum().backward()
-    grads = [x.grad.clone(), ex.gate_up_proj.grad.clone(), ex.down_proj.grad.clone()]
-    ref_ex = GroupedExperts(8, 256, 128).cuda().float()
+    grads = [x.grad.clone(), w.grad.clone(), ex.gate_up_proj.grad.clone(), ex.down_proj.grad.clone()]
+    ref_ex = GroupedExperts(E, 256, 128).cuda().float()
     ref_ex.load_state_dict({k: v.float() for k, v in ex.state_dict().items()})
-    x32 = x.detach().float().requires_grad_()
-    y32 = ref_ex.ffn(x32, counts)  # fp32 takes the per-expert loop
+    x32, w32 = x.detach().float().requires_grad_(), w.detach().float().requires_grad_()
+    y32 = ref_ex(x32, w32, e)  # fp32 takes the per-expert loop
     y32.square().sum().backward()
     assert _rel(y, y32) < 1e-2
-    for a, b in zip(grads, [x32.grad, ref_ex.gate_up_proj.grad, ref_ex.down_proj.grad]):
+    for a, b in zip(grads, [x32.grad, w32.grad, ref_ex.gate_up_proj.grad, ref_ex.down_proj.grad]):
         assert _rel(a, b) < 2e-2
 
 
@@ -138,7 +142,7 @@ def test_fused_gated_norm_matches_torch_path():
 def test_ep_grouped_gemms_match_the_per_expert_loop():
     """launch/expert_parallel.py's three grouped GEMMs (torch._grouped_mm in bf16 on CUDA) against the fp32 loop,
     with idle experts in the groups."""
-    from launch.expert_parallel import grouped_linear, grouped_linear_dx, grouped_weight_grad
+    from launch.moe import grouped_linear, grouped_linear_dx, grouped_weight_grad
 
     torch.manual_seed(0)
     counts = [5, 0, 17, 3, 0, 40, 1, 9]

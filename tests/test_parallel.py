@@ -27,9 +27,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
 
-from launch.expert_parallel import (chunk_orders, chunk_regroup_index, grouped_linear, grouped_linear_dx,  # noqa: E402
-                                    grouped_weight_grad, regroup_index)
-from launch.moe import permute  # noqa: E402
+from launch.expert_parallel import chunk_orders, chunk_regroup_index, regroup_index  # noqa: E402
+from launch.moe import grouped_linear, grouped_linear_dx, grouped_weight_grad, permute  # noqa: E402
 from launch.parallel import LayoutError, check_layout, micro_batch_share  # noqa: E402
 from recipe.plan import LayoutSpec  # noqa: E402
 
