@@ -1,10 +1,12 @@
-"""Fused elementwise steps of the expert-parallel backward (launch/expert_parallel.py), one kernel each.
+"""Fused elementwise steps of the routed experts' backward (launch/moe.py, launch/expert_parallel.py), one kernel
+each.
 
 Shape legend: M routed (token, slot) rows on this rank, D model dim, I expert ffn dim, F = 2I (gate, then up).
 
-    slot_grads(dout_MD, w_M, y_MD) -> (g_MD, dw_M)
+    slot_grads(dout_MD, w_M, y_MD, out=None) -> (g_MD, dw_M)
         g = dout · w (the gradient of the slot's expert output, rounded to dout's dtype as torch's product is),
-        dw = Σ_d dout·y in fp32 (the routing weight's gradient: dL/dw_tk = dL/dout_t · y_tk)
+        dw = Σ_d dout·y in fp32 (the routing weight's gradient: dL/dw_tk = dL/dout_t · y_tk); `out` (dout itself
+        allowed: each row is read before it is written) takes g
     swiglu_backward(h_MF, da_MI) -> (dh_MF, a_MI)
         h = [gate | up], a = silu(gate)·up; with s = sigmoid(gate):
         dgate = da · up · s · (1 + gate (1 − s)),  dup = da · silu(gate);  dh = [dgate | dup]
@@ -41,20 +43,25 @@ def swiglu_backward_torch(h_MF: torch.Tensor, da_MI: torch.Tensor):
     return dh, (silu * up).to(h_MF.dtype)
 
 
-def slot_grads(dout_MD: torch.Tensor, w_M1: torch.Tensor, y_MD: torch.Tensor, backend: str | None = None):
+def slot_grads(dout_MD: torch.Tensor, w_M1: torch.Tensor, y_MD: torch.Tensor, backend: str | None = None,
+               out: torch.Tensor | None = None):
     """(g [M, D] in dout's dtype, dw [M] fp32). dout and w may be column slices of one row buffer (any row
-    stride, unit column stride); w is [M, 1]."""
+    stride, unit column stride); w is [M, 1]. g goes to `out` when given ([M, D], dout's dtype; dout itself is
+    allowed, which saves the [M, D] allocation)."""
     M = dout_MD.shape[0]
     if y_MD.shape != dout_MD.shape or tuple(w_M1.shape) != (M, 1):
         raise ValueError(f"dout {tuple(dout_MD.shape)} and y {tuple(y_MD.shape)} must be one [M, D] shape and w "
                          f"{tuple(w_M1.shape)} [M, 1]")
     if not dout_MD.dtype == w_M1.dtype == y_MD.dtype:
         raise ValueError(f"dout, w and y must share a dtype, got {dout_MD.dtype}, {w_M1.dtype}, {y_MD.dtype}")
+    if out is not None and (out.shape != dout_MD.shape or out.dtype != dout_MD.dtype):
+        raise ValueError(f"out {tuple(out.shape)} {out.dtype} must be dout's shape and dtype")
     if _pick_backend(dout_MD, backend) == "torch":
-        return slot_grads_torch(dout_MD, w_M1, y_MD)
+        g, dw = slot_grads_torch(dout_MD, w_M1, y_MD)
+        return (out.copy_(g) if out is not None else g), dw
     from kernels import expert_grads_triton
 
-    return expert_grads_triton.slot_grads(dout_MD, w_M1, y_MD)
+    return expert_grads_triton.slot_grads(dout_MD, w_M1, y_MD, out)
 
 
 def swiglu_backward(h_MF: torch.Tensor, da_MI: torch.Tensor, backend: str | None = None):

@@ -65,10 +65,12 @@ def _unit_columns(*ts: torch.Tensor) -> None:
                              f"strides {t.stride()}")
 
 
-def slot_grads(dout_MD: torch.Tensor, w_M1: torch.Tensor, y_MD: torch.Tensor):
+def slot_grads(dout_MD: torch.Tensor, w_M1: torch.Tensor, y_MD: torch.Tensor, out: torch.Tensor | None = None):
     _unit_columns(dout_MD, y_MD)
     M, D = dout_MD.shape
-    g = torch.empty((M, D), dtype=dout_MD.dtype, device=dout_MD.device)
+    # a program reads each [BLOCK_M, BLOCK_D] tile of dout before it writes g's same tile: out may be dout
+    g = out if out is not None else torch.empty((M, D), dtype=dout_MD.dtype, device=dout_MD.device)
+    _unit_columns(g)
     dw = torch.empty((M,), dtype=torch.float32, device=dout_MD.device)
     if M:
         bm, bd, warps = SLOT_TILE[_VENDOR]

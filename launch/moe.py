@@ -180,15 +180,20 @@ class _RoutedExperts(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout_TD):
+        # every tensor is dropped at its last use (under recompute the saved ones are this backward's alone)
         x_MD, h_MF, y_MD, order_M, offs_E, top_w_TK, w1, w2 = ctx.saved_tensors
         counts, (T, K), dtype = ctx.counts, top_w_TK.shape, y_MD.dtype
-        g_MD, dw_M = slot_grads(dout_TD.to(dtype).index_select(0, order_M // K),
-                                top_w_TK.reshape(-1).index_select(0, order_M).to(dtype).unsqueeze(1), y_MD)
+        g_MD = dout_TD.to(dtype).index_select(0, order_M // K)  # dL/dout of each row's token, then g over it
+        g_MD, dw_M = slot_grads(g_MD, top_w_TK.reshape(-1).index_select(0, order_M).to(dtype).unsqueeze(1), y_MD,
+                                out=g_MD)
+        del y_MD
         dh_MF, a_MI = swiglu_backward(h_MF, grouped_linear_dx(g_MD, w2, counts, offs_E))
+        del h_MF
         dw2 = grouped_weight_grad(g_MD, a_MI, counts, offs_E)
         del g_MD, a_MI
-        dx_MD = grouped_linear_dx(dh_MF, w1, counts, offs_E)
         dw1 = grouped_weight_grad(dh_MF, x_MD, counts, offs_E)
+        del x_MD
+        dx_MD = grouped_linear_dx(dh_MF, w1, counts, offs_E)
         del dh_MF
         dx_TD = unpermute(dx_MD, order_M).view(T, K, -1).sum(1)
         dw_TK = dw_M.new_empty(T * K).index_copy_(0, order_M, dw_M).view(T, K)
