@@ -75,7 +75,10 @@ BACKWARD_TRANSIENT = 0.0
 # recompute full and none). The two factors trade against each other along a flat valley (the worst error goes from
 # 3.9% to 4.8% as the hidden-width factor goes from 0.6 to 1.2, the other refitted at each): the hidden-width
 # tensors are taken once, as the combine's unpermute keeps only its order (launch/moe.py), and the expert-width
-# factor is the minimax at that, every peak within +4.3% / −3.6% (bench/calibrate.py --fit prints both).
+# factor is the minimax at that, every peak within +4.3% / −3.6% (bench/calibrate.py --fit prints both). The grid
+# predates the local experts as one autograd Function (launch/moe.py: _RoutedExperts), which keeps neither the
+# activation nor silu(gate) and frees its rows as it goes: the local path's peak is ~1.5 GiB under this model at 64K
+# tokens and 4 layers (docs/BENCHMARKS.md) until the grid is measured again.
 MOE_SAVED_H = 1.0
 MOE_SAVED_F = 3.15
 # The expert-parallel path's rows held beyond the local dispatch's in a MoE layer's backward (ep_dispatch_bytes), in
@@ -413,8 +416,9 @@ def ep_dispatch_bytes(m: ModelShape, s: float, chunks: int = 1) -> float:
     layer's backward, for the s·k token copies a rank receives (about s·k whatever ep is, under balance): rows of
     h + 8 bf16 values (the exchanged rows: h columns, the routing weight and padding) and the slot gradients,
     EP_HELD_ROWS a copy whatever the chunk count plus one half for the chunk in flight; less the 2·f a copy that the
-    local path's autograd saves (act(gate) and the activation) and the EP path does not (its backward recomputes the
-    SwiGLU in one kernel)."""
+    local path kept (act(gate) and the activation) and the EP path does not (its backward recomputes the SwiGLU in
+    one kernel). Measured against the local path as the grid ran it, whose autograd backward kept those; the local
+    path's Function no longer does, so the EP path's peak is this term over the local one as the grid measured it.
     h, f = m.hidden_size, m.expert_ffn
     if not m.num_moe_layers:
         return 0.0
