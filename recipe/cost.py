@@ -418,7 +418,7 @@ def ep_dispatch_bytes(m: ModelShape, s: float, chunks: int = 1) -> float:
     EP_HELD_ROWS a copy whatever the chunk count plus one half for the chunk in flight; less the 2·f a copy that the
     local path kept (act(gate) and the activation) and the EP path does not (its backward recomputes the SwiGLU in
     one kernel). Measured against the local path as the grid ran it, whose autograd backward kept those; the local
-    path's Function no longer does, so the EP path's peak is this term over the local one as the grid measured it.
+    path's Function no longer does, so the EP path's peak is this term over the local one as the grid measured it."""
     h, f = m.hidden_size, m.expert_ffn
     if not m.num_moe_layers:
         return 0.0
