@@ -150,13 +150,12 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
     def experts_only(xin):
         # the two grouped GEMMs and the SwiGLU between them, under autograd (the same GEMMs the experts' backward
         # runs), without the routing's gathers and the weighted sum
-        from launch.moe import grouped_linear, permute
+        from launch.moe import expert_ffn, permute
 
         _, _, top_e = moe.gate(xin)
         order, token, counts = permute(top_e, moe.num_experts)
-        offs, host = torch.cumsum(counts, 0, dtype=torch.int32), counts.tolist()
-        gate, up = grouped_linear(xin[token], moe.experts.gate_up_proj, host, offs).chunk(2, dim=-1)
-        return grouped_linear(torch.nn.functional.silu(gate) * up, moe.experts.down_proj, host, offs)
+        offs = torch.cumsum(counts, 0, dtype=torch.int32)
+        return expert_ffn(xin[token], moe.experts.gate_up_proj, moe.experts.down_proj, counts.tolist(), offs)[1]
     measure("routed experts (grouped GEMMs)", wrap(experts_only), len(layers))
     w = model.lm_head.weight
 

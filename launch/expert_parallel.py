@@ -34,10 +34,10 @@ from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 from kernels.expert_grads import slot_grads, swiglu_backward
-from launch.moe import grouped_linear, grouped_linear_dx, grouped_weight_grad, scatter_rows, unpermute
+from launch.moe import (combine_into, expert_ffn, grouped_linear_dx, grouped_weight_grad, scatter_rows,
+                        unpermute)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -207,24 +207,26 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         pending = {0: ep.all_to_all(x_TD[rt.orders[0][1]], rt.recv[0], rt.send[0])}
         combined, saved = {}, []
         out_TD = torch.zeros_like(x_TD)
+
+        def combine(c):  # chunk c's returned rows into its tokens' outputs
+            t0, t1 = rt.bounds[c]
+            combine_into(out_TD[t0:t1], ep.wait(combined.pop(c)), rt.orders[c][0], top_w_TK[t0:t1])
+
         for c in range(C):
             if c + 1 < C:
                 pending[c + 1] = ep.all_to_all(x_TD[rt.orders[c + 1][1]], rt.recv[c + 1], rt.send[c + 1])
             idx = Route.regroup_of(rt.regroup, rt.recv, c)
             x_em = ep.wait(pending.pop(c))[idx]
-            h_em = grouped_linear(x_em, w1_EFD, rt.local[c], rt.offs_CEl[c])
-            gate, up = h_em.chunk(2, dim=-1)
-            y_em = grouped_linear(F.silu(gate) * up, w2_EDI, rt.local[c], rt.offs_CEl[c])
+            h_em, y_em = expert_ffn(x_em, w1_EFD, w2_EDI, rt.local[c], rt.offs_CEl[c])
             saved += [x_em, h_em, y_em]
             if recompute:
                 continue
             y_src = scatter_rows(torch.empty_like(y_em), idx, y_em)
             combined[c] = ep.all_to_all(y_src, rt.send[c], rt.recv[c])
             if c > 0:
-                _unpermute_into(out_TD, ep.wait(combined.pop(c - 1)), rt.orders[c - 1][0], top_w_TK,
-                                rt.bounds[c - 1])
+                combine(c - 1)
         if not recompute:
-            _unpermute_into(out_TD, ep.wait(combined.pop(C - 1)), rt.orders[C - 1][0], top_w_TK, rt.bounds[C - 1])
+            combine(C - 1)
         ctx.ep, ctx.rt_host = ep, (rt.bounds, rt.send, rt.recv, rt.local)
         ctx.save_for_backward(top_w_TK, top_e_TK, w1_EFD, w2_EDI, rt.recv_RCEl, rt.regroup, rt.offs_CEl, rt.offs_El,
                               *saved)
@@ -305,13 +307,6 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         del dhs, xs
         _scatter_back(dx_TD, dw_TK, ep.wait(returned.pop(C - 1)), orders[C - 1], bounds[C - 1], D)
         return dx_TD.to(dout_TD.dtype), dw_TK, None, dw1.to(w1.dtype), dw2.to(w2.dtype), None
-
-
-def _unpermute_into(out_TD, y_MD, order_M, top_w_TK, bounds) -> None:
-    t0, t1 = bounds
-    K = top_w_TK.shape[1]
-    y_TKD = unpermute(y_MD, order_M).view(t1 - t0, K, -1)
-    out_TD[t0:t1] = torch.bmm(top_w_TK[t0:t1].unsqueeze(1), y_TKD).squeeze(1)
 
 
 def _scatter_back(dx_TD, dw_TK, rows_M, order_M, bounds, D: int) -> None:

@@ -142,6 +142,21 @@ def unpermute(rows_M: torch.Tensor, order_M: torch.Tensor) -> torch.Tensor:
     return scatter_rows(torch.empty_like(rows_M), order_M, rows_M)
 
 
+def expert_ffn(x_MD, w1_EFD, w2_EDI, counts: list[int] | None, offs_E) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SwiGLU experts over rows sorted by expert: (h = x W1ᵀ, [gate | up]; y = (silu(gate)·up) W2ᵀ)."""
+    h_MF = grouped_linear(x_MD, w1_EFD, counts, offs_E)
+    gate, up = h_MF.chunk(2, dim=-1)
+    return h_MF, grouped_linear(F.silu(gate) * up, w2_EDI, counts, offs_E)
+
+
+def combine_into(out_TD: torch.Tensor, y_MD: torch.Tensor, order_M: torch.Tensor, top_w_TK: torch.Tensor) -> None:
+    """out_t = Σ_k w_tk · y_tk: the expert rows back to (token, slot) order and their weighted sum, a batched product
+    written into out_TD (a fresh tensor, not a view, which FSDP2's output hook needs; no atomics, so recompute
+    reproduces it bitwise)."""
+    T, K = top_w_TK.shape
+    torch.bmm(top_w_TK.unsqueeze(1), unpermute(y_MD, order_M).view(T, K, -1), out=out_TD.unsqueeze(1))
+
+
 class _RoutedExperts(torch.autograd.Function):
     """Every routed expert on this rank, forward and backward written out (what autograd would do, less what it
     would keep and the kernels it would add):
@@ -161,21 +176,15 @@ class _RoutedExperts(torch.autograd.Function):
     def forward(ctx, x_TD, top_w_TK, top_e_TK, w1_EFD, w2_EDI):
         # inside the backward pass (graph task running): this is the recompute of a checkpointed layer
         recompute = torch._C._current_graph_task_id() != -1
-        T, K = top_e_TK.shape
         order_M, token_M, counts_E = permute(top_e_TK, w1_EFD.shape[0])
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         ctx.counts = None if _use_grouped_mm(x_TD) else counts_E.tolist()  # the loop needs them on the host
         x_MD = x_TD[token_M]
-        h_MF = grouped_linear(x_MD, w1_EFD, ctx.counts, offs_E)
-        gate, up = h_MF.chunk(2, dim=-1)
-        y_MD = grouped_linear(F.silu(gate) * up, w2_EDI, ctx.counts, offs_E)
+        h_MF, y_MD = expert_ffn(x_MD, w1_EFD, w2_EDI, ctx.counts, offs_E)
         ctx.save_for_backward(x_MD, h_MF, y_MD, order_M, offs_E, top_w_TK, w1_EFD, w2_EDI)
         out_TD = x_TD.new_empty(x_TD.shape)
-        if recompute:
-            return out_TD
-        # the weighted sum over slots as a batched product written into a fresh tensor (a view would trip FSDP2's
-        # output hook); no atomics, so recompute reproduces it bitwise
-        torch.bmm(top_w_TK.unsqueeze(1), unpermute(y_MD, order_M).view(T, K, -1), out=out_TD.unsqueeze(1))
+        if not recompute:
+            combine_into(out_TD, y_MD, order_M, top_w_TK)
         return out_TD
 
     @staticmethod
