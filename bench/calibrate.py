@@ -441,9 +441,8 @@ def fit_memory(path: str) -> dict:
     - `MOE_SAVED_F` at the committed `MOE_SAVED_H`: the minimax of the peak-allocated error over the local points
       whose peak the MoE block sets (every point but the naive head's and the EP path's), on a 0.05 grid; and, since
       the two factors trade against each other, the minimax F for each H from 0.6 to 1.2 (the valley);
-    - `EP_HELD_ROWS`: each EP point's peak less its local twin's, in rows of h + 8 bf16 values a routed copy, the
-      2f a copy the local path saves added back, averaged over each model's points and then over the models, less
-      the half row of the chunk in flight."""
+    - `EP_HELD_ROWS`: each EP point's peak less its local twin's, in rows of h + 8 bf16 values a routed copy,
+      averaged over each model's points and then over the models, less the half row of the chunk in flight."""
     import recipe.cost as cost
     from recipe.models import resolve_model
 
@@ -477,8 +476,7 @@ def fit_memory(path: str) -> dict:
             continue  # an EP point whose peak the MoE backward does not set (short sequences) measures nothing
         m = resolve_model(r["model"])
         row = r["seq"] * m.top_k * (m.hidden_size + 8) * 2 / 1e9
-        rows.setdefault(r["model"], []).append((r["peak_allocated_gb"] - q["peak_allocated_gb"]) / row
-                                               + 2 * m.expert_ffn / (m.hidden_size + 8))
+        rows.setdefault(r["model"], []).append((r["peak_allocated_gb"] - q["peak_allocated_gb"]) / row)
     means = [sum(v) / len(v) for v in rows.values()]
     out = {"MOE_SAVED_H": cost.MOE_SAVED_H, "MOE_SAVED_F": f, "moe_error": [round(lo, 4), round(hi, 4)],
            "valley": {h: [v[0], round(v[1][0], 4)] for h, v in valley.items()},

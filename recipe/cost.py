@@ -67,28 +67,25 @@ ADAM_BYTES_MOVED = 40
 BACKWARD_TRANSIENT = 0.0
 # What the MoE block holds in its backward, as multiples of the tensors moe_working_set names: MOE_SAVED_H of the
 # hidden-width ones (router logits and weights, permuted tokens, expert outputs and the combine), MOE_SAVED_F of the
-# expert-width ones (gate, up, act(gate)·up, and the shared expert's). The expert-width side weighs more: autograd
-# saves act(gate) as well as the activation (4 of f a copy where 3 are named), and the SwiGLU's backward forms
-# d_act, d_gate, d_up and their concatenation beside them, where the hidden-width side adds only dL/dy and its
-# gathered copy. Fitted on the H200 grid (minimax over every point but the naive head's and the EP path's:
-# Qwen3.5-35B-A3B and Qwen3-30B-A3B, whose expert widths are 512 and 768, 2 to 8 layers, 8K to 128K tokens,
-# recompute full and none). The two factors trade against each other along a flat valley (the worst error goes from
-# 3.9% to 4.8% as the hidden-width factor goes from 0.6 to 1.2, the other refitted at each): the hidden-width
-# tensors are taken once, as the combine's unpermute keeps only its order (launch/moe.py), and the expert-width
-# factor is the minimax at that, every peak within +4.3% / −3.6% (bench/calibrate.py --fit prints both). The grid
-# predates the local experts as one autograd Function (launch/moe.py: _RoutedExperts), which keeps neither the
-# activation nor silu(gate) and frees its rows as it goes: the local path's peak is ~1.5 GiB under this model at 64K
-# tokens and 4 layers (docs/BENCHMARKS.md) until the grid is measured again.
+# expert-width ones (gate, up, act(gate)·up, and the shared expert's). The routed experts keep their gate and up
+# (2f a copy) and recompute the activation in their backward, where the activation, its gradient and the gate and up
+# gradients are formed beside them (launch/moe.py: _RoutedExperts); the shared expert runs under autograd. Fitted on
+# the H200 grid (minimax over every point but the naive head's and the EP path's: Qwen3.5-35B-A3B and
+# Qwen3-30B-A3B, whose expert widths are 512 and 768, 2 to 8 layers, 8K to 128K tokens, recompute full and none).
+# The two factors trade against each other along a flat valley (the worst error goes from 4.6% to 5.2% as the
+# hidden-width factor goes from 0.6 to 1.2, the other refitted at each): the hidden-width tensors are taken once, as
+# the combine's unpermute keeps only its order, and the expert-width factor is the minimax at that, every peak
+# within +5.0% / −4.8% (bench/calibrate.py --fit prints both).
 MOE_SAVED_H = 1.0
-MOE_SAVED_F = 3.15
+MOE_SAVED_F = 2.75
 # The expert-parallel path's rows held beyond the local dispatch's in a MoE layer's backward (ep_dispatch_bytes), in
 # rows of h + 8 bf16 values a received copy, besides one half for the chunk in flight. Measured on the H200 grid's EP
-# points at one chunk (hw_profiles/calibration/h200.json, EP peak less the local peak of the same point): 2.61 rows
-# for Qwen3.5-35B-A3B (f = 512) and 3.11 for Qwen3-30B-A3B (f = 768), the 2f the local path saves added back; this
-# is the two models' mean less the half (bench/calibrate.py --fit prints it). The half a chunk was measured before the
-# backward placed each chunk's rows straight into the weight gradients' order (3.49, 3.39 and 3.09 rows at 1, 2 and 4
-# chunks for Qwen3.5-35B-A3B).
-EP_HELD_ROWS = 2.36
+# points at one chunk (hw_profiles/calibration/h200.json, EP peak less the local peak of the same point): 2.79 rows
+# for Qwen3.5-35B-A3B (f = 512) and 2.74 for Qwen3-30B-A3B (f = 768), whose agreement says the term has no
+# expert-width part; this is the two models' mean less the half (bench/calibrate.py --fit prints it). The half a
+# chunk was measured before the backward placed each chunk's rows straight into the weight gradients' order (3.49,
+# 3.39 and 3.09 rows at 1, 2 and 4 chunks for Qwen3.5-35B-A3B).
+EP_HELD_ROWS = 2.27
 # MasterAdamW (launch/optim.py) steps its parameters in groups of at most this many elements (a larger tensor is a
 # group of its own), casting each group's bf16 gradients to fp32 first.
 OPT_GROUP_NUMEL = 2**28
@@ -415,14 +412,11 @@ def ep_dispatch_bytes(m: ModelShape, s: float, chunks: int = 1) -> float:
     """What the expert-parallel code path (launch/expert_parallel.py) holds beyond the local dispatch during one MoE
     layer's backward, for the s·k token copies a rank receives (about s·k whatever ep is, under balance): rows of
     h + 8 bf16 values (the exchanged rows: h columns, the routing weight and padding) and the slot gradients,
-    EP_HELD_ROWS a copy whatever the chunk count plus one half for the chunk in flight; less the 2·f a copy that the
-    local path kept (act(gate) and the activation) and the EP path does not (its backward recomputes the SwiGLU in
-    one kernel). Measured against the local path as the grid ran it, whose autograd backward kept those; the local
-    path's Function no longer does, so the EP path's peak is this term over the local one as the grid measured it."""
-    h, f = m.hidden_size, m.expert_ffn
+    EP_HELD_ROWS a copy whatever the chunk count plus one half for the chunk in flight. Both paths recompute the
+    SwiGLU in their backward, so the expert-width tensors are the same in both and the difference is rows alone."""
     if not m.num_moe_layers:
         return 0.0
-    return s * m.top_k * max(0.0, (EP_HELD_ROWS + 0.5 / max(chunks, 1)) * (h + 8) - 2 * f) * BF16
+    return s * m.top_k * (EP_HELD_ROWS + 0.5 / max(chunks, 1)) * (m.hidden_size + 8) * BF16
 
 
 def ep_copy_bytes(m: ModelShape, s: float, recompute: bool, ep: int = 1) -> float:

@@ -187,8 +187,9 @@ def test_ep_chunk_cost_is_the_committed_runs_slope():
 def test_memory_constants_are_the_fit_of_the_h200_grid():
     """MOE_SAVED_F is the minimax of the local points' peak error at the committed MOE_SAVED_H (its neighbours on the
     0.05 grid `bench/calibrate.py --fit` searches do worse), and EP_HELD_ROWS is what the EP points measure: each
-    one's peak above its local twin in rows of h + 8 bf16 values a routed copy, the 2f the local path saves added
-    back, averaged per model and over the models, less the half row of the chunk in flight."""
+    one's peak above its local twin in rows of h + 8 bf16 values a routed copy, averaged per model and over the
+    models, less the half row of the chunk in flight. The two models, whose expert widths differ (512 and 768), agree
+    on that count to 5%: the term carries no expert-width part, as both paths recompute the SwiGLU in the backward."""
     import recipe.cost as cost
     from recipe.models import resolve_model
 
@@ -216,8 +217,8 @@ def test_memory_constants_are_the_fit_of_the_h200_grid():
         if r["ep_path"] and q is not None and r["peak_allocated_gb"] > q["peak_allocated_gb"]:
             m = resolve_model(r["model"])
             row = r["seq"] * m.top_k * (m.hidden_size + 8) * 2 / 1e9
-            rows.setdefault(r["model"], []).append(
-                (r["peak_allocated_gb"] - q["peak_allocated_gb"]) / row + 2 * m.expert_ffn / (m.hidden_size + 8))
+            rows.setdefault(r["model"], []).append((r["peak_allocated_gb"] - q["peak_allocated_gb"]) / row)
     assert set(rows) == {"qwen35-35b", "qwen3-30b-a3b"}
     means = [sum(v) / len(v) for v in rows.values()]
+    assert max(means) / min(means) < 1.05, means
     assert cost.EP_HELD_ROWS == pytest.approx(sum(means) / len(means) - 0.5, abs=0.006)
