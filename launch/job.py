@@ -53,10 +53,18 @@ class Stop:
         return int(flag)
 
 
-def _peak_mem_gb(device: torch.device) -> float:
+def _peak_mem_gb(device: torch.device) -> dict[str, float]:
+    """`peak_mem_gb`: on a GPU the caching allocator's peak allocated bytes, what the cost model's memory terms
+    predict (the plan's total less its overhead); on the CPU the process's peak resident set, all of it.
+    `peak_device_gb` (GPU only): the allocator's peak reserved bytes plus what the device holds outside the
+    allocator now (CUDA context, NCCL buffers and workspaces, constant once the first step has run), the figure the
+    plan's total, overhead included, predicts."""
     if device.type == "cuda":
-        return torch.cuda.max_memory_allocated(device) / 1e9
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9  # resident set (Linux: KiB)
+        free, total = torch.cuda.mem_get_info(device)
+        outside = max(0, total - free - torch.cuda.memory_reserved(device))
+        return {"peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9,
+                "peak_device_gb": (torch.cuda.max_memory_reserved(device) + outside) / 1e9}
+    return {"peak_mem_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}  # Linux: KiB
 
 
 def run(args, cfg, trainer_cls) -> int:
@@ -149,7 +157,7 @@ def run(args, cfg, trainer_cls) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             metrics.update(step_time_s=time.perf_counter() - t0, tokens=sum(b.num_tokens for b in batches),
-                           peak_mem_gb=_peak_mem_gb(device))
+                           **_peak_mem_gb(device))
             if progress:
                 progress.update(metrics)
             elif rank == 0:

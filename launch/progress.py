@@ -13,7 +13,7 @@ multiplies that by the plan's hardware FLOPs per token (recompute included, the 
 by the profile's dense bf16 peak, so the measured figures compare one to one with `plan.prediction`.
 
 metrics.jsonl holds one JSON object per step: what the trainer passed (at least step, loss, tokens, step_time_s,
-peak_mem_gb) and the derived tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu and elapsed_s; a NaN or
+peak_mem_gb; on a GPU also peak_device_gb, launch/job.py: _peak_mem_gb) and the derived tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu and elapsed_s; a NaN or
 infinite value is written as null (strict JSON). A fresh run truncates the file. A resumed run (resume_step=S) keeps
 the lines of steps ≤ S, drops any later ones (those steps ran after the checkpoint and are about to run again) and
 appends, so the file holds each step once, in the order the surviving run took them.
@@ -131,7 +131,7 @@ class Progress:
         return max(0, self.total_steps - self.rows[-1]["step"]) * statistics.median(recent)
 
     def measured(self) -> dict[str, float | None]:
-        """The run's figures for `summary`: the peak memory over all steps, and the medians of tokens/s/GPU,
+        """The run's figures for `summary`: the peak memories over all steps, and the medians of tokens/s/GPU,
         TFLOP/s/GPU and step time over the steps after the first (warm-up) when there are several."""
         rows = self.rows[1:] if len(self.rows) > 1 else self.rows
 
@@ -139,8 +139,12 @@ class Progress:
             vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
             return statistics.median(vals) if vals else None
 
-        mems = [r["peak_mem_gb"] for r in self.rows if isinstance(r.get("peak_mem_gb"), (int, float))]
-        return {"peak_mem_gb": max(mems) if mems else None, "tokens_per_s_per_gpu": median("tokens_per_s_per_gpu"),
+        def peak(key: str) -> float | None:
+            vals = [r[key] for r in self.rows if isinstance(r.get(key), (int, float))]
+            return max(vals) if vals else None
+
+        return {"peak_mem_gb": peak("peak_mem_gb"), "peak_device_gb": peak("peak_device_gb"),
+                "tokens_per_s_per_gpu": median("tokens_per_s_per_gpu"),
                 "tflops_per_gpu": median("tflops_per_gpu"), "step_time_s": median("step_time_s"),
                 "warm_steps": max(len(self.rows) - 1, 0) if self.rows else None}
 
@@ -231,18 +235,28 @@ def _cells(row: Mapping[str, Any], total_steps: int, eta_s: float | None) -> lis
 
 def summary(measured: Mapping[str, Any], prediction) -> str:
     """The measured peak memory and throughput beside the plan's prediction (`plan.prediction`, or its dict), with
-    the error of the prediction in percent of the prediction ((measured − predicted) / predicted). A run of one
-    step (`warm_steps` 0) has only its first step's throughput, compilation and autotuning included: shown, not
-    compared."""
+    the error of the prediction in percent of the prediction ((measured − predicted) / predicted). Memory is compared
+    like with like: with `peak_device_gb` (a GPU run) the allocator's peak allocated against the plan's total less
+    its overhead (the CUDA context, NCCL buffers and allocator slack, which the allocated bytes leave out), and the
+    device's peak against the whole total; without it (the CPU's resident set, which holds everything) the one peak
+    against the total. A run of one step (`warm_steps` 0) has only its first step's throughput, compilation and
+    autotuning included: shown, not compared."""
     cold = measured.get("warm_steps") == 0
-    rows = [("peak memory (GB)", measured.get("peak_mem_gb"), _get(prediction, "memory_gb", "total"), "{:.2f}"),
-            ("tokens/s per GPU", measured.get("tokens_per_s_per_gpu"), _get(prediction, "tokens_per_s_per_gpu"),
-             "{:,.0f}"),
-            ("TFLOP/s per GPU", measured.get("tflops_per_gpu"), _get(prediction, "tflops_per_gpu"), "{:.1f}")]
+    total, overhead = _num(_get(prediction, "memory_gb", "total")), _num(_get(prediction, "memory_gb", "overhead"))
+    if measured.get("peak_device_gb") is not None:
+        memory = [("peak allocated (GB)", measured.get("peak_mem_gb"),
+                   total - (overhead or 0.0) if total is not None else None, "{:.2f}"),
+                  ("peak on device (GB)", measured.get("peak_device_gb"), total, "{:.2f}")]
+    else:
+        memory = [("peak memory (GB)", measured.get("peak_mem_gb"), total, "{:.2f}")]
+    rows = memory + [
+        ("tokens/s per GPU", measured.get("tokens_per_s_per_gpu"), _get(prediction, "tokens_per_s_per_gpu"),
+         "{:,.0f}"),
+        ("TFLOP/s per GPU", measured.get("tflops_per_gpu"), _get(prediction, "tflops_per_gpu"), "{:.1f}")]
     table = [("", "measured", "predicted", "error")]
     for name, m, p, fmt in rows:
         m, p = _num(m), _num(p)
-        err = f"{(m - p) / p:+.1%}" if m is not None and p and not (cold and name != rows[0][0]) else "—"
+        err = f"{(m - p) / p:+.1%}" if m is not None and p and not (cold and "(GB)" not in name) else "—"
         table.append((name, _fmt(m, fmt), _fmt(p, fmt), err))
     widths = [max(len(r[i]) for r in table) for i in range(4)]
     text = "\n".join(r[0].ljust(widths[0]) + "".join("  " + c.rjust(w) for c, w in zip(r[1:], widths[1:]))

@@ -896,6 +896,24 @@ def test_summary_against_the_prediction():
     assert summary({"peak_mem_gb": 1.0}, plan.prediction.model_dump()).splitlines()[1].split()[-1].endswith("%")
 
 
+def test_summary_of_a_gpu_run_compares_memory_like_with_like():
+    """On a GPU the allocator's peak allocated leaves out the CUDA context, NCCL buffers and allocator slack that the
+    plan's overhead term holds: it is compared with the total less the overhead, and the device's peak (reserved
+    plus what lies outside the allocator) with the whole total."""
+    from launch.progress import summary
+    from recipe.plan import load_plan
+
+    pred = load_plan(H100_PLAN).prediction
+    total, overhead = pred.memory_gb.total, pred.memory_gb.overhead
+    assert overhead > 0
+    lines = summary({"peak_mem_gb": (total - overhead) * 0.95, "peak_device_gb": total * 1.02,
+                     "tokens_per_s_per_gpu": 1.0, "tflops_per_gpu": 1.0, "warm_steps": 0}, pred).splitlines()
+    assert lines[1].startswith("peak allocated (GB)") and lines[1].endswith("-5.0%")
+    assert f"{total - overhead:.2f}" in lines[1].split()
+    assert lines[2].startswith("peak on device (GB)") and lines[2].endswith("+2.0%")
+    assert lines[3].startswith("tokens/s per GPU") and lines[3].endswith("—")  # one step: not compared
+
+
 def test_summary_of_one_step_compares_memory_only():
     """One step has only the cold first step's throughput (compilation, autotuning): shown, never compared."""
     from launch.progress import Progress, summary
