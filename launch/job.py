@@ -54,7 +54,7 @@ class Stop:
 
 
 def _peak_mem_gb(device: torch.device) -> dict[str, float]:
-    """`peak_mem_gb`: on a GPU the caching allocator's peak allocated bytes, what the cost model's memory terms
+    """This rank's peak memory so far (the run reports the largest over ranks). `peak_mem_gb`: on a GPU the caching allocator's peak allocated bytes, what the cost model's memory terms
     predict (the plan's total less its overhead); on the CPU the process's peak resident set, all of it.
     `peak_device_gb` (GPU only): the allocator's peak reserved bytes plus what the device holds outside the
     allocator now (CUDA context, NCCL buffers and workspaces, constant once the first step has run), the figure the
@@ -65,6 +65,17 @@ def _peak_mem_gb(device: torch.device) -> dict[str, float]:
         return {"peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9,
                 "peak_device_gb": (torch.cuda.max_memory_reserved(device) + outside) / 1e9}
     return {"peak_mem_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}  # Linux: KiB
+
+
+def _max_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+    """Each value's largest over the process group's ranks (for memory: the rank that runs out first, the busiest
+    expert rank under imbalance); the values as they are without a process group. Every rank passes the same keys."""
+    if not dist.is_initialized():
+        return values
+    keys = sorted(values)
+    t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return dict(zip(keys, t.tolist()))
 
 
 def run(args, cfg, trainer_cls) -> int:
@@ -157,7 +168,7 @@ def run(args, cfg, trainer_cls) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             metrics.update(step_time_s=time.perf_counter() - t0, tokens=sum(b.num_tokens for b in batches),
-                           **_peak_mem_gb(device))
+                           **_max_over_ranks(_peak_mem_gb(device), device))
             if progress:
                 progress.update(metrics)
             elif rank == 0:

@@ -9,7 +9,7 @@ step 1 (full tensors gathered from the shards), plus the expert loads the EP pat
 
 A case is [name, dp, ep, ep_overlap_chunks], or [name, dp, ep, ep_overlap_chunks, cp, variant[, recompute[, tp]]]
 (`variant` picks the data and loss: VARIANTS), or [name, "pieces", cp] for the CP exchanges alone in fp64
-(run_pieces, cp = world).
+(run_pieces, cp = world), or [name, "memory"] for the run's memory figures, each reduced to its largest over ranks.
 """
 
 from __future__ import annotations
@@ -37,7 +37,7 @@ CASES = {
         # two stages of 3 and 1 layers, off-policy, sequence-mean
         ["pp2", 1, 1, 1, 1, "cp_off", "full", 1, 2, [3, 1]],
         ["pp2_v2", 1, 1, 1, 1, "cp", "full", 1, 2, [1, 1, 1, 1]],  # interleaved: 2 virtual stages a rank
-        ["dense_dp2", 2, 1, 1, 1, "dense"]],
+        ["dense_dp2", 2, 1, 1, 1, "dense"], ["max_over_ranks", "memory"]],
     4: [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
         ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
         ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
@@ -358,7 +358,8 @@ def main(rank: int, world: int, port: int, cases: list, out_path: str, device: s
                             timeout=timedelta(seconds=300 if device == "cuda" else 120),
                             device_id=_RUN["device"] if device == "cuda" else None)
 
-    variants = sorted({case[5] if len(case) > 5 else "base" for case in cases if case[1] != "pieces"})
+    variants = sorted({case[5] if len(case) > 5 else "base" for case in cases
+                       if case[1] not in ("pieces", "memory")})
     data, references = {}, ({} if rank == 0 else None)
     for v in variants:
         shape = _shape(v)
@@ -371,6 +372,11 @@ def main(rank: int, world: int, port: int, cases: list, out_path: str, device: s
     for case in cases:
         if case[1] == "pieces":
             results.append(run_pieces(case[0], case[2]))
+        elif case[1] == "memory":  # the run's memory figures: each the largest over ranks
+            from launch.job import _max_over_ranks
+
+            results.append({"name": case[0], "max": _max_over_ranks(
+                {"peak_mem_gb": 1.0 + rank, "peak_device_gb": 10.0 - rank}, _RUN["device"])})
         else:
             results.append(run_case(*case, data=data, references=references))
     if rank == 0:

@@ -74,6 +74,12 @@ def test_world4_layouts_equal_one_process(world4, name):
 
 
 @pytest.mark.dist
+def test_the_runs_memory_figures_are_the_largest_over_ranks(world2):
+    """launch/job.py reports each peak memory as its largest over the ranks (rank r passes 1 + r and 10 − r)."""
+    assert world2["max_over_ranks"]["max"] == {"peak_mem_gb": 2.0, "peak_device_gb": 10.0}
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("world, name", [(2, "dense_dp2"), (4, "dense_tp2_dp2")])
 def test_dense_model_layouts_equal_one_process(world2, world4, world, name):
     """A dense model (Qwen3.5 dense: Gated DeltaNet and attention layers, a SwiGLU MLP in every layer, no expert
