@@ -13,10 +13,11 @@ multiplies that by the plan's hardware FLOPs per token (recompute included, the 
 by the profile's dense bf16 peak, so the measured figures compare one to one with `plan.prediction`.
 
 metrics.jsonl holds one JSON object per step: what the trainer passed (at least step, loss, tokens, step_time_s,
-peak_mem_gb; on a GPU also peak_device_gb; each the largest over ranks, launch/job.py: _peak_mem_gb) and the derived tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu and elapsed_s; a NaN or
-infinite value is written as null (strict JSON). A fresh run truncates the file. A resumed run (resume_step=S) keeps
-the lines of steps ≤ S, drops any later ones (those steps ran after the checkpoint and are about to run again) and
-appends, so the file holds each step once, in the order the surviving run took them.
+peak_mem_gb; on a GPU also peak_device_gb; each the largest over ranks, launch/job.py: _peak_mem_gb) and the derived
+tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu and elapsed_s; a NaN or infinite value is written as null
+(strict JSON). A fresh run truncates the file. A resumed run (resume_step=S) keeps the lines of steps ≤ S, drops any
+later ones (those steps ran after the checkpoint and are about to run again) and appends, so the file holds each step
+once, in the order the surviving run took them.
 
 Output piped into `head` ends quietly: once stdout is gone, the view stops printing and the run goes on (the metrics
 file and TensorBoard keep being written).
