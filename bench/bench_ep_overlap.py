@@ -7,7 +7,9 @@ reports, beside the cost model's prediction for the same layout, hardware profil
 - the step time (median over --steps, after a warm-up step) and its speedup over k = 1;
 - the all-to-all time a profiler trace of one step shows exposed: all-to-all kernel time during which no kernel runs
   on another stream (CUDA only), against the model's `ep_exposed`;
-- every rank's peak allocated and reserved memory against the model's per-GPU peak.
+- every rank's peak memory against the model's per-GPU peak, like with like (`launch.job.peak_memory_gb`): the
+  allocator's peak allocated against the peak less the profile's overhead term (CUDA context, NCCL buffers,
+  allocator slack), and the device's peak (reserved plus what lies outside the allocator) against the whole peak.
 
 Every k runs on the same weights and data (the chunked dispatch is swapped in), so the rows differ only in the
 schedule. Before timing each T, one forward and backward per k on the same weights checks that it computes what
@@ -49,7 +51,8 @@ def predict(shape, hw_name: str, world: int, ep: int, tokens: int, chunks: int) 
     opts = TrainOptions(micro_batch_tokens=tokens, recompute="full", lm_head="fused", ep_overlap_chunks=chunks)
     est = estimate(shape, load_profile(hw_name), world, Layout(ep=ep), opts)
     return {"step_s": est.step_time_s, "ep_exposed_s": est.time_s["ep_exposed"],
-            "fsdp_exposed_s": est.time_s["fsdp_exposed"], "peak_gb": est.memory_gb["total"]}
+            "fsdp_exposed_s": est.time_s["fsdp_exposed"], "peak_gb": est.memory_gb["total"],
+            "allocated_gb": est.memory_gb["total"] - est.memory_gb["overhead"]}
 
 
 def exposed_all_to_all_s(summary: dict) -> float | None:
@@ -72,7 +75,7 @@ def main() -> None:
     args = p.parse_args()
 
     from launch.data import synthetic_long_batch
-    from launch.job import build_parallel_model
+    from launch.job import build_parallel_model, peak_memory_gb
     from launch.parallel import build_meshes, init_distributed, moe_layers
     from launch.train import TrainConfig, Trainer
     from recipe.models import resolve_model
@@ -116,7 +119,8 @@ def main() -> None:
             step_s = _time(lambda: trainer.step(batch), device, args.steps)
             mine = {"step_s": step_s}
             if device.type == "cuda":
-                mine.update(peak_allocated_gb=torch.cuda.max_memory_allocated(device) / 1e9,
+                mem = peak_memory_gb(device)
+                mine.update(peak_allocated_gb=mem["peak_mem_gb"], peak_device_gb=mem["peak_device_gb"],
                             peak_reserved_gb=torch.cuda.max_memory_reserved(device) / 1e9)
             if device.type == "cuda" and not args.no_trace:
                 from torch.profiler import ProfilerActivity, profile
@@ -155,18 +159,20 @@ def report(rows: list[dict], shape, args) -> None:
     print(f"\n{shape.name} ({args.layers} layers), world {rows[0]['world']}, EP = {rows[0]['ep']}, {args.device}, "
           f"prediction for {args.hw}")
     print("| tokens/GPU | k | step s | × vs k=1 | predicted step s | predicted × | exposed a2a ms | predicted ms | "
-          "peak GB (max rank) | predicted GB |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "allocated GB (max rank) | predicted | on device GB (max rank) | predicted |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
     for r in rows:
         b = base.get(r["tokens_per_gpu"])
         speed = b["step_s"] / r["step_s"] if b else float("nan")
         pspeed = b["predicted"]["step_s"] / r["predicted"]["step_s"] if b else float("nan")
         exp = r["exposed_all_to_all_s"]
-        peaks = [x["peak_allocated_gb"] for x in r["ranks"] if "peak_allocated_gb" in x]
+        alloc = [x["peak_allocated_gb"] for x in r["ranks"] if "peak_allocated_gb" in x]
+        dev = [x["peak_device_gb"] for x in r["ranks"] if "peak_device_gb" in x]
         print(f"| {r['tokens_per_gpu']:,} | {r['chunks']} | {r['step_s']:.3f} | {speed:.3f} | "
               f"{r['predicted']['step_s']:.3f} | {pspeed:.3f} | "
               f"{'—' if exp is None else f'{exp * 1e3:.1f}'} | {r['predicted']['ep_exposed_s'] * 1e3:.1f} | "
-              f"{f'{max(peaks):.1f}' if peaks else '—'} | {r['predicted']['peak_gb']:.1f} |", flush=True)
+              f"{f'{max(alloc):.1f}' if alloc else '—'} | {r['predicted']['allocated_gb']:.1f} | "
+              f"{f'{max(dev):.1f}' if dev else '—'} | {r['predicted']['peak_gb']:.1f} |", flush=True)
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ class Stop:
         return int(flag)
 
 
-def _peak_mem_gb(device: torch.device) -> dict[str, float]:
+def peak_memory_gb(device: torch.device) -> dict[str, float]:
     """This rank's peak memory so far (the run reports the largest over ranks). `peak_mem_gb`: on a GPU the caching allocator's peak allocated bytes, what the cost model's memory terms
     predict (the plan's total less its overhead); on the CPU the process's peak resident set, all of it.
     `peak_device_gb` (GPU only): the allocator's peak reserved bytes plus what the device holds outside the
@@ -67,7 +67,7 @@ def _peak_mem_gb(device: torch.device) -> dict[str, float]:
     return {"peak_mem_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}  # Linux: KiB
 
 
-def _max_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
+def max_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
     """Each value's largest over the process group's ranks (for memory: the rank that runs out first, the busiest
     expert rank under imbalance); the values as they are without a process group. Every rank passes the same keys."""
     if not dist.is_initialized():
@@ -168,7 +168,7 @@ def run(args, cfg, trainer_cls) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             metrics.update(step_time_s=time.perf_counter() - t0, tokens=sum(b.num_tokens for b in batches),
-                           **_max_over_ranks(_peak_mem_gb(device), device))
+                           **max_over_ranks(peak_memory_gb(device), device))
             if progress:
                 progress.update(metrics)
             elif rank == 0:

@@ -13,7 +13,7 @@ multiplies that by the plan's hardware FLOPs per token (recompute included, the 
 by the profile's dense bf16 peak, so the measured figures compare one to one with `plan.prediction`.
 
 metrics.jsonl holds one JSON object per step: what the trainer passed (at least step, loss, tokens, step_time_s,
-peak_mem_gb; on a GPU also peak_device_gb; each the largest over ranks, launch/job.py: _peak_mem_gb) and the derived
+peak_mem_gb; on a GPU also peak_device_gb; each the largest over ranks, launch/job.py: peak_memory_gb) and the derived
 tokens_per_s, tokens_per_s_per_gpu, tflops_per_gpu, mfu and elapsed_s; a NaN or infinite value is written as null
 (strict JSON). A fresh run truncates the file. A resumed run (resume_step=S) keeps the lines of steps ≤ S, drops any
 later ones (those steps ran after the checkpoint and are about to run again) and appends, so the file holds each step

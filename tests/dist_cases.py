@@ -373,9 +373,9 @@ def main(rank: int, world: int, port: int, cases: list, out_path: str, device: s
         if case[1] == "pieces":
             results.append(run_pieces(case[0], case[2]))
         elif case[1] == "memory":  # the run's memory figures: each the largest over ranks
-            from launch.job import _max_over_ranks
+            from launch.job import max_over_ranks
 
-            results.append({"name": case[0], "max": _max_over_ranks(
+            results.append({"name": case[0], "max": max_over_ranks(
                 {"peak_mem_gb": 1.0 + rank, "peak_device_gb": 10.0 - rank}, _RUN["device"])})
         else:
             results.append(run_case(*case, data=data, references=references))
