@@ -177,6 +177,7 @@ def run_grid(args) -> None:
 
     from bench_train_step import _times, profile_components
     from launch.data import synthetic_long_batch
+    from launch.job import peak_memory_gb
     from launch.model import build_model
     from launch.train import TrainConfig, Trainer
     from recipe.models import resolve_model
@@ -303,8 +304,10 @@ def run_grid(args) -> None:
                 r.update(step_s=statistics.median(times), step_s_all=[round(t, 4) for t in times],
                          warmup_s=round(warm, 2))
                 if device.type == "cuda":
-                    r["peak_allocated_gb"] = torch.cuda.max_memory_allocated() / 1e9
+                    mem = peak_memory_gb(device)  # what `recipe launch` reports: allocated, and on the device
+                    r["peak_allocated_gb"] = mem["peak_mem_gb"]
                     r["peak_reserved_gb"] = torch.cuda.max_memory_reserved() / 1e9
+                    r["peak_device_gb"] = mem["peak_device_gb"]
             except torch.OutOfMemoryError as e:
                 # the step failed before the optimizer ran: the trainer (its masters and moments) stays
                 r["error"] = "OOM: " + str(e).splitlines()[0][:160]
