@@ -54,11 +54,12 @@ class Stop:
 
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
-    """This rank's peak memory so far (the run reports the largest over ranks). `peak_mem_gb`: on a GPU the caching allocator's peak allocated bytes, what the cost model's memory terms
-    predict (the plan's total less its overhead); on the CPU the process's peak resident set, all of it.
-    `peak_device_gb` (GPU only): the allocator's peak reserved bytes plus what the device holds outside the
-    allocator now (CUDA context, NCCL buffers and workspaces, constant once the first step has run), the figure the
-    plan's total, overhead included, predicts."""
+    """This rank's peak memory so far (the run reports the largest over ranks). `peak_mem_gb`: on a GPU the caching
+    allocator's peak allocated bytes, what the cost model's memory terms predict (the plan's total less its
+    overhead); on the CPU the process's peak resident set, all of it. `peak_device_gb` (GPU only): the allocator's
+    peak reserved bytes plus what the device holds outside the allocator now (CUDA context, NCCL buffers and
+    workspaces, constant once the first step has run; another process on the same GPU would count too), the figure
+    the plan's total, overhead included, predicts."""
     if device.type == "cuda":
         free, total = torch.cuda.mem_get_info(device)
         outside = max(0, total - free - torch.cuda.memory_reserved(device))
