@@ -81,7 +81,7 @@ MOE_SAVED_F = 2.75
 # The expert-parallel path's rows held beyond the local dispatch's in a MoE layer's backward (ep_dispatch_bytes), in
 # rows of h + 8 bf16 values a received copy, besides one half for the chunk in flight. Measured on the H200 grid's EP
 # points at one chunk (hw_profiles/calibration/h200.json, EP peak less the local peak of the same point): 2.79 rows
-# for Qwen3.5-35B-A3B (f = 512) and 2.74 for Qwen3-30B-A3B (f = 768), whose agreement says the term has no
+# for Qwen3.5-35B-A3B (f = 512) and 2.75 for Qwen3-30B-A3B (f = 768), whose agreement says the term has no
 # expert-width part; this is the two models' mean less the half (bench/calibrate.py --fit prints it). The half a
 # chunk was measured before the backward placed each chunk's rows straight into the weight gradients' order (3.49,
 # 3.39 and 3.09 rows at 1, 2 and 4 chunks for Qwen3.5-35B-A3B).
