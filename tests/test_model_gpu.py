@@ -290,3 +290,19 @@ def test_cp_combine_on_fla_equals_fla_on_the_whole_sequence(cp, untuned_triton):
     assert _rel(got, ref) < 1e-3, f"output rel err {_rel(got, ref):.2e}"
     for name, a, b in zip("q k v g beta".split(), split, whole):
         assert _rel(a.grad, b.grad) < 1e-2, f"grad {name}: rel err {_rel(a.grad, b.grad):.2e}"
+
+
+def test_peak_memory_gb_counts_the_allocator_and_what_lies_outside_it():
+    """launch.job.peak_memory_gb, what `recipe launch` reports: the allocated peak sees a 1 GiB tensor freed since,
+    and the device figure is the reserved peak plus what the device holds outside the allocator (a CUDA context is
+    over 100 MB)."""
+    from launch.job import peak_memory_gb
+
+    dev = torch.device("cuda", torch.cuda.current_device())
+    torch.cuda.reset_peak_memory_stats(dev)
+    base = torch.cuda.memory_allocated(dev)
+    x = torch.empty(2**30, dtype=torch.uint8, device=dev)
+    del x
+    m = peak_memory_gb(dev)
+    assert m["peak_mem_gb"] >= (base + 2**30) / 1e9
+    assert m["peak_device_gb"] >= torch.cuda.max_memory_reserved(dev) / 1e9 + 0.1
