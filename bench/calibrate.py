@@ -445,7 +445,11 @@ def fit_memory(path: str) -> dict:
       whose peak the MoE block sets (every point but the naive head's and the EP path's), on a 0.05 grid; and, since
       the two factors trade against each other, the minimax F for each H from 0.6 to 1.2 (the valley);
     - `EP_HELD_ROWS`: each EP point's peak less its local twin's, in rows of h + 8 bf16 values a routed copy,
-      averaged over each model's points and then over the models, less the half row of the chunk in flight."""
+      averaged over each model's points and then over the models, less the half row of the chunk in flight;
+    - what the device holds beyond the allocated peak (`peak_device_gb` less `peak_allocated_gb`, on grids that
+      record it), least and most over the points, to read beside the profile's `overhead_gb`: an upper bound on what
+      a run needs there, as with memory to spare the allocator keeps freed blocks cached (the reserved peak runs
+      up to 16 GB above the allocated one on the H200 grid)."""
     import recipe.cost as cost
     from recipe.models import resolve_model
 
@@ -481,10 +485,13 @@ def fit_memory(path: str) -> dict:
         row = r["seq"] * m.top_k * (m.hidden_size + 8) * 2 / 1e9
         rows.setdefault(r["model"], []).append((r["peak_allocated_gb"] - q["peak_allocated_gb"]) / row)
     means = [sum(v) / len(v) for v in rows.values()]
+    outside = [r["peak_device_gb"] - r["peak_allocated_gb"] for r in pts if r.get("peak_device_gb")]
     out = {"MOE_SAVED_H": cost.MOE_SAVED_H, "MOE_SAVED_F": f, "moe_error": [round(lo, 4), round(hi, 4)],
            "valley": {h: [v[0], round(v[1][0], 4)] for h, v in valley.items()},
            "ep_rows_at_one_chunk": {k: [round(x, 2) for x in v] for k, v in rows.items()},
-           "EP_HELD_ROWS": round(sum(means) / len(means) - 0.5, 2) if means else None}
+           "EP_HELD_ROWS": round(sum(means) / len(means) - 0.5, 2) if means else None,
+           # beside the profile's overhead_gb: an upper bound on what a run needs beyond its allocated peak
+           "device_beyond_allocated_gb": [round(min(outside), 2), round(max(outside), 2)] if outside else None}
     print(json.dumps(out, indent=1))
     return out
 
