@@ -44,14 +44,6 @@ class Stop:
     def _handle(self, signum, frame) -> None:
         self.signum = self.signum or signum
 
-    def agreed(self, device: torch.device) -> int:
-        """The signal any rank received (0: none), the same on every rank."""
-        if not dist.is_initialized() or dist.get_world_size() == 1:
-            return self.signum
-        flag = torch.tensor([self.signum], dtype=torch.int64, device=device)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-        return int(flag)
-
 
 def peak_memory_gb(device: torch.device) -> dict[str, float]:
     """This rank's peak memory so far (the run reports the largest over ranks). `peak_mem_gb`: on a GPU the caching
@@ -70,8 +62,9 @@ def peak_memory_gb(device: torch.device) -> dict[str, float]:
 
 def max_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
     """Each value's largest over the process group's ranks (for memory: the rank that runs out first, the busiest
-    expert rank under imbalance); the values as they are without a process group. Every rank passes the same keys."""
-    if not dist.is_initialized():
+    expert rank under imbalance; for the stop flag: the signal any rank received); the values as they are without a
+    process group or in a world of one. Every rank passes the same keys."""
+    if not dist.is_initialized() or dist.get_world_size() == 1:
         return values
     keys = sorted(values)
     t = torch.tensor([float(values[k]) for k in keys], dtype=torch.float64, device=device)
@@ -168,14 +161,17 @@ def run(args, cfg, trainer_cls) -> int:
                 return 2
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            metrics.update(step_time_s=time.perf_counter() - t0, tokens=sum(b.num_tokens for b in batches),
-                           **max_over_ranks(peak_memory_gb(device), device))
+            step_s = time.perf_counter() - t0
+            # one all-reduce a step: the stop flag (any rank's signal, so every rank leaves the loop together) and
+            # the memory figures (the largest rank's)
+            agreed = max_over_ranks({**peak_memory_gb(device), "signum": stop.signum}, device)
+            signum = int(agreed.pop("signum"))
+            metrics.update(step_time_s=step_s, tokens=sum(b.num_tokens for b in batches), **agreed)
             if progress:
                 progress.update(metrics)
             elif rank == 0:
                 print(" ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in metrics.items()),
                       flush=True)
-            signum = stop.agreed(device)
             due = args.checkpoint_every and step % args.checkpoint_every == 0
             if out is not None and not args.no_checkpoint and (due or signum or step == args.steps):
                 t_save = time.perf_counter()
