@@ -35,12 +35,8 @@ BYTES_UNSHARDED = 2 * BF16 + FP32
 # SCRATCH_BYTES), in multiples of 256 (tests/test_kernels_lm_head.py holds the two sides equal).
 FUSED_HEAD_BUDGET_B = 2.0 * 2**30
 FUSED_HEAD_GROUP_TOKENS = 4096
-# Per-tile statistics: 3 fp32 numbers per token per 256-wide vocab tile.
-TILE_STATS_BYTES = 12
 # The lean head (kernels/lm_head/lean.py, `lm_head: lean`, the loss handed to it: four GEMMs) holds its two bf16
-# gradients and ~2 MiB beside them; the model also allows, as a bound, one token chunk's tile statistics (at most
-# LEAN_FORWARD_BYTES), which the calibration grid's lean points were predicted with.
-LEAN_FORWARD_BYTES = 256 * 2**20
+# gradients and ~2 MiB beside them (its scratch is carved out of dW's storage).
 LEAN_EXTRA_BYTES = 4 * 2**20
 # Its time as head passes (one pass = one logits-sized GEMM): four GEMMs, measured 2.0x to 2.3x the fused head's
 # three at T = 65,536 on an H200 (703 / 485 ms against 331 / 204 at V = 248,320 / 151,936; docs/BENCHMARKS.md).
@@ -288,14 +284,13 @@ def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
     """What the LM head holds while it runs. "fused" (the eager path: the loss handed to the head, three GEMMs):
     one group's fp16 tile weights (4096 tokens, or fewer within the kernel's budget), the fp32 dW accumulator and
     the fp16 copy of W ((V/tp)·h·6), and dH (fp32, s·h·4). "lean" (four GEMMs, the loss handed over too): its two
-    bf16 gradients ((V/tp + s)·h·2) and a few MiB, or one token chunk's tile statistics if those are more.
+    bf16 gradients ((V/tp + s)·h·2) and a few MiB.
     "naive": NAIVE_BYTES_PER_LOGIT per logit of [s × V/tp] (docs/cost_model.md)."""
     v = m.vocab_size / tp
     if mode == "naive":
         return s * v * NAIVE_BYTES_PER_LOGIT
     if mode == "lean":
-        return max(min(LEAN_FORWARD_BYTES, TILE_STATS_BYTES * s * -(-v // 256)),
-                   (v + s) * m.hidden_size * BF16 + LEAN_EXTRA_BYTES)
+        return (v + s) * m.hidden_size * BF16 + LEAN_EXTRA_BYTES
     if mode != "fused":
         raise ValueError(f"lm_head mode must be one of {', '.join(HEAD_MODES)}, got {mode!r}")
     group = min(FUSED_HEAD_GROUP_TOKENS, max(256, FUSED_HEAD_BUDGET_B // (BF16 * v) // 256 * 256))
