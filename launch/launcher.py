@@ -663,17 +663,13 @@ def run(argv: list[str], env: dict[str, str]) -> int:
     (torchrun stops its workers, which checkpoint and say where) and returns 130 once the command has exited;
     SIGTERM is forwarded likewise (143). torchrun answers the signal it was sent with a Python traceback of its own;
     once a signal has been forwarded, tracebacks are dropped from the stream (the workers' one-line messages pass)."""
-    try:
-        proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True, stderr=subprocess.PIPE,
-                                text=True, errors="replace")
-    except OSError as e:
-        raise LaunchError(f"cannot start {argv[0]}: {e.strerror or e}") from None
     received: list[int] = []
+    proc: subprocess.Popen | None = None
 
     def forward(signum, _frame):
         first = signum not in received
         received.append(signum)
-        if first and proc.poll() is None:
+        if first and proc is not None and proc.poll() is None:
             try:
                 proc.send_signal(signum)
             except ProcessLookupError:
@@ -694,10 +690,19 @@ def run(argv: list[str], env: dict[str, str]) -> int:
             except (BrokenPipeError, ValueError):
                 pass
 
-    relay_thread = threading.Thread(target=relay, daemon=True)
-    relay_thread.start()
+    # The handlers go in before the command starts: a signal in between would otherwise end this process with a
+    # KeyboardInterrupt and leave the command running in its own session.
     previous = {s: signal.signal(s, forward) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
+        try:
+            proc = subprocess.Popen(argv, env={**os.environ, **env}, start_new_session=True,
+                                    stderr=subprocess.PIPE, text=True, errors="replace")
+        except OSError as e:
+            raise LaunchError(f"cannot start {argv[0]}: {e.strerror or e}") from None
+        for signum in dict.fromkeys(received):  # arrived while it was starting
+            proc.send_signal(signum)
+        relay_thread = threading.Thread(target=relay, daemon=True)
+        relay_thread.start()
         code = proc.wait()
     finally:
         for s, handler in previous.items():

@@ -595,6 +595,20 @@ def test_ctrl_c_is_forwarded_and_exits_130_quietly(tmp_path):
     assert err == ""
 
 
+def test_ctrl_c_while_the_command_starts_still_reaches_it():
+    """A Ctrl-C between run() being called and the command existing is held and forwarded once the command starts
+    (not a KeyboardInterrupt here that leaves the command running in its own session)."""
+    child = "import time\ntime.sleep(30)\n"
+    parent = (f"import os, signal, subprocess, sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom launch.launcher import run\n"
+              "real = subprocess.Popen\n"
+              "def starting(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    return real(*a, **k)\n"
+              "subprocess.Popen = starting\n"
+              f"print('code', run([sys.executable, '-c', {child!r}], {{}}), flush=True)\n")
+    proc = subprocess.run([PY, "-c", parent], capture_output=True, text=True, timeout=20)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.splitlines() == ["code 130"]
+
+
 def test_import_path_stays_torch_free():
     code = ("import sys\nimport recipe.cli, recipe.launch_cli, launch.launcher, launch.progress, "
             "launch.checkpoint_index, launch.hf_files\nassert 'torch' not in sys.modules, 'torch was imported'\n")
