@@ -62,6 +62,10 @@ class MasterAdamW:
         self.opt = torch.optim.AdamW([{"params": ps, "weight_decay": weight_decay if d else 0.0}
                                       for (d, _), ps in groups.items()], lr=lr, betas=betas, eps=eps,
                                      fused=fused or None, foreach=None if fused else True)
+        # The moments exist from the start, not from the first step: allocated after the first backward they land
+        # in the caching allocator's freed activation blocks and leave them fragmented (8 GB more reserved in a
+        # 1-layer 32K run on an H200 than the same run resumed, which allocates them before its first step).
+        self._ensure_state()
 
     def _groups(self, group_numel: int) -> list[list[int]]:
         groups, cur, used = [], [], 0
@@ -155,8 +159,8 @@ class MasterAdamW:
                 p.data.copy_(m)
 
     def _ensure_state(self) -> None:
-        """AdamW's per-parameter state as torch's AdamW creates it at its first step (zeros), so a checkpoint
-        loads into it before any step."""
+        """AdamW's per-parameter state as torch's AdamW creates it at its first step (zeros), made before any step:
+        a checkpoint loads into it, and the moments take their memory before the activations do."""
         for group in self.opt.param_groups:
             on_device = bool(group.get("fused") or group.get("capturable"))
             for m in group["params"]:

@@ -599,8 +599,8 @@ def test_ctrl_c_while_the_command_starts_still_reaches_it():
     """A Ctrl-C between run() being called and the command existing is held and forwarded once the command starts
     (not a KeyboardInterrupt here that leaves the command running in its own session)."""
     child = "import time\ntime.sleep(30)\n"
-    parent = (f"import os, signal, subprocess, sys\nsys.path.insert(0, {str(ROOT)!r})\nfrom launch.launcher import run\n"
-              "real = subprocess.Popen\n"
+    parent = (f"import os, signal, subprocess, sys\nsys.path.insert(0, {str(ROOT)!r})\n"
+              "from launch.launcher import run\nreal = subprocess.Popen\n"
               "def starting(*a, **k):\n    os.kill(os.getpid(), signal.SIGINT)\n    return real(*a, **k)\n"
               "subprocess.Popen = starting\n"
               f"print('code', run([sys.executable, '-c', {child!r}], {{}}), flush=True)\n")
