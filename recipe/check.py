@@ -15,6 +15,7 @@ Kinds: `invalid` (unusable input: exit 2), `drift` and `misfit` (exit 1). Pure P
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Literal
@@ -75,8 +76,7 @@ def find_plans(paths: list[str | Path]) -> tuple[list[Path], list[Problem]]:
     for raw in paths:
         p = Path(raw)
         if p.is_dir():
-            found = sorted(f for f in p.rglob("*") if f.suffix in PLAN_SUFFIXES and f.is_file()
-                           and not any(part.startswith(".") for part in f.relative_to(p).parts))
+            found = sorted(_plan_files(p))
             if not found:
                 missing.append(Problem(str(p), "path", None, None, "invalid",
                                        f"no plan files (*.yaml, *.yml, *.json) under {p}"))
@@ -88,6 +88,17 @@ def find_plans(paths: list[str | Path]) -> tuple[list[Path], list[Problem]]:
     seen: set[Path] = set()
     unique = [f for f in files if not (f.resolve() in seen or seen.add(f.resolve()))]
     return unique, missing
+
+
+def _plan_files(folder: Path):
+    """The plan files under a folder, not descending into hidden folders (.git, .venv: their files are never plans,
+    and a virtual environment holds tens of thousands)."""
+    for root, dirs, names in os.walk(folder):
+        dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in names:
+            f = Path(root) / name
+            if not name.startswith(".") and f.suffix in PLAN_SUFFIXES and f.is_file():
+                yield f
 
 
 # ---- one plan ------------------------------------------------------------------------------------------------
