@@ -102,6 +102,9 @@ def test_master_adamw_matches_torch_adamw():
     # torch applies decay to every parameter; ours skips 1-d ones, so give torch two groups
     torch_opt = torch.optim.AdamW([{"params": [ref[0]], "weight_decay": 0.1}, {"params": [ref[1]], "weight_decay": 0}],
                                   lr=0.01)
+    for m in ours.masters:  # the moments exist before the first step (zeros), and the steps still match torch's
+        st = ours.opt.state[m]
+        assert st["exp_avg"].shape == m.shape and not st["exp_avg"].any() and not st["exp_avg_sq"].any()
     for step in range(3):
         g = [torch.randn_like(p) for p in w]
         for p, q, gi in zip(w, ref, g):
