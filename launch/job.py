@@ -146,6 +146,9 @@ def run(args, cfg, trainer_cls) -> int:
 
     last_saved = train_state.step
     step = train_state.step
+    if device.type == "cuda" and step < args.steps:
+        cache = os.environ.get("TRITON_CACHE_DIR") or "~/.triton/cache"
+        log(f"step {step + 1} compiles and tunes the Triton kernels: minutes where their cache ({cache}) is cold")
     try:
         while step < args.steps:
             step += 1

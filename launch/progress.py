@@ -123,10 +123,12 @@ class Progress:
             self._gone()
 
     def eta_s(self) -> float | None:
-        """Seconds left: the steps left times the median of the last 20 step times."""
+        """Seconds left: the steps left times the median of the last 20 step times, leaving out this process's first
+        step (kernel compilation and tuning) once a later one exists."""
         if not self.rows:
             return None
-        recent = [r["step_time_s"] for r in self.rows[-20:] if isinstance(r.get("step_time_s"), (int, float))]
+        warm = self.rows[1:] if len(self.rows) > 1 else self.rows
+        recent = [r["step_time_s"] for r in warm[-20:] if isinstance(r.get("step_time_s"), (int, float))]
         if not recent:
             return None
         return max(0, self.total_steps - self.rows[-1]["step"]) * statistics.median(recent)

@@ -817,6 +817,18 @@ def _row(step: int, loss: float = 2.0, **kw) -> dict:
     return {"step": step, "loss": loss, "tokens": 4096, "step_time_s": 0.5, "peak_mem_gb": 1.25, **kw}
 
 
+def test_eta_leaves_out_the_first_step_once_a_later_one_exists(tmp_path):
+    from launch.progress import Progress
+
+    stream = io.StringIO()
+    with Progress(tmp_path, 10, stream=stream, tensorboard=False) as p:
+        p.update(_row(1, step_time_s=60.0))  # kernel compilation and tuning
+        assert p.eta_s() == 9 * 60.0  # nothing else known yet
+        p.update(_row(2))
+        assert p.eta_s() == 8 * 0.5
+    assert stream.getvalue().splitlines()[1].endswith("ETA 0:00:04")
+
+
 def test_progress_lines_and_metrics_file(tmp_path):
     from launch.progress import Progress
 
