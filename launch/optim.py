@@ -141,7 +141,6 @@ class MasterAdamW:
         masters, both moments and the step count. Sharded tensors stay DTensors, so a checkpoint written under one
         layout loads under another (DCP reshards by name and global shape); the bf16 compute copy is not saved (it
         is the masters, rounded)."""
-        self._ensure_state()
         moments = [self.opt.state[m] for m in self.masters]
         return {"step": torch.tensor(self.num_steps, dtype=torch.int64),
                 "master": dict(zip(self.names, self.masters)),

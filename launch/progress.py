@@ -127,16 +127,19 @@ class Progress:
         step (kernel compilation and tuning) once a later one exists."""
         if not self.rows:
             return None
-        warm = self.rows[1:] if len(self.rows) > 1 else self.rows
-        recent = [r["step_time_s"] for r in warm[-20:] if isinstance(r.get("step_time_s"), (int, float))]
+        recent = [r["step_time_s"] for r in self._warm_rows()[-20:] if isinstance(r.get("step_time_s"), (int, float))]
         if not recent:
             return None
         return max(0, self.total_steps - self.rows[-1]["step"]) * statistics.median(recent)
 
+    def _warm_rows(self) -> list[dict]:
+        """This process's steps after its first (kernel compilation and tuning), or the first alone."""
+        return self.rows[1:] if len(self.rows) > 1 else self.rows
+
     def measured(self) -> dict[str, float | None]:
         """The run's figures for `summary`: the peak memories over all steps, and the medians of tokens/s/GPU,
         TFLOP/s/GPU and step time over the steps after the first (warm-up) when there are several."""
-        rows = self.rows[1:] if len(self.rows) > 1 else self.rows
+        rows = self._warm_rows()
 
         def median(key: str) -> float | None:
             vals = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
