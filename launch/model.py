@@ -60,8 +60,47 @@ class Packing:
         return sum(self.doc_lengths)
 
 
+class _RMSNorm(torch.autograd.Function):
+    """RMSNorm in fp32 that keeps for its backward only its input and the per-row reciprocal RMS r. Autograd's graph
+    of the same forward keeps the fp32 copy of x and the fp32 normalized n = x·r (8 bytes an element, 10 with the
+    offset's), several times a layer: at 128K tokens over a GB a norm. The backward recomputes n from x and r:
+
+        y = n ⊙ (offset + w)  (fp32, then rounded)   or   y = w ⊙ round(n)  (in x's dtype, Qwen3-MoE's order)
+        dn = dy ⊙ (offset + w)  or  dy ⊙ w;   dw = Σ_rows dy ⊙ n;   dx = r · (dn − n · mean(dn ⊙ n))
+
+    (from ∂n_i/∂x_j = r·(δ_ij − n_i n_j / d)), each in the precision the autograd graph computes it in."""
+
+    @staticmethod
+    def forward(ctx, x, weight, eps: float, offset: float):
+        x32 = x.float()
+        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        n = x32 * r
+        ctx.save_for_backward(x, weight, r)
+        ctx.offset = offset
+        if offset:
+            return (n * (offset + weight.float())).to(x.dtype)
+        return weight * n.to(x.dtype)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, weight, r = ctx.saved_tensors
+        n = x.float() * r
+        rows = tuple(range(dy.dim() - 1))
+        if ctx.offset:
+            dy32 = dy.float()
+            dw = (dy32 * n).sum(rows).to(weight.dtype)
+            dn = dy32 * (ctx.offset + weight.float())
+        else:
+            dw = (dy * n.to(x.dtype)).sum(rows).to(weight.dtype)
+            dn = (dy * weight).float()
+        del dy
+        dx = r * (dn - n * (dn * n).mean(-1, keepdim=True))
+        return dx.to(x.dtype), dw, None, None
+
+
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32. Qwen3.5/Qwen3-Next scale by (1 + w) with w initialized at 0 (`offset=1`); Qwen3-MoE by w."""
+    """RMSNorm in fp32. Qwen3.5/Qwen3-Next scale by (1 + w) with w initialized at 0 (`offset=1`); Qwen3-MoE by w.
+    One autograd Function (`_RMSNorm`) that saves x and r alone."""
 
     def __init__(self, dim: int, eps: float, offset: float):
         super().__init__()
@@ -69,11 +108,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        if self.offset:
-            return (x32 * (self.offset + self.weight.float())).type_as(x)
-        return self.weight * x32.type_as(x)
+        return _RMSNorm.apply(x, self.weight, self.eps, self.offset)
 
 
 class GatedRMSNorm(nn.Module):
@@ -110,25 +145,24 @@ def apply_rope(x_THD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) 
 
 
 def causal_attention(q_THD, k_THD, v_THD, packing: Packing, scale: float) -> torch.Tensor:
-    """Causal SDPA inside each document; GQA by repeating K/V heads. Returns [T, Hq, Dh]."""
-    rep = q_THD.shape[1] // k_THD.shape[1]
-    if rep > 1:
-        k_THD, v_THD = k_THD.repeat_interleave(rep, 1), v_THD.repeat_interleave(rep, 1)
+    """Causal SDPA inside each document; GQA inside SDPA (`enable_gqa`: each K/V head serves its group of query
+    heads, with no K/V copied to the query heads' count for the backward to keep). Returns [T, Hq, Dh]."""
+    gqa = q_THD.shape[1] != k_THD.shape[1]
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_THD, v_THD))  # [1, H, T, Dh]
     if len(packing.doc_lengths) == 1:
-        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     elif not q.is_cuda and packing.num_tokens <= 4096:
         doc = torch.repeat_interleave(torch.arange(len(packing.doc_lengths), device=q.device),
                                       torch.tensor(packing.doc_lengths, device=q.device))
         pos = packing.positions
         mask_TT = (doc[:, None] == doc[None, :]) & (pos[:, None] >= pos[None, :])
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TT, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask_TT, scale=scale, enable_gqa=gqa)
     else:  # one flash call per document
         outs, start = [], 0
         for n in packing.doc_lengths:
             sl = slice(start, start + n)
             outs.append(F.scaled_dot_product_attention(q[:, :, sl], k[:, :, sl], v[:, :, sl], is_causal=True,
-                                                       scale=scale))
+                                                       scale=scale, enable_gqa=gqa))
             start += n
         o = torch.cat(outs, dim=2)
     return o.squeeze(0).transpose(0, 1)

@@ -265,3 +265,72 @@ def test_a_model_built_on_meta_and_materialized_equals_one_built_whole():
     assert sorted(got) == sorted(whole) and all(torch.equal(got[k], whole[k]) for k in whole)
     other = build_model(shape, seed=4).state_dict()
     assert not torch.equal(other["embed_tokens.weight"], whole["embed_tokens.weight"])
+
+
+def _rms_norm_autograd(x, w, eps, offset):
+    """RMSNorm written as autograd records it: the reference for the one-Function norm."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if offset:
+        return (x32 * (offset + w.float())).type_as(x)
+    return w * x32.type_as(x)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+@pytest.mark.parametrize("dtype,tol", [(torch.float32, 1e-6), (torch.bfloat16, 1e-2)])
+def test_rms_norm_function_equals_autograds(offset, dtype, tol):
+    """The norm's one autograd Function against autograd's graph of the same forward: outputs and both gradients,
+    over 3-D input (a per-head norm's [T, H, Dh]), both weightings, fp32 and bf16."""
+    from launch.model import RMSNorm
+
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 3, 16, generator=g) * 3).to(dtype).requires_grad_()
+    norm = RMSNorm(16, 1e-6, offset).to(dtype)
+    with torch.no_grad():
+        norm.weight.copy_(torch.randn(16, generator=g) * 0.5 + (0 if offset else 1))
+    dy = torch.randn(5, 3, 16, generator=g).to(dtype)
+    y = norm(x)
+    dx, dw = torch.autograd.grad(y, (x, norm.weight), dy)
+    ry = _rms_norm_autograd(x, norm.weight, 1e-6, offset)
+    rdx, rdw = torch.autograd.grad(ry, (x, norm.weight), dy)
+    for a, b in ((y, ry), (dx, rdx), (dw, rdw)):
+        assert a.dtype == b.dtype and a.shape == b.shape
+        assert (a.float() - b.float()).norm() <= tol * b.float().norm(), (a, b)
+
+
+@pytest.mark.parametrize("offset", [0.0, 1.0])
+def test_rms_norm_saves_its_input_and_the_row_scale_only(offset):
+    """For its backward the norm keeps x (shared with its caller's tensor, no copy), the weight and the per-row
+    reciprocal RMS [.., 1] in fp32: not the fp32 copy of x nor the fp32 normalized x that autograd's graph keeps
+    (8 to 10 bytes an element more)."""
+    from launch.model import RMSNorm
+
+    x = torch.randn(6, 32, dtype=torch.bfloat16, requires_grad=True)
+    norm = RMSNorm(32, 1e-6, offset).to(torch.bfloat16)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        norm(x)
+    assert sorted((tuple(t.shape), t.dtype) for t in saved) == sorted(
+        [((6, 32), torch.bfloat16), ((32,), torch.bfloat16), ((6, 1), torch.float32)])
+    assert any(t.data_ptr() == x.data_ptr() for t in saved)
+
+
+def test_attention_gqa_inside_sdpa_equals_repeated_heads():
+    """GQA by SDPA's own grouping equals the K/V heads repeated to the query heads' count (head i reads K/V head
+    i // (Hq / Hkv)), outputs and gradients, for one document (causal flag) and packed ones (the mask)."""
+    from launch.model import causal_attention
+
+    g = torch.Generator().manual_seed(4)
+    T, Hq, Hkv, Dh = 12, 6, 2, 8
+    q, k, v = (torch.randn(T, h, Dh, generator=g, requires_grad=True) for h in (Hq, Hkv, Hkv))
+    dy = torch.randn(T, Hq, Dh, generator=g)
+    for lengths in ([T], [5, 7]):
+        pack = Packing.from_lengths(lengths, "cpu")
+        out = causal_attention(q, k, v, pack, Dh ** -0.5)
+        grads = torch.autograd.grad(out, (q, k, v), dy)
+        kr, vr = k.repeat_interleave(3, 1), v.repeat_interleave(3, 1)
+        ref = causal_attention(q, kr, vr, pack, Dh ** -0.5)
+        rgrads = torch.autograd.grad(ref, (q, k, v), dy)
+        torch.testing.assert_close(out, ref)
+        for a, b in zip(grads, rgrads):
+            torch.testing.assert_close(a, b)
