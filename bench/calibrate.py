@@ -441,39 +441,21 @@ def fit(path: str) -> dict:
 
 def fit_memory(path: str) -> dict:
     """The memory constants the grid measures (recipe/cost.py), printed beside the efficiencies:
-    - `MOE_SAVED_F` at the committed `MOE_SAVED_H`: the minimax of the peak-allocated error over the local points
-      whose peak the MoE block sets (every point but the naive head's and the EP path's), on a 0.05 grid; and, since
-      the two factors trade against each other, the minimax F for each H from 0.6 to 1.2 (the valley);
+    - the local points' peak-allocated error under today's model (every point but the naive head's and the EP
+      path's, whose peaks the named tensors of docs/cost_model.md section 1 set, with no fitted factor);
     - `EP_HELD_ROWS`: each EP point's peak less its local twin's, in rows of h + 8 bf16 values a routed copy,
       averaged over each model's points and then over the models, less the half row of the chunk in flight;
     - what the device holds beyond the allocated peak (`peak_device_gb` less `peak_allocated_gb`, on grids that
       record it), least and most over the points, to read beside the profile's `overhead_gb`: an upper bound on what
       a run needs there, as with memory to spare the allocator keeps freed blocks cached (the reserved peak runs
       up to 16 GB above the allocated one on the H200 grid)."""
-    import recipe.cost as cost
     from recipe.models import resolve_model
 
     data = json.loads(Path(path).read_text())
     hw = data.get("hw") or Path(path).stem
     pts = [r for r in data["points"] if r.get("peak_allocated_gb") and "error" not in r]
     local = [r for r in pts if r["lm_head"] != "naive" and not r["ep_path"]]
-
-    def worst(h: float, f: float) -> tuple[float, float, float]:
-        saved = cost.MOE_SAVED_H, cost.MOE_SAVED_F
-        cost.MOE_SAVED_H, cost.MOE_SAVED_F = h, f
-        try:
-            errs = [predict_point(r, hw)["allocated_gb"] / r["peak_allocated_gb"] - 1 for r in local]
-        finally:
-            cost.MOE_SAVED_H, cost.MOE_SAVED_F = saved
-        return max(map(abs, errs)), min(errs), max(errs)
-
-    fs = [round(1.5 + 0.05 * i, 2) for i in range(71)]  # 1.5 .. 5.0
-
-    def best_f(h: float) -> tuple[float, tuple]:
-        return min(((f, worst(h, f)) for f in fs), key=lambda t: t[1][0])
-
-    f, (err, lo, hi) = best_f(cost.MOE_SAVED_H)
-    valley = {h: best_f(h) for h in (0.6, 0.8, 1.0, 1.2)}
+    errs = [predict_point(r, hw)["allocated_gb"] / r["peak_allocated_gb"] - 1 for r in local]
     twins = {(r["model"], r["layers"], r["seq"]): r for r in local
              if r["recompute"] == "full" and r["lm_head"] == "fused"}
     rows: dict[str, list[float]] = {}
@@ -486,8 +468,7 @@ def fit_memory(path: str) -> dict:
         rows.setdefault(r["model"], []).append((r["peak_allocated_gb"] - q["peak_allocated_gb"]) / row)
     means = [sum(v) / len(v) for v in rows.values()]
     outside = [r["peak_device_gb"] - r["peak_allocated_gb"] for r in pts if r.get("peak_device_gb")]
-    out = {"MOE_SAVED_H": cost.MOE_SAVED_H, "MOE_SAVED_F": f, "moe_error": [round(lo, 4), round(hi, 4)],
-           "valley": {h: [v[0], round(v[1][0], 4)] for h, v in valley.items()},
+    out = {"local_error": [round(min(errs), 4), round(max(errs), 4)],
            "ep_rows_at_one_chunk": {k: [round(x, 2) for x in v] for k, v in rows.items()},
            "EP_HELD_ROWS": round(sum(means) / len(means) - 0.5, 2) if means else None,
            # beside the profile's overhead_gb: an upper bound on what a run needs beyond its allocated peak

@@ -56,24 +56,6 @@ EP_CHUNK_MS_ASSUMED = 0.63
 # The optimizer step per local parameter: cast the bf16 gradient to fp32 (2 + 4 bytes), fused AdamW (read master,
 # grad, both moments, write master and moments: 28), write the bf16 compute copy back (4 + 2): 40 bytes.
 ADAM_BYTES_MOVED = 40
-# Gradients in flight during a layer's backward, as a fraction of the larger block's saved activations. Calibrated
-# on the H200 grid (hw_profiles/calibration/h200.json) together with the MoE factors below: with the MoE block's
-# saved set at its measured size no separate allowance is needed (with the block at the named tensors, 1x, the fit
-# is 0.5).
-BACKWARD_TRANSIENT = 0.0
-# What the MoE block holds in its backward, as multiples of the tensors moe_working_set names: MOE_SAVED_H of the
-# hidden-width ones (router logits and weights, permuted tokens, expert outputs and the combine), MOE_SAVED_F of the
-# expert-width ones (gate, up, act(gate)·up, and the shared expert's). The routed experts keep their gate and up
-# (2f a copy) and recompute the activation in their backward, where the activation, its gradient and the gate and up
-# gradients are formed beside them (launch/moe.py: _RoutedExperts); the shared expert runs under autograd. Fitted on
-# the H200 grid (minimax over every point but the naive head's and the EP path's: Qwen3.5-35B-A3B and
-# Qwen3-30B-A3B, whose expert widths are 512 and 768, 2 to 8 layers, 8K to 128K tokens, recompute full and none).
-# The two factors trade against each other along a flat valley (the worst error goes from 4.6% to 5.2% as the
-# hidden-width factor goes from 0.6 to 1.2, the other refitted at each): the hidden-width tensors are taken once, as
-# the combine's unpermute keeps only its order, and the expert-width factor is the minimax at that, every peak
-# within +5.0% / −4.8% (bench/calibrate.py --fit prints both).
-MOE_SAVED_H = 1.0
-MOE_SAVED_F = 2.75
 # The expert-parallel path's rows held beyond the local dispatch's in a MoE layer's backward (ep_dispatch_bytes), in
 # rows of h + 8 bf16 values a received copy, besides one half for the chunk in flight. Measured on the H200 grid's EP
 # points at one chunk (hw_profiles/calibration/h200.json, EP peak less the local peak of the same point): 2.79 rows
@@ -203,12 +185,21 @@ def layer_params(m: ModelShape) -> tuple[float, float]:
 
 
 # ---- activations ---------------------------------------------------------------------------------------------
-def attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
-    """Bytes saved by one full-attention layer's forward for its backward.
+def norm_saved(width: float) -> float:
+    """Bytes a token's RMSNorm keeps for its backward (launch/model.py: _RMSNorm): its bf16 input and the fp32
+    reciprocal RMS of the row."""
+    return width * BF16 + FP32
 
-    q (+ output gate), k, v, attention output, softmax statistics; with CP the K/V of the whole sequence is
-    all-gathered (exact CP), so k and v count at s·cp."""
-    h, nh, nkv = m.hidden_size, m.num_heads / tp, m.num_kv_heads / tp
+
+def attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
+    """Bytes saved by one full-attention layer's forward for its backward (launch/model.py: Attention).
+
+    Per token: the normed input (kept by the q/k/v projections); q and k before their per-head norms (kept by the
+    norms); q after RoPE, k after RoPE and v (kept by SDPA; with CP the K/V of the whole sequence is all-gathered,
+    exact CP, so k and v count at s·cp); SDPA's output and log-sum-exp; the output as o_proj's contiguous input;
+    with the output gate, its sigmoid and the gated output. GQA runs inside SDPA, so K/V stay at the KV heads'
+    count."""
+    nh, nkv = m.num_heads / tp, m.num_kv_heads / tp
     if m.mla is not None:
         a = m.mla
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
@@ -217,13 +208,14 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
         kv = (s * cp * (a.kv_lora_rank + a.qk_rope_head_dim)
               + s * nh * (a.qk_nope_head_dim + a.v_head_dim)) * BF16
         out = s * nh * a.v_head_dim * BF16
-    else:
-        q = s * nh * m.head_dim * (2 if m.attn_output_gate else 1) * BF16
-        kv = s * cp * 2 * nkv * m.head_dim * BF16
-        out = s * nh * m.head_dim * BF16
-    stats = s * nh * FP32
-    io = 2 * s * h * BF16  # normed input and projected output
-    return q + kv + out + stats + io
+        return q + kv + 2 * out + s * nh * FP32 + s * m.hidden_size * BF16
+    qw, kw = s * nh * m.head_dim * BF16, s * nkv * m.head_dim * BF16  # one q-sized, one k-sized tensor
+    normed_in = s * m.hidden_size * BF16
+    qk_norms = qw + kw + s * (nh + nkv) * FP32 if m.qk_norm else 0.0
+    rope_q_kv = qw + 2 * kw * cp
+    out = qw + s * nh * FP32 + qw  # SDPA's output and lse, o_proj's contiguous input
+    gate = 2 * qw if m.attn_output_gate else 0.0
+    return normed_in + qk_norms + rope_q_kv + out + gate
 
 
 def linear_attention_working_set(m: ModelShape, s: float, tp: int, cp: int = 1) -> float:
@@ -231,9 +223,9 @@ def linear_attention_working_set(m: ModelShape, s: float, tp: int, cp: int = 1) 
     flash-linear-attention's chunked rule, which takes bf16 q/k/v and recomputes its WY factors in the backward):
     the q/k/v projection before and after the conv, z, beta and the fp32 log decay, the rule's in-chunk [C x C]
     matrices and output, the gated-norm output, the block's input and output. The fused kernels save only their
-    inputs; the rule's backward transients are BACKWARD_TRANSIENT's. Under CP the rule runs at value width V + K
-    (docs/context_parallel.md): its augmented input's and output's K extra columns, and Q_eff kept for the
-    completion's backward, K·2 bytes each per token and value head."""
+    inputs. Under CP the rule runs at value width V + K (docs/context_parallel.md): its augmented input's and
+    output's K extra columns, and Q_eff kept for the completion's backward, K·2 bytes each per token and value
+    head."""
     la = m.linear_attn
     nk, nv = la.num_k_heads / tp, la.num_v_heads / tp
     kd, vd = nk * la.head_k_dim, nv * la.head_v_dim
@@ -245,17 +237,31 @@ def linear_attention_working_set(m: ModelShape, s: float, tp: int, cp: int = 1) 
     return proj + conv + in_chunk + out + combine
 
 
-def moe_working_set(m: ModelShape, s: float) -> float:
-    """Router logits (fp32), top-k weights and indices, tokens permuted ×k, expert gate/up/act intermediates,
-    expert outputs and the combine. Under balanced EP a rank receives about s·k token
-    copies whatever ep is, so this does not shrink with ep (etp splits the intermediates)."""
+def routed_row_bytes(m: ModelShape, etp: int = 1) -> tuple[float, float]:
+    """(saved, backward) bytes the routed experts hold per routed row (launch/moe.py: _RoutedExperts): saved, the
+    permuted input x (h), the gate and up projection (2f) and the expert output y (h), bf16, and the row's order;
+    in the backward beyond them, the larger of its two moments: the slot gradient g (h) formed while y is still
+    held, or, once y is dropped, the SwiGLU backward's three expert-width tensors (g·W2, the activation and the gate
+    and up gradient: f + f + 2f). f is split by etp."""
+    h, f = m.hidden_size, m.expert_ffn / etp
+    return (2 * h + 2 * f) * BF16 + 8, max(h, 4 * f) * BF16
+
+
+def moe_moments(m: ModelShape, s: float) -> tuple[float, float, float]:
+    """One MoE block on s tokens, in bytes: (saved, peak in the backward before the layer's expert weight gradients
+    exist, peak after). Saved: the post-attention norm's input, its output (kept by the router and the shared
+    expert), the router's fp32 probabilities and top-k weights and indices, the routed rows (`routed_row_bytes`,
+    s·k of them), the shared expert's gate, up, activation and product and the gated output. The backward runs the
+    shared expert first (created last), then the routed experts, whose peak is their saved rows plus the larger
+    backward moment; by the time their weight gradients are formed every saved row is dropped and the block holds
+    the input gradient's rows twice (expert order, then token order: 2·h a row)."""
     h, k = m.hidden_size, m.top_k
-    router = s * m.num_experts * FP32 + s * k * (8 + FP32)
-    permuted = s * k * h * BF16
-    inter = s * k * m.expert_ffn * 3 * BF16  # gate, up, act(gate)·up
-    out = s * k * h * BF16 + s * h * BF16
-    shared = s * m.shared_expert_ffn * 3 * BF16 if m.shared_expert_ffn else 0.0
-    return MOE_SAVED_H * (router + permuted + out) + MOE_SAVED_F * (inter + shared)
+    base = s * (norm_saved(h) + h * BF16 + m.num_experts * FP32 + k * (FP32 + 8 + BF16) + FP32)
+    row_saved, row_bwd = routed_row_bytes(m)
+    routed = s * k * row_saved
+    shared = s * (4 * m.shared_expert_ffn + (h if m.shared_expert_gate else 0)) * BF16 if m.shared_expert_ffn else 0.0
+    before = base + routed + max(s * k * row_bwd, shared)
+    return base + routed + shared, before, base + s * k * 2 * h * BF16
 
 
 def dense_ffn_working_set(m: ModelShape, s: float, tp: int) -> float:
@@ -263,21 +269,27 @@ def dense_ffn_working_set(m: ModelShape, s: float, tp: int) -> float:
 
 
 def layer_saved(m: ModelShape, s: float, tp: int, cp: int) -> tuple[float, float]:
-    """(mixer, FFN) bytes one decoder layer's forward saves for its backward: the largest mixer and FFN kinds."""
+    """(mixer, FFN) bytes one decoder layer's forward saves for its backward: the largest mixer and FFN kinds. The
+    FFN side (its norm, router, experts) runs on the s/tp sequence-parallel tokens (launch/tensor_parallel.py)."""
     mixers = []
     if m.num_full_attn_layers or m.num_sliding_layers:
         mixers.append(attention_working_set(m, s, tp, cp))
     if m.num_linear_attn_layers:
         mixers.append(linear_attention_working_set(m, s, tp, cp))
-    ffn = max(moe_working_set(m, s) if m.num_moe_layers else 0.0, dense_ffn_working_set(m, s, tp))
-    return max(mixers), ffn
+    ffn = max(moe_moments(m, s / tp)[0] if m.num_moe_layers else 0.0, dense_ffn_working_set(m, s, tp))
+    return max(mixers) + s / tp * FP32, ffn  # + the input norm's row scale (its input is the layer's)
 
 
-def layer_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
-    """One layer's recompute working set during its backward: everything its forward saved (mixer and FFN: the
-    checkpoint unit is the decoder layer) plus the gradients in flight, BACKWARD_TRANSIENT of the larger block."""
+def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: float = 0.0) -> float:
+    """One layer's recompute working set at its backward's peak, with every gradient counted as present: what its
+    forward saved (mixer and FFN: the checkpoint unit is the decoder layer), the FFN's saved set replaced by its
+    backward peak. `expert_grad`: the bytes of the layer's own expert weight gradients, which the routed experts'
+    backward forms only after its largest moment, so that moment needs that much less than the count says."""
     mixer, ffn = layer_saved(m, s, tp, cp)
-    return mixer + ffn + BACKWARD_TRANSIENT * max(mixer, ffn)
+    if m.num_moe_layers and moe_moments(m, s / tp)[0] >= dense_ffn_working_set(m, s, tp):
+        _, before, after = moe_moments(m, s / tp)
+        ffn = max(before - expert_grad, after)
+    return mixer + ffn
 
 
 def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
@@ -454,20 +466,26 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     unsharded = (layer_dense / tp + layer_expert / (ep * etp)) * BYTES_UNSHARDED
     if dp * cp == 1 and edp == 1:
         unsharded = 0.0  # nothing to gather: the single copy is already whole
-    working = layer_working_set(m, s, tp, cp)
+    # the layer's own expert weight gradients, counted in the gradient term, form after its backward's largest moment
+    working = layer_working_set(m, s, tp, cp, expert_grad=layer_expert / (ep * etp * edp) * BYTES_GRADS)
     if ep > 1 or ep_path:
         # the EP path's backward copies, on top of the layer's own
         working += ep_dispatch_bytes(m, s, opts.ep_overlap_chunks)
     head_unsharded = m.vocab_size / tp * m.hidden_size * BYTES_UNSHARDED if dp * cp > 1 else 0.0
     head = lm_head_bytes(m, s, tp, opts.lm_head) + head_unsharded
     head_own = head
+    head_grad = min(ends, m.vocab_size * m.hidden_size) / (tp * dp * cp) * BYTES_GRADS
+    emb_grad = ends / (tp * dp * cp) * BYTES_GRADS - head_grad  # an untied embedding's: the backward's last
     if recompute:
+        # the peak is in a layer's backward, before the embedding's gradient exists: activations are counted
+        # against the whole gradient term, so they shrink by it
         checkpoints = L * in_flight * s * m.hidden_size * BF16 / tp
-        acts = checkpoints + working + unsharded
+        acts = checkpoints + working + unsharded - emb_grad
         if in_head:
             # the fused and lean heads run (forward and their gradients) at the end of the forward, when only the
-            # checkpoints are live, so they raise the peak only by what they need beyond a layer's working set
-            head = max(0.0, head - (working + unsharded))
+            # checkpoints are live and no layer's gradient exists yet: they raise the peak only by what that moment
+            # needs beyond a layer's backward
+            head = max(0.0, checkpoints + head_own - (mem["grads"] - head_grad) - acts)
     else:
         # every layer keeps what its forward saved, but the gradients arrive one layer at a time in the backward:
         # the peak is at the last layer's backward (every saved set, the head's and that layer's gradients), at
@@ -477,8 +495,6 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
         mixer, ffn = layer_saved(m, s, tp, cp)
         saved = L * in_flight * (mixer + ffn)
         grads = mem["grads"]
-        head_grad = min(ends, m.vocab_size * m.hidden_size) / (tp * dp * cp) * BYTES_GRADS
-        emb_grad = ends / (tp * dp * cp) * BYTES_GRADS - head_grad
         layer_grad = (grads - head_grad - emb_grad) / L
         last = saved + (working - mixer - ffn) + unsharded - (grads - head_grad - layer_grad)
         first = in_flight * working + unsharded - emb_grad

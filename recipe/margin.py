@@ -31,7 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .cost import BF16, FP32, GB, Estimate, Layout, TrainOptions, estimate, layer_params, stage_layers
+from .cost import (BF16, FP32, GB, Estimate, Layout, TrainOptions, estimate, layer_params, routed_row_bytes,
+                   stage_layers)
 from .hw import HwProfile
 from .models import ModelShape, param_counts
 
@@ -99,10 +100,10 @@ def bands(hw: HwProfile) -> Bands:
 
 
 def routed_rows_bytes(m: ModelShape, s: float, etp: int = 1) -> float:
-    """What one MoE layer holds per routed row, times its s·k rows: the permuted input and the expert output (h each)
-    and the gate, up and activation intermediates (3·I, split by etp), bf16 — the part of `moe_working_set` that
-    scales with the rows a rank receives."""
-    return s * m.top_k * (2 * m.hidden_size + 3 * m.expert_ffn / etp) * BF16
+    """What one MoE layer holds for its s·k routed rows at its backward's peak: each row's saved tensors and the
+    larger backward moment (cost.routed_row_bytes, the expert width split by etp) — the part of the MoE block's
+    working set that scales with the rows a rank receives."""
+    return s * m.top_k * sum(routed_row_bytes(m, etp))
 
 
 def memory_margin(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions,

@@ -184,31 +184,17 @@ def test_ep_chunk_cost_is_the_committed_runs_slope():
     assert 0.3 < slope_ms < 1.5  # a launch-bound loop's figure, not a unit slip
 
 
-def test_memory_constants_are_the_fit_of_the_h200_grid():
-    """MOE_SAVED_F is the minimax of the local points' peak error at the committed MOE_SAVED_H (its neighbours on the
-    0.05 grid `bench/calibrate.py --fit` searches do worse), and EP_HELD_ROWS is what the EP points measure: each
-    one's peak above its local twin in rows of h + 8 bf16 values a routed copy, averaged per model and over the
-    models, less the half row of the chunk in flight. The two models, whose expert widths differ (512 and 768), agree
-    on that count to 5%: the term carries no expert-width part, as both paths recompute the SwiGLU in the backward."""
+def test_ep_held_rows_is_what_the_h200_grid_measures():
+    """EP_HELD_ROWS is what the EP points measure: each one's peak above its local twin in rows of h + 8 bf16 values
+    a routed copy, averaged per model and over the models, less the half row of the chunk in flight. The two models,
+    whose expert widths differ (512 and 768), agree on that count to 5%: the term carries no expert-width part, as
+    both paths recompute the SwiGLU in the backward."""
     import recipe.cost as cost
     from recipe.models import resolve_model
 
     grid = calibration.load("h200")
     pts = [r for r in grid.points if r.get("peak_allocated_gb") and "error" not in r]
     local = [r for r in pts if r["lm_head"] != "naive" and not r["ep_path"]]
-
-    def worst(f):
-        saved = cost.MOE_SAVED_F
-        cost.MOE_SAVED_F = f
-        try:
-            return max(abs(calibration.predict_point(r, "h200")["allocated_gb"] / r["peak_allocated_gb"] - 1)
-                       for r in local)
-        finally:
-            cost.MOE_SAVED_F = saved
-
-    f = cost.MOE_SAVED_F
-    assert worst(f) < min(worst(f - 0.05), worst(f + 0.05)) and worst(f) <= MEMORY_TOLERANCE
-
     twins = {(r["model"], r["layers"], r["seq"]): r for r in local
              if r["recompute"] == "full" and r["lm_head"] == "fused"}
     rows = {}

@@ -90,11 +90,14 @@ def test_fused_head_adds_only_what_exceeds_the_layer_working_set():
     # without recompute the gradients arrive a layer at a time: the backward peaks at the last layer (every saved
     # set, the head's and that layer's gradients); the head runs before any layer gradient exists, with every saved
     # set live, and adds what that moment needs beyond the backward's peak
+    # (the last layer's backward moment is its FFN's peak in place of its saved set; the layer's expert gradients
+    # form after that peak)
     mixer, ffn = layer_saved(m4, 32_768, 1, 1)
     c = param_counts(m4)
     grads, head_grad = none.memory_gb["grads"] * GB, c["head"] * BF16
     layer_grad = (grads - head_grad - c["embedding"] * BF16) / 4
-    acts = 4 * (mixer + ffn) - (grads - head_grad - layer_grad)
+    working = layer_working_set(m4, 32_768, 1, 1, expert_grad=layer_params(m4)[1] * BF16)
+    acts = 4 * (mixer + ffn) + (working - mixer - ffn) - (grads - head_grad - layer_grad)
     assert none.memory_gb["activations"] == pytest.approx(acts / GB)
     head_moment = 4 * (mixer + ffn) + lm_head_bytes(m4, 32_768, 1, "fused") - (grads - head_grad)
     assert none.memory_gb["lm_head"] == pytest.approx((head_moment - acts) / GB)
@@ -289,9 +292,14 @@ def test_sharding_groups_hand_worked_tiny():
     layer_dense, layer_expert = layer_params(m)
     assert layer_expert == pytest.approx(experts / m.num_layers)
     s = 4096 / 2
-    # ep > 1: the EP path's backward copies (ep_dispatch_bytes) join the layer's working set
-    expected_acts = (m.num_layers * s * m.hidden_size * BF16 + layer_working_set(m, s, 1, 2)
-                     + ep_dispatch_bytes(m, s) + (layer_dense + layer_expert / 2) * BYTES_UNSHARDED)
+    # ep > 1: the EP path's backward copies (ep_dispatch_bytes) join the layer's working set, whose expert
+    # gradients (the layer's E/ep experts, sharded over edp) form after its peak; the untied embedding's gradient
+    # (over dp·cp) forms after every layer's
+    assert not m.tie_embeddings
+    expected_acts = (m.num_layers * s * m.hidden_size * BF16
+                     + layer_working_set(m, s, 1, 2, expert_grad=layer_expert / (2 * 4) * BF16)
+                     + ep_dispatch_bytes(m, s) + (layer_dense + layer_expert / 2) * BYTES_UNSHARDED
+                     - c["embedding"] / 8 * BF16)
     assert est.memory_gb["activations"] == pytest.approx(expected_acts / GB)
 
 
