@@ -58,20 +58,21 @@ EP_CHUNK_MS_ASSUMED = 0.63
 ADAM_BYTES_MOVED = 40
 # The expert-parallel path's rows held beyond the local dispatch's in a MoE layer's backward (ep_dispatch_bytes), in
 # rows of h + 8 bf16 values a received copy, besides one half for the chunk in flight. Measured on the H200 grid's EP
-# points at one chunk (hw_profiles/calibration/h200.json, EP peak less the local peak of the same point): 2.79 rows
-# for Qwen3.5-35B-A3B (f = 512) and 2.75 for Qwen3-30B-A3B (f = 768), whose agreement says the term has no
-# expert-width part; this is the two models' mean less the half (bench/calibrate.py --fit prints it). The half a
-# chunk was measured before the backward placed each chunk's rows straight into the weight gradients' order (3.49,
-# 3.39 and 3.09 rows at 1, 2 and 4 chunks for Qwen3.5-35B-A3B).
-EP_HELD_ROWS = 2.27
+# points at one chunk (hw_profiles/calibration/h200.json, EP peak less the local peak of the same point): 2.50, 2.87
+# and 2.50 rows for Qwen3.5-35B-A3B (f = 512; 4 layers at 32K and 64K, 2 layers at 32K); their mean less the half
+# (bench/calibrate.py --fit prints it). The grid of commit d0e963f measured 2.75 rows for both Qwen3.5-35B-A3B and
+# Qwen3-30B-A3B (f = 768), whose agreement says the term has no expert-width part. The half a chunk was measured
+# before the backward placed each chunk's rows straight into the weight gradients' order (3.49, 3.39 and 3.09 rows
+# at 1, 2 and 4 chunks for Qwen3.5-35B-A3B).
+EP_HELD_ROWS = 2.12
 # MasterAdamW (launch/optim.py) steps its parameters in groups of at most this many elements (a larger tensor is a
 # group of its own), casting each group's bf16 gradients to fp32 first.
 OPT_GROUP_NUMEL = 2**28
 # The naive head (launch/rl.py: token_logprobs, mode "naive"), bytes per logit at its peak, in its backward: the
 # log-softmax output (saved, fp32), the gradient coming back to it (the gather's, fp32) and the one it passes on to
 # the logits (fp32): 4 + 4 + 4. The bf16 logits and the fp32 copies before the log-softmax are not saved by anything
-# and are gone by then. Measured on the H200 grid: 11.7 bytes a logit above the fused head's point (Qwen3-30B-A3B,
-# 2 layers, 8K tokens).
+# and are gone by then. Measured on the H200 grid of commit d0e963f: 11.7 bytes a logit above the fused head's point
+# (Qwen3-30B-A3B, 2 layers, 8K tokens).
 NAIVE_BYTES_PER_LOGIT = 12
 # Fixed cost of one small collective (a CP all-gather of Gated DeltaNet's maps or conv halos): launch and one
 # round of latency on NVLink/xGMI, an order-of-magnitude figure, not measured.
@@ -493,7 +494,8 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
         # no layer gradient yet, the head's own buffers); activations and lm_head are counted against the whole
         # gradient term, so they shrink by the gradients not yet there
         mixer, ffn = layer_saved(m, s, tp, cp)
-        saved = L * in_flight * (mixer + ffn)
+        layer_input = s * m.hidden_size * BF16 / tp  # kept by its input norm (under recompute: the checkpoint)
+        saved = L * in_flight * (mixer + ffn + layer_input)
         grads = mem["grads"]
         layer_grad = (grads - head_grad - emb_grad) / L
         last = saved + (working - mixer - ffn) + unsharded - (grads - head_grad - layer_grad)
