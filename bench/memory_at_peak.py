@@ -156,8 +156,8 @@ def main() -> None:
           f"(replayed: {peak / 1e9:.2f} GB at event {at} of {len(trace)}); persistent before the step "
           f"{baseline / 1e9:.2f} GB")
     kept = peak - sum(e["size"] for e in live.values())  # of the blocks that predate the step, those still live
-    print(f"\n| live at the peak | GB | blocks |\n|---|---|---|\n| from before the step (of {baseline / 1e9:.2f} GB) | "
-          f"{kept / 1e9:.2f} | |")
+    print("\n| live at the peak | GB | blocks |\n|---|---|---|")
+    print(f"| from before the step (of {baseline / 1e9:.2f} GB) | {kept / 1e9:.2f} | |")
     for s, b, n in rows[:args.top]:
         print(f"| {s} | {b / 1e9:.3f} | {n} |")
     rest = rows[args.top:]
@@ -168,7 +168,8 @@ def main() -> None:
         print(f"| {k} | {v:.2f} |")
     if args.json:
         Path(args.json).write_text(json.dumps({
-            "point": vars(args), "peak_allocated_gb": plain / 1e9, "recorded_peak_gb": measured / 1e9, "replayed_gb": peak / 1e9,
+            "point": vars(args), "peak_allocated_gb": plain / 1e9, "recorded_peak_gb": measured / 1e9,
+            "replayed_gb": peak / 1e9,
             "persistent_gb": baseline / 1e9, "persistent_live_gb": kept / 1e9,
             "live": [{"site": s, "gb": b / 1e9, "blocks": n} for s, b, n in rows],
             "predicted_gb": pred}, indent=1) + "\n")

@@ -22,13 +22,19 @@ MAX_PROFILE_BYTES = 64 * 1024  # a profile is about 3 KB
 GIB = 2**30
 
 
+# The smallest figure a profile may give (in its own unit: TFLOP/s, GiB, TB/s, GB/s, KB, a fraction, ms). Below it
+# the cost model's products underflow and its quotients overflow (a subnormal 5e-324 TFLOP/s makes every step time
+# infinite, and their differences NaN), and no hardware comes near it.
+MIN_FIGURE = 1e-6
+
+
 def _check_positive(rec, names, *, integer: bool = False) -> None:
     for n in names:
         v = getattr(rec, n)
         if isinstance(v, bool) or not isinstance(v, int if integer else (int, float)):
             raise ValueError(f"{n} must be a positive {'whole number' if integer else 'number'}, got {v!r}")
-        if not (math.isfinite(v) and v > 0):
-            raise ValueError(f"{n} must be a finite positive number, got {v!r}")
+        if not (math.isfinite(v) and v >= MIN_FIGURE):
+            raise ValueError(f"{n} must be a finite number of at least {MIN_FIGURE:g}, got {v!r}")
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -286,7 +286,9 @@ def test_plot_figure_reads():
 
 # ---- validation: profiles, model configs, plans --------------------------------------------------------------------
 @pytest.mark.parametrize("edit, needles", [
-    (("intra_node", "bw_gb_s", 0), ["bw_gb_s must be a finite positive number, got 0"]),
+    (("intra_node", "bw_gb_s", 0), ["bw_gb_s must be a finite number of at least 1e-06, got 0"]),
+    # a subnormal peak made every step time infinite and the EP rule's comparison of them fail
+    (("peak_bf16_tflops", 5e-324), ["peak_bf16_tflops must be a finite number of at least 1e-06, got 5e-324"]),
     (("peak_bf16_tflops", float("inf")), ["field 'peak_bf16_tflops': expected a finite number, got inf"]),
     (("hbm_gib", True), ["field 'hbm_gib': expected a number, got true"]),
     (("hbm_gib", "80"), ["field 'hbm_gib': expected a number, got '80'"]),
@@ -295,7 +297,7 @@ def test_plot_figure_reads():
     (("overhead_gb", -1), ["overhead_gb must be a finite non-negative number"]),
     (("overhead_gb", float("nan")), ["field 'overhead_gb': expected a finite number"]),
     (("usable_memory_fraction", 1.5), ["usable_memory_fraction must be at most 1"]),
-    (("inter_node_bw_gb_s", 0), ["inter_node_bw_gb_s must be a finite positive number"]),
+    (("inter_node_bw_gb_s", 0), ["inter_node_bw_gb_s must be a finite number of at least 1e-06"]),
 ], ids=lambda x: str(x[0]) if isinstance(x, tuple) else None)
 def test_bad_profile_figures_are_named(tmp_path, edit, needles):
     data = yaml.safe_load((resources.files("hw_profiles") / "h100.yaml").read_text())

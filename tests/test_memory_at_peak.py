@@ -35,7 +35,8 @@ def test_replay_finds_the_peak_and_what_is_live_at_it():
     peak, at, live = live_at_peak(trace, baseline=100)
     assert (peak, at) == (180, 4)
     assert sorted(live) == [2, 3]
-    assert group_by_site(live) == [("launch/model.py:120 forward", 50, 1), ("kernels/lm_head/fused.py:77 group", 30, 1)]
+    assert group_by_site(live) == [("launch/model.py:120 forward", 50, 1),
+                                   ("kernels/lm_head/fused.py:77 group", 30, 1)]
 
 
 def test_a_trace_that_never_rises_above_its_baseline_peaks_at_the_baseline():
