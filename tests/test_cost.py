@@ -240,7 +240,7 @@ def test_free_chunks_take_the_most_2048_token_chunks(monkeypatch):
     import dataclasses
 
     h200 = load_profile("h200")
-    free = dataclasses.replace(h200, efficiency=dataclasses.replace(h200.efficiency, ep_chunk_ms=1e-9))
+    free = dataclasses.replace(h200, efficiency=dataclasses.replace(h200.efficiency, ep_chunk_ms=1e-6))
     assert [default_ep_chunks(Q35, free, 8, Layout(ep=8), opts(s)) for s in (16_384, 32_768, 65_536, 1 << 20)] \
         == [8, 16, 32, 32]
 
