@@ -79,7 +79,7 @@ def group_by_site(live: dict[int, dict], own=OWN) -> list[tuple[str, int, int]]:
 
 def predicted_terms(model: str, layers: int, seq: int, recompute: str, head: str, hw: str) -> dict[str, float]:
     """The cost model's memory terms for the point (GB), with the activation term's parts."""
-    from recipe.cost import Layout, TrainOptions, estimate, layer_saved, layer_working_set
+    from recipe.cost import BF16, Layout, TrainOptions, estimate, layer_params, layer_saved, layer_working_set
     from recipe.hw import load_profile
     from recipe.models import resolve_model
 
@@ -90,7 +90,8 @@ def predicted_terms(model: str, layers: int, seq: int, recompute: str, head: str
     mixer, ffn = layer_saved(m, seq, 1, 1)
     out["  of which: a layer's saved mixer"] = mixer / 1e9
     out["  of which: a layer's saved FFN"] = ffn / 1e9
-    out["  of which: the working set"] = layer_working_set(m, seq, 1, 1) / 1e9
+    # at world size 1 the layer's expert gradients are whole; the estimate takes them off the backward's peak
+    out["  of which: the working set"] = layer_working_set(m, seq, 1, 1, expert_grad=layer_params(m)[1] * BF16) / 1e9
     if recompute == "full":
         out["  of which: checkpoints (L·s·h·2)"] = layers * seq * m.hidden_size * 2 / 1e9
     out["allocated (total less overhead)"] = e.total_gb - e.memory_gb["overhead"]

@@ -287,9 +287,10 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: fl
     backward peak. `expert_grad`: the bytes of the layer's own expert weight gradients, which the routed experts'
     backward forms only after its largest moment, so that moment needs that much less than the count says."""
     mixer, ffn = layer_saved(m, s, tp, cp)
-    if m.num_moe_layers and moe_moments(m, s / tp)[0] >= dense_ffn_working_set(m, s, tp):
-        _, before, after = moe_moments(m, s / tp)
-        ffn = max(before - expert_grad, after)
+    if m.num_moe_layers:
+        saved, before, after = moe_moments(m, s / tp)
+        if saved >= dense_ffn_working_set(m, s, tp):  # the MoE block is the larger FFN kind (as layer_saved takes)
+            ffn = max(before - expert_grad, after)
     return mixer + ffn
 
 
