@@ -64,7 +64,7 @@ ADAM_BYTES_MOVED = 40
 # Qwen3-30B-A3B (f = 768), whose agreement says the term has no expert-width part. The half a chunk was measured
 # before the backward placed each chunk's rows straight into the weight gradients' order (3.49, 3.39 and 3.09 rows
 # at 1, 2 and 4 chunks for Qwen3.5-35B-A3B).
-EP_HELD_ROWS = 2.12
+EP_HELD_ROWS = 2.19
 # MasterAdamW (launch/optim.py) steps its parameters in groups of at most this many elements (a larger tensor is a
 # group of its own), casting each group's bf16 gradients to fp32 first.
 OPT_GROUP_NUMEL = 2**28
@@ -248,21 +248,24 @@ def routed_row_bytes(m: ModelShape, etp: int = 1) -> tuple[float, float]:
     return (2 * h + 2 * f) * BF16 + 8, max(h, 4 * f) * BF16
 
 
-def moe_moments(m: ModelShape, s: float) -> tuple[float, float, float]:
+def moe_moments(m: ModelShape, s: float, recompute: bool = True) -> tuple[float, float, float]:
     """One MoE block on s tokens, in bytes: (saved, peak in the backward before the layer's expert weight gradients
     exist, peak after). Saved: the post-attention norm's input, its output (kept by the router and the shared
     expert), the router's fp32 probabilities and top-k weights and indices, the routed rows (`routed_row_bytes`,
     s·k of them), the shared expert's gate, up, activation and product and the gated output. The backward runs the
     shared expert first (created last), then the routed experts, whose peak is their saved rows plus the larger
-    backward moment; by the time their weight gradients are formed every saved row is dropped and the block holds
-    the input gradient's rows twice (expert order, then token order: 2·h a row)."""
+    backward moment; once their weight gradients are formed the block holds the input gradient's rows twice
+    (expert order, then token order: 2·h a row). Under recompute the backward drops each saved row at its last use
+    (the recomputed rows have no other owner), so by then none is left; without recompute the autograd node keeps
+    them until its backward returns, so they are all still there."""
     h, k = m.hidden_size, m.top_k
     base = s * (norm_saved(h) + h * BF16 + m.num_experts * FP32 + k * (FP32 + 8 + BF16) + FP32)
     row_saved, row_bwd = routed_row_bytes(m)
     routed = s * k * row_saved
     shared = s * (4 * m.shared_expert_ffn + (h if m.shared_expert_gate else 0)) * BF16 if m.shared_expert_ffn else 0.0
     before = base + routed + max(s * k * row_bwd, shared)
-    return base + routed + shared, before, base + s * k * 2 * h * BF16
+    after = base + s * k * 2 * h * BF16 + (0.0 if recompute else routed)
+    return base + routed + shared, before, after
 
 
 def dense_ffn_working_set(m: ModelShape, s: float, tp: int) -> float:
@@ -281,14 +284,16 @@ def layer_saved(m: ModelShape, s: float, tp: int, cp: int) -> tuple[float, float
     return max(mixers) + s / tp * FP32, ffn  # + the input norm's row scale (its input is the layer's)
 
 
-def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: float = 0.0) -> float:
-    """One layer's recompute working set at its backward's peak, with every gradient counted as present: what its
-    forward saved (mixer and FFN: the checkpoint unit is the decoder layer), the FFN's saved set replaced by its
-    backward peak. `expert_grad`: the bytes of the layer's own expert weight gradients, which the routed experts'
-    backward forms only after its largest moment, so that moment needs that much less than the count says."""
+def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: float = 0.0,
+                      recompute: bool = True) -> float:
+    """One layer's working set at its backward's peak, with every gradient counted as present: what its forward
+    saved (mixer and FFN: the checkpoint unit is the decoder layer), the FFN's saved set replaced by its backward
+    peak (`moe_moments`, which depends on `recompute`). `expert_grad`: the bytes of the layer's own expert weight
+    gradients, which the routed experts' backward forms only after its largest moment before them, so that moment
+    needs that much less than the count says."""
     mixer, ffn = layer_saved(m, s, tp, cp)
     if m.num_moe_layers:
-        saved, before, after = moe_moments(m, s / tp)
+        saved, before, after = moe_moments(m, s / tp, recompute)
         if saved >= dense_ffn_working_set(m, s, tp):  # the MoE block is the larger FFN kind (as layer_saved takes)
             ffn = max(before - expert_grad, after)
     return mixer + ffn
@@ -469,7 +474,8 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     if dp * cp == 1 and edp == 1:
         unsharded = 0.0  # nothing to gather: the single copy is already whole
     # the layer's own expert weight gradients, counted in the gradient term, form after its backward's largest moment
-    working = layer_working_set(m, s, tp, cp, expert_grad=layer_expert / (ep * etp * edp) * BYTES_GRADS)
+    working = layer_working_set(m, s, tp, cp, expert_grad=layer_expert / (ep * etp * edp) * BYTES_GRADS,
+                                recompute=recompute)
     if ep > 1 or ep_path:
         # the EP path's backward copies, on top of the layer's own
         working += ep_dispatch_bytes(m, s, opts.ep_overlap_chunks)
