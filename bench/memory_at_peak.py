@@ -91,8 +91,7 @@ def predicted_terms(model: str, layers: int, seq: int, recompute: str, head: str
     out["  of which: a layer's saved mixer"] = mixer / 1e9
     out["  of which: a layer's saved FFN"] = ffn / 1e9
     # at world size 1 the layer's expert gradients are whole; the estimate takes them off the backward's peak
-    out["  of which: the working set"] = layer_working_set(m, seq, 1, 1, expert_grad=layer_params(m)[1] * BF16,
-                                                               recompute=recompute == "full") / 1e9
+    out["  of which: the working set"] = layer_working_set(m, seq, 1, 1, expert_grad=layer_params(m)[1] * BF16) / 1e9
     if recompute == "full":
         out["  of which: checkpoints (L·s·h·2)"] = layers * seq * m.hidden_size * 2 / 1e9
     out["allocated (total less overhead)"] = e.total_gb - e.memory_gb["overhead"]

@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from kernels.gdn_fused import causal_conv1d_silu
 from launch.gated_delta import chunk_factors, fla_status, fold_state_maps, segment_pass, with_incoming_states
-from launch.model import Packing
+from launch.model import Packing, sdpa_kv
 
 # CPU attention materializes the [Tl, T] mask up to this many key tokens (as launch/model.py's causal_attention)
 DENSE_MASK_MAX_TOKENS = 4096
@@ -130,17 +130,14 @@ class ContextParallel:
         shard = _shard_of(packing)
         kv = all_gather(torch.stack([k_THD, v_THD], 1), self.group)  # [cp·Tl, 2, Hkv, Dh], rank-major
         key_index = self._key_index(shard, q_THD.device)
-        rep = q_THD.shape[1] // k_THD.shape[1]
         if not q_THD.is_cuda and shard.num_tokens <= DENSE_MASK_MAX_TOKENS:
-            k, v = kv[:, 0], kv[:, 1]
-            if rep > 1:
-                k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
             qi, ki = shard.index, key_index
             mask = (shard.doc[qi][:, None] == shard.doc[ki][None, :]) & (ki[None, :] <= qi[:, None])
-            o = F.scaled_dot_product_attention(q_THD.transpose(0, 1)[None], k.transpose(0, 1)[None],
-                                               v.transpose(0, 1)[None], attn_mask=mask, scale=scale)
+            q, k, v = (x.transpose(0, 1)[None] for x in (q_THD, kv[:, 0], kv[:, 1]))
+            k, v, gqa = sdpa_kv(q, k, v)
+            o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
             return o[0].transpose(0, 1)
-        return _attention_by_piece(q_THD, kv[torch.argsort(key_index)], shard, scale, rep)
+        return _attention_by_piece(q_THD, kv[torch.argsort(key_index)], shard, scale)
 
     def _key_index(self, shard: ContextShard, device) -> torch.Tensor:
         """Global token index of each all-gathered key row (rank-major zigzag shards)."""
@@ -202,20 +199,20 @@ def _shard_of(packing: Packing) -> ContextShard:
     return packing.cp
 
 
-def _attention_by_piece(q_THD, kv_T2HD, shard: ContextShard, scale: float, rep: int) -> torch.Tensor:
+def _attention_by_piece(q_THD, kv_T2HD, shard: ContextShard, scale: float) -> torch.Tensor:
     """One SDPA call per local document piece: its queries [a, b) against the document's keys [start, b),
-    lower-right causal (keys in global order)."""
+    lower-right causal (keys in global order); GQA inside SDPA where it can run there (`sdpa_kv`), so the backward
+    keeps the piece's K/V at the KV heads' count."""
     from torch.nn.attention.bias import causal_lower_right
 
     outs = []
     for local, n, a, start in shard.pieces:
-        q = q_THD[local:local + n].transpose(0, 1)[None]
-        k, v = kv_T2HD[start:a + n, 0], kv_T2HD[start:a + n, 1]
-        if rep > 1:
-            k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+        q, k, v = (x.transpose(0, 1)[None] for x in (q_THD[local:local + n], kv_T2HD[start:a + n, 0],
+                                                       kv_T2HD[start:a + n, 1]))
+        k, v, gqa = sdpa_kv(q, k, v)
         mask = causal_lower_right(n, a + n - start) if a > start else None
-        o = F.scaled_dot_product_attention(q, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
-                                           is_causal=mask is None, scale=scale)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,
+                                           enable_gqa=gqa)
         outs.append(o[0].transpose(0, 1))
     return torch.cat(outs)
 

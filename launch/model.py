@@ -144,11 +144,26 @@ def apply_rope(x_THD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) 
     return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out
 
 
+def sdpa_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
+    """K/V as SDPA should take them for queries q ([1, Hq, Tq, Dh]; K/V [1, Hkv, Tk, Dh]), and whether to pass
+    `enable_gqa`. GQA inside SDPA (each K/V head serves its group of query heads) keeps no K/V copied to the query
+    heads' count for the backward: on CPU (the math path) and where SDPA's flash kernel takes the shapes as they are
+    (checked with `torch.backends.cuda.can_use_flash_attention`). Elsewhere on a GPU (no flash kernel for the dtype,
+    head size or platform) K/V are repeated to the query heads, so the memory-efficient kernel can run instead of
+    the math path, which would materialize the [Tq, Tk] scores."""
+    if q.shape[1] == k.shape[1]:
+        return k, v, False
+    if not q.is_cuda or torch.backends.cuda.can_use_flash_attention(
+            torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, True)):
+        return k, v, True
+    rep = q.shape[1] // k.shape[1]
+    return k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False
+
+
 def causal_attention(q_THD, k_THD, v_THD, packing: Packing, scale: float) -> torch.Tensor:
-    """Causal SDPA inside each document; GQA inside SDPA (`enable_gqa`: each K/V head serves its group of query
-    heads, with no K/V copied to the query heads' count for the backward to keep). Returns [T, Hq, Dh]."""
-    gqa = q_THD.shape[1] != k_THD.shape[1]
+    """Causal SDPA inside each document, GQA inside SDPA where it can run there (`sdpa_kv`). Returns [T, Hq, Dh]."""
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_THD, v_THD))  # [1, H, T, Dh]
+    k, v, gqa = sdpa_kv(q, k, v)
     if len(packing.doc_lengths) == 1:
         o = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     elif not q.is_cuda and packing.num_tokens <= 4096:

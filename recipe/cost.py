@@ -248,24 +248,22 @@ def routed_row_bytes(m: ModelShape, etp: int = 1) -> tuple[float, float]:
     return (2 * h + 2 * f) * BF16 + 8, max(h, 4 * f) * BF16
 
 
-def moe_moments(m: ModelShape, s: float, recompute: bool = True) -> tuple[float, float, float]:
+def moe_moments(m: ModelShape, s: float) -> tuple[float, float, float]:
     """One MoE block on s tokens, in bytes: (saved, peak in the backward before the layer's expert weight gradients
     exist, peak after). Saved: the post-attention norm's input, its output (kept by the router and the shared
     expert), the router's fp32 probabilities and top-k weights and indices, the routed rows (`routed_row_bytes`,
     s·k of them), the shared expert's gate, up, activation and product and the gated output. The backward runs the
     shared expert first (created last), then the routed experts, whose peak is their saved rows plus the larger
     backward moment; once their weight gradients are formed the block holds the input gradient's rows twice
-    (expert order, then token order: 2·h a row). Under recompute the backward drops each saved row at its last use
-    (the recomputed rows have no other owner), so by then none is left; without recompute the autograd node keeps
-    them until its backward returns, so they are all still there."""
+    (expert order, then token order: 2·h a row) and no saved row: the backward frees each at its last use, with or
+    without recompute (launch/moe.py: `saved_free_at_last_use`)."""
     h, k = m.hidden_size, m.top_k
     base = s * (norm_saved(h) + h * BF16 + m.num_experts * FP32 + k * (FP32 + 8 + BF16) + FP32)
     row_saved, row_bwd = routed_row_bytes(m)
     routed = s * k * row_saved
     shared = s * (4 * m.shared_expert_ffn + (h if m.shared_expert_gate else 0)) * BF16 if m.shared_expert_ffn else 0.0
     before = base + routed + max(s * k * row_bwd, shared)
-    after = base + s * k * 2 * h * BF16 + (0.0 if recompute else routed)
-    return base + routed + shared, before, after
+    return base + routed + shared, before, base + s * k * 2 * h * BF16
 
 
 def dense_ffn_working_set(m: ModelShape, s: float, tp: int) -> float:
@@ -284,16 +282,15 @@ def layer_saved(m: ModelShape, s: float, tp: int, cp: int) -> tuple[float, float
     return max(mixers) + s / tp * FP32, ffn  # + the input norm's row scale (its input is the layer's)
 
 
-def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: float = 0.0,
-                      recompute: bool = True) -> float:
+def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: float = 0.0) -> float:
     """One layer's working set at its backward's peak, with every gradient counted as present: what its forward
     saved (mixer and FFN: the checkpoint unit is the decoder layer), the FFN's saved set replaced by its backward
-    peak (`moe_moments`, which depends on `recompute`). `expert_grad`: the bytes of the layer's own expert weight
-    gradients, which the routed experts' backward forms only after its largest moment before them, so that moment
-    needs that much less than the count says."""
+    peak (`moe_moments`). `expert_grad`: the bytes of the layer's own expert weight gradients, which the routed
+    experts' backward forms only after its largest moment before them, so that moment needs that much less than the
+    count says."""
     mixer, ffn = layer_saved(m, s, tp, cp)
     if m.num_moe_layers:
-        saved, before, after = moe_moments(m, s / tp, recompute)
+        saved, before, after = moe_moments(m, s / tp)
         if saved >= dense_ffn_working_set(m, s, tp):  # the MoE block is the larger FFN kind (as layer_saved takes)
             ffn = max(before - expert_grad, after)
     return mixer + ffn
@@ -474,8 +471,7 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     if dp * cp == 1 and edp == 1:
         unsharded = 0.0  # nothing to gather: the single copy is already whole
     # the layer's own expert weight gradients, counted in the gradient term, form after its backward's largest moment
-    working = layer_working_set(m, s, tp, cp, expert_grad=layer_expert / (ep * etp * edp) * BYTES_GRADS,
-                                recompute=recompute)
+    working = layer_working_set(m, s, tp, cp, expert_grad=layer_expert / (ep * etp * edp) * BYTES_GRADS)
     if ep > 1 or ep_path:
         # the EP path's backward copies, on top of the layer's own
         working += ep_dispatch_bytes(m, s, opts.ep_overlap_chunks)

@@ -92,14 +92,14 @@ def test_fused_head_adds_only_what_exceeds_the_layer_working_set():
     # set, the head's and that layer's gradients); the head runs before any layer gradient exists, with every saved
     # set live, and adds what that moment needs beyond the backward's peak
     # (the last layer's backward moment is its FFN's peak in place of its saved set; the layer's expert gradients
-    # form after that peak; without recompute the routed experts' saved rows stay until their backward returns)
+    # form after that peak)
     # (each layer also keeps its input, which its input norm saves: a checkpoint under recompute)
     mixer, ffn = layer_saved(m4, 32_768, 1, 1)
     ffn_in = ffn + 32_768 * m4.hidden_size * BF16
     c = param_counts(m4)
     grads, head_grad = none.memory_gb["grads"] * GB, c["head"] * BF16
     layer_grad = (grads - head_grad - c["embedding"] * BF16) / 4
-    working = layer_working_set(m4, 32_768, 1, 1, expert_grad=layer_params(m4)[1] * BF16, recompute=False)
+    working = layer_working_set(m4, 32_768, 1, 1, expert_grad=layer_params(m4)[1] * BF16)
     acts = 4 * (mixer + ffn_in) + (working - mixer - ffn) - (grads - head_grad - layer_grad)
     assert none.memory_gb["activations"] == pytest.approx(acts / GB)
     head_moment = 4 * (mixer + ffn_in) + lm_head_bytes(m4, 32_768, 1, "fused") - (grads - head_grad)
@@ -107,20 +107,20 @@ def test_fused_head_adds_only_what_exceeds_the_layer_working_set():
     assert none.memory_gb["lm_head"] < lm_head_bytes(m4, 32_768, 1, "fused") / GB
 
 
-def test_routed_rows_outlive_the_backward_without_recompute():
-    # Qwen3-30B-A3B (h 2048, expert f 768, top-8): a routed row saves x, gate and up, y (bf16) and its order (8 B):
-    # (2·2048 + 2·768)·2 + 8 = 11,272 bytes. Under recompute the backward drops them at their last use, so once the
-    # input gradient's two copies exist (expert order, token order: 2·h·2 bytes a row) none is left; without
-    # recompute the autograd node holds every one of them until its backward returns (measured at 131,072 tokens
-    # on one H200: 11.81 GB of them live at the peak, docs/BENCHMARKS.md)
-    m = resolve_model("qwen3-30b-a3b")
-    assert routed_row_bytes(m)[0] == 11_272
-    s = 131_072
-    saved_r, before_r, after_r = moe_moments(m, s, recompute=True)
-    saved_n, before_n, after_n = moe_moments(m, s, recompute=False)
-    assert (saved_n, before_n) == (saved_r, before_r)
-    assert after_n - after_r == s * 8 * 11_272
-    assert after_r - (saved_r - s * 8 * 11_272) == pytest.approx(s * 8 * 2 * 2048 * 2)  # the saved set less its rows
+def test_moe_moments_by_hand():
+    # Qwen3-30B-A3B (h 2048, 128 experts, top-8, expert f 768, no shared expert) at 131,072 tokens. Per token, live
+    # through the block's backward: the post-norm's input and row scale (2048·2 + 4), its output (2048·2), the
+    # router's fp32 probabilities (128·4), the top-k weights in fp32 and bf16 and the indices (8·14) and 4 bytes:
+    # 8,824. A routed row saves x, gate and up, y (bf16) and its order: (2·2048 + 2·768)·2 + 8 = 11,272 bytes; its
+    # backward's larger moment is the SwiGLU's (4·768·2 = 6,144 > 2048·2). Once the weight gradients form, the
+    # saved rows are freed (launch/moe.py frees them at their last use, recompute or not) and the input gradient's
+    # rows are held twice: 2·2048·2 bytes a row.
+    m, s = resolve_model("qwen3-30b-a3b"), 131_072
+    assert routed_row_bytes(m) == (11_272, 6_144)
+    saved, before, after = moe_moments(m, s)
+    assert saved == s * (8_824 + 8 * 11_272)
+    assert before == s * (8_824 + 8 * 11_272 + 8 * 6_144)
+    assert after == s * (8_824 + 8 * 2 * 2048 * 2)
 
 
 def test_plan_reports_unfused_head_at_tp2():

@@ -159,6 +159,37 @@ def test_routed_experts_save_rows_once():
     assert sorted(saved) == sorted([(M, D), (M, 2 * F), (M, D), (M,), (E,), (T, K), (E, 2 * F, D), (E, D, F)]), saved
 
 
+def test_routed_experts_free_their_saved_rows_at_last_use():
+    """Without recompute the autograd node holds what the forward saved until its backward returns: the experts'
+    backward frees the storage of its saved rows (x, h, y) itself at their last use, unless the graph is kept for
+    another backward (`retain_graph`), where a second backward gives the same gradients."""
+    ex, x, w, e = _routed_case(seed=8, dtype=torch.float32)
+    T, K = e.shape
+    M, D, F = T * K, ex.dim, ex.ffn_dim
+    r = torch.randn(x.shape, generator=torch.Generator().manual_seed(9), dtype=x.dtype)
+
+    def run(**kw):
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+            out = ex(x, w, e)
+        rows = [t for t in saved if tuple(t.shape) in ((M, D), (M, 2 * F))]
+        assert len(rows) == 3
+        (out * r).sum().backward(**kw)
+        grads = [x.grad.clone(), w.grad.clone(), ex.gate_up_proj.grad.clone(), ex.down_proj.grad.clone()]
+        x.grad = w.grad = ex.gate_up_proj.grad = ex.down_proj.grad = None
+        return out, rows, grads
+
+    _, rows, grads = run()
+    assert [t.untyped_storage().nbytes() for t in rows] == [0, 0, 0]
+    out, rows, kept = run(retain_graph=True)
+    assert all(t.untyped_storage().nbytes() == t.numel() * 4 for t in rows)
+    (out * r).sum().backward()
+    again = [x.grad, w.grad, ex.gate_up_proj.grad, ex.down_proj.grad]
+    for a, b, c in zip(grads, kept, again):
+        assert torch.equal(a, b) and torch.equal(a, c)
+    x.grad = w.grad = ex.gate_up_proj.grad = ex.down_proj.grad = None
+
+
 def test_unpermute_inverts_the_permutation():
     top_e = torch.tensor([[2, 0], [1, 2], [0, 1]])
     order, token, _ = permute(top_e, num_experts=4)

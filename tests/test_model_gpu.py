@@ -306,3 +306,36 @@ def test_peak_memory_gb_counts_the_allocator_and_what_lies_outside_it():
     m = peak_memory_gb(dev)
     assert m["peak_mem_gb"] >= (base + 2**30) / 1e9
     assert m["peak_device_gb"] >= torch.cuda.max_memory_reserved(dev) / 1e9 + 0.1
+
+
+@pytest.mark.parametrize("head_dim", [128, 256])
+def test_gqa_runs_inside_flash_attention_and_equals_repeated_heads(head_dim):
+    """In bf16 SDPA's flash kernel takes K/V at the KV heads' count (`sdpa_kv` passes them as they are), for one
+    document (causal flag) and for a CP piece (lower-right causal: queries at the end of longer keys); the output and
+    gradients equal those with K/V repeated to the query heads. In fp32 (no flash kernel) K/V are repeated, so the
+    memory-efficient kernel runs rather than the math path."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from launch.model import sdpa_kv
+
+    g = torch.Generator(device="cuda").manual_seed(0)
+    Hq, Hkv, Tq, Tk = 16, 2, 512, 1536
+    for Tq_, mask in ((Tk, None), (Tq, causal_lower_right(Tq, Tk))):
+        q = torch.randn(1, Hq, Tq_, head_dim, device="cuda", dtype=torch.bfloat16, generator=g, requires_grad=True)
+        k, v = (torch.randn(1, Hkv, Tk, head_dim, device="cuda", dtype=torch.bfloat16, generator=g,
+                            requires_grad=True) for _ in range(2))
+        dy = torch.randn(1, Hq, Tq_, head_dim, device="cuda", dtype=torch.bfloat16, generator=g)
+        kk, vv, gqa = sdpa_kv(q, k, v)
+        assert gqa and kk is k and vv is v
+        kw = dict(attn_mask=mask, is_causal=mask is None)
+        out = torch.nn.functional.scaled_dot_product_attention(q, kk, vv, enable_gqa=True, **kw)
+        grads = torch.autograd.grad(out, (q, k, v), dy)
+        kr, vr = k.repeat_interleave(Hq // Hkv, 1), v.repeat_interleave(Hq // Hkv, 1)
+        ref = torch.nn.functional.scaled_dot_product_attention(q, kr, vr, **kw)
+        rgrads = torch.autograd.grad(ref, (q, k, v), dy)
+        torch.testing.assert_close(out, ref, atol=2e-2, rtol=2e-2)
+        for a, b in zip(grads, rgrads):
+            torch.testing.assert_close(a, b, atol=5e-2, rtol=5e-2)
+    q32, k32 = torch.randn(1, Hq, 64, 64, device="cuda"), torch.randn(1, Hkv, 64, 64, device="cuda")
+    kk, _, gqa = sdpa_kv(q32, k32, k32)
+    assert not gqa and kk.shape[1] == Hq and torch.equal(kk[:, 1], k32[:, 0])
