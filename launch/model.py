@@ -153,8 +153,10 @@ def sdpa_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Te
     the math path, which would materialize the [Tq, Tk] scores."""
     if q.shape[1] == k.shape[1]:
         return k, v, False
+    # asked without the causal flag: the kernel takes lower-right causal masks (`causal_lower_right`, the CP path's
+    # pieces) where the flag would refuse queries shorter than the keys
     if not q.is_cuda or torch.backends.cuda.can_use_flash_attention(
-            torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, True)):
+            torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, True)):
         return k, v, True
     rep = q.shape[1] // k.shape[1]
     return k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False

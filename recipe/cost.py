@@ -64,7 +64,7 @@ ADAM_BYTES_MOVED = 40
 # Qwen3-30B-A3B (f = 768), whose agreement says the term has no expert-width part. The half a chunk was measured
 # before the backward placed each chunk's rows straight into the weight gradients' order (3.49, 3.39 and 3.09 rows
 # at 1, 2 and 4 chunks for Qwen3.5-35B-A3B).
-EP_HELD_ROWS = 2.19
+EP_HELD_ROWS = 0.57
 # MasterAdamW (launch/optim.py) steps its parameters in groups of at most this many elements (a larger tensor is a
 # group of its own), casting each group's bf16 gradients to fp32 first.
 OPT_GROUP_NUMEL = 2**28

@@ -70,7 +70,12 @@ class Efficiency(Record):
 
     def __post_init__(self) -> None:
         names = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "optimizer", "ep_dispatch")
-        _check_positive(self, names + ("layer_latency_ms", "ep_latency_ms", "ep_chunk_ms"))
+        _check_positive(self, names)
+        for n in ("layer_latency_ms", "ep_latency_ms", "ep_chunk_ms"):
+            # fixed times multiply a count (nothing divides by them): none at all is a valid measurement
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
+                raise ValueError(f"efficiency.{n} must be a finite number of milliseconds, at least 0, got {v!r}")
         for n in names:
             if getattr(self, n) > 1:
                 raise ValueError(f"efficiency.{n} must be at most 1, got {getattr(self, n)!r}")

@@ -298,6 +298,9 @@ def test_plot_figure_reads():
     (("overhead_gb", float("nan")), ["field 'overhead_gb': expected a finite number"]),
     (("usable_memory_fraction", 1.5), ["usable_memory_fraction must be at most 1"]),
     (("inter_node_bw_gb_s", 0), ["inter_node_bw_gb_s must be a finite number of at least 1e-06"]),
+    (("efficiency", "attention", 0), ["attention must be a finite number of at least 1e-06, got 0"]),
+    (("efficiency", "ep_latency_ms", -0.5), ["efficiency.ep_latency_ms must be a finite number of milliseconds, "
+                                             "at least 0, got -0.5"]),
 ], ids=lambda x: str(x[0]) if isinstance(x, tuple) else None)
 def test_bad_profile_figures_are_named(tmp_path, edit, needles):
     data = yaml.safe_load((resources.files("hw_profiles") / "h100.yaml").read_text())
@@ -312,6 +315,16 @@ def test_bad_profile_figures_are_named(tmp_path, edit, needles):
     one_line(run("solve", "--model", "tiny-moe", "--seq", "4k", "--hw", str(prof), "--gpus", "1"), 2, "bad.yaml",
              *needles)
     assert snapshot(prof) == snap
+
+
+def test_a_fixed_time_of_zero_is_a_valid_profile_figure(tmp_path):
+    """A per-pass fixed time the calibration fit leaves at zero (no measurable cost) is a figure like any other: the
+    profile loads and solves; its efficiencies, which divide, must stay at least 1e-6."""
+    data = yaml.safe_load((resources.files("hw_profiles") / "h100.yaml").read_text())
+    data["efficiency"].update(ep_latency_ms=0, layer_latency_ms=0.0, ep_chunk_ms=0)
+    prof = tmp_path / "zero.yaml"
+    prof.write_text(yaml.safe_dump(data))
+    assert run("solve", "--model", "tiny-moe", "--seq", "4k", "--hw", str(prof), "--gpus", "1").exit_code == 0
 
 
 @pytest.mark.parametrize("over, needle", [
