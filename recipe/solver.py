@@ -427,12 +427,20 @@ def solve_tp(m: ModelShape, hw: HwProfile, world: int, pp: int, opts: TrainOptio
     t, cp_d, ep_d, est = base
     if fastest is not base and speed(fastest) < speed(base) * (1 - PP_TIE_BREAK):
         t, cp_d, ep_d, est = fastest
+        b_t, b_cp, b_ep = base[0], base[1].value, base[2].value
+        if b_cp > cp_d.value:
+            why = "TP's in-node exchange costs less than the CP exchange it replaces"
+        elif b_ep != ep_d.value:
+            why = f"TP's in-node exchange costs less than the expert-parallel exchange of ep={b_ep} it replaces"
+        else:
+            why = "TP's in-node exchange costs less than the time its split of the layers saves"
+        with_ep = lambda e: f", ep={e}" if b_ep != ep_d.value else ""  # noqa: E731
         d = Decision(t, "per-layer communication",
-                     f"tp={t} with cp={cp_d.value} is {100 * (1 - speed(fastest) / speed(base)):.0f}% faster per "
-                     f"token than tp={base[0]} with cp={base[1].value}: TP's in-node exchange costs less than the "
-                     f"CP exchange it replaces",
+                     f"tp={t} with cp={cp_d.value}{with_ep(ep_d.value)} is "
+                     f"{100 * (1 - speed(fastest) / speed(base)):.0f}% faster per token than tp={b_t} with "
+                     f"cp={b_cp}{with_ep(b_ep)}: {why}",
                      {"peak_gb": round(est.total_gb, 2)},
-                     rejected=f"tp={base[0]}, cp={base[1].value}: {base[3].step_time_s:.3f} s/step")
+                     rejected=f"tp={b_t}, cp={b_cp}{with_ep(b_ep)}: {base[3].step_time_s:.3f} s/step")
     elif t == 1:
         d = Decision(1, "per-layer memory", "one layer fits one GPU at some cp: no tensor split needed",
                      {"peak_gb": round(est.total_gb, 2)})

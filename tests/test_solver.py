@@ -224,3 +224,20 @@ def test_ep_decision_names_its_chunk_count_and_loop_time():
     slower = [estimate(m, hw, 32, s.layout, s.opts.model_copy(update={"ep_overlap_chunks": j})).step_time_s
               for j in (1, 2 * k)]
     assert s.estimate.step_time_s < min(slower)  # fewer and more chunks both cost this layout time
+
+
+@pytest.mark.parametrize("seq, replaced", [
+    # 128K: tp = 1 needs cp = 2; TP's exchange replaces the CP one
+    (131_072, "tp=2 with cp=1 is 4% faster per token than tp=1 with cp=2: TP's in-node exchange costs less than the "
+              "CP exchange it replaces"),
+    # 96K: tp = 1 fits at cp = 1 only at ep = 8 (its unsharded expert layer an eighth of ep = 1's); TP's exchange
+    # replaces the expert-parallel one, at the same cp
+    (98_304, "tp=2 with cp=1, ep=1 is 5% faster per token than tp=1 with cp=1, ep=8: TP's in-node exchange costs less "
+             "than the expert-parallel exchange of ep=8 it replaces"),
+])
+def test_tp_decision_names_the_exchange_it_replaces(seq, replaced):
+    """Qwen3.5-35B-A3B on 32 H100s: the TP rule takes tp = 2 when it is ≥ 3% faster per token than tp = 1 with the
+    CP and EP that tp = 1 needs, and its reason names what differs."""
+    s = solve(PRESETS["qwen35-35b"], _hw("h100"), 32, TrainOptions(micro_batch_tokens=seq))
+    d = s.decisions["tp"]
+    assert d.value == 2 and d.constraint == "per-layer communication" and d.reason == replaced
