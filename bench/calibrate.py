@@ -439,12 +439,32 @@ def fit(path: str) -> dict:
     return out
 
 
+def ep_chunk_rows(path: Path) -> float | None:
+    """EP_CHUNK_ROWS from a file of bench/bench_ep_path.py runs: each count above one's peak above the same run's
+    one-chunk peak, in rows of h + 8 bf16 values a routed copy (tokens × top-k of Qwen3.5-35B-A3B, the bench's
+    model), averaged over the counts and runs. None without the file."""
+    from recipe.models import resolve_model
+
+    if not path.exists():
+        return None
+    m = resolve_model("qwen35-35b")
+    extra = []
+    for run in json.loads(path.read_text())["runs"]:
+        peaks = {r["variant"]: r["peak_allocated_gib"] * 2**30 for r in run["steps"]}
+        row = run["tokens"] * m.top_k * (m.hidden_size + 8) * 2
+        extra += [(v - peaks["EP path, k=1"]) / row for k, v in peaks.items()
+                  if k.startswith("EP path, k=") and k != "EP path, k=1"]
+    return round(sum(extra) / len(extra), 2) if extra else None
+
+
 def fit_memory(path: str) -> dict:
     """The memory constants the grid measures (recipe/cost.py), printed beside the efficiencies:
     - the local points' peak-allocated error under today's model (every point but the naive head's and the EP
       path's, whose peaks the named tensors of docs/cost_model.md section 1 set, with no fitted factor);
     - `EP_HELD_ROWS`: each EP point's peak less its local twin's, in rows of h + 8 bf16 values a routed copy,
-      averaged over each model's points and then over the models, less the half row of the chunk in flight;
+      averaged over each model's points and then over the models (the grid's EP points run one chunk);
+    - `EP_CHUNK_ROWS`, where the grid has a `<hw>_ep_memory.json` beside it (bench/bench_ep_path.py runs): each
+      count above one's peak less the same run's one-chunk peak, in the same rows, averaged;
     - what the device holds beyond the allocated peak (`peak_device_gb` less `peak_allocated_gb`, on grids that
       record it), least and most over the points, to read beside the profile's `overhead_gb`: an upper bound on what
       a run needs there, as with memory to spare the allocator keeps freed blocks cached (the reserved peak runs
@@ -470,7 +490,8 @@ def fit_memory(path: str) -> dict:
     outside = [r["peak_device_gb"] - r["peak_allocated_gb"] for r in pts if r.get("peak_device_gb")]
     out = {"local_error": [round(min(errs), 4), round(max(errs), 4)],
            "ep_rows_at_one_chunk": {k: [round(x, 2) for x in v] for k, v in rows.items()},
-           "EP_HELD_ROWS": round(sum(means) / len(means) - 0.5, 2) if means else None,
+           "EP_HELD_ROWS": round(sum(means) / len(means), 2) if means else None,
+           "EP_CHUNK_ROWS": ep_chunk_rows(Path(path).with_name(f"{hw}_ep_memory.json")),
            # beside the profile's overhead_gb: an upper bound on what a run needs beyond its allocated peak
            "device_beyond_allocated_gb": [round(min(outside), 2), round(max(outside), 2)] if outside else None}
     print(json.dumps(out, indent=1))

@@ -57,14 +57,16 @@ EP_CHUNK_MS_ASSUMED = 0.63
 # grad, both moments, write master and moments: 28), write the bf16 compute copy back (4 + 2): 40 bytes.
 ADAM_BYTES_MOVED = 40
 # The expert-parallel path's rows held beyond the local dispatch's in a MoE layer's backward (ep_dispatch_bytes), in
-# rows of h + 8 bf16 values a received copy, besides one half for the chunk in flight. Measured on the H200 grid's EP
-# points at one chunk (hw_profiles/calibration/h200.json, EP peak less the local peak of the same point): 2.50, 2.87
-# and 2.50 rows for Qwen3.5-35B-A3B (f = 512; 4 layers at 32K and 64K, 2 layers at 32K); their mean less the half
-# (bench/calibrate.py --fit prints it). The grid of commit d0e963f measured 2.75 rows for both Qwen3.5-35B-A3B and
-# Qwen3-30B-A3B (f = 768), whose agreement says the term has no expert-width part. The half a chunk was measured
-# before the backward placed each chunk's rows straight into the weight gradients' order (3.49, 3.39 and 3.09 rows
-# at 1, 2 and 4 chunks for Qwen3.5-35B-A3B).
-EP_HELD_ROWS = 0.57
+# rows of h + 8 bf16 values a received copy. At one chunk, measured on the H200 grid's EP points
+# (hw_profiles/calibration/h200.json, EP peak less the local peak of the same point): 1.00, 1.38 and 1.00 rows for
+# Qwen3.5-35B-A3B (f = 512; 4 layers at 32K and 64K, 2 layers at 32K) and 1.01 for Qwen3-30B-A3B (f = 768, 32K), whose
+# agreement at 32K says the term has no expert-width part; the mean of the models' means (bench/calibrate.py --fit
+# prints it). With more than one chunk the weight gradients take every chunk's rows in one copy, made while the
+# chunks' own rows are freed one by one: EP_CHUNK_ROWS more, the mean over the counts above one of the peak above the
+# one-chunk peak in hw_profiles/calibration/h200_ep_memory.json (0.24 and 0.12 rows at 2 and 4 chunks at 32K, 0.12 at
+# 4 chunks at 64K).
+EP_HELD_ROWS = 1.07
+EP_CHUNK_ROWS = 0.16
 # MasterAdamW (launch/optim.py) steps its parameters in groups of at most this many elements (a larger tensor is a
 # group of its own), casting each group's bf16 gradients to fp32 first.
 OPT_GROUP_NUMEL = 2**28
@@ -422,12 +424,13 @@ def ep_exposed_time(t_a2a: float, t_gemm: float, transfers: list[int], chunks: i
 def ep_dispatch_bytes(m: ModelShape, s: float, chunks: int = 1) -> float:
     """What the expert-parallel code path (launch/expert_parallel.py) holds beyond the local dispatch during one MoE
     layer's backward, for the s·k token copies a rank receives (about s·k whatever ep is, under balance): rows of
-    h + 8 bf16 values (the exchanged rows: h columns, the routing weight and padding) and the slot gradients,
-    EP_HELD_ROWS a copy whatever the chunk count plus one half for the chunk in flight. Both paths recompute the
-    SwiGLU in their backward, so the expert-width tensors are the same in both and the difference is rows alone."""
+    h + 8 bf16 values (the exchanged rows: h columns, the routing weight and padding), EP_HELD_ROWS a copy, and
+    EP_CHUNK_ROWS more with more than one chunk (the weight gradients' one copy of every chunk's rows). Both paths
+    free their saved rows at their last use and recompute the SwiGLU in their backward, so the expert-width tensors
+    are the same in both and the difference is rows alone."""
     if not m.num_moe_layers:
         return 0.0
-    return s * m.top_k * (EP_HELD_ROWS + 0.5 / max(chunks, 1)) * (m.hidden_size + 8) * BF16
+    return s * m.top_k * (EP_HELD_ROWS + (EP_CHUNK_ROWS if chunks > 1 else 0.0)) * (m.hidden_size + 8) * BF16
 
 
 def ep_copy_bytes(m: ModelShape, s: float, recompute: bool, ep: int = 1) -> float:
