@@ -17,6 +17,7 @@ output folder, and exits 143 / 130 with one line naming the checkpoint.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import resource
 import signal
@@ -58,6 +59,45 @@ def peak_memory_gb(device: torch.device) -> dict[str, float]:
         return {"peak_mem_gb": torch.cuda.max_memory_allocated(device) / 1e9,
                 "peak_device_gb": (torch.cuda.max_memory_reserved(device) + outside) / 1e9}
     return {"peak_mem_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 / 1e9}  # Linux: KiB
+
+
+class StackLimit:
+    """The CUDA context's per-thread stack size (the driver's `CU_LIMIT_STACK_SIZE`), read and restored through the
+    driver API. The driver raises it on its own for a kernel that needs more local memory than it holds, and keeps
+    it raised: it reserves that much for every thread the GPU can hold, for the rest of the process. Tuning
+    flash-linear-attention's gated backward (`chunk_bwd_kernel_dqkwg`) on an H200 launches configurations that spill
+    26 KB a thread: the limit goes from 1 KB to 26 KB, and 6.8 GB stay reserved outside the caching allocator,
+    though the configuration it keeps needs no more than 1 KB (docs/BENCHMARKS.md, "Device memory outside the
+    allocator"). Restoring the limit once tuning is over gives them back; a kernel that needs more raises it again.
+    `lib` is libcuda (None where there is none: CPU, ROCm), so every method is a no-op there."""
+
+    STACK_SIZE = 0  # CUlimit CU_LIMIT_STACK_SIZE
+
+    def __init__(self, lib=None):
+        self.lib = lib
+        self.initial = self.get()
+
+    @classmethod
+    def of_this_process(cls) -> "StackLimit":
+        try:
+            return cls(ctypes.CDLL("libcuda.so.1"))
+        except OSError:
+            return cls(None)
+
+    def get(self) -> int | None:
+        if self.lib is None:
+            return None
+        v = ctypes.c_size_t(0)
+        return v.value if self.lib.cuCtxGetLimit(ctypes.byref(v), self.STACK_SIZE) == 0 else None
+
+    def restore(self) -> int:
+        """Set the limit back to its value when this object was made, if it has grown since: returns the bytes a
+        thread it grew by (0 when it had not, or there is nothing to restore)."""
+        now = self.get()
+        if now is None or self.initial is None or now <= self.initial:
+            return 0
+        ok = self.lib.cuCtxSetLimit(self.STACK_SIZE, ctypes.c_size_t(self.initial)) == 0
+        return now - self.initial if ok else 0
 
 
 def max_over_ranks(values: dict[str, float], device: torch.device) -> dict[str, float]:
@@ -146,6 +186,7 @@ def run(args, cfg, trainer_cls) -> int:
 
     last_saved = train_state.step
     step = train_state.step
+    stack = StackLimit.of_this_process() if device.type == "cuda" else None  # CUDA is initialized by now
     if device.type == "cuda" and step < args.steps:
         cache = os.environ.get("TRITON_CACHE_DIR") or "~/.triton/cache"
         log(f"step {step + 1} compiles and tunes the Triton kernels: minutes where their cache ({cache}) is cold")
@@ -165,6 +206,12 @@ def run(args, cfg, trainer_cls) -> int:
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
             step_s = time.perf_counter() - t0
+            if stack is not None:  # the first step of this process tuned the Triton kernels: give back their stack
+                grown = stack.restore()
+                stack = None
+                if grown:
+                    log(f"gave back the CUDA stack the kernels' tuning grew by {grown / 1024:.1f} KB a thread (held "
+                        f"for every thread the GPU can run, outside the caching allocator)")
             # one all-reduce a step: the stop flag (any rank's signal, so every rank leaves the loop together) and
             # the memory figures (the largest rank's)
             agreed = max_over_ranks({**peak_memory_gb(device), "signum": stop.signum}, device)

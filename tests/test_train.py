@@ -233,3 +233,37 @@ def test_cli_refuses_a_layout_it_cannot_run_before_any_work(tmp_path, capsys, mo
     import torch.distributed as dist
 
     assert not dist.is_initialized()
+
+
+class _FakeDriver:
+    """libcuda's two limit calls, on a stack limit that a kernel's launch can raise (the driver's behaviour)."""
+
+    def __init__(self, stack: int):
+        self.stack, self.sets = stack, []
+
+    def cuCtxGetLimit(self, out, which):
+        assert which == 0  # CU_LIMIT_STACK_SIZE
+        out._obj.value = self.stack
+        return 0
+
+    def cuCtxSetLimit(self, which, value):
+        assert which == 0
+        self.stack = value.value
+        self.sets.append(value.value)
+        return 0
+
+
+def test_stack_limit_is_restored_once_tuning_has_grown_it():
+    """The trainer reads the CUDA stack limit before its first step and sets it back after it if the step raised
+    it (the driver grows it for a spilling kernel and keeps it, reserved for every thread of the GPU): the bytes a
+    thread it grew by come back; an unchanged limit is left alone; with no driver library (CPU, ROCm) nothing is
+    read or set."""
+    from launch.job import StackLimit
+
+    lib = _FakeDriver(1024)
+    limit = StackLimit(lib)
+    assert limit.initial == 1024 and limit.restore() == 0 and lib.sets == []
+    lib.stack = 26_256  # what tuning flash-linear-attention's gated backward does on an H200
+    assert limit.restore() == 26_256 - 1024 and lib.stack == 1024 and lib.sets == [1024]
+    none = StackLimit(None)
+    assert none.initial is None and none.get() is None and none.restore() == 0
