@@ -36,9 +36,8 @@ import torch
 import torch.distributed as dist
 
 from kernels.expert_grads import slot_grads, swiglu_backward
-from launch.moe import (combine_into, expert_ffn, free_storage, grouped_linear_dx, grouped_weight_grad,
-                        saved_free_at_last_use, scatter_rows,
-                        unpermute)
+from launch.moe import (combine_into, expert_ffn, free_at_last_use, grouped_linear_dx, grouped_weight_grad,
+                        scatter_rows, unpermute)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -238,7 +237,6 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         top_w_TK, top_e_TK, w1, w2, recv_RCEl, regroup, offs_CEl, offs_El, *saved = ctx.saved_tensors
         # each chunk's saved rows (x, h, y: the forward's own tensors) are freed at their last use, unless the graph
         # is kept for another backward (`saved` and the autograd node would otherwise hold them to the end)
-        free = free_storage if saved_free_at_last_use() else lambda *_: None
         ep, (bounds, send, recv, local) = ctx.ep, ctx.rt_host
         C, D, K, dtype = len(bounds), dout_TD.shape[1], top_w_TK.shape[1], saved[2].dtype
         # the slot order of each chunk again (the forward's sort)
@@ -284,10 +282,10 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             # g = dL/dy of each slot, dw = dL/dw_tk = dL/dout_t · y_tk (fp32)
             g, dw = slot_grads(rows[:, :D], rows[:, D:D + 1], saved[3 * c + 2])
             del rows
-            free(saved[3 * c + 2])
+            free_at_last_use(saved[3 * c + 2])
             # the SwiGLU's input gradient and its output a (the down projection's input, for its weight gradient)
             dh, a = swiglu_backward(saved[3 * c + 1], grouped_linear_dx(g, w2, local[c], offs_CEl[c]))
-            free(saved[3 * c + 1])
+            free_at_last_use(saved[3 * c + 1])
             place("g", c, g), place("a", c, a)
             del g, a
             # dX and dL/dw back to source-major, placed straight into the send rows
@@ -307,13 +305,13 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         for c in range(C):
             place("x", c, saved[3 * c])
             if C > 1:
-                free(saved[3 * c])
+                free_at_last_use(saved[3 * c])
         xs, gs, acts, dhs = (wholes.pop(k) for k in ("x", "g", "a", "dh"))
         dw2 = grouped_weight_grad(gs, acts, per_expert, offs_El)
         del gs, acts
         dw1 = grouped_weight_grad(dhs, xs, per_expert, offs_El)
         if C == 1:
-            free(xs)
+            free_at_last_use(xs)
         del dhs, xs
         _scatter_back(dx_TD, dw_TK, ep.wait(returned.pop(C - 1)), orders[C - 1], bounds[C - 1], D)
         return dx_TD.to(dout_TD.dtype), dw_TK, None, dw1.to(w1.dtype), dw2.to(w2.dtype), None

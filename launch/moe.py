@@ -142,20 +142,17 @@ def unpermute(rows_M: torch.Tensor, order_M: torch.Tensor) -> torch.Tensor:
     return scatter_rows(torch.empty_like(rows_M), order_M, rows_M)
 
 
-def saved_free_at_last_use() -> bool:
-    """Whether the running backward drops the graph's saved tensors when it ends (no `retain_graph`): then a Function
-    may free a saved tensor's storage at its last use, as the autograd node would free it a moment later anyway.
-    Without this, a tensor saved by `save_for_backward` outside activation checkpointing stays alive through the
-    whole backward of its Function, whatever the backward deletes: the node holds it. (Under non-reentrant
-    checkpointing the recomputed tensors have no other owner, and `del` alone frees them.) False where torch does
-    not say, so nothing is freed early."""
-    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
-    return keep is not None and not keep()
-
-
-def free_storage(*tensors: torch.Tensor) -> None:
-    """Release the memory of tensors that nothing reads again (`saved_free_at_last_use`); each must own its storage
+def free_at_last_use(*tensors: torch.Tensor) -> None:
+    """Release the storage of tensors a Function saved for its backward once that backward reads them no more, if
+    the running backward drops the graph's saved tensors when it ends (no `retain_graph`), as the autograd node
+    would free them a moment later anyway. Without this, a tensor saved by `save_for_backward` outside activation
+    checkpointing stays alive through the whole backward of its Function, whatever the backward deletes: the node
+    holds it. (Under non-reentrant checkpointing the recomputed tensors have no other owner, and `del` alone frees
+    them.) Nothing is freed where torch does not say whether the graph is kept. Each tensor must own its storage
     whole (a fresh result, not a view into another live tensor)."""
+    keep = getattr(torch._C._autograd, "_get_current_graph_task_keep_graph", None)
+    if keep is None or keep():
+        return
     for t in tensors:
         t.untyped_storage().resize_(0)
 
@@ -210,20 +207,19 @@ class _RoutedExperts(torch.autograd.Function):
         # every tensor is dropped at its last use: the saved rows (x, h, y: fresh tensors of the forward's own) are
         # freed there too, with or without recompute, unless the graph is kept for another backward
         x_MD, h_MF, y_MD, order_M, offs_E, top_w_TK, w1, w2 = ctx.saved_tensors
-        free = free_storage if saved_free_at_last_use() else lambda *_: None
         counts, (T, K), dtype = ctx.counts, top_w_TK.shape, y_MD.dtype
         g_MD = dout_TD.to(dtype).index_select(0, order_M // K)  # dL/dout of each row's token, then g over it
         g_MD, dw_M = slot_grads(g_MD, top_w_TK.reshape(-1).index_select(0, order_M).to(dtype).unsqueeze(1), y_MD,
                                 out=g_MD)
-        free(y_MD)
+        free_at_last_use(y_MD)
         del y_MD
         dh_MF, a_MI = swiglu_backward(h_MF, grouped_linear_dx(g_MD, w2, counts, offs_E))
-        free(h_MF)
+        free_at_last_use(h_MF)
         del h_MF
         dw2 = grouped_weight_grad(g_MD, a_MI, counts, offs_E)
         del g_MD, a_MI
         dw1 = grouped_weight_grad(dh_MF, x_MD, counts, offs_E)
-        free(x_MD)
+        free_at_last_use(x_MD)
         del x_MD
         dx_MD = grouped_linear_dx(dh_MF, w1, counts, offs_E)
         del dh_MF

@@ -258,7 +258,7 @@ def moe_moments(m: ModelShape, s: float) -> tuple[float, float, float]:
     shared expert first (created last), then the routed experts, whose peak is their saved rows plus the larger
     backward moment; once their weight gradients are formed the block holds the input gradient's rows twice
     (expert order, then token order: 2·h a row) and no saved row: the backward frees each at its last use, with or
-    without recompute (launch/moe.py: `saved_free_at_last_use`)."""
+    without recompute (launch/moe.py: `free_at_last_use`)."""
     h, k = m.hidden_size, m.top_k
     base = s * (norm_saved(h) + h * BF16 + m.num_experts * FP32 + k * (FP32 + 8 + BF16) + FP32)
     row_saved, row_bwd = routed_row_bytes(m)
