@@ -169,7 +169,8 @@ Seq = Annotated[str, typer.Option("--seq", "-s", help="sequence length in tokens
 Gpus = Annotated[Optional[int], typer.Option("--gpus", "-g", help=(
     "world size to solve for; default: the smallest count (1, 2, 4, then whole nodes) at which some layout's "
     "predicted peak plus the memory margin fits usable memory, or, below one node, the whole node when it needs "
-    "less CP/TP/PP at 97% or more of the throughput per GPU"))]
+    "less CP/TP/PP at 97% or more of the throughput per GPU; then, up to twice that count, the smallest whose GPU-hours "
+    "a token are within 1.5x the cheapest's"))]
 Layers = Annotated[Optional[int], typer.Option("--layers", help="a reduced-depth model: first N layers")]
 Recompute = Annotated[str, typer.Option("--recompute", help="full | none")]
 LmHead = Annotated[str, typer.Option("--lm-head", help="fused (the loss in the head, 3 GEMMs) | lean (the two gradients "

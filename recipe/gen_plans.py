@@ -1,9 +1,9 @@
 """Regenerate the committed plans: `python -m recipe.gen_plans plans/` (the Makefile's `make plans`).
 
-Each model preset (but tiny-moe) × {h100, mi300x, mi355x} × {32k, 128k} at the smallest GPU count that fits, plus
-tiny-cpu.yaml (tiny-moe on 2 CPU processes at 4k tokens, the plan the CPU tests and CI can launch). The same code
-path as `recipe solve`: `solve_inputs` → `build_plan` → `dumps`. A combination that fits on no GPU count is
-skipped with a note. Pure Python: never imports torch.
+Each model preset (but tiny-moe) × {h100, mi300x, mi355x} × {32k, 128k} at the default GPU count (`recipe solve`
+without --gpus), plus tiny-cpu.yaml (tiny-moe on 2 CPU processes at 4k tokens, the plan the CPU tests and CI can
+launch). The same code path as `recipe solve`: `solve_inputs` → `build_plan` → `dumps`. A combination that fits on
+no GPU count is skipped with a note. Pure Python: never imports torch.
 """
 
 from __future__ import annotations

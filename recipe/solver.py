@@ -18,6 +18,9 @@ from .models import ModelShape, param_counts
 
 MAX_WORLD = 4096
 PP_TIE_BREAK = 0.03  # a deeper pipeline (or wider TP, or larger CP for a cheaper EP) must be this much faster per token
+# Without --gpus, the count taken is the smallest from the smallest that fits up to twice it whose GPU-hours a token
+# are at most this many times the cheapest count's in that range
+COUNT_GAIN = 1.5
 
 
 class InfeasibleError(ValueError):
@@ -684,6 +687,25 @@ def _whole_node(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks: b
     return full if simpler and fast else None
 
 
+def _count_by_cost(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks: bool, pins: dict[str, int],
+                   sol: Solution) -> tuple[Solution, Solution]:
+    """(the count to take, the cheapest) over `world_candidates` from sol's count up to twice it: the cheapest runs
+    the most tokens/s per GPU (the fewest GPU-hours a token); the count taken is the smallest whose tokens/s per GPU
+    are at least 1/COUNT_GAIN of that. It is sol itself unless the memory that made sol fit forced a wide TP or CP
+    (or a deep PP) that a few more GPUs lift."""
+    sols = [sol]
+    for w in world_candidates(hw):
+        if w <= sol.world or w > 2 * sol.world or (pins and pin_violations(m, hw, opts.micro_batch_tokens, pins, w)):
+            continue
+        try:
+            sols.append(solve(m, hw, w, opts, auto_chunks, suggest=False, pins=pins))
+        except InfeasibleError:
+            continue
+    cheapest = max(sols, key=lambda s: s.estimate.tokens_per_s_per_gpu)
+    want = cheapest.estimate.tokens_per_s_per_gpu / COUNT_GAIN
+    return next(s for s in sols if s.estimate.tokens_per_s_per_gpu >= want), cheapest
+
+
 def world_candidates(hw: HwProfile) -> list[int]:
     small = [w for w in (1, 2, 4) if w < hw.gpus_per_node]
     return small + [hw.gpus_per_node * n for n in range(1, MAX_WORLD // hw.gpus_per_node + 1)]
@@ -693,7 +715,9 @@ def solve_min_gpus(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks
                    pins: dict[str, int] | None = None) -> Solution:
     """The smallest GPU count (1, 2, 4, then whole nodes) at which some layout fits with the memory margin — with
     `pins`, some layout with those degrees (counts the pins do not divide are skipped). Below one node, the whole
-    node instead when it runs a smaller CP (or TP, PP) at no less throughput per GPU (`_whole_node`). The
+    node instead when it runs a smaller CP (or TP, PP) at no less throughput per GPU (`_whole_node`); then a larger
+    count, up to twice as many GPUs, when the count found needs over COUNT_GAIN times the GPU-hours a token of
+    the cheapest count in that range (`_count_by_cost`). The
     solution's `count` decision says why, naming the cheaper count it rejected and why."""
     pins = normalize_pins(pins)
     seq = opts.micro_batch_tokens
@@ -736,6 +760,14 @@ def solve_min_gpus(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks
                         f"{full.estimate.tokens_per_s_per_gpu:,.0f} on one {full.world}-GPU node with "
                         f"CP={full.layout.cp}")
             sol, head = full, "one whole node: a simpler layout at no less throughput per GPU"
+        taken, cheapest = _count_by_cost(m, hw, opts, auto_chunks, pins, sol)
+        if taken is not sol:
+            a, b = sol.estimate.tokens_per_s_per_gpu, cheapest.estimate.tokens_per_s_per_gpu
+            rejected = (f"{sol.world} GPUs fit only with {_lay_str(sol.layout)} at {a:,.0f} tok/s/GPU: {b / a:.2f}x "
+                        f"the GPU-hours a token of {cheapest.world} GPUs ({b:,.0f}), and a slower step (--gpus "
+                        f"{sol.world} takes them)")
+            sol, head = taken, (f"the smallest count within {COUNT_GAIN:g}x the fewest GPU-hours a token of any from "
+                                f"{sol.world} (the smallest that fits) to {2 * sol.world}")
         sol.count = Decision(sol.world, head, f"CP={sol.layout.cp}, "
                              f"{100 * sol.estimate.headroom_gb / hw.usable_gb:.0f}% headroom",
                              {"headroom_gb": round(sol.estimate.headroom_gb, 2),

@@ -188,6 +188,41 @@ def test_default_count_is_whole_nodes_past_one_node_and_names_the_rejected_count
             assert w in (1, 2, 4) or w % _hw(h).gpus_per_node == 0, (model, h, w)
 
 
+def test_a_count_that_fits_only_by_a_wide_split_gives_way_to_a_cheaper_one():
+    """gpt-oss-120b at 128K on H100s first fits on 32 GPUs, only with tp=4: 2.45x the GPU-hours a token of the cheapest
+    count up to 64. The count taken is, by brute force over every whole-node count from 32 to 64, the smallest whose
+    tokens/s per GPU reach 1/1.5 of the best there (40, at tp=1); the reason names 32 and how to take it."""
+    hw, o = _hw("h100"), TrainOptions(micro_batch_tokens=131_072)
+    m = PRESETS["gpt-oss-120b"]
+    s = solve_min_gpus(m, hw, o)
+    with pytest.raises(InfeasibleError):
+        solve(m, hw, 24, o)
+    first = solve(m, hw, 32, o)
+    assert first.layout.tp == 4
+    rates = {}
+    for w in range(32, 65, 8):
+        try:
+            rates[w] = solve(m, hw, w, o).estimate.tokens_per_s_per_gpu
+        except InfeasibleError:
+            pass
+    best = max(rates.values())
+    assert best / rates[32] > 1.5
+    assert s.world == min(w for w, r in rates.items() if r >= best / 1.5) == 40
+    assert s.layout.tp == 1 and s.estimate.tokens_per_s_per_gpu == pytest.approx(rates[40])
+    assert s.count.constraint.startswith("the smallest count within 1.5x the fewest GPU-hours a token of any from 32 ")
+    assert s.count.rejected.startswith("32 GPUs fit only with pp=1 tp=4 ")
+    assert f"{best / rates[32]:.2f}x the GPU-hours a token of" in s.count.rejected
+    assert s.count.rejected.endswith("(--gpus 32 takes them)")
+
+
+def test_the_smallest_count_stays_when_no_count_is_much_cheaper():
+    """qwen35-35b at 128K on H100s: 16 GPUs fit, and no count up to 32 runs 1.5x their tokens/s per GPU."""
+    hw, o = _hw("h100"), TrainOptions(micro_batch_tokens=131_072)
+    s = solve_min_gpus(Q35, hw, o)
+    rates = [solve(Q35, hw, w, o).estimate.tokens_per_s_per_gpu for w in (16, 24, 32)]
+    assert s.world == 16 and max(rates) < 1.5 * rates[0]
+
+
 def test_a_partial_node_stays_when_the_node_is_no_simpler():
     """tiny-moe at 4K fits one CPU rank at cp=1; a whole node would be no simpler (cp=1 too): 1 it is."""
     s = solve_min_gpus(PRESETS["tiny-moe"], _hw("cpu"), TrainOptions(micro_batch_tokens=4096))
@@ -285,10 +320,11 @@ def test_plan_round_trips_margin_basis_and_count(tmp_path):
 # ---- what the CLI says about the default and the margin ----------------------------------------------------------
 def test_gpus_help_says_what_the_default_does():
     r = runner.invoke(app, ["solve", "--help"], env={"COLUMNS": "400"})
-    text = " ".join(r.stdout.split())
+    text = " ".join(r.stdout.replace("│", " ").split())
     assert "default: the smallest count (1, 2, 4, then whole nodes) at which some layout's predicted peak plus the " \
            "memory margin fits usable memory" in text
     assert "below one node, the whole node when it needs less CP/TP/PP at 97% or more of the throughput per GPU" in text
+    assert "up to twice that count, the smallest whose GPU-hours a token are within 1.5x the cheapest's" in text
 
 
 def test_sweep_and_compare_count_fits_with_the_margin():
