@@ -172,7 +172,9 @@ Gpus = Annotated[Optional[int], typer.Option("--gpus", "-g", help=(
     "less CP/TP/PP at 97% or more of the throughput per GPU; then, up to twice that count, the smallest whose GPU-hours "
     "a token are within 1.5x the cheapest's"))]
 Layers = Annotated[Optional[int], typer.Option("--layers", help="a reduced-depth model: first N layers")]
-Recompute = Annotated[str, typer.Option("--recompute", help="full | none")]
+Recompute = Annotated[str, typer.Option("--recompute", help="full | none | auto (none where, at the GPU count solved "
+                                                            "under full recompute, some layout fits without it and "
+                                                            "runs 3% or more tokens/s per GPU)")]
 LmHead = Annotated[str, typer.Option("--lm-head", help="fused (the loss in the head, 3 GEMMs) | lean (the two gradients "
                                                       "and ~2 MiB, 4 GEMMs) | naive (materialized logits)")]
 Mbt = Annotated[Optional[str], typer.Option("--micro-batch-tokens", help="tokens per micro-batch (default: --seq)")]
@@ -197,8 +199,8 @@ def _inputs(model, seq, hw, gpus, layers, recompute, lm_head, mbt, micro_batches
     from .planfile import INPUT_LIMITS, SolveInputs, parse_size
     from .solver import MAX_WORLD
 
-    if recompute not in ("full", "none"):
-        raise UserError(f"--recompute must be 'full' or 'none', got {recompute!r}")
+    if recompute not in ("full", "none", "auto"):
+        raise UserError(f"--recompute must be 'full', 'none' or 'auto', got {recompute!r}")
     if lm_head not in HEAD_MODES:
         raise UserError(f"--lm-head must be one of {', '.join(HEAD_MODES)}, got {lm_head!r}")
     _bounded("--gpus", gpus, MAX_WORLD)

@@ -182,6 +182,7 @@ class Reasons(_Strict):
     cp: str
     pp: str
     gpus: str | None = None  # why this GPU count, when the solver chose it (no --gpus)
+    recompute: str | None = None  # why this recompute mode, when the solver chose it (--recompute auto)
 
 
 class LaunchSpec(_Strict):

@@ -36,7 +36,7 @@ class SolveInputs(Record):
     hw: str
     gpus: int | None = None  # None: the smallest count that fits
     layers: int | None = None
-    recompute: Literal["full", "none"] = "full"
+    recompute: Literal["full", "none", "auto"] = "full"  # auto: the solver's choice (the plan's train.recompute)
     lm_head: Literal["fused", "lean", "naive"] = "fused"
     micro_batch_tokens: int | None = None  # None: seq_len
     micro_batches: int = 1
@@ -135,11 +135,6 @@ def _inputs_block(inputs) -> dict:
 def plan_dict(inputs, m: ModelShape, hw: HwProfile, sol) -> dict:
     """The plan for a solution as plain data, in schema v1's key order."""
     e, d = sol.estimate, sol.decisions
-
-    def reason(k: str) -> str:
-        dec = d[k]
-        return f"{dec.constraint}: {dec.reason}" + (f" (rejected {dec.rejected})" if dec.rejected else "")
-
     return {
         "schema": SCHEMA_VERSION,
         "solver": {"version": __version__, "hw_fingerprint": fingerprint(hw.fingerprint_dict()),
@@ -156,8 +151,10 @@ def plan_dict(inputs, m: ModelShape, hw: HwProfile, sol) -> dict:
                        "tflops_per_gpu": round(e.tflops_per_gpu, 1),
                        "mfu": {"hardware": round(e.mfu_hardware, 4), "model": round(e.mfu_model, 4)},
                        **_margin_block(e)},
-        "reasons": {**{k: reason(k) for k in ("tp", "ep", "cp", "pp")},
-                    **({"gpus": _count_reason(sol.count)} if getattr(sol, "count", None) is not None else {})},
+        "reasons": {**{k: _decision_reason(d[k]) for k in ("tp", "ep", "cp", "pp")},
+                    **({"gpus": _decision_reason(sol.count)} if getattr(sol, "count", None) is not None else {}),
+                    **({"recompute": _decision_reason(sol.recompute)} if getattr(sol, "recompute", None) is not None
+                       else {})},
         "launch": launch_block(hw, sol.world),
     }
 
@@ -185,7 +182,8 @@ def _margin_block(e) -> dict:
             "basis": dict(mg.bands.basis), "error": {k: round(v, 4) for k, v in mg.bands.error.items()}}
 
 
-def _count_reason(dec) -> str:
+def _decision_reason(dec) -> str:
+    """'constraint: reason (rejected …)', the plan's `reasons` entry for a decision."""
     return f"{dec.constraint}: {dec.reason}" + (f" (rejected {dec.rejected})" if dec.rejected else "")
 
 

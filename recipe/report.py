@@ -79,6 +79,8 @@ def summary(m: ModelShape, hw: HwProfile, seq: int, sol: Solution, explain: bool
     reasons.add_column("why")
     if sol.count is not None:
         reasons.add_row("GPUs", str(sol.count.value), sol.count.constraint, sol.count.reason)
+    if sol.recompute is not None:
+        reasons.add_row("RC", str(sol.recompute.value), sol.recompute.constraint, sol.recompute.reason)
     for k in ("tp", "ep", "cp", "pp"):
         d = sol.decisions[k]
         reasons.add_row(k.upper(), str(d.value), d.constraint, d.reason)
@@ -162,6 +164,7 @@ def decisions_table(sol: Solution) -> Table:
     t.add_column("numbers")
     t.add_column("rejected alternative")
     rows = [("GPUs", sol.count)] if sol.count is not None else []
+    rows += [("RC", sol.recompute)] if sol.recompute is not None else []
     for k, d in rows + [(k.upper(), sol.decisions[k]) for k in ("tp", "ep", "cp", "pp")]:
         nums = ", ".join(f"{a}={b}" for a, b in d.numbers.items())
         t.add_row(f"{k}={d.value}", nums, d.rejected or "—")

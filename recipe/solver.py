@@ -32,7 +32,7 @@ class InfeasibleError(ValueError):
 
 @dataclass
 class Decision:
-    value: int
+    value: int | str  # a degree or a count; "full" / "none" for recompute
     constraint: str
     reason: str
     numbers: dict = field(default_factory=dict)
@@ -48,6 +48,7 @@ class Solution:
     decisions: dict[str, Decision]
     pins: dict[str, int] = field(default_factory=dict)  # the degrees the user fixed (`--pp/--tp/--cp/--ep`)
     count: Decision | None = None  # why this GPU count, when the solver chose it (no --gpus)
+    recompute: Decision | None = None  # why this recompute mode, when the solver chose it (--recompute auto)
 
     @property
     def margin(self) -> Margin:
@@ -685,6 +686,41 @@ def _whole_node(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks: b
     simpler = (b.cp, b.tp, b.pp) < (a.cp, a.tp, a.pp) and b.cp <= a.cp and b.tp <= a.tp and b.pp <= a.pp
     fast = full.estimate.tokens_per_s_per_gpu >= sol.estimate.tokens_per_s_per_gpu * (1 - PP_TIE_BREAK)
     return full if simpler and fast else None
+
+
+def solve_recompute(m: ModelShape, hw: HwProfile, sol: Solution, auto_chunks: bool = True,
+                    pins: dict[str, int] | None = None) -> Solution:
+    """`--recompute auto`. `sol` is solved under full recompute (its count too, when the solver chose it); at its
+    GPU count every dimension is solved again without recompute, and that solution is taken when it fits with the
+    margin and runs at least PP_TIE_BREAK more tokens/s per GPU: a layer then costs 3 passes, not 4, often at a
+    larger CP that holds the saved activations. The solution returned says why in its `recompute` decision."""
+    rate = sol.estimate.tokens_per_s_per_gpu
+    try:
+        alt = solve(m, hw, sol.world, sol.opts.model_copy(update={"recompute": "none"}), auto_chunks, suggest=False,
+                    pins=pins)
+    except InfeasibleError as e:
+        why = f"without recompute no layout fits {sol.world} GPUs with the margin"
+        if e.miss is not None:
+            why += f": {_miss_str(hw, e.miss[1], e.miss[2], 'the closest')}"
+        sol.recompute = Decision("full", "activation memory", why)
+        return sol
+    gain = alt.estimate.tokens_per_s_per_gpu / rate
+    if gain < 1 + PP_TIE_BREAK:
+        sol.recompute = Decision("full", "step time", f"without recompute the best layout on {sol.world} GPUs "
+                                 f"({_lay_str(alt.layout)}) runs {gain:.2f}x the tokens/s per GPU of this one",
+                                 {"gain": round(gain, 4)})
+        return sol
+    alt.recompute = Decision("none", "step time", f"no recompute fits {sol.world} GPUs as {_lay_str(alt.layout)} at "
+                             f"{gain:.2f}x the tokens/s per GPU of full recompute",
+                             {"gain": round(gain, 4)},
+                             rejected=f"full recompute: {_lay_str(sol.layout)} at {rate:,.0f} tok/s/GPU")
+    if sol.count is not None:
+        c, e = sol.count, alt.estimate
+        alt.count = Decision(c.value, c.constraint, f"CP={alt.layout.cp}, "
+                             f"{100 * e.headroom_gb / hw.usable_gb:.0f}% headroom",
+                             {"headroom_gb": round(e.headroom_gb, 2), "margin_gb": round(_margin_gb(e), 2)},
+                             rejected=c.rejected)
+    return alt
 
 
 def _count_by_cost(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks: bool, pins: dict[str, int],

@@ -29,6 +29,9 @@ def summary_text(m: ModelShape, hw: HwProfile, seq: int, sol) -> str:
         c = sol.count
         lines.append(f"GPUs={c.value:<3} {c.constraint} ({c.reason})" + (f"; rejected {c.rejected}" if c.rejected
                                                                           else ""))
+    if getattr(sol, "recompute", None) is not None:
+        r = sol.recompute
+        lines.append(f"RC={r.value:<5} {r.constraint}: {r.reason}" + (f"; rejected {r.rejected}" if r.rejected else ""))
     for k in dims:
         d = sol.decisions[k]
         lines.append(f"{k.upper()}={d.value:<4} {d.constraint:<{width}}  {d.reason}")

@@ -88,6 +88,19 @@ def test_solve_explain_shows_each_decision_and_the_bar():
     assert "step time" in out and "LM head (fused): holds" in out
 
 
+def test_recompute_auto_writes_the_choice_and_checks_clean(tmp_path):
+    """--recompute auto: the plan keeps `auto` in its inputs and the mode chosen in train.recompute, with its reason;
+    `recipe check` re-solves it to the same plan; the summary has the RC row."""
+    out = tmp_path / "mx.yaml"
+    r = run("solve", "--model", "mixtral-8x7b", "--seq", "32k", "--hw", "mi300x", "--recompute", "auto", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert "(no recompute, " in r.stdout and "\nRC=none  step time: no recompute fits 8 GPUs as " in r.stdout
+    plan = load_plan(out)
+    assert plan.inputs.recompute == "auto" and plan.train.recompute == "none"
+    assert plan.reasons.recompute.startswith("step time: no recompute fits 8 GPUs as pp=1 tp=1 cp=8 ")
+    assert run("check", str(out)).exit_code == 0
+
+
 def test_solve_options_change_the_plan(tmp_path):
     base = json.loads(run(*SOLVE, "--gpus", "8", "--seq", "32k", "-f", "json", "-o", "-").stdout)
     naive = json.loads(run(*SOLVE, "--gpus", "8", "--seq", "32k", "--lm-head", "naive", "-f", "json",
@@ -139,7 +152,8 @@ def test_output_onto_a_directory_is_an_error(tmp_path):
      ["7 GPUs leave no larger cp", "cp=7 would not split", "12 GPUs fit"]),
     (["--model", "deepseek-v3", "--seq", "1m", "--gpus", "8", "--hw", "h100"],
      ["does not fit on 8x h100", "GB over"]),
-    (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--recompute", "some"], ["--recompute"]),
+    (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--recompute", "some"],
+     ["--recompute must be 'full', 'none' or 'auto', got 'some'"]),
     (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--micro-batch-tokens", "32k"],
      ["--micro-batch-tokens 32,768 < --seq 131,072"]),
     (["--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--format", "toml"], ["--format"]),

@@ -241,3 +241,52 @@ def test_tp_decision_names_the_exchange_it_replaces(seq, replaced):
     s = solve(PRESETS["qwen35-35b"], _hw("h100"), 32, TrainOptions(micro_batch_tokens=seq))
     d = s.decisions["tp"]
     assert d.value == 2 and d.constraint == "per-layer communication" and d.reason == replaced
+
+
+# ---- --recompute auto --------------------------------------------------------------------------------------------
+def _auto(model: str, seq: int, hw: str):
+    from recipe.planfile import SolveInputs
+    from recipe.solving import solve_inputs
+
+    return solve_inputs(SolveInputs(model=model, seq_len=seq, hw=hw, recompute="auto"))[2]
+
+
+def test_recompute_auto_takes_none_where_it_fits_and_is_faster():
+    """mixtral-8x7b at 32K on MI300X: 8 GPUs under full recompute (cp=1); without recompute the same 8 GPUs fit at
+    cp=8 and, solved apart, run 1.25x the tokens/s per GPU. auto takes that solution whole, keeps the count the full
+    solve chose, and names what it rejected."""
+    m, hw = PRESETS["mixtral-8x7b"], _hw("mi300x")
+    full = solve(m, hw, 8, TrainOptions(micro_batch_tokens=32_768))
+    none = solve(m, hw, 8, TrainOptions(micro_batch_tokens=32_768, recompute="none"))
+    gain = none.estimate.tokens_per_s_per_gpu / full.estimate.tokens_per_s_per_gpu
+    assert gain > 1.03 and none.estimate.fits
+    s = _auto("mixtral-8x7b", 32_768, "mi300x")
+    assert s.world == 8 and s.opts.recompute == "none" and s.layout == none.layout
+    assert s.estimate.step_time_s == pytest.approx(none.estimate.step_time_s)
+    assert s.recompute.value == "none" and s.recompute.numbers["gain"] == pytest.approx(gain, abs=1e-4)
+    assert s.recompute.rejected == (f"full recompute: pp=1 tp=1 cp={full.layout.cp} ep={full.layout.ep} at "
+                                    f"{full.estimate.tokens_per_s_per_gpu:,.0f} tok/s/GPU")
+    assert s.count.value == 8 and s.count.reason.startswith(f"CP={none.layout.cp}, ")
+
+
+def test_recompute_auto_keeps_full_when_none_does_not_fit():
+    """qwen35-35b at 128K on MI300X: no layout of 8 GPUs fits without recompute; auto is the full solve unchanged."""
+    s = _auto("qwen35-35b", 131_072, "mi300x")
+    m, hw = PRESETS["qwen35-35b"], _hw("mi300x")
+    with pytest.raises(InfeasibleError):
+        solve(m, hw, s.world, TrainOptions(micro_batch_tokens=131_072, recompute="none"))
+    assert s.opts.recompute == "full" and s.recompute.value == "full"
+    assert s.recompute.constraint == "activation memory"
+    assert s.recompute.reason.startswith(f"without recompute no layout fits {s.world} GPUs with the margin: the closest")
+    assert s.layout == solve(m, hw, s.world, TrainOptions(micro_batch_tokens=131_072)).layout
+
+
+def test_recompute_auto_keeps_full_when_none_is_slower():
+    """qwen35-35b at 32K on H100s: without recompute 16 GPUs fit only at cp=8 and tp=2, under half the tokens/s per
+    GPU of full recompute at cp=1."""
+    s = _auto("qwen35-35b", 32_768, "h100")
+    m, hw = PRESETS["qwen35-35b"], _hw("h100")
+    none = solve(m, hw, s.world, TrainOptions(micro_batch_tokens=32_768, recompute="none"))
+    gain = none.estimate.tokens_per_s_per_gpu / s.estimate.tokens_per_s_per_gpu
+    assert gain < 1.03 and s.opts.recompute == "full" and s.recompute.constraint == "step time"
+    assert f"runs {gain:.2f}x the tokens/s per GPU of this one" in s.recompute.reason
