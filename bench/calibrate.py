@@ -7,13 +7,15 @@ Grid (the default, `--grid full`): Qwen3.5-35B-A3B and Qwen3-30B-A3B at full wid
 heads at a subset, and the expert-parallel code path at world size 1 (parallelize(..., ep_dispatch=True) under a
 one-process group) at 8K to 64K tokens, so its fixed cost and its per-token cost separate. The 2- and 4-layer points
 are the ones the per-operation efficiencies are fit on; the 8-layer points are held out. Points that do not fit
-are recorded with their error, not dropped.
+are recorded with their error, not dropped. `--grid holdout`: Qwen3-235B-A22B at 1 and 2 layers, a model at another
+width whose every point is held out (merged into the committed grid beside the others).
 
 Every (model, depth) group builds its model once and runs its points in order (recompute none first: full recompute
 wraps the layers for good); each point empties the allocator's cache, runs one warm-up step, then times `--steps`
-steps (the median is the step time) with the peak statistics reset after the warm-up. Per group at one length it
-also times the step's components alone (bench_train_step.profile_components). A table is printed as it goes and
-the JSON rewritten after every point, so a partial run is still a usable grid.
+steps (the median is the step time) with the peak statistics reset after the warm-up, and the CUDA stack limit set
+back after it as `recipe launch` does (kernel tuning raises it). Per group at one length it also times the step's
+components alone (bench_train_step.profile_components). A table is printed as it goes and the JSON rewritten after
+every point, so a partial run is still a usable grid.
 
     python bench/calibrate.py --out h200.json --commit $(git rev-parse --short HEAD)         # on the GPU
     python bench/calibrate.py --grid smoke --device cpu --out /tmp/cal.json                  # CPU smoke (tiny-moe)
@@ -73,6 +75,14 @@ GRIDS = {
                                    (("full", "fused"), [8 * K, 32 * K, 64 * K, 128 * K]),
                                    (("full", "naive"), [8 * K])], [32 * K]), 0),
     ],
+    # models outside the fit, at another width: Qwen3-235B-A22B (hidden 4096, 64 query heads over 4 KV heads,
+    # 128 experts of width 1536, top 8), every point held out; `--grid holdout`, merged into the committed grid
+    "holdout": [
+        ("qwen3-235b-a22b", 1, _pts([(("none", "fused"), [32 * K]),
+                                     (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+        ("qwen3-235b-a22b", 2, _pts([(("none", "fused"), [8 * K, 32 * K]),
+                                     (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+    ],
     "smoke": [
         ("tiny-moe", 2, _pts([(("none", "fused"), [256]), (("full", "fused"), [256, 512]),
                               (("full", "lean"), [256]), (("full", "naive"), [256])], [256]), 256),
@@ -81,8 +91,11 @@ GRIDS = {
 }
 
 
-def role(layers: int) -> str:
-    return "held_out" if layers >= 8 else "fit"
+FIT_MODELS = ("qwen35-35b", "qwen3-30b-a3b", "tiny-moe")  # the efficiencies are fit on their 2- and 4-layer points
+
+
+def role(model: str, layers: int) -> str:
+    return "held_out" if layers >= 8 or model not in FIT_MODELS else "fit"
 
 
 def environment(args) -> dict:
@@ -210,6 +223,9 @@ def run_grid(args) -> None:
 
         one = types.SimpleNamespace(pp=1, tp=1, cp=1, ep=1, dp=1, etp=1, edp=1, world=1)
         ep_meshes = (one, build_meshes(one, device.type))
+    from launch.job import StackLimit
+
+    stack = None  # read once a CUDA context exists (the first model built), before any kernel is tuned
     print(HEADER, flush=True)
     for model_name, layers, points, profile_seq in grid:
         if only and f"{model_name}:{layers}" not in only:
@@ -223,13 +239,15 @@ def run_grid(args) -> None:
         except torch.OutOfMemoryError as e:
             for rc, head, seq, ep in points:
                 r = {"model": model_name, "layers": layers, "seq": seq, "recompute": rc, "lm_head": head,
-                     "ep_path": ep, "role": role(layers), "error": f"OOM building the model: {str(e)[:120]}"}
+                     "ep_path": ep, "role": role(model_name, layers), "error": f"OOM building the model: {str(e)[:120]}"}
                 data["points"].append(r)
                 print(_fmt_row(r), flush=True)
             save()
             continue
         if device.type == "cuda":
             torch.cuda.empty_cache()
+            if stack is None:
+                stack = StackLimit.of_this_process()
         current = None  # (recompute, ep_path) of the live trainer
         batches = {}
 
@@ -260,7 +278,7 @@ def run_grid(args) -> None:
             profile_seq = 0
         for rc, head, seq, ep in points:
             r = {"model": model_name, "layers": layers, "seq": seq, "recompute": rc, "lm_head": head, "ep_path": ep,
-                 "role": role(layers)}
+                 "role": role(model_name, layers)}
             r["predicted"] = predict_point(r, args.hw)
             budget_left = args.budget_s - (time.monotonic() - t_start)
             if budget_left < (args.steps + 1) * r["predicted"]["step_s"] * 1.5 + 5:
@@ -298,6 +316,8 @@ def run_grid(args) -> None:
                 t0 = time.monotonic()
                 trainer.step(batch)  # warm-up: compilation, autotuning, the optimizer's moments, allocator growth
                 warm = time.monotonic() - t0
+                if stack is not None:
+                    stack.restore()  # as `recipe launch` does after its first step: tuning's stack reservation
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
                 times = _times(lambda: trainer.step(batch), device, args.steps)
