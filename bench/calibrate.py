@@ -81,7 +81,7 @@ GRIDS = {
         ("qwen3-235b-a22b", 1, _pts([(("none", "fused"), [32 * K]),
                                      (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
         ("qwen3-235b-a22b", 2, _pts([(("none", "fused"), [8 * K, 32 * K]),
-                                     (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+                                     (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 32 * K),
     ],
     "smoke": [
         ("tiny-moe", 2, _pts([(("none", "fused"), [256]), (("full", "fused"), [256, 512]),
