@@ -1,6 +1,8 @@
 """The routed experts' grouped GEMMs timed alone, over expert shapes and tokens per expert, against the step-time
-model's expert term (recipe/cost.py: their FLOPs at the profile's `expert_gemm` rate plus the bytes they move at its
-`expert_bytes` rate, docs/cost_model.md "Step time from its parts").
+model's expert term (recipe/cost.py expert_pass_work: their FLOPs at the profile's `expert_gemm` rate, each routed
+row's bytes at its `expert_rows` rate and the experts' weights at its `expert_weights` rate; docs/cost_model.md, "The
+routed experts"). The file --out writes is the form hw_profiles/calibration/<hw>_experts.json takes, from which
+`bench/calibrate.py --fit` fits those three rates.
 
 Each case builds a one-layer (or two-layer) model at full width, times the "routed experts (grouped GEMMs)"
 component of bench_train_step.profile_components (forward, and forward + backward, under full recompute: the
@@ -9,7 +11,7 @@ rate for the same work, and their ratio. The three models differ in hidden size,
 and the lengths in rows per expert (tokens × top-k / experts), which sets how many FLOPs each read of an expert's
 weights buys.
 
-    python bench/bench_expert_rates.py --out experts.json        # on the GPU (about a minute on an H200)
+    python bench/bench_expert_rates.py --out h200_experts.json --commit $(git rev-parse --short HEAD)   # on the GPU
     python bench/bench_expert_rates.py --cases tiny-moe:2:512 --device cpu   # CPU smoke
 """
 
@@ -31,15 +33,15 @@ PART = "routed experts (grouped GEMMs)"
 
 def predicted(model: str, layers: int, seq: int, hw: str) -> dict:
     """The model's seconds for the part's work in one step: the expert terms of compute_times, full recompute."""
-    from recipe.cost import Layout, TrainOptions, compute_times, compute_work
+    from recipe.cost import EXPERT_TERMS, Layout, TrainOptions, compute_times, compute_work
     from recipe.hw import load_profile
     from recipe.models import resolve_model
 
     m = resolve_model(model).with_layers(layers)
     work = compute_work(m, Layout(), TrainOptions(micro_batch_tokens=seq))
     t = compute_times(work, load_profile(hw))
-    return {"flops": work["expert_gemm"], "bytes": work.get("expert_bytes", 0.0),
-            "seconds": t["expert_gemm"] + t.get("expert_bytes", 0.0)}
+    return {"flops": work["expert_gemm"], "bytes": work["expert_rows"] + work["expert_weights"],
+            "seconds": sum(t[k] for k in EXPERT_TERMS)}
 
 
 def main() -> None:
@@ -48,6 +50,7 @@ def main() -> None:
     p.add_argument("--hw", default="h200", help="the profile whose expert rates are compared")
     p.add_argument("--device", default="cuda")
     p.add_argument("--out", help="write the figures as JSON")
+    p.add_argument("--commit", default="", help="the commit measured, recorded in --out")
     args = p.parse_args()
 
     import torch
@@ -89,7 +92,12 @@ def main() -> None:
               flush=True)
         del batch
     if args.out:
-        Path(args.out).write_text(json.dumps({"hw": args.hw, "device": str(device), "rows": rows}, indent=1) + "\n")
+        what = ("the routed experts' grouped GEMMs timed alone (the 'routed experts (grouped GEMMs)' component of "
+                "bench/bench_train_step.py profile_components, full recompute) (bench/bench_expert_rates.py)")
+        name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
+        Path(args.out).write_text(json.dumps({
+            "what": what, "hw": args.hw, "device": f"{name}, torch {torch.__version__}", "commit": args.commit,
+            "command": " ".join(["python bench/bench_expert_rates.py"] + sys.argv[1:]), "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

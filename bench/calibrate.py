@@ -369,13 +369,50 @@ def refresh(path: str, hw: str | None) -> None:
           f"{data['errors']['fit']['time']:.3f}, held out {data['errors']['held_out']['time']:.3f})")
 
 
-FIT_TERMS = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "ep_dispatch", "ep_passes",
-             "layer_passes", "optimizer")
+FIT_TERMS = ("expert_gemm", "expert_rows", "expert_weights", "dense_gemm", "attention", "delta_rule", "lm_head",
+             "ep_dispatch", "ep_passes", "layer_passes", "optimizer")
+HBM_TERMS = ("expert_rows", "expert_weights", "optimizer", "ep_dispatch")  # efficiencies of the HBM bandwidth
 # The operations the grid's components time alone (bench_train_step.profile_components), by component name: their
 # rates are measured directly, not fitted. Every part of the step scales with tokens × layers, so over two models
 # the step times alone cannot tell the routed experts' rate from the delta rule's and the other matmuls' (a free fit
 # of all of them lands on a free delta rule and experts above the peak).
 ANCHORS = {"expert_gemm": "routed experts (grouped GEMMs)", "delta_rule": "delta rule (kernel only)"}
+
+
+def expert_rates(path: Path) -> dict[str, float] | None:
+    """The routed experts' three rates (recipe/cost.py EXPERT_TERMS: FLOP/s, and bytes/s for their rows and their
+    weights) from a file of bench/bench_expert_rates.py runs: the non-negative least-squares fit of each run's
+    measured seconds to its work in the three terms, each row relative to its measurement. None without the file
+    (the experts are then anchored on the grid's components, at one FLOP rate)."""
+    import numpy as np
+
+    from recipe.cost import EXPERT_TERMS, Layout, TrainOptions, compute_work
+    from recipe.models import resolve_model
+
+    if not path.exists():
+        return None
+    rows = json.loads(path.read_text())["rows"]
+    a = np.array([[compute_work(resolve_model(r["model"]).with_layers(int(r["layers"])), Layout(),
+                                TrainOptions(micro_batch_tokens=int(r["tokens"])))[k] for k in EXPERT_TERMS]
+                  for r in rows])
+    y = np.array([r["measured_s"] for r in rows])
+    inv = _nnls(a / y[:, None], np.ones(len(y)))
+    return {k: (1 / v if v else float("inf")) for k, v in zip(EXPERT_TERMS, inv)}
+
+
+def _nnls(lhs, rhs):
+    """Non-negative least squares (scipy's), or the unconstrained solution where scipy is missing and it is positive."""
+    import numpy as np
+
+    try:
+        from scipy.optimize import nnls
+
+        return nnls(lhs, rhs)[0]
+    except ImportError:  # without scipy: the unconstrained fit, which is the non-negative one when all are > 0
+        inv = np.linalg.lstsq(lhs, rhs, rcond=None)[0]
+        if (inv <= 0).any():
+            raise SystemExit("the unconstrained fit has a non-positive rate: install scipy for the NNLS fit")
+        return inv
 
 
 def _work_rows(data: dict) -> tuple[list[dict], list[dict]]:
@@ -426,31 +463,30 @@ def fit(path: str) -> dict:
     from recipe.hw import load_profile
 
     data = json.loads(Path(path).read_text())
-    hw = load_profile(data.get("hw") or Path(path).stem)
+    name = data.get("hw") or Path(path).stem
+    hw = load_profile(name)
     peak, hbm = hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
     anchored = anchored_rates(data)
+    experts = expert_rates(Path(path).with_name(f"{name}_experts.json"))
+    if experts is not None:
+        anchored.update(experts)
+    else:  # one FLOP rate stands for the experts' whole time, their bytes not charged apart
+        anchored.update(expert_rows=float("inf"), expert_weights=float("inf"))
     free = [k for k in FIT_TERMS if k not in anchored]
     rows, points = _work_rows(data)
     y = np.array([r["step_s"] for r in points])
-    known = np.array([sum(w[k] / rate for k, rate in anchored.items()) for w in rows])
+    known = np.array([sum(w[k] / rate for k, rate in anchored.items() if w[k]) for w in rows])
     a = np.array([[w[k] for k in free] for w in rows])
     fit_rows = np.array([r.get("role", "fit") == "fit" for r in points])
     lhs, rhs = a[fit_rows] / y[fit_rows, None], 1 - known[fit_rows] / y[fit_rows]
-    try:
-        from scipy.optimize import nnls
-
-        inv, _ = nnls(lhs, rhs)
-    except ImportError:  # without scipy: the unconstrained fit, which is the non-negative one when all are > 0
-        inv, *_ = np.linalg.lstsq(lhs, rhs, rcond=None)
-        if (inv <= 0).any():
-            raise SystemExit("the unconstrained fit has a non-positive rate: install scipy for the NNLS fit")
-    eff = {k: round(min(1.0, rate / peak), 3) for k, rate in anchored.items()}
+    inv = _nnls(lhs, rhs)
+    eff = {k: round(min(1.0, rate / (hbm if k in HBM_TERMS else peak)), 3) for k, rate in anchored.items()
+           if rate != float("inf")}
     for k, v in zip(free, inv):
         if k.endswith("_passes"):
             eff[k.replace("passes", "latency_ms")] = round(v * 1e3, 3)
         else:
-            eff[k] = round(min(1.0, 1 / (v * (hbm if k in ("optimizer", "ep_dispatch") else peak))), 3) if v \
-                else 1.0
+            eff[k] = round(min(1.0, 1 / (v * (hbm if k in HBM_TERMS else peak))), 3) if v else 1.0
     err = (a @ inv + known) / y - 1
     out = {"efficiency": eff, "anchored": sorted(anchored), "fit_error": float(np.abs(err[fit_rows]).max()),
            "held_out_error": float(np.abs(err[~fit_rows]).max()) if (~fit_rows).any() else None,

@@ -400,6 +400,32 @@ def ep_transfer_bytes(m: ModelShape, s: float, ep: int) -> float:
     return s * m.top_k * m.hidden_size * BF16 * (ep - 1) / ep
 
 
+EXPERT_TERMS = ("expert_gemm", "expert_rows", "expert_weights")
+BYTE_TERMS = ("expert_rows", "expert_weights")  # bytes, not FLOPs
+
+
+def expert_pass_work(m: ModelShape, s: float, layout: Layout) -> dict[str, float]:
+    """The routed experts' grouped GEMMs in one pass (a forward-equivalent) through one MoE layer on one GPU, for s
+    tokens, in the three quantities their time is charged on (docs/cost_model.md, "The routed experts"):
+    expert_gemm, their FLOPs (2·3·h·f a routed row: gate, up and down); expert_rows, the bytes each routed row moves
+    through them (x in, the gate and up out, the SwiGLU's product in, y out: 2h + 3f bf16 values); expert_weights,
+    the bytes of the rank's experts' weights (3·h·f bf16 each, E/ep of them), read once a pass however few rows each
+    expert gets. TP splits the rows (s·k/tp a rank), expert TP each expert's width."""
+    if not m.num_moe_layers:
+        return dict.fromkeys(EXPERT_TERMS, 0.0)
+    h, f = m.hidden_size, m.expert_ffn / layout.etp
+    rows = s * m.top_k / layout.tp
+    per_expert = param_counts(m)["routed_experts"] / (m.num_experts * m.num_moe_layers) / layout.etp  # 3·h·f (+ bias)
+    return {"expert_gemm": rows * 2 * per_expert, "expert_rows": rows * (2 * h + 3 * f) * BF16,
+            "expert_weights": m.num_experts / layout.ep * 3 * h * f * BF16}
+
+
+def expert_pass_seconds(m: ModelShape, s: float, layout: Layout, hw: HwProfile) -> float:
+    """Seconds of `expert_pass_work` at `hw`'s rates."""
+    r = rates(hw)
+    return sum(w / r[k] for k, w in expert_pass_work(m, s, layout).items() if w)
+
+
 def ep_layer_times(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions
                    ) -> tuple[float, float, list[int]]:
     """Per MoE layer of one micro-batch: the seconds of one all-to-all transfer (s·k·h values, (ep−1)/ep of them
@@ -409,8 +435,7 @@ def ep_layer_times(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opt
     ep = layout.ep
     s = opts.micro_batch_tokens / layout.cp
     t_a2a = ep_transfer_bytes(m, s, ep) / group_bw(hw, ep, 1, gpus_per_node_used(hw, world)) if ep > 1 else 0.0
-    expert_flops_tok = 2 * param_counts(m)["routed_experts"] * m.top_k / m.num_experts / max(m.num_moe_layers, 1)
-    t_gemm = s * expert_flops_tok / (layout.tp * layout.etp) / rates(hw)["expert_gemm"]
+    t_gemm = expert_pass_seconds(m, s, layout, hw)
     transfers = [2, 1, 2] if opts.recompute == "full" else [2, 2]  # per pass: forward, (recompute,) backward
     return t_a2a, t_gemm, transfers
 
@@ -579,8 +604,11 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
     stage, has_head = slowest_stage(m, layout.pp, opts, hw)
     share = _stage_share(m, opts, stage)
     layers = s * mult / tp
+    # every MoE layer's experts do the same work, so the stage's share of their FLOPs is its share of each term
+    experts = {k: mult * m.num_moe_layers * share["expert_gemm"] * w
+               for k, w in expert_pass_work(m, s, layout).items()}
     work = {
-        "expert_gemm": layers * routed * share["expert_gemm"],
+        **experts,
         "dense_gemm": layers * (f["matmul_layers"] - routed) * share["dense_gemm"],
         "attention": layers * f["attention"] * share["attention"],
         "delta_rule": layers * f.get("linear_attention", 0.0) * share["delta_rule"],
@@ -635,10 +663,15 @@ def rates(hw: HwProfile) -> dict[str, float]:
     e = hw.efficiency
     if e is None:
         r = peak * hw.compute_efficiency
-        return {"expert_gemm": r, "dense_gemm": r, "attention": r, "delta_rule": r, "lm_head": r,
+        return {"expert_gemm": r, "expert_rows": float("inf"), "expert_weights": float("inf"), "dense_gemm": r,
+                "attention": r, "delta_rule": r, "lm_head": r,
                 "optimizer": hbm * HBM_EFFICIENCY, "ep_dispatch": float("inf"), "ep_passes": 0.0,
                 "ep_chunks": EP_CHUNK_MS_ASSUMED * 1e-3, "layer_passes": 0.0}
-    return {"expert_gemm": peak * e.expert_gemm, "dense_gemm": peak * e.dense_gemm, "attention": peak * e.attention,
+    inf = float("inf")
+    return {"expert_gemm": peak * e.expert_gemm,
+            "expert_rows": hbm * e.expert_rows if e.expert_rows else inf,
+            "expert_weights": hbm * e.expert_weights if e.expert_weights else inf,
+            "dense_gemm": peak * e.dense_gemm, "attention": peak * e.attention,
             "delta_rule": peak * e.delta_rule, "lm_head": peak * e.lm_head, "optimizer": hbm * e.optimizer,
             "ep_dispatch": hbm * e.ep_dispatch, "ep_passes": e.ep_latency_ms * 1e-3,
             "ep_chunks": e.ep_chunk_ms * 1e-3, "layer_passes": e.layer_latency_ms * 1e-3}
@@ -799,7 +832,8 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
     """Forward FLOPs per token of each decoder layer, by the operation whose rate it runs at (rates): dense_gemm
     (the mixer's projections; the router and the shared expert, or a dense FFN), expert_gemm (top-k routed experts),
     attention (the quadratic term over seq/2 keys, or the sliding window) and delta_rule (Gated DeltaNet's chunked
-    rule, linear in seq)."""
+    rule, linear in seq); and the routed experts' bytes per token (expert_rows, expert_weights: `expert_pass_work`
+    over seq tokens, ep = 1), which FLOP counts leave out."""
     from .models import _full_attention_params, _linear_attention_params
 
     f = forward_flops_per_token(m, seq)
@@ -809,13 +843,16 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
     per_expert = swiglu * m.expert_ffn + ((2 * m.expert_ffn + h) if m.arch == "gpt_oss" else 0)
     full_ctx, slide_ctx = seq / 2, min(m.sliding_window or seq, seq) / (2 if (m.sliding_window or seq) >= seq else 1)
     out = []
+    experts = {k: v / seq for k, v in expert_pass_work(m, seq, Layout()).items() if k != "expert_gemm"}
     for i, kind in enumerate(m.layer_types):
-        w = {"dense_gemm": 0.0, "expert_gemm": 0.0, "attention": 0.0, "delta_rule": 0.0}
+        w = {"dense_gemm": 0.0, "expert_gemm": 0.0, "attention": 0.0, "delta_rule": 0.0, "expert_rows": 0.0,
+             "expert_weights": 0.0}
         if i < m.first_dense_layers:
             w["dense_gemm"] += 2 * swiglu * m.dense_ffn
         else:
             w["dense_gemm"] += 2 * (h * m.num_experts + shared)
             w["expert_gemm"] += 2 * per_expert * m.top_k
+            w.update(experts)
         if kind == "linear_attention":
             w["dense_gemm"] += 2 * _linear_attention_params(m)
             w["delta_rule"] += f["linear_attention"] / m.num_linear_attn_layers
@@ -844,7 +881,7 @@ def _stage_costs(m: ModelShape, seq: float, opts: TrainOptions, r: dict[str, flo
     costs = []
     for w in layer_work(m, seq):
         if r is None:
-            costs.append(passes * sum(w.values()))
+            costs.append(passes * sum(x for op, x in w.items() if op not in BYTE_TERMS))
         else:
             costs.append(passes * (sum(x / r[op] for op, x in w.items() if x) + r["layer_passes"] / seq))
     head = head_pass_count(opts.lm_head) * forward_flops_per_token(m, seq)["head"]

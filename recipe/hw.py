@@ -54,7 +54,7 @@ class Efficiency(Record):
     streaming parts as a fraction of the HBM bandwidth, and fixed times per decoder layer and pass and per MoE layer
     and pass of the expert-parallel path."""
 
-    expert_gemm: float  # routed experts' grouped GEMMs (and the routing, permutation and activation beside them)
+    expert_gemm: float  # routed experts' grouped GEMMs: their FLOPs (with expert_rows and expert_weights below)
     dense_gemm: float  # every other matmul of a layer (projections, shared expert, router), with its norms and
     #                    elementwise work, which scale the same way and are fit together with it
     attention: float  # full attention's quadratic term (QKᵀ and PV)
@@ -67,6 +67,11 @@ class Efficiency(Record):
     #                       exchange and host sync)
     ep_chunk_ms: float  # fixed time per MoE layer, pass and overlap chunk beyond the first of that path (the chunk
     #                     loop's launches and index work)
+    # the routed experts' bytes, of the HBM bandwidth: each routed row's operands and results (2h + 3f values), and
+    # each pass's read of the rank's experts' weights (recipe/cost.py: expert_pass_work). Absent (a profile written
+    # before them): not charged apart, expert_gemm stands for the whole
+    expert_rows: float | None = None
+    expert_weights: float | None = None
 
     def __post_init__(self) -> None:
         names = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "optimizer", "ep_dispatch")
@@ -76,7 +81,9 @@ class Efficiency(Record):
             v = getattr(self, n)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"efficiency.{n} must be a finite number of milliseconds, at least 0, got {v!r}")
-        for n in names:
+        given = [n for n in ("expert_rows", "expert_weights") if getattr(self, n) is not None]
+        _check_positive(self, given)
+        for n in names + tuple(given):
             if getattr(self, n) > 1:
                 raise ValueError(f"efficiency.{n} must be at most 1, got {getattr(self, n)!r}")
 

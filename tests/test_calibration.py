@@ -41,10 +41,14 @@ def test_h200_has_a_grid_with_held_out_points():
         assert env.get(key), key
     roles = {p["role"] for p in cal.points if "step_s" in p}
     assert roles == {"fit", "held_out"}
-    assert all(p["role"] == ("held_out" if p["layers"] >= 8 else "fit") for p in cal.points)
-    # both models, three depths, both recompute modes, every head mode and the EP path were asked for
+    fitted = ("qwen35-35b", "qwen3-30b-a3b")  # a model outside them (another width) is held out whole
+    assert all(p["role"] == ("held_out" if p["layers"] >= 8 or p["model"] not in fitted else "fit")
+               for p in cal.points)
+    # the two fitted models at three depths, a held-out model, both recompute modes, every head mode and the EP
+    # path were asked for
     asked = {(p["model"], p["layers"], p["recompute"], p["lm_head"], p["ep_path"]) for p in cal.points}
-    assert {a[0] for a in asked} == {"qwen35-35b", "qwen3-30b-a3b"} and {a[1] for a in asked} == {2, 4, 8}
+    assert {a[0] for a in asked} == {*fitted, "qwen3-235b-a22b"}
+    assert {a[1] for a in asked if a[0] in fitted} == {2, 4, 8}
     assert {a[2] for a in asked} == {"full", "none"} and {a[3] for a in asked} == {"fused", "lean", "naive"}
     assert any(a[4] for a in asked)
     assert calibration.load("mi300x") is None and calibration.basis("mi300x") == "assumed"
@@ -114,34 +118,80 @@ def test_measured_profiles_carry_their_efficiencies_and_sources():
         assert load_profile(name).efficiency is None
 
 
-def test_h200_efficiencies_are_the_fit_of_its_grid():
-    """The profile's per-operation efficiencies are what `bench/calibrate.py --fit` computes from its committed
-    grid: the routed experts' GEMMs and the delta rule at the rates their components ran at alone (their FLOPs in a
-    step over the time they took in it, averaged over the component profiles), the other operations the
-    least-squares fit of the `fit` points' step times less the anchored operations' share (the step at world size
-    1 is Σ work / rate, linear in the inverse rates), non-negative: found here by brute force, the least-squares
-    solution on every support of the terms (2^7 of them) whose coefficients are all positive, the one of least
-    residual (the non-negative optimum is such a solution). A term the fit leaves at zero gets no time (the EP path's
-    fixed cost: its copies' bytes explain the EP points); a rate above the bandwidth is charged at the bandwidth."""
+def _nnls_by_brute_force(np, lhs, rhs):
+    """The non-negative least-squares solution, found as the least-squares solution on every support of the terms
+    whose coefficients are all positive, the one of least residual (the non-negative optimum is such a solution)."""
+    best = None
+    n = lhs.shape[1]
+    for support in itertools.product((False, True), repeat=n):
+        cols = [i for i, on in enumerate(support) if on]
+        inv = np.zeros(n)
+        if cols:
+            inv[cols] = np.linalg.lstsq(lhs[:, cols], rhs, rcond=None)[0]
+        if (inv[cols] > 0).all():
+            res = float(np.sum((lhs @ inv - rhs) ** 2))
+            best = min(best, (res, inv.tolist())) if best else (res, inv.tolist())
+    return best[1]
+
+
+def _expert_fit(np):
+    """(inverse rates of recipe.cost.EXPERT_TERMS, the runs' work in them, their measured seconds) from the committed
+    bench/bench_expert_rates.py runs."""
+    from recipe.cost import EXPERT_TERMS, Layout, TrainOptions, compute_work
+    from recipe.models import resolve_model
+
+    raw = json.loads(resources.files("hw_profiles").joinpath("calibration", "h200_experts.json").read_text())
+    assert {r["model"] for r in raw["rows"]} == {"qwen35-35b", "qwen3-30b-a3b", "qwen3-235b-a22b"}
+    a = np.array([[compute_work(resolve_model(r["model"]).with_layers(r["layers"]), Layout(),
+                                TrainOptions(micro_batch_tokens=r["tokens"]))[k] for k in EXPERT_TERMS]
+                  for r in raw["rows"]])
+    y = np.array([r["measured_s"] for r in raw["rows"]])
+    return np.array(_nnls_by_brute_force(np, a / y[:, None], np.ones(len(y)))), a, y
+
+
+def test_h200_expert_efficiencies_are_the_fit_of_the_expert_runs():
+    """efficiency.expert_gemm, expert_rows and expert_weights are the non-negative least-squares fit of the routed
+    experts' grouped GEMMs timed alone (hw_profiles/calibration/h200_experts.json, bench/bench_expert_rates.py: three
+    expert shapes, 8K to 128K tokens) to their work in the three terms, each run relative to its measurement; the
+    fit reproduces every run within 10%, where one FLOP rate for all (the runs' best) is 40% off on some."""
     np = pytest.importorskip("numpy")
-    from recipe.cost import ADAM_BYTES_MOVED, Layout, TrainOptions, compute_work, local_param_count
+    inv, a, y = _expert_fit(np)
+    assert (inv > 0).all()
+    hw = load_profile("h200")
+    eff, peak, hbm = hw.efficiency, hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
+    assert eff.expert_gemm == pytest.approx(1 / (inv[0] * peak), abs=6e-4)
+    assert eff.expert_rows == pytest.approx(1 / (inv[1] * hbm), abs=6e-4)
+    assert eff.expert_weights == pytest.approx(1 / (inv[2] * hbm), abs=6e-4)
+    assert np.abs(a @ inv / y - 1).max() < 0.10
+    one_rate = a[:, 0] / y
+    assert np.abs(a[:, 0] / one_rate.max() / y - 1).max() > 0.4  # one FLOP rate cannot follow the shapes
+
+
+def test_h200_efficiencies_are_the_fit_of_its_grid():
+    """The profile's other per-operation efficiencies are what `bench/calibrate.py --fit` computes from its committed
+    grid: the delta rule at the rate its component ran at alone (its FLOPs in a step over the time it took in it,
+    averaged over the component profiles), the routed experts at their fitted rates (above), the other operations
+    the least-squares fit of the `fit` points' step times less the anchored operations' share (the step at world
+    size 1 is Σ work / rate, linear in the inverse rates), non-negative: found here by brute force over every
+    support of the 7 terms. A term the fit leaves at zero gets no time (the EP path's fixed cost: its copies' bytes
+    explain the EP points); a rate above the bandwidth is charged at the bandwidth."""
+    np = pytest.importorskip("numpy")
+    from recipe.cost import ADAM_BYTES_MOVED, EXPERT_TERMS, Layout, TrainOptions, compute_work, local_param_count
     from recipe.models import resolve_model
 
     grid = calibration.load("h200")
     hw = load_profile("h200")
     eff, peak, hbm = hw.efficiency, hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
-    anchors = {"expert_gemm": "routed experts (grouped GEMMs)", "delta_rule": "delta rule (kernel only)"}
-    rates = {op: [] for op in anchors}
+    part = "delta rule (kernel only)"
+    found = []
     for c in grid.components:
-        m = resolve_model(c["model"]).with_layers(c["layers"])
-        work = compute_work(m, Layout(), TrainOptions(micro_batch_tokens=c["seq"]))
-        for op, part in anchors.items():
-            if part in c["parts"]:
-                rates[op].append(work[op] / c["parts"][part]["in_step_s"])
-    for op, r in rates.items():
-        assert r, f"no component profile times {anchors[op]!r}"
-        rates[op] = sum(r) / len(r)
-        assert getattr(eff, op) == pytest.approx(rates[op] / peak, abs=6e-4), op
+        if part in c["parts"]:
+            m = resolve_model(c["model"]).with_layers(c["layers"])
+            work = compute_work(m, Layout(), TrainOptions(micro_batch_tokens=c["seq"]))
+            found.append(work["delta_rule"] / c["parts"][part]["in_step_s"])
+    assert found, f"no component profile times {part!r}"
+    anchored = {"delta_rule": sum(found) / len(found), **dict(zip(EXPERT_TERMS, 1 / _expert_fit(np)[0]))}
+    assert eff.delta_rule == pytest.approx(anchored["delta_rule"] / peak, abs=6e-4)
 
     terms = ("dense_gemm", "attention", "lm_head", "ep_dispatch", "ep_passes", "layer_passes", "optimizer")
     rows, ys = [], []
@@ -152,21 +202,10 @@ def test_h200_efficiencies_are_the_fit_of_its_grid():
         o = TrainOptions(micro_batch_tokens=r["seq"], recompute=r["recompute"], lm_head=r["lm_head"])
         work = compute_work(m, Layout(), o, ep_path=r["ep_path"])
         work["optimizer"] = local_param_count(m, 1, Layout()) * ADAM_BYTES_MOVED
-        anchored = sum(work[op] / rates[op] for op in anchors)
         rows.append([work[k] for k in terms])
-        ys.append((r["step_s"], anchored))
+        ys.append((r["step_s"], sum(work[op] / rate for op, rate in anchored.items())))
     a, y, known = np.array(rows), np.array([t for t, _ in ys]), np.array([k for _, k in ys])
-    lhs, rhs = a / y[:, None], 1 - known / y
-    best = None
-    for support in itertools.product((False, True), repeat=len(terms)):
-        cols = [i for i, on in enumerate(support) if on]
-        inv = np.zeros(len(terms))
-        if cols:
-            inv[cols] = np.linalg.lstsq(lhs[:, cols], rhs, rcond=None)[0]
-        if (inv[cols] > 0).all():
-            res = float(np.sum((lhs @ inv - rhs) ** 2))
-            best = min(best, (res, inv.tolist())) if best else (res, inv.tolist())
-    fitted = dict(zip(terms, best[1]))
+    fitted = dict(zip(terms, _nnls_by_brute_force(np, a / y[:, None], 1 - known / y)))
     assert fitted["dense_gemm"] > 0 and fitted["attention"] > 0 and fitted["lm_head"] > 0
     for k in ("dense_gemm", "attention", "lm_head"):
         assert getattr(eff, k) == pytest.approx(1 / (fitted[k] * peak), abs=6e-4), k

@@ -301,6 +301,8 @@ def test_plot_figure_reads():
     (("efficiency", "attention", 0), ["attention must be a finite number of at least 1e-06, got 0"]),
     (("efficiency", "ep_latency_ms", -0.5), ["efficiency.ep_latency_ms must be a finite number of milliseconds, "
                                              "at least 0, got -0.5"]),
+    (("efficiency", "expert_rows", 1.5), ["efficiency.expert_rows must be at most 1, got 1.5"]),
+    (("efficiency", "expert_weights", 0), ["expert_weights must be a finite number of at least 1e-06, got 0"]),
 ], ids=lambda x: str(x[0]) if isinstance(x, tuple) else None)
 def test_bad_profile_figures_are_named(tmp_path, edit, needles):
     data = yaml.safe_load((resources.files("hw_profiles") / "h100.yaml").read_text())
@@ -324,6 +326,23 @@ def test_a_fixed_time_of_zero_is_a_valid_profile_figure(tmp_path):
     data["efficiency"].update(ep_latency_ms=0, layer_latency_ms=0.0, ep_chunk_ms=0)
     prof = tmp_path / "zero.yaml"
     prof.write_text(yaml.safe_dump(data))
+    assert run("solve", "--model", "tiny-moe", "--seq", "4k", "--hw", str(prof), "--gpus", "1").exit_code == 0
+
+
+def test_a_profile_without_the_expert_byte_terms_charges_the_experts_flops_alone(tmp_path):
+    """A profile written before expert_rows and expert_weights existed loads: its routed experts cost their FLOPs at
+    expert_gemm and nothing more."""
+    from recipe.cost import Layout, TrainOptions, estimate
+    from recipe.hw import load_profile
+    from recipe.models import PRESETS
+
+    data = yaml.safe_load((resources.files("hw_profiles") / "h100.yaml").read_text())
+    del data["efficiency"]["expert_rows"], data["efficiency"]["expert_weights"]
+    prof = tmp_path / "old.yaml"
+    prof.write_text(yaml.safe_dump(data))
+    e = estimate(PRESETS["qwen35-35b"].with_layers(2), load_profile(str(prof)), 1, Layout(),
+                 TrainOptions(micro_batch_tokens=8192))
+    assert e.compute_s["expert_rows"] == e.compute_s["expert_weights"] == 0 < e.compute_s["expert_gemm"]
     assert run("solve", "--model", "tiny-moe", "--seq", "4k", "--hw", str(prof), "--gpus", "1").exit_code == 0
 
 

@@ -217,20 +217,26 @@ def test_ep_overlap_time_is_max_plus_one_ramp():
 def test_default_ep_chunks_worked_by_hand():
     """qwen35-35b on 8 H200s at ep = 8, 64K tokens a rank, full recompute. One all-to-all transfer moves
     s·k·h·2·(ep − 1)/ep = 65,536 · 8 · 2048 · 2 · 7/8 bytes at the in-node bus bandwidth, A = 5.22 ms; the expert
-    GEMMs of one pass take G = 9.89 ms. Per MoE layer the passes carry 2, 1 and 2 transfers, and each chunk beyond
-    the first costs 0.63 ms a pass:
+    GEMMs of one pass take G = 9.94 ms: 524,288 routed rows' 3.30 TFLOP at 0.838 of 989.4 TF/s (3.98 ms), their
+    5.91 GB of rows (2h + 3f = 5632 bf16 values each) at 0.21 of 4.8 TB/s (5.86 ms) and the 32 local experts'
+    0.20 GB of weights at 0.404 of it (0.10 ms). Per MoE layer the passes carry 2, 1 and 2 transfers, and each
+    chunk beyond the first costs 0.63 ms a pass:
         cost(k) = 2·(2A − G) + (2G + A)/k + 3·0.63·(k − 1)     (2A > G in the two two-transfer passes)
-        k = 1: 26.1   k = 2: 15.5   k = 4: 13.0   k = 8: 17.4   k = 16: 31.0 ms
+        k = 1: 26.1   k = 2: 15.4   k = 4: 12.9   k = 8: 17.4   k = 16: 30.9 ms
     so 4 chunks, where 2048-token chunks would be 32."""
     h200 = load_profile("h200")
     lay, o = Layout(ep=8), opts(65_536)
     a, g, transfers = ep_layer_times(Q35, h200, 8, lay, o)
     s, k, h = 65_536, Q35.top_k, Q35.hidden_size
     assert a == pytest.approx(s * k * h * 2 * 7 / 8 / (h200.intra_node.bw_gb_s * 1e9))
-    assert (round(a * 1e3, 2), round(g * 1e3, 2), transfers) == (5.22, 9.89, [2, 1, 2])
+    eff, rows = h200.efficiency, s * k
+    g_hand = (rows * 6 * h * 512 / (989.4e12 * eff.expert_gemm) + rows * (2 * h + 3 * 512) * 2 / (4.8e12 * eff.expert_rows)
+              + 32 * 3 * h * 512 * 2 / (4.8e12 * eff.expert_weights))
+    assert g == pytest.approx(g_hand)
+    assert (round(a * 1e3, 2), round(g * 1e3, 2), transfers) == (5.22, 9.94, [2, 1, 2])
     c = h200.efficiency.ep_chunk_ms * 1e-3
     cost = {n: 2 * (2 * a - g) + (2 * g + a) / n + 3 * c * (n - 1) for n in EP_CHUNK_COUNTS}
-    assert [round(cost[n] * 1e3, 1) for n in (1, 2, 4, 8, 16)] == [26.1, 15.5, 13.0, 17.4, 31.0]
+    assert [round(cost[n] * 1e3, 1) for n in (1, 2, 4, 8, 16)] == [26.1, 15.4, 12.9, 17.4, 30.9]
     assert default_ep_chunks(Q35, h200, 8, lay, o) == min(cost, key=cost.get) == 4
 
 
@@ -535,6 +541,11 @@ def test_measured_profile_times_each_operation_at_its_own_rate():
     assert e.compute_s["delta_rule"] == pytest.approx(s * 4 * f["linear_attention"] / (peak * eff.delta_rule))
     routed = 2 * param_counts(m4)["routed_experts"] * m4.top_k / m4.num_experts
     assert e.compute_s["expert_gemm"] == pytest.approx(s * 4 * routed / (peak * eff.expert_gemm))
+    # the experts' bytes: each routed row's 2h + 3f bf16 values, and the 256 experts' weights once a pass, 4 passes
+    # a layer (recompute)
+    hbm, h, ffn = h200.hbm_bw_tb_s * 1e12, m4.hidden_size, m4.expert_ffn
+    assert e.compute_s["expert_rows"] == pytest.approx(4 * 4 * s * 8 * (2 * h + 3 * ffn) * 2 / (hbm * eff.expert_rows))
+    assert e.compute_s["expert_weights"] == pytest.approx(4 * 4 * 256 * 3 * h * ffn * 2 / (hbm * eff.expert_weights))
     assert e.compute_s["dense_gemm"] == pytest.approx(s * 4 * (f["matmul_layers"] - routed) / (peak * eff.dense_gemm))
     assert e.compute_s["layer_passes"] == pytest.approx(4 * 4 * eff.layer_latency_ms / 1e3)  # 4 layers × 4 passes
     # without recompute each layer runs 3 forward-equivalents, the head still 3 passes

@@ -70,7 +70,10 @@ def test_on_a_profile_the_split_balances_time():
     costs, first, last = stage_costs(m, 32768, opts, hw)
     w = layer_work(m, 32768)[0]
     assert m.layer_types[0] == "linear_attention"
+    h, f = m.hidden_size, m.expert_ffn  # the experts' bytes a token: its 8 routed rows, the 256 experts' weights
+    assert w["expert_rows"] == 8 * (2 * h + 3 * f) * 2 and w["expert_weights"] == 256 * 3 * h * f * 2 / 32768
     by_hand = 4 * (w["dense_gemm"] / r["dense_gemm"] + w["expert_gemm"] / r["expert_gemm"]
+                   + w["expert_rows"] / r["expert_rows"] + w["expert_weights"] / r["expert_weights"]
                    + w["delta_rule"] / r["delta_rule"]) + 4 * r["layer_passes"] / 32768
     assert costs[0] == pytest.approx(by_hand, rel=1e-12)
     assert last == pytest.approx(3 * 2 * m.vocab_size * m.hidden_size / r["lm_head"], rel=1e-12)

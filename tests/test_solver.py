@@ -226,21 +226,21 @@ def test_ep_decision_names_its_chunk_count_and_loop_time():
     assert s.estimate.step_time_s < min(slower)  # fewer and more chunks both cost this layout time
 
 
-@pytest.mark.parametrize("seq, replaced", [
-    # 128K: tp = 1 needs cp = 2; TP's exchange replaces the CP one
-    (131_072, "tp=2 with cp=1 is 4% faster per token than tp=1 with cp=2: TP's in-node exchange costs less than the "
-              "CP exchange it replaces"),
-    # 96K: tp = 1 fits at cp = 1 only at ep = 8 (its unsharded expert layer an eighth of ep = 1's); TP's exchange
-    # replaces the expert-parallel one, at the same cp
-    (98_304, "tp=2 with cp=1, ep=1 is 5% faster per token than tp=1 with cp=1, ep=8: TP's in-node exchange costs less "
-             "than the expert-parallel exchange of ep=8 it replaces"),
-])
-def test_tp_decision_names_the_exchange_it_replaces(seq, replaced):
-    """Qwen3.5-35B-A3B on 32 H100s: the TP rule takes tp = 2 when it is ≥ 3% faster per token than tp = 1 with the
-    CP and EP that tp = 1 needs, and its reason names what differs."""
-    s = solve(PRESETS["qwen35-35b"], _hw("h100"), 32, TrainOptions(micro_batch_tokens=seq))
+def test_tp_decision_names_the_exchange_it_replaces():
+    """The TP rule takes tp = 2 when it is ≥ 3% faster per token than tp = 1 with the CP and EP that tp = 1 needs, and
+    its reason names what differs. Qwen3.5-35B-A3B on 32 H100s at 128K: tp = 1 needs cp = 2, so TP's exchange replaces
+    the CP one. Qwen3.5-122B-A10B on 64 H100s at 32K with cp = 1 pinned: tp = 1 fits only at ep = 16 (its unsharded
+    expert layer smaller), so TP's exchange replaces the expert-parallel one of ep = 16, at the same cp."""
+    s = solve(PRESETS["qwen35-35b"], _hw("h100"), 32, TrainOptions(micro_batch_tokens=131_072))
     d = s.decisions["tp"]
-    assert d.value == 2 and d.constraint == "per-layer communication" and d.reason == replaced
+    assert d.value == 2 and d.constraint == "per-layer communication"
+    assert d.reason == ("tp=2 with cp=1 is 4% faster per token than tp=1 with cp=2: TP's in-node exchange costs less "
+                        "than the CP exchange it replaces")
+    s = solve(PRESETS["qwen35-122b"], _hw("h100"), 64, TrainOptions(micro_batch_tokens=32_768), pins={"cp": 1})
+    d = s.decisions["tp"]
+    assert d.value == 2 and d.constraint == "per-layer communication"
+    assert d.reason == ("tp=2 with cp=1, ep=8 is 28% faster per token than tp=1 with cp=1, ep=16: TP's in-node exchange "
+                        "costs less than the expert-parallel exchange of ep=16 it replaces")
 
 
 # ---- --recompute auto --------------------------------------------------------------------------------------------
