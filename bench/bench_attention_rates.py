@@ -1,0 +1,103 @@
+"""Full attention's kernel timed alone (the training core's `causal_attention`: causal SDPA, GQA inside it where the
+flash kernel takes the shapes) over the head shapes of the presets the training core builds and 8K to 128K tokens,
+against the step-time model's `attention` term (its quadratic FLOPs at the profile's `attention` rate).
+
+Each case times the forward, and forward + backward, of one layer's attention on random bf16 q, k, v of the model's
+query heads, KV heads and head width, one document of the given length, and prints the FLOP rate it ran at (the
+model's attention FLOPs for one layer under full recompute — forward, recomputed forward, backward — over the
+measured forward plus forward + backward), the model's rate and their ratio. The projections around it are not
+timed: they are the `dense_gemm` term's.
+
+    python bench/bench_attention_rates.py --out attention.json     # on the GPU
+    python bench/bench_attention_rates.py --cases tiny-moe:512 --device cpu   # CPU smoke
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+CASES = ("qwen35-35b:8192,qwen35-35b:32768,qwen35-35b:131072,qwen3-30b-a3b:8192,qwen3-30b-a3b:32768,"
+         "qwen3-30b-a3b:131072,qwen3-235b-a22b:8192,qwen3-235b-a22b:32768,qwen3-235b-a22b:131072")
+
+
+def model_seconds(name: str, seq: int, hw: str) -> tuple[float, float]:
+    """(FLOPs, seconds) the cost model gives one full-attention layer's quadratic term in one step under full
+    recompute: 4 forward-equivalents of forward_flops_per_token's attention share for one layer."""
+    from recipe.cost import forward_flops_per_token, rates
+    from recipe.hw import load_profile
+    from recipe.models import resolve_model
+
+    m = resolve_model(name)
+    flops = 4 * seq * forward_flops_per_token(m, seq)["attention"] / m.num_full_attn_layers
+    return flops, flops / rates(load_profile(hw))["attention"]
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--cases", default=CASES, help="model:tokens, comma-separated")
+    p.add_argument("--hw", default="h200", help="the profile whose attention rate is compared")
+    p.add_argument("--device", default="cuda")
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--out", help="write the figures as JSON")
+    p.add_argument("--commit", default="", help="the commit measured, recorded in --out")
+    args = p.parse_args()
+
+    import torch
+
+    from bench_train_step import _time
+    from launch.data import synthetic_long_batch
+    from launch.model import causal_attention
+    from recipe.models import resolve_model
+
+    device = torch.device(args.device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    rows = []
+    print(f"{'model':16} {'heads':>9} {'dim':>4} {'tokens':>7} {'fwd ms':>8} {'fwd+bwd ms':>10} {'TF/s':>6} "
+          f"{'model TF/s':>10} {'model/measured':>14}", flush=True)
+    for case in args.cases.split(","):
+        name, seq = case.split(":")
+        seq = int(seq)
+        m = resolve_model(name)
+        gen = torch.Generator(device=device).manual_seed(0)
+        q = torch.randn(seq, m.num_heads, m.head_dim, device=device, dtype=dtype, generator=gen)
+        k, v = (torch.randn(seq, m.num_kv_heads, m.head_dim, device=device, dtype=dtype, generator=gen)
+                for _ in range(2))
+        packing = synthetic_long_batch(seq, m.vocab_size, device).packing
+        scale = m.head_dim ** -0.5
+
+        def fwd():
+            with torch.no_grad():
+                causal_attention(q, k, v, packing, scale)
+
+        def fwd_bwd():
+            qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
+            causal_attention(qq, kk, vv, packing, scale).float().sum().backward()
+
+        fwd(), fwd_bwd()  # warm-up
+        t_f, t_fb = _time(fwd, device, args.reps), _time(fwd_bwd, device, args.reps)
+        measured = t_f + t_fb  # the forward, recomputed in the backward pass under full recompute, then both
+        flops, predicted = model_seconds(name, seq, args.hw)
+        rows.append({"model": name, "heads": m.num_heads, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
+                     "tokens": seq, "fwd_s": t_f, "fwd_bwd_s": t_fb, "measured_s": measured, "flops": flops,
+                     "predicted_s": predicted})
+        print(f"{name:16} {m.num_heads:>4}/{m.num_kv_heads:<4} {m.head_dim:>4} {seq:>7} {t_f * 1e3:>8.2f} "
+              f"{t_fb * 1e3:>10.2f} {flops / measured / 1e12:>6.0f} {flops / predicted / 1e12:>10.0f} "
+              f"{predicted / measured:>14.3f}", flush=True)
+        del q, k, v
+    if args.out:
+        name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
+        Path(args.out).write_text(json.dumps({
+            "what": "full attention's kernel timed alone (launch.model.causal_attention, one document; "
+                    "bench/bench_attention_rates.py)", "hw": args.hw, "device": f"{name}, torch {torch.__version__}",
+            "commit": args.commit, "command": " ".join(["python bench/bench_attention_rates.py"] + sys.argv[1:]),
+            "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    main()
