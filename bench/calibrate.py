@@ -417,7 +417,7 @@ def _nnls(lhs, rhs):
 
 def _work_rows(data: dict) -> tuple[list[dict], list[dict]]:
     """(each measured point's work by operation, with the optimizer's bytes; the points themselves)."""
-    from recipe.cost import ADAM_BYTES_MOVED, Layout, TrainOptions, compute_work, local_param_count
+    from recipe.cost import ADAM_BYTES_MOVED, Layout, TrainOptions, attention_width, compute_work, local_param_count
     from recipe.models import resolve_model
 
     rows, points = [], []
@@ -428,6 +428,7 @@ def _work_rows(data: dict) -> tuple[list[dict], list[dict]]:
         opts = TrainOptions(micro_batch_tokens=int(r["seq"]), recompute=r["recompute"], lm_head=r["lm_head"])
         work = compute_work(m, Layout(), opts, ep_path=bool(r["ep_path"]))
         work["optimizer"] = local_param_count(m, 1, Layout()) * ADAM_BYTES_MOVED
+        work["attention_width"] = attention_width(m)
         rows.append(work)
         points.append(r)
     return rows, points
@@ -456,7 +457,8 @@ def fit(path: str) -> dict:
     (anchored_rates); the step at world size 1 is linear in the other inverse rates,
     step = Σ work_op / rate_op + passes · latency + optimizer bytes / rate_opt, so a non-negative least-squares fit
     of them to the relative step times (each row divided by its measurement, less the anchored operations' share)
-    finds them. Prints the efficiencies in the profile's terms (fractions of the dense bf16 peak or of the HBM
+    finds them. Attention has one term per head width among the fitted points (the kernel's rate per FLOP differs
+    with it). Prints the efficiencies in the profile's terms (fractions of the dense bf16 peak or of the HBM
     bandwidth, ms per pass) and the fitted and held-out errors they give."""
     import numpy as np
 
@@ -472,8 +474,14 @@ def fit(path: str) -> dict:
         anchored.update(experts)
     else:  # one FLOP rate stands for the experts' whole time, their bytes not charged apart
         anchored.update(expert_rows=float("inf"), expert_weights=float("inf"))
-    free = [k for k in FIT_TERMS if k not in anchored]
     rows, points = _work_rows(data)
+    # attention: one term per head width among the fitted points, each point's attention work in its width's column
+    widths = sorted({r["attention_width"] for r, p in zip(rows, points) if p.get("role", "fit") == "fit"
+                     and r["attention"]})
+    for r in rows:
+        r.update({f"attention@{d}": r["attention"] if r["attention_width"] == d else 0.0 for d in widths})
+    free = [t for k in FIT_TERMS if k not in anchored
+            for t in ([f"attention@{d}" for d in widths] if k == "attention" else [k])]
     y = np.array([r["step_s"] for r in points])
     known = np.array([sum(w[k] / rate for k, rate in anchored.items() if w[k]) for w in rows])
     a = np.array([[w[k] for k in free] for w in rows])
@@ -487,6 +495,9 @@ def fit(path: str) -> dict:
             eff[k.replace("passes", "latency_ms")] = round(v * 1e3, 3)
         else:
             eff[k] = round(min(1.0, 1 / (v * (hbm if k in HBM_TERMS else peak))), 3) if v else 1.0
+    by_width = {int(k.split("@")[1]): eff.pop(k) for k in list(eff) if k.startswith("attention@")}
+    if by_width:
+        eff["attention"] = by_width if len(by_width) > 1 else next(iter(by_width.values()))
     err = (a @ inv + known) / y - 1
     out = {"efficiency": eff, "anchored": sorted(anchored), "fit_error": float(np.abs(err[fit_rows]).max()),
            "held_out_error": float(np.abs(err[~fit_rows]).max()) if (~fit_rows).any() else None,

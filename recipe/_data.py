@@ -52,8 +52,11 @@ def validate(cls, data, origin: str):
     try:
         return _adapter(cls).validate_python(data)
     except ValidationError as e:
-        err = e.errors()[0]
-        loc = ".".join(str(x) for x in err.get("loc", ()))
+        errs = e.errors()
+        # a union (a number or a mapping) reports each branch: keep the one of the input's own kind
+        err = next((x for x in errs if not (x.get("type") == "dict_type" or (
+            x.get("type") in ("float_type", "int_type") and isinstance(x.get("input"), dict)))), errs[0])
+        loc = ".".join(str(x) for x in err.get("loc", ()) if not str(x).startswith(("dict[", "float", "int")))
         msg = "unknown field" if err.get("type") == "unexpected_keyword_argument" else err.get("msg", "invalid")
         msg = msg.removeprefix("Value error, ")
         raise ValueError(f"{origin}: field {loc!r}: {msg}" if loc else f"{origin}: {msg}") from None

@@ -655,7 +655,30 @@ def _stage_counts(m: ModelShape, stage: range) -> dict[str, int]:
             "attention": len(kinds) - kinds.count("linear_attention")}
 
 
-def rates(hw: HwProfile) -> dict[str, float]:
+def attention_width(m: ModelShape) -> int:
+    """The head width full attention's kernel runs at: the head size, or under MLA the wider of the query-key and
+    value widths."""
+    if m.mla is not None:
+        return max(m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim)
+    return m.head_dim
+
+
+def attention_efficiency(eff: float | dict[int, float], width: int | None) -> float:
+    """The attention efficiency at a head width: one figure as it is; by width, linear between the two measured
+    widths around it and the nearest one's outside them (their mean without a width)."""
+    if not isinstance(eff, dict):
+        return eff
+    if width is None:
+        return sum(eff.values()) / len(eff)
+    ws = sorted(eff)
+    if width <= ws[0] or width >= ws[-1]:
+        return eff[ws[0] if width <= ws[0] else ws[-1]]
+    hi = next(w for w in ws if w >= width)
+    lo = max(w for w in ws if w <= width)
+    return eff[lo] if hi == lo else eff[lo] + (eff[hi] - eff[lo]) * (width - lo) / (hi - lo)
+
+
+def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
     """FLOP/s (or bytes/s) each operation runs at on `hw`, and the fixed seconds per layer pass: the profile's
     measured efficiencies, or, without them, every matmul at compute_efficiency, the optimizer at HBM_EFFICIENCY
     of the bandwidth and no per-layer or EP-copy time (the assumption every profile made before measurement)."""
@@ -671,7 +694,8 @@ def rates(hw: HwProfile) -> dict[str, float]:
     return {"expert_gemm": peak * e.expert_gemm,
             "expert_rows": hbm * e.expert_rows if e.expert_rows else inf,
             "expert_weights": hbm * e.expert_weights if e.expert_weights else inf,
-            "dense_gemm": peak * e.dense_gemm, "attention": peak * e.attention,
+            "dense_gemm": peak * e.dense_gemm,
+            "attention": peak * attention_efficiency(e.attention, attention_width(m) if m is not None else None),
             "delta_rule": peak * e.delta_rule, "lm_head": peak * e.lm_head, "optimizer": hbm * e.optimizer,
             "ep_dispatch": hbm * e.ep_dispatch, "ep_passes": e.ep_latency_ms * 1e-3,
             "ep_chunks": e.ep_chunk_ms * 1e-3, "layer_passes": e.layer_latency_ms * 1e-3}
@@ -680,9 +704,10 @@ def rates(hw: HwProfile) -> dict[str, float]:
 PASS_TERMS = ("layer_passes", "ep_passes", "ep_chunks")  # counted in passes, charged at a fixed time each
 
 
-def compute_times(work: dict[str, float], hw: HwProfile) -> dict[str, float]:
-    """Seconds of each operation in compute_work: work over its rate (the PASS_TERMS times their latency)."""
-    r = rates(hw)
+def compute_times(work: dict[str, float], hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
+    """Seconds of each operation in compute_work: work over its rate (the PASS_TERMS times their latency); `m` sets
+    attention's head width."""
+    r = rates(hw, m)
     return {k: (w * r[k] if k in PASS_TERMS else (w / r[k] if w else 0.0)) for k, w in work.items()}
 
 
@@ -804,7 +829,7 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     memory_gb["usable"] = hw.usable_gb
 
     f, model_flops_tok, hw_flops_tok, _ = flop_terms(m, opts)
-    compute = compute_times(compute_work(m, layout, opts, ep_path, hw), hw)
+    compute = compute_times(compute_work(m, layout, opts, ep_path, hw), hw, m)
     comm, comm_t = communication_terms(m, hw, world, layout, opts)
     t_opt = (local_param_count(m, world, layout, stage_layers(m, layout.pp, opts, hw)) * ADAM_BYTES_MOVED
              / rates(hw)["optimizer"])
@@ -872,7 +897,7 @@ def stage_costs(m: ModelShape, seq: float, opts: TrainOptions, hw: HwProfile | N
     tokens — Gated DeltaNet's chunked rule runs at a far lower rate than attention or the GEMMs, so FLOPs alone would
     load the stages unevenly in time. Without one, in hardware FLOPs. The embedding is a lookup (0); the head is
     `head_passes` logits-sized GEMMs, as in estimate."""
-    return _stage_costs(m, seq, opts, rates(hw) if hw is not None else None)
+    return _stage_costs(m, seq, opts, rates(hw, m) if hw is not None else None)
 
 
 def _stage_costs(m: ModelShape, seq: float, opts: TrainOptions, r: dict[str, float] | None
@@ -895,7 +920,7 @@ def slowest_stage(m: ModelShape, pp: int, opts: TrainOptions, hw: HwProfile | No
     slot. With pp = 1, every layer and the head."""
     if pp <= 1:
         return range(m.num_layers), True
-    start, stop, has_head = _slowest_stage(m, pp, opts, _rate_key(hw))
+    start, stop, has_head = _slowest_stage(m, pp, opts, _rate_key(hw, m))
     return range(start, stop), has_head
 
 
@@ -957,12 +982,13 @@ def pipeline_split(m: ModelShape, stages: int, opts: TrainOptions, hw: HwProfile
     """Layers per pipeline stage for `stages` stages (pp·virtual stages), balanced by stage_costs at the plan's
     micro-batch (in time on `hw`; in FLOPs without a profile): what `recipe solve` records as the plan's
     `train.pp_stages` and what the trainer builds."""
-    return list(_pipeline_split(m, stages, opts, _rate_key(hw)))
+    return list(_pipeline_split(m, stages, opts, _rate_key(hw, m)))
 
 
-def _rate_key(hw: HwProfile | None):
-    """A profile's rates as a hashable key (the pipeline caches' key: the split depends on nothing else of it)."""
-    return None if hw is None else tuple(sorted(rates(hw).items()))
+def _rate_key(hw: HwProfile | None, m: ModelShape):
+    """A profile's rates for `m` as a hashable key (the pipeline caches' key: the split depends on nothing else of
+    it)."""
+    return None if hw is None else tuple(sorted(rates(hw, m).items()))
 
 
 @functools.lru_cache(maxsize=4096)

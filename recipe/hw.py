@@ -57,7 +57,9 @@ class Efficiency(Record):
     expert_gemm: float  # routed experts' grouped GEMMs: their FLOPs (with expert_rows and expert_weights below)
     dense_gemm: float  # every other matmul of a layer (projections, shared expert, router), with its norms and
     #                    elementwise work, which scale the same way and are fit together with it
-    attention: float  # full attention's quadratic term (QKᵀ and PV)
+    # full attention's quadratic term (QKᵀ and PV): one efficiency, or one per attention head width ({128: …,
+    # 256: …}), the kernel's rate per FLOP differing with it (recipe/cost.py: attention_efficiency)
+    attention: float | dict[int, float]
     delta_rule: float  # Gated DeltaNet's chunked rule
     lm_head: float  # the LM head's logits-sized GEMMs with the loss fused in
     optimizer: float  # AdamW's streaming update, of the HBM bandwidth
@@ -74,7 +76,17 @@ class Efficiency(Record):
     expert_weights: float | None = None
 
     def __post_init__(self) -> None:
-        names = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head", "optimizer", "ep_dispatch")
+        names = ("expert_gemm", "dense_gemm", "delta_rule", "lm_head", "optimizer", "ep_dispatch")
+        if isinstance(self.attention, dict):
+            widths = self.attention
+            if not widths or not all(isinstance(k, int) and not isinstance(k, bool) and k > 0 for k in widths):
+                raise ValueError(f"efficiency.attention by head width needs positive whole widths, got "
+                                 f"{sorted(widths, key=str)!r}")
+            for k, v in widths.items():
+                if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and 1e-6 <= v <= 1):
+                    raise ValueError(f"efficiency.attention[{k}] must be a number in [1e-06, 1], got {v!r}")
+        else:
+            names += ("attention",)
         _check_positive(self, names)
         for n in ("layer_latency_ms", "ep_latency_ms", "ep_chunk_ms"):
             # fixed times multiply a count (nothing divides by them): none at all is a valid measurement

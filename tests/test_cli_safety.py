@@ -302,6 +302,12 @@ def test_plot_figure_reads():
     (("efficiency", "ep_latency_ms", -0.5), ["efficiency.ep_latency_ms must be a finite number of milliseconds, "
                                              "at least 0, got -0.5"]),
     (("efficiency", "expert_rows", 1.5), ["efficiency.expert_rows must be at most 1, got 1.5"]),
+    # attention: one figure or one per head width; a union's error names the branch of the input's kind
+    (("efficiency", "attention", {128: 1.5}), ["efficiency.attention[128] must be a number in [1e-06, 1], got 1.5"]),
+    (("efficiency", "attention", {}), ["efficiency.attention by head width needs positive whole widths"]),
+    (("efficiency", "attention", "fast"), ["field 'efficiency.attention': Input should be a valid number"]),
+    (("efficiency", "attention", {"wide": 0.4}), ["field 'efficiency.attention.wide.[key]': Input should be a valid "
+                                                  "integer"]),
     (("efficiency", "expert_weights", 0), ["expert_weights must be a finite number of at least 1e-06, got 0"]),
 ], ids=lambda x: str(x[0]) if isinstance(x, tuple) else None)
 def test_bad_profile_figures_are_named(tmp_path, edit, needles):

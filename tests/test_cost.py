@@ -369,33 +369,33 @@ def test_pipeline_step_is_the_slowest_stages():
     stage, has_head = slowest_stage(m, 2, o, h200)
     costs, _, head = stage_costs(m, 32768, o, h200)
     per_stage = [sum(costs[:5]), sum(costs[5:]) + head]  # the split 5 + 3: the head weighs like ~2 layers
-    assert list(stage) == [0, 1, 2, 3, 4] and not has_head and per_stage[0] >= per_stage[1]
-    t_mb = sum(compute_times(compute_work(m, Layout(pp=2), o, False, h200), h200).values())
-    assert t_mb == pytest.approx(32768 * per_stage[0], rel=1e-9)
+    assert list(stage) == [5, 6, 7] and has_head and per_stage[1] >= per_stage[0]
+    t_mb = sum(compute_times(compute_work(m, Layout(pp=2), o, False, h200), h200, m).values())
+    assert t_mb == pytest.approx(32768 * per_stage[1], rel=1e-9)
     est = estimate(m, h200, 2, Layout(pp=2), o)
     slot = t_mb + est.time_s["pp_p2p"] / 3
     assert est.step_time_s == pytest.approx(slot * (3 + 1) + est.time_s["optimizer"], rel=1e-9)
     # one stage: all of it, the head included
-    assert sum(compute_times(compute_work(m, Layout(), o, False, h200), h200).values()) == pytest.approx(
+    assert sum(compute_times(compute_work(m, Layout(), o, False, h200), h200, m).values()) == pytest.approx(
         32768 * (sum(costs) + head), rel=1e-9)
 
 
 def test_pipeline_exchanges_are_the_slowest_stages():
     """Under PP the CP bytes count the slowest stage's layers, not L/pp of each kind: 8 layers of Qwen3.5-35B at
-    32K, pp = 2, cp = 2 on the H200 — the slowest stage holds layers 0–4: four Gated DeltaNet layers and one full
-    attention layer. Per pass (3 under full recompute): the attention layer all-gathers s·(cp−1) tokens of K and V;
+    32K, pp = 2, cp = 2 on the H200 — the slowest stage holds layers 5–7 and the head: two Gated DeltaNet layers and
+    one full attention layer. Per pass (3 under full recompute): the attention layer all-gathers s·(cp−1) tokens of K and V;
     each Gated DeltaNet layer (cp−1) segment-map pairs and conv halos."""
     from recipe.cost import communication_terms, slowest_stage
 
     h200 = load_profile("h200")
     m, o = Q35.with_layers(8), opts(32768)
-    assert slowest_stage(m, 2, o, h200) == (range(0, 5), False)
+    assert slowest_stage(m, 2, o, h200) == (range(5, 8), True)
     la, s = m.linear_attn, 32768 / 2
     kv = 2 * m.num_kv_heads * m.head_dim * BF16
     maps = 2 * la.num_v_heads * la.head_k_dim * (la.head_v_dim + la.head_k_dim) * FP32
     halo = (la.conv_kernel - 1) * (2 * la.num_k_heads * la.head_k_dim + la.num_v_heads * la.head_v_dim) * BF16
     comm, _ = communication_terms(m, h200, 4, Layout(pp=2, cp=2), o)
-    assert comm["cp"] == pytest.approx(3 * (1 * s * kv + 4 * (maps + 2 * halo)), rel=1e-12)
+    assert comm["cp"] == pytest.approx(3 * (1 * s * kv + 2 * (maps + 2 * halo)), rel=1e-12)
 
 
 def test_cp_combine_charge_matches_its_h200_measurement():
@@ -537,7 +537,12 @@ def test_measured_profile_times_each_operation_at_its_own_rate():
     f = forward_flops_per_token(m4, s)
     assert sum(e.compute_s.values()) == pytest.approx(e.time_s["compute"])
     assert e.compute_s["lm_head"] == pytest.approx(s * 3 * f["head"] / (peak * eff.lm_head))
-    assert e.compute_s["attention"] == pytest.approx(s * 4 * f["attention"] / (peak * eff.attention))
+    # attention at the efficiency of Qwen3.5's 256-wide heads; Qwen3-30B-A3B's 128-wide ones run at theirs
+    assert e.compute_s["attention"] == pytest.approx(s * 4 * f["attention"] / (peak * eff.attention[256]))
+    q3 = PRESETS["qwen3-30b-a3b"].with_layers(2)
+    e3 = estimate(q3, h200, 1, Layout(), opts(s))
+    assert e3.compute_s["attention"] == pytest.approx(
+        s * 4 * forward_flops_per_token(q3, s)["attention"] / (peak * eff.attention[128]))
     assert e.compute_s["delta_rule"] == pytest.approx(s * 4 * f["linear_attention"] / (peak * eff.delta_rule))
     routed = 2 * param_counts(m4)["routed_experts"] * m4.top_k / m4.num_experts
     assert e.compute_s["expert_gemm"] == pytest.approx(s * 4 * routed / (peak * eff.expert_gemm))
@@ -596,3 +601,17 @@ def test_ep_copies_count_the_regroups_and_only_the_local_share_of_each_exchange(
     assert ep_copy_bytes(Q35, 32_768, recompute=False) == pytest.approx(8 * row)
     assert ep_copy_bytes(Q35, 32_768, recompute=True, ep=8) == pytest.approx((4 + 5 / 8) * row)
     assert ep_copy_bytes(PRESETS["deepseek-v3"].with_layers(3), 32_768, recompute=True) == 0.0  # its dense layers
+
+
+def test_attention_efficiency_by_head_width_worked_by_hand():
+    """One figure serves every width; by width, linear between the measured widths and the nearest outside them:
+    {128: 0.448, 256: 0.393} gives 0.448 at 64 and 128, 0.4205 at 192 (MLA's 128 + 64 query-key width), 0.393 at
+    256 and 512, and their mean, 0.4205, without a model."""
+    from recipe.cost import attention_efficiency, attention_width
+
+    by = {128: 0.448, 256: 0.393}
+    assert attention_efficiency(0.446, 192) == 0.446
+    assert [attention_efficiency(by, w) for w in (64, 128, 256, 512)] == [0.448, 0.448, 0.393, 0.393]
+    assert attention_efficiency(by, 192) == pytest.approx(0.4205)
+    assert attention_efficiency(by, None) == pytest.approx(0.4205)
+    assert attention_width(PRESETS["deepseek-v3"]) == 192 and attention_width(PRESETS["qwen35-35b"]) == 256
