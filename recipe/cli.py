@@ -304,6 +304,7 @@ def solve(
     text = dumps(plan_dict(inputs, m, prof, sol), fmt)
     if to_stdout:
         sys.stdout.write(text)
+        _note_cheaper_count(m, prof, sol, inputs)
         _warn_assumed(prof)
         return
     if output is not None:  # written before anything is printed: a closed stdout cannot cost the plan
@@ -318,7 +319,26 @@ def solve(
         sys.stdout.write(summary_text(m, prof, inputs.seq_len, sol))
     if output is not None:
         sys.stdout.write(f"wrote {output}\n")
+    _note_cheaper_count(m, prof, sol, inputs)
     _warn_assumed(prof)
+
+
+def _note_cheaper_count(m, prof, sol, inputs) -> None:
+    """With --gpus N: one line on stderr when a count up to 2N would take the default count rule's place, i.e. run
+    1.5x or more the tokens/s per GPU of N (docs/solver.md, "World size")."""
+    if not inputs.gpus:
+        return
+    from .solver import cheaper_count
+    from .text import layout_str
+
+    other = cheaper_count(m, prof, sol, inputs.ep_overlap_chunks is None, inputs.pins)
+    if other is None:
+        return
+    a, b = sol.estimate.tokens_per_s_per_gpu, other.estimate.tokens_per_s_per_gpu
+    sys.stdout.flush()
+    sys.stderr.write(f"note: {other.world} GPUs run {b / a:.2f}x the tokens/s per GPU of these {sol.world} "
+                     f"({layout_str(other.degrees)}, {b:,.0f} against {a:,.0f}): fewer GPU-hours a token and a "
+                     f"shorter step; without --gpus the count is chosen this way\n")
 
 
 def _warn_assumed(prof) -> None:

@@ -742,6 +742,15 @@ def _count_by_cost(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks
     return next(s for s in sols if s.estimate.tokens_per_s_per_gpu >= want), cheapest
 
 
+def cheaper_count(m: ModelShape, hw: HwProfile, sol: Solution, auto_chunks: bool = True,
+                  pins: dict[str, int] | None = None) -> Solution | None:
+    """For a GPU count the user fixed (`--gpus`): the count the default rule would take from it instead — the
+    smallest of `world_candidates` up to twice as many GPUs whose GPU-hours a token are within COUNT_GAIN of the
+    cheapest's there (`_count_by_cost`) — or None when that is sol's own count."""
+    taken, _ = _count_by_cost(m, hw, sol.opts, auto_chunks, normalize_pins(pins), sol)
+    return None if taken is sol else taken
+
+
 def world_candidates(hw: HwProfile) -> list[int]:
     small = [w for w in (1, 2, 4) if w < hw.gpus_per_node]
     return small + [hw.gpus_per_node * n for n in range(1, MAX_WORLD // hw.gpus_per_node + 1)]

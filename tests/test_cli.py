@@ -101,6 +101,19 @@ def test_recompute_auto_writes_the_choice_and_checks_clean(tmp_path):
     assert run("check", str(out)).exit_code == 0
 
 
+def test_gpus_that_cost_far_more_a_token_get_a_note():
+    """--gpus 32 for gpt-oss-120b at 128K on H100s fits only at tp=4: the count the default rule takes, 40 (tp=1),
+    runs 1.5x or more the tokens/s per GPU, and one line on stderr says so; 16 H100s for qwen35-35b, within the rule,
+    get none."""
+    r = run("solve", "--model", "gpt-oss-120b", "--seq", "128k", "--hw", "h100", "--gpus", "32")
+    assert r.exit_code == 0, r.output
+    note = [line for line in r.stderr.splitlines() if line.startswith("note:")]
+    assert len(note) == 1 and note[0].startswith("note: 40 GPUs run ") and "of these 32 (PP=1 TP=1 " in note[0]
+    assert float(note[0].split(" run ")[1].split("x")[0]) >= 1.5
+    r = run("solve", "--model", "qwen35-35b", "--seq", "128k", "--hw", "h100", "--gpus", "16")
+    assert r.exit_code == 0 and "note:" not in r.stderr
+
+
 def test_solve_options_change_the_plan(tmp_path):
     base = json.loads(run(*SOLVE, "--gpus", "8", "--seq", "32k", "-f", "json", "-o", "-").stdout)
     naive = json.loads(run(*SOLVE, "--gpus", "8", "--seq", "32k", "--lm-head", "naive", "-f", "json",
