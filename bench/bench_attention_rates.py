@@ -14,12 +14,13 @@ timed: they are the `dense_gemm` term's.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _rates_common import rate_args, write_rates  # noqa: E402
 
 CASES = ("qwen35-35b:8192,qwen35-35b:32768,qwen35-35b:131072,qwen3-30b-a3b:8192,qwen3-30b-a3b:32768,"
          "qwen3-30b-a3b:131072,qwen3-235b-a22b:8192,qwen3-235b-a22b:32768,qwen3-235b-a22b:131072")
@@ -38,14 +39,8 @@ def model_seconds(name: str, seq: int, hw: str) -> tuple[float, float]:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default=CASES, help="model:tokens, comma-separated")
-    p.add_argument("--hw", default="h200", help="the profile whose attention rate is compared")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--reps", type=int, default=3)
-    p.add_argument("--out", help="write the figures as JSON")
-    p.add_argument("--commit", default="", help="the commit measured, recorded in --out")
-    args = p.parse_args()
+    args = rate_args(__doc__, CASES, "model:tokens", "attention rate",
+                     extra=lambda p: p.add_argument("--reps", type=int, default=3))
 
     import torch
 
@@ -88,16 +83,8 @@ def main() -> None:
         print(f"{name:16} {m.num_heads:>4}/{m.num_kv_heads:<4} {m.head_dim:>4} {seq:>7} {t_f * 1e3:>8.2f} "
               f"{t_fb * 1e3:>10.2f} {flops / measured / 1e12:>6.0f} {flops / predicted / 1e12:>10.0f} "
               f"{predicted / measured:>14.3f}", flush=True)
-        del q, k, v
-    if args.out:
-        name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
-        Path(args.out).write_text(json.dumps({
-            "what": "full attention's kernel timed alone (launch.model.causal_attention, one document; "
-                    "bench/bench_attention_rates.py)", "hw": args.hw, "device": f"{name}, torch {torch.__version__}",
-            "commit": args.commit, "command": " ".join(["python bench/bench_attention_rates.py"] + sys.argv[1:]),
-            "rows": rows}, indent=1) + "\n")
-
+    write_rates(args, "bench_attention_rates.py", "full attention's kernel timed alone (launch.model.causal_attention, "
+                "one document; bench/bench_attention_rates.py)", rows)
 
 if __name__ == "__main__":
-    sys.path.insert(0, str(Path(__file__).resolve().parent))
     main()

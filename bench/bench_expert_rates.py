@@ -17,13 +17,13 @@ weights buys.
 
 from __future__ import annotations
 
-import argparse
-import json
 import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _rates_common import rate_args, write_rates  # noqa: E402
 
 K = 1024
 CASES = ("qwen35-35b:1:8192,qwen35-35b:1:32768,qwen35-35b:1:131072,qwen3-30b-a3b:1:8192,qwen3-30b-a3b:1:32768,"
@@ -45,13 +45,7 @@ def predicted(model: str, layers: int, seq: int, hw: str) -> dict:
 
 
 def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--cases", default=CASES, help="model:layers:tokens, comma-separated")
-    p.add_argument("--hw", default="h200", help="the profile whose expert rates are compared")
-    p.add_argument("--device", default="cuda")
-    p.add_argument("--out", help="write the figures as JSON")
-    p.add_argument("--commit", default="", help="the commit measured, recorded in --out")
-    args = p.parse_args()
+    args = rate_args(__doc__, CASES, "model:layers:tokens", "expert rates")
 
     import torch
 
@@ -91,14 +85,9 @@ def main() -> None:
               f"{pred['flops'] / pred['seconds'] / 1e12:>6.0f} {pred['seconds'] / part['in_step_s']:>14.3f}",
               flush=True)
         del batch
-    if args.out:
-        what = ("the routed experts' grouped GEMMs timed alone (the 'routed experts (grouped GEMMs)' component of "
-                "bench/bench_train_step.py profile_components, full recompute) (bench/bench_expert_rates.py)")
-        name = torch.cuda.get_device_name() if device.type == "cuda" else str(device)
-        Path(args.out).write_text(json.dumps({
-            "what": what, "hw": args.hw, "device": f"{name}, torch {torch.__version__}", "commit": args.commit,
-            "command": " ".join(["python bench/bench_expert_rates.py"] + sys.argv[1:]), "rows": rows}, indent=1) + "\n")
-
+    write_rates(args, "bench_expert_rates.py", "the routed experts' grouped GEMMs timed alone (the 'routed experts "
+                "(grouped GEMMs)' component of bench/bench_train_step.py profile_components, full recompute) "
+                "(bench/bench_expert_rates.py)", rows)
 
 if __name__ == "__main__":
     main()
