@@ -7,8 +7,9 @@ Grid (the default, `--grid full`): Qwen3.5-35B-A3B and Qwen3-30B-A3B at full wid
 heads at a subset, and the expert-parallel code path at world size 1 (parallelize(..., ep_dispatch=True) under a
 one-process group) at 8K to 64K tokens, so its fixed cost and its per-token cost separate. The 2- and 4-layer points
 are the ones the per-operation efficiencies are fit on; the 8-layer points are held out. Points that do not fit
-are recorded with their error, not dropped. `--grid holdout`: Qwen3-235B-A22B at 1 and 2 layers, a model at another
-width whose every point is held out (merged into the committed grid beside the others).
+are recorded with their error, not dropped. `--grid holdout`: Qwen3-235B-A22B at 1 and 2 layers (another width) and
+Qwen3-Next-80B-A3B at 2 layers (512 experts, top 10), every point held out (merged into the committed grid beside the
+others).
 
 Every (model, depth) group builds its model once and runs its points in order (recompute none first: full recompute
 wraps the layers for good); each point empties the allocator's cache, runs one warm-up step, then times `--steps`
@@ -82,6 +83,10 @@ GRIDS = {
                                      (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
         ("qwen3-235b-a22b", 2, _pts([(("none", "fused"), [8 * K, 32 * K]),
                                      (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 32 * K),
+        # Qwen3-Next-80B-A3B's first two layers (Gated DeltaNet): 512 experts, top 10, the expert weights' term
+        # largest of the presets the core trains
+        ("qwen3-next-80b", 2, _pts([(("none", "fused"), [8 * K]),
+                                    (("full", "fused"), [8 * K, 32 * K, 64 * K, 128 * K])]), 0),
     ],
     "smoke": [
         ("tiny-moe", 2, _pts([(("none", "fused"), [256]), (("full", "fused"), [256, 512]),
