@@ -704,6 +704,18 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
 PASS_TERMS = ("layer_passes", "ep_passes", "ep_chunks")  # counted in passes, charged at a fixed time each
 
 
+PER_TOKEN_TERMS = ("expert_gemm", "expert_rows", "dense_gemm", "attention", "delta_rule", "lm_head")
+
+
+def tokens_per_s_bound(m: ModelShape, hw: HwProfile, opts: TrainOptions) -> float:
+    """An upper bound on any layout's tokens/s per GPU for these options: the micro-batch's tokens over the time of
+    the work whose share per token no split lowers (PER_TOKEN_TERMS at tp = cp = pp = ep = 1: TP and CP divide both
+    the work and the tokens a GPU holds, as PP divides the layers), with no exchange, no fixed time per pass, no
+    expert weight reads (which EP makes cheaper per token) and no optimizer (which more GPUs make cheaper)."""
+    t = compute_times(compute_work(m, Layout(), opts, hw=hw), hw, m)
+    return opts.micro_batch_tokens / sum(t[k] for k in PER_TOKEN_TERMS)
+
+
 def compute_times(work: dict[str, float], hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
     """Seconds of each operation in compute_work: work over its rate (the PASS_TERMS times their latency); `m` sets
     attention's head width."""

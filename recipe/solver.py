@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from .cost import Estimate, Layout, TrainOptions, with_default_chunks
+from .cost import Estimate, Layout, TrainOptions, tokens_per_s_bound, with_default_chunks
 from .margin import Margin, estimate_with_margin as estimate, margin_of
 from .cost import BF16, BYTES_UNSHARDED, GB, gpus_per_node_used, layer_params
 from .hw import HwProfile
@@ -730,6 +730,8 @@ def _count_by_cost(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks
     are at least 1/COUNT_GAIN of that. It is sol itself unless the memory that made sol fit forced a wide TP or CP
     (or a deep PP) that a few more GPUs lift."""
     sols = [sol]
+    if COUNT_GAIN * sol.estimate.tokens_per_s_per_gpu >= tokens_per_s_bound(m, hw, opts):
+        return sol, sol  # no count can run COUNT_GAIN times its tokens/s per GPU: nothing to solve
     for w in world_candidates(hw):
         if w <= sol.world or w > 2 * sol.world or (pins and pin_violations(m, hw, opts.micro_batch_tokens, pins, w)):
             continue

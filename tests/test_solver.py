@@ -290,3 +290,21 @@ def test_recompute_auto_keeps_full_when_none_is_slower():
     gain = none.estimate.tokens_per_s_per_gpu / s.estimate.tokens_per_s_per_gpu
     assert gain < 1.03 and s.opts.recompute == "full" and s.recompute.constraint == "step time"
     assert f"runs {gain:.2f}x the tokens/s per GPU of this one" in s.recompute.reason
+
+
+def test_tokens_per_s_bound_bounds_every_layout():
+    """tokens_per_s_bound is above every layout's tokens/s per GPU — every point of the PP×TP×EP×CP grid at 8, 32 and
+    64 GPUs, H100 and MI300X, 32K and 128K — so the count rule may skip its search when the count found already runs
+    within COUNT_GAIN of it."""
+    from recipe.cost import tokens_per_s_bound
+
+    for model in ("qwen35-35b", "qwen3-30b-a3b", "gpt-oss-120b"):
+        for hw_name in ("h100", "mi300x"):
+            hw = _hw(hw_name)
+            for seq in (32_768, 131_072):
+                opts = TrainOptions(micro_batch_tokens=seq)
+                bound = tokens_per_s_bound(PRESETS[model], hw, opts)
+                for world in (8, 32, 64):
+                    for p in grid(PRESETS[model], hw, world, opts):
+                        assert p.estimate.tokens_per_s_per_gpu <= bound * (1 + 1e-9), (model, hw_name, seq, world,
+                                                                                       p.layout)
