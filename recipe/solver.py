@@ -813,8 +813,9 @@ def solve_min_gpus(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks
             rejected = (f"{sol.world} GPUs fit only with {_lay_str(sol.layout)} at {a:,.0f} tok/s/GPU: {b / a:.2f}x "
                         f"the GPU-hours a token of {cheapest.world} GPUs ({b:,.0f}), and a slower step (--gpus "
                         f"{sol.world} takes them)")
+            found = "the whole node" if full is not None else "the smallest that fits"
             sol, head = taken, (f"the smallest count within {COUNT_GAIN:g}x the fewest GPU-hours a token of any from "
-                                f"{sol.world} (the smallest that fits) to {2 * sol.world}")
+                                f"{sol.world} ({found}) to {2 * sol.world}")
         sol.count = Decision(sol.world, head, f"CP={sol.layout.cp}, "
                              f"{100 * sol.estimate.headroom_gb / hw.usable_gb:.0f}% headroom",
                              {"headroom_gb": round(sol.estimate.headroom_gb, 2),
