@@ -56,7 +56,8 @@ def validate(cls, data, origin: str):
         # a union (a number or a mapping) reports each branch: keep the one of the input's own kind
         err = next((x for x in errs if not (x.get("type") == "dict_type" or (
             x.get("type") in ("float_type", "int_type") and isinstance(x.get("input"), dict)))), errs[0])
-        loc = ".".join(str(x) for x in err.get("loc", ()) if not str(x).startswith(("dict[", "float", "int")))
+        branch = lambda x: str(x) in ("float", "int") or str(x).startswith("dict[")  # noqa: E731 - a union's tag
+        loc = ".".join(str(x) for x in err.get("loc", ()) if not branch(x))
         msg = "unknown field" if err.get("type") == "unexpected_keyword_argument" else err.get("msg", "invalid")
         msg = msg.removeprefix("Value error, ")
         raise ValueError(f"{origin}: field {loc!r}: {msg}" if loc else f"{origin}: {msg}") from None

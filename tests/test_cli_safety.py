@@ -308,6 +308,8 @@ def test_plot_figure_reads():
     (("efficiency", "attention", "fast"), ["field 'efficiency.attention': Input should be a valid number"]),
     (("efficiency", "attention", {"wide": 0.4}), ["field 'efficiency.attention.wide.[key]': Input should be a valid "
                                                   "integer"]),
+    # a field whose name starts like a union's tag ("int…") keeps its place in the path
+    (("intra_node", "extra_thing", 1), ["field 'intra_node.extra_thing': unknown field"]),
     (("efficiency", "expert_weights", 0), ["expert_weights must be a finite number of at least 1e-06, got 0"]),
 ], ids=lambda x: str(x[0]) if isinstance(x, tuple) else None)
 def test_bad_profile_figures_are_named(tmp_path, edit, needles):
