@@ -9,10 +9,11 @@ one-process group) at 8K to 64K tokens, so its fixed cost and its per-token cost
 are the ones the per-operation efficiencies are fit on; the 8-layer points are held out. Points that do not fit
 are recorded with their error, not dropped. `--grid holdout`: Qwen3-235B-A22B at 1 and 2 layers (another width) and
 Qwen3-Next-80B-A3B at 2 layers (512 experts, top 10), every point held out (merged into the committed grid beside the
-others).
+others). `--grid partial`: partial recompute (the last `keep_layers` layers keep their activations) beside none and
+full on the same model and length, every partial point held out.
 
-Every (model, depth) group builds its model once and runs its points in order (recompute none first: full recompute
-wraps the layers for good); each point empties the allocator's cache, runs one warm-up step, then times `--steps`
+Every (model, depth) group builds its model once and runs its points in order (recompute none first, then partial,
+then full: recompute wraps the layers for good); each point empties the allocator's cache, runs one warm-up step, then times `--steps`
 steps (the median is the step time) with the peak statistics reset after the warm-up, and the CUDA stack limit set
 back after it as `recipe launch` does (kernel tuning raises it). Per group at one length it also times the step's
 components alone (bench_train_step.profile_components). A table is printed as it goes and the JSON rewritten after
@@ -48,11 +49,14 @@ K = 1024
 
 
 def _pts(rc_head_seqs, ep_seqs=()):
-    """[(recompute, lm_head, seq, ep_path)] from {(recompute, head): [seqs]} and the EP-path lengths."""
+    """[(recompute, lm_head, seq, ep_path, keep_layers)] from {(recompute, head[, keep_layers]): [seqs]} and the
+    EP-path lengths. A group's points run in order and a trainer only adds recompute wrappers: none first, then
+    partial recompute by growing recompute (fewer kept layers), then full."""
     out = []
-    for (rc, head), seqs in rc_head_seqs:
-        out += [(rc, head, s, False) for s in seqs]
-    return out + [("full", "fused", s, True) for s in ep_seqs]
+    for key, seqs in rc_head_seqs:
+        rc, head, keep = (*key, 0) if len(key) == 2 else key
+        out += [(rc, head, s, False, keep) for s in seqs]
+    return out + [("full", "fused", s, True, 0) for s in ep_seqs]
 
 
 # (model, layers, points, component-profile length or 0). Order: each model's 4 layers and its held-out 8, then the
@@ -88,10 +92,20 @@ GRIDS = {
         ("qwen3-next-80b", 2, _pts([(("none", "fused"), [8 * K]),
                                     (("full", "fused"), [8 * K, 32 * K, 64 * K, 128 * K])]), 0),
     ],
+    # partial recompute (the last keep_layers layers keep their activations) between none and full, every point
+    # held out: `--grid partial`, merged into the committed grid
+    "partial": [
+        ("qwen35-35b", 4, _pts([(("none", "fused"), [32 * K]), (("full", "fused", 3), [32 * K]),
+                                (("full", "fused", 2), [32 * K, 64 * K]), (("full", "fused", 1), [32 * K]),
+                                (("full", "fused"), [32 * K])]), 0),
+        ("qwen35-35b", 8, _pts([(("full", "fused", 2), [32 * K]), (("full", "fused"), [32 * K])]), 0),
+        ("qwen3-30b-a3b", 4, _pts([(("none", "fused"), [32 * K]), (("full", "fused", 2), [32 * K]),
+                                   (("full", "fused"), [32 * K])]), 0),
+    ],
     "smoke": [
         ("tiny-moe", 2, _pts([(("none", "fused"), [256]), (("full", "fused"), [256, 512]),
                               (("full", "lean"), [256]), (("full", "naive"), [256])], [256]), 256),
-        ("tiny-moe", 4, _pts([(("full", "fused"), [512])]), 0),
+        ("tiny-moe", 4, _pts([(("full", "fused", 2), [512]), (("full", "fused"), [512])]), 0),
     ],
 }
 
@@ -99,8 +113,8 @@ GRIDS = {
 FIT_MODELS = ("qwen35-35b", "qwen3-30b-a3b", "tiny-moe")  # the efficiencies are fit on their 2- and 4-layer points
 
 
-def role(model: str, layers: int) -> str:
-    return "held_out" if layers >= 8 or model not in FIT_MODELS else "fit"
+def role(model: str, layers: int, keep: int = 0) -> str:
+    return "held_out" if layers >= 8 or model not in FIT_MODELS or keep else "fit"
 
 
 def environment(args) -> dict:
@@ -173,7 +187,8 @@ def _git_commit() -> str | None:
 
 def _fmt_row(r: dict) -> str:
     seq = f"{r['seq'] // K}K" if r["seq"] % K == 0 else str(r["seq"])
-    cfg = f"{r['model']:<14} {r['layers']:>2} {seq:>5} {r['recompute']:<4} {r['lm_head']:<5} " \
+    rc = f"k{r['keep_layers']}" if r.get("keep_layers") else r["recompute"]
+    cfg = f"{r['model']:<14} {r['layers']:>2} {seq:>5} {rc:<4} {r['lm_head']:<5} " \
           f"{'ep' if r['ep_path'] else 'local':<5}"
     if "error" in r:
         return f"{cfg} {r['error'][:90]}"
@@ -242,9 +257,10 @@ def run_grid(args) -> None:
         try:
             model = build_model(shape, device=device, dtype=dtype, seed=0)
         except torch.OutOfMemoryError as e:
-            for rc, head, seq, ep in points:
+            for rc, head, seq, ep, keep in points:
                 r = {"model": model_name, "layers": layers, "seq": seq, "recompute": rc, "lm_head": head,
-                     "ep_path": ep, "role": role(model_name, layers), "error": f"OOM building the model: {str(e)[:120]}"}
+                     "ep_path": ep, **({"keep_layers": keep} if keep else {}), "role": role(model_name, layers, keep),
+                     "error": f"OOM building the model: {str(e)[:120]}"}
                 data["points"].append(r)
                 print(_fmt_row(r), flush=True)
             save()
@@ -253,13 +269,13 @@ def run_grid(args) -> None:
             torch.cuda.empty_cache()
             if stack is None:
                 stack = StackLimit.of_this_process()
-        current = None  # (recompute, ep_path) of the live trainer
+        current = None  # (recompute, ep_path, keep_layers) of the live trainer
         batches = {}
 
         def profile():
             """The step's components timed alone, once per group, on the local dispatch (before any EP point)."""
             nonlocal profile_seq
-            if not (profile_seq and trainer is not None and current == ("full", False)
+            if not (profile_seq and trainer is not None and current == ("full", False, 0)
                     and time.monotonic() - t_start < args.budget_s - 30):
                 return
             try:
@@ -281,9 +297,9 @@ def run_grid(args) -> None:
                                            "error": str(e).splitlines()[0][:160]})
             save()
             profile_seq = 0
-        for rc, head, seq, ep in points:
+        for rc, head, seq, ep, keep in points:
             r = {"model": model_name, "layers": layers, "seq": seq, "recompute": rc, "lm_head": head, "ep_path": ep,
-                 "role": role(model_name, layers)}
+                 **({"keep_layers": keep} if keep else {}), "role": role(model_name, layers, keep)}
             r["predicted"] = predict_point(r, args.hw)
             budget_left = args.budget_s - (time.monotonic() - t_start)
             if budget_left < (args.steps + 1) * r["predicted"]["step_s"] * 1.5 + 5:
@@ -295,7 +311,7 @@ def run_grid(args) -> None:
             if ep:
                 profile()
             try:
-                if current != (rc, ep):
+                if current != (rc, ep, keep):
                     trainer = None
                     gc.collect()
                     if device.type == "cuda":
@@ -308,8 +324,8 @@ def run_grid(args) -> None:
                         plan = types.SimpleNamespace(layout=ep_meshes[0], train=types.SimpleNamespace(
                             recompute=rc, ep_overlap_chunks=1))
                         model = parallelize(model, plan, ep_meshes[1], ep_dispatch=True)
-                    trainer = Trainer(model, TrainConfig(lr=1e-6), recompute=rc, lm_head=head)
-                    current = (rc, ep)
+                    trainer = Trainer(model, TrainConfig(lr=1e-6), recompute=rc, keep_layers=keep, lm_head=head)
+                    current = (rc, ep, keep)
                 trainer.lm_head = head
                 if seq not in batches:
                     batches = {seq: synthetic_long_batch(seq, shape.vocab_size, device)}
@@ -434,7 +450,8 @@ def _work_rows(data: dict) -> tuple[list[dict], list[dict]]:
         if "step_s" not in r:
             continue
         m = resolve_model(r["model"]).with_layers(int(r["layers"]))
-        opts = TrainOptions(micro_batch_tokens=int(r["seq"]), recompute=r["recompute"], lm_head=r["lm_head"])
+        opts = TrainOptions(micro_batch_tokens=int(r["seq"]), recompute=r["recompute"], lm_head=r["lm_head"],
+                            keep_layers=int(r.get("keep_layers", 0)))
         work = compute_work(m, Layout(), opts, ep_path=bool(r["ep_path"]))
         work["optimizer"] = local_param_count(m, 1, Layout()) * ADAM_BYTES_MOVED
         work["attention_width"] = attention_width(m)
@@ -553,7 +570,7 @@ def fit_memory(path: str) -> dict:
     local = [r for r in pts if r["lm_head"] != "naive" and not r["ep_path"]]
     errs = [predict_point(r, hw)["allocated_gb"] / r["peak_allocated_gb"] - 1 for r in local]
     twins = {(r["model"], r["layers"], r["seq"]): r for r in local
-             if r["recompute"] == "full" and r["lm_head"] == "fused"}
+             if r["recompute"] == "full" and r["lm_head"] == "fused" and not r.get("keep_layers")}
     rows: dict[str, list[float]] = {}
     for r in pts:
         q = twins.get((r["model"], r["layers"], r["seq"]))

@@ -158,7 +158,8 @@ def run(args, cfg, trainer_cls) -> int:
         from launch.hf_io import load_hf_checkpoint
 
         load_hf_checkpoint(model, args.hf_checkpoint)
-    trainer = trainer_cls(model, cfg, recompute=plan.train.recompute, lm_head=plan.train.lm_head,
+    trainer = trainer_cls(model, cfg, recompute=plan.train.recompute, keep_layers=plan.train.keep_layers,
+                          lm_head=plan.train.lm_head,
                           dp_rank=meshes.dp_rank if meshes else 0, dp_size=meshes.dp_size if meshes else 1,
                           dp_group=meshes.dp_group if meshes else None,
                           metrics_group=meshes.data_group if meshes else None)

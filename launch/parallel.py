@@ -170,7 +170,7 @@ def parallelize(model: nn.Module, plan, meshes: Meshes | None, *, param_dtype: t
        Gated DeltaNet module (K/V all-gather, conv halo, delta-rule state combine)
     3. expert parallel: each rank keeps its ep-th of the experts (a DTensor sharded on the ep mesh, so checkpoints
        hold the whole tensor) and the token dispatch of launch/expert_parallel.py replaces the local one
-    4. activation recompute (plan.train.recompute): inside the FSDP unit, so the recomputed forward re-gathers its
+    4. activation recompute (plan.train.recompute, keep_layers): inside the FSDP unit, so the recomputed forward re-gathers its
        parameters through FSDP's own hooks
     5. FSDP2: routed experts of each layer over edp, each decoder layer over dp×cp, the root (embedding, final
        norm, LM head) over dp×cp; bf16 parameters for compute, fp32 gradient reduction, gradients summed (the loss
@@ -226,7 +226,7 @@ def _parallelize_unit(model: nn.Module, plan, meshes: Meshes | None, param_dtype
             raise LayoutError("the expert-parallel path needs a process group (run under torchrun)")
         _apply_expert_parallel(model, meshes, plan.train.ep_overlap_chunks)
     # 4: activation recompute
-    apply_recompute(model, plan.train.recompute)
+    apply_recompute(model, plan.train.recompute, getattr(plan.train, "keep_layers", 0))
     # 5: FSDP2
     if meshes is not None and meshes.world > 1:
         _apply_fsdp(model, meshes, param_dtype)

@@ -98,6 +98,9 @@ class TrainOptions(Record):
     lm_head: Literal["fused", "lean", "naive"] = "fused"
     ep_overlap_chunks: int = 1  # 1 = off
     micro_batches: int = 1  # micro-batches per DP rank per optimizer step
+    # under full recompute, the decoder layers at the end of each pipeline stage that keep their activations and run
+    # no recomputed forward (0: every layer is recomputed); docs/cost_model.md, "Partial recompute"
+    keep_layers: int = 0
 
     def __post_init__(self) -> None:
         for n in ("micro_batch_tokens", "ep_overlap_chunks", "micro_batches"):
@@ -106,6 +109,11 @@ class TrainOptions(Record):
                 raise ValueError(f"{n} must be a positive integer, got {v!r}")
         if self.recompute not in ("full", "none"):
             raise ValueError(f"recompute must be 'full' or 'none', got {self.recompute!r}")
+        k = self.keep_layers
+        if isinstance(k, bool) or not isinstance(k, int) or k < 0:
+            raise ValueError(f"keep_layers must be a non-negative integer, got {k!r}")
+        if k and self.recompute != "full":
+            raise ValueError(f"keep_layers = {k} needs recompute 'full' (it names the layers exempt from it)")
         if self.lm_head not in HEAD_MODES:
             raise ValueError(f"lm_head must be one of {', '.join(HEAD_MODES)}, got {self.lm_head!r}")
 
@@ -436,8 +444,12 @@ def ep_layer_times(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opt
     s = opts.micro_batch_tokens / layout.cp
     t_a2a = ep_transfer_bytes(m, s, ep) / group_bw(hw, ep, 1, gpus_per_node_used(hw, world)) if ep > 1 else 0.0
     t_gemm = expert_pass_seconds(m, s, layout, hw)
-    transfers = [2, 1, 2] if opts.recompute == "full" else [2, 2]  # per pass: forward, (recompute,) backward
-    return t_a2a, t_gemm, transfers
+    return t_a2a, t_gemm, ep_transfers(opts.recompute == "full")
+
+
+def ep_transfers(recompute: bool) -> list[int]:
+    """An MoE layer's all-to-all transfers per pass: forward, (recomputed forward,) backward."""
+    return [2, 1, 2] if recompute else [2, 2]
 
 
 def ep_exposed_time(t_a2a: float, t_gemm: float, transfers: list[int], chunks: int) -> float:
@@ -480,7 +492,7 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     dp, edp = layout.dp(world), layout.edp(world)
     s = opts.micro_batch_tokens / cp  # tokens per rank per micro-batch (TP with sequence parallel: s/tp outside)
     L = stage_layers(m, pp, opts, hw)  # the largest stage's
-    recompute = opts.recompute == "full"
+    kept = kept_layers(opts, L)  # of them, those that keep their activations (all without recompute)
     in_head = opts.lm_head != "naive"  # the head's gradients leave it at once: nothing of [s, V] outlives it
     in_flight = min(pp, opts.micro_batches) if pp > 1 else 1  # 1F1B: the first stage holds pp micro-batches
 
@@ -508,31 +520,36 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     head_own = head
     head_grad = min(ends, m.vocab_size * m.hidden_size) / (tp * dp * cp) * BYTES_GRADS
     emb_grad = ends / (tp * dp * cp) * BYTES_GRADS - head_grad  # an untied embedding's: the backward's last
-    if recompute:
-        # the peak is in a layer's backward, before the embedding's gradient exists: activations are counted
-        # against the whole gradient term, so they shrink by it
-        checkpoints = L * in_flight * s * m.hidden_size * BF16 / tp
+    mixer, ffn = layer_saved(m, s, tp, cp)
+    layer_input = s * m.hidden_size * BF16 / tp  # kept by its input norm (under recompute: the checkpoint)
+    checkpoints = (L - kept) * in_flight * layer_input
+    saved = kept * in_flight * (mixer + ffn + layer_input)
+    grads = mem["grads"]
+    if not kept:
+        # full recompute: the peak is in a layer's backward, before the embedding's gradient exists: activations
+        # are counted against the whole gradient term, so they shrink by it
         acts = checkpoints + working + unsharded - emb_grad
-        if in_head:
-            # the fused and lean heads run (forward and their gradients) at the end of the forward, when only the
-            # checkpoints are live and no layer's gradient exists yet: they raise the peak only by what that moment
-            # needs beyond a layer's backward
-            head = max(0.0, checkpoints + head_own - (mem["grads"] - head_grad) - acts)
     else:
-        # every layer keeps what its forward saved, but the gradients arrive one layer at a time in the backward:
-        # the peak is at the last layer's backward (every saved set, the head's and that layer's gradients), at
-        # the first layer's (one saved set, every gradient but the embedding's), or at the head (every saved set,
-        # no layer gradient yet, the head's own buffers); activations and lm_head are counted against the whole
-        # gradient term, so they shrink by the gradients not yet there
-        mixer, ffn = layer_saved(m, s, tp, cp)
-        layer_input = s * m.hidden_size * BF16 / tp  # kept by its input norm (under recompute: the checkpoint)
-        saved = L * in_flight * (mixer + ffn + layer_input)
-        grads = mem["grads"]
+        # kept layers hold what their forward saved, but the gradients arrive one layer at a time in the backward:
+        # the peak is at the last kept layer's backward (every saved set, the head's and that layer's gradients),
+        # at the first layer's backward without recompute (one saved set, every gradient but the embedding's), or,
+        # with recompute, at a recomputed layer's backward: counted as under full recompute (every layer's input),
+        # and under 1F1B the other micro-batches' kept saved sets (the kept layers, the stage's last, are done by
+        # then in this one); activations and lm_head are counted against the whole gradient term, so they shrink
+        # by the gradients not yet there
         layer_grad = (grads - head_grad - emb_grad) / L
-        last = saved + (working - mixer - ffn) + unsharded - (grads - head_grad - layer_grad)
-        first = in_flight * working + unsharded - emb_grad
+        last = checkpoints + saved + (working - mixer - ffn) + unsharded - (grads - head_grad - layer_grad)
+        if kept == L:
+            first = in_flight * working + unsharded - emb_grad
+        else:
+            inputs = L * in_flight * layer_input
+            first = inputs + kept * (in_flight - 1) * (mixer + ffn) + working + unsharded - emb_grad
         acts = max(last, first, 0.0)
-        head = max(0.0, saved + head_own - (grads - head_grad) - acts)
+    if in_head or kept:
+        # the fused and lean heads run (forward and their gradients) at the end of the forward, when the
+        # checkpoints and the kept layers' saved sets are live and no layer's gradient exists yet: they raise the
+        # peak only by what that moment needs beyond the layers' backward
+        head = max(0.0, checkpoints + saved + head_own - (grads - head_grad) - acts)
     mem["activations"] = acts
     mem["lm_head"] = head
     # the optimizer step, after the activations are freed: one group's gradients cast to fp32, and the largest
@@ -565,9 +582,31 @@ def tp_replicated_params(m: ModelShape, pp: int, layers: float | None = None) ->
 
 
 def forward_equivalents(opts: TrainOptions) -> int:
-    """A layer's work per micro-batch in forward passes: forward, the recomputed forward under full recompute, and
-    the backward at twice a forward — 4 with full recompute, 3 without."""
+    """A recomputed layer's work per micro-batch in forward passes: forward, the recomputed forward and the backward
+    at twice a forward — 4 under recompute, 3 without (a whole model's: keep_layers aside)."""
     return 4 if opts.recompute == "full" else 3
+
+
+def kept_layers(opts: TrainOptions, layers: int) -> int:
+    """Of a pipeline stage's `layers` decoder layers, how many keep their activations (run no recomputed forward):
+    all without recompute, the last keep_layers under it."""
+    return layers if opts.recompute == "none" else min(opts.keep_layers, layers)
+
+
+def recomputed_part(opts: TrainOptions, stage: range) -> range:
+    """The layers of `stage` that run a recomputed forward: all but its last kept_layers."""
+    return range(stage.start, stage.stop - kept_layers(opts, len(stage)))
+
+
+def recomputed_layers(m: ModelShape, pp: int, opts: TrainOptions, hw: HwProfile | None = None) -> list[int]:
+    """The decoder layers (global indices) that run a recomputed forward: every stage's recomputed_part under the
+    plan's split (pipeline_split)."""
+    sizes = [m.num_layers] if pp <= 1 else pipeline_split(m, pp, opts, hw)
+    out, start = [], 0
+    for n in sizes:
+        out += list(recomputed_part(opts, range(start, start + n)))
+        start += n
+    return out
 
 
 def head_pass_count(mode: str) -> float:
@@ -575,15 +614,26 @@ def head_pass_count(mode: str) -> float:
     return {"lean": LEAN_HEAD_PASSES, "naive": NAIVE_HEAD_PASSES}.get(mode, 3)
 
 
-def flop_terms(m: ModelShape, opts: TrainOptions) -> tuple[dict[str, float], float, float, float]:
-    """Section 2: forward FLOPs per token by part, model and hardware FLOPs per token, and the head's passes."""
+def flop_terms(m: ModelShape, opts: TrainOptions, pp: int = 1, hw: HwProfile | None = None
+               ) -> tuple[dict[str, float], float, float, float]:
+    """Section 2: forward FLOPs per token by part, model and hardware FLOPs per token, and the head's passes. `pp`
+    and `hw` place the kept layers (keep_layers: the last of each stage of the plan's split) when some are."""
     f = forward_flops_per_token(m, opts.micro_batch_tokens)
     fwd = sum(f.values())
     # the FLOPs the hardware runs count the head's GEMMs: the fused head's eager path forms its gradients in the
     # forward, three GEMMs as unfused, the lean head four; its time (head_passes) also carries the lean and naive
     # heads' measured extra
     gemms = 4 if opts.lm_head == "lean" else 3
-    hw_flops_tok = forward_equivalents(opts) * (fwd - f["head"]) + gemms * f["head"]
+    layers_fwd = fwd - f["head"]
+    if opts.recompute == "none":
+        again = 0.0
+    elif not opts.keep_layers:
+        again = layers_fwd
+    else:  # the recomputed layers' share of the layers' forward FLOPs
+        per_layer = [sum(x for op, x in w.items() if op not in BYTE_TERMS)
+                     for w in layer_work(m, opts.micro_batch_tokens)]
+        again = layers_fwd * sum(per_layer[i] for i in recomputed_layers(m, pp, opts, hw)) / sum(per_layer)
+    hw_flops_tok = 3 * layers_fwd + again + gemms * f["head"]
     return f, 3 * fwd, hw_flops_tok, head_pass_count(opts.lm_head)
 
 
@@ -597,36 +647,39 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
     that stage."""
     tp = layout.tp
     s = opts.micro_batch_tokens / layout.cp
-    mult = forward_equivalents(opts)
-    f, _, _, head_passes = flop_terms(m, opts)
+    f, head_passes = forward_flops_per_token(m, opts.micro_batch_tokens), head_pass_count(opts.lm_head)
     c = param_counts(m)
     routed = 2 * c["routed_experts"] * m.top_k / m.num_experts
     stage, has_head = slowest_stage(m, layout.pp, opts, hw)
-    share = _stage_share(m, opts, stage)
-    layers = s * mult / tp
+    again = recomputed_part(opts, stage)
+    # each operation's passes over its share of the model's work: three (forward, backward at two) for every layer
+    # of the stage, one more for those recomputed
+    share, share_again = _stage_share(m, opts, stage), _stage_share(m, opts, again)
+    mult = {op: 3 * share[op] + share_again[op] for op in share}
+    layers = s / tp
     # every MoE layer's experts do the same work, so the stage's share of their FLOPs is its share of each term
-    experts = {k: mult * m.num_moe_layers * share["expert_gemm"] * w
-               for k, w in expert_pass_work(m, s, layout).items()}
+    experts = {k: mult["expert_gemm"] * m.num_moe_layers * w for k, w in expert_pass_work(m, s, layout).items()}
     work = {
         **experts,
-        "dense_gemm": layers * (f["matmul_layers"] - routed) * share["dense_gemm"],
-        "attention": layers * f["attention"] * share["attention"],
-        "delta_rule": layers * f.get("linear_attention", 0.0) * share["delta_rule"],
+        "dense_gemm": layers * (f["matmul_layers"] - routed) * mult["dense_gemm"],
+        "attention": layers * f["attention"] * mult["attention"],
+        "delta_rule": layers * f.get("linear_attention", 0.0) * mult["delta_rule"],
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
         "ep_dispatch": 0.0,
         "ep_passes": 0.0,
         "ep_chunks": 0.0,
-        "layer_passes": mult * len(stage),
+        "layer_passes": 3 * len(stage) + len(again),
     }
     if layout.ep > 1 or ep_path:
         # the rows the path copies (every chunk's pass through once, so the chunk count does not change them), and
-        # its passes through each MoE layer: forward, the recomputed forward, backward (mult − 1), each with its
-        # route's count exchange and host sync (docs/cost_model.md, "Step time from its parts")
-        moe = _stage_counts(m, stage)["moe"]
-        work["ep_dispatch"] = moe * ep_copy_bytes(m, s, opts.recompute == "full", layout.ep)
-        work["ep_passes"] = (mult - 1) * moe
+        # its passes through each MoE layer: forward, the recomputed forward, backward, each with its route's count
+        # exchange and host sync (docs/cost_model.md, "Step time from its parts")
+        moe, moe_again = _stage_counts(m, stage)["moe"], _stage_counts(m, again)["moe"]
+        work["ep_dispatch"] = ((moe - moe_again) * ep_copy_bytes(m, s, False, layout.ep)
+                               + moe_again * ep_copy_bytes(m, s, True, layout.ep))
+        work["ep_passes"] = 2 * moe + moe_again
         # and each pass's chunk loop: a fixed time per chunk beyond the first (its launches and index work)
-        work["ep_chunks"] = (mult - 1) * moe * (opts.ep_overlap_chunks - 1)
+        work["ep_chunks"] = work["ep_passes"] * (opts.ep_overlap_chunks - 1)
     return work
 
 
@@ -634,6 +687,8 @@ def _stage_share(m: ModelShape, opts: TrainOptions, stage: range) -> dict[str, f
     """The part of the model's work of each operation that the layers of `stage` do (1 each for the whole model)."""
     if len(stage) == m.num_layers:
         return {"dense_gemm": 1.0, "expert_gemm": 1.0, "attention": 1.0, "delta_rule": 1.0}
+    if not len(stage):
+        return {"dense_gemm": 0.0, "expert_gemm": 0.0, "attention": 0.0, "delta_rule": 0.0}
     return dict(_stage_share_of(m, opts.micro_batch_tokens, stage.start, stage.stop))
 
 
@@ -755,23 +810,24 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     node = gpus_per_node_used(hw, world)
     s = opts.micro_batch_tokens / cp
     stage, _ = slowest_stage(m, pp, opts, hw)  # every pipeline slot waits for the slowest stage's exchanges
-    n = _stage_counts(m, stage)
+    n, again = _stage_counts(m, stage), _stage_counts(m, recomputed_part(opts, stage))
+    # each kind of layer's passes: forward and backward, and the recomputed forward of those recomputed
+    passes = {k: 2 * n[k] + again[k] for k in n}
     r = rates(hw)
-    passes = 3 if opts.recompute == "full" else 2  # forward, recompute forward, backward
     comm, t = {}, {}
-    # EP all-to-all, per MoE layer: 4 or 5 transfers over its passes (ep_layer_times), less what chunked overlap
-    # hides under the expert GEMMs
-    n_moe_local = n["moe"]
-    t_a2a, t_gemm, transfers = ep_layer_times(m, hw, world, layout, opts)
-    t["ep_exposed"] = n_moe_local * ep_exposed_time(t_a2a, t_gemm, transfers, opts.ep_overlap_chunks if ep > 1 else 1)
-    comm["ep_all_to_all"] = n_moe_local * sum(transfers) * ep_transfer_bytes(m, s, ep)
+    # EP all-to-all, per MoE layer: 4 transfers over its passes, 5 recomputed (ep_transfers), less what chunked
+    # overlap hides under the expert GEMMs
+    t_a2a, t_gemm, _ = ep_layer_times(m, hw, world, layout, opts)
+    chunks = opts.ep_overlap_chunks if ep > 1 else 1
+    kinds = [(again["moe"], ep_transfers(True)), (n["moe"] - again["moe"], ep_transfers(False))]
+    t["ep_exposed"] = sum(k * ep_exposed_time(t_a2a, t_gemm, x, chunks) for k, x in kinds)
+    comm["ep_all_to_all"] = sum(k * sum(x) for k, x in kinds) * ep_transfer_bytes(m, s, ep)
     # CP: full attention all-gathers K/V (and reduce-scatters dK/dV); Gated DeltaNet passes its state
     t["cp"] = 0.0
     if cp > 1:
         bw = group_bw(hw, cp, tp, node)
         kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else 2 * m.num_kv_heads * m.head_dim / tp)
-        attn_bytes = n["attention"] * s * (cp - 1) * kv_tok * BF16
-        cp_bytes = attn_bytes * passes
+        cp_bytes = passes["attention"] * s * (cp - 1) * kv_tok * BF16
         t_combine = 0.0
         if m.linear_attn is not None:
             # Gated DeltaNet, exact segment combine (docs/context_parallel.md): one delta-rule pass at value
@@ -784,18 +840,17 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
             nv = la.num_v_heads / tp
             maps = 2 * nv * la.head_k_dim * (la.head_v_dim + la.head_k_dim) * FP32  # a rank's two segments
             halo = (la.conv_kernel - 1) * (2 * la.num_k_heads * la.head_k_dim + la.num_v_heads * la.head_v_dim) / tp
-            n_lin = n["linear"]
-            cp_bytes += n_lin * passes * (cp - 1) * (maps + 2 * halo * BF16)
-            t_combine = n_lin * (forward_equivalents(opts) * cp_combine_seconds(s, nv, la, cp, r["delta_rule"])
-                                 + passes * 2 * COLLECTIVE_LATENCY_S)
+            cp_bytes += passes["linear"] * (cp - 1) * (maps + 2 * halo * BF16)
+            t_combine = ((passes["linear"] + n["linear"]) * cp_combine_seconds(s, nv, la, cp, r["delta_rule"])
+                         + passes["linear"] * 2 * COLLECTIVE_LATENCY_S)
         comm["cp"] = cp_bytes
         t["cp"] = cp_bytes / bw + t_combine
     # TP with sequence parallel: per layer an all-gather and a reduce-scatter around the mixer, and around a dense
     # FFN (split like a mixer); the MoE runs on each rank's sequence-parallel tokens with no collective of its own
     t["tp"] = 0.0
     if tp > 1:
-        split_blocks = len(stage) + n["dense"]
-        tp_bytes = split_blocks * 2 * s * m.hidden_size * BF16 * (tp - 1) / tp * passes
+        split_passes = passes["moe"] + 2 * passes["dense"]  # a mixer each layer, and a dense FFN's
+        tp_bytes = split_passes * 2 * s * m.hidden_size * BF16 * (tp - 1) / tp
         comm["tp"] = tp_bytes
         t["tp"] = tp_bytes / group_bw(hw, tp, 1, node)
     # FSDP2: all-gather bf16 params in forward and again in backward, reduce-scatter fp32 grads; overlapped
@@ -840,7 +895,7 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
     memory_gb["total"] = total / GB
     memory_gb["usable"] = hw.usable_gb
 
-    f, model_flops_tok, hw_flops_tok, _ = flop_terms(m, opts)
+    f, model_flops_tok, hw_flops_tok, _ = flop_terms(m, opts, layout.pp, hw)
     compute = compute_times(compute_work(m, layout, opts, ep_path, hw), hw, m)
     comm, comm_t = communication_terms(m, hw, world, layout, opts)
     t_opt = (local_param_count(m, world, layout, stage_layers(m, layout.pp, opts, hw)) * ADAM_BYTES_MOVED
@@ -942,7 +997,9 @@ def _slowest_stage(m: ModelShape, pp: int, opts: TrainOptions, rate_key) -> tupl
     sizes = _pipeline_split(m, pp, opts, rate_key)
     costs, first, last = _stage_costs(m, opts.micro_batch_tokens, opts, None if rate_key is None else dict(rate_key))
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    totals = [sum(costs[a:a + n]) + (first if i == 0 else 0.0) + (last if i == len(sizes) - 1 else 0.0)
+    # a kept layer (keep_layers) runs 3 of a recomputed layer's 4 passes
+    totals = [sum(costs[a:a + n]) - sum(costs[a + n - kept_layers(opts, n):a + n]) / 4 * (opts.recompute == "full")
+              + (first if i == 0 else 0.0) + (last if i == len(sizes) - 1 else 0.0)
               for i, (a, n) in enumerate(zip(starts, sizes))]
     i = max(range(len(sizes)), key=lambda k: totals[k])
     return starts[i], starts[i] + sizes[i], i == len(sizes) - 1
@@ -993,7 +1050,10 @@ def split_stages(layer_costs: list[float], stages: int, first: float = 0.0, last
 def pipeline_split(m: ModelShape, stages: int, opts: TrainOptions, hw: HwProfile | None = None) -> list[int]:
     """Layers per pipeline stage for `stages` stages (pp·virtual stages), balanced by stage_costs at the plan's
     micro-batch (in time on `hw`; in FLOPs without a profile): what `recipe solve` records as the plan's
-    `train.pp_stages` and what the trainer builds."""
+    `train.pp_stages` and what the trainer builds. Under recompute the split balances every layer recomputed: the
+    kept layers (keep_layers) are the same number at the end of every stage, so they leave it about as balanced."""
+    if opts.keep_layers:
+        opts = opts.model_copy(update={"keep_layers": 0})
     return list(_pipeline_split(m, stages, opts, _rate_key(hw, m)))
 
 

@@ -31,8 +31,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from functools import lru_cache
 
-from .cost import (BF16, FP32, GB, Estimate, Layout, TrainOptions, estimate, layer_params, routed_row_bytes,
-                   stage_layers)
+from .cost import (BF16, FP32, GB, Estimate, Layout, TrainOptions, estimate, kept_layers, layer_params,
+                   routed_row_bytes, stage_layers)
 from .hw import HwProfile
 from .models import ModelShape, param_counts
 
@@ -129,12 +129,11 @@ def memory_margin(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts
     if ep > 1 and m.num_moe_layers:
         parts["all_to_all"] = (ep - 1) * 2 * P2P_CHANNELS * NCCL_BUFFER_BYTES / GB
         s = opts.micro_batch_tokens / cp
-        if opts.recompute == "full":
-            live = 1.0
-        else:
-            in_flight = min(pp, opts.micro_batches) if pp > 1 else 1
-            # the largest stage's MoE layers (the plan's split, as the memory terms count its layers)
-            live = stage_layers(m, pp, opts, hw) * m.num_moe_layers / m.num_layers * in_flight
+        # the MoE layers whose routed rows are live at once: one recomputed layer's, or every kept layer's of the
+        # largest stage (the plan's split, as the memory terms count its layers) in every micro-batch in flight
+        kept = kept_layers(opts, stage_layers(m, pp, opts, hw))
+        in_flight = min(pp, opts.micro_batches) if pp > 1 else 1
+        live = max(1.0, kept * m.num_moe_layers / m.num_layers * in_flight)
         parts["imbalance"] = (EXPERT_IMBALANCE - 1) * routed_rows_bytes(m, s, etp) * live / GB
     return Margin(b, parts)
 

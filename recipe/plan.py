@@ -105,6 +105,9 @@ class Optimizer(_Strict):
 
 class TrainSpec(_Strict):
     recompute: Literal["full", "none"]
+    # under full recompute, the decoder layers at the end of each pipeline stage that keep their activations (the
+    # solver's partial recompute, `--recompute auto`); written when not 0
+    keep_layers: int = Field(0, ge=0, le=100_000)
     lm_head: Literal["fused", "lean", "naive"]
     ep_overlap_chunks: int = Field(gt=0, le=4096)
     micro_batch_tokens: int = Field(gt=0, le=MAX_INT)
@@ -113,6 +116,13 @@ class TrainSpec(_Strict):
     # rank (1F1B); v·pp entries: v virtual stages a rank (interleaved 1F1B, rank r holding stages r, r + pp, …)
     pp_stages: list[Annotated[int, Field(gt=0, le=100_000)]] | None = Field(None, min_length=1, max_length=100_000)
     optimizer: Optimizer = Optimizer()
+
+    @model_validator(mode="after")
+    def _keep_needs_recompute(self) -> "TrainSpec":
+        if self.keep_layers and self.recompute != "full":
+            raise ValueError(f"train.keep_layers = {self.keep_layers} needs train.recompute: full (it names the "
+                             f"layers exempt from it)")
+        return self
 
 
 class MemoryGB(_Strict):
@@ -234,7 +244,8 @@ class Plan(_Strict):
         return load_profile(_relative(self.inputs.hw, base_dir))
 
     def train_options(self) -> TrainOptions:
-        return TrainOptions(recompute=self.train.recompute, lm_head=self.train.lm_head,
+        return TrainOptions(recompute=self.train.recompute, keep_layers=self.train.keep_layers,
+                            lm_head=self.train.lm_head,
                             ep_overlap_chunks=self.train.ep_overlap_chunks,
                             micro_batch_tokens=self.train.micro_batch_tokens,
                             micro_batches=self.train.micro_batches)
@@ -243,6 +254,8 @@ class Plan(_Strict):
         data = plain(self)
         if data["train"].get("pp_stages") is None:  # no pipeline: no field (plans stay as they were)
             data["train"].pop("pp_stages", None)
+        if not data["train"].get("keep_layers"):  # every layer recomputed, or none: no field
+            data["train"].pop("keep_layers", None)
         data["inputs"] = _inputs_block(self.inputs)  # `pins` only when some degree is pinned
         for block in ("prediction", "reasons"):  # optional fields a plan does not carry stay out of it
             data[block] = {k: v for k, v in data[block].items() if v is not None}

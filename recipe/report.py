@@ -54,16 +54,18 @@ def memory_legend() -> Text:
     return t
 
 
-def recompute_words(recompute: str) -> str:
-    """'full recompute' / 'no recompute' (never 'none recompute')."""
-    return "no recompute" if recompute == "none" else f"{recompute} recompute"
+def recompute_words(opts) -> str:
+    """'full recompute' / 'no recompute' (never 'none recompute') / 'recompute, last 12 layers kept'."""
+    if opts.recompute == "none":
+        return "no recompute"
+    return f"recompute, last {opts.keep_layers} layers kept" if opts.keep_layers else "full recompute"
 
 
 def summary(m: ModelShape, hw: HwProfile, seq: int, sol: Solution, explain: bool) -> Group:
     e, deg = sol.estimate, sol.degrees
     head = Text.assemble(
         (f"{m.name}", "bold"), f" at {format_size(seq)} tokens on ", (f"{sol.world}x {hw.name}", "bold"),
-        f"  ({recompute_words(sol.opts.recompute)}, {sol.opts.lm_head} LM head, "
+        f"  ({recompute_words(sol.opts)}, {sol.opts.lm_head} LM head, "
         f"{sol.opts.ep_overlap_chunks} EP chunk{'s' if sol.opts.ep_overlap_chunks > 1 else ''}"
         + ("; pinned " + " ".join(f"{k}={v}" for k, v in sol.pins.items()) if sol.pins else "") + ")")
     lay = Text.assemble(("layout  ", "bold"), (layout_str(deg), "bold green"))
@@ -111,8 +113,10 @@ def lm_head_note(e: Estimate, opts) -> str:
         what = (f"LM head (naive): its logits and their gradient, {own:.2f} GB, live from the forward to the "
                 f"backward, all of it on top of the activations (the lm_head row)")
     elif head_overlaps(opts):
+        live = ("layers' checkpoints and the kept layers' activations are" if getattr(opts, "keep_layers", 0)
+                else "layers' checkpoints are")
         what = (f"LM head ({opts.lm_head}): holds {own:.2f} GB while it runs, at the end of the forward, when only the "
-                f"layers' checkpoints are live; the activations row already reserves a layer's recompute working set, "
+                f"{live} live; the activations row already reserves a layer's recompute working set, "
                 f"not in use then, so the head adds only what it needs beyond that: {added:.2f} GB (the lm_head row)")
     else:
         what = (f"LM head ({opts.lm_head}): holds {own:.2f} GB while it runs; without recompute every layer's "

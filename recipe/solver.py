@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from .cost import Estimate, Layout, TrainOptions, tokens_per_s_bound, with_default_chunks
 from .margin import Margin, estimate_with_margin as estimate, margin_of
-from .cost import BF16, BYTES_UNSHARDED, GB, gpus_per_node_used, layer_params
+from .cost import BF16, BYTES_UNSHARDED, GB, gpus_per_node_used, layer_params, stage_layers
 from .hw import HwProfile
 from .models import ModelShape, param_counts
 
@@ -690,37 +690,84 @@ def _whole_node(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks: b
 
 def solve_recompute(m: ModelShape, hw: HwProfile, sol: Solution, auto_chunks: bool = True,
                     pins: dict[str, int] | None = None) -> Solution:
-    """`--recompute auto`. `sol` is solved under full recompute (its count too, when the solver chose it); at its
-    GPU count every dimension is solved again without recompute, and that solution is taken when it fits with the
-    margin and runs at least PP_TIE_BREAK more tokens/s per GPU: a layer then costs 3 passes, not 4, often at a
-    larger CP that holds the saved activations. The solution returned says why in its `recompute` decision."""
+    """`--recompute auto`. `sol` is solved under full recompute (its count too, when the solver chose it). At its
+    GPU count two ways out of recompute are weighed: no recompute, every dimension solved again (a layer then costs
+    3 passes, not 4, often at a larger CP that holds the saved activations); and partial recompute, sol's layout
+    with the most layers at the end of each stage keeping their activations that fits with the margin
+    (`keep_layers`). The faster is taken when it runs at least PP_TIE_BREAK more tokens/s per GPU than full
+    recompute. The solution returned says why in its `recompute` decision."""
     rate = sol.estimate.tokens_per_s_per_gpu
+    none, none_why = None, ""
     try:
-        alt = solve(m, hw, sol.world, sol.opts.model_copy(update={"recompute": "none"}), auto_chunks, suggest=False,
-                    pins=pins)
+        none = solve(m, hw, sol.world, sol.opts.model_copy(update={"recompute": "none"}), auto_chunks, suggest=False,
+                     pins=pins)
     except InfeasibleError as e:
-        why = f"without recompute no layout fits {sol.world} GPUs with the margin"
+        none_why = f"without recompute no layout fits {sol.world} GPUs with the margin"
         if e.miss is not None:
-            why += f": {_miss_str(hw, e.miss[1], e.miss[2], 'the closest')}"
-        sol.recompute = Decision("full", "activation memory", why)
+            none_why += f": {_miss_str(hw, e.miss[1], e.miss[2], 'the closest')}"
+    part = solve_keep_layers(m, hw, sol)
+    gain = lambda x: x.estimate.tokens_per_s_per_gpu / rate  # noqa: E731
+    best = max((x for x in (none, part) if x is not None), key=gain, default=None)
+    if best is None or gain(best) < 1 + PP_TIE_BREAK:
+        if none is None:
+            why = none_why + ("; and no layer can keep its activations" if part is None else
+                              f"; keeping the last {part.opts.keep_layers} layers' activations, the most that fit, "
+                              f"runs {gain(part):.2f}x the tokens/s per GPU")
+            sol.recompute = Decision("full", "activation memory", why)
+        else:
+            g = gain(none) if part is None else max(gain(none), gain(part))
+            sol.recompute = Decision("full", "step time", f"without recompute the best layout on {sol.world} GPUs "
+                                     f"({_lay_str(none.layout)}) runs {gain(none):.2f}x the tokens/s per GPU of this "
+                                     f"one" + ("" if part is None else f", keeping the last "
+                                               f"{part.opts.keep_layers} layers' activations {gain(part):.2f}x"),
+                                     {"gain": round(g, 4)})
         return sol
-    gain = alt.estimate.tokens_per_s_per_gpu / rate
-    if gain < 1 + PP_TIE_BREAK:
-        sol.recompute = Decision("full", "step time", f"without recompute the best layout on {sol.world} GPUs "
-                                 f"({_lay_str(alt.layout)}) runs {gain:.2f}x the tokens/s per GPU of this one",
-                                 {"gain": round(gain, 4)})
-        return sol
-    alt.recompute = Decision("none", "step time", f"no recompute fits {sol.world} GPUs as {_lay_str(alt.layout)} at "
-                             f"{gain:.2f}x the tokens/s per GPU of full recompute",
-                             {"gain": round(gain, 4)},
-                             rejected=f"full recompute: {_lay_str(sol.layout)} at {rate:,.0f} tok/s/GPU")
+    full_str = f"full recompute: {_lay_str(sol.layout)} at {rate:,.0f} tok/s/GPU"
+    if best is none:
+        best.recompute = Decision("none", "step time", f"no recompute fits {sol.world} GPUs as "
+                                  f"{_lay_str(none.layout)} at {gain(none):.2f}x the tokens/s per GPU of full "
+                                  f"recompute", {"gain": round(gain(none), 4)}, rejected=full_str)
+    else:
+        k = part.opts.keep_layers
+        other = (none_why if none is None else f"no recompute: {_lay_str(none.layout)} at "
+                 f"{none.estimate.tokens_per_s_per_gpu:,.0f} tok/s/GPU")
+        where = f"of the {m.num_layers}" if sol.layout.pp == 1 else "of each pipeline stage's"
+        best.recompute = Decision(f"keep {k}", "activation memory",
+                                  f"the last {k} {where} layers keep their activations, the most that fit with the "
+                                  f"margin: {gain(part):.2f}x the tokens/s per GPU of full recompute",
+                                  {"gain": round(gain(part), 4), "keep_layers": k},
+                                  rejected=f"{full_str}; {other}")
     if sol.count is not None:
-        c, e = sol.count, alt.estimate
-        alt.count = Decision(c.value, c.constraint, f"CP={alt.layout.cp}, "
-                             f"{100 * e.headroom_gb / hw.usable_gb:.0f}% headroom",
-                             {"headroom_gb": round(e.headroom_gb, 2), "margin_gb": round(_margin_gb(e), 2)},
-                             rejected=c.rejected)
-    return alt
+        c, e = sol.count, best.estimate
+        best.count = Decision(c.value, c.constraint, f"CP={best.layout.cp}, "
+                              f"{100 * e.headroom_gb / hw.usable_gb:.0f}% headroom",
+                              {"headroom_gb": round(e.headroom_gb, 2), "margin_gb": round(_margin_gb(e), 2)},
+                              rejected=c.rejected)
+    return best
+
+
+def solve_keep_layers(m: ModelShape, hw: HwProfile, sol: Solution) -> Solution | None:
+    """Partial recompute on sol's layout and count: the most decoder layers at the end of each pipeline stage that
+    keep their activations (`keep_layers`, 1 to one fewer than the largest stage's layers) with the layout still
+    fitting with the margin, or None if not one fits. Each kept layer adds its saved activations to the peak, so the
+    largest that fits is found by bisection."""
+    stage = stage_layers(m, sol.layout.pp, sol.opts, hw)
+
+    def at(k: int) -> Estimate:
+        return estimate(m, hw, sol.world, sol.layout, sol.opts.model_copy(update={"keep_layers": k}))
+
+    lo, hi = 0, stage - 1  # at(lo) fits (lo = 0: sol itself); find the largest k ≤ hi that does
+    while lo < hi:
+        mid = (lo + hi + 1) // 2
+        if at(mid).fits:
+            lo = mid
+        else:
+            hi = mid - 1
+    if lo == 0:
+        return None
+    opts = sol.opts.model_copy(update={"keep_layers": lo})
+    return Solution(world=sol.world, layout=sol.layout, opts=opts, estimate=at(lo), decisions=sol.decisions,
+                    pins=dict(sol.pins), count=sol.count)
 
 
 def _count_by_cost(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks: bool, pins: dict[str, int],

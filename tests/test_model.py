@@ -269,6 +269,23 @@ def test_recompute_on_and_off_give_equal_gradients():
         assert torch.allclose(g0[n], g1[n], rtol=0, atol=1e-7), n
     with pytest.raises(ValueError, match="recompute must be one of"):
         apply_recompute(ckpt, "selective")
+    # partial recompute: the last layers keep their activations; the gradients are the same again
+    n = len(TINY.layer_types)
+    part = apply_recompute(build_model(TINY, seed=3), "full", keep_layers=1)
+    assert [hasattr(layer, "_checkpoint_wrapped_module") for layer in part.layers] == [True] * (n - 1) + [False]
+    h2, g2 = _loss_and_grads(part, ids, packing)
+    assert torch.equal(h0, h2)
+    for k in g0:
+        assert torch.allclose(g0[k], g2[k], rtol=0, atol=1e-7), k
+    # idempotent with the same count (the trainer applies it again to a parallelized model); more kept than layers:
+    # none wrapped
+    assert apply_recompute(part, "full", keep_layers=1) is part and not hasattr(part.layers[-1],
+                                                                                "_checkpoint_wrapped_module")
+    assert not any(hasattr(x, "_checkpoint_wrapped_module")
+                   for x in apply_recompute(build_model(TINY, seed=3), "full", keep_layers=n + 3).layers)
+    for bad, why in (((ckpt, "none", 1), "needs recompute 'full'"), ((ckpt, "full", -1), "non-negative integer")):
+        with pytest.raises(ValueError, match=why):
+            apply_recompute(*bad)
 
 
 def test_unsupported_shapes_fail_loudly():
