@@ -13,9 +13,9 @@ others). `--grid partial`: partial recompute (the last `keep_layers` layers keep
 full on the same model and length, every partial point held out.
 
 Every (model, depth) group builds its model once and runs its points in order (recompute none first, then partial,
-then full: recompute wraps the layers for good); each point empties the allocator's cache, runs one warm-up step, then times `--steps`
-steps (the median is the step time) with the peak statistics reset after the warm-up, and the CUDA stack limit set
-back after it as `recipe launch` does (kernel tuning raises it). Per group at one length it also times the step's
+then full: recompute wraps the layers for good); each point empties the allocator's cache, runs one warm-up step,
+then times `--steps` steps (the median is the step time) with the peak statistics reset after the warm-up, and the
+CUDA stack limit set back after it as `recipe launch` does (kernel tuning raises it). Per group at one length it also times the step's
 components alone (bench_train_step.profile_components). A table is printed as it goes and the JSON rewritten after
 every point, so a partial run is still a usable grid.
 
@@ -113,8 +113,11 @@ GRIDS = {
 FIT_MODELS = ("qwen35-35b", "qwen3-30b-a3b", "tiny-moe")  # the efficiencies are fit on their 2- and 4-layer points
 
 
-def role(model: str, layers: int, keep: int = 0) -> str:
-    return "held_out" if layers >= 8 or model not in FIT_MODELS or keep else "fit"
+HELD_OUT_GRIDS = ("holdout", "partial")  # every point of these is held out, whatever its model and depth
+
+
+def role(model: str, layers: int, grid: str = "full") -> str:
+    return "held_out" if layers >= 8 or model not in FIT_MODELS or grid in HELD_OUT_GRIDS else "fit"
 
 
 def environment(args) -> dict:
@@ -259,7 +262,8 @@ def run_grid(args) -> None:
         except torch.OutOfMemoryError as e:
             for rc, head, seq, ep, keep in points:
                 r = {"model": model_name, "layers": layers, "seq": seq, "recompute": rc, "lm_head": head,
-                     "ep_path": ep, **({"keep_layers": keep} if keep else {}), "role": role(model_name, layers, keep),
+                     "ep_path": ep, **({"keep_layers": keep} if keep else {}),
+                     "role": role(model_name, layers, args.grid),
                      "error": f"OOM building the model: {str(e)[:120]}"}
                 data["points"].append(r)
                 print(_fmt_row(r), flush=True)
@@ -299,7 +303,7 @@ def run_grid(args) -> None:
             profile_seq = 0
         for rc, head, seq, ep, keep in points:
             r = {"model": model_name, "layers": layers, "seq": seq, "recompute": rc, "lm_head": head, "ep_path": ep,
-                 **({"keep_layers": keep} if keep else {}), "role": role(model_name, layers, keep)}
+                 **({"keep_layers": keep} if keep else {}), "role": role(model_name, layers, args.grid)}
             r["predicted"] = predict_point(r, args.hw)
             budget_left = args.budget_s - (time.monotonic() - t_start)
             if budget_left < (args.steps + 1) * r["predicted"]["step_s"] * 1.5 + 5:

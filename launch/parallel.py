@@ -170,8 +170,8 @@ def parallelize(model: nn.Module, plan, meshes: Meshes | None, *, param_dtype: t
        Gated DeltaNet module (K/V all-gather, conv halo, delta-rule state combine)
     3. expert parallel: each rank keeps its ep-th of the experts (a DTensor sharded on the ep mesh, so checkpoints
        hold the whole tensor) and the token dispatch of launch/expert_parallel.py replaces the local one
-    4. activation recompute (plan.train.recompute, keep_layers): inside the FSDP unit, so the recomputed forward re-gathers its
-       parameters through FSDP's own hooks
+    4. activation recompute (plan.train.recompute, but the last keep_layers of each stage): inside the FSDP unit,
+       so the recomputed forward re-gathers its parameters through FSDP's own hooks
     5. FSDP2: routed experts of each layer over edp, each decoder layer over dp×cp, the root (embedding, final
        norm, LM head) over dp×cp; bf16 parameters for compute, fp32 gradient reduction, gradients summed (the loss
        is weighted by each micro-batch's share of the global batch), prefetch set explicitly

@@ -54,7 +54,8 @@ def basis(hw: str) -> str:
 
 def predict_point(point: dict, hw: str) -> dict:
     """The cost model's prediction for one grid point (its model at its depth, one GPU, one micro-batch of
-    `seq` tokens, the last `keep_layers` layers kept under recompute, the expert-parallel code path where `ep_path`): `allocated_gb` is the predicted peak less the profile's `overhead` (context, collective buffers,
+    `seq` tokens, the last `keep_layers` layers kept under recompute, the expert-parallel code path where
+    `ep_path`): `allocated_gb` is the predicted peak less the profile's `overhead` (context, collective buffers,
     allocator slack: not allocated tensors), what torch.cuda.max_memory_allocated() measures; `total_gb` the whole
     prediction; `step_s` the step time and `time_s` its parts."""
     from .cost import Layout, TrainOptions, estimate

@@ -14,7 +14,7 @@ from .models import ModelShape, active_params, param_counts, total_params
 from .planfile import format_size
 from .margin import describe, free_str, margin_of
 from .solver import Solution
-from .text import layout_str
+from .text import layout_str, recompute_words
 
 COMPONENTS = ("weights", "grads", "master", "optimizer", "activations", "lm_head", "overhead")
 COLORS = {"weights": "blue", "grads": "cyan", "master": "magenta", "optimizer": "bright_magenta",
@@ -52,13 +52,6 @@ def memory_legend() -> Text:
     t.append("|", style="bold red")
     t.append(" usable")
     return t
-
-
-def recompute_words(opts) -> str:
-    """'full recompute' / 'no recompute' (never 'none recompute') / 'recompute, last 12 layers kept'."""
-    if opts.recompute == "none":
-        return "no recompute"
-    return f"recompute, last {opts.keep_layers} layers kept" if opts.keep_layers else "full recompute"
 
 
 def summary(m: ModelShape, hw: HwProfile, seq: int, sol: Solution, explain: bool) -> Group:

@@ -6,7 +6,7 @@ from .hw import HwProfile
 from .margin import describe, free_str, margin_of
 from .models import ModelShape
 from .planfile import format_size
-from .text import layout_str
+from .text import layout_str, recompute_words
 
 
 def summary_text(m: ModelShape, hw: HwProfile, seq: int, sol) -> str:
@@ -15,7 +15,7 @@ def summary_text(m: ModelShape, hw: HwProfile, seq: int, sol) -> str:
     pinned = "; pinned " + " ".join(f"{k}={v}" for k, v in sol.pins.items()) if sol.pins else ""
     lines = [
         f"{m.name} at {format_size(seq)} tokens on {sol.world}x {hw.name}  "
-        f"({'no' if o.recompute == 'none' else o.recompute} recompute, {o.lm_head} LM head, {chunks}{pinned})",
+        f"({recompute_words(o)}, {o.lm_head} LM head, {chunks}{pinned})",
         f"layout   {layout_str(sol.degrees)}",
         f"predict  {e.total_gb:.1f} GB peak of {hw.usable_gb:.1f} usable, {free_str(e)}; step {e.step_time_s:.3f} s, "
         f"{e.tokens_per_s_per_gpu:,.0f} tok/s/GPU, {e.tflops_per_gpu:.0f} TFLOP/s/GPU, MFU "

@@ -15,3 +15,10 @@ def one_line(text, limit: int = 300) -> str:
     """Control characters escaped and length bounded, so that a message always prints as exactly one line."""
     s = "".join(c if c.isprintable() else repr(c)[1:-1] for c in str(text))
     return s if len(s) <= limit else s[: limit - 1] + "…"
+
+
+def recompute_words(opts) -> str:
+    """'full recompute' / 'no recompute' (never 'none recompute') / 'recompute, last 12 layers kept'."""
+    if opts.recompute == "none":
+        return "no recompute"
+    return f"recompute, last {opts.keep_layers} layers kept" if opts.keep_layers else "full recompute"

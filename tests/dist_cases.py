@@ -24,14 +24,16 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 
 # The cases of each world size: [name, dp, ep, ep_overlap_chunks[, cp, variant[, recompute[, tp[, pp[, pp_stages]]]]]]
-# or [name, "pieces", cp]. Worlds 2 and 4 are tests/test_parallel.py's; 1 and 8 are for bench/bench_parity_nccl.py.
+# or [name, "pieces", cp]; recompute "full", "none" or "keepN" (full, the last N layers of each stage kept). Worlds 2
+# and 4 are tests/test_parallel.py's; 1 and 8 are for bench/bench_parity_nccl.py.
 CASES = {
     1: [["one_rank", 1, 1, 1], ["one_rank_cp_data", 1, 1, 1, 1, "cp_off"], ["one_rank_dense", 1, 1, 1, 1, "dense"]],
     2: [["dp2", 2, 1, 1], ["ep2_k1", 2, 2, 1], ["ep2_k2", 2, 2, 2], ["ep2_k4", 2, 2, 4],
-        ["ep2_k2_no_recompute", 2, 2, 2, 1, "base", "none"],
+        ["ep2_k2_no_recompute", 2, 2, 2, 1, "base", "none"], ["ep2_k2_keep1", 2, 2, 2, 1, "base", "keep1"],
         ["cp2", 1, 1, 1, 2, "cp"], ["pieces_cp2", "pieces", 2],
         ["tp2", 1, 1, 1, 1, "cp", "full", 2], ["tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2],
         # two stages of 3 and 1 layers, off-policy, sequence-mean
@@ -43,6 +45,7 @@ CASES = {
         ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
         ["cp2_tp2_ep4", 1, 4, 1, 2, "cp_off", "full", 2],
         ["pp2_dp2_ep2", 2, 2, 1, 1, "base", "full", 1, 2],  # the split from the cost model
+        ["pp2_dp2_ep2_keep1", 2, 2, 1, 1, "base", "keep1", 1, 2, [3, 1]],  # stage 0: layers 0-1 recomputed, not 2
         ["pp4", 1, 1, 1, 1, "cp", "full", 1, 4], ["pp2_cp2", 1, 1, 1, 2, "cp", "full", 1, 2],
         ["dense_tp2_dp2", 2, 1, 1, 1, "dense", "full", 2]],
     8: [["dp8", 8, 1, 1], ["dp8_ep8_k2", 8, 8, 2], ["cp2_dp4_ep4_k2", 4, 4, 2, 2, "cp_off"],
@@ -108,9 +111,15 @@ def _plan(dp: int, ep: int, chunks: int, recompute: str = "full", cp: int = 1, t
 
     world = dp * cp * tp * pp
     layout = LayoutSpec(pp=pp, tp=tp, cp=cp, ep=ep, dp=dp, etp=1, edp=world // (pp * ep))
+    recompute, keep = _recompute(recompute)
     return types.SimpleNamespace(layout=layout, hw_profile=lambda: load_profile("cpu"), train=types.SimpleNamespace(
-        recompute=recompute, ep_overlap_chunks=chunks, micro_batch_tokens=tokens, lm_head="fused",
+        recompute=recompute, keep_layers=keep, ep_overlap_chunks=chunks, micro_batch_tokens=tokens, lm_head="fused",
         pp_stages=pp_stages))
+
+
+def _recompute(name: str) -> tuple[str, int]:
+    """A case's recompute field as (recompute, keep_layers): "keepN" is full recompute with N layers kept."""
+    return ("full", int(name[4:])) if name.startswith("keep") else (name, 0)
 
 
 def _steps_data(vocab: int, tokens: int = 64, fields: tuple[str, ...] = (), offset: float = 0.0):
@@ -174,7 +183,8 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
     plan = _plan(dp, ep, chunks, recompute, cp=cp, tp=tp, pp=pp, tokens=VARIANTS[variant][0], pp_stages=pp_stages)
     meshes = build_meshes(plan.layout, _RUN["device"].type)
     model = parallelize(_model(shape, variant), plan, meshes, param_dtype=_RUN["dtype"])
-    trainer = Trainer(model, _config(variant), recompute=recompute, lm_head="fused", dp_rank=meshes.dp_rank,
+    trainer = Trainer(model, _config(variant), recompute=plan.train.recompute, keep_layers=plan.train.keep_layers,
+                      lm_head="fused", dp_rank=meshes.dp_rank,
                       dp_size=meshes.dp_size, dp_group=meshes.dp_group, metrics_group=meshes.data_group)
     shards = []
     if trainer.context_parallel is not None:
@@ -234,6 +244,10 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
                                           and "tp" in (p.device_mesh.mesh_dim_names or ())),
             # PP: per stage (index, its layers, holds the embedding, holds the head, forwards it ran)
             "pipeline": pipeline,
+            # the layers this rank runs under recompute (global indices), in order
+            "recomputed_layers": [int(k) for k, x in (model.layers.items() if isinstance(model.layers, nn.ModuleDict)
+                                                     else enumerate(model.layers))
+                                  if hasattr(x, "_checkpoint_wrapped_module")],
             "all_to_alls_per_layer_chunk_micro_batch": calls[0] / (len(layers) * forwards * chunks) if ep > 1 else None,
             "grads": {n: g for n, g in grads.items()}}
 

@@ -101,6 +101,29 @@ def test_recompute_auto_writes_the_choice_and_checks_clean(tmp_path):
     assert run("check", str(out)).exit_code == 0
 
 
+def test_recompute_auto_keeps_layers_and_the_plan_runs_them(tmp_path):
+    """--recompute auto choosing partial recompute: the plan's train block names the kept layers (train.keep_layers,
+    with train.recompute full), the summary says so, `recipe check` re-solves it to the same plan, and a plan that
+    keeps layers without recompute is refused in one line."""
+    out = tmp_path / "q.yaml"
+    r = run("solve", "--model", "qwen35-35b", "--seq", "32k", "--hw", "mi300x", "--recompute", "auto", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert "(recompute, last 12 layers kept, " in r.stdout
+    assert "\nRC=keep 12 activation memory: the last 12 of the 40 layers keep their activations" in r.stdout
+    plan = load_plan(out)
+    assert plan.inputs.recompute == "auto" and plan.train.recompute == "full" and plan.train.keep_layers == 12
+    assert plan.train_options().keep_layers == 12
+    assert run("check", str(out)).exit_code == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(out.read_text().replace("  recompute: full\n  keep_layers: 12", "  recompute: none\n  keep_layers: 12"))
+    r = run("check", str(bad))
+    assert r.exit_code != 0 and "train.keep_layers = 12 needs train.recompute: full" in r.output
+    # a plan solved without auto has no such field
+    full = tmp_path / "full.yaml"
+    assert run("solve", "--model", "qwen35-35b", "--seq", "32k", "--hw", "mi300x", "-o", str(full)).exit_code == 0
+    assert "keep_layers" not in full.read_text()
+
+
 def test_gpus_that_cost_far_more_a_token_get_a_note():
     """--gpus 32 for gpt-oss-120b at 128K on H100s fits only at tp=4: the count the default rule takes, 40 (tp=1),
     runs 1.5x or more the tokens/s per GPU, and one line on stderr says so; 16 H100s for qwen35-35b, within the rule,

@@ -615,3 +615,91 @@ def test_attention_efficiency_by_head_width_worked_by_hand():
     assert attention_efficiency(by, 192) == pytest.approx(0.4205)
     assert attention_efficiency(by, None) == pytest.approx(0.4205)
     assert attention_width(PRESETS["deepseek-v3"]) == 192 and attention_width(PRESETS["qwen35-35b"]) == 256
+
+
+# ---- partial recompute (keep_layers) -------------------------------------------------------------------------------
+_KEEP_CASES = [  # (model, hw, world, layout, micro-batch tokens, micro-batches)
+    ("qwen35-35b", "mi300x", 8, Layout(), 32_768, 1),
+    ("qwen35-35b", "h100", 16, Layout(cp=2, ep=8), 131_072, 1),
+    ("qwen3-30b-a3b", "h100", 16, Layout(pp=2, tp=2, ep=4), 32_768, 4),
+    ("deepseek-v3", "mi355x", 64, Layout(pp=4, ep=16), 32_768, 8),
+    ("gpt-oss-120b", "mi300x", 16, Layout(cp=2, ep=8), 65_536, 1),
+]
+
+
+@pytest.mark.parametrize("model, hw, world, lay, tokens, mb", _KEEP_CASES)
+def test_keep_layers_spans_full_recompute_to_none(model, hw, world, lay, tokens, mb):
+    """keep_layers = 0 is full recompute and keeping every layer of every stage is no recompute, in every figure
+    (memory by component, step time and its parts, hardware FLOPs, bytes exchanged); between them each kept layer
+    adds memory and takes time off (hybrid attention, MLA with dense first layers, PP with 1F1B in flight, TP, CP,
+    EP)."""
+    m, hw = PRESETS[model], load_profile(hw)
+    base = TrainOptions(micro_batch_tokens=tokens, micro_batches=mb)
+    full = estimate(m, hw, world, lay, base)
+    none = estimate(m, hw, world, lay, base.model_copy(update={"recompute": "none"}))
+    ests = [estimate(m, hw, world, lay, base.model_copy(update={"keep_layers": k})) for k in range(m.num_layers + 1)]
+
+    def figures(e):
+        return (e.memory_gb, e.step_time_s, e.time_s, e.tflops_per_gpu, e.comm_bytes, e.compute_s)
+
+    assert figures(ests[0]) == figures(full)
+    got, want = figures(ests[-1]), figures(none)
+    for a, b in zip(got, want):
+        if isinstance(a, dict):
+            assert a.keys() == b.keys() and all(a[k] == pytest.approx(b[k], rel=1e-12, abs=1e-12) for k in a), (a, b)
+        else:
+            assert a == pytest.approx(b, rel=1e-12)
+    mem = [e.total_gb for e in ests]
+    step = [e.step_time_s for e in ests]
+    assert all(x <= y + 1e-9 for x, y in zip(mem, mem[1:])) and mem[-1] > mem[0]
+    assert all(x >= y - 1e-12 for x, y in zip(step, step[1:])) and step[-1] < step[0]
+
+
+def test_keep_layers_work_worked_by_hand():
+    """qwen35-35b, 40 layers, full attention in every fourth (the rest Gated DeltaNet), one stage, the last 4 layers
+    kept: 36 layers run a recomputed forward, 9 of the 10 attention layers and 27 of the 30 Gated DeltaNet ones. So a
+    layer pass count of 3·40 + 36 = 156, attention's work 3.9 forwards of the model's (full recompute: 4), the delta
+    rule's 3.9, the routed experts' 3.9 (every layer is MoE), and hardware FLOPs per token 3 forwards of the layers,
+    their recomputed share and the head's 3 GEMMs."""
+    from recipe.cost import compute_work, flop_terms
+
+    m = PRESETS["qwen35-35b"]
+    assert m.num_layers == 40 and m.layer_types[3::4] == ("full_attention",) * 10
+    opts = TrainOptions(micro_batch_tokens=32_768)
+    keep = opts.model_copy(update={"keep_layers": 4})
+    full, part = compute_work(m, Layout(), opts), compute_work(m, Layout(), keep)
+    assert full["layer_passes"] == 160 and part["layer_passes"] == 156
+    for op in ("attention", "delta_rule", "expert_gemm", "expert_rows", "expert_weights"):
+        assert part[op] == pytest.approx(full[op] * 3.9 / 4, rel=1e-12), op
+    f, _, hw_full, _ = flop_terms(m, opts)
+    _, _, hw_part, _ = flop_terms(m, keep)
+    layers = sum(f.values()) - f["head"]
+    # the four kept layers' forward FLOPs: three Gated DeltaNet layers and one attention layer
+    from recipe.cost import layer_work, BYTE_TERMS
+
+    per = [sum(x for op, x in w.items() if op not in BYTE_TERMS) for w in layer_work(m, 32_768)]
+    assert hw_full - hw_part == pytest.approx(layers * sum(per[36:]) / sum(per), rel=1e-12)
+    assert per[36] == per[37] == per[38] < per[39]  # the kept attention layer costs more than a Gated DeltaNet one
+
+
+def test_keep_layers_memory_worked_by_hand():
+    """Each layer kept beyond the one whose backward runs first adds what its forward saved (its mixer's and its
+    FFN's tensors; its input was already held as a checkpoint) while that first backward sets the peak: at
+    qwen35-35b × 4 layers, 32K tokens on one H200 (the calibration grid's partial-recompute points), keeping 3
+    layers instead of 2 adds exactly layer_saved. Keeping 1 costs nothing over full recompute: the peak stays in a
+    recomputed layer's backward (measured: 74.5 GB for both)."""
+    m = PRESETS["qwen35-35b"].with_layers(4)
+    h200 = load_profile("h200")
+    opts = TrainOptions(micro_batch_tokens=32_768)
+    act = [estimate(m, h200, 1, Layout(), opts.model_copy(update={"keep_layers": k})).memory_gb["activations"]
+           for k in range(4)]
+    mixer, ffn = layer_saved(m, 32_768, 1, 1)
+    assert (act[3] - act[2]) * GB == pytest.approx(mixer + ffn, rel=1e-9)
+    assert act[1] == pytest.approx(act[0], rel=1e-12) and act[2] > act[1]
+
+
+def test_keep_layers_needs_recompute():
+    with pytest.raises(ValueError, match="keep_layers = 2 needs recompute 'full'"):
+        TrainOptions(micro_batch_tokens=4096, recompute="none", keep_layers=2)
+    with pytest.raises(ValueError, match="keep_layers must be a non-negative integer"):
+        TrainOptions(micro_batch_tokens=4096, keep_layers=-1)

@@ -83,9 +83,16 @@ def test_resume_equals_the_uninterrupted_run(tmp_path, reference):
 
 
 def test_redeploy_from_two_processes_to_one(tmp_path, reference, plan1):
+    """Resumed on one process under partial recompute (the plan's train.keep_layers: the last 2 of the 4 layers keep
+    their activations): the checkpoint's names do not depend on which layers are recomputed, and the losses are the
+    reference's."""
     out = tmp_path / "run"
     torchrun(2, PLAN2, out, "--steps", "2")
-    r = torchrun(1, plan1, out, "--steps", "4", "--resume")
+    text = plan1.read_text()
+    assert "\ntrain:\n  recompute: full\n" in text and "keep_layers" not in text
+    keep = tmp_path / "tiny-1-keep2.yaml"
+    keep.write_text(text.replace("\ntrain:\n  recompute: full\n", "\ntrain:\n  recompute: full\n  keep_layers: 2\n"))
+    r = torchrun(1, keep, out, "--steps", "4", "--resume")
     assert "saved at world size 2" in r.stdout
     close(losses(out), reference, [3, 4], OTHER)
 

@@ -62,7 +62,7 @@ def _assert_equal_to_one_process(r: dict) -> None:
 
 
 @pytest.mark.dist
-@pytest.mark.parametrize("name", ["dp2", "ep2_k1", "ep2_k2", "ep2_k4", "ep2_k2_no_recompute"])
+@pytest.mark.parametrize("name", ["dp2", "ep2_k1", "ep2_k2", "ep2_k4", "ep2_k2_no_recompute", "ep2_k2_keep1"])
 def test_world2_layouts_equal_one_process(world2, name):
     _assert_equal_to_one_process(world2[name])
 
@@ -145,11 +145,12 @@ def test_tensor_parallel_splits_every_dense_parameter_and_the_data_crosses_edges
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world, name", [(2, "pp2"), (2, "pp2_v2"), (4, "pp2_dp2_ep2"), (4, "pp4"),
-                                         (4, "pp2_cp2")])
+                                         (4, "pp2_cp2"), (4, "pp2_dp2_ep2_keep1")])
 def test_pipeline_layouts_equal_one_process(world2, world4, world, name):
     """pp=2 (1F1B, micro-batches padded to the plan's micro_batch_tokens), pp=2 with 2 virtual stages a rank
-    (interleaved 1F1B), pp=2 × dp=2 with ep=2 inside each stage, pp=4 and pp=2 × cp=2: every step's loss and metrics (on the last stage, broadcast to every rank) and every
-    gradient of every stage equal one process."""
+    (interleaved 1F1B), pp=2 × dp=2 with ep=2 inside each stage, pp=4, pp=2 × cp=2, and pp=2 × dp=2 × ep=2 with
+    the last layer of each stage kept (partial recompute): every step's loss and metrics (on the last stage,
+    broadcast to every rank) and every gradient of every stage equal one process."""
     _assert_equal_to_one_process({2: world2, 4: world4}[world][name])
 
 
@@ -172,6 +173,10 @@ def test_pipeline_stages_hold_their_layers_and_run_every_micro_batch(world2, wor
                              [3, ["3"], False, True, 4]]
     r = world4["pp2_cp2"]  # each cp rank's zigzag shard flows between the stages, documents across segment edges
     assert r["cp_segment_len"] == [32] and r["cp_docs_cross_segments"]
+    # partial recompute, stages [3, 1], one layer kept a stage: stage 0 recomputes layers 0 and 1, stage 1 none
+    assert [p[1] for p in world4["pp2_dp2_ep2_keep1"]["pipeline"]] == [["0", "1", "2"], ["3"]]
+    assert world4["pp2_dp2_ep2_keep1"]["recomputed_layers"] == [0, 1]
+    assert world4["pp2_dp2_ep2"]["recomputed_layers"] == [0, 1]  # the split [2, 2], every layer recomputed
 
 
 @pytest.mark.dist
@@ -197,6 +202,9 @@ def test_recomputed_forward_reissues_only_the_dispatch(world2):
     r = world2["ep2_k2"]
     assert r["all_to_alls_per_layer_chunk_micro_batch"] == 5
     assert world2["ep2_k2_no_recompute"]["all_to_alls_per_layer_chunk_micro_batch"] == 4  # one forward only
+    # the last of the 4 layers kept (partial recompute): 5 in the three recomputed, 4 in it
+    assert world2["ep2_k2_keep1"]["all_to_alls_per_layer_chunk_micro_batch"] == (3 * 5 + 4) / 4
+    assert world2["ep2_k2_keep1"]["recomputed_layers"] == [0, 1, 2]
 
 
 # ---- the pieces, by hand ---------------------------------------------------------------------------------------

@@ -292,6 +292,56 @@ def test_recompute_auto_keeps_full_when_none_is_slower():
     assert f"runs {gain:.2f}x the tokens/s per GPU of this one" in s.recompute.reason
 
 
+def test_recompute_auto_keeps_the_last_layers_where_they_fit():
+    """qwen35-35b at 32K on MI300X: 8 GPUs at cp=1 under full recompute, with memory to spare. Without recompute they
+    fit only at a larger CP, slower; keeping the last layers' activations fits at the same layout, up to the count a
+    scan over every count finds, and runs faster than either."""
+    from recipe.margin import estimate_with_margin
+
+    m, hw = PRESETS["qwen35-35b"], _hw("mi300x")
+    full = solve(m, hw, 8, TrainOptions(micro_batch_tokens=32_768))
+    fits = [k for k in range(m.num_layers)
+            if estimate_with_margin(m, hw, 8, full.layout, full.opts.model_copy(update={"keep_layers": k})).fits]
+    k = max(fits)
+    assert fits == list(range(k + 1)) and 0 < k < m.num_layers - 1
+    s = _auto("qwen35-35b", 32_768, "mi300x")
+    assert s.world == 8 and s.layout == full.layout
+    assert s.opts.recompute == "full" and s.opts.keep_layers == k
+    gain = s.estimate.tokens_per_s_per_gpu / full.estimate.tokens_per_s_per_gpu
+    none = solve(m, hw, 8, TrainOptions(micro_batch_tokens=32_768, recompute="none"))
+    assert gain > 1.03 and none.estimate.tokens_per_s_per_gpu < s.estimate.tokens_per_s_per_gpu
+    d = s.recompute
+    assert d.value == f"keep {k}" and d.constraint == "activation memory"
+    assert d.numbers == {"gain": round(gain, 4), "keep_layers": k}
+    assert d.reason == (f"the last {k} of the 40 layers keep their activations, the most that fit with the margin: "
+                        f"{gain:.2f}x the tokens/s per GPU of full recompute")
+    assert d.rejected == (f"full recompute: pp=1 tp=1 cp=1 ep={full.layout.ep} at "
+                          f"{full.estimate.tokens_per_s_per_gpu:,.0f} tok/s/GPU; no recompute: pp=1 tp=1 "
+                          f"cp={none.layout.cp} ep={none.layout.ep} at {none.estimate.tokens_per_s_per_gpu:,.0f} "
+                          f"tok/s/GPU")
+
+
+def test_solve_keep_layers_equals_a_scan_under_a_pipeline():
+    """Under PP the count is per stage (up to one fewer than the largest stage's layers): bisection finds what a scan
+    over every count finds."""
+    from recipe.cost import Layout, stage_layers
+    from recipe.margin import estimate_with_margin
+    from recipe.solver import solve_keep_layers
+
+    m = PRESETS["qwen3-30b-a3b"]
+    opts = TrainOptions(micro_batch_tokens=32_768, micro_batches=4)
+    for hw, lay, want in ((_hw("mi300x"), Layout(pp=2, ep=8), 10), (_hw("mi300x"), Layout(pp=4, ep=4), 5),
+                          (_hw("mi300x"), Layout(pp=2, cp=2, ep=8), 20), (_hw("h100"), Layout(pp=4, ep=4), None)):
+        est = estimate_with_margin(m, hw, 16, lay, opts)
+        assert est.fits
+        sol = Solution(world=16, layout=lay, opts=opts, estimate=est, decisions={})
+        n = stage_layers(m, lay.pp, opts, hw)
+        scan = [k for k in range(1, n)
+                if estimate_with_margin(m, hw, 16, lay, opts.model_copy(update={"keep_layers": k})).fits]
+        got = solve_keep_layers(m, hw, sol)
+        assert max(scan, default=None) == want == (got.opts.keep_layers if got else None), (hw.name, lay)
+
+
 def test_tokens_per_s_bound_bounds_every_layout():
     """tokens_per_s_bound is above every layout's tokens/s per GPU — every point of the PP×TP×EP×CP grid at 8, 32 and
     64 GPUs, H100 and MI300X, 32K and 128K — so the count rule may skip its search when the count found already runs
