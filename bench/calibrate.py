@@ -120,6 +120,12 @@ def role(model: str, layers: int, grid: str = "full") -> str:
     return "held_out" if layers >= 8 or model not in FIT_MODELS or grid in HELD_OUT_GRIDS else "fit"
 
 
+def _grid_keys(grid: str, keep: int) -> dict:
+    """A point's `grid` (where not the default one: a held-out grid's points are held out whatever their model) and
+    `keep_layers` (where some are kept)."""
+    return {**({"grid": grid} if grid != "full" else {}), **({"keep_layers": keep} if keep else {})}
+
+
 def environment(args) -> dict:
     import torch
 
@@ -262,7 +268,7 @@ def run_grid(args) -> None:
         except torch.OutOfMemoryError as e:
             for rc, head, seq, ep, keep in points:
                 r = {"model": model_name, "layers": layers, "seq": seq, "recompute": rc, "lm_head": head,
-                     "ep_path": ep, **({"keep_layers": keep} if keep else {}),
+                     "ep_path": ep, **_grid_keys(args.grid, keep),
                      "role": role(model_name, layers, args.grid),
                      "error": f"OOM building the model: {str(e)[:120]}"}
                 data["points"].append(r)
@@ -303,7 +309,7 @@ def run_grid(args) -> None:
             profile_seq = 0
         for rc, head, seq, ep, keep in points:
             r = {"model": model_name, "layers": layers, "seq": seq, "recompute": rc, "lm_head": head, "ep_path": ep,
-                 **({"keep_layers": keep} if keep else {}), "role": role(model_name, layers, args.grid)}
+                 **_grid_keys(args.grid, keep), "role": role(model_name, layers, args.grid)}
             r["predicted"] = predict_point(r, args.hw)
             budget_left = args.budget_s - (time.monotonic() - t_start)
             if budget_left < (args.steps + 1) * r["predicted"]["step_s"] * 1.5 + 5:
@@ -574,7 +580,7 @@ def fit_memory(path: str) -> dict:
     local = [r for r in pts if r["lm_head"] != "naive" and not r["ep_path"]]
     errs = [predict_point(r, hw)["allocated_gb"] / r["peak_allocated_gb"] - 1 for r in local]
     twins = {(r["model"], r["layers"], r["seq"]): r for r in local
-             if r["recompute"] == "full" and r["lm_head"] == "fused" and not r.get("keep_layers")}
+             if r["recompute"] == "full" and r["lm_head"] == "fused" and not r.get("grid")}
     rows: dict[str, list[float]] = {}
     for r in pts:
         q = twins.get((r["model"], r["layers"], r["seq"]))

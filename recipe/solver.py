@@ -711,15 +711,15 @@ def solve_recompute(m: ModelShape, hw: HwProfile, sol: Solution, auto_chunks: bo
     if best is None or gain(best) < 1 + PP_TIE_BREAK:
         if none is None:
             why = none_why + ("; and no layer can keep its activations" if part is None else
-                              f"; keeping the last {part.opts.keep_layers} layers' activations, the most that fit, "
+                              f"; keeping {_last(part.opts.keep_layers)} activations, the most that fit, "
                               f"runs {gain(part):.2f}x the tokens/s per GPU")
             sol.recompute = Decision("full", "activation memory", why)
         else:
             g = gain(none) if part is None else max(gain(none), gain(part))
             sol.recompute = Decision("full", "step time", f"without recompute the best layout on {sol.world} GPUs "
                                      f"({_lay_str(none.layout)}) runs {gain(none):.2f}x the tokens/s per GPU of this "
-                                     f"one" + ("" if part is None else f", keeping the last "
-                                               f"{part.opts.keep_layers} layers' activations {gain(part):.2f}x"),
+                                     f"one" + ("" if part is None else f", keeping {_last(part.opts.keep_layers)} "
+                                               f"activations {gain(part):.2f}x"),
                                      {"gain": round(g, 4)})
         return sol
     full_str = f"full recompute: {_lay_str(sol.layout)} at {rate:,.0f} tok/s/GPU"
@@ -731,10 +731,11 @@ def solve_recompute(m: ModelShape, hw: HwProfile, sol: Solution, auto_chunks: bo
         k = part.opts.keep_layers
         other = (none_why if none is None else f"no recompute: {_lay_str(none.layout)} at "
                  f"{none.estimate.tokens_per_s_per_gpu:,.0f} tok/s/GPU")
-        where = f"of the {m.num_layers}" if sol.layout.pp == 1 else "of each pipeline stage's"
+        where = f"of the {m.num_layers} layers" if sol.layout.pp == 1 else "of each pipeline stage's layers"
+        which = f"the last {where} keeps its" if k == 1 else f"the last {k} {where} keep their"
         best.recompute = Decision(f"keep {k}", "activation memory",
-                                  f"the last {k} {where} layers keep their activations, the most that fit with the "
-                                  f"margin: {gain(part):.2f}x the tokens/s per GPU of full recompute",
+                                  f"{which} activations, the most that fit with the margin: {gain(part):.2f}x the "
+                                  f"tokens/s per GPU of full recompute",
                                   {"gain": round(gain(part), 4), "keep_layers": k},
                                   rejected=f"{full_str}; {other}")
     if sol.count is not None:
@@ -744,6 +745,11 @@ def solve_recompute(m: ModelShape, hw: HwProfile, sol: Solution, auto_chunks: bo
                               {"headroom_gb": round(e.headroom_gb, 2), "margin_gb": round(_margin_gb(e), 2)},
                               rejected=c.rejected)
     return best
+
+
+def _last(k: int) -> str:
+    """"the last layer's" / "the last 12 layers'"."""
+    return "the last layer's" if k == 1 else f"the last {k} layers'"
 
 
 def solve_keep_layers(m: ModelShape, hw: HwProfile, sol: Solution) -> Solution | None:

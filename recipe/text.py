@@ -21,4 +21,5 @@ def recompute_words(opts) -> str:
     """'full recompute' / 'no recompute' (never 'none recompute') / 'recompute, last 12 layers kept'."""
     if opts.recompute == "none":
         return "no recompute"
-    return f"recompute, last {opts.keep_layers} layers kept" if opts.keep_layers else "full recompute"
+    k = opts.keep_layers
+    return "full recompute" if not k else f"recompute, last {'layer' if k == 1 else f'{k} layers'} kept"
