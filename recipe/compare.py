@@ -12,7 +12,7 @@ from .models import param_counts
 from .cost import BYTES_GRADS, BYTES_MASTER, BYTES_OPTIMIZER, BYTES_WEIGHTS, GB
 from .hw import HwProfile
 from .models import ModelShape
-from .solver import Solution
+from .solver import Solution, solve_keep_layers
 
 SEQS = (8192, 16384, 32768, 65536, 131072, 262144)
 
@@ -21,9 +21,17 @@ def technique_effects(m: ModelShape, hw: HwProfile, sol: Solution) -> dict[str, 
     e, lay, o, w = sol.estimate, sol.layout, sol.opts, sol.world
     usable = hw.usable_gb
     out = {}
-    no_rc = estimate(m, hw, w, lay, o.model_copy(update={"recompute": "none"}))
+    no_rc = estimate(m, hw, w, lay, o.model_copy(update={"recompute": "none", "keep_layers": 0}))
     out["recompute"] = (f"needed: without it {no_rc.total_gb:.0f} GB > {usable:.0f}" if not no_rc.fits else
                         f"optional: without it {no_rc.total_gb:.0f} GB fits, {100 * (1 - no_rc.step_time_s / e.step_time_s):+.0f}% step time")
+    if o.recompute == "full" and not o.keep_layers and not no_rc.fits:
+        # partial recompute: what the layout's free memory would buy (--recompute auto weighs it)
+        part = solve_keep_layers(m, hw, sol)
+        if part is not None:
+            k = part.opts.keep_layers
+            out["recompute"] += (f"; {'the last layer' if k == 1 else f'the last {k} layers'} could keep "
+                                 f"{'its' if k == 1 else 'their'} activations: "
+                                 f"{100 * (1 - part.estimate.step_time_s / e.step_time_s):.0f}% less step time")
     naive = estimate(m, hw, w, lay, o.model_copy(update={"lm_head": "naive"}))
     out["fused_head"] = (f"saves {e.lm_head_unfused_gb:.1f} GB of logits ({100 * e.lm_head_unfused_gb / usable:.0f}% "
                          f"of usable){'; needed' if not naive.fits else ''}")

@@ -357,3 +357,28 @@ def test_compare_ep_overlap_names_the_chunk_loop():
     assert float(got[2]) == pytest.approx(100 * (1 - sol.estimate.step_time_s / one.step_time_s), abs=0.05)
     assert float(got[3]) == pytest.approx(sol.estimate.compute_s["ep_chunks"], abs=0.005)
     assert sol.estimate.compute_s["ep_chunks"] > 0
+
+
+def test_compare_recompute_row_names_what_partial_recompute_would_buy():
+    """Where full recompute is needed and the layout leaves room, the recompute row says how many last layers could
+    keep their activations and the step time that saves, as solve_keep_layers finds them (qwen35-35b at 32K on 8
+    MI300X: 12 layers); a solution that already keeps layers (--recompute auto) is compared without error."""
+    import re
+
+    from recipe.compare import technique_effects
+    from recipe.cost import TrainOptions
+    from recipe.hw import load_profile
+    from recipe.models import PRESETS
+    from recipe.solver import solve, solve_keep_layers, solve_recompute
+
+    m, hw = PRESETS["qwen35-35b"], load_profile("mi300x")
+    sol = solve(m, hw, 8, TrainOptions(micro_batch_tokens=32_768))
+    part = solve_keep_layers(m, hw, sol)
+    row = technique_effects(m, hw, sol)["recompute"]
+    got = re.fullmatch(r"needed: without it \d+ GB > 185; the last (\d+) layers could keep their activations: "
+                       r"(\d+)% less step time", row)
+    assert got, row
+    assert int(got[1]) == part.opts.keep_layers == 12
+    assert int(got[2]) == round(100 * (1 - part.estimate.step_time_s / sol.estimate.step_time_s))
+    auto = solve_recompute(m, hw, sol)
+    assert auto.opts.keep_layers == 12 and technique_effects(m, hw, auto)["recompute"].startswith("needed: ")
