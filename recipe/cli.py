@@ -173,9 +173,10 @@ Gpus = Annotated[Optional[int], typer.Option("--gpus", "-g", help=(
     "a token are within 1.5x the cheapest's"))]
 Layers = Annotated[Optional[int], typer.Option("--layers", help="a reduced-depth model: first N layers")]
 Recompute = Annotated[str, typer.Option("--recompute", help="full | none | auto (at the GPU count solved under full "
-                                                            "recompute, the faster of no recompute and the most last "
-                                                            "layers keeping their activations that fit, where it runs "
-                                                            "3% or more tokens/s per GPU)")]
+                                                            "recompute, the faster of no recompute and of the last "
+                                                            "layers of each stage keeping their activations, every "
+                                                            "dimension solved again, where it runs 3% or more "
+                                                            "tokens/s per GPU)")]
 LmHead = Annotated[str, typer.Option("--lm-head", help="fused (the loss in the head, 3 GEMMs) | lean (the two gradients "
                                                       "and ~2 MiB, 4 GEMMs) | naive (materialized logits)")]
 Mbt = Annotated[Optional[str], typer.Option("--micro-batch-tokens", help="tokens per micro-batch (default: --seq)")]

@@ -691,11 +691,11 @@ def _whole_node(m: ModelShape, hw: HwProfile, opts: TrainOptions, auto_chunks: b
 def solve_recompute(m: ModelShape, hw: HwProfile, sol: Solution, auto_chunks: bool = True,
                     pins: dict[str, int] | None = None) -> Solution:
     """`--recompute auto`. `sol` is solved under full recompute (its count too, when the solver chose it). At its
-    GPU count two ways out of recompute are weighed: no recompute, every dimension solved again (a layer then costs
-    3 passes, not 4, often at a larger CP that holds the saved activations); and partial recompute, sol's layout
-    with the most layers at the end of each stage keeping their activations that fits with the margin
-    (`keep_layers`). The faster is taken when it runs at least PP_TIE_BREAK more tokens/s per GPU than full
-    recompute. The solution returned says why in its `recompute` decision."""
+    GPU count two ways out of recompute are weighed, each with every dimension solved again: no recompute (a layer
+    then costs 3 passes, not 4, often at a larger CP that holds the saved activations), and partial recompute, the
+    last layers of each stage keeping their activations (`solve_partial`). The faster is taken when it runs at least
+    PP_TIE_BREAK more tokens/s per GPU than full recompute. The solution returned says why in its `recompute`
+    decision."""
     rate = sol.estimate.tokens_per_s_per_gpu
     none, none_why = None, ""
     try:
@@ -705,13 +705,13 @@ def solve_recompute(m: ModelShape, hw: HwProfile, sol: Solution, auto_chunks: bo
         none_why = f"without recompute no layout fits {sol.world} GPUs with the margin"
         if e.miss is not None:
             none_why += f": {_miss_str(hw, e.miss[1], e.miss[2], 'the closest')}"
-    part = solve_keep_layers(m, hw, sol)
+    part = solve_partial(m, hw, sol, auto_chunks, pins)
     gain = lambda x: x.estimate.tokens_per_s_per_gpu / rate  # noqa: E731
     best = max((x for x in (none, part) if x is not None), key=gain, default=None)
     if best is None or gain(best) < 1 + PP_TIE_BREAK:
         if none is None:
             why = none_why + ("; and no layer can keep its activations" if part is None else
-                              f"; keeping {_last(part.opts.keep_layers)} activations, the most that fit, "
+                              f"; keeping {_last(part.opts.keep_layers)} activations, the fastest that fits, "
                               f"runs {gain(part):.2f}x the tokens/s per GPU")
             sol.recompute = Decision("full", "activation memory", why)
         else:
@@ -731,18 +731,16 @@ def solve_recompute(m: ModelShape, hw: HwProfile, sol: Solution, auto_chunks: bo
         k = part.opts.keep_layers
         other = (none_why if none is None else f"no recompute: {_lay_str(none.layout)} at "
                  f"{none.estimate.tokens_per_s_per_gpu:,.0f} tok/s/GPU")
-        where = f"of the {m.num_layers} layers" if sol.layout.pp == 1 else "of each pipeline stage's layers"
+        where = f"of the {m.num_layers} layers" if part.layout.pp == 1 else "of each pipeline stage's layers"
         which = f"the last {where} keeps its" if k == 1 else f"the last {k} {where} keep their"
-        best.recompute = Decision(f"keep {k}", "activation memory",
-                                  f"{which} activations, the most that fit with the margin: {gain(part):.2f}x the "
-                                  f"tokens/s per GPU of full recompute",
-                                  {"gain": round(gain(part), 4), "keep_layers": k},
+        best.recompute = Decision(f"keep {k}", "step time",
+                                  f"{which} activations ({_lay_str(part.layout)}): the fastest of the kept-layer "
+                                  f"counts solved on {sol.world} GPUs, {gain(part):.2f}x the tokens/s per GPU of full "
+                                  f"recompute", {"gain": round(gain(part), 4), "keep_layers": k},
                                   rejected=f"{full_str}; {other}")
-    if sol.count is not None:
-        c, e = sol.count, best.estimate
-        best.count = Decision(c.value, c.constraint, f"CP={best.layout.cp}, "
-                              f"{100 * e.headroom_gb / hw.usable_gb:.0f}% headroom",
-                              {"headroom_gb": round(e.headroom_gb, 2), "margin_gb": round(_margin_gb(e), 2)},
+    if sol.count is not None:  # the count was chosen under full recompute, and its figures are that layout's
+        c = sol.count
+        best.count = Decision(c.value, c.constraint, f"{c.reason}, under full recompute", dict(c.numbers),
                               rejected=c.rejected)
     return best
 
@@ -750,6 +748,49 @@ def solve_recompute(m: ModelShape, hw: HwProfile, sol: Solution, auto_chunks: bo
 def _last(k: int) -> str:
     """"the last layer's" / "the last 12 layers'"."""
     return "the last layer's" if k == 1 else f"the last {k} layers'"
+
+
+KEEP_FRACTIONS = tuple(i / 8 for i in range(1, 8))  # the kept-layer counts solve_partial starts from, of a stage
+
+
+def solve_partial(m: ModelShape, hw: HwProfile, sol: Solution, auto_chunks: bool = True,
+                  pins: dict[str, int] | None = None) -> Solution | None:
+    """Partial recompute at sol's GPU count: the solution with the most tokens/s per GPU among every dimension solved
+    again with k layers kept, for k = 1 and each KEEP_FRACTIONS of the stage's layers, and for the most each of those
+    layouts holds (`solve_keep_layers`) solved again as well (where that takes another layout, the most that keeps
+    it); None if no count fits. Each count's layout comes from
+    the solver's own rules (the smallest CP that holds the kept activations, …), so a larger k may take a larger
+    CP: the search weighs the recompute a kept layer saves against what the wider exchange costs."""
+    n = stage_layers(m, sol.layout.pp, sol.opts, hw)
+    solved: dict[int, Solution | None] = {}
+
+    def at(k: int) -> Solution | None:
+        if k not in solved:
+            try:
+                solved[k] = solve(m, hw, sol.world, sol.opts.model_copy(update={"keep_layers": k}), auto_chunks,
+                                  suggest=False, pins=pins)
+            except InfeasibleError:
+                solved[k] = None
+        return solved[k]
+
+    for k in sorted({1, *(max(1, round(n * f)) for f in KEEP_FRACTIONS)}):
+        s = at(k) if k < n else None
+        if s is None:
+            break  # a kept layer only adds memory: where k fits no layout, no larger count does
+        most = solve_keep_layers(m, hw, s)
+        if most is None or most.opts.keep_layers <= k:
+            continue
+        lo, hi = k, most.opts.keep_layers
+        top = at(hi)
+        if top is None or top.layout != s.layout:
+            # solved again, the most this layout holds took another layout (the rules weigh that many kept layers
+            # differently): the most solved on this layout, by bisection
+            while hi - lo > 1:
+                mid = (lo + hi) // 2
+                x = at(mid)
+                lo, hi = (mid, hi) if x is not None and x.layout == s.layout else (lo, mid)
+    return max((s for s in solved.values() if s is not None), key=lambda s: s.estimate.tokens_per_s_per_gpu,
+               default=None)
 
 
 def solve_keep_layers(m: ModelShape, hw: HwProfile, sol: Solution) -> Solution | None:

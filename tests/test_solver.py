@@ -266,18 +266,25 @@ def test_recompute_auto_takes_none_where_it_fits_and_is_faster():
     assert s.recompute.value == "none" and s.recompute.numbers["gain"] == pytest.approx(gain, abs=1e-4)
     assert s.recompute.rejected == (f"full recompute: pp=1 tp=1 cp={full.layout.cp} ep={full.layout.ep} at "
                                     f"{full.estimate.tokens_per_s_per_gpu:,.0f} tok/s/GPU")
-    assert s.count.value == 8 and s.count.reason.startswith(f"CP={none.layout.cp}, ")
+    from recipe.planfile import SolveInputs
+    from recipe.solving import solve_inputs
+
+    counted = solve_inputs(SolveInputs(model="mixtral-8x7b", seq_len=32_768, hw="mi300x"))[2].count
+    assert s.count.value == 8 and s.count.reason == f"{counted.reason}, under full recompute"
 
 
 def test_recompute_auto_keeps_full_when_none_does_not_fit():
-    """qwen35-35b at 128K on MI300X: no layout of 8 GPUs fits without recompute; auto is the full solve unchanged."""
-    s = _auto("qwen35-35b", 131_072, "mi300x")
-    m, hw = PRESETS["qwen35-35b"], _hw("mi300x")
+    """qwen35-35b at 128K on H100s: no layout of 16 GPUs fits without recompute, and the best kept-layer count (2 at
+    cp=4) gains under 3%; auto is the full solve unchanged and says both."""
+    s = _auto("qwen35-35b", 131_072, "h100")
+    m, hw = PRESETS["qwen35-35b"], _hw("h100")
     with pytest.raises(InfeasibleError):
         solve(m, hw, s.world, TrainOptions(micro_batch_tokens=131_072, recompute="none"))
-    assert s.opts.recompute == "full" and s.recompute.value == "full"
+    assert s.opts.recompute == "full" and s.opts.keep_layers == 0 and s.recompute.value == "full"
     assert s.recompute.constraint == "activation memory"
     assert s.recompute.reason.startswith(f"without recompute no layout fits {s.world} GPUs with the margin: the closest")
+    assert s.recompute.reason.endswith("; keeping the last 2 layers' activations, the fastest that fits, runs 1.02x "
+                                       "the tokens/s per GPU")
     assert s.layout == solve(m, hw, s.world, TrainOptions(micro_batch_tokens=131_072)).layout
 
 
@@ -292,28 +299,36 @@ def test_recompute_auto_keeps_full_when_none_is_slower():
     assert f"runs {gain:.2f}x the tokens/s per GPU of this one" in s.recompute.reason
 
 
-def test_recompute_auto_keeps_the_last_layers_where_they_fit():
-    """qwen35-35b at 32K on MI300X: 8 GPUs at cp=1 under full recompute, with memory to spare. Without recompute they
-    fit only at a larger CP, slower; keeping the last layers' activations fits at the same layout, up to the count a
-    scan over every count finds, and runs faster than either."""
-    from recipe.margin import estimate_with_margin
+@pytest.mark.parametrize("model, hw, want", [("qwen35-35b", "mi300x", (23, 2)), ("qwen3-30b-a3b", "mi355x", (41, 2))])
+def test_recompute_auto_keeps_the_last_layers_where_they_pay(model, hw, want):
+    """At 32K on MI300X / MI355X, full recompute leaves memory free at cp=1. Without recompute the layers fit only at a
+    larger CP, slower; keeping the last k layers' activations, every dimension solved again for each k, is faster. auto
+    takes the fastest over every k a scan solves (Qwen3-30B-A3B: the most its cp=2 layout holds, 47, is solved at
+    tp=2 and is slower, so the search bisects back to the most that keeps cp=2, 41)."""
+    from recipe.cost import Layout
 
-    m, hw = PRESETS["qwen35-35b"], _hw("mi300x")
-    full = solve(m, hw, 8, TrainOptions(micro_batch_tokens=32_768))
-    fits = [k for k in range(m.num_layers)
-            if estimate_with_margin(m, hw, 8, full.layout, full.opts.model_copy(update={"keep_layers": k})).fits]
-    k = max(fits)
-    assert fits == list(range(k + 1)) and 0 < k < m.num_layers - 1
-    s = _auto("qwen35-35b", 32_768, "mi300x")
-    assert s.world == 8 and s.layout == full.layout
-    assert s.opts.recompute == "full" and s.opts.keep_layers == k
+    m, hw = PRESETS[model], _hw(hw)
+    s = _auto(model, 32_768, hw.name)
+    full = solve(m, hw, s.world, TrainOptions(micro_batch_tokens=32_768))
+    scan = {}
+    for k in range(1, m.num_layers):
+        try:
+            scan[k] = solve(m, hw, s.world, TrainOptions(micro_batch_tokens=32_768, keep_layers=k), suggest=False)
+        except InfeasibleError:
+            break
+    best = max(scan, key=lambda k: scan[k].estimate.tokens_per_s_per_gpu)
+    assert (best, scan[best].layout.cp) == want and full.layout == Layout(ep=full.layout.ep)
+    assert s.opts.recompute == "full" and s.opts.keep_layers == best and s.layout == scan[best].layout
+    assert s.estimate.tokens_per_s_per_gpu == scan[best].estimate.tokens_per_s_per_gpu
+    assert s.decisions["cp"].value == 2 and s.decisions["cp"].constraint == "activation memory"
     gain = s.estimate.tokens_per_s_per_gpu / full.estimate.tokens_per_s_per_gpu
-    none = solve(m, hw, 8, TrainOptions(micro_batch_tokens=32_768, recompute="none"))
+    none = solve(m, hw, s.world, TrainOptions(micro_batch_tokens=32_768, recompute="none"))
     assert gain > 1.03 and none.estimate.tokens_per_s_per_gpu < s.estimate.tokens_per_s_per_gpu
     d = s.recompute
-    assert d.value == f"keep {k}" and d.constraint == "activation memory"
-    assert d.numbers == {"gain": round(gain, 4), "keep_layers": k}
-    assert d.reason == (f"the last {k} of the 40 layers keep their activations, the most that fit with the margin: "
+    assert d.value == f"keep {best}" and d.constraint == "step time"
+    assert d.numbers == {"gain": round(gain, 4), "keep_layers": best}
+    assert d.reason == (f"the last {best} of the {m.num_layers} layers keep their activations (pp=1 tp=1 cp=2 "
+                        f"ep={s.layout.ep}): the fastest of the kept-layer counts solved on {s.world} GPUs, "
                         f"{gain:.2f}x the tokens/s per GPU of full recompute")
     assert d.rejected == (f"full recompute: pp=1 tp=1 cp=1 ep={full.layout.ep} at "
                           f"{full.estimate.tokens_per_s_per_gpu:,.0f} tok/s/GPU; no recompute: pp=1 tp=1 "
