@@ -1,6 +1,7 @@
 """Solver speed: `recipe solve --model qwen35-35b --seq 128k --hw mi300x` end to end as a fresh process (what a user
 waits for: interpreter start, imports, solve, render), the solve alone in process, and the full PP×TP×EP×CP grid for
-the same inputs (the sweep the solver replaces).
+the same inputs (the sweep the solver replaces); and `--recompute auto`, which solves again for no recompute and for
+each kept-layer count it tries.
 
 Wall times are medians over --runs runs after --warmup runs. Goal: the end-to-end solve under 300 ms on the 2-core
 development machine. The 1-minute load average is printed before and after: other jobs on a 2-core machine inflate
@@ -105,7 +106,10 @@ def main() -> None:
         solve_wall = wall_ms(solve_argv, args.runs, args.warmup, cwd)
         solve_cached = wall_ms(solve_argv, args.runs, args.warmup, cwd, cached_env)
         sweep_wall = wall_ms(sweep_argv, args.sweep_runs, 1, cwd)
+        auto_wall = wall_ms(solve_argv + ["--recompute", "auto"], args.sweep_runs, 1, cwd)
     solve_in = in_process_ms(lambda: solve_inputs(inputs), args.runs, args.warmup)
+    auto_inputs = Inputs(model=args.model, seq_len=parse_size(args.seq), hw=args.hw, recompute="auto")
+    auto_in = in_process_ms(lambda: solve_inputs(auto_inputs), args.sweep_runs, 1)
     points: list = []
     grid_in = in_process_ms(lambda: points.__setitem__(slice(None), grid(m, hw, world, opts)), args.sweep_runs, 1)
     load_after = os.getloadavg()
@@ -125,7 +129,9 @@ def main() -> None:
         ("recipe solve (end to end)" + (", no bytecode cache" if no_pyc else ""), "process", solve_wall),
         ("recipe solve (end to end), bytecode cached", "process", solve_cached),
         (f"recipe sweep --gpus {world} (end to end)", "process", sweep_wall),
+        ("recipe solve --recompute auto (end to end)", "process", auto_wall),
         ("solve (min GPU count search + plan)", "in process", solve_in),
+        ("solve --recompute auto", "in process", auto_in),
         (f"grid: {len(pts)} layouts at {world} GPUs", "in process", grid_in),
     ]
     w = max(len(r[0]) for r in rows)
