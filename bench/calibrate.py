@@ -49,13 +49,14 @@ K = 1024
 
 
 def _pts(rc_head_seqs, ep_seqs=()):
-    """[(recompute, lm_head, seq, ep_path, keep_layers)] from {(recompute, head[, keep_layers]): [seqs]} and the
-    EP-path lengths. A group's points run in order and a trainer only adds recompute wrappers: none first, then
-    partial recompute by growing recompute (fewer kept layers), then full."""
+    """[(recompute, lm_head, seq, ep_path, keep_layers)] from {(recompute, head[, keep_layers[, ep_path]]): [seqs]}
+    and the EP-path lengths (full recompute). A group's points run in order and a trainer only adds recompute
+    wrappers: none first, then partial recompute by growing recompute (fewer kept layers), then full; the EP path,
+    once applied, stays, so its points come last and a group has them in one recompute setting."""
     out = []
     for key, seqs in rc_head_seqs:
-        rc, head, keep = (*key, 0) if len(key) == 2 else key
-        out += [(rc, head, s, False, keep) for s in seqs]
+        rc, head, keep, ep = (*key, 0, False, False)[:4] if len(key) == 2 else (*key, False)[:4]
+        out += [(rc, head, s, ep, keep) for s in seqs]
     return out + [("full", "fused", s, True, 0) for s in ep_seqs]
 
 
@@ -101,6 +102,10 @@ GRIDS = {
         ("qwen35-35b", 8, _pts([(("full", "fused", 2), [32 * K]), (("full", "fused"), [32 * K])]), 0),
         ("qwen3-30b-a3b", 4, _pts([(("none", "fused"), [32 * K]), (("full", "fused", 2), [32 * K]),
                                    (("full", "fused"), [32 * K])]), 0),
+        # the expert-parallel code path (world size 1) with layers kept and with none recomputed: its kept layers
+        # hold what the local path's do
+        ("qwen35-35b", 4, _pts([(("full", "fused", 2, True), [32 * K])]), 0),
+        ("qwen35-35b", 4, _pts([(("none", "fused", 0, True), [32 * K])]), 0),
     ],
     "smoke": [
         ("tiny-moe", 2, _pts([(("none", "fused"), [256]), (("full", "fused"), [256, 512]),
@@ -332,7 +337,7 @@ def run_grid(args) -> None:
                         from launch.parallel import parallelize
 
                         plan = types.SimpleNamespace(layout=ep_meshes[0], train=types.SimpleNamespace(
-                            recompute=rc, ep_overlap_chunks=1))
+                            recompute=rc, keep_layers=keep, ep_overlap_chunks=1))
                         model = parallelize(model, plan, ep_meshes[1], ep_dispatch=True)
                     trainer = Trainer(model, TrainConfig(lr=1e-6), recompute=rc, keep_layers=keep, lm_head=head)
                     current = (rc, ep, keep)
