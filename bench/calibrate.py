@@ -589,8 +589,10 @@ def fit_memory(path: str) -> dict:
     rows: dict[str, list[float]] = {}
     for r in pts:
         q = twins.get((r["model"], r["layers"], r["seq"]))
-        if not r["ep_path"] or q is None or r["peak_allocated_gb"] <= q["peak_allocated_gb"]:
-            continue  # an EP point whose peak the MoE backward does not set (short sequences) measures nothing
+        if not r["ep_path"] or r.get("grid") or q is None or r["peak_allocated_gb"] <= q["peak_allocated_gb"]:
+            # an EP point whose peak the MoE backward does not set (short sequences) measures nothing, and a held-out
+            # grid's (other recompute settings) has no full-recompute twin in its own run
+            continue
         m = resolve_model(r["model"])
         row = r["seq"] * m.top_k * (m.hidden_size + 8) * 2 / 1e9
         rows.setdefault(r["model"], []).append((r["peak_allocated_gb"] - q["peak_allocated_gb"]) / row)
