@@ -5,7 +5,8 @@ file). Accepted key spellings, all mapped onto our parameter names (which are Hu
 - prefixes `model.` (…ForCausalLM) and `model.language_model.` (Qwen3.5 …ForConditionalGeneration); `mtp.*` and
   vision-tower keys are skipped;
 - routed experts one tensor per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, what transformers
-  writes) or fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]);
+  writes) or fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); Mixtral's
+  `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down);
 - Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba`, split into Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b,
   in_proj_a (the same network: the rows are only reordered).
 
@@ -14,8 +15,8 @@ launch/model.py: a tensor-parallel shard is whole heads); both Hugging Face layo
 there, so load and export reorder those two tensors (`gdn_grouped_order`), and checkpoints of every layout hold
 the same tensors.
 
-Export writes the layout transformers itself writes for the architecture (per-expert tensors, `model.` prefix) and a
-config.json, so `from_pretrained` and our loader both read it back.
+Export writes the layout transformers itself writes for the architecture (per-expert tensors, `model.` prefix;
+Mixtral's own names) and a config.json, so `from_pretrained` and our loader both read it back.
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ from recipe.models import ModelShape
 
 _SKIP = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
+# Mixtral's names for the MoE block and its experts' three matrices
+_MIXTRAL_BLOCK = re.compile(r"^(layers\.\d+)\.block_sparse_moe\.")
+_MIXTRAL_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
+_MIXTRAL_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts\.\d+)\.(w1|w2|w3)\.weight$")
 
 
 def _strip(key: str) -> str:
@@ -125,6 +130,10 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         if _SKIP.match(key):
             continue
         key = _strip(key)
+        key = _MIXTRAL_BLOCK.sub(r"\1.mlp.", key)
+        w = _MIXTRAL_EXPERT.match(key)
+        if w:
+            key = f"{w.group(1)}.{_MIXTRAL_W[w.group(2)]}.weight"
         hit = _EXPERT.match(key)
         if hit:
             per_expert.setdefault(hit.group(1), {}).setdefault(int(hit.group(2)), {})[hit.group(3)] = t
@@ -212,6 +221,13 @@ def hf_config(shape: ModelShape) -> dict:
         cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.expert_ffn, layer_types=list(shape.layer_types))
         return cfg
+    if shape.arch == "mixtral":
+        for k in ("num_experts", "moe_intermediate_size", "attention_bias"):
+            cfg.pop(k)
+        cfg.update(model_type="mixtral", architectures=["MixtralForCausalLM"], num_local_experts=shape.num_experts,
+                   intermediate_size=shape.expert_ffn, sliding_window=shape.sliding_window,
+                   router_jitter_noise=0.0, output_router_logits=False)
+        return cfg
     la = shape.linear_attn
     cfg.update(
         layer_types=list(shape.layer_types), partial_rotary_factor=shape.partial_rotary_factor,
@@ -242,22 +258,28 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
             if model.shape.arch == "qwen3_next":
                 _interleave_qwen3_next(sd, prefix, m)
     out: dict[str, torch.Tensor] = {}
+    mixtral = model.shape.arch == "mixtral"
+    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {}
+
+    def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`
+        return re.sub(r"^(layers\.\d+)\.mlp\.", r"\1.block_sparse_moe.", key) if mixtral else key
+
     for key, t in sd.items():
         if key.endswith("mlp.experts.gate_up_proj"):
-            base = "model." + key[: -len(".gate_up_proj")]
+            base = "model." + block(key[: -len(".gate_up_proj")])
             ffn = t.shape[1] // 2
             for e in range(t.shape[0]):
-                out[f"{base}.{e}.gate_proj.weight"] = t[e, :ffn]
-                out[f"{base}.{e}.up_proj.weight"] = t[e, ffn:]
+                out[f"{base}.{e}.{names.get('gate_proj', 'gate_proj')}.weight"] = t[e, :ffn]
+                out[f"{base}.{e}.{names.get('up_proj', 'up_proj')}.weight"] = t[e, ffn:]
         elif key.endswith("mlp.experts.down_proj"):
-            base = "model." + key[: -len(".down_proj")]
+            base = "model." + block(key[: -len(".down_proj")])
             for e in range(t.shape[0]):
-                out[f"{base}.{e}.down_proj.weight"] = t[e]
+                out[f"{base}.{e}.{names.get('down_proj', 'down_proj')}.weight"] = t[e]
         elif key == "lm_head.weight":
             if not model.shape.tie_embeddings:
                 out[key] = t
         else:
-            out["model." + key] = t
+            out["model." + block(key)] = t
     return {k: v.contiguous().cpu() for k, v in out.items()}
 
 

@@ -26,9 +26,10 @@ from launch.gated_delta import gated_delta_rule
 from launch.moe import MoE, SwiGLU
 from recipe.models import ModelShape
 
-# what the training core builds: the Qwen3.5 / Qwen3-Next hybrids (MoE and dense), Qwen3-MoE, and dense Llama-family
-# stacks (Llama, Qwen2, Qwen3, Mistral without a sliding window); `recipe solve` plans more (recipe/models.py)
-SUPPORTED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen3_5", "dense")
+# what the training core builds: the Qwen3.5 / Qwen3-Next hybrids (MoE and dense), Qwen3-MoE, Mixtral (Qwen3-MoE's
+# block without q/k norms, top-k weights renormalized), and dense Llama-family stacks (Llama, Qwen2, Qwen3, Mistral
+# without a sliding window); `recipe solve` plans more (recipe/models.py)
+SUPPORTED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "mixtral", "qwen3_5", "dense")
 # RMSNorm scales by (1 + w) in these (w stored zero-centred), by w elsewhere
 OFFSET_NORM_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
 
@@ -408,8 +409,8 @@ def trainable(shape: ModelShape) -> str | None:
     it)."""
     if shape.arch not in SUPPORTED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
-                f"trains {', '.join(SUPPORTED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE and dense Llama/Qwen/Mistral "
-                f"stacks; not MLA models (DeepSeek, Kimi, Moonlight), gpt-oss, Mixtral, Llama 4, GLM-4.5, "
+                f"trains {', '.join(SUPPORTED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Mixtral and dense "
+                f"Llama/Qwen/Mistral stacks; not MLA models (DeepSeek, Kimi, Moonlight), gpt-oss, Llama 4, GLM-4.5, "
                 f"ERNIE-4.5, OLMoE, Granite or Qwen2-MoE)")
     unsupported = [what for what, present in (("multi-head latent attention", shape.mla is not None),
                                               ("sliding-window attention", bool(shape.sliding_window)))

@@ -1,6 +1,6 @@
-"""Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE, and
-the dense Qwen3.5, Llama, Qwen2 and Qwen3 built in transformers, saved, loaded into ours (logits fp32 atol 1e-4,
-loss), and exported back."""
+"""Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE,
+Mixtral, and the dense Qwen3.5, Llama, Qwen2 and Qwen3 built in transformers, saved, loaded into ours (logits fp32
+atol 1e-4, loss), and exported back."""
 
 import pytest
 import torch
@@ -42,6 +42,11 @@ def _hf_model(arch: str):
         linear = {k: v for k, v in LINEAR.items() if not k.startswith("shared_")}
         cfg = transformers.Qwen3_5TextConfig(**dense, **linear, intermediate_size=40)
         cls = transformers.Qwen3_5ForCausalLM
+    elif arch == "mixtral":  # Mixtral's own names: num_local_experts, intermediate_size the experts' width
+        moe = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
+        cfg = transformers.MixtralConfig(**moe, num_local_experts=6, num_experts_per_tok=2, intermediate_size=16,
+                                         num_hidden_layers=2, rope_theta=1e6)
+        cls = transformers.MixtralForCausalLM
     elif arch in DENSE:
         config_cls, cls, extra = DENSE[arch]
         dense = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
@@ -57,7 +62,7 @@ def _hf_model(arch: str):
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen3_5", *DENSE])
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "mixtral", "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)
     hf.save_pretrained(tmp_path / "hf")
@@ -117,3 +122,29 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
     load_hf_checkpoint(b, tmp_path / "many")
     sa, sb = a.state_dict(), b.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_gradients_match_transformers(arch, tmp_path):
+    """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
+    transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map."""
+    from launch.hf_io import hf_to_ours
+
+    hf = _hf_model(arch)
+    hf.save_pretrained(tmp_path / "hf")
+    shape = from_hf_config(tmp_path / "hf" / "config.json")
+    ours = build_model(shape, seed=1)
+    load_hf_checkpoint(ours, tmp_path / "hf")
+    T = 40
+    ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
+    hf.zero_grad()
+    hf(input_ids=ids, labels=ids).loss.backward()
+    want = hf_to_ours({n: p.grad for n, p in hf.named_parameters()}, ours)
+    hidden = ours(ids[0], Packing.from_lengths([T]))
+    targets = torch.cat([ids[0, 1:], torch.tensor([-1])])
+    (-token_logprobs(hidden, ours.lm_head.weight, targets, mode="fused")[:-1].mean()).backward()
+    got = {n: p.grad for n, p in ours.named_parameters()}
+    assert got.keys() == want.keys()
+    for n, g in got.items():
+        scale = want[n].abs().max().item()
+        assert scale > 0 and (g - want[n]).abs().max().item() <= 1e-4 * scale + 1e-7, n
