@@ -94,7 +94,7 @@ GRIDS = {
                                     (("full", "fused"), [8 * K, 32 * K, 64 * K, 128 * K])]), 0),
         # Mixtral-8x7B's first two layers: 8 wide experts (14,336) of which 2 a token, hidden 4096, no q/k norms
         ("mixtral-8x7b", 2, _pts([(("none", "fused"), [8 * K, 32 * K]), (("full", "fused", 1), [32 * K]),
-                                  (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+                                  (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 32 * K),
     ],
     # partial recompute (the last keep_layers layers keep their activations) between none and full, every point
     # held out: `--grid partial`, merged into the committed grid
