@@ -425,8 +425,8 @@ ANCHORS = {"expert_gemm": "routed experts (grouped GEMMs)", "delta_rule": "delta
 def expert_rates(path: Path) -> dict[str, float] | None:
     """The routed experts' three rates (recipe/cost.py EXPERT_TERMS: FLOP/s, and bytes/s for their rows and their
     weights) from a file of bench/bench_expert_rates.py runs: the non-negative least-squares fit of each run's
-    measured seconds to its work in the three terms, each row relative to its measurement. None without the file
-    (the experts are then anchored on the grid's components, at one FLOP rate)."""
+    measured seconds to its work in the three terms, each row relative to its measurement (rows marked held_out
+    left out). None without the file (the experts are then anchored on the grid's components, at one FLOP rate)."""
     import numpy as np
 
     from recipe.cost import EXPERT_TERMS, Layout, TrainOptions, compute_work
@@ -434,7 +434,7 @@ def expert_rates(path: Path) -> dict[str, float] | None:
 
     if not path.exists():
         return None
-    rows = json.loads(path.read_text())["rows"]
+    rows = [r for r in json.loads(path.read_text())["rows"] if r.get("role") != "held_out"]
     a = np.array([[compute_work(resolve_model(r["model"]).with_layers(int(r["layers"])), Layout(),
                                 TrainOptions(micro_batch_tokens=int(r["tokens"])))[k] for k in EXPERT_TERMS]
                   for r in rows])
