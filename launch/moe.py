@@ -19,10 +19,18 @@ import torch.nn.functional as F
 from kernels.expert_grads import slot_grads, swiglu_backward
 
 
-def _use_grouped_mm(x: torch.Tensor) -> bool:
+# Up to this many local experts the per-expert loop of cuBLAS GEMMs runs instead of one grouped GEMM: with few,
+# wide experts each GEMM is large and cuBLAS's is faster (Mixtral's 8 experts of width 14,336 on one H200: the loop
+# 2-15% faster than torch._grouped_mm at 2,048 to 16,384 rows an expert), while with many narrow ones the grouped
+# kernel's one launch wins (128 experts of width 768: 1.2 to 3.8 times the loop's rate; bench/bench_grouped_gemm.py).
+LOOP_EXPERTS = 16
+
+
+def _use_grouped_mm(x: torch.Tensor, num_experts: int) -> bool:
     # torch._grouped_mm runs on Hopper-class CUDA in bf16; its CPU backward fails on empty groups (torch 2.13), so CPU
-    # and fp32 take the per-expert loop, which computes the same function.
-    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+    # and fp32 take the per-expert loop, which computes the same function; so do a few wide experts (LOOP_EXPERTS).
+    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
+            and num_experts > LOOP_EXPERTS)
 
 
 # On CPU a GEMM of fewer than 4 rows takes another kernel (another summation order) than a taller one; padding each
@@ -31,36 +39,80 @@ def _use_grouped_mm(x: torch.Tensor) -> bool:
 _CPU_MIN_ROWS = 4
 
 
-def _per_expert(op, x_MD, counts: list[int], w_E):
-    outs = []
-    for e, x_e in enumerate(torch.split(x_MD, counts)):
-        n = x_e.shape[0]
-        if 0 < n < _CPU_MIN_ROWS:
-            x_e = torch.cat([x_e, x_e.new_zeros(_CPU_MIN_ROWS - n, x_e.shape[1])])
-        outs.append(op(x_e, w_E[e])[:n])
-    return torch.cat(outs)
+def _per_expert(x_MD, counts: list[int], w_E, transpose: bool) -> torch.Tensor:
+    """Per expert e: x_e @ w_eᵀ (`transpose`) or x_e @ w_e, one GEMM each, written into one output [M, O] (no copy of
+    the experts' outputs into it afterwards: the output is the size of the grouped GEMM's). Under autograd (a caller
+    outside the MoE's own Function, whose forward runs without it) through _PerExpertLinear, whose backward runs the
+    same loops."""
+    if torch.is_grad_enabled() and (x_MD.requires_grad or w_E.requires_grad):
+        return _PerExpertLinear.apply(x_MD, w_E, counts, transpose)
+    out = x_MD.new_empty(x_MD.shape[0], w_E.shape[1] if transpose else w_E.shape[2])
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            x_e, w_e = x_MD[start:start + n], (w_E[e].t() if transpose else w_E[e])
+            if n < _CPU_MIN_ROWS and not x_MD.is_cuda:
+                out[start:start + n] = (torch.cat([x_e, x_e.new_zeros(_CPU_MIN_ROWS - n, x_e.shape[1])]) @ w_e)[:n]
+            else:
+                torch.mm(x_e, w_e, out=out[start:start + n])
+        start += n
+    return out
+
+
+class _PerExpertLinear(torch.autograd.Function):
+    """_per_expert under autograd: y_e = x_e @ w_eᵀ (transpose) or x_e @ w_e; dx by the loop with the other
+    orientation, dW by the weight-gradient loop."""
+
+    @staticmethod
+    def forward(ctx, x_MD, w_E, counts, transpose):
+        ctx.save_for_backward(x_MD, w_E)
+        ctx.counts, ctx.transpose = counts, transpose
+        return _per_expert(x_MD, counts, w_E, transpose)
+
+    @staticmethod
+    def backward(ctx, g_MO):
+        x_MD, w_E = ctx.saved_tensors
+        counts, t = ctx.counts, ctx.transpose
+        dx = _per_expert(g_MO, counts, w_E, not t) if ctx.needs_input_grad[0] else None
+        dw = None
+        if ctx.needs_input_grad[1]:  # [E, O, D] as w: gᵀx (transpose) or xᵀg
+            dw = _weight_grad_loop(g_MO, x_MD, counts) if t else _weight_grad_loop(x_MD, g_MO, counts)
+        return dx, dw, None, None
+
+
+def _weight_grad_loop(dy_MO, x_MD, counts: list[int]) -> torch.Tensor:
+    out = dy_MO.new_empty(len(counts), dy_MO.shape[1], x_MD.shape[1])
+    start = 0
+    for e, n in enumerate(counts):  # written in place: no stacked copy of every expert's gradient
+        if n:
+            torch.mm(dy_MO[start:start + n].t(), x_MD[start:start + n], out=out[e])
+        else:
+            out[e].zero_()
+        start += n
+    return out
 
 
 # ---- grouped GEMMs over experts (rows sorted by expert; offsets on the device, counts on the host for the loop) -
 def grouped_linear(x_MD, w_EOD, counts: list[int] | None, offs_E) -> torch.Tensor:
     """Per expert e: x_e @ w_eᵀ → [M, O]."""
-    if _use_grouped_mm(x_MD):
+    if _use_grouped_mm(x_MD, w_EOD.shape[0]):
         return torch._grouped_mm(x_MD, w_EOD.transpose(-2, -1), offs=offs_E)
-    return _per_expert(F.linear, x_MD, counts, w_EOD)
+    return _per_expert(x_MD, counts, w_EOD, transpose=True)
 
 
 def grouped_linear_dx(dy_MO, w_EOD, counts: list[int] | None, offs_E) -> torch.Tensor:
     """Per expert e: dy_e @ w_e → [M, D] (the input gradient of `grouped_linear`)."""
-    if _use_grouped_mm(dy_MO):
+    if _use_grouped_mm(dy_MO, w_EOD.shape[0]):
         return torch._grouped_mm(dy_MO, w_EOD, offs=offs_E)
-    return _per_expert(torch.matmul, dy_MO, counts, w_EOD)
+    return _per_expert(dy_MO, counts, w_EOD, transpose=False)
 
 
 def grouped_weight_grad(dy_MO, x_MD, counts: list[int] | None, offs_E) -> torch.Tensor:
     """Per expert e: dy_eᵀ @ x_e → [E, O, D] (the weight gradient of `grouped_linear`; zero for an idle expert)."""
-    if _use_grouped_mm(dy_MO):
+    num = offs_E.shape[0]
+    if _use_grouped_mm(dy_MO, num):
         return torch._grouped_mm(dy_MO.t(), x_MD, offs=offs_E)
-    return torch.stack([dy_e.t() @ x_e for dy_e, x_e in zip(torch.split(dy_MO, counts), torch.split(x_MD, counts))])
+    return _weight_grad_loop(dy_MO, x_MD, counts)
 
 
 class GroupedExperts(nn.Module):
@@ -193,7 +245,8 @@ class _RoutedExperts(torch.autograd.Function):
         recompute = torch._C._current_graph_task_id() != -1
         order_M, token_M, counts_E = permute(top_e_TK, w1_EFD.shape[0])
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
-        ctx.counts = None if _use_grouped_mm(x_TD) else counts_E.tolist()  # the loop needs them on the host
+        # the loop needs them on the host
+        ctx.counts = None if _use_grouped_mm(x_TD, w1_EFD.shape[0]) else counts_E.tolist()
         x_MD = x_TD[token_M]
         h_MF, y_MD = expert_ffn(x_MD, w1_EFD, w2_EDI, ctx.counts, offs_E)
         ctx.save_for_backward(x_MD, h_MF, y_MD, order_M, offs_E, top_w_TK, w1_EFD, w2_EDI)

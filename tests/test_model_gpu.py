@@ -139,13 +139,14 @@ def test_fused_gated_norm_matches_torch_path():
             f"{name}: ours {_rel(a, r):.2e}, torch bf16 {_rel(t, r):.2e} against fp32"
 
 
-def test_ep_grouped_gemms_match_the_per_expert_loop():
-    """launch/expert_parallel.py's three grouped GEMMs (torch._grouped_mm in bf16 on CUDA) against the fp32 loop,
-    with idle experts in the groups."""
-    from launch.moe import grouped_linear, grouped_linear_dx, grouped_weight_grad
+@pytest.mark.parametrize("counts", [[5, 0, 17, 3, 0, 40, 1, 9] * 3, [5, 0, 17, 3, 0, 40, 1, 9]])
+def test_ep_grouped_gemms_match_the_per_expert_loop(counts):
+    """The three grouped GEMMs in bf16 on CUDA (torch._grouped_mm over 24 experts; cuBLAS one expert at a time over 8,
+    LOOP_EXPERTS) against the fp32 loop, with idle experts in the groups."""
+    from launch.moe import LOOP_EXPERTS, grouped_linear, grouped_linear_dx, grouped_weight_grad
 
+    assert (len(counts) > LOOP_EXPERTS) == (len(counts) == 24)
     torch.manual_seed(0)
-    counts = [5, 0, 17, 3, 0, 40, 1, 9]
     M, D, O = sum(counts), 256, 128
     x = torch.randn(M, D, device="cuda")
     dy = torch.randn(M, O, device="cuda")

@@ -369,3 +369,10 @@ def test_grouped_gemms_by_expert_with_idle_experts():
         sel = rows == e
         torch.testing.assert_close(dw[e], dy[sel].t() @ x[sel])
     assert dw[1].abs().max() == 0
+    # under autograd (a caller outside the MoE's Function) the same values, and gradients that flow to x and w
+    xg, wg = x.clone().requires_grad_(), w.clone().requires_grad_()
+    yg = grouped_linear(xg, wg, counts, offs)
+    torch.testing.assert_close(yg, y, rtol=0, atol=1e-6)
+    yg.backward(dy)
+    torch.testing.assert_close(xg.grad, dx)
+    torch.testing.assert_close(wg.grad, dw)
