@@ -175,9 +175,10 @@ def test_h200_expert_efficiencies_are_the_fit_of_the_expert_runs():
 
 
 def test_h200_expert_runs_of_a_shape_outside_the_fit():
-    """Mixtral-8x7B's experts (8 of width 14,336, 2 a token: far wider and fewer than the fitted shapes), timed
-    alone and held out of the fit: the three terms predict them within 25%, and too fast at 32K and 64K tokens,
-    where the kernel's rate falls as an expert's rows grow (docs/BENCHMARKS.md, "Routed experts timed alone")."""
+    """Mixtral-8x7B's experts (8 of width 14,336, 2 a token: far wider and fewer than the fitted shapes; one cuBLAS
+    GEMM an expert), timed alone and held out of the fit: the three terms predict them within 25%, and too fast at
+    32K and 64K tokens, where the form expects a rate rising with an expert's rows and the GEMMs' stays flat
+    (docs/BENCHMARKS.md, "Routed experts timed alone")."""
     from recipe.cost import EXPERT_TERMS, Layout, TrainOptions, compute_times, compute_work
     from recipe.models import resolve_model
 
@@ -191,7 +192,7 @@ def test_h200_expert_runs_of_a_shape_outside_the_fit():
         t = compute_times(compute_work(m, Layout(), TrainOptions(micro_batch_tokens=r["tokens"])), hw, m)
         ratio[r["tokens"]] = sum(t[k] for k in EXPERT_TERMS) / r["measured_s"]
     assert all(0.75 < v < 1.25 for v in ratio.values()), ratio
-    assert ratio[32768] < 0.9 and ratio[65536] < 0.9, ratio
+    assert ratio[32768] < 0.95 and ratio[65536] < 0.95, ratio
 
 
 def test_h200_efficiencies_are_the_fit_of_its_grid():
