@@ -19,18 +19,22 @@ import torch.nn.functional as F
 from kernels.expert_grads import slot_grads, swiglu_backward
 
 
-# Up to this many local experts the per-expert loop of cuBLAS GEMMs runs instead of one grouped GEMM: with few,
-# wide experts each GEMM is large and cuBLAS's is faster (Mixtral's 8 experts of width 14,336 on one H200: the loop
-# 2-15% faster than torch._grouped_mm at 2,048 to 16,384 rows an expert), while with many narrow ones the grouped
-# kernel's one launch wins (128 experts of width 768: 1.2 to 3.8 times the loop's rate; bench/bench_grouped_gemm.py).
+# Up to LOOP_EXPERTS local experts of at least LOOP_MIN_WEIGHT elements a matrix, the per-expert loop of cuBLAS
+# GEMMs runs instead of one grouped GEMM: with few, wide experts each GEMM is large and cuBLAS's is faster (Mixtral's 8
+# experts, 59M and 117M elements a matrix, on one H200: the loop 2-15% faster than torch._grouped_mm at 2,048 to
+# 16,384 rows an expert), while with many narrow ones the grouped kernel's one launch wins (128 experts of 3.1M: 1.2
+# to 3.8 times the loop's rate; bench/bench_grouped_gemm.py). Shapes between were not measured: they keep the grouped
+# kernel.
 LOOP_EXPERTS = 16
+LOOP_MIN_WEIGHT = 2**24
 
 
-def _use_grouped_mm(x: torch.Tensor, num_experts: int) -> bool:
+def _use_grouped_mm(x: torch.Tensor, w_shape) -> bool:
+    """Whether the grouped GEMMs over experts of weights `w_shape` ([E, O, D]) run as one torch._grouped_mm."""
     # torch._grouped_mm runs on Hopper-class CUDA in bf16; its CPU backward fails on empty groups (torch 2.13), so CPU
     # and fp32 take the per-expert loop, which computes the same function; so do a few wide experts (LOOP_EXPERTS).
-    return (x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm")
-            and num_experts > LOOP_EXPERTS)
+    few_wide = w_shape[0] <= LOOP_EXPERTS and w_shape[1] * w_shape[2] >= LOOP_MIN_WEIGHT
+    return x.is_cuda and x.dtype == torch.bfloat16 and hasattr(torch, "_grouped_mm") and not few_wide
 
 
 # On CPU a GEMM of fewer than 4 rows takes another kernel (another summation order) than a taller one; padding each
@@ -95,22 +99,21 @@ def _weight_grad_loop(dy_MO, x_MD, counts: list[int]) -> torch.Tensor:
 # ---- grouped GEMMs over experts (rows sorted by expert; offsets on the device, counts on the host for the loop) -
 def grouped_linear(x_MD, w_EOD, counts: list[int] | None, offs_E) -> torch.Tensor:
     """Per expert e: x_e @ w_eᵀ → [M, O]."""
-    if _use_grouped_mm(x_MD, w_EOD.shape[0]):
+    if _use_grouped_mm(x_MD, w_EOD.shape):
         return torch._grouped_mm(x_MD, w_EOD.transpose(-2, -1), offs=offs_E)
     return _per_expert(x_MD, counts, w_EOD, transpose=True)
 
 
 def grouped_linear_dx(dy_MO, w_EOD, counts: list[int] | None, offs_E) -> torch.Tensor:
     """Per expert e: dy_e @ w_e → [M, D] (the input gradient of `grouped_linear`)."""
-    if _use_grouped_mm(dy_MO, w_EOD.shape[0]):
+    if _use_grouped_mm(dy_MO, w_EOD.shape):
         return torch._grouped_mm(dy_MO, w_EOD, offs=offs_E)
     return _per_expert(dy_MO, counts, w_EOD, transpose=False)
 
 
 def grouped_weight_grad(dy_MO, x_MD, counts: list[int] | None, offs_E) -> torch.Tensor:
     """Per expert e: dy_eᵀ @ x_e → [E, O, D] (the weight gradient of `grouped_linear`; zero for an idle expert)."""
-    num = offs_E.shape[0]
-    if _use_grouped_mm(dy_MO, num):
+    if _use_grouped_mm(dy_MO, (offs_E.shape[0], dy_MO.shape[1], x_MD.shape[1])):
         return torch._grouped_mm(dy_MO.t(), x_MD, offs=offs_E)
     return _weight_grad_loop(dy_MO, x_MD, counts)
 
@@ -246,7 +249,7 @@ class _RoutedExperts(torch.autograd.Function):
         order_M, token_M, counts_E = permute(top_e_TK, w1_EFD.shape[0])
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         # the loop needs them on the host
-        ctx.counts = None if _use_grouped_mm(x_TD, w1_EFD.shape[0]) else counts_E.tolist()
+        ctx.counts = None if _use_grouped_mm(x_TD, w1_EFD.shape) else counts_E.tolist()
         x_MD = x_TD[token_M]
         h_MF, y_MD = expert_ffn(x_MD, w1_EFD, w2_EDI, ctx.counts, offs_E)
         ctx.save_for_backward(x_MD, h_MF, y_MD, order_M, offs_E, top_w_TK, w1_EFD, w2_EDI)

@@ -139,13 +139,16 @@ def test_fused_gated_norm_matches_torch_path():
             f"{name}: ours {_rel(a, r):.2e}, torch bf16 {_rel(t, r):.2e} against fp32"
 
 
-@pytest.mark.parametrize("counts", [[5, 0, 17, 3, 0, 40, 1, 9] * 3, [5, 0, 17, 3, 0, 40, 1, 9]])
-def test_ep_grouped_gemms_match_the_per_expert_loop(counts):
-    """The three grouped GEMMs in bf16 on CUDA (torch._grouped_mm over 24 experts; cuBLAS one expert at a time over 8,
-    LOOP_EXPERTS) against the fp32 loop, with idle experts in the groups."""
-    from launch.moe import LOOP_EXPERTS, grouped_linear, grouped_linear_dx, grouped_weight_grad
+@pytest.mark.parametrize("loop", [False, True])
+def test_ep_grouped_gemms_match_the_per_expert_loop(loop, monkeypatch):
+    """The three grouped GEMMs in bf16 on CUDA, as one torch._grouped_mm and as cuBLAS one expert at a time (what
+    few wide experts take: LOOP_MIN_WEIGHT lowered to these small ones), against the fp32 loop, with idle experts in
+    the groups."""
+    import launch.moe as moe
+    from launch.moe import grouped_linear, grouped_linear_dx, grouped_weight_grad
 
-    assert (len(counts) > LOOP_EXPERTS) == (len(counts) == 24)
+    monkeypatch.setattr(moe, "LOOP_MIN_WEIGHT", 0 if loop else 2**62)
+    counts = [5, 0, 17, 3, 0, 40, 1, 9]
     torch.manual_seed(0)
     M, D, O = sum(counts), 256, 128
     x = torch.randn(M, D, device="cuda")

@@ -352,6 +352,23 @@ def test_a_world_of_one_builds_its_parameters_in_the_compute_dtype():
     assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
 
 
+def test_few_wide_experts_take_one_gemm_each():
+    """The dispatch rule on CUDA bf16: Mixtral's 8 experts (59M and 117M elements a matrix) run one cuBLAS GEMM each,
+    as they do under expert parallelism (1 a rank at ep = 8); Qwen3-30B-A3B's 128 narrow ones, 16 of them a rank at
+    ep = 8, and 24 wide ones take the grouped kernel; CPU and fp32 always take the loop."""
+    import types
+
+    from launch.moe import _use_grouped_mm
+
+    gpu = types.SimpleNamespace(is_cuda=True, dtype=torch.bfloat16)
+    assert not _use_grouped_mm(gpu, (8, 2 * 14336, 4096)) and not _use_grouped_mm(gpu, (8, 4096, 14336))
+    assert not _use_grouped_mm(gpu, (1, 2 * 14336, 4096))
+    assert _use_grouped_mm(gpu, (128, 2 * 768, 2048)) and _use_grouped_mm(gpu, (16, 2 * 768, 2048))
+    assert _use_grouped_mm(gpu, (24, 2 * 14336, 4096))
+    assert not _use_grouped_mm(types.SimpleNamespace(is_cuda=True, dtype=torch.float32), (128, 1536, 2048))
+    assert not _use_grouped_mm(torch.empty(1, dtype=torch.bfloat16), (128, 1536, 2048))
+
+
 def test_grouped_gemms_by_expert_with_idle_experts():
     torch.manual_seed(0)
     counts = [3, 0, 5, 1]
