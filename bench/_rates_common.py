@@ -1,5 +1,6 @@
 """What bench_expert_rates.py and bench_attention_rates.py share: their command line (cases, the profile compared,
-device, output) and the JSON they write (the form of hw_profiles/calibration/<hw>_<what>.json)."""
+device, output) and the JSON they write (the form of hw_profiles/calibration/<hw>_<what>.json); and the CUDA-event
+timer the kernel benches (bench_gdn_fused.py, bench_grouped_gemm.py) use."""
 
 from __future__ import annotations
 
@@ -32,3 +33,23 @@ def write_rates(args: argparse.Namespace, script: str, what: str, rows: list[dic
     Path(args.out).write_text(json.dumps({
         "what": what, "hw": args.hw, "device": f"{name}, torch {torch.__version__}", "commit": args.commit,
         "command": " ".join([f"python bench/{script}"] + sys.argv[1:]), "rows": rows}, indent=1) + "\n")
+
+
+def event_ms(fn, reps: int, warmup: int = 1) -> float:
+    """Median milliseconds of `fn` on the current CUDA device over `reps` calls after `warmup`, by CUDA events."""
+    import statistics
+
+    import torch
+
+    for _ in range(warmup):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        torch.cuda.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)

@@ -20,31 +20,17 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import sys
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rates_common import event_ms  # noqa: E402
 from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm  # noqa: E402
 
 MIB = 2**20
-
-
-def _time(fn, reps: int, warmup: int) -> float:
-    for _ in range(warmup):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(reps):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def _peak_mib(fn) -> float:
@@ -72,8 +58,8 @@ def bench_op(name, fn, inputs, args, dy, fwd_bytes, bwd_bytes, reps, warmup, bw)
                 x.grad = None
             fwd().backward(dy)
 
-        t_fwd = _time(fwd, reps, warmup)
-        t_all = _time(fwd_bwd, reps, warmup)
+        t_fwd = event_ms(fwd, reps, warmup)
+        t_all = event_ms(fwd_bwd, reps, warmup)
         peak = _peak_mib(fwd_bwd)
         outs[backend] = [fwd().detach()] + [x.grad.clone() for x in leaves]
         rows.append(dict(op=name, backend=backend, fwd_ms=t_fwd, fwd_bwd_ms=t_all, peak_mib=peak))

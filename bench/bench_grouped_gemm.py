@@ -11,25 +11,14 @@ experts timed alone").
 from __future__ import annotations
 
 import argparse
-import statistics
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from _rates_common import event_ms  # noqa: E402
 
 SHAPES = "8:4096:14336:2048,8:4096:14336:8192,8:4096:14336:16384,128:2048:768:512,128:2048:768:2048"
-
-
-def timed(fn, reps: int) -> float:
-    import torch
-
-    fn()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        fn()
-        b.record()
-        torch.cuda.synchronize()
-        ts.append(a.elapsed_time(b) / 1e3)
-    return statistics.median(ts)
 
 
 def main() -> None:
@@ -60,10 +49,9 @@ def main() -> None:
         }
         flops = 2 * M * h * 2 * f
         for name, (grouped, loop) in cases.items():
-            tg, tl = timed(grouped, args.reps), timed(loop, args.reps)
+            tg, tl = event_ms(grouped, args.reps) / 1e3, event_ms(loop, args.reps) / 1e3
             print(f"{E:>4} {h:>5} {f:>6} {r:>7}  {name:<14} {tg * 1e3:10.2f} {flops / tg / 1e12:6.0f} {tl * 1e3:8.2f} "
                   f"{flops / tl / 1e12:6.0f} {tg / tl:12.2f}")
-        del x, w1, g, xs, gs
         torch.cuda.empty_cache()
 
 

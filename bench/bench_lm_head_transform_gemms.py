@@ -36,6 +36,8 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _rates_common import event_ms  # noqa: E402
 from kernels.lm_head import torch_backend  # noqa: E402
 from kernels.lm_head.numerics import E_LOG2, Coefficients, amax, dz_scale, gemm_acc, pow2_scale  # noqa: E402
 
@@ -195,20 +197,14 @@ def quack_path():
 
 
 def timed(fn, device, reps: int) -> float:
+    if device.type == "cuda":
+        return event_ms(fn, reps)
     fn()
     out = []
     for _ in range(reps):
-        if device.type == "cuda":
-            s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            s.record()
-            fn()
-            e.record()
-            torch.cuda.synchronize()
-            out.append(s.elapsed_time(e))
-        else:
-            t0 = time.perf_counter()
-            fn()
-            out.append((time.perf_counter() - t0) * 1e3)
+        t0 = time.perf_counter()
+        fn()
+        out.append((time.perf_counter() - t0) * 1e3)
     return statistics.median(out)
 
 
