@@ -7,16 +7,16 @@ Grid (the default, `--grid full`): Qwen3.5-35B-A3B and Qwen3-30B-A3B at full wid
 heads at a subset, and the expert-parallel code path at world size 1 (parallelize(..., ep_dispatch=True) under a
 one-process group) at 8K to 64K tokens, so its fixed cost and its per-token cost separate. The 2- and 4-layer points
 are the ones the per-operation efficiencies are fit on; the 8-layer points are held out. Points that do not fit
-are recorded with their error, not dropped. `--grid holdout`: Qwen3-235B-A22B at 1 and 2 layers (another width) and
-Qwen3-Next-80B-A3B at 2 layers (512 experts, top 10), every point held out (merged into the committed grid beside the
-others). `--grid partial`: partial recompute (the last `keep_layers` layers keep their activations) beside none and
+are recorded with their error, not dropped. `--grid holdout`: Qwen3-235B-A22B at 1 and 2 layers (another width),
+Qwen3-Next-80B-A3B at 2 layers (512 experts, top 10) and Mixtral-8x7B at 2 (8 wide experts), every point held out
+(merged into the committed grid beside the others). `--grid partial`: partial recompute (the last `keep_layers` layers keep their activations) beside none and
 full on the same model and length, every partial point held out.
 
 Every (model, depth) group builds its model once and runs its points in order (recompute none first, then partial,
 then full: recompute wraps the layers for good); each point empties the allocator's cache, runs one warm-up step,
 then times `--steps` steps (the median is the step time) with the peak statistics reset after the warm-up, and the
-CUDA stack limit set back after it as `recipe launch` does (kernel tuning raises it). Per group at one length it also times the step's
-components alone (bench_train_step.profile_components). A table is printed as it goes and the JSON rewritten after
+CUDA stack limit set back after it as `recipe launch` does (kernel tuning raises it). Per group at one length it also
+times the step's components alone (bench_train_step.profile_components). A table is printed as it goes and the JSON rewritten after
 every point, so a partial run is still a usable grid.
 
     python bench/calibrate.py --out h200.json --commit $(git rev-parse --short HEAD)         # on the GPU
@@ -55,7 +55,8 @@ def _pts(rc_head_seqs, ep_seqs=()):
     once applied, stays, so its points come last and a group has them in one recompute setting."""
     out = []
     for key, seqs in rc_head_seqs:
-        rc, head, keep, ep = (*key, 0, False, False)[:4] if len(key) == 2 else (*key, False)[:4]
+        rc, head = key[:2]
+        keep, ep = (key[2] if len(key) > 2 else 0), (key[3] if len(key) > 3 else False)
         out += [(rc, head, s, ep, keep) for s in seqs]
     return out + [("full", "fused", s, True, 0) for s in ep_seqs]
 

@@ -34,8 +34,9 @@ from recipe.models import ModelShape
 
 _SKIP = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
-# Mixtral's names for the MoE block and its experts' three matrices
+# Mixtral's names for the MoE block and its experts' three matrices (ours: `mlp`, gate_proj/up_proj/down_proj)
 _MIXTRAL_BLOCK = re.compile(r"^(layers\.\d+)\.block_sparse_moe\.")
+_OUR_MOE_BLOCK = re.compile(r"^(layers\.\d+)\.mlp\.")
 _MIXTRAL_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _MIXTRAL_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts\.\d+)\.(w1|w2|w3)\.weight$")
 
@@ -259,22 +260,23 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
                 _interleave_qwen3_next(sd, prefix, m)
     out: dict[str, torch.Tensor] = {}
     mixtral = model.shape.arch == "mixtral"
-    names = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"} if mixtral else {}
+    ours = {v: k for k, v in _MIXTRAL_W.items()} if mixtral else {}
+    name = lambda w: ours.get(w, w)  # noqa: E731 - an expert matrix's name in the checkpoint
 
     def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`
-        return re.sub(r"^(layers\.\d+)\.mlp\.", r"\1.block_sparse_moe.", key) if mixtral else key
+        return _OUR_MOE_BLOCK.sub(r"\1.block_sparse_moe.", key) if mixtral else key
 
     for key, t in sd.items():
         if key.endswith("mlp.experts.gate_up_proj"):
             base = "model." + block(key[: -len(".gate_up_proj")])
             ffn = t.shape[1] // 2
             for e in range(t.shape[0]):
-                out[f"{base}.{e}.{names.get('gate_proj', 'gate_proj')}.weight"] = t[e, :ffn]
-                out[f"{base}.{e}.{names.get('up_proj', 'up_proj')}.weight"] = t[e, ffn:]
+                out[f"{base}.{e}.{name('gate_proj')}.weight"] = t[e, :ffn]
+                out[f"{base}.{e}.{name('up_proj')}.weight"] = t[e, ffn:]
         elif key.endswith("mlp.experts.down_proj"):
             base = "model." + block(key[: -len(".down_proj")])
             for e in range(t.shape[0]):
-                out[f"{base}.{e}.{names.get('down_proj', 'down_proj')}.weight"] = t[e]
+                out[f"{base}.{e}.{name('down_proj')}.weight"] = t[e]
         elif key == "lm_head.weight":
             if not model.shape.tie_embeddings:
                 out[key] = t

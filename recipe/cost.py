@@ -994,11 +994,12 @@ def slowest_stage(m: ModelShape, pp: int, opts: TrainOptions, hw: HwProfile | No
 @functools.lru_cache(maxsize=4096)
 def _slowest_stage(m: ModelShape, pp: int, opts: TrainOptions, rate_key) -> tuple[int, int, bool]:
     # every estimate under pp asks (compute_work, communication_terms): remember it, as _pipeline_split
-    sizes = _pipeline_split(m, pp, opts, rate_key)
-    costs, first, last = _stage_costs(m, opts.micro_batch_tokens, opts, None if rate_key is None else dict(rate_key))
+    whole = _split_options(opts)
+    sizes = _pipeline_split(m, pp, whole, rate_key)
+    costs, first, last = _stage_costs(m, opts.micro_batch_tokens, whole, None if rate_key is None else dict(rate_key))
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    # a kept layer (keep_layers) runs 3 of a recomputed layer's 4 passes
-    totals = [sum(costs[a:a + n]) - sum(costs[a + n - kept_layers(opts, n):a + n]) / 4 * (opts.recompute == "full")
+    # a kept layer (keep_layers, 0 without recompute) runs 3 of a recomputed layer's 4 passes
+    totals = [sum(costs[a:a + n]) - sum(costs[a + n - min(opts.keep_layers, n):a + n]) / 4
               + (first if i == 0 else 0.0) + (last if i == len(sizes) - 1 else 0.0)
               for i, (a, n) in enumerate(zip(starts, sizes))]
     i = max(range(len(sizes)), key=lambda k: totals[k])
@@ -1052,9 +1053,13 @@ def pipeline_split(m: ModelShape, stages: int, opts: TrainOptions, hw: HwProfile
     micro-batch (in time on `hw`; in FLOPs without a profile): what `recipe solve` records as the plan's
     `train.pp_stages` and what the trainer builds. Under recompute the split balances every layer recomputed: the
     kept layers (keep_layers) are the same number at the end of every stage, so they leave it about as balanced."""
-    if opts.keep_layers:
-        opts = opts.model_copy(update={"keep_layers": 0})
-    return list(_pipeline_split(m, stages, opts, _rate_key(hw, m)))
+    return list(_pipeline_split(m, stages, _split_options(opts), _rate_key(hw, m)))
+
+
+def _split_options(opts: TrainOptions) -> TrainOptions:
+    """The options a pipeline split is balanced under: keep_layers left out (every layer counted recomputed), so
+    the split and its cache entry are one for every kept-layer count."""
+    return opts.model_copy(update={"keep_layers": 0}) if opts.keep_layers else opts
 
 
 def _rate_key(hw: HwProfile | None, m: ModelShape):

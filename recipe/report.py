@@ -106,7 +106,7 @@ def lm_head_note(e: Estimate, opts) -> str:
         what = (f"LM head (naive): its logits and their gradient, {own:.2f} GB, live from the forward to the "
                 f"backward, all of it on top of the activations (the lm_head row)")
     elif head_overlaps(opts):
-        live = ("layers' checkpoints and the kept layers' activations are" if getattr(opts, "keep_layers", 0)
+        live = ("layers' checkpoints and the kept layers' activations are" if opts.keep_layers
                 else "layers' checkpoints are")
         what = (f"LM head ({opts.lm_head}): holds {own:.2f} GB while it runs, at the end of the forward, when only the "
                 f"{live} live; the activations row already reserves a layer's recompute working set, "
