@@ -104,7 +104,7 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
     x = torch.randn(T, D, device=device, dtype=dtype) * 0.5
     from launch.model import rope_cos_sin
 
-    rope = rope_cos_sin(batch.packing.positions, model.rotary_dim, model.shape.rope_theta, dtype)
+    rope = rope_cos_sin(batch.packing.positions, model.shape, dtype)
     results = {}
 
     def measure(name, fn, count):

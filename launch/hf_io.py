@@ -2,8 +2,10 @@
 
 Reads a directory holding `model.safetensors` or a sharded `model.safetensors.index.json` (or one .safetensors
 file). Accepted key spellings, all mapped onto our parameter names (which are Hugging Face's without the prefix):
-- prefixes `model.` (…ForCausalLM) and `model.language_model.` (Qwen3.5 …ForConditionalGeneration); `mtp.*` and
-  vision-tower keys are skipped;
+- prefixes `model.` (…ForCausalLM) and `model.language_model.` (Qwen3.5 …ForConditionalGeneration); `mtp.*`,
+  vision-tower keys and the multi-token-prediction layers after the stack (DeepSeek-V3's, GLM-4.5's) are skipped;
+- DeepSeek-V3's and GLM-4.5's `mlp.shared_experts` (ours: `mlp.shared_expert`), and the sigmoid router's
+  `mlp.gate.e_score_correction_bias` (a buffer);
 - routed experts one tensor per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, what transformers
   writes) or fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); Mixtral's
   `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down);
@@ -39,6 +41,11 @@ _MIXTRAL_BLOCK = re.compile(r"^(layers\.\d+)\.block_sparse_moe\.")
 _OUR_MOE_BLOCK = re.compile(r"^(layers\.\d+)\.mlp\.")
 _MIXTRAL_W = {"w1": "gate_proj", "w3": "up_proj", "w2": "down_proj"}
 _MIXTRAL_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts\.\d+)\.(w1|w2|w3)\.weight$")
+# DeepSeek-V3's and GLM-4.5's shared experts are `mlp.shared_experts` (ours, Qwen's: `mlp.shared_expert`)
+_SHARED_EXPERTS = re.compile(r"^(layers\.\d+\.mlp)\.shared_experts\.")
+_OUR_SHARED_EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.shared_expert\.")
+_PLURAL_SHARED_ARCHS = ("deepseek_v3", "glm4_moe")
+_LAYER = re.compile(r"^layers\.(\d+)\.")
 
 
 def _strip(key: str) -> str:
@@ -127,11 +134,15 @@ def _regroup_gdn(sd: dict[str, torch.Tensor], prefix: str, m: GatedDeltaNet, to_
 def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
+    mtp = range(model.shape.num_layers, model.shape.num_layers + model.shape.mtp_layers)
     for key, t in raw.items():
         if _SKIP.match(key):
             continue
         key = _strip(key)
-        key = _MIXTRAL_BLOCK.sub(r"\1.mlp.", key)
+        layer = _LAYER.match(key)
+        if layer and int(layer.group(1)) in mtp:  # DeepSeek-V3's and GLM-4.5's MTP layers follow the stack
+            continue
+        key = _SHARED_EXPERTS.sub(r"\1.shared_expert.", _MIXTRAL_BLOCK.sub(r"\1.mlp.", key))
         w = _MIXTRAL_EXPERT.match(key)
         if w:
             key = f"{w.group(1)}.{_MIXTRAL_W[w.group(2)]}.weight"
@@ -189,7 +200,7 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
            for k, v in ours.items() if k in found and found[k] != v.shape]
     if bad:
         raise ValueError(f"checkpoint {path} shape mismatch: " + "; ".join(bad[:6]))
-    params = {whole_model_name(n): p for n, p in model.named_parameters()}
+    params = {whole_model_name(n): p for n, p in [*model.named_parameters(), *model.named_buffers()]}
     with torch.no_grad():
         for sd in converted(meta=False):
             for k, t in sd.items():
@@ -205,8 +216,7 @@ def hf_config(shape: ModelShape) -> dict:
         rms_norm_eps=shape.rms_norm_eps, tie_word_embeddings=shape.tie_embeddings, hidden_act="silu",
         max_position_embeddings=shape.max_position, num_experts=shape.num_experts,
         num_experts_per_tok=shape.top_k, moe_intermediate_size=shape.expert_ffn, attention_bias=shape.attn_bias,
-        rope_parameters={"rope_type": "default", "rope_theta": shape.rope_theta,
-                         "partial_rotary_factor": shape.partial_rotary_factor},
+        rope_parameters=_rope_parameters(shape),
     )
     if shape.arch == "dense":  # Llama-family: Qwen3 has q/k norms, Qwen2 q/k/v biases, Llama neither
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
@@ -221,6 +231,23 @@ def hf_config(shape: ModelShape) -> dict:
     if shape.arch == "qwen3_moe":
         cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.expert_ffn, layer_types=list(shape.layer_types))
+        return cfg
+    if shape.arch in _PLURAL_SHARED_ARCHS:  # DeepSeek-V3, GLM-4.5: sigmoid routing, shared experts, dense first layers
+        r = shape.sigmoid_router
+        cfg.pop("num_experts")
+        cfg.update(n_routed_experts=shape.num_experts, n_shared_experts=shape.shared_expert_ffn // shape.expert_ffn,
+                   n_group=r.groups, topk_group=r.topk_groups, routed_scaling_factor=r.scaling,
+                   norm_topk_prob=shape.norm_topk_prob, first_k_dense_replace=shape.first_dense_layers,
+                   intermediate_size=shape.dense_ffn or shape.expert_ffn, num_mtp_layers=0)
+        if shape.arch == "glm4_moe":
+            cfg.update(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], use_qk_norm=shape.qk_norm,
+                       partial_rotary_factor=shape.partial_rotary_factor)
+        else:
+            a = shape.mla
+            cfg.update(model_type="deepseek_v3", architectures=["DeepseekV3ForCausalLM"], rope_interleave=True,
+                       q_lora_rank=a.q_lora_rank or None, kv_lora_rank=a.kv_lora_rank,
+                       qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
+                       v_head_dim=a.v_head_dim, head_dim=a.qk_rope_head_dim)
         return cfg
     if shape.arch == "mixtral":
         for k in ("num_experts", "moe_intermediate_size", "attention_bias"):
@@ -248,6 +275,22 @@ def hf_config(shape: ModelShape) -> dict:
     return cfg
 
 
+def _rope_parameters(shape: ModelShape) -> dict:
+    out = {"rope_type": "default", "rope_theta": shape.rope_theta,
+           "partial_rotary_factor": shape.partial_rotary_factor}
+    sc = shape.rope_scaling
+    if sc is not None:
+        out["rope_type"] = sc.kind
+        out.update({k: v for k, v in (
+            ("factor", sc.factor), ("original_max_position_embeddings", sc.original_max_position or None),
+            ("beta_fast", sc.beta_fast), ("beta_slow", sc.beta_slow), ("mscale", sc.mscale),
+            ("mscale_all_dim", sc.mscale_all_dim), ("attention_factor", sc.attention_factor),
+            ("low_freq_factor", sc.low_freq_factor), ("high_freq_factor", sc.high_freq_factor)) if v is not None})
+        if not sc.truncate:
+            out["truncate"] = False
+    return out
+
+
 def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = None) -> dict[str, torch.Tensor]:
     """Our parameters (the model's own, or `state_dict`: the same names, e.g. full tensors gathered from shards) under
     transformers' names and layout."""
@@ -263,7 +306,11 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
     ours = {v: k for k, v in _MIXTRAL_W.items()} if mixtral else {}
     name = lambda w: ours.get(w, w)  # noqa: E731 - an expert matrix's name in the checkpoint
 
-    def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`
+    plural = model.shape.arch in _PLURAL_SHARED_ARCHS
+
+    def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`; DeepSeek's shared expert plural
+        if plural:
+            return _OUR_SHARED_EXPERT.sub(r"\1.shared_experts.", key)
         return _OUR_MOE_BLOCK.sub(r"\1.block_sparse_moe.", key) if mixtral else key
 
     for key, t in sd.items():

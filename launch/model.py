@@ -1,5 +1,5 @@
-"""Qwen3.5 (MoE and dense) / Qwen3-Next / Qwen3-MoE and dense Llama-family text stacks, built from a
-`recipe.models.ModelShape`.
+"""Qwen3.5 (MoE and dense) / Qwen3-Next / Qwen3-MoE / Mixtral / DeepSeek-V3 / GLM-4.5 and dense Llama-family text
+stacks, built from a `recipe.models.ModelShape`.
 
 Shape legend: T tokens (one packed sequence: several documents back to back), D model dim, Hq query heads, Hkv
 key/value heads, Dh attention head dim, R rotary dims, V vocabulary.
@@ -14,6 +14,7 @@ parameter names follow Hugging Face's, so a state dict maps one to one (launch/h
 
 from __future__ import annotations
 
+import math
 import zlib
 from dataclasses import dataclass
 
@@ -24,12 +25,13 @@ import torch.nn.functional as F
 from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
 from launch.gated_delta import gated_delta_rule
 from launch.moe import MoE, SwiGLU
-from recipe.models import ModelShape
+from recipe.models import ROPE_SCALINGS, ModelShape
 
 # what the training core builds: the Qwen3.5 / Qwen3-Next hybrids (MoE and dense), Qwen3-MoE, Mixtral (Qwen3-MoE's
-# block without q/k norms, top-k weights renormalized), and dense Llama-family stacks (Llama, Qwen2, Qwen3, Mistral
-# without a sliding window); `recipe solve` plans more (recipe/models.py)
-SUPPORTED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "mixtral", "qwen3_5", "dense")
+# block without q/k norms, top-k weights renormalized), DeepSeek-V3 (multi-head latent attention, sigmoid routing;
+# Kimi-K2 and Moonlight share it), GLM-4.5 (sigmoid routing, q/k/v biases, partial RoPE) and dense Llama-family
+# stacks (Llama, Qwen2, Qwen3, Mistral without a sliding window); `recipe solve` plans more (recipe/models.py)
+SUPPORTED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_5", "dense")
 # RMSNorm scales by (1 + w) in these (w stored zero-centred), by w elsewhere
 OFFSET_NORM_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
 
@@ -127,12 +129,76 @@ class GatedRMSNorm(nn.Module):
         return gated_rms_norm(x, gate, self.weight, self.eps, backend=self.backend)
 
 
-def rope_cos_sin(positions_T: torch.Tensor, rotary_dim: int, theta: float, dtype: torch.dtype):
-    inv_freq = 1.0 / (theta ** (torch.arange(0, rotary_dim, 2, device=positions_T.device, dtype=torch.float32)
-                                / rotary_dim))
+def rotary_dim(s: ModelShape) -> int:
+    """Channels of a head that RoPE rotates: the MLA rope part, or head_dim × partial_rotary_factor."""
+    return s.mla.qk_rope_head_dim if s.mla is not None else int(s.head_dim * s.partial_rotary_factor)
+
+
+def _mscale(factor: float, m: float = 1.0) -> float:
+    """YaRN's magnitude correction for a context stretched `factor` times."""
+    return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
+
+
+def rope_frequencies(s: ModelShape, device=None) -> tuple[torch.Tensor, float]:
+    """RoPE inverse frequencies [R/2] and the factor cos/sin are scaled by, for the shape's RoPE scaling (none,
+    linear, llama3 or YaRN; docs/training.md "RoPE scaling" derives the YaRN and llama3 bands)."""
+    dim = rotary_dim(s)
+    inv = 1.0 / (s.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    sc = s.rope_scaling
+    if sc is None:
+        return inv, 1.0
+    if sc.kind == "linear":
+        return inv / sc.factor, 1.0
+    if sc.kind == "llama3":
+        low, high = sc.low_freq_factor or 1.0, sc.high_freq_factor or 4.0
+        wavelen = 2 * math.pi / inv
+        ctx = sc.original_max_position
+        # long wavelengths (beyond ctx / low) slowed by the factor, short ones (below ctx / high) kept, a linear blend
+        # in ctx / wavelength between
+        slowed = torch.where(wavelen > ctx / low, inv / sc.factor, inv)
+        blend = (ctx / wavelen - low) / (high - low)
+        middle = (wavelen <= ctx / low) & (wavelen >= ctx / high)
+        return torch.where(middle, (1 - blend) * slowed / sc.factor + blend * slowed, slowed), 1.0
+    if sc.kind == "yarn":
+        f, ctx = sc.factor, sc.original_max_position
+        if sc.attention_factor is not None:
+            attn = sc.attention_factor
+        elif sc.mscale and sc.mscale_all_dim:
+            attn = _mscale(f, sc.mscale) / _mscale(f, sc.mscale_all_dim)
+        else:
+            attn = _mscale(f)
+
+        def channel(rotations: float) -> float:  # the pair index whose wavelength fits `rotations` times in ctx
+            return dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(s.rope_theta))
+
+        lo, hi = channel(sc.beta_fast or 32.0), channel(sc.beta_slow or 1.0)
+        if sc.truncate:
+            lo, hi = math.floor(lo), math.ceil(hi)
+        lo, hi = max(lo, 0), min(hi, dim - 1)
+        if lo == hi:
+            hi += 0.001
+        # 1 for pairs that rotate fast (kept), 0 for slow ones (interpolated), a linear ramp between
+        keep = 1 - ((torch.arange(dim // 2, device=device, dtype=torch.float32) - lo) / (hi - lo)).clamp(0, 1)
+        return inv / f * (1 - keep) + inv * keep, attn
+    raise ValueError(f"RoPE scaling {sc.kind!r} is not applied by this core ({', '.join(ROPE_SCALINGS)})")
+
+
+def softmax_scale(s: ModelShape) -> float:
+    """Attention's softmax scale: 1/√(q·k head dim); MLA under YaRN with mscale_all_dim also multiplies it by
+    mscale(factor, mscale_all_dim)², as DeepSeek-V3 does."""
+    scale = (s.mla.qk_nope_head_dim + s.mla.qk_rope_head_dim if s.mla is not None else s.head_dim) ** -0.5
+    sc = s.rope_scaling
+    if s.mla is not None and sc is not None and sc.kind == "yarn" and sc.mscale_all_dim:
+        scale *= _mscale(sc.factor, sc.mscale_all_dim) ** 2
+    return scale
+
+
+def rope_cos_sin(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype):
+    """cos and sin [T, R] of each token's position (R = rotary_dim(s), the pair angles repeated twice)."""
+    inv_freq, attn = rope_frequencies(s, positions_T.device)
     freqs_TR2 = positions_T.float()[:, None] * inv_freq[None]
     emb_TR = torch.cat([freqs_TR2, freqs_TR2], dim=-1)
-    return emb_TR.cos().to(dtype), emb_TR.sin().to(dtype)
+    return (emb_TR.cos() * attn).to(dtype), (emb_TR.sin() * attn).to(dtype)
 
 
 def apply_rope(x_THD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
@@ -143,6 +209,15 @@ def apply_rope(x_THD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) 
     rotated = torch.cat([-x2, x1], dim=-1)
     out = x_rot * cos_TR[:, None] + rotated * sin_TR[:, None]
     return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out
+
+
+def apply_rope_interleaved(x_THR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
+    """DeepSeek's RoPE: channel pairs (0, 1), (2, 3), … each rotated by one angle; the result holds the pairs'
+    first channels, then their second ones (the same layout for q and k, so q·k is unchanged by it)."""
+    r = x_THR.shape[-1] // 2
+    cos, sin = cos_TR[:, None, :r], sin_TR[:, None, :r]
+    x1, x2 = x_THR[..., 0::2], x_THR[..., 1::2]
+    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
 
 
 def sdpa_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -197,8 +272,10 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attn_bias)
         self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attn_bias)
         self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attn_bias)
-        # dense stacks with attention biases (Qwen2) put them on q/k/v only
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size, bias=s.attn_bias and s.arch != "dense")
+        # dense stacks with attention biases (Qwen2) and GLM-4.5 put them on q/k/v only
+        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size,
+                                bias=s.attn_bias and s.arch not in ("dense", "glm4_moe"))
+        self.scale = softmax_scale(s)
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         # None: the whole sequence is here; launch/context_parallel.py installs its ContextParallel (K/V exchange)
@@ -218,12 +295,62 @@ class Attention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
         if _context_parallel(self, packing) is not None:
-            o = self.context_parallel.attention(q, k, v, packing, self.head_dim ** -0.5).reshape(T, -1)
+            o = self.context_parallel.attention(q, k, v, packing, self.scale).reshape(T, -1)
         else:
-            o = causal_attention(q, k, v, packing, self.head_dim ** -0.5).reshape(T, -1)
+            o = causal_attention(q, k, v, packing, self.scale).reshape(T, -1)
         if self.output_gate:
             o = o * torch.sigmoid(gate)
         return self.o_proj(o)
+
+
+class MLAttention(nn.Module):
+    """DeepSeek multi-head latent attention (DeepSeek-V3, Kimi-K2, Moonlight). Queries from the hidden state, or
+    through a low-rank q_a_proj → RMSNorm → q_b_proj (q_lora_rank > 0); keys and values from one shared latent:
+    kv_a_proj_with_mqa gives the kv_lora_rank latent (normed, then kv_b_proj expands it to each head's
+    [k_nope (Dn) | v (Dv)]) and one RoPE key part (Dr) that every head shares. Per head q = [q_nope | rope(q_rope)],
+    k = [k_nope | rope(k_rope)], interleaved RoPE (apply_rope_interleaved). Attention runs as multi-head attention
+    over the expanded keys (training processes every token, so the latent is never cached); v is zero-padded to
+    q's head size Dn + Dr where that is larger (flash attention takes one head size; the padded output channels are
+    zero and dropped), so plain and context-parallel attention see equal head sizes."""
+
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        a = s.mla
+        self.num_heads, self.num_kv_heads = s.num_heads, s.num_heads
+        self.nope_dim, self.rope_dim, self.v_dim = a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim
+        self.qk_dim, self.kv_lora_rank = a.qk_nope_head_dim + a.qk_rope_head_dim, a.kv_lora_rank
+        if a.q_lora_rank:
+            self.q_a_proj = nn.Linear(s.hidden_size, a.q_lora_rank, bias=s.attn_bias)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, 1e-6, 0.0)
+            self.q_b_proj = nn.Linear(a.q_lora_rank, s.num_heads * self.qk_dim, bias=False)
+        else:
+            self.q_proj = nn.Linear(s.hidden_size, s.num_heads * self.qk_dim, bias=False)
+        self.kv_a_proj_with_mqa = nn.Linear(s.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim, bias=s.attn_bias)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, 1e-6, 0.0)
+        self.kv_b_proj = nn.Linear(a.kv_lora_rank, s.num_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
+        self.o_proj = nn.Linear(s.num_heads * a.v_head_dim, s.hidden_size, bias=s.attn_bias)
+        self.scale = softmax_scale(s)
+        self.context_parallel = None  # as Attention's
+
+    def forward(self, x_TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing):
+        T = x_TD.shape[0]
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD))) if hasattr(self, "q_b_proj") else self.q_proj(x_TD)
+        q = q.view(T, -1, self.qk_dim)  # [T, H, Dn + Dr]: heads from the width (tensor parallelism splits them)
+        latent, k_rope = self.kv_a_proj_with_mqa(x_TD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, -1, self.nope_dim + self.v_dim)
+        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
+        heads = q.shape[1]
+        q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
+        q = torch.cat([q_nope, apply_rope_interleaved(q_rope, *rope)], dim=-1)
+        k_rope = apply_rope_interleaved(k_rope.view(T, 1, self.rope_dim), *rope)
+        k = torch.cat([k_nope, k_rope.expand(T, heads, self.rope_dim)], dim=-1)
+        if self.v_dim < self.qk_dim:
+            v = F.pad(v, (0, self.qk_dim - self.v_dim))
+        if _context_parallel(self, packing) is not None:
+            o = self.context_parallel.attention(q, k, v, packing, self.scale)
+        else:
+            o = causal_attention(q, k, v, packing, self.scale)
+        return self.o_proj(o[..., : self.v_dim].reshape(T, -1))
 
 
 class GatedDeltaNet(nn.Module):
@@ -302,7 +429,7 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "full_attention":
-            self.self_attn = Attention(s, norm_offset)
+            self.self_attn = MLAttention(s) if s.mla is not None else Attention(s, norm_offset)
         elif layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(s)
         else:
@@ -314,7 +441,7 @@ class DecoderLayer(nn.Module):
             self.mlp = SwiGLU(s.hidden_size, s.dense_ffn)
         else:
             self.mlp = MoE(s.hidden_size, s.num_experts, s.top_k, s.expert_ffn, s.shared_expert_ffn,
-                           s.shared_expert_gate, s.norm_topk_prob)
+                           s.shared_expert_gate, s.norm_topk_prob, s.sigmoid_router)
 
     def forward(self, x_TD: torch.Tensor, rope, packing: Packing) -> torch.Tensor:
         mixer = self.self_attn if self.layer_type == "full_attention" else self.linear_attn
@@ -333,7 +460,6 @@ class Transformer(nn.Module):
             raise ValueError(refusal)
         self.shape = shape
         norm_offset = 1.0 if shape.arch in OFFSET_NORM_ARCHS else 0.0
-        self.rotary_dim = int(shape.head_dim * shape.partial_rotary_factor)
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset, dense=i < shape.first_dense_layers)
                                     for i, t in enumerate(shape.layer_types))
@@ -350,7 +476,7 @@ class Transformer(nn.Module):
         if input_ids_T.shape[0] != packing.num_tokens:
             raise ValueError(f"{input_ids_T.shape[0]} tokens but the packing holds {packing.num_tokens}")
         h_TD = self.embed_tokens(input_ids_T)
-        rope = rope_cos_sin(packing.positions, self.rotary_dim, self.shape.rope_theta, h_TD.dtype)
+        rope = rope_cos_sin(packing.positions, self.shape, h_TD.dtype)
         for layer in self.layers:
             h_TD = layer(h_TD, rope, packing)
         return self.norm(h_TD)
@@ -366,7 +492,8 @@ def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = Non
     parameter names stay the whole model's). Each parameter is drawn from a generator of its own, seeded by `seed`
     and its name, at its full (global) shape on its device, and each rank keeps its shard: so a model built whole
     and one built on the meta device and sharded hold the same weights, whatever the layout. A_log ~ log U(1, 16),
-    dt_bias 1, norm weights 1 (0 for offset norms), the rest N(0, std)."""
+    dt_bias 1, norm weights 1 (0 for offset norms), the rest N(0, std); the sigmoid router's correction bias (a
+    buffer) 0."""
     for name, p in module.named_parameters():
         gen = torch.Generator(device=p.device)
         gen.manual_seed(_parameter_seed(0 if seed is None else seed, whole_model_name(name)))
@@ -381,6 +508,9 @@ def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = Non
         else:
             full = torch.randn(p.shape, generator=gen, device=p.device) * std
         assign_full(p, full)
+    for name, b in module.named_buffers():
+        if name.endswith("e_score_correction_bias"):  # the sigmoid router's (launch/moe.py)
+            b.zero_()
 
 
 def whole_model_name(name: str) -> str:
@@ -409,11 +539,14 @@ def trainable(shape: ModelShape) -> str | None:
     it)."""
     if shape.arch not in SUPPORTED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
-                f"trains {', '.join(SUPPORTED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Mixtral and dense "
-                f"Llama/Qwen/Mistral stacks; not MLA models (DeepSeek, Kimi, Moonlight), gpt-oss, Llama 4, GLM-4.5, "
+                f"trains {', '.join(SUPPORTED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Mixtral, DeepSeek-V3 "
+                f"(Kimi-K2, Moonlight), GLM-4.5 and dense Llama/Qwen/Mistral stacks; not gpt-oss, Llama 4, "
                 f"ERNIE-4.5, OLMoE, Granite or Qwen2-MoE)")
-    unsupported = [what for what, present in (("multi-head latent attention", shape.mla is not None),
-                                              ("sliding-window attention", bool(shape.sliding_window)))
+    sc = shape.rope_scaling
+    unsupported = [what for what, present in (
+        ("sliding-window attention", bool(shape.sliding_window)),
+        ("DeepSeek-V2's softmax routing", shape.arch == "deepseek_v3" and shape.sigmoid_router is None),
+        (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and sc.kind not in ROPE_SCALINGS))
                    if present]
     if unsupported:
         return f"{shape.name}: {' and '.join(unsupported)} is planned by `recipe solve` but not trained by this core"

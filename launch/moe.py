@@ -1,5 +1,5 @@
-"""Mixture of experts: softmax top-k router → token permutation → grouped expert GEMMs → unpermute and combine,
-plus an optional shared expert with a sigmoid gate.
+"""Mixture of experts: top-k router (softmax, or DeepSeek-V3's sigmoid with group-limited choice) → token permutation
+→ grouped expert GEMMs → unpermute and combine, plus an optional shared expert with an optional sigmoid gate.
 
 Shape legend: T tokens, D model dim, E experts, K top-k, I expert intermediate dim, M = T·K routed rows.
 
@@ -150,6 +150,51 @@ class TopKRouter(nn.Module):
         return logits_TE, top_w_TK.to(x_TD.dtype), top_e_TK
 
 
+class SigmoidTopKRouter(nn.Module):
+    """DeepSeek-V3 / GLM-4.5 routing (recipe.models.SigmoidRouter): sigmoid scores; the top-k experts chosen on score +
+    `e_score_correction_bias` among the `topk_groups` best of `groups` expert groups (a group scored by the sum of
+    its two best); weighted by their scores without the bias, renormalized (norm_topk_prob), times `scaling`. The
+    correction bias is a buffer: it steers the choice, which has no gradient, so the loss cannot train it; it is
+    loaded and saved with the weights and stays fp32 whatever dtype the module is cast to (its values differ by
+    steps finer than bf16 resolves near 1)."""
+
+    def __init__(self, num_experts: int, dim: int, top_k: int, norm_topk_prob: bool, groups: int = 1,
+                 topk_groups: int = 1, scaling: float = 1.0):
+        super().__init__()
+        if num_experts % groups or (groups > 1 and num_experts // groups < 2):
+            raise ValueError(f"{num_experts} experts cannot form {groups} groups of two or more")
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.groups, self.topk_groups, self.scaling = groups, topk_groups, scaling
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32))
+
+    def _apply(self, fn, recurse=True):
+        bias = self.e_score_correction_bias
+        super()._apply(fn, recurse)
+        moved = self.e_score_correction_bias
+        if moved.dtype != torch.float32:  # a cast: keep the fp32 values, on the new device
+            self.e_score_correction_bias = bias.to(device=moved.device, dtype=torch.float32)
+        return self
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (router logits [T, E], top-k weights [T, K] in x's dtype, top-k expert ids [T, K])."""
+        logits_TE = F.linear(x_TD, self.weight)
+        scores_TE = torch.sigmoid(logits_TE.float())
+        with torch.no_grad():
+            choice_TE = scores_TE + self.e_score_correction_bias
+            if self.groups > 1:
+                T, E = choice_TE.shape
+                group_TG = choice_TE.view(T, self.groups, E // self.groups).topk(2, dim=-1).values.sum(-1)
+                best_TG = group_TG.topk(self.topk_groups, dim=-1).indices
+                keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, best_TG, True)
+                choice_TE = choice_TE.masked_fill(~keep_TG.repeat_interleave(E // self.groups, dim=1), float("-inf"))
+            top_e_TK = choice_TE.topk(self.top_k, dim=-1).indices
+        top_w_TK = scores_TE.gather(1, top_e_TK)
+        if self.norm_topk_prob:
+            top_w_TK = top_w_TK / (top_w_TK.sum(-1, keepdim=True) + 1e-20)
+        return logits_TE, (top_w_TK * self.scaling).to(x_TD.dtype), top_e_TK
+
+
 class SwiGLU(nn.Module):
     def __init__(self, dim: int, ffn: int):
         super().__init__()
@@ -286,10 +331,14 @@ class _RoutedExperts(torch.autograd.Function):
 
 class MoE(nn.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, ffn: int, shared_ffn: int = 0,
-                 shared_gate: bool = False, norm_topk_prob: bool = True):
+                 shared_gate: bool = False, norm_topk_prob: bool = True, sigmoid_router=None):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
-        self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob)
+        if sigmoid_router is None:
+            self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob)
+        else:  # a recipe.models.SigmoidRouter
+            self.gate = SigmoidTopKRouter(num_experts, dim, top_k, norm_topk_prob, sigmoid_router.groups,
+                                          sigmoid_router.topk_groups, sigmoid_router.scaling)
         self.experts = GroupedExperts(num_experts, dim, ffn)
         self.shared_expert = SwiGLU(dim, shared_ffn) if shared_ffn else None
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_ffn and shared_gate else None

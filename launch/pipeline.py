@@ -62,7 +62,7 @@ class StageModule(nn.Module):
 
     def __init__(self, model: Transformer, index: int, first: int, count: int, is_first: bool, is_last: bool):
         super().__init__()
-        self.shape, self.rotary_dim = model.shape, model.rotary_dim
+        self.shape = model.shape
         self.index, self.first_layer, self.is_first, self.is_last = index, first, is_first, is_last
         self.embed_tokens = model.embed_tokens if is_first else None
         self.layers = nn.ModuleDict({str(i): model.layers[i] for i in range(first, first + count)})
@@ -75,7 +75,7 @@ class StageModule(nn.Module):
         batch, weight, real = self.pipeline.take(self.index)
         packing = batch.packing
         h_TD = self.embed_tokens(x.reshape(-1)) if self.is_first else x
-        rope = rope_cos_sin(packing.positions, self.rotary_dim, self.shape.rope_theta, h_TD.dtype)
+        rope = rope_cos_sin(packing.positions, self.shape, h_TD.dtype)
         for layer in self.layers.values():
             h_TD = layer(h_TD, rope, packing)
         if not self.is_last:

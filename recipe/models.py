@@ -59,6 +59,62 @@ class MLAShape(Record):
         _positive(self, ("q_lora_rank",), strict=False)
 
 
+@dataclass(frozen=True, kw_only=True)
+class SigmoidRouter(Record):
+    """DeepSeek-V3 / GLM-4.5 routing (what a softmax top-k router is replaced by): each expert scored by a sigmoid;
+    experts chosen on score + a per-expert correction bias (set by load balancing in pre-training, not by the
+    loss), among the `topk_groups` best of `groups` equal expert groups (a group scored by its two best experts);
+    the chosen experts weighted by their scores without the bias, renormalized if norm_topk_prob, times
+    `scaling`."""
+
+    groups: Pos = 1
+    topk_groups: Pos = 1
+    scaling: float = 1.0
+
+    def __post_init__(self) -> None:
+        _positive(self, ("groups", "topk_groups"))
+        if self.topk_groups > self.groups:
+            raise ValueError(f"topk_groups={self.topk_groups} > groups={self.groups}")
+        if not (isinstance(self.scaling, (int, float)) and math.isfinite(self.scaling) and self.scaling > 0):
+            raise ValueError(f"routed scaling must be a positive number, got {self.scaling!r}")
+
+
+ROPE_SCALINGS = ("yarn", "llama3", "linear")  # the RoPE scalings the training core applies
+
+
+@dataclass(frozen=True, kw_only=True)
+class RopeScaling(Record):
+    """A Hugging Face `rope_scaling` (rope_parameters) other than the default: the frequencies the training core
+    must use to be the same network. `kind` is the rope_type: yarn (DeepSeek-V3, Kimi-K2, long-context Qwen3),
+    llama3 (Llama 3.1 and later), linear; any other is read and named, and the core refuses to train it.
+    None-valued fields are absent from the config (each kind's defaults apply)."""
+
+    kind: str
+    factor: float = 1.0
+    original_max_position: NonNeg = 0  # 0: absent
+    beta_fast: float | None = None  # yarn
+    beta_slow: float | None = None
+    mscale: float | None = None
+    mscale_all_dim: float | None = None
+    attention_factor: float | None = None
+    truncate: bool = True
+    low_freq_factor: float | None = None  # llama3
+    high_freq_factor: float | None = None
+
+    def __post_init__(self) -> None:
+        _positive(self, ("original_max_position",), strict=False)
+        for n in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
+                  "low_freq_factor", "high_freq_factor"):
+            v = getattr(self, n)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
+                                  or v < 0):
+                raise ValueError(f"rope scaling {n} must be a non-negative number, got {v!r}")
+        if self.factor <= 0:
+            raise ValueError(f"rope scaling factor must be positive, got {self.factor!r}")
+        if self.kind in ("yarn", "llama3") and not self.original_max_position:
+            raise ValueError(f"{self.kind} rope scaling needs original_max_position_embeddings")
+
+
 def _positive(rec, names, strict: bool = True) -> None:
     for n in names:
         v = getattr(rec, n)
@@ -70,10 +126,11 @@ def _positive(rec, names, strict: bool = True) -> None:
 class ModelShape(Record):
     name: str
     # dense: every layer a dense FFN (num_experts = top_k = 1, first_dense_layers = num_layers), EP = 1;
-    # moe: a standard softmax-routed MoE (OLMoE, GLM-4.5, ERNIE-4.5, Llama-4, Granite, Qwen2-MoE, unknown types);
+    # moe: a standard softmax-routed MoE (OLMoE, ERNIE-4.5, Llama-4, Granite, Qwen2-MoE, unknown types);
+    # glm4_moe: GLM-4.5 (sigmoid router, shared experts, dense first layers, partial RoPE);
     # qwen3_5: Qwen3.5 dense (Gated DeltaNet + gated attention, dense FFN)
-    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral", "dense", "moe",
-                  "qwen3_5"]
+    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral", "glm4_moe", "dense",
+                  "moe", "qwen3_5"]
     hidden_size: Pos
     num_layers: Pos
     vocab_size: Pos
@@ -87,6 +144,7 @@ class ModelShape(Record):
     attn_bias: bool = False
     partial_rotary_factor: float = 1.0  # in (0, 1]
     rope_theta: float = 1e6
+    rope_scaling: RopeScaling | None = None  # None: plain RoPE
     sliding_window: int | None = None
     mla: MLAShape | None = None
     linear_attn: LinearAttnShape | None = None
@@ -98,6 +156,7 @@ class ModelShape(Record):
     shared_expert_gate: bool = False  # sigmoid gate on the shared expert's output
     norm_topk_prob: bool = True  # renormalize the top-k router weights
     router_bias: bool = False
+    sigmoid_router: SigmoidRouter | None = None  # None: softmax top-k
     first_dense_layers: NonNeg = 0  # leading layers with a dense FFN instead of MoE
     dense_ffn: NonNeg = 0
     # embeddings, norms
@@ -163,7 +222,9 @@ class ModelShape(Record):
         )
 
     def fingerprint_dict(self) -> dict:
-        return plain(self, exclude=frozenset({"source"}))
+        # a shape without the routing or RoPE-scaling records keeps the fingerprint it had before they existed
+        unset = {k for k in ("sigmoid_router", "rope_scaling") if getattr(self, k) is None}
+        return plain(self, exclude=frozenset({"source"} | unset))
 
 
 def _rounded_layer_types(num_layers: int, interval: int) -> tuple[LayerType, ...]:
@@ -210,7 +271,10 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             mla=MLAShape(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
                          v_head_dim=128),
             num_experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, router_bias=True,
+            sigmoid_router=SigmoidRouter(groups=8, topk_groups=4, scaling=2.5),
             first_dense_layers=3, dense_ffn=18432, rope_theta=10000.0, max_position=163840, mtp_layers=1,
+            rope_scaling=RopeScaling(kind="yarn", factor=40.0, original_max_position=4096, beta_fast=32.0,
+                                     beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
             source="deepseek-ai/DeepSeek-V3 config.json",
         ),
     "gpt-oss-120b": lambda: ModelShape(
@@ -366,8 +430,8 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
-    "gpt_oss": "gpt_oss", "mixtral": "mixtral",
-    "qwen2_moe": "moe", "olmoe": "moe", "glm4_moe": "moe", "ernie4_5_moe": "moe", "llama4": "moe",
+    "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe",
+    "qwen2_moe": "moe", "olmoe": "moe", "ernie4_5_moe": "moe", "llama4": "moe",
     "llama4_text": "moe", "granitemoe": "moe", "granitemoeshared": "moe",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense",
 }
@@ -504,7 +568,7 @@ def _from_hf_config(path: Path) -> ModelShape:
         tie_embeddings=opt_flag("tie_word_embeddings", opt_flag("tie_word_embeddings", False), raw),
         rms_norm_eps=opt_num("rms_norm_eps", 1e-6),
         max_position=opt("max_position_embeddings", 32768),
-        mtp_layers=opt("mtp_num_hidden_layers", opt("num_nextn_predict_layers", 0)),
+        mtp_layers=opt("mtp_num_hidden_layers", opt("num_nextn_predict_layers", opt("num_mtp_layers", 0))),
         norm_topk_prob=opt_flag("norm_topk_prob", arch not in ("moe",)),
         source=str(path),
     )
@@ -522,6 +586,9 @@ def _from_hf_config(path: Path) -> ModelShape:
         prf, prf_key = rope.get("partial_rotary_factor"), "rope_parameters.partial_rotary_factor"
     if prf is not None:
         fields["partial_rotary_factor"] = number(prf, prf_key)
+    scaling = _rope_scaling(cfg, rope, bad, number, count)
+    if scaling is not None:
+        fields["rope_scaling"] = scaling
     if arch in ("qwen3_5_moe", "qwen3_next", "qwen3_5"):
         shared = opt("shared_expert_intermediate_size", 0)
         fields.update(
@@ -544,6 +611,8 @@ def _from_hf_config(path: Path) -> ModelShape:
             first_dense_layers=opt("first_k_dense_replace", 0),
             dense_ffn=opt("intermediate_size", 0),
         )
+        if model_type != "deepseek_v2":  # V2's softmax routing is planned only (launch/model.py says so)
+            fields["sigmoid_router"] = _sigmoid_router(cfg, opt, number)
     elif arch == "gpt_oss":
         window = cfg.get("sliding_window")
         fields.update(qk_norm=False, attn_bias=True, router_bias=True,
@@ -551,23 +620,63 @@ def _from_hf_config(path: Path) -> ModelShape:
                       expert_ffn=req("intermediate_size"))
     elif arch == "mixtral":
         fields.update(qk_norm=False, expert_ffn=req("intermediate_size"))
+    elif arch == "glm4_moe":
+        first = opt("first_k_dense_replace", 0)
+        fields.update(qk_norm=opt_flag("use_qk_norm", False), attn_bias=opt_flag("attention_bias", False),
+                      shared_expert_ffn=opt("n_shared_experts", 0) * fields["expert_ffn"], router_bias=True,
+                      first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0,
+                      sigmoid_router=_sigmoid_router(cfg, opt, number))
     elif arch == "moe":
         _generic_moe(cfg, model_type, fields, n_layers, req, opt, opt_flag, count)
     return validate(ModelShape, fields, f"{path}: invalid model shape")
 
 
+def _sigmoid_router(cfg: dict, opt, number) -> dict:
+    """DeepSeek-V3 / GLM-4.5 router fields (n_group, topk_group, routed_scaling_factor)."""
+    scaling = cfg.get("routed_scaling_factor")
+    return dict(groups=opt("n_group", 1), topk_groups=opt("topk_group", 1),
+                scaling=1.0 if scaling is None else number(scaling, "routed_scaling_factor"))
+
+
+def _rope_scaling(cfg: dict, rope: dict, bad, number, count) -> dict | None:
+    """The config's RoPE scaling (`rope_scaling`, or transformers' newer `rope_parameters`), None for plain RoPE."""
+    key, src = "rope_parameters", rope
+    legacy = cfg.get("rope_scaling")
+    if legacy is not None:
+        if not isinstance(legacy, dict):
+            raise bad("rope_scaling", "an object", legacy)
+        key, src = "rope_scaling", legacy
+    kind = src.get("rope_type", src.get("type")) or "default"
+    if not isinstance(kind, str):
+        raise bad(f"{key}.rope_type", "a name", kind)
+    if kind == "default":
+        return None
+    out: dict = {"kind": kind}
+    for ours, theirs in (("factor", "factor"), ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
+                         ("mscale", "mscale"), ("mscale_all_dim", "mscale_all_dim"),
+                         ("attention_factor", "attention_factor"), ("low_freq_factor", "low_freq_factor"),
+                         ("high_freq_factor", "high_freq_factor")):
+        if src.get(theirs) is not None:
+            out[ours] = number(src[theirs], f"{key}.{theirs}")
+    if src.get("original_max_position_embeddings") is not None:
+        out["original_max_position"] = count(src["original_max_position_embeddings"],
+                                             f"{key}.original_max_position_embeddings")
+        if kind == "yarn" and "factor" not in out and cfg.get("max_position_embeddings"):  # implied by the stretch
+            out["factor"] = count(cfg["max_position_embeddings"], "max_position_embeddings") / out[
+                "original_max_position"]
+    if isinstance(src.get("truncate"), bool):
+        out["truncate"] = src["truncate"]
+    return out
+
+
 def _generic_moe(cfg: dict, model_type: str, fields: dict, n_layers: int, req, opt, opt_flag, count) -> None:
     """The standard softmax-routed MoE families, by their field names."""
     moe_ffn = fields["expert_ffn"]
-    fields.update(qk_norm=model_type == "olmoe" or opt_flag("use_qk_norm", False) and model_type == "glm4_moe",
+    fields.update(qk_norm=model_type == "olmoe",
                   attn_bias=opt_flag("attention_bias", model_type == "qwen2_moe"))
     if model_type == "qwen2_moe":
         shared = opt("shared_expert_intermediate_size", 0)
         fields.update(shared_expert_ffn=shared, shared_expert_gate=bool(shared))
-    elif model_type == "glm4_moe":
-        first = opt("first_k_dense_replace", 0)
-        fields.update(shared_expert_ffn=opt("n_shared_experts", 0) * moe_ffn, router_bias=True,
-                      first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0)
     elif model_type == "ernie4_5_moe":
         first = opt("moe_layer_start_index", 0)
         fields.update(shared_expert_ffn=opt("moe_num_shared_experts", 0) * moe_ffn,

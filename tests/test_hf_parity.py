@@ -1,6 +1,7 @@
 """Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE,
-Mixtral, and the dense Qwen3.5, Llama, Qwen2 and Qwen3 built in transformers, saved, loaded into ours (logits fp32
-atol 1e-4, loss), and exported back."""
+Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), GLM-4.5, and the dense
+Qwen3.5, Llama (also under llama3 RoPE scaling), Qwen2 and Qwen3 (also under YaRN) built in transformers, saved,
+loaded into ours (logits fp32 atol 1e-4, loss), and exported back."""
 
 import pytest
 import torch
@@ -26,7 +27,26 @@ DENSE = {  # model_type: (config, model, what sets it apart)
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=500000.0)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1e6)),  # q/k/v biases
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_theta=1e6)),  # q/k norms
+    # RoPE scalings, stretched from 16 positions so the 75-token test reaches past the original context
+    "llama31": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_parameters=dict(
+        rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
+        original_max_position_embeddings=16))),
+    "qwen3_yarn": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_parameters=dict(
+        rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=16),
+        max_position_embeddings=64)),
 }
+# DeepSeek-V3: v narrower than q·k (6 vs 12: the padded flash path), 4 groups of 2 experts, 2 of them chosen; YaRN
+DEEPSEEK = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
+                kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, n_routed_experts=8,
+                n_group=4, topk_group=2, num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1,
+                first_k_dense_replace=1, intermediate_size=40, num_hidden_layers=3, routed_scaling_factor=2.5,
+                rms_norm_eps=1e-6, max_position_embeddings=64,
+                rope_parameters=dict(rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32, beta_slow=1,
+                                     mscale=1.0, mscale_all_dim=1.0, original_max_position_embeddings=16))
+MLA_ARCHS = {"deepseek_v3": DEEPSEEK,  # Moonlight: no q LoRA, one expert group, plain RoPE
+             "moonlight": {**DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1,
+                           "rope_parameters": dict(rope_type="default", rope_theta=50000.0)}}
+ARCH = {"moonlight": "deepseek_v3", **{a: "dense" for a in DENSE}}  # the shape's arch where it is not the name
 
 
 def _hf_model(arch: str):
@@ -47,6 +67,15 @@ def _hf_model(arch: str):
         cfg = transformers.MixtralConfig(**moe, num_local_experts=6, num_experts_per_tok=2, intermediate_size=16,
                                          num_hidden_layers=2, rope_theta=1e6)
         cls = transformers.MixtralForCausalLM
+    elif arch in MLA_ARCHS:
+        cfg = transformers.DeepseekV3Config(**MLA_ARCHS[arch])
+        cls = transformers.DeepseekV3ForCausalLM
+    elif arch == "glm4_moe":  # q/k/v biases, half the head rotated, sigmoid routing in 2 groups
+        cfg = transformers.Glm4MoeConfig(**{k: v for k, v in COMMON.items() if k != "num_experts"},
+                                         n_routed_experts=6, n_group=2, topk_group=1, n_shared_experts=1,
+                                         first_k_dense_replace=1, intermediate_size=40, num_hidden_layers=3,
+                                         attention_bias=True, routed_scaling_factor=1.5, partial_rotary_factor=0.5)
+        cls = transformers.Glm4MoeForCausalLM
     elif arch in DENSE:
         config_cls, cls, extra = DENSE[arch]
         dense = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
@@ -59,15 +88,19 @@ def _hf_model(arch: str):
     with torch.no_grad():  # move every parameter off its init (norm weights 0/1, zero routers) so all of it counts
         for name, p in model.named_parameters():
             p.add_(torch.randn_like(p) * (0.3 if "norm" in name or "A_log" in name or "dt_bias" in name else 0.1))
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # steers the choice: different from zero, so it counts
+                b.copy_(torch.randn_like(b) * 0.1)
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "mixtral", "qwen3_5", *DENSE])
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "mixtral", *MLA_ARCHS, "glm4_moe",
+                                  "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)
     hf.save_pretrained(tmp_path / "hf")
     shape = from_hf_config(tmp_path / "hf" / "config.json")
-    assert shape.arch == ("dense" if arch in DENSE else arch)
+    assert shape.arch == ARCH.get(arch, arch)
     ours = build_model(shape, seed=1)
     load_hf_checkpoint(ours, tmp_path / "hf")
     ours.eval()
@@ -124,7 +157,7 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map."""

@@ -294,10 +294,15 @@ def test_unsupported_shapes_fail_loudly():
     assert trainable(PRESETS["mixtral-8x7b"]) is None  # trained (tests/test_hf_parity.py holds it to transformers)
     meta = build_model(PRESETS["mixtral-8x7b"].with_layers(1), device="meta")
     assert meta.layers[0].self_attn.q_norm is None and meta.layers[0].mlp.experts.gate_up_proj.shape == (8, 28672, 4096)
-    for name, why in (("deepseek-v3", "arch .deepseek_v3. is planned by `recipe solve` but not trained"),
-                      ("gpt-oss-120b", "arch 'gpt_oss' is planned")):
-        with pytest.raises(ValueError, match=why):
-            build_model(PRESETS[name].with_layers(1))
+    # DeepSeek-V3 is trained: MLA's projections at the preset's widths, the router's correction bias fp32 in bf16
+    ds = build_model(PRESETS["deepseek-v3"].with_layers(4), device="meta", dtype=torch.bfloat16)
+    attn, moe = ds.layers[3].self_attn, ds.layers[3].mlp
+    assert attn.q_b_proj.weight.shape == (128 * 192, 1536) and attn.kv_b_proj.weight.shape == (128 * 256, 512)
+    assert attn.kv_a_proj_with_mqa.weight.shape == (512 + 64, 7168) and attn.o_proj.weight.shape == (7168, 128 * 128)
+    assert moe.gate.e_score_correction_bias.dtype == torch.float32 and moe.gate.weight.dtype == torch.bfloat16
+    assert moe.shared_expert.gate_proj.weight.shape == (2048, 7168) and ds.layers[2].mlp.gate_proj.out_features == 18432
+    with pytest.raises(ValueError, match="arch 'gpt_oss' is planned"):
+        build_model(PRESETS["gpt-oss-120b"].with_layers(1))
     with pytest.raises(ValueError, match="document lengths must be positive"):
         Packing.from_lengths([3, 0])
 

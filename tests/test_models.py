@@ -170,11 +170,56 @@ def test_hf_deepseek_v3_equals_preset(tmp_path):
            "num_experts_per_tok": 8, "moe_intermediate_size": 2048, "n_shared_experts": 1,
            "first_k_dense_replace": 3, "intermediate_size": 18432, "num_nextn_predict_layers": 1,
            "rope_theta": 10000, "max_position_embeddings": 163840, "rms_norm_eps": 1e-6, "norm_topk_prob": True,
-           "tie_word_embeddings": False}
+           "tie_word_embeddings": False, "n_group": 8, "topk_group": 4, "routed_scaling_factor": 2.5,
+           "scoring_func": "sigmoid", "topk_method": "noaux_tc",
+           "rope_scaling": {"beta_fast": 32, "beta_slow": 1, "factor": 40, "mscale": 1.0, "mscale_all_dim": 1.0,
+                            "original_max_position_embeddings": 4096, "type": "yarn"}}
     m = from_hf_config(_write(tmp_path, "DeepSeek-V3", cfg))
     assert _same_shape(m, PRESETS["deepseek-v3"])
     assert m.head_dim == 128 + 64
+    assert (m.sigmoid_router.groups, m.sigmoid_router.topk_groups, m.sigmoid_router.scaling) == (8, 4, 2.5)
+    assert (m.rope_scaling.kind, m.rope_scaling.factor, m.rope_scaling.original_max_position) == ("yarn", 40, 4096)
+    # the stretch alone implies YaRN's factor (transformers' rule): 163,840 / 4,096
+    del cfg["rope_scaling"]["factor"]
+    assert from_hf_config(_write(tmp_path, "DeepSeek-V3-implied", cfg)).rope_scaling.factor == 40.0
     assert total_params(m) == total_params(PRESETS["deepseek-v3"])
+
+
+def test_rope_scaling_and_routing_read_or_refused(tmp_path):
+    """transformers' newer `rope_parameters` is read like the legacy `rope_scaling`; a scaling the core does not
+    apply is named by trainable() in one line; DeepSeek-V2 (softmax routing) keeps no sigmoid router and is
+    refused for training, as are malformed fields for every command."""
+    from launch.model import trainable
+
+    llama = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128,
+             "num_attention_heads": 4, "intermediate_size": 96,
+             "rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0,
+                                 "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                                 "original_max_position_embeddings": 8192}}
+    m = from_hf_config(_write(tmp_path, "llama31", llama))
+    assert (m.rope_scaling.kind, m.rope_scaling.factor, m.rope_scaling.high_freq_factor) == ("llama3", 8.0, 4.0)
+    assert trainable(m) is None
+    llama["rope_parameters"] = {"rope_type": "longrope", "rope_theta": 1e4, "factor": 4.0}
+    llama["max_position_embeddings"] = 4096
+    m = from_hf_config(_write(tmp_path, "phi", llama))
+    assert trainable(m) == "phi: RoPE scaling 'longrope' is planned by `recipe solve` but not trained by this core"
+    llama["rope_parameters"] = {"rope_type": "yarn", "factor": "big", "original_max_position_embeddings": 8}
+    with pytest.raises(ValueError, match="rope_parameters.factor'"):
+        from_hf_config(_write(tmp_path, "bad", llama))
+    llama["rope_parameters"] = {"rope_type": "yarn", "factor": 4.0}
+    with pytest.raises(ValueError, match="yarn rope scaling needs original_max_position_embeddings"):
+        from_hf_config(_write(tmp_path, "bad2", llama))
+    v2 = {"model_type": "deepseek_v2", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128,
+          "num_attention_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
+          "v_head_dim": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
+    m = from_hf_config(_write(tmp_path, "v2", v2))
+    assert m.sigmoid_router is None and "DeepSeek-V2's softmax routing is planned" in trainable(m)
+    glm = {"model_type": "glm4_moe", "hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "n_routed_experts": 8,
+           "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1, "intermediate_size": 96,
+           "first_k_dense_replace": 1, "n_group": 3, "topk_group": 4, "attention_bias": True}
+    with pytest.raises(ValueError, match="topk_groups=4 > groups=3"):
+        from_hf_config(_write(tmp_path, "glm", glm))
 
 
 @pytest.mark.parametrize("drop", ["hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
