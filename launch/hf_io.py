@@ -341,8 +341,8 @@ def export_hf_checkpoint(model: Transformer, out_dir: str | Path, dtype: torch.d
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = ours_to_hf(model, state_dict)
-    if dtype is not None:
-        tensors = {k: v.to(dtype) for k, v in tensors.items()}
+    if dtype is not None:  # the sigmoid router's correction bias stays fp32, as transformers keeps it
+        tensors = {k: v if k.endswith("e_score_correction_bias") else v.to(dtype) for k, v in tensors.items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     cfg = hf_config(model.shape)
     cfg["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")

@@ -6,12 +6,14 @@ Shape legend: T tokens of the micro-batch, Tl = ⌈T / tp⌉ tokens a rank holds
 Parameters (DTensors on the 1-D tp mesh, as ColwiseParallel / RowwiseParallel / SequenceParallel place them; FSDP2
 then shards each over dp, so checkpoints hold the whole tensors under the same names for every layout):
 
-    Shard(0)    attention q_proj (per head [query | gate] rows), k_proj, v_proj; Gated DeltaNet in_proj_qkv and
-                conv1d (rows grouped per key head, launch/model.py), in_proj_z, in_proj_b, in_proj_a, dt_bias,
-                A_log; a dense layer's MLP gate_proj and up_proj; embed_tokens and lm_head (vocabulary rows)
+    Shard(0)    attention q_proj (per head [query | gate] rows), k_proj, v_proj; MLA's q_proj or q_b_proj and
+                kv_b_proj (per head rows); Gated DeltaNet in_proj_qkv and conv1d (rows grouped per key head,
+                launch/model.py), in_proj_z, in_proj_b, in_proj_a, dt_bias, A_log; a dense layer's MLP gate_proj
+                and up_proj; embed_tokens and lm_head (vocabulary rows)
     Shard(1)    o_proj, out_proj, a dense MLP's down_proj (rowwise: each rank's share gives a partial sum)
     Replicate   every other dense parameter: the residual-stream RMSNorms, q/k norms and the Gated DeltaNet output
-                norm, router, shared expert and its gate
+                norm, MLA's q_a_proj, kv_a_proj_with_mqa and their norms (the latents every head reads), router,
+                shared expert and its gate
 
 The residual stream between mixers is sequence-parallel: each tp rank holds Tl of the micro-batch's tokens (the
 sequence zero-padded to tp·Tl). Per decoder layer:
@@ -125,12 +127,17 @@ class TensorParallel:
 def _placements(model: nn.Module) -> dict[str, str]:
     """Parameter name → "row" (Shard(0)), "col" (Shard(1)) or "rep" (Replicate) for every tp parameter; the routed
     experts are left out (expert parallelism places them)."""
-    from launch.model import Attention, GatedDeltaNet
+    from launch.model import Attention, GatedDeltaNet, MLAttention
 
     out: dict[str, str] = {}
     for name, m in model.named_modules():
         prefix = name + "." if name else ""
-        if isinstance(m, Attention):
+        if isinstance(m, MLAttention):  # the heads' expansions split; the shared latent and RoPE key replicated
+            for p in ("q_proj", "q_b_proj", "kv_b_proj"):
+                if hasattr(m, p):
+                    out[f"{prefix}{p}.weight"] = "row"
+            out[f"{prefix}o_proj.weight"] = "col"
+        elif isinstance(m, Attention):
             for p in ("q_proj", "k_proj", "v_proj"):
                 out[f"{prefix}{p}.weight"] = "row"
                 if getattr(m, p).bias is not None:
@@ -164,14 +171,14 @@ def _is_dense_mlp(name: str, module: nn.Module) -> bool:
 
 def check_model(model: nn.Module, tp: int) -> None:
     """One line for a model this tensor parallelism cannot split exactly."""
-    from launch.model import Attention, GatedDeltaNet
+    from launch.model import Attention, GatedDeltaNet, MLAttention
 
     s = model.shape
     if s.tie_embeddings:
         raise ValueError(f"tp={tp}: {s.name} ties its embedding to the LM head, which this tensor parallelism does "
                          f"not split; use tp=1")
     for m in model.modules():
-        if isinstance(m, Attention):
+        if isinstance(m, (Attention, MLAttention)):
             if m.o_proj.bias is not None:
                 raise ValueError(f"tp={tp}: {s.name}'s attention output projection has a bias (not split by this "
                                  f"tensor parallelism); use tp=1")
@@ -231,14 +238,14 @@ def _localize(modules: list[nn.Module], mesh) -> None:
 def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
     """Split `model` (on the meta device, or built whole with the same weights on every rank) over the 1-D tp
     `mesh` and install the sequence-parallel hooks; returns the TensorParallel, also set as `model.tensor_parallel`."""
-    from launch.model import Attention, GatedDeltaNet
+    from launch.model import Attention, GatedDeltaNet, MLAttention
 
     check_model(model, mesh.size())
     tp = TensorParallel(mesh)
     _distribute(model, mesh)
     mixers, blocks, mlps = [], [], []
     for layer in model.layers:
-        mixer = next(m for m in layer.children() if isinstance(m, (Attention, GatedDeltaNet)))
+        mixer = next(m for m in layer.children() if isinstance(m, (Attention, MLAttention, GatedDeltaNet)))
         mixers.append(mixer)
         blocks += [m for m in layer.children() if m is not mixer]  # norms, the MoE / MLP
         mlps += [m for name, m in layer.named_children() if _is_dense_mlp("." + name, m)]

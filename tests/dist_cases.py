@@ -39,7 +39,8 @@ CASES = {
         # two stages of 3 and 1 layers, off-policy, sequence-mean
         ["pp2", 1, 1, 1, 1, "cp_off", "full", 1, 2, [3, 1]],
         ["pp2_v2", 1, 1, 1, 1, "cp", "full", 1, 2, [1, 1, 1, 1]],  # interleaved: 2 virtual stages a rank
-        ["dense_dp2", 2, 1, 1, 1, "dense"], ["max_over_ranks", "memory"]],
+        ["dense_dp2", 2, 1, 1, 1, "dense"], ["max_over_ranks", "memory"],
+        ["mla_cp2", 1, 1, 1, 2, "mla"], ["mla_tp2_ep2", 1, 2, 2, 1, "mla", "full", 2]],
     4: [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
         ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
         ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
@@ -47,7 +48,8 @@ CASES = {
         ["pp2_dp2_ep2", 2, 2, 1, 1, "base", "full", 1, 2],  # the split from the cost model
         ["pp2_dp2_ep2_keep1", 2, 2, 1, 1, "base", "keep1", 1, 2, [3, 1]],  # stage 0: layers 0-1 recomputed, not 2
         ["pp4", 1, 1, 1, 1, "cp", "full", 1, 4], ["pp2_cp2", 1, 1, 1, 2, "cp", "full", 1, 2],
-        ["dense_tp2_dp2", 2, 1, 1, 1, "dense", "full", 2]],
+        ["dense_tp2_dp2", 2, 1, 1, 1, "dense", "full", 2],
+        ["mla_cp2_tp2_ep4", 1, 4, 1, 2, "mla", "full", 2], ["mla_pp2_dp2_ep2", 2, 2, 1, 1, "mla", "full", 1, 2]],
     8: [["dp8", 8, 1, 1], ["dp8_ep8_k2", 8, 8, 2], ["cp2_dp4_ep4_k2", 4, 4, 2, 2, "cp_off"],
         ["tp2_dp4_ep8", 4, 8, 1, 1, "base", "full", 2], ["cp2_tp2_dp2_ep4", 2, 4, 2, 2, "cp_off", "full", 2],
         ["pp2_dp4_ep4", 4, 4, 1, 1, "base", "full", 1, 2], ["pp2_cp2_dp2", 2, 1, 1, 2, "cp", "full", 1, 2],
@@ -68,9 +70,29 @@ VARIANTS = {
                {"kl_coef": 0.1, "entropy_coef": 0.01, "aggregation": "seq_mean"}, True),
     # a dense model (Qwen3.5 dense: Gated DeltaNet and attention layers, a SwiGLU MLP in every layer)
     "dense": (64, (), {}, False),
+    # a DeepSeek-V3-style model (tiny_mla), on-policy with the KL term, micro-batches of up to 128 tokens (for CP),
+    # advantages offset as "cp"'s
+    "mla": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
 }
 # the model each variant trains (default: tiny-moe)
-VARIANT_SHAPES = {"dense": "tiny-dense"}
+VARIANT_SHAPES = {"dense": "tiny-dense", "mla": "tiny-mla"}
+
+
+def tiny_mla():
+    """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
+    experts in 4 groups (2 groups chosen, sigmoid scores, correction bias, scaling 2.5), a shared expert, YaRN
+    from 32 positions."""
+    from recipe.models import MLAShape, ModelShape, RopeScaling, SigmoidRouter
+
+    return ModelShape(name="tiny-mla", arch="deepseek_v3", hidden_size=64, num_layers=4, vocab_size=512,
+                      layer_types=("full_attention",) * 4, num_heads=4, num_kv_heads=4, head_dim=12, qk_norm=False,
+                      mla=MLAShape(q_lora_rank=24, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                   v_head_dim=8),
+                      num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=32, router_bias=True,
+                      sigmoid_router=SigmoidRouter(groups=4, topk_groups=2, scaling=2.5), first_dense_layers=1,
+                      dense_ffn=48, rope_theta=10000.0,
+                      rope_scaling=RopeScaling(kind="yarn", factor=4.0, original_max_position=32, mscale=1.0,
+                                               mscale_all_dim=1.0))
 # exp(A_log) per value head, so that the state entering a segment matters: with softplus(·) ≈ 1.3 a head keeps
 # e^{-0.5}..e^{-2.5} of its state over a 32-token segment (the initial A_log = log U(1, 16) forgets it within a few
 # tokens, and the combine would go untested)
@@ -85,6 +107,8 @@ def _shape(variant: str):
         return moe.model_copy(update=dict(name="tiny-dense", arch="qwen3_5", num_experts=1, top_k=1,
                                           shared_expert_ffn=0, shared_expert_gate=False,
                                           first_dense_layers=moe.num_layers, dense_ffn=48))
+    if VARIANT_SHAPES.get(variant) == "tiny-mla":
+        return tiny_mla()
     return PRESETS["tiny-moe"]
 
 
@@ -96,6 +120,10 @@ def _model(shape, variant: str):
     from launch.model import GatedDeltaNet, build_model
 
     model = build_model(shape, device=_RUN["device"], dtype=_RUN["dtype"], seed=1)
+    with torch.no_grad():  # a correction bias that steers the choice (it is zero at init)
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.linspace(-0.05, 0.05, b.numel(), device=b.device).roll(int(name.split(".")[1])))
     if VARIANTS[variant][3]:
         with torch.no_grad():
             for m in model.modules():

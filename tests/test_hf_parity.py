@@ -123,6 +123,14 @@ def test_logits_and_loss_match_transformers(arch, tmp_path):
 
     # export back: transformers reads our files and computes the same logits
     export_hf_checkpoint(ours, tmp_path / "ours")
+    if shape.sigmoid_router is not None:  # a bf16 export keeps the correction bias in fp32, bit for bit
+        from safetensors import safe_open
+
+        export_hf_checkpoint(ours, tmp_path / "bf16", dtype=torch.bfloat16)
+        f = safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt")
+        bias = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+        assert bias.dtype == torch.float32 and torch.equal(bias, ours.layers[1].mlp.gate.e_score_correction_bias)
+        assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
     back = type(hf).from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
     with torch.no_grad():
         err_back = (back(input_ids=ids).logits - out.logits).abs().max().item()

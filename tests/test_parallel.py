@@ -130,6 +130,24 @@ def test_tensor_parallel_layouts_equal_one_process(world2, world4, world, name):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("world, name", [(2, "mla_cp2"), (2, "mla_tp2_ep2"), (4, "mla_cp2_tp2_ep4"),
+                                         (4, "mla_pp2_dp2_ep2")])
+def test_deepseek_v3_layouts_equal_one_process(world2, world4, world, name):
+    """The DeepSeek-V3-style tiny model (dist_cases.tiny_mla: MLA with the q LoRA, YaRN, a dense first layer,
+    sigmoid group-limited routing with a non-zero correction bias, a shared expert) under cp=2, tp=2 × ep=2 (MLA's
+    per-head expansions split, its latents replicated), cp=2 × tp=2 × ep=4 and pp=2 × dp=2 × ep=2 equals one
+    process; under tp every parameter but the routed experts is a tp DTensor."""
+    r = {2: world2, 4: world4}[world][name]
+    _assert_equal_to_one_process(r)
+    if "tp2" in name:
+        import dist_cases
+        from launch.model import build_model
+
+        dense = sum(1 for n, _ in build_model(dist_cases.tiny_mla()).named_parameters() if ".mlp.experts." not in n)
+        assert r["tensor_parallel_params"] == dense
+
+
+@pytest.mark.dist
 def test_tensor_parallel_splits_every_dense_parameter_and_the_data_crosses_edges(world2, world4):
     """Every parameter but the routed experts is a tp DTensor, some micro-batch is padded to whole
     sequence-parallel rows, and some document runs across the edge between two tp ranks' rows."""
