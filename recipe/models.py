@@ -277,6 +277,16 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
                                      beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
             source="deepseek-ai/DeepSeek-V3 config.json",
         ),
+    "moonlight-16b": lambda: ModelShape(
+            name="moonlight-16b", arch="deepseek_v3", hidden_size=2048, num_layers=27, vocab_size=163840,
+            layer_types=("full_attention",) * 27, num_heads=16, num_kv_heads=16, head_dim=192, qk_norm=False,
+            mla=MLAShape(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                         v_head_dim=128),
+            num_experts=64, top_k=6, expert_ffn=1408, shared_expert_ffn=2 * 1408, router_bias=True,
+            sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=2.446),
+            first_dense_layers=1, dense_ffn=11264, rope_theta=50000.0, rms_norm_eps=1e-5, max_position=8192,
+            source="moonshotai/Moonlight-16B-A3B config.json",
+        ),
     "gpt-oss-120b": lambda: ModelShape(
             name="gpt-oss-120b", arch="gpt_oss", hidden_size=2880, num_layers=36, vocab_size=201088,
             layer_types=("sliding_attention", "full_attention") * 18, num_heads=64, num_kv_heads=8, head_dim=64,

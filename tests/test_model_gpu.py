@@ -352,3 +352,32 @@ def test_gqa_runs_inside_flash_attention_and_equals_repeated_heads(head_dim):
     q32, k32 = torch.randn(1, Hq, 64, 64, device="cuda"), torch.randn(1, Hkv, 64, 64, device="cuda")
     kk, _, gqa = sdpa_kv(q32, k32, k32)
     assert not gqa and kk.shape[1] == Hq and torch.equal(kk[:, 1], k32[:, 0])
+
+
+def test_mla_in_bf16_runs_in_flash_attention_and_matches_fp32():
+    """DeepSeek-V3's attention at its head sizes (q·k 192, v 128 zero-padded to 192) is what SDPA's flash kernel
+    takes; the tiny DeepSeek-V3-style model (tests/dist_cases.py: MLA, YaRN, sigmoid group-limited routing) in bf16
+    on the GPU follows fp32 in its hidden states and its parameters' gradients."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    import dist_cases
+    from launch.model import Packing, build_model
+
+    q, k, v = (torch.randn(1, 128, 1024, 192, device="cuda", dtype=torch.bfloat16) for _ in range(3))
+    assert torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, False))
+    shape = dist_cases.tiny_mla()
+    ids = torch.randint(0, shape.vocab_size, (2048,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    packing = Packing.from_lengths([700, 1348], device="cuda")
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_model(shape, device="cuda", dtype=dtype, seed=1)
+        assert model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
+        h = model(ids, packing)
+        (h.float().square().mean()).backward()
+        out[dtype] = (h.detach(), {n: p.grad for n, p in model.named_parameters()})
+    (h32, g32), (h16, g16) = out[torch.float32], out[torch.bfloat16]
+    assert _rel(h16, h32) < 2e-2
+    worst = max(_rel(g16[n], g) for n, g in g32.items() if g.norm() > 0)
+    assert worst < 6e-2, worst
