@@ -127,8 +127,21 @@ class ContextParallel:
                   scale: float) -> torch.Tensor:
         """Local queries [Tl, H, Dh] against the keys and values of the whole micro-batch (all-gathered), causal
         inside each document on global token indices. Returns [Tl, H, Dh]."""
+        return self._attend(q_THD, all_gather(torch.stack([k_THD, v_THD], 1), self.group), packing, scale)
+
+    def latent_attention(self, q_THD: torch.Tensor, latent_TC: torch.Tensor, expand, packing: Packing,
+                         scale: float) -> torch.Tensor:
+        """Multi-head latent attention's form of `attention`: what is all-gathered is each token's latent
+        [Tl, C] (MLA: the normed KV latent and the RoPE'd shared key, 576 values a token for DeepSeek-V3, where
+        its expanded K and V are 128 heads × 384), and `expand(latent [n, C]) -> (k, v)` [n, H, Dh] rebuilds the
+        whole micro-batch's keys and values on every rank (the expansion's gradient flows back through the
+        gather to each rank's own tokens)."""
+        k, v = expand(all_gather(latent_TC, self.group))
+        return self._attend(q_THD, torch.stack([k, v], 1), packing, scale)
+
+    def _attend(self, q_THD: torch.Tensor, kv: torch.Tensor, packing: Packing, scale: float) -> torch.Tensor:
+        """Local queries against the all-gathered kv [cp·Tl, 2, Hkv, Dh] (rank-major)."""
         shard = _shard_of(packing)
-        kv = all_gather(torch.stack([k_THD, v_THD], 1), self.group)  # [cp·Tl, 2, Hkv, Dh], rank-major
         key_index = self._key_index(shard, q_THD.device)
         if not q_THD.is_cuda and shard.num_tokens <= DENSE_MASK_MAX_TOKENS:
             qi, ki = shard.index, key_index

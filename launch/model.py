@@ -311,7 +311,9 @@ class MLAttention(nn.Module):
     k = [k_nope | rope(k_rope)], interleaved RoPE (apply_rope_interleaved). Attention runs as multi-head attention
     over the expanded keys (training processes every token, so the latent is never cached); v is zero-padded to
     q's head size Dn + Dr where that is larger (flash attention takes one head size; the padded output channels are
-    zero and dropped), so plain and context-parallel attention see equal head sizes."""
+    zero and dropped), so plain and context-parallel attention see equal head sizes. Under context parallelism the
+    cp ranks exchange the latent (normed latent and RoPE'd shared key), and each expands the whole micro-batch's
+    keys and values from it (`expand`)."""
 
     def __init__(self, s: ModelShape):
         super().__init__()
@@ -336,21 +338,27 @@ class MLAttention(nn.Module):
         T = x_TD.shape[0]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD))) if hasattr(self, "q_b_proj") else self.q_proj(x_TD)
         q = q.view(T, -1, self.qk_dim)  # [T, H, Dn + Dr]: heads from the width (tensor parallelism splits them)
-        latent, k_rope = self.kv_a_proj_with_mqa(x_TD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        kv = self.kv_b_proj(self.kv_a_layernorm(latent)).view(T, -1, self.nope_dim + self.v_dim)
-        k_nope, v = kv.split([self.nope_dim, self.v_dim], dim=-1)
-        heads = q.shape[1]
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         q = torch.cat([q_nope, apply_rope_interleaved(q_rope, *rope)], dim=-1)
-        k_rope = apply_rope_interleaved(k_rope.view(T, 1, self.rope_dim), *rope)
-        k = torch.cat([k_nope, k_rope.expand(T, heads, self.rope_dim)], dim=-1)
+        latent, k_rope = self.kv_a_proj_with_mqa(x_TD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_rope = apply_rope_interleaved(k_rope.view(T, 1, self.rope_dim), *rope).view(T, self.rope_dim)
+        latent = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)  # [T, C + Dr]: all a key needs
+        if _context_parallel(self, packing) is not None:  # the latent crosses the cp ranks, not K and V
+            o = self.context_parallel.latent_attention(q, latent, self.expand, packing, self.scale)
+        else:
+            o = causal_attention(q, *self.expand(latent), packing, self.scale)
+        return self.o_proj(o[..., : self.v_dim].reshape(T, -1))
+
+    def expand(self, latent_TC: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values [T, H, Dn + Dr] of tokens' latents [T, C + Dr]: kv_b_proj's per-head k_nope and v, the
+        shared RoPE key appended to every head's k, v zero-padded to the q·k head size."""
+        T = latent_TC.shape[0]
+        c, k_rope = latent_TC.split([self.kv_lora_rank, self.rope_dim], dim=-1)
+        k_nope, v = self.kv_b_proj(c).view(T, -1, self.nope_dim + self.v_dim).split([self.nope_dim, self.v_dim], -1)
+        k = torch.cat([k_nope, k_rope[:, None, :].expand(T, k_nope.shape[1], self.rope_dim)], dim=-1)
         if self.v_dim < self.qk_dim:
             v = F.pad(v, (0, self.qk_dim - self.v_dim))
-        if _context_parallel(self, packing) is not None:
-            o = self.context_parallel.attention(q, k, v, packing, self.scale)
-        else:
-            o = causal_attention(q, k, v, packing, self.scale)
-        return self.o_proj(o[..., : self.v_dim].reshape(T, -1))
+        return k, v
 
 
 class GatedDeltaNet(nn.Module):

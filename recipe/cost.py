@@ -211,15 +211,17 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
     with the output gate, its sigmoid and the gated output. GQA runs inside SDPA, so K/V stay at the KV heads'
     count."""
     nh, nkv = m.num_heads / tp, m.num_kv_heads / tp
-    if m.mla is not None:
+    if m.mla is not None:  # launch/model.py MLAttention
         a = m.mla
-        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
-        q = s * (a.q_lora_rank + nh * qk) * BF16
-        # the compressed latent is all-gathered at full length; K/V are decompressed one local block at a time
-        kv = (s * cp * (a.kv_lora_rank + a.qk_rope_head_dim)
-              + s * nh * (a.qk_nope_head_dim + a.v_head_dim)) * BF16
-        out = s * nh * a.v_head_dim * BF16
-        return q + kv + 2 * out + s * nh * FP32 + s * m.hidden_size * BF16
+        qk, w = a.qk_nope_head_dim + a.qk_rope_head_dim, attention_width(m)
+        # the q LoRA's projection and its normed copy; q as projected (kept by RoPE) and as SDPA takes it
+        q = s * (2 * a.q_lora_rank + 2 * nh * qk) * BF16
+        # the latent [c | k_rope] as projected and as kept for the expansion; under CP the whole micro-batch's
+        # latent is all-gathered and every rank expands all of its keys and values, v padded to the kernel's width
+        lat = a.kv_lora_rank + a.qk_rope_head_dim
+        kv = (s * lat * (2 + (cp if cp > 1 else 0)) + s * cp * nh * 2 * w) * BF16
+        out = s * nh * (w + a.v_head_dim) * BF16  # SDPA's output; its first v_head_dim channels as o_proj's input
+        return q + kv + out + s * nh * FP32 + s * m.hidden_size * BF16
     qw, kw = s * nh * m.head_dim * BF16, s * nkv * m.head_dim * BF16  # one q-sized, one k-sized tensor
     normed_in = s * m.hidden_size * BF16
     qk_norms = qw + kw + s * (nh + nkv) * FP32 if m.qk_norm else 0.0
@@ -712,7 +714,7 @@ def _stage_counts(m: ModelShape, stage: range) -> dict[str, int]:
 
 def attention_width(m: ModelShape) -> int:
     """The head width full attention's kernel runs at: the head size, or under MLA the wider of the query-key and
-    value widths."""
+    value widths (v is zero-padded to it: the flash kernel takes one head size)."""
     if m.mla is not None:
         return max(m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim)
     return m.head_dim
@@ -822,13 +824,20 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     kinds = [(again["moe"], ep_transfers(True)), (n["moe"] - again["moe"], ep_transfers(False))]
     t["ep_exposed"] = sum(k * ep_exposed_time(t_a2a, t_gemm, x, chunks) for k, x in kinds)
     comm["ep_all_to_all"] = sum(k * sum(x) for k, x in kinds) * ep_transfer_bytes(m, s, ep)
-    # CP: full attention all-gathers K/V (and reduce-scatters dK/dV); Gated DeltaNet passes its state
+    # CP: full attention all-gathers K/V (MLA its latent) and reduce-scatters their gradients; Gated DeltaNet passes
+    # its state
     t["cp"] = 0.0
     if cp > 1:
         bw = group_bw(hw, cp, tp, node)
         kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else 2 * m.num_kv_heads * m.head_dim / tp)
         cp_bytes = passes["attention"] * s * (cp - 1) * kv_tok * BF16
         t_combine = 0.0
+        if m.mla is not None:
+            # MLA all-gathers the latent, and each rank expands the other ranks' (cp − 1)·s tokens to keys and values
+            # too (kv_b_proj: forward, its backward's two GEMMs, and the recomputed forward)
+            a = m.mla
+            expand = 2 * a.kv_lora_rank * m.num_heads / tp * (a.qk_nope_head_dim + a.v_head_dim) * s * (cp - 1)
+            t_combine += (3 * n["attention"] + again["attention"]) * expand / r["dense_gemm"]
         if m.linear_attn is not None:
             # Gated DeltaNet, exact segment combine (docs/context_parallel.md): one delta-rule pass at value
             # width V + K gives each local segment's outputs and outgoing state as affine functions of its incoming
@@ -949,9 +958,10 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
             w["dense_gemm"] += 2 * _linear_attention_params(m)
             w["delta_rule"] += f["linear_attention"] / m.num_linear_attn_layers
         else:
-            qk = (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim) if m.mla else (m.head_dim,) * 2
+            # the kernel's work: under MLA v runs padded to the q·k width (launch/model.py MLAttention)
             w["dense_gemm"] += 2 * _full_attention_params(m)
-            w["attention"] += 2 * m.num_heads * sum(qk) * (full_ctx if kind == "full_attention" else slide_ctx)
+            w["attention"] += 2 * m.num_heads * 2 * attention_width(m) * (
+                full_ctx if kind == "full_attention" else slide_ctx)
         out.append(w)
     return out
 
