@@ -664,7 +664,7 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
     work = {
         **experts,
         "dense_gemm": layers * (f["matmul_layers"] - routed) * mult["dense_gemm"],
-        "attention": layers * f["attention"] * mult["attention"],
+        "attention": layers * f["attention"] * mult["attention"] * attention_kernel_work(m),
         "delta_rule": layers * f.get("linear_attention", 0.0) * mult["delta_rule"],
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
         "ep_dispatch": 0.0,
@@ -710,6 +710,15 @@ def _stage_counts(m: ModelShape, stage: range) -> dict[str, int]:
     dense = sum(1 for i in stage if i < m.first_dense_layers)
     return {"moe": len(stage) - dense, "dense": dense, "linear": kinds.count("linear_attention"),
             "attention": len(kinds) - kinds.count("linear_attention")}
+
+
+def attention_kernel_work(m: ModelShape) -> float:
+    """The attention kernel's work over the model's attention FLOPs: under MLA v runs zero-padded to the q·k width
+    (launch/model.py MLAttention), so P·V costs as much as Q·Kᵀ (DeepSeek-V3: 384 / 320)."""
+    if m.mla is None:
+        return 1.0
+    qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
+    return 2 * attention_width(m) / (qk + m.mla.v_head_dim)
 
 
 def attention_width(m: ModelShape) -> int:
