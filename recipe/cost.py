@@ -214,8 +214,9 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
     if m.mla is not None:  # launch/model.py MLAttention
         a = m.mla
         qk, w = a.qk_nope_head_dim + a.qk_rope_head_dim, attention_width(m)
-        # the q LoRA's projection and its normed copy; q as projected (kept by RoPE) and as SDPA takes it
-        q = s * (2 * a.q_lora_rank + 2 * nh * qk) * BF16
+        # the q LoRA's projection (kept by its norm) and its normed copy (by q_b_proj); q as SDPA takes it (RoPE's
+        # products keep only the constant cos and sin)
+        q = s * (2 * a.q_lora_rank + nh * qk) * BF16
         # the latent [c | k_rope] as projected and as kept for the expansion; under CP the whole micro-batch's
         # latent is all-gathered and every rank expands all of its keys and values, v padded to the kernel's width
         lat = a.kv_lora_rank + a.qk_rope_head_dim

@@ -703,3 +703,54 @@ def test_keep_layers_needs_recompute():
         TrainOptions(micro_batch_tokens=4096, recompute="none", keep_layers=2)
     with pytest.raises(ValueError, match="keep_layers must be a non-negative integer"):
         TrainOptions(micro_batch_tokens=4096, keep_layers=-1)
+
+
+def test_mla_working_set_is_what_its_forward_saves():
+    """attention_working_set for MLA equals the bytes MLAttention's forward keeps for its backward (distinct
+    storages the autograd graph saves, weights aside), with a stand-in for SDPA that keeps what the flash kernel
+    keeps (q, k, v, the output and its fp32 log-sum-exp), in bf16 at a small width with and without the q LoRA."""
+    import torch
+
+    import launch.model as lm
+    from recipe.cost import attention_working_set
+    from recipe.models import MLAShape, ModelShape
+
+    class Flash(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, q, k, v):
+            with torch.no_grad():
+                out = lm.F.scaled_dot_product_attention(*(x.transpose(0, 1) for x in (q, k, v)), is_causal=True)
+            out = out.transpose(0, 1).contiguous()
+            ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[1], q.shape[0]))  # lse [H, T] fp32
+            return out
+
+    for q_lora in (0, 96):
+        m = ModelShape(name="mla", arch="deepseek_v3", hidden_size=256, num_layers=1, vocab_size=64,
+                       layer_types=("full_attention",), num_heads=8, num_kv_heads=8, head_dim=48, qk_norm=False,
+                       mla=MLAShape(q_lora_rank=q_lora, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
+                                    v_head_dim=32), num_experts=4, top_k=2, expert_ffn=32)
+        attn = lm.MLAttention(m).to(torch.bfloat16)
+        T = 512
+        x = torch.randn(T, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
+        rope = lm.rope_cos_sin(torch.arange(T), m, torch.bfloat16)
+        weights = {p.untyped_storage().data_ptr() for p in attn.parameters()}
+        rope_ptrs = {t.untyped_storage().data_ptr() for t in rope}
+        saved = {}
+
+        def pack(t):
+            st = t.untyped_storage()
+            if st.data_ptr() not in weights | rope_ptrs:
+                saved[st.data_ptr()] = st.nbytes()
+            return t
+
+        orig = lm.causal_attention
+        lm.causal_attention = lambda q, k, v, packing, scale: Flash.apply(q, k, v)
+        try:
+            with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+                attn(x, rope, lm.Packing.from_lengths([T]))
+        finally:
+            lm.causal_attention = orig
+        want = attention_working_set(m, T, 1, 1)
+        # beyond the formula: the two norms' fp32 row scales (4 bytes a token each)
+        got = sum(saved.values()) - T * 4 * (2 if q_lora else 1)
+        assert abs(got / want - 1) < 0.01, (q_lora, got, want)
