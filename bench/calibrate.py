@@ -9,8 +9,8 @@ one-process group) at 8K to 64K tokens, so its fixed cost and its per-token cost
 are the ones the per-operation efficiencies are fit on; the 8-layer points are held out. Points that do not fit
 are recorded with their error, not dropped. `--grid holdout`: Qwen3-235B-A22B at 1 and 2 layers (another width),
 Qwen3-Next-80B-A3B at 2 layers (512 experts, top 10) and Mixtral-8x7B at 2 (8 wide experts), every point held out
-(merged into the committed grid beside the others). `--grid mla`: Moonlight-16B-A3B at 2 layers and DeepSeek-V3
-at 3 (multi-head latent attention, sigmoid routing), every point held out. `--grid partial`: partial recompute (the last `keep_layers` layers keep their activations) beside none and
+(merged into the committed grid beside the others). `--grid v3`: Moonlight-16B-A3B and GLM-4.5-Air at 2 layers and
+DeepSeek-V3 at 3 (multi-head latent attention, sigmoid routing), every point held out. `--grid partial`: partial recompute (the last `keep_layers` layers keep their activations) beside none and
 full on the same model and length, every partial point held out.
 
 Every (model, depth) group builds its model once and runs its points in order (recompute none first, then partial,
@@ -112,12 +112,14 @@ GRIDS = {
         ("qwen35-35b", 4, _pts([(("full", "fused", 2, True), [32 * K])]), 0),
         ("qwen35-35b", 4, _pts([(("none", "fused", 0, True), [32 * K])]), 0),
     ],
-    # DeepSeek-V3's blocks, every point held out: Moonlight-16B-A3B's first two layers (MLA without the q LoRA, a
-    # dense layer, then 64 sigmoid-routed experts of width 1,408, top 6, two shared) and DeepSeek-V3's first three
-    # (its dense layers: MLA with 128 heads and the q LoRA at hidden 7168, FFN 18,432); `--grid mla`, merged
-    "mla": [
+    # DeepSeek-V3's family, every point held out: Moonlight-16B-A3B's first two layers (MLA without the q LoRA, a
+    # dense layer, then 64 sigmoid-routed experts of width 1,408, top 6, two shared), DeepSeek-V3's first three (its
+    # dense layers: MLA with 128 heads and the q LoRA at hidden 7168, FFN 18,432) and GLM-4.5-Air's first two (96
+    # query heads over 8, half-rotary, q/k/v biases; 128 sigmoid-routed experts, top 8); `--grid v3`, merged
+    "v3": [
         ("moonlight-16b", 2, _pts([(("none", "fused"), [8 * K, 32 * K]),
                                    (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+        ("glm45-air", 2, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
         ("deepseek-v3", 3, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K])]), 0),
     ],
     "smoke": [
@@ -131,7 +133,7 @@ GRIDS = {
 FIT_MODELS = ("qwen35-35b", "qwen3-30b-a3b", "tiny-moe")  # the efficiencies are fit on their 2- and 4-layer points
 
 
-HELD_OUT_GRIDS = ("holdout", "partial", "mla")  # every point of these is held out, whatever its model and depth
+HELD_OUT_GRIDS = ("holdout", "partial", "v3")  # every point of these is held out, whatever its model and depth
 
 
 def role(model: str, layers: int, grid: str = "full") -> str:

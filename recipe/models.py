@@ -287,6 +287,14 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             first_dense_layers=1, dense_ffn=11264, rope_theta=50000.0, rms_norm_eps=1e-5, max_position=8192,
             source="moonshotai/Moonlight-16B-A3B config.json",
         ),
+    "glm45-air": lambda: ModelShape(
+            name="glm45-air", arch="glm4_moe", hidden_size=4096, num_layers=46, vocab_size=151552,
+            layer_types=("full_attention",) * 46, num_heads=96, num_kv_heads=8, head_dim=128, qk_norm=False,
+            attn_bias=True, partial_rotary_factor=0.5, num_experts=128, top_k=8, expert_ffn=1408,
+            shared_expert_ffn=1408, router_bias=True, sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.0),
+            first_dense_layers=1, dense_ffn=10944, rope_theta=1e6, rms_norm_eps=1e-5, max_position=131072,
+            mtp_layers=1, source="zai-org/GLM-4.5-Air config.json",
+        ),
     "gpt-oss-120b": lambda: ModelShape(
             name="gpt-oss-120b", arch="gpt_oss", hidden_size=2880, num_layers=36, vocab_size=201088,
             layer_types=("sliding_attention", "full_attention") * 18, num_heads=64, num_kv_heads=8, head_dim=64,

@@ -185,6 +185,29 @@ def test_hf_deepseek_v3_equals_preset(tmp_path):
     assert total_params(m) == total_params(PRESETS["deepseek-v3"])
 
 
+def test_hf_moonlight_and_glm45_air_equal_their_presets(tmp_path):
+    """The published config.json fields of Moonlight-16B-A3B (DeepSeek-V3's arch, no q LoRA, one expert group)
+    and GLM-4.5-Air read to the presets."""
+    moonlight = {"model_type": "deepseek_v3", "hidden_size": 2048, "intermediate_size": 11264, "kv_lora_rank": 512,
+                 "max_position_embeddings": 8192, "moe_intermediate_size": 1408, "n_group": 1,
+                 "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": True, "num_attention_heads": 16,
+                 "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
+                 "num_nextn_predict_layers": 0, "q_lora_rank": None, "qk_nope_head_dim": 128,
+                 "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_theta": 50000.0,
+                 "routed_scaling_factor": 2.446, "scoring_func": "sigmoid", "tie_word_embeddings": False,
+                 "topk_group": 1, "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 163840,
+                 "first_k_dense_replace": 1}
+    assert _same_shape(from_hf_config(_write(tmp_path, "Moonlight-16B-A3B", moonlight)), PRESETS["moonlight-16b"])
+    glm = {"model_type": "glm4_moe", "attention_bias": True, "first_k_dense_replace": 1, "head_dim": 128,
+           "hidden_size": 4096, "intermediate_size": 10944, "max_position_embeddings": 131072,
+           "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
+           "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8, "num_hidden_layers": 46,
+           "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5,
+           "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000, "routed_scaling_factor": 1.0,
+           "tie_word_embeddings": False, "topk_group": 1, "use_qk_norm": False, "vocab_size": 151552}
+    assert _same_shape(from_hf_config(_write(tmp_path, "GLM-4.5-Air", glm)), PRESETS["glm45-air"])
+
+
 def test_rope_scaling_and_routing_read_or_refused(tmp_path):
     """transformers' newer `rope_parameters` is read like the legacy `rope_scaling`; a scaling the core does not
     apply is named by trainable() in one line; DeepSeek-V2 (softmax routing) keeps no sigmoid router and is
