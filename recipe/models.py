@@ -630,7 +630,7 @@ def _from_hf_config(path: Path) -> ModelShape:
             dense_ffn=opt("intermediate_size", 0),
         )
         if model_type != "deepseek_v2":  # V2's softmax routing is planned only (launch/model.py says so)
-            fields["sigmoid_router"] = _sigmoid_router(cfg, opt, number)
+            fields["sigmoid_router"] = _sigmoid_router(cfg, model_type, opt, number)
     elif arch == "gpt_oss":
         window = cfg.get("sliding_window")
         fields.update(qk_norm=False, attn_bias=True, router_bias=True,
@@ -643,17 +643,23 @@ def _from_hf_config(path: Path) -> ModelShape:
         fields.update(qk_norm=opt_flag("use_qk_norm", False), attn_bias=opt_flag("attention_bias", False),
                       shared_expert_ffn=opt("n_shared_experts", 0) * fields["expert_ffn"], router_bias=True,
                       first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0,
-                      sigmoid_router=_sigmoid_router(cfg, opt, number))
+                      sigmoid_router=_sigmoid_router(cfg, model_type, opt, number))
     elif arch == "moe":
         _generic_moe(cfg, model_type, fields, n_layers, req, opt, opt_flag, count)
     return validate(ModelShape, fields, f"{path}: invalid model shape")
 
 
-def _sigmoid_router(cfg: dict, opt, number) -> dict:
-    """DeepSeek-V3 / GLM-4.5 router fields (n_group, topk_group, routed_scaling_factor)."""
-    scaling = cfg.get("routed_scaling_factor")
-    return dict(groups=opt("n_group", 1), topk_groups=opt("topk_group", 1),
-                scaling=1.0 if scaling is None else number(scaling, "routed_scaling_factor"))
+# transformers' defaults where a config leaves the router's fields out: (n_group, topk_group, routed_scaling_factor)
+_SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5), "glm4_moe": (1, 1, 1.0)}
+
+
+def _sigmoid_router(cfg: dict, model_type: str, opt, number) -> dict:
+    """DeepSeek-V3 / GLM-4.5 router fields (n_group, topk_group, routed_scaling_factor; absent ones at transformers'
+    defaults for the model type)."""
+    groups, topk_groups, scaling = _SIGMOID_ROUTER_DEFAULTS.get(model_type, (1, 1, 1.0))
+    given = cfg.get("routed_scaling_factor")
+    return dict(groups=opt("n_group", groups), topk_groups=opt("topk_group", topk_groups),
+                scaling=scaling if given is None else number(given, "routed_scaling_factor"))
 
 
 def _rope_scaling(cfg: dict, rope: dict, bad, number, count) -> dict | None:

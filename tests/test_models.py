@@ -185,27 +185,27 @@ def test_hf_deepseek_v3_equals_preset(tmp_path):
     assert total_params(m) == total_params(PRESETS["deepseek-v3"])
 
 
-def test_hf_moonlight_and_glm45_air_equal_their_presets(tmp_path):
-    """The published config.json fields of Moonlight-16B-A3B (DeepSeek-V3's arch, no q LoRA, one expert group)
-    and GLM-4.5-Air read to the presets."""
-    moonlight = {"model_type": "deepseek_v3", "hidden_size": 2048, "intermediate_size": 11264, "kv_lora_rank": 512,
-                 "max_position_embeddings": 8192, "moe_intermediate_size": 1408, "n_group": 1,
-                 "n_routed_experts": 64, "n_shared_experts": 2, "norm_topk_prob": True, "num_attention_heads": 16,
-                 "num_experts_per_tok": 6, "num_hidden_layers": 27, "num_key_value_heads": 16,
-                 "num_nextn_predict_layers": 0, "q_lora_rank": None, "qk_nope_head_dim": 128,
-                 "qk_rope_head_dim": 64, "rms_norm_eps": 1e-05, "rope_theta": 50000.0,
-                 "routed_scaling_factor": 2.446, "scoring_func": "sigmoid", "tie_word_embeddings": False,
-                 "topk_group": 1, "topk_method": "noaux_tc", "v_head_dim": 128, "vocab_size": 163840,
-                 "first_k_dense_replace": 1}
-    assert _same_shape(from_hf_config(_write(tmp_path, "Moonlight-16B-A3B", moonlight)), PRESETS["moonlight-16b"])
-    glm = {"model_type": "glm4_moe", "attention_bias": True, "first_k_dense_replace": 1, "head_dim": 128,
-           "hidden_size": 4096, "intermediate_size": 10944, "max_position_embeddings": 131072,
-           "moe_intermediate_size": 1408, "n_group": 1, "n_routed_experts": 128, "n_shared_experts": 1,
-           "norm_topk_prob": True, "num_attention_heads": 96, "num_experts_per_tok": 8, "num_hidden_layers": 46,
-           "num_key_value_heads": 8, "num_nextn_predict_layers": 1, "partial_rotary_factor": 0.5,
-           "rms_norm_eps": 1e-05, "rope_scaling": None, "rope_theta": 1000000, "routed_scaling_factor": 1.0,
-           "tie_word_embeddings": False, "topk_group": 1, "use_qk_norm": False, "vocab_size": 151552}
-    assert _same_shape(from_hf_config(_write(tmp_path, "GLM-4.5-Air", glm)), PRESETS["glm45-air"])
+@pytest.mark.parametrize("fixture, preset", [("moonlight-16b-a3b", "moonlight-16b"), ("glm-4.5-air", "glm45-air"),
+                                             ("deepseek-v3", "deepseek-v3")])
+def test_published_configs_read_to_the_trained_presets(fixture, preset):
+    """The published config.json fields (tests/fixtures/configs/, with the router's and RoPE scaling's) read to the
+    preset in every field but the name: what `recipe solve --model config.json` plans is what the preset plans,
+    and what `recipe launch` trains is the published network."""
+    assert _same_shape(from_hf_config(Path(__file__).parent / "fixtures" / "configs" / f"{fixture}.json"),
+                       PRESETS[preset])
+
+
+def test_sigmoid_router_fields_default_as_transformers_does(tmp_path):
+    """A DeepSeek-V3 config without n_group / topk_group / routed_scaling_factor reads transformers' defaults for
+    the type (8, 4, 2.5), a GLM-4.5 one GLM's (1, 1, 1.0)."""
+    ds = json.loads((Path(__file__).parent / "fixtures" / "configs" / "deepseek-v3.json").read_text())
+    for k in ("n_group", "topk_group", "routed_scaling_factor"):
+        del ds[k]
+    r = from_hf_config(_write(tmp_path, "ds", ds)).sigmoid_router
+    assert (r.groups, r.topk_groups, r.scaling) == (8, 4, 2.5)
+    glm = json.loads((Path(__file__).parent / "fixtures" / "configs" / "glm-4.5.json").read_text())
+    r = from_hf_config(_write(tmp_path, "glm", glm)).sigmoid_router
+    assert (r.groups, r.topk_groups, r.scaling) == (1, 1, 1.0)
 
 
 def test_rope_scaling_and_routing_read_or_refused(tmp_path):
