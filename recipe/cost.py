@@ -385,16 +385,21 @@ def overlap_efficiency(chunks: int) -> float:
 
 def default_ep_chunks(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions) -> int:
     """The chunk count of EP_CHUNK_COUNTS (chunks of at least EP_CHUNK_TOKENS local tokens) that costs the step least:
-    the all-to-all time chunked overlap leaves exposed against the chunk loop's fixed time per extra chunk
-    (docs/cost_model.md, section 4). 1 when ep = 1: nothing to overlap."""
+    the all-to-all time chunked overlap leaves exposed against the chunk loop's fixed time per extra chunk, over the
+    slowest stage's MoE layers, each recomputed or kept (docs/cost_model.md, section 4). 1 when ep = 1: nothing to
+    overlap."""
     if layout.ep <= 1:
         return 1
     s = opts.micro_batch_tokens / layout.cp
-    t_a2a, t_gemm, transfers = ep_layer_times(m, hw, world, layout, opts)
+    t_a2a, t_gemm, _ = ep_layer_times(m, hw, world, layout, opts)
     per_chunk = rates(hw)["ep_chunks"]
+    # the slowest stage's MoE layers, recomputed (5 transfers over 3 passes) and kept (4 over 2)
+    stage, _ = slowest_stage(m, layout.pp, opts, hw)
+    moe, again = _stage_counts(m, stage)["moe"], _stage_counts(m, recomputed_part(opts, stage))["moe"]
+    kinds = [(again, ep_transfers(True)), (moe - again, ep_transfers(False))]
 
     def cost(k: int) -> float:
-        return ep_exposed_time(t_a2a, t_gemm, transfers, k) + len(transfers) * (k - 1) * per_chunk
+        return sum(n * (ep_exposed_time(t_a2a, t_gemm, x, k) + len(x) * (k - 1) * per_chunk) for n, x in kinds)
 
     counts = [k for k in EP_CHUNK_COUNTS if k == 1 or s / k >= EP_CHUNK_TOKENS]
     return min(counts, key=lambda k: (cost(k), k))
