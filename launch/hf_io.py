@@ -10,7 +10,9 @@ file). Accepted key spellings, all mapped onto our parameter names (which are Hu
   writes) or fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); Mixtral's
   `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down);
 - Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba`, split into Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b,
-  in_proj_a (the same network: the rows are only reordered).
+  in_proj_a (the same network: the rows are only reordered);
+- block-quantized fp8 weights (DeepSeek-V3's and Kimi-K2's releases: float8_e4m3 with a `weight_scale_inv` per
+  128 × 128 block, `quantization_config.weight_block_size`), dequantized as they are read.
 
 Our Gated DeltaNet keeps in_proj_qkv's rows and conv1d's channels grouped per key head ([q | k | r value heads] × G,
 launch/model.py: a tensor-parallel shard is whole heads); both Hugging Face layouts keep [all q | all k | all v]
@@ -57,7 +59,47 @@ def _strip(key: str) -> str:
 
 _SAFETENSORS_DTYPES = {"F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
                        "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8,
-                       "U8": torch.uint8, "BOOL": torch.bool}
+                       "U8": torch.uint8, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                       "F8_E5M2": torch.float8_e5m2}
+_FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
+_SCALE = ".weight_scale_inv"  # an fp8 weight's per-block scales (DeepSeek-V3's, Kimi-K2's, MiniMax-M2's releases)
+
+
+def fp8_block_size(path: str | Path) -> tuple[int, int]:
+    """The [rows, columns] of one scale block of a block-quantized fp8 checkpoint: `quantization_config.
+    weight_block_size` of its config.json, 128 × 128 (every published fp8 release's) without one."""
+    path = Path(path)
+    cfg = (path if path.is_dir() else path.parent) / "config.json"
+    try:
+        q = json.loads(cfg.read_text()).get("quantization_config") or {}
+        block = q.get("weight_block_size") or (128, 128)
+        return int(block[0]), int(block[1])
+    except (OSError, ValueError, TypeError, IndexError, AttributeError):
+        return 128, 128
+
+
+def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
+    """An fp8 weight [O, I] times its scales [⌈O/bo⌉, ⌈I/bi⌉] (each covering one bo × bi block), in fp32."""
+    bo, bi = block
+    o, i = w.shape
+    s = scale_inv.float().repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
+    return w.float() * s
+
+
+def _dequantized(raw: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """`raw` with every block-quantized fp8 weight replaced by its fp32 value and its scales dropped (on the meta
+    device: the shape, as fp32)."""
+    out = {}
+    for key, t in raw.items():
+        if key.endswith(_SCALE):
+            continue
+        scale = raw.get(key[: -len(".weight")] + _SCALE) if key.endswith(".weight") else None
+        if scale is not None:
+            t = torch.empty(t.shape, device="meta") if t.is_meta else dequantize_fp8(t, scale, block)
+        elif t.dtype in _FP8:
+            raise ValueError(f"{key}: an fp8 tensor without its {_SCALE[1:]} (only block-quantized fp8 is read)")
+        out[key] = t
+    return out
 
 
 def _tensor_groups(path: str | Path, meta: bool):
@@ -180,9 +222,11 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
     if model.shape.tie_embeddings:
         ours.pop("lm_head.weight", None)
 
+    block = fp8_block_size(path)
+
     def converted(meta: bool):
         for raw in _tensor_groups(path, meta):
-            sd = hf_to_ours(raw, whole)
+            sd = hf_to_ours(_dequantized(raw, block), whole)
             if model.shape.tie_embeddings:
                 sd.pop("lm_head.weight", None)
             yield sd

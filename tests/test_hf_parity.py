@@ -189,3 +189,53 @@ def test_gradients_match_transformers(arch, tmp_path):
     for n, g in got.items():
         scale = want[n].abs().max().item()
         assert scale > 0 and (g - want[n]).abs().max().item() <= 1e-4 * scale + 1e-7, n
+
+
+def test_a_block_quantized_fp8_checkpoint_loads_dequantized(tmp_path):
+    """A DeepSeek-V3-style fp8 release (float8_e4m3 weights, a `weight_scale_inv` per block of
+    `quantization_config.weight_block_size`, here 8 × 8 with ragged edge blocks) loads to exactly the weights the
+    blocks' scales give (checked against a block reshape, not the loader's broadcast), each within fp8's rounding
+    of the original; an fp8 weight without its scales is refused in one line."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_model("deepseek_v3")
+    hf.save_pretrained(tmp_path / "hf")
+    sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    fp8, want = {}, {}
+    for k, w in sd.items():
+        quantize = w.dim() == 2 and ".layers." in k and "norm" not in k and not k.endswith("mlp.gate.weight")
+        if not quantize:
+            fp8[k] = want[k] = w
+            continue
+        o, i = w.shape
+        po, pi = -o % 8, -i % 8  # ragged edges: pad to whole blocks to find each block's max
+        blocks = torch.nn.functional.pad(w.float(), (0, pi, 0, po)).view((o + po) // 8, 8, (i + pi) // 8, 8)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0 + 1e-12
+        q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
+        fp8[k] = q.view(o + po, i + pi)[:o, :i].contiguous()
+        fp8[k[: -len(".weight")] + ".weight_scale_inv"] = scale
+        want[k] = (q.float() * scale[:, None, :, None]).view(o + po, i + pi)[:o, :i].contiguous()
+    (tmp_path / "fp8").mkdir()
+    save_file(fp8, str(tmp_path / "fp8" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [8, 8]}
+    (tmp_path / "fp8" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "want").mkdir()
+    save_file(want, str(tmp_path / "want" / "model.safetensors"))
+    shape = from_hf_config(tmp_path / "fp8" / "config.json")
+    a, b, orig = build_model(shape, seed=1), build_model(shape, seed=2), build_model(shape, seed=3)  # distinct
+    load_hf_checkpoint(a, tmp_path / "fp8")
+    load_hf_checkpoint(b, tmp_path / "want")
+    load_hf_checkpoint(orig, tmp_path / "hf")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    so = orig.state_dict()
+    for k in ("layers.1.self_attn.kv_b_proj.weight", "layers.2.mlp.experts.gate_up_proj", "layers.0.mlp.down_proj.weight"):
+        err = ((sa[k] - so[k]).norm() / so[k].norm()).item()
+        assert 0 < err < 0.05, (k, err)  # e4m3 keeps 3 mantissa bits: a few percent
+    del fp8["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"]
+    save_file(fp8, str(tmp_path / "fp8" / "model.safetensors"))
+    with pytest.raises(ValueError, match="kv_b_proj.weight: an fp8 tensor without its weight_scale_inv"):
+        load_hf_checkpoint(a, tmp_path / "fp8")
