@@ -216,7 +216,7 @@ def test_a_block_quantized_fp8_checkpoint_loads_dequantized(tmp_path):
         q = (blocks / scale[:, None, :, None]).to(torch.float8_e4m3fn)
         fp8[k] = q.view(o + po, i + pi)[:o, :i].contiguous()
         fp8[k[: -len(".weight")] + ".weight_scale_inv"] = scale
-        want[k] = (q.float() * scale[:, None, :, None]).view(o + po, i + pi)[:o, :i].contiguous()
+        want[k] = (q.float() * scale[:, None, :, None]).view(o + po, i + pi)[:o, :i].to(torch.bfloat16).contiguous()
     (tmp_path / "fp8").mkdir()
     save_file(fp8, str(tmp_path / "fp8" / "model.safetensors"))
     cfg = json.loads((tmp_path / "hf" / "config.json").read_text())
