@@ -24,18 +24,23 @@ from _rates_common import rate_args, write_rates  # noqa: E402
 
 CASES = ("qwen35-35b:8192,qwen35-35b:32768,qwen35-35b:131072,qwen3-30b-a3b:8192,qwen3-30b-a3b:32768,"
          "qwen3-30b-a3b:131072,qwen3-235b-a22b:8192,qwen3-235b-a22b:32768,qwen3-235b-a22b:131072")
+# MLA (Moonlight's 16 heads, DeepSeek-V3's 128, at q·k width 192 with v padded to it, as MLAttention runs) and GLM-4.5-
+# Air's 96 query heads over 8: `--cases` with V3_CASES
+V3_CASES = ("moonlight-16b:8192,moonlight-16b:32768,moonlight-16b:65536,deepseek-v3:8192,deepseek-v3:32768,"
+            "glm45-air:8192,glm45-air:32768,glm45-air:65536")
 
 
 def model_seconds(name: str, seq: int, hw: str) -> tuple[float, float]:
     """(FLOPs, seconds) the cost model gives one full-attention layer's quadratic term in one step under full
     recompute: 4 forward-equivalents of forward_flops_per_token's attention share for one layer."""
-    from recipe.cost import forward_flops_per_token, rates
+    from recipe.cost import attention_kernel_work, forward_flops_per_token, rates
     from recipe.hw import load_profile
     from recipe.models import resolve_model
 
     m = resolve_model(name)
     flops = 4 * seq * forward_flops_per_token(m, seq)["attention"] / m.num_full_attn_layers
-    return flops, flops / rates(load_profile(hw))["attention"]
+    # the kernel's work (MLA: v padded to the q·k width) at the rate for the model's head width, as compute_work
+    return flops, flops * attention_kernel_work(m) / rates(load_profile(hw), m)["attention"]
 
 
 def main() -> None:

@@ -306,7 +306,22 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: fl
         saved, before, after = moe_moments(m, s / tp)
         if saved >= dense_ffn_working_set(m, s, tp):  # the MoE block is the larger FFN kind (as layer_saved takes)
             ffn = max(before - expert_grad, after)
-    return mixer + ffn
+    # the FFN's backward runs first and frees its saved set; then attention's, which adds its gradients
+    attention = 0.0
+    if m.num_full_attn_layers or m.num_sliding_layers:
+        attention = attention_working_set(m, s, tp, cp) + attention_backward_bytes(m, s, tp, cp) + s / tp * FP32
+    return max(mixer + ffn, attention)
+
+
+def attention_backward_bytes(m: ModelShape, s: float, tp: int, cp: int) -> float:
+    """What the flash kernel's backward adds to attention's saved set: dq, and dk and dv of every key it attended
+    (s·cp of them under CP, at the KV heads' count), in bf16 at the kernel's head width; its fp32 accumulator of dq
+    and the fp32 row sums of dO·O. Small beside an MoE block's backward; at DeepSeek-V3's 128 heads of width 192
+    (its dense layers) it is the layer's peak: 6.4 GB at 32K tokens."""
+    nh = m.num_heads / tp
+    nkv = nh if m.mla is not None else m.num_kv_heads / tp
+    w = attention_width(m)
+    return s * nh * w * (BF16 + FP32) + 2 * s * cp * nkv * w * BF16 + s * nh * FP32
 
 
 def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
