@@ -144,8 +144,16 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
             return gated_delta_rule(qk[:, 0] * scale.to(dtype), qk[:, 1], v, decay, beta, batch.packing.positions,
                                     batch.packing.cu_seqlens, gdn.chunk_size, gdn.backend)
         measure("delta rule (kernel only)", wrap(delta), len(lin))
-    moe = layers[0].mlp
-    measure("moe (router+experts+shared)", wrap(lambda xin: moe(xin)), len(layers))
+    from launch.moe import MoE
+
+    moe_layers = [layer for layer in layers if isinstance(layer.mlp, MoE)]
+    dense = [layer for layer in layers if not isinstance(layer.mlp, MoE)]  # first_dense_layers (a SwiGLU MLP)
+    if dense:
+        mlp = dense[0].mlp
+        measure("dense mlp (SwiGLU)", wrap(lambda xin: mlp(xin)), len(dense))
+    moe = moe_layers[0].mlp if moe_layers else None
+    if moe is not None:
+        measure("moe (router+experts+shared)", wrap(lambda xin: moe(xin)), len(moe_layers))
 
     def experts_only(xin):
         # the two grouped GEMMs and the SwiGLU between them, under autograd (the same GEMMs the experts' backward
@@ -156,7 +164,8 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
         order, token, counts = permute(top_e, moe.num_experts)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
         return expert_ffn(xin[token], moe.experts.gate_up_proj, moe.experts.down_proj, counts.tolist(), offs)[1]
-    measure("routed experts (grouped GEMMs)", wrap(experts_only), len(layers))
+    if moe is not None:
+        measure("routed experts (grouped GEMMs)", wrap(experts_only), len(moe_layers))
     w = model.lm_head.weight
 
     def head(xin):

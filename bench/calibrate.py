@@ -119,8 +119,8 @@ GRIDS = {
     "v3": [
         ("moonlight-16b", 2, _pts([(("none", "fused"), [8 * K, 32 * K]),
                                    (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
-        ("glm45-air", 2, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
-        ("deepseek-v3", 3, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K])]), 0),
+        ("glm45-air", 2, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 32 * K),
+        ("deepseek-v3", 3, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K])]), 8 * K),
     ],
     "smoke": [
         ("tiny-moe", 2, _pts([(("none", "fused"), [256]), (("full", "fused"), [256, 512]),
