@@ -296,6 +296,7 @@ def preflight(plan_path: str | Path, opts: LaunchOptions, *, check_host: bool = 
     command goes into an sbatch script, which brings its own rendezvous."""
     check_options(opts)
     plan, hw, warnings = check_plan_file(plan_path)
+    check_trainable(plan, plan_path)
     if not slurm:
         check_rendezvous(plan, opts)
     if check_host:
@@ -588,6 +589,16 @@ def _writable(folder: Path) -> bool:
         return os.access(folder, os.W_OK | os.X_OK) and not os.statvfs(folder).f_flag & os.ST_RDONLY
     except OSError:
         return False
+
+
+def check_trainable(plan, plan_path) -> None:
+    """The training core builds the plan's model (recipe.models.trainable), said before any worker starts."""
+    from recipe.models import trainable
+
+    shape = _model_shape(plan, plan_path)
+    why = trainable(shape) if shape is not None else None
+    if why:
+        raise LaunchError(why)
 
 
 def _model_shape(plan, plan_path):

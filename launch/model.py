@@ -25,13 +25,8 @@ import torch.nn.functional as F
 from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
 from launch.gated_delta import gated_delta_rule
 from launch.moe import MoE, SwiGLU
-from recipe.models import ROPE_SCALINGS, ModelShape
+from recipe.models import ROPE_SCALINGS, ModelShape, trainable  # noqa: F401 - trainable: the core's refusal
 
-# what the training core builds: the Qwen3.5 / Qwen3-Next hybrids (MoE and dense), Qwen3-MoE, Mixtral (Qwen3-MoE's
-# block without q/k norms, top-k weights renormalized), DeepSeek-V3 (multi-head latent attention, sigmoid routing;
-# Kimi-K2 and Moonlight share it), GLM-4.5 (sigmoid routing, q/k/v biases, partial RoPE) and dense Llama-family
-# stacks (Llama, Qwen2, Qwen3, Mistral without a sliding window); `recipe solve` plans more (recipe/models.py)
-SUPPORTED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_5", "dense")
 # RMSNorm scales by (1 + w) in these (w stored zero-centred), by w elsewhere
 OFFSET_NORM_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
 
@@ -540,25 +535,6 @@ def assign_full(p: torch.Tensor, full: torch.Tensor) -> None:
         p.copy_(distribute_tensor(full.to(p.dtype), p.device_mesh, p.placements, src_data_rank=None))
     else:
         p.copy_(full)
-
-
-def trainable(shape: ModelShape) -> str | None:
-    """None when the training core can build `shape`; otherwise the one line saying why (the solver still plans
-    it)."""
-    if shape.arch not in SUPPORTED_ARCHS:
-        return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
-                f"trains {', '.join(SUPPORTED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Mixtral, DeepSeek-V3 "
-                f"(Kimi-K2, Moonlight), GLM-4.5 and dense Llama/Qwen/Mistral stacks; not gpt-oss, Llama 4, "
-                f"ERNIE-4.5, OLMoE, Granite or Qwen2-MoE)")
-    sc = shape.rope_scaling
-    unsupported = [what for what, present in (
-        ("sliding-window attention", bool(shape.sliding_window)),
-        ("DeepSeek-V2's softmax routing", shape.arch == "deepseek_v3" and shape.sigmoid_router is None),
-        (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and sc.kind not in ROPE_SCALINGS))
-                   if present]
-    if unsupported:
-        return f"{shape.name}: {' and '.join(unsupported)} is planned by `recipe solve` but not trained by this core"
-    return None
 
 
 def build_model(shape: ModelShape, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

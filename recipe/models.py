@@ -115,6 +115,32 @@ class RopeScaling(Record):
             raise ValueError(f"{self.kind} rope scaling needs original_max_position_embeddings")
 
 
+# what the training core (launch/) builds: the Qwen3.5 / Qwen3-Next hybrids (MoE and dense), Qwen3-MoE, Mixtral
+# (Qwen3-MoE's block without q/k norms, top-k weights renormalized), DeepSeek-V3 (multi-head latent attention, sigmoid
+# routing; Kimi-K2 and Moonlight share it), GLM-4.5 (sigmoid routing, q/k/v biases, partial RoPE) and dense
+# Llama-family stacks (Llama, Qwen2, Qwen3, Mistral without a sliding window); `recipe solve` plans every arch
+TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_5", "dense")
+
+
+def trainable(shape: "ModelShape") -> str | None:
+    """None when the training core can build `shape`; otherwise the one line saying why (the solver still plans
+    it): `recipe launch` checks it before any worker starts, `recipe models` shows it."""
+    if shape.arch not in TRAINED_ARCHS:
+        return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
+                f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Mixtral, DeepSeek-V3 "
+                f"(Kimi-K2, Moonlight), GLM-4.5 and dense Llama/Qwen/Mistral stacks; not gpt-oss, Llama 4, "
+                f"ERNIE-4.5, OLMoE, Granite or Qwen2-MoE)")
+    sc = shape.rope_scaling
+    unsupported = [what for what, present in (
+        ("sliding-window attention", bool(shape.sliding_window)),
+        ("DeepSeek-V2's softmax routing", shape.arch == "deepseek_v3" and shape.sigmoid_router is None),
+        (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and sc.kind not in ROPE_SCALINGS))
+                   if present]
+    if unsupported:
+        return f"{shape.name}: {' and '.join(unsupported)} is planned by `recipe solve` but not trained by this core"
+    return None
+
+
 def _positive(rec, names, strict: bool = True) -> None:
     for n in names:
         v = getattr(rec, n)

@@ -10,7 +10,7 @@ from rich.text import Text
 
 from .cost import Estimate
 from .hw import HwProfile
-from .models import ModelShape, active_params, param_counts, total_params
+from .models import ModelShape, active_params, param_counts, total_params, trainable
 from .planfile import format_size
 from .margin import describe, free_str, margin_of
 from .solver import Solution
@@ -194,12 +194,14 @@ def hw_table(profiles: list[HwProfile]) -> Table:
 
 def models_table(models: list[ModelShape]) -> Table:
     t = Table(show_header=True, header_style="bold")
-    for c in ("model", "layers", "hidden", "experts (top-k)", "vocab", "total", "active", "routed experts"):
-        t.add_column(c, justify="left" if c == "model" else "right")
+    for c in ("model", "layers", "hidden", "experts (top-k)", "vocab", "total", "active", "routed experts",
+              "launch"):
+        t.add_column(c, justify="left" if c in ("model", "launch") else "right")
     for m in models:
         tot = total_params(m)
         t.add_row(m.name, str(m.num_layers), str(m.hidden_size), f"{m.num_experts} ({m.top_k})", f"{m.vocab_size:,}",
-                  _count(tot), _count(active_params(m)), f"{100 * param_counts(m)['routed_experts'] / tot:.0f}%")
+                  _count(tot), _count(active_params(m)), f"{100 * param_counts(m)['routed_experts'] / tot:.0f}%",
+                  "trains" if trainable(m) is None else "plans only")
     return t
 
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from ._data import plain
 from .hw import HwProfile
-from .models import ModelShape, active_params, mtp_params, param_counts, total_params
+from .models import ModelShape, active_params, mtp_params, param_counts, total_params, trainable
 
 
 def _estimate(e) -> dict:
@@ -65,7 +65,7 @@ def model_data(m: ModelShape, groups: bool = False) -> dict:
     data = {"name": m.name, "arch": m.arch, "layers": m.num_layers, "hidden_size": m.hidden_size,
             "experts": m.num_experts, "top_k": m.top_k, "vocab_size": m.vocab_size, "total_params": tot,
             "active_params": active_params(m), "routed_experts_share": counts["routed_experts"] / tot,
-            "source": m.source}
+            "trained": trainable(m) is None, "source": m.source}
     if groups:
         data["params_by_group"] = counts
         data["mtp_params"] = mtp_params(m)

@@ -284,6 +284,16 @@ def test_a_plan_that_fails_validation(tmp_path, no_launch):
     one_line_error(launch(str(tmp_path), "--dry-run"), "is a directory", code=2)
 
 
+def test_a_plan_of_a_model_the_core_does_not_train_is_refused_before_any_worker(tmp_path, no_launch):
+    """gpt-oss is planned, not trained: the launch says so in one line (recipe.models.trainable) and starts nothing;
+    DeepSeek-V3's plan passes that check (and stops at the rendezvous it needs)."""
+    plans = CPU_PLAN.parent
+    one_line_error(launch(str(plans / "gpt-oss-120b_h100_32k.yaml"), "--dry-run"),
+                   "gpt-oss-120b: arch 'gpt_oss' is planned by `recipe solve` but not trained", code=2)
+    r = launch(str(plans / "deepseek-v3_h100_32k.yaml"), "--dry-run")
+    assert "not trained" not in r.output and "--rdzv-endpoint" in r.output
+
+
 def test_a_drifted_plan_warns_in_one_line_and_still_launches(tmp_path, no_launch):
     drifted = tmp_path / "drifted.yaml"
     drifted.write_text(CPU_PLAN.read_text().replace("step_time_s: ", "step_time_s: 1"))
