@@ -39,8 +39,7 @@ def model_seconds(name: str, seq: int, hw: str) -> tuple[float, float]:
 
     m = resolve_model(name)
     flops = 4 * seq * forward_flops_per_token(m, seq)["attention"] / m.num_full_attn_layers
-    # the kernel's work as the padded path does it (MLA: v padded to the q·k width; this bench times that path) at
-    # the rate for the model's head width
+    # the kernel's work (MLA: v padded to the q·k width) at the rate for the model's head width, as compute_work
     return flops, flops * attention_kernel_work(m) / rates(load_profile(hw), m)["attention"]
 
 

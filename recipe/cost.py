@@ -685,7 +685,7 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
     work = {
         **experts,
         "dense_gemm": layers * (f["matmul_layers"] - routed) * mult["dense_gemm"],
-        "attention": layers * f["attention"] * mult["attention"] * attention_kernel_work(m, hw, layout.cp),
+        "attention": layers * f["attention"] * mult["attention"] * attention_kernel_work(m),
         "delta_rule": layers * f.get("linear_attention", 0.0) * mult["delta_rule"],
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
         "ep_dispatch": 0.0,
@@ -733,11 +733,10 @@ def _stage_counts(m: ModelShape, stage: range) -> dict[str, int]:
             "attention": len(kinds) - kinds.count("linear_attention")}
 
 
-def attention_kernel_work(m: ModelShape, hw: HwProfile | None = None, cp: int = 1) -> float:
-    """The attention kernel's work over the model's attention FLOPs. Under MLA (launch/model.py MLAttention) v runs
-    zero-padded to the q·k width, so P·V costs as much as Q·Kᵀ (DeepSeek-V3: 384 / 320), except without CP on an
-    NVIDIA GPU, where cuDNN's kernel takes v at its own width (1)."""
-    if m.mla is None or (hw is not None and hw.vendor == "nvidia" and cp == 1):
+def attention_kernel_work(m: ModelShape) -> float:
+    """The attention kernel's work over the model's attention FLOPs: under MLA v runs zero-padded to the q·k width
+    (launch/model.py MLAttention), so P·V costs as much as Q·Kᵀ (DeepSeek-V3: 384 / 320)."""
+    if m.mla is None:
         return 1.0
     qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
     return 2 * attention_width(m) / (qk + m.mla.v_head_dim)
