@@ -355,10 +355,10 @@ def test_gqa_runs_inside_flash_attention_and_equals_repeated_heads(head_dim):
 
 
 def test_mla_in_bf16_runs_in_flash_attention_and_matches_fp32():
-    """DeepSeek-V3's attention at its head sizes is what SDPA's cuDNN kernel takes with v at its width (128), and the
-    flash kernel with v zero-padded to 192 (the CP path); the tiny DeepSeek-V3-style model (tests/dist_cases.py: MLA, YaRN, sigmoid group-limited routing) in bf16
-    on the GPU (cuDNN's kernel) follows fp32 (padded, no cuDNN) in its hidden states, and with every layer dense (no
-    routing choice to flip between the dtypes) in every parameter's gradient too."""
+    """DeepSeek-V3's attention at its head sizes (q·k 192, v 128 zero-padded to 192) is what SDPA's flash kernel
+    takes; the tiny DeepSeek-V3-style model (tests/dist_cases.py: MLA, YaRN, sigmoid group-limited routing) in bf16
+    on the GPU follows fp32 in its hidden states, and with every layer dense (no routing choice to flip between
+    the dtypes) in every parameter's gradient too."""
     import sys
     from pathlib import Path
 
@@ -366,12 +366,8 @@ def test_mla_in_bf16_runs_in_flash_attention_and_matches_fp32():
     import dist_cases
     from launch.model import Packing, build_model
 
-    from launch.model import cudnn_takes
-
     q, k, v = (torch.randn(1, 128, 1024, 192, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     assert torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, False))
-    # the whole-sequence path's kernel: cuDNN with v at its own width (128)
-    assert cudnn_takes(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0, :, :, :128].transpose(0, 1))
     ids = torch.randint(0, 512, (2048,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     packing = Packing.from_lengths([700, 1348], device="cuda")
     moe = dist_cases.tiny_mla()
