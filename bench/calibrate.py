@@ -10,15 +10,16 @@ are the ones the per-operation efficiencies are fit on; the 8-layer points are h
 are recorded with their error, not dropped. `--grid holdout`: Qwen3-235B-A22B at 1 and 2 layers (another width),
 Qwen3-Next-80B-A3B at 2 layers (512 experts, top 10) and Mixtral-8x7B at 2 (8 wide experts), every point held out
 (merged into the committed grid beside the others). `--grid v3`: Moonlight-16B-A3B and GLM-4.5-Air at 2 layers and
-DeepSeek-V3 at 3 (multi-head latent attention, sigmoid routing), every point held out. `--grid partial`: partial recompute (the last `keep_layers` layers keep their activations) beside none and
-full on the same model and length, every partial point held out.
+DeepSeek-V3 at 3 (multi-head latent attention, sigmoid routing), every point held out. `--grid partial`: partial
+recompute (the last `keep_layers` layers keep their activations) beside none and full on the same model and length,
+every partial point held out.
 
 Every (model, depth) group builds its model once and runs its points in order (recompute none first, then partial,
 then full: recompute wraps the layers for good); each point empties the allocator's cache, runs one warm-up step,
 then times `--steps` steps (the median is the step time) with the peak statistics reset after the warm-up, and the
 CUDA stack limit set back after it as `recipe launch` does (kernel tuning raises it). Per group at one length it also
-times the step's components alone (bench_train_step.profile_components). A table is printed as it goes and the JSON rewritten after
-every point, so a partial run is still a usable grid.
+times the step's components alone (bench_train_step.profile_components). A table is printed as it goes and the JSON
+rewritten after every point, so a partial run is still a usable grid.
 
     python bench/calibrate.py --out h200.json --commit $(git rev-parse --short HEAD)         # on the GPU
     python bench/calibrate.py --grid smoke --device cpu --out /tmp/cal.json                  # CPU smoke (tiny-moe)

@@ -95,9 +95,10 @@ def _dequantized(raw: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[s
     for key, t in raw.items():
         if key.endswith(_SCALE):
             continue
-        scale = raw.get(key[: -len(".weight")] + _SCALE) if key.endswith(".weight") else None
+        scale = raw.get(key + "_scale_inv")  # `x.weight` → `x.weight_scale_inv`
         if scale is not None:
-            t = torch.empty(t.shape, dtype=torch.bfloat16, device="meta") if t.is_meta else dequantize_fp8(t, scale, block)
+            t = (torch.empty(t.shape, dtype=torch.bfloat16, device="meta") if t.is_meta
+                 else dequantize_fp8(t, scale, block))
         elif t.dtype in _FP8:
             raise ValueError(f"{key}: an fp8 tensor without its {_SCALE[1:]} (only block-quantized fp8 is read)")
         out[key] = t
@@ -116,7 +117,7 @@ def _tensor_groups(path: str | Path, meta: bool):
         for key in h.keys():
             if _SKIP.match(key):
                 continue
-            hit = re.match(r"layers\.(\d+)\.", _strip(key))
+            hit = _LAYER.match(_strip(key))
             groups.setdefault(int(hit.group(1)) if hit else -1, []).append((h, key))
     for g in sorted(groups, key=lambda i: (i < 0, i)):
         if meta:

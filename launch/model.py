@@ -25,7 +25,7 @@ import torch.nn.functional as F
 from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
 from launch.gated_delta import gated_delta_rule
 from launch.moe import MoE, SwiGLU
-from recipe.models import ROPE_SCALINGS, ModelShape, trainable  # noqa: F401 - trainable: the core's refusal
+from recipe.models import ROPE_SCALINGS, ModelShape, trainable
 
 # RMSNorm scales by (1 + w) in these (w stored zero-centred), by w elsewhere
 OFFSET_NORM_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
@@ -354,6 +354,9 @@ class MLAttention(nn.Module):
         if self.v_dim < self.qk_dim:
             v = F.pad(v, (0, self.qk_dim - self.v_dim))
         return k, v
+
+
+ATTENTION_MIXERS = (Attention, MLAttention)  # full attention's two forms: what CP and TP install on and split
 
 
 class GatedDeltaNet(nn.Module):

@@ -258,7 +258,7 @@ def _apply_expert_parallel(model: nn.Module, meshes: Meshes, num_chunks: int) ->
 
 def _apply_context_parallel(model: nn.Module, meshes: Meshes) -> None:
     from launch.context_parallel import ContextParallel
-    from launch.model import Attention, GatedDeltaNet, MLAttention
+    from launch.model import ATTENTION_MIXERS, GatedDeltaNet
 
     gdn = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
     chunk = max((m.chunk_size for m in gdn), default=1)
@@ -266,7 +266,7 @@ def _apply_context_parallel(model: nn.Module, meshes: Meshes) -> None:
     cp = ContextParallel(meshes.cp_group, chunk=chunk, conv_halo=halo)
     model.context_parallel = cp
     for m in model.modules():
-        if isinstance(m, (Attention, MLAttention, GatedDeltaNet)):
+        if isinstance(m, (*ATTENTION_MIXERS, GatedDeltaNet)):
             m.context_parallel = cp
 
 

@@ -171,14 +171,14 @@ def _is_dense_mlp(name: str, module: nn.Module) -> bool:
 
 def check_model(model: nn.Module, tp: int) -> None:
     """One line for a model this tensor parallelism cannot split exactly."""
-    from launch.model import Attention, GatedDeltaNet, MLAttention
+    from launch.model import ATTENTION_MIXERS, GatedDeltaNet
 
     s = model.shape
     if s.tie_embeddings:
         raise ValueError(f"tp={tp}: {s.name} ties its embedding to the LM head, which this tensor parallelism does "
                          f"not split; use tp=1")
     for m in model.modules():
-        if isinstance(m, (Attention, MLAttention)):
+        if isinstance(m, ATTENTION_MIXERS):
             if m.o_proj.bias is not None:
                 raise ValueError(f"tp={tp}: {s.name}'s attention output projection has a bias (not split by this "
                                  f"tensor parallelism); use tp=1")
@@ -238,14 +238,14 @@ def _localize(modules: list[nn.Module], mesh) -> None:
 def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
     """Split `model` (on the meta device, or built whole with the same weights on every rank) over the 1-D tp
     `mesh` and install the sequence-parallel hooks; returns the TensorParallel, also set as `model.tensor_parallel`."""
-    from launch.model import Attention, GatedDeltaNet, MLAttention
+    from launch.model import ATTENTION_MIXERS, GatedDeltaNet
 
     check_model(model, mesh.size())
     tp = TensorParallel(mesh)
     _distribute(model, mesh)
     mixers, blocks, mlps = [], [], []
     for layer in model.layers:
-        mixer = next(m for m in layer.children() if isinstance(m, (Attention, MLAttention, GatedDeltaNet)))
+        mixer = next(m for m in layer.children() if isinstance(m, (*ATTENTION_MIXERS, GatedDeltaNet)))
         mixers.append(mixer)
         blocks += [m for m in layer.children() if m is not mixer]  # norms, the MoE / MLP
         mlps += [m for name, m in layer.named_children() if _is_dense_mlp("." + name, m)]

@@ -988,10 +988,10 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
             w["dense_gemm"] += 2 * _linear_attention_params(m)
             w["delta_rule"] += f["linear_attention"] / m.num_linear_attn_layers
         else:
-            # the kernel's work: under MLA v runs padded to the q·k width (launch/model.py MLAttention)
+            qk = (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim) if m.mla else (m.head_dim,) * 2
             w["dense_gemm"] += 2 * _full_attention_params(m)
-            w["attention"] += 2 * m.num_heads * 2 * attention_width(m) * (
-                full_ctx if kind == "full_attention" else slide_ctx)
+            w["attention"] += (2 * m.num_heads * sum(qk) * attention_kernel_work(m)  # the kernel's work (MLA: padded)
+                               * (full_ctx if kind == "full_attention" else slide_ctx))
         out.append(w)
     return out
 

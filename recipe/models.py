@@ -317,7 +317,8 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             name="glm45-air", arch="glm4_moe", hidden_size=4096, num_layers=46, vocab_size=151552,
             layer_types=("full_attention",) * 46, num_heads=96, num_kv_heads=8, head_dim=128, qk_norm=False,
             attn_bias=True, partial_rotary_factor=0.5, num_experts=128, top_k=8, expert_ffn=1408,
-            shared_expert_ffn=1408, router_bias=True, sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.0),
+            shared_expert_ffn=1408, router_bias=True,
+            sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.0),
             first_dense_layers=1, dense_ffn=10944, rope_theta=1e6, rms_norm_eps=1e-5, max_position=131072,
             mtp_layers=1, source="zai-org/GLM-4.5-Air config.json",
         ),
@@ -655,7 +656,7 @@ def _from_hf_config(path: Path) -> ModelShape:
             first_dense_layers=opt("first_k_dense_replace", 0),
             dense_ffn=opt("intermediate_size", 0),
         )
-        if model_type != "deepseek_v2":  # V2's softmax routing is planned only (launch/model.py says so)
+        if model_type != "deepseek_v2":  # V2's softmax routing is planned only (`trainable` says so)
             fields["sigmoid_router"] = _sigmoid_router(cfg, model_type, opt, number)
     elif arch == "gpt_oss":
         window = cfg.get("sliding_window")
@@ -702,12 +703,10 @@ def _rope_scaling(cfg: dict, rope: dict, bad, number, count) -> dict | None:
     if kind == "default":
         return None
     out: dict = {"kind": kind}
-    for ours, theirs in (("factor", "factor"), ("beta_fast", "beta_fast"), ("beta_slow", "beta_slow"),
-                         ("mscale", "mscale"), ("mscale_all_dim", "mscale_all_dim"),
-                         ("attention_factor", "attention_factor"), ("low_freq_factor", "low_freq_factor"),
-                         ("high_freq_factor", "high_freq_factor")):
-        if src.get(theirs) is not None:
-            out[ours] = number(src[theirs], f"{key}.{theirs}")
+    for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "low_freq_factor",
+                 "high_freq_factor"):  # the same names as RopeScaling's
+        if src.get(name) is not None:
+            out[name] = number(src[name], f"{key}.{name}")
     if src.get("original_max_position_embeddings") is not None:
         out["original_max_position"] = count(src["original_max_position_embeddings"],
                                              f"{key}.original_max_position_embeddings")

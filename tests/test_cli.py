@@ -115,7 +115,8 @@ def test_recompute_auto_keeps_layers_and_the_plan_runs_them(tmp_path):
     assert plan.train_options().keep_layers == 23 and plan.layout.cp == 2
     assert run("check", str(out)).exit_code == 0
     bad = tmp_path / "bad.yaml"
-    bad.write_text(out.read_text().replace("  recompute: full\n  keep_layers: 23", "  recompute: none\n  keep_layers: 23"))
+    bad.write_text(out.read_text().replace("  recompute: full\n  keep_layers: 23",
+                                           "  recompute: none\n  keep_layers: 23"))
     r = run("check", str(bad))
     assert r.exit_code != 0 and "train.keep_layers = 23 needs train.recompute: full" in r.output
     # a plan solved without auto has no such field

@@ -232,7 +232,8 @@ def test_a_block_quantized_fp8_checkpoint_loads_dequantized(tmp_path):
     sa, sb = a.state_dict(), b.state_dict()
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
     so = orig.state_dict()
-    for k in ("layers.1.self_attn.kv_b_proj.weight", "layers.2.mlp.experts.gate_up_proj", "layers.0.mlp.down_proj.weight"):
+    for k in ("layers.1.self_attn.kv_b_proj.weight", "layers.2.mlp.experts.gate_up_proj",
+              "layers.0.mlp.down_proj.weight"):
         err = ((sa[k] - so[k]).norm() / so[k].norm()).item()
         assert 0 < err < 0.05, (k, err)  # e4m3 keeps 3 mantissa bits: a few percent
     del fp8["model.layers.1.self_attn.kv_b_proj.weight_scale_inv"]

@@ -289,7 +289,7 @@ def test_recompute_on_and_off_give_equal_gradients():
 
 
 def test_unsupported_shapes_fail_loudly():
-    from launch.model import trainable
+    from recipe.models import trainable
 
     assert trainable(PRESETS["mixtral-8x7b"]) is None  # trained (tests/test_hf_parity.py holds it to transformers)
     meta = build_model(PRESETS["mixtral-8x7b"].with_layers(1), device="meta")

@@ -212,7 +212,7 @@ def test_rope_scaling_and_routing_read_or_refused(tmp_path):
     """transformers' newer `rope_parameters` is read like the legacy `rope_scaling`; a scaling the core does not
     apply is named by trainable() in one line; DeepSeek-V2 (softmax routing) keeps no sigmoid router and is
     refused for training, as are malformed fields for every command."""
-    from launch.model import trainable
+    from recipe.models import trainable
 
     llama = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128,
              "num_attention_heads": 4, "intermediate_size": 96,
