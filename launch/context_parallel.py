@@ -31,10 +31,14 @@ import torch.nn.functional as F
 
 from kernels.gdn_fused import causal_conv1d_silu
 from launch.gated_delta import chunk_factors, fla_status, fold_state_maps, segment_pass, with_incoming_states
+from launch.attention_parts import prefix_square_attention, split_kernel
 from launch.model import Packing, sdpa_kv
 
 # CPU attention materializes the [Tl, T] mask up to this many key tokens (as launch/model.py's causal_attention)
 DENSE_MASK_MAX_TOKENS = 4096
+# a piece whose document starts before it runs as prefix + square merged (launch/attention_parts.py) where a kernel
+# takes them; False: one lower-right causal SDPA call, the fallback (tests run both)
+SPLIT_PIECES = True
 
 
 @dataclass(frozen=True)
@@ -213,15 +217,23 @@ def _shard_of(packing: Packing) -> ContextShard:
 
 
 def _attention_by_piece(q_THD, kv_T2HD, shard: ContextShard, scale: float) -> torch.Tensor:
-    """One SDPA call per local document piece: its queries [a, b) against the document's keys [start, b),
-    lower-right causal (keys in global order); GQA inside SDPA where it can run there (`sdpa_kv`), so the backward
-    keeps the piece's K/V at the KV heads' count."""
+    """Per local document piece, its queries [a, b) against the document's keys [start, b) (keys in global order):
+    where the document starts before the piece, its prefix keys and its own square as two kernel calls merged
+    exactly (launch/attention_parts.py: cuDNN on a GPU that takes them), else one SDPA call, lower-right causal;
+    GQA inside the kernel where it runs there (`sdpa_kv`), so the backward keeps the piece's K/V at the KV heads'
+    count."""
     from torch.nn.attention.bias import causal_lower_right
 
     outs = []
     for local, n, a, start in shard.pieces:
         q, k, v = (x.transpose(0, 1)[None] for x in (q_THD[local:local + n], kv_T2HD[start:a + n, 0],
                                                        kv_T2HD[start:a + n, 1]))
+        kernel = split_kernel(q, k, v) if a > start and SPLIT_PIECES else None
+        if kernel is not None:
+            m = a - start
+            o = prefix_square_attention(q, k[:, :, :m], v[:, :, :m], k[:, :, m:], v[:, :, m:], scale, kernel)
+            outs.append(o[0].transpose(0, 1))
+            continue
         k, v, gqa = sdpa_kv(q, k, v)
         mask = causal_lower_right(n, a + n - start) if a > start else None
         o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=mask is None, scale=scale,

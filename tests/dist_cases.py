@@ -342,11 +342,13 @@ def run_pieces(name: str, cp: int) -> dict:
     out = {"name": name}
     # full attention: 4 query heads over 2 KV heads
     q, k, v = rand(Tp, 4, 8), rand(Tp, 2, 8), rand(Tp, 2, 8)
-    for path, limit in (("attn_dense", cpm.DENSE_MASK_MAX_TOKENS), ("attn_pieces", 0)):
+    for path, limit, split in (("attn_dense", cpm.DENSE_MASK_MAX_TOKENS, True), ("attn_pieces", 0, True),
+                               ("attn_lower_right", 0, False)):
         (rq, rk, rv), (lq, lk, lv) = leaves(q, k, v)
-        saved, cpm.DENSE_MASK_MAX_TOKENS = cpm.DENSE_MASK_MAX_TOKENS, limit
+        saved = cpm.DENSE_MASK_MAX_TOKENS, cpm.SPLIT_PIECES
+        cpm.DENSE_MASK_MAX_TOKENS, cpm.SPLIT_PIECES = limit, split
         o = ctx.attention(lq, lk, lv, packing, 8 ** -0.5)
-        cpm.DENSE_MASK_MAX_TOKENS = saved
+        cpm.DENSE_MASK_MAX_TOKENS, cpm.SPLIT_PIECES = saved
         out[path] = compare(o, causal_attention(rq, rk, rv, full, 8 ** -0.5), [lq, lk, lv], [rq, rk, rv])
     # causal conv + SiLU, 6 channels, width 4
     x, w = rand(Tp, 6), rand(6, 4)
@@ -365,10 +367,10 @@ def run_pieces(name: str, cp: int) -> dict:
         alone = chunk_outputs(chunk_factors(*loc_in, packing.positions, chunk), o.new_zeros(2, 2, 4, 3))
         out["delta_without_combine"] = float((alone[real] - ref[idx[real]]).abs().max())
     out["delta"] = compare(o, ref, loc_in, ref_in)
-    errs = torch.tensor([out[k] for k in ("attn_dense", "attn_pieces", "conv", "delta", "delta_without_combine")],
-                        dtype=f64)
+    names = ("attn_dense", "attn_pieces", "attn_lower_right", "conv", "delta", "delta_without_combine")
+    errs = torch.tensor([out[k] for k in names], dtype=f64)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
-    out.update(zip(("attn_dense", "attn_pieces", "conv", "delta", "delta_without_combine"), errs.tolist()))
+    out.update(zip(names, errs.tolist()))
     out["edges_with_a_document_start"] = sum(1 for j in range(1, 2 * cp) if int(local.packing.cp.positions[j * L]) == 0)
     return out
 

@@ -355,10 +355,10 @@ def test_gqa_runs_inside_flash_attention_and_equals_repeated_heads(head_dim):
 
 
 def test_mla_in_bf16_runs_in_flash_attention_and_matches_fp32():
-    """DeepSeek-V3's attention at its head sizes (q·k 192, v 128 zero-padded to 192) is what SDPA's flash kernel
-    takes; the tiny DeepSeek-V3-style model (tests/dist_cases.py: MLA, YaRN, sigmoid group-limited routing) in bf16
-    on the GPU follows fp32 in its hidden states, and with every layer dense (no routing choice to flip between
-    the dtypes) in every parameter's gradient too."""
+    """DeepSeek-V3's attention at its head sizes is what SDPA's cuDNN kernel takes with v at its width (128), and the
+    flash kernel with v zero-padded to 192 (the CP path); the tiny DeepSeek-V3-style model (tests/dist_cases.py: MLA, YaRN, sigmoid group-limited routing) in bf16
+    on the GPU (cuDNN's kernel) follows fp32 (padded, no cuDNN) in its hidden states, and with every layer dense (no
+    routing choice to flip between the dtypes) in every parameter's gradient too."""
     import sys
     from pathlib import Path
 
@@ -366,8 +366,12 @@ def test_mla_in_bf16_runs_in_flash_attention_and_matches_fp32():
     import dist_cases
     from launch.model import Packing, build_model
 
+    from launch.model import cudnn_takes
+
     q, k, v = (torch.randn(1, 128, 1024, 192, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     assert torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, False))
+    # the whole-sequence path's kernel: cuDNN with v at its own width (128)
+    assert cudnn_takes(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0, :, :, :128].transpose(0, 1))
     ids = torch.randint(0, 512, (2048,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     packing = Packing.from_lengths([700, 1348], device="cuda")
     moe = dist_cases.tiny_mla()
@@ -387,3 +391,44 @@ def test_mla_in_bf16_runs_in_flash_attention_and_matches_fp32():
         else:
             worst = max((_rel(g16[n], g), n) for n, g in g32.items() if g.norm() > 0)
             assert worst[0] < 3e-2, worst
+
+
+@pytest.mark.parametrize("heads, kv_heads, dim, v_dim", [(16, 2, 256, 256), (32, 4, 128, 128), (16, 16, 192, 128)])
+def test_context_parallel_piece_runs_on_cudnn_as_prefix_plus_square(heads, kv_heads, dim, v_dim):
+    """A CP piece (queries at the end of their keys) runs as cuDNN's prefix and square parts merged by their
+    log-sum-exps (launch/attention_parts.py) for Qwen3.5's, Qwen3's and MLA's head shapes (GQA natively, v at its
+    width), and equals the same attention in fp32 (a lower-right causal mask) as closely as the one-call bf16
+    kernel does, in the output and in every input gradient."""
+    import torch.nn.functional as F
+    from torch.nn.attention.bias import causal_lower_right
+
+    from launch.attention_parts import prefix_square_attention, split_kernel
+
+    n, m = 1536, 2560
+    g = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(1, heads, n, dim, device="cuda", generator=g)
+    k = torch.randn(1, kv_heads, m + n, dim, device="cuda", generator=g)
+    v = torch.randn(1, kv_heads, m + n, v_dim, device="cuda", generator=g)
+    w = torch.randn(1, heads, n, v_dim, device="cuda", generator=g)
+    scale = dim ** -0.5
+
+    def run(fn, dtype):
+        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        (fn(*xs).float() * w).sum().backward()
+        return [fn(*xs).detach().float()] + [x.grad.float() for x in xs]
+
+    def lower_right(q_, k_, v_):
+        kk, vv = (t.repeat_interleave(heads // kv_heads, 1) for t in (k_, v_))
+        return F.scaled_dot_product_attention(q_, kk, vv, attn_mask=causal_lower_right(n, m + n), scale=scale)
+
+    def split(q_, k_, v_):
+        kernel = split_kernel(q_, k_, v_)
+        assert kernel == "cudnn"
+        return prefix_square_attention(q_, k_[:, :, :m], v_[:, :, :m], k_[:, :, m:], v_[:, :, m:], scale, kernel)
+
+    ref = run(lower_right, torch.float32)
+    one_call = run(lower_right, torch.bfloat16)
+    ours = run(split, torch.bfloat16)
+    for name, r, a, b in zip(("o", "dq", "dk", "dv"), ref, one_call, ours):
+        err_one, err_ours = (((x - r).norm() / r.norm()).item() for x in (a, b))
+        assert err_ours < max(1.5 * err_one, 1e-2), (name, err_ours, err_one)

@@ -106,11 +106,12 @@ def test_context_parallel_data_crosses_segment_edges_and_pads(world2, world4):
 @pytest.mark.dist
 @pytest.mark.parametrize("world, name", [(2, "pieces_cp2"), (4, "pieces_cp4")])
 def test_context_parallel_exchanges_are_exact_in_fp64(world2, world4, world, name):
-    """K/V all-gather attention (dense-mask and per-piece paths), the conv with its halo and the delta rule with its
+    """K/V all-gather attention (dense-mask path; per piece as prefix + square merged by their log-sum-exps, and
+    as one lower-right causal call), the conv with its halo and the delta rule with its
     state combine, forward and backward across ranks, equal the one-process functions to fp64 rounding; documents
     start on a segment edge and inside segments. Without the combine the delta rule is off by > 0.1."""
     r = {2: world2, 4: world4}[world][name]
-    for piece in ("attn_dense", "attn_pieces", "conv", "delta"):
+    for piece in ("attn_dense", "attn_pieces", "attn_lower_right", "conv", "delta"):
         assert r[piece] < 1e-12, f"{name}: {piece} differs by {r[piece]:.2e}"
     assert r["delta_without_combine"] > 0.1
     assert r["edges_with_a_document_start"] >= 1
