@@ -33,14 +33,14 @@ V3_CASES = ("moonlight-16b:8192,moonlight-16b:32768,moonlight-16b:65536,deepseek
 def model_seconds(name: str, seq: int, hw: str) -> tuple[float, float]:
     """(FLOPs, seconds) the cost model gives one full-attention layer's quadratic term in one step under full
     recompute: 4 forward-equivalents of forward_flops_per_token's attention share for one layer."""
-    from recipe.cost import attention_kernel_work, forward_flops_per_token, rates
+    from recipe.cost import forward_flops_per_token, rates
     from recipe.hw import load_profile
     from recipe.models import resolve_model
 
     m = resolve_model(name)
     flops = 4 * seq * forward_flops_per_token(m, seq)["attention"] / m.num_full_attn_layers
-    # the kernel's work (MLA: v padded to the q·k width) at the rate for the model's head width, as compute_work
-    return flops, flops * attention_kernel_work(m) / rates(load_profile(hw), m)["attention"]
+    # at the rate for the kernel's head width (and, where MLA's v is padded, its extra work), as compute_work
+    return flops, flops / rates(load_profile(hw), m)["attention"]
 
 
 def main() -> None:

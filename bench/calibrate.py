@@ -473,9 +473,12 @@ def _nnls(lhs, rhs):
 
 def _work_rows(data: dict) -> tuple[list[dict], list[dict]]:
     """(each measured point's work by operation, with the optimizer's bytes; the points themselves)."""
-    from recipe.cost import ADAM_BYTES_MOVED, Layout, TrainOptions, attention_width, compute_work, local_param_count
+    from recipe.cost import (ADAM_BYTES_MOVED, Layout, TrainOptions, attention_kernel_work, compute_work,
+                             kernel_width, local_param_count)
+    from recipe.hw import load_profile
     from recipe.models import resolve_model
 
+    vendor = load_profile(data.get("hw", "h200")).vendor
     rows, points = [], []
     for r in data["points"]:
         if "step_s" not in r:
@@ -485,7 +488,9 @@ def _work_rows(data: dict) -> tuple[list[dict], list[dict]]:
                             keep_layers=int(r.get("keep_layers", 0)))
         work = compute_work(m, Layout(), opts, ep_path=bool(r["ep_path"]))
         work["optimizer"] = local_param_count(m, 1, Layout()) * ADAM_BYTES_MOVED
-        work["attention_width"] = attention_width(m)
+        # the attention kernel's work (MLA's padded v where the platform pads it), at its head width's efficiency
+        work["attention"] *= attention_kernel_work(m, vendor)
+        work["attention_width"] = kernel_width(m, vendor)
         rows.append(work)
         points.append(r)
     return rows, points

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from kernels.gdn_fused import causal_conv1d_silu
 from launch.gated_delta import chunk_factors, fla_status, fold_state_maps, segment_pass, with_incoming_states
 from launch.attention_parts import prefix_square_attention, split_kernel
-from launch.model import Packing, sdpa_kv
+from launch.model import Packing, cudnn_takes, sdpa_kv
 
 # CPU attention materializes the [Tl, T] mask up to this many key tokens (as launch/model.py's causal_attention)
 DENSE_MASK_MAX_TOKENS = 4096
@@ -131,7 +131,8 @@ class ContextParallel:
                   scale: float) -> torch.Tensor:
         """Local queries [Tl, H, Dh] against the keys and values of the whole micro-batch (all-gathered), causal
         inside each document on global token indices. Returns [Tl, H, Dh]."""
-        return self._attend(q_THD, all_gather(torch.stack([k_THD, v_THD], 1), self.group), packing, scale)
+        kv = all_gather(torch.stack([k_THD, v_THD], 1), self.group)
+        return self._attend(q_THD, kv[:, 0], kv[:, 1], packing, scale)
 
     def latent_attention(self, q_THD: torch.Tensor, latent_TC: torch.Tensor, expand, packing: Packing,
                          scale: float) -> torch.Tensor:
@@ -139,22 +140,28 @@ class ContextParallel:
         [Tl, C] (MLA: the normed KV latent and the RoPE'd shared key, 576 values a token for DeepSeek-V3, where
         its expanded K and V are 128 heads × 384), and `expand(latent [n, C]) -> (k, v)` [n, H, Dh] rebuilds the
         whole micro-batch's keys and values on every rank (the expansion's gradient flows back through the
-        gather to each rank's own tokens)."""
-        k, v = expand(all_gather(latent_TC, self.group))
-        return self._attend(q_THD, torch.stack([k, v], 1), packing, scale)
+        gather to each rank's own tokens). v keeps its own width where cuDNN takes the shapes (`cudnn_takes`),
+        else it is zero-padded to the q·k width (`expand(..., pad=True)`); the output is at v's width either way
+        in its first channels."""
+        k, v = expand(all_gather(latent_TC, self.group), pad=False)
+        if v.shape[-1] < k.shape[-1] and not cudnn_takes(q_THD, k, v):
+            v = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
+        return self._attend(q_THD, k, v, packing, scale)
 
-    def _attend(self, q_THD: torch.Tensor, kv: torch.Tensor, packing: Packing, scale: float) -> torch.Tensor:
-        """Local queries against the all-gathered kv [cp·Tl, 2, Hkv, Dh] (rank-major)."""
+    def _attend(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, packing: Packing,
+                scale: float) -> torch.Tensor:
+        """Local queries against the all-gathered keys and values [cp·Tl, Hkv, D] (rank-major)."""
         shard = _shard_of(packing)
         key_index = self._key_index(shard, q_THD.device)
         if not q_THD.is_cuda and shard.num_tokens <= DENSE_MASK_MAX_TOKENS:
             qi, ki = shard.index, key_index
             mask = (shard.doc[qi][:, None] == shard.doc[ki][None, :]) & (ki[None, :] <= qi[:, None])
-            q, k, v = (x.transpose(0, 1)[None] for x in (q_THD, kv[:, 0], kv[:, 1]))
+            q, k, v = (x.transpose(0, 1)[None] for x in (q_THD, k_THD, v_THD))
             k, v, gqa = sdpa_kv(q, k, v)
             o = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=gqa)
             return o[0].transpose(0, 1)
-        return _attention_by_piece(q_THD, kv[torch.argsort(key_index)], shard, scale)
+        order = torch.argsort(key_index)
+        return _attention_by_piece(q_THD, k_THD[order], v_THD[order], shard, scale)
 
     def _key_index(self, shard: ContextShard, device) -> torch.Tensor:
         """Global token index of each all-gathered key row (rank-major zigzag shards)."""
@@ -216,7 +223,7 @@ def _shard_of(packing: Packing) -> ContextShard:
     return packing.cp
 
 
-def _attention_by_piece(q_THD, kv_T2HD, shard: ContextShard, scale: float) -> torch.Tensor:
+def _attention_by_piece(q_THD, k_THD, v_THD, shard: ContextShard, scale: float) -> torch.Tensor:
     """Per local document piece, its queries [a, b) against the document's keys [start, b) (keys in global order):
     where the document starts before the piece, its prefix keys and its own square as two kernel calls merged
     exactly (launch/attention_parts.py: cuDNN on a GPU that takes them), else one SDPA call, lower-right causal;
@@ -226,8 +233,8 @@ def _attention_by_piece(q_THD, kv_T2HD, shard: ContextShard, scale: float) -> to
 
     outs = []
     for local, n, a, start in shard.pieces:
-        q, k, v = (x.transpose(0, 1)[None] for x in (q_THD[local:local + n], kv_T2HD[start:a + n, 0],
-                                                       kv_T2HD[start:a + n, 1]))
+        q, k, v = (x.transpose(0, 1)[None] for x in (q_THD[local:local + n], k_THD[start:a + n],
+                                                       v_THD[start:a + n]))
         kernel = split_kernel(q, k, v) if a > start and SPLIT_PIECES else None
         if kernel is not None:
             m = a - start

@@ -685,7 +685,7 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
     work = {
         **experts,
         "dense_gemm": layers * (f["matmul_layers"] - routed) * mult["dense_gemm"],
-        "attention": layers * f["attention"] * mult["attention"] * attention_kernel_work(m),
+        "attention": layers * f["attention"] * mult["attention"],
         "delta_rule": layers * f.get("linear_attention", 0.0) * mult["delta_rule"],
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
         "ep_dispatch": 0.0,
@@ -733,21 +733,36 @@ def _stage_counts(m: ModelShape, stage: range) -> dict[str, int]:
             "attention": len(kinds) - kinds.count("linear_attention")}
 
 
-def attention_kernel_work(m: ModelShape) -> float:
-    """The attention kernel's work over the model's attention FLOPs: under MLA v runs zero-padded to the q·k width
-    (launch/model.py MLAttention), so P·V costs as much as Q·Kᵀ (DeepSeek-V3: 384 / 320)."""
-    if m.mla is None:
+def mla_v_padded(vendor: str) -> bool:
+    """Whether MLA's attention kernel takes v zero-padded to the q·k width (launch/model.py MLAttention): on NVIDIA
+    GPUs cuDNN's kernel takes v at its own width; the flash kernels elsewhere take one head size."""
+    return vendor != "nvidia"
+
+
+def attention_kernel_work(m: ModelShape, vendor: str = "nvidia") -> float:
+    """The attention kernel's work over the model's attention FLOPs: 1, or under MLA with v zero-padded to the q·k
+    width, P·V at Q·Kᵀ's cost (DeepSeek-V3: 384 / 320)."""
+    if m.mla is None or not mla_v_padded(vendor):
         return 1.0
     qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
     return 2 * attention_width(m) / (qk + m.mla.v_head_dim)
 
 
 def attention_width(m: ModelShape) -> int:
-    """The head width full attention's kernel runs at: the head size, or under MLA the wider of the query-key and
-    value widths (v is zero-padded to it: the flash kernel takes one head size)."""
+    """The widest head full attention keeps: the head size, or under MLA the wider of the query-key and value widths
+    (what memory is counted at: v padded to it where the kernel needs one head size)."""
     if m.mla is not None:
         return max(m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim)
     return m.head_dim
+
+
+def kernel_width(m: ModelShape, vendor: str = "nvidia") -> float:
+    """The head width whose measured efficiency the attention kernel runs at: the head size; under MLA with v at
+    its own width the mean of the q·k and v widths (Q·Kᵀ and P·V each take their share of the kernel's FLOPs),
+    padded the wider one."""
+    if m.mla is not None and not mla_v_padded(vendor):
+        return (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim + m.mla.v_head_dim) / 2
+    return attention_width(m)
 
 
 def attention_efficiency(eff: float | dict[int, float], width: int | None) -> float:
@@ -765,6 +780,14 @@ def attention_efficiency(eff: float | dict[int, float], width: int | None) -> fl
     return eff[lo] if hi == lo else eff[lo] + (eff[hi] - eff[lo]) * (width - lo) / (hi - lo)
 
 
+def attention_rate(peak: float, eff: float | dict[int, float], m: ModelShape | None, vendor: str) -> float:
+    """Model attention FLOP/s: the peak at the kernel's head-width efficiency, over the kernel's work per model FLOP
+    (MLA's padded v, where the kernel pads it)."""
+    if m is None:
+        return peak * attention_efficiency(eff, None)
+    return peak * attention_efficiency(eff, kernel_width(m, vendor)) / attention_kernel_work(m, vendor)
+
+
 def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
     """FLOP/s (or bytes/s) each operation runs at on `hw`, and the fixed seconds per layer pass: the profile's
     measured efficiencies, or, without them, every matmul at compute_efficiency, the optimizer at HBM_EFFICIENCY
@@ -774,7 +797,7 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
     if e is None:
         r = peak * hw.compute_efficiency
         return {"expert_gemm": r, "expert_rows": float("inf"), "expert_weights": float("inf"), "dense_gemm": r,
-                "attention": r, "delta_rule": r, "lm_head": r,
+                "attention": attention_rate(peak, hw.compute_efficiency, m, hw.vendor), "delta_rule": r, "lm_head": r,
                 "optimizer": hbm * HBM_EFFICIENCY, "ep_dispatch": float("inf"), "ep_passes": 0.0,
                 "ep_chunks": EP_CHUNK_MS_ASSUMED * 1e-3, "layer_passes": 0.0}
     inf = float("inf")
@@ -782,7 +805,7 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
             "expert_rows": hbm * e.expert_rows if e.expert_rows else inf,
             "expert_weights": hbm * e.expert_weights if e.expert_weights else inf,
             "dense_gemm": peak * e.dense_gemm,
-            "attention": peak * attention_efficiency(e.attention, attention_width(m) if m is not None else None),
+            "attention": attention_rate(peak, e.attention, m, hw.vendor),
             "delta_rule": peak * e.delta_rule, "lm_head": peak * e.lm_head, "optimizer": hbm * e.optimizer,
             "ep_dispatch": hbm * e.ep_dispatch, "ep_passes": e.ep_latency_ms * 1e-3,
             "ep_chunks": e.ep_chunk_ms * 1e-3, "layer_passes": e.layer_latency_ms * 1e-3}
@@ -990,8 +1013,7 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
         else:
             qk = (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim) if m.mla else (m.head_dim,) * 2
             w["dense_gemm"] += 2 * _full_attention_params(m)
-            w["attention"] += (2 * m.num_heads * sum(qk) * attention_kernel_work(m)  # the kernel's work (MLA: padded)
-                               * (full_ctx if kind == "full_attention" else slide_ctx))
+            w["attention"] += 2 * m.num_heads * sum(qk) * (full_ctx if kind == "full_attention" else slide_ctx)
         out.append(w)
     return out
 
