@@ -7,10 +7,11 @@ Shape legend: M routed (token, slot) rows on this rank, D model dim, I expert ff
         g = dout · w (the gradient of the slot's expert output, rounded to dout's dtype as torch's product is),
         dw = Σ_d dout·y in fp32 (the routing weight's gradient: dL/dw_tk = dL/dout_t · y_tk); `out` (dout itself
         allowed: each row is read before it is written) takes g
-    swiglu_backward(h_MF, da_MI) -> (dh_MF, a_MI)
+    swiglu_backward(h_MF, da_MI, glu=SWIGLU) -> (dh_MF, a_MI)
         h = [gate | up], a = silu(gate)·up; with s = sigmoid(gate):
         dgate = da · up · s · (1 + gate (1 − s)),  dup = da · silu(gate);  dh = [dgate | dup]
-        fp32 inside, outputs in h's dtype (a is the down projection's input, which its weight gradient needs)
+        fp32 inside, outputs in h's dtype (a is the down projection's input, which its weight gradient needs).
+        `glu` another gated activation (`GLU`: gpt-oss's clamped one), whose gradient is derived there.
 
 Why fuse: both are memory-bound over [M, D] and [M, I] rows (M = tokens × top-k: 262,144 rows at 32K tokens and
 top-8), and in torch each spends an HBM round trip per op and fp32 temporaries: ~32 bytes an element for the first
@@ -25,9 +26,49 @@ the CPU path runs (unchanged arithmetic, so CPU results stay bitwise those of th
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from kernels.gdn_fused import _pick_backend
+
+
+@dataclass(frozen=True)
+class GLU:
+    """The routed experts' gated activation of h = [gate | up] (I channels each):
+
+        a = g · σ(α·g) · (u + c),   g = min(gate, limit),  u = clamp(up, −limit, limit)   (no clamp without a limit)
+
+    SwiGLU (`SWIGLU`: α = 1, c = 0, no limit) is silu(gate)·up; gpt-oss's (`GPT_OSS_GLU`) has α = 1.702, c = 1 and
+    limit 7. With s = σ(α·g), glu = g·s and the clamps' gradients passing where their bounds hold (inclusive, as
+    torch's clamp passes them):
+
+        ∂a/∂gate = (u + c) · (s + α·glu·(1 − s)) · [gate ≤ limit],   ∂a/∂up = glu · [−limit ≤ up ≤ limit]
+
+    (from dσ(z)/dz = σ(z)(1 − σ(z)); with α = 1, c = 0 the first is up·s·(1 + gate(1 − s)), SwiGLU's)."""
+
+    alpha: float = 1.0
+    limit: float | None = None
+    up_offset: float = 0.0
+
+    def __post_init__(self) -> None:
+        if self.limit is not None and not self.limit > 0:
+            raise ValueError(f"a GLU clamp limit must be positive, got {self.limit!r}")
+
+
+SWIGLU = GLU()
+GPT_OSS_GLU = GLU(alpha=1.702, limit=7.0, up_offset=1.0)
+
+
+def glu_forward(h_MF: torch.Tensor, glu: GLU = SWIGLU) -> torch.Tensor:
+    """The activation a [M, I] of h = [gate | up] [M, 2I], in h's dtype (each op rounded as torch rounds it)."""
+    gate, up = h_MF.chunk(2, dim=-1)
+    if glu == SWIGLU:
+        return F.silu(gate) * up
+    if glu.limit is not None:
+        gate, up = gate.clamp(max=glu.limit), up.clamp(min=-glu.limit, max=glu.limit)
+    return (up + glu.up_offset) * (gate * torch.sigmoid(gate * glu.alpha))
 
 
 def slot_grads_torch(dout_MD: torch.Tensor, w_M1: torch.Tensor, y_MD: torch.Tensor):
@@ -41,6 +82,25 @@ def swiglu_backward_torch(h_MF: torch.Tensor, da_MI: torch.Tensor):
     da = da_MI.float()
     dh = torch.cat([da * up * sig * (1 + gate * (1 - sig)), da * silu], dim=-1).to(h_MF.dtype)
     return dh, (silu * up).to(h_MF.dtype)
+
+
+def glu_backward_torch(h_MF: torch.Tensor, da_MI: torch.Tensor, glu: GLU):
+    """`swiglu_backward_torch` of any `GLU` (the derivation is GLU's): (dh [M, 2I], a [M, I]) in h's dtype, fp32
+    inside."""
+    gate, up = h_MF.float().chunk(2, dim=-1)
+    g, u = gate, up
+    if glu.limit is not None:
+        g, u = gate.clamp(max=glu.limit), up.clamp(min=-glu.limit, max=glu.limit)
+    s = torch.sigmoid(glu.alpha * g)
+    act = g * s
+    da = da_MI.float()
+    u = u + glu.up_offset
+    dgate = da * u * (s + glu.alpha * act * (1 - s))
+    dup = da * act
+    if glu.limit is not None:
+        dgate = torch.where(gate <= glu.limit, dgate, 0.0)
+        dup = torch.where((up >= -glu.limit) & (up <= glu.limit), dup, 0.0)
+    return torch.cat([dgate, dup], dim=-1).to(h_MF.dtype), (act * u).to(h_MF.dtype)
 
 
 def slot_grads(dout_MD: torch.Tensor, w_M1: torch.Tensor, y_MD: torch.Tensor, backend: str | None = None,
@@ -64,13 +124,13 @@ def slot_grads(dout_MD: torch.Tensor, w_M1: torch.Tensor, y_MD: torch.Tensor, ba
     return expert_grads_triton.slot_grads(dout_MD, w_M1, y_MD, out)
 
 
-def swiglu_backward(h_MF: torch.Tensor, da_MI: torch.Tensor, backend: str | None = None):
-    """(dh [M, 2I], a [M, I]), both in h's dtype."""
+def swiglu_backward(h_MF: torch.Tensor, da_MI: torch.Tensor, backend: str | None = None, glu: GLU = SWIGLU):
+    """(dh [M, 2I], a [M, I]), both in h's dtype: the backward of the `glu` activation (SwiGLU by default)."""
     if h_MF.shape[-1] != 2 * da_MI.shape[-1] or h_MF.shape[0] != da_MI.shape[0]:
         raise ValueError(f"h {tuple(h_MF.shape)} must be [M, 2I] for da {tuple(da_MI.shape)} [M, I]")
     if _pick_backend(h_MF, backend) == "torch":
-        return swiglu_backward_torch(h_MF, da_MI)
+        return swiglu_backward_torch(h_MF, da_MI) if glu == SWIGLU else glu_backward_torch(h_MF, da_MI, glu)
     from kernels import expert_grads_triton
 
-    return expert_grads_triton.swiglu_backward(h_MF, da_MI)
+    return expert_grads_triton.swiglu_backward(h_MF, da_MI, glu)
 

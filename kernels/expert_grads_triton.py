@@ -39,7 +39,11 @@ def _slot_grads_kernel(dout_ptr, s_dout, w_ptr, s_w, y_ptr, s_y, g_ptr, s_g, dw_
 
 @triton.jit
 def _swiglu_bwd_kernel(h_ptr, s_h, da_ptr, s_da, dh_ptr, s_dh, a_ptr, s_a, M, I,
-                       BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
+                       BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, GENERAL: tl.constexpr = False,
+                       ALPHA: tl.constexpr = 1.0, CLAMP: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
+                       OFFSET: tl.constexpr = 0.0):
+    # GENERAL: a kernels.expert_grads.GLU other than SwiGLU (gpt-oss's clamped form), whose derivation is there;
+    # SwiGLU keeps its own arithmetic
     pid_m = tl.program_id(0)
     pid_i = tl.program_id(1)
     rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -49,13 +53,31 @@ def _swiglu_bwd_kernel(h_ptr, s_h, da_ptr, s_da, dh_ptr, s_dh, a_ptr, s_a, M, I,
     gate = tl.load(h_row, mask=ok, other=0.0).to(tl.float32)
     up = tl.load(h_row + I, mask=ok, other=0.0).to(tl.float32)
     da = tl.load(da_ptr + rows[:, None] * s_da + cols[None, :], mask=ok, other=0.0).to(tl.float32)
-    sig = tl.sigmoid(gate)
-    silu = gate * sig
-    dgate = da * up * sig * (1 + gate * (1 - sig))
     dh_row = dh_ptr + rows[:, None] * s_dh + cols[None, :]
-    tl.store(dh_row, dgate.to(dh_ptr.dtype.element_ty), mask=ok)
-    tl.store(dh_row + I, (da * silu).to(dh_ptr.dtype.element_ty), mask=ok)
-    tl.store(a_ptr + rows[:, None] * s_a + cols[None, :], (silu * up).to(a_ptr.dtype.element_ty), mask=ok)
+    if GENERAL:
+        g = gate
+        u = up
+        if CLAMP:
+            g = tl.minimum(gate, LIMIT)
+            u = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+        s = tl.sigmoid(ALPHA * g)
+        act = g * s
+        u = u + OFFSET
+        dgate = da * u * (s + ALPHA * act * (1 - s))
+        dup = da * act
+        if CLAMP:
+            dgate = tl.where(gate <= LIMIT, dgate, 0.0)
+            dup = tl.where((up >= -LIMIT) & (up <= LIMIT), dup, 0.0)
+        tl.store(dh_row, dgate.to(dh_ptr.dtype.element_ty), mask=ok)
+        tl.store(dh_row + I, dup.to(dh_ptr.dtype.element_ty), mask=ok)
+        tl.store(a_ptr + rows[:, None] * s_a + cols[None, :], (act * u).to(a_ptr.dtype.element_ty), mask=ok)
+    else:
+        sig = tl.sigmoid(gate)
+        silu = gate * sig
+        dgate = da * up * sig * (1 + gate * (1 - sig))
+        tl.store(dh_row, dgate.to(dh_ptr.dtype.element_ty), mask=ok)
+        tl.store(dh_row + I, (da * silu).to(dh_ptr.dtype.element_ty), mask=ok)
+        tl.store(a_ptr + rows[:, None] * s_a + cols[None, :], (silu * up).to(a_ptr.dtype.element_ty), mask=ok)
 
 
 def _unit_columns(*ts: torch.Tensor) -> None:
@@ -80,14 +102,22 @@ def slot_grads(dout_MD: torch.Tensor, w_M1: torch.Tensor, y_MD: torch.Tensor, ou
     return g, dw
 
 
-def swiglu_backward(h_MF: torch.Tensor, da_MI: torch.Tensor):
+def swiglu_backward(h_MF: torch.Tensor, da_MI: torch.Tensor, glu=None):
+    """`glu`: a kernels.expert_grads.GLU; None or SwiGLU: SwiGLU's own arithmetic."""
+    from kernels.expert_grads import SWIGLU
+
     _unit_columns(h_MF, da_MI)
     M, I = da_MI.shape
     dh = torch.empty((M, 2 * I), dtype=h_MF.dtype, device=h_MF.device)
     a = torch.empty((M, I), dtype=h_MF.dtype, device=h_MF.device)
+    general = {}
+    if glu is not None and glu != SWIGLU:
+        general = dict(GENERAL=True, ALPHA=float(glu.alpha), CLAMP=glu.limit is not None,
+                       LIMIT=float(glu.limit or 0.0), OFFSET=float(glu.up_offset))
     if M:
         bm, bi, warps = SWIGLU_TILE[_VENDOR]
         _swiglu_bwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bi))](h_MF, h_MF.stride(0), da_MI, da_MI.stride(0),
                                                                      dh, dh.stride(0), a, a.stride(0), M, I,
-                                                                     BLOCK_M=bm, BLOCK_I=bi, num_warps=warps)
+                                                                     BLOCK_M=bm, BLOCK_I=bi, num_warps=warps,
+                                                                     **general)
     return dh, a

@@ -148,6 +148,33 @@ class ContextParallel:
             v = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
         return self._attend(q_THD, k, v, packing, scale)
 
+    def sink_attention(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
+                       sinks_H: torch.Tensor | None, packing: Packing, scale: float,
+                       window: int | None = None) -> torch.Tensor:
+        """gpt-oss's attention (launch/sink_attention.py: a sink logit per head; with `window`, keys fewer than
+        `window` positions back) of the local queries against the all-gathered keys, per local document piece:
+        full attention as the piece's prefix keys with the sink key among them and its own square, merged
+        (`_sink_piece`: the kernels of launch/attention_parts.py); a sliding layer as one document of the keys the
+        window reaches before the piece (at most window − 1, all-gathered like the rest) and the piece, whose
+        extra leading queries are zeros and their outputs dropped. Returns [Tl, Hq, Dh]."""
+        from launch.sink_attention import sink_attention
+
+        shard = _shard_of(packing)
+        kv = all_gather(torch.stack([k_THD, v_THD], 1), self.group)
+        order = torch.argsort(self._key_index(shard, q_THD.device))
+        k_all, v_all = kv[order, 0], kv[order, 1]
+        outs = []
+        for local, n, a, start in shard.pieces:
+            q = q_THD[local:local + n]
+            if window is None:
+                outs.append(_sink_piece(q, k_all[start:a + n], v_all[start:a + n], sinks_H, scale))
+                continue
+            lo = max(start, a - window + 1)
+            q_ext = torch.cat([q.new_zeros(a - lo, *q.shape[1:]), q])
+            doc = Packing.from_lengths([a - lo + n], device=q.device)
+            outs.append(sink_attention(q_ext, k_all[lo:a + n], v_all[lo:a + n], sinks_H, doc, scale, window)[a - lo:])
+        return torch.cat(outs)
+
     def _attend(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, packing: Packing,
                 scale: float) -> torch.Tensor:
         """Local queries against the all-gathered keys and values [cp·Tl, Hkv, D] (rank-major)."""
@@ -221,6 +248,30 @@ def _shard_of(packing: Packing) -> ContextShard:
     if packing.cp is None:
         raise ValueError("context parallel needs a sharded micro-batch (ContextParallel.shard)")
     return packing.cp
+
+
+def _sink_piece(q_nHD, k_mHD, v_mHD, sinks_H, scale: float) -> torch.Tensor:
+    """A full-attention piece with sinks: its n queries at the end of the m keys, every query seeing the sink key.
+    The sink key joins the prefix part (every prefix key is visible), so the piece runs as `_attention_by_piece`'s
+    prefix + square where a kernel takes them, else as one lower-right causal call over [sink, keys]."""
+    from torch.nn.attention.bias import causal_lower_right
+
+    from launch.sink_attention import sink_channels
+
+    n, Dh = q_nHD.shape[0], q_nHD.shape[-1]
+    before = k_mHD.shape[0] - n
+    qc, kc, vc, extra_k, extra_v = sink_channels(q_nHD, k_mHD, v_mHD, sinks_H, scale)
+    q = qc.transpose(0, 1)[None]
+    k_p, v_p = (torch.cat([e[:1], x[:before]]).transpose(0, 1)[None] for e, x in ((extra_k, kc), (extra_v, vc)))
+    k_s, v_s = (x[before:].transpose(0, 1)[None] for x in (kc, vc))
+    kernel = split_kernel(q, k_p, v_p) if SPLIT_PIECES else None
+    if kernel is not None:
+        o = prefix_square_attention(q, k_p, v_p, k_s, v_s, scale, kernel)
+    else:
+        k, v, gqa = sdpa_kv(q, torch.cat([k_p, k_s], 2), torch.cat([v_p, v_s], 2))
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, before + 1 + n), scale=scale,
+                                           enable_gqa=gqa)
+    return o[0].transpose(0, 1)[..., :Dh]
 
 
 def _attention_by_piece(q_THD, k_THD, v_THD, shard: ContextShard, scale: float) -> torch.Tensor:

@@ -36,8 +36,8 @@ import torch
 import torch.distributed as dist
 
 from kernels.expert_grads import slot_grads, swiglu_backward
-from launch.moe import (combine_into, expert_ffn, free_at_last_use, grouped_linear_dx, grouped_weight_grad,
-                        scatter_rows, unpermute)
+from launch.moe import (combine_into, expert_ffn, free_at_last_use, grouped_bias_grad, grouped_linear_dx,
+                        grouped_weight_grad, scatter_rows, unpermute)
 
 
 def _local(p: torch.Tensor) -> torch.Tensor:
@@ -104,7 +104,8 @@ class ExpertParallel:
         if w1.shape[0] * self.num_ranks != self.num_experts:
             raise ValueError(f"expert weights hold {w1.shape[0]} experts on this rank; ep={self.num_ranks} over "
                              f"{self.num_experts} experts needs {self.num_experts // self.num_ranks}")
-        return _DispatchExpertsCombine.apply(x_TD, top_w_TK, top_e_TK, w1, w2, self)
+        b1, b2 = (None if b is None else _local(b) for b in (experts.gate_up_proj_bias, experts.down_proj_bias))
+        return _DispatchExpertsCombine.apply(x_TD, top_w_TK, top_e_TK, w1, w2, b1, b2, experts.activation, self)
 
     # ---- communication -------------------------------------------------------------------------------------
     def all_to_all(self, x, out_splits: list[int], in_splits: list[int]):
@@ -197,7 +198,7 @@ _EXTRA = 8
 
 class _DispatchExpertsCombine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, top_w_TK, top_e_TK, w1_EFD, w2_EDI, ep: ExpertParallel):
+    def forward(ctx, x_TD, top_w_TK, top_e_TK, w1_EFD, w2_EDI, b1_EF, b2_ED, glu, ep: ExpertParallel):
         # inside the backward pass (graph task running): this is the recompute of a checkpointed layer
         recompute = torch._C._current_graph_task_id() != -1
         rt = ep.route(top_e_TK)
@@ -217,7 +218,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
                 pending[c + 1] = ep.all_to_all(x_TD[rt.orders[c + 1][1]], rt.recv[c + 1], rt.send[c + 1])
             idx = Route.regroup_of(rt.regroup, rt.recv, c)
             x_em = ep.wait(pending.pop(c))[idx]
-            h_em, y_em = expert_ffn(x_em, w1_EFD, w2_EDI, rt.local[c], rt.offs_CEl[c])
+            h_em, y_em = expert_ffn(x_em, w1_EFD, w2_EDI, rt.local[c], rt.offs_CEl[c], glu, b1_EF, b2_ED)
             saved += [x_em, h_em, y_em]
             if recompute:
                 continue
@@ -228,6 +229,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
         if not recompute:
             combine(C - 1)
         ctx.ep, ctx.rt_host = ep, (rt.bounds, rt.send, rt.recv, rt.local)
+        ctx.glu, ctx.bias_dtypes = glu, tuple(None if b is None else b.dtype for b in (b1_EF, b2_ED))
         ctx.save_for_backward(top_w_TK, top_e_TK, w1_EFD, w2_EDI, rt.recv_RCEl, rt.regroup, rt.offs_CEl, rt.offs_El,
                               *saved)
         return out_TD
@@ -284,7 +286,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             del rows
             free_at_last_use(saved[3 * c + 2])
             # the SwiGLU's input gradient and its output a (the down projection's input, for its weight gradient)
-            dh, a = swiglu_backward(saved[3 * c + 1], grouped_linear_dx(g, w2, local[c], offs_CEl[c]))
+            dh, a = swiglu_backward(saved[3 * c + 1], grouped_linear_dx(g, w2, local[c], offs_CEl[c]), glu=ctx.glu)
             free_at_last_use(saved[3 * c + 1])
             place("g", c, g), place("a", c, a)
             del g, a
@@ -307,6 +309,10 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             if C > 1:
                 free_at_last_use(saved[3 * c])
         xs, gs, acts, dhs = (wholes.pop(k) for k in ("x", "g", "a", "dh"))
+        # bias gradients (gpt-oss): each expert's sums of g's and dh's rows, in the same one-chunk order
+        b1_dtype, b2_dtype = ctx.bias_dtypes
+        db2 = None if b2_dtype is None else grouped_bias_grad(gs, per_expert, offs_El).to(b2_dtype)
+        db1 = None if b1_dtype is None else grouped_bias_grad(dhs, per_expert, offs_El).to(b1_dtype)
         dw2 = grouped_weight_grad(gs, acts, per_expert, offs_El)
         del gs, acts
         dw1 = grouped_weight_grad(dhs, xs, per_expert, offs_El)
@@ -314,7 +320,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             free_at_last_use(xs)
         del dhs, xs
         _scatter_back(dx_TD, dw_TK, ep.wait(returned.pop(C - 1)), orders[C - 1], bounds[C - 1], D)
-        return dx_TD.to(dout_TD.dtype), dw_TK, None, dw1.to(w1.dtype), dw2.to(w2.dtype), None
+        return dx_TD.to(dout_TD.dtype), dw_TK, None, dw1.to(w1.dtype), dw2.to(w2.dtype), db1, db2, None, None
 
 
 def _scatter_back(dx_TD, dw_TK, rows_M, order_M, bounds, D: int) -> None:

@@ -12,7 +12,13 @@ file). Accepted key spellings, all mapped onto our parameter names (which are Hu
 - Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba`, split into Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b,
   in_proj_a (the same network: the rows are only reordered);
 - block-quantized fp8 weights (DeepSeek-V3's and Kimi-K2's releases: float8_e4m3 with a `weight_scale_inv` per
-  128 × 128 block, `quantization_config.weight_block_size`), dequantized as they are read.
+  128 × 128 block, `quantization_config.weight_block_size`), dequantized as they are read;
+- gpt-oss's names and layouts: the router `mlp.router` (ours: `mlp.gate`, with its bias), fused experts with the
+  input dimension first, `mlp.experts.gate_up_proj` [E, D, 2I] whose columns interleave gate and up (gate the even
+  ones), `gate_up_proj_bias` [E, 2I] likewise, `down_proj` [E, I, D], `down_proj_bias` [E, D] (ours: [E, 2I, D]
+  rows [gate | up], [E, D, I]), `self_attn.sinks`; and its MXFP4 release, whose expert matrices are `*_blocks`
+  (uint8 [E, rows, cols/32, 16]: two e2m1 fp4 values a byte, low nibble first) and `*_scales` (uint8 e8m0
+  [E, rows, cols/32]: 2^(s − 127) for each run of 32 values), dequantized to bf16 as each layer is read.
 
 Our Gated DeltaNet keeps in_proj_qkv's rows and conv1d's channels grouped per key head ([q | k | r value heads] × G,
 launch/model.py: a tensor-parallel shard is whole heads); both Hugging Face layouts keep [all q | all k | all v]
@@ -20,7 +26,8 @@ there, so load and export reorder those two tensors (`gdn_grouped_order`), and c
 the same tensors.
 
 Export writes the layout transformers itself writes for the architecture (per-expert tensors, `model.` prefix;
-Mixtral's own names) and a config.json, so `from_pretrained` and our loader both read it back.
+Mixtral's own names; gpt-oss's fused bf16 layout, not quantized) and a config.json, so `from_pretrained` and our
+loader both read it back.
 """
 
 from __future__ import annotations
@@ -48,6 +55,10 @@ _SHARED_EXPERTS = re.compile(r"^(layers\.\d+\.mlp)\.shared_experts\.")
 _OUR_SHARED_EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.shared_expert\.")
 _PLURAL_SHARED_ARCHS = ("deepseek_v3", "glm4_moe")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
+# gpt-oss: the router is `mlp.router` (ours: `mlp.gate`); its fused experts' tensors (stripped of `mlp.experts.`)
+_ROUTER = re.compile(r"^(layers\.\d+\.mlp)\.router\.")
+_OUR_ROUTER = re.compile(r"^(layers\.\d+\.mlp)\.gate\.")
+_FUSED_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
 
 
 def _strip(key: str) -> str:
@@ -88,12 +99,49 @@ def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, i
     return (w.float() * s).to(torch.bfloat16)
 
 
+# the 16 values of an e2m1 fp4 code (sign bit, 2 exponent bits, 1 mantissa bit), by code
+FP4_E2M1 = (0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0, -0.0, -0.5, -1.0, -1.5, -2.0, -3.0, -4.0, -6.0)
+_BLOCKS, _SCALES = "_blocks", "_scales"  # an MXFP4 tensor's codes and scales (gpt-oss's release)
+
+
+def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """MXFP4 codes [E, R, G, 16] (uint8: two e2m1 values a byte, the low nibble first, so 32 values a row of 16
+    bytes) and scales [E, R, G] (uint8 e8m0: 2^(s − 127) for each of those runs of 32) → bf16 [E, G·32, R], the
+    layout of the tensor the release quantized (transformers' gpt-oss parameter: input dimension first), as a
+    transposed view. Each value is an fp4 value times a power of two, exact in fp32 and rounded once to bf16 (only
+    where it falls below bf16's normal range); one expert at a time, so the integer temporaries stay an expert's."""
+    if blocks.dtype != torch.uint8 or scales.dtype != torch.uint8 or blocks.dim() < 3 or blocks.shape[-1] != 16 \
+            or tuple(blocks.shape[:-1]) != tuple(scales.shape):
+        raise ValueError(f"MXFP4 blocks {tuple(blocks.shape)} {blocks.dtype} and scales {tuple(scales.shape)} "
+                         f"{scales.dtype} must be uint8 [..., R, G, 16] and [..., R, G]")
+    *lead, R, G, _ = blocks.shape
+    codes, exps = blocks.reshape(-1, R, G, 16), scales.reshape(-1, R, G)
+    lut = torch.tensor(FP4_E2M1, dtype=torch.float32, device=blocks.device)
+    out = torch.empty(codes.shape[0], R, G * 32, dtype=torch.bfloat16, device=blocks.device)
+    for e in range(codes.shape[0]):
+        c = codes[e].long()
+        values = torch.stack([lut[c & 0x0F], lut[c >> 4]], dim=-1).view(R, G, 32)  # low nibble first
+        out[e] = torch.ldexp(values, exps[e].int()[..., None] - 127).view(R, G * 32).to(torch.bfloat16)
+    return out.view(*lead, R, G * 32).transpose(-1, -2)
+
+
 def _dequantized(raw: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """`raw` with every block-quantized fp8 weight replaced by its bf16 value and its scales dropped (on the meta
-    device: the shape)."""
+    """`raw` with every block-quantized fp8 weight and every MXFP4 tensor replaced by its bf16 value and its scales
+    dropped (on the meta device: the shape)."""
     out = {}
     for key, t in raw.items():
-        if key.endswith(_SCALE):
+        if key.endswith(_SCALE) or (key.endswith(_SCALES) and key[:-len(_SCALES)] + _BLOCKS in raw):
+            continue
+        if key.endswith(_BLOCKS):
+            base = key[:-len(_BLOCKS)]
+            scales = raw.get(base + _SCALES)
+            if scales is None:
+                raise ValueError(f"{key}: MXFP4 blocks without their {base.rsplit('.', 1)[-1]}{_SCALES}")
+            if t.is_meta:
+                *lead, R, G, _ = t.shape
+                out[base] = torch.empty(*lead, R, G * 32, dtype=torch.bfloat16, device="meta").transpose(-1, -2)
+            else:
+                out[base] = dequantize_mxfp4(t, scales)
             continue
         scale = raw.get(key + "_scale_inv")  # `x.weight` → `x.weight_scale_inv`
         if scale is not None:
@@ -176,8 +224,27 @@ def _regroup_gdn(sd: dict[str, torch.Tensor], prefix: str, m: GatedDeltaNet, to_
             sd[prefix + key] = sd[prefix + key][order.to(sd[prefix + key].device)]
 
 
+def _gpt_oss_experts_to_ours(name: str, t: torch.Tensor) -> torch.Tensor:
+    """A gpt-oss fused expert tensor in our layout: gate_up_proj [E, D, 2I] → [E, 2I, D] and its bias [E, 2I], their
+    interleaved gate/up columns (gate the even ones) regrouped [gate | up]; down_proj [E, I, D] → [E, D, I]."""
+    if name.startswith("gate_up_proj"):
+        t = torch.cat([t[..., 0::2], t[..., 1::2]], dim=-1)
+    return t if name.endswith("_bias") else t.transpose(1, 2)
+
+
+def _gpt_oss_experts_to_hf(name: str, t: torch.Tensor) -> torch.Tensor:
+    """The inverse of `_gpt_oss_experts_to_ours`."""
+    if not name.endswith("_bias"):
+        t = t.transpose(1, 2)
+    if name.startswith("gate_up_proj"):
+        gate, up = t.chunk(2, dim=-1)
+        t = torch.stack([gate, up], dim=-1).flatten(-2)  # columns gate_0, up_0, gate_1, up_1, …
+    return t
+
+
 def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
+    gpt_oss = model.shape.arch == "gpt_oss"
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     mtp = range(model.shape.num_layers, model.shape.num_layers + model.shape.mtp_layers)
     for key, t in raw.items():
@@ -188,6 +255,11 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         if layer and int(layer.group(1)) in mtp:  # DeepSeek-V3's and GLM-4.5's MTP layers follow the stack
             continue
         key = _SHARED_EXPERTS.sub(r"\1.shared_expert.", _MIXTRAL_BLOCK.sub(r"\1.mlp.", key))
+        if gpt_oss:
+            key = _ROUTER.sub(r"\1.gate.", key)
+            fused = _FUSED_EXPERT.match(key)
+            if fused:
+                t = _gpt_oss_experts_to_ours(fused.group(1), t)
         w = _MIXTRAL_EXPERT.match(key)
         if w:
             key = f"{w.group(1)}.{_MIXTRAL_W[w.group(2)]}.weight"
@@ -296,6 +368,13 @@ def hf_config(shape: ModelShape) -> dict:
                        qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
                        v_head_dim=a.v_head_dim, head_dim=a.qk_rope_head_dim)
         return cfg
+    if shape.arch == "gpt_oss":
+        for k in ("num_experts", "moe_intermediate_size"):
+            cfg.pop(k)
+        cfg.update(model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_local_experts=shape.num_experts,
+                   intermediate_size=shape.expert_ffn, sliding_window=shape.sliding_window,
+                   layer_types=list(shape.layer_types), output_router_logits=False)
+        return cfg
     if shape.arch == "mixtral":
         for k in ("num_experts", "moe_intermediate_size", "attention_bias"):
             cfg.pop(k)
@@ -354,6 +433,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
     name = lambda w: ours.get(w, w)  # noqa: E731 - an expert matrix's name in the checkpoint
 
     plural = model.shape.arch in _PLURAL_SHARED_ARCHS
+    gpt_oss = model.shape.arch == "gpt_oss"
 
     def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`; DeepSeek's shared expert plural
         if plural:
@@ -361,7 +441,12 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
         return _OUR_MOE_BLOCK.sub(r"\1.block_sparse_moe.", key) if mixtral else key
 
     for key, t in sd.items():
-        if key.endswith("mlp.experts.gate_up_proj"):
+        fused = _FUSED_EXPERT.match(key) if gpt_oss else None
+        if fused:  # gpt-oss: its own fused layout
+            out["model." + key] = _gpt_oss_experts_to_hf(fused.group(1), t)
+        elif gpt_oss and _OUR_ROUTER.match(key):
+            out["model." + _OUR_ROUTER.sub(r"\1.router.", key)] = t
+        elif key.endswith("mlp.experts.gate_up_proj"):
             base = "model." + block(key[: -len(".gate_up_proj")])
             ffn = t.shape[1] // 2
             for e in range(t.shape[0]):

@@ -1,5 +1,5 @@
-"""Qwen3.5 (MoE and dense) / Qwen3-Next / Qwen3-MoE / Mixtral / DeepSeek-V3 / GLM-4.5 and dense Llama-family text
-stacks, built from a `recipe.models.ModelShape`.
+"""Qwen3.5 (MoE and dense) / Qwen3-Next / Qwen3-MoE / Mixtral / DeepSeek-V3 / GLM-4.5 / gpt-oss and dense
+Llama-family text stacks, built from a `recipe.models.ModelShape`.
 
 Shape legend: T tokens (one packed sequence: several documents back to back), D model dim, Hq query heads, Hkv
 key/value heads, Dh attention head dim, R rotary dims, V vocabulary.
@@ -22,13 +22,18 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
+from kernels.expert_grads import GPT_OSS_GLU, SWIGLU
 from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
 from launch.gated_delta import gated_delta_rule
 from launch.moe import MoE, SwiGLU
+from launch.sink_attention import sink_attention
 from recipe.models import ROPE_SCALINGS, ModelShape, trainable
 
 # RMSNorm scales by (1 + w) in these (w stored zero-centred), by w elsewhere
 OFFSET_NORM_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
+# attention with a learned sink logit per head, sliding windows on the "sliding_attention" layers, a biased router
+# and biased experts with the clamped GLU (kernels.expert_grads.GPT_OSS_GLU)
+GPT_OSS_ARCHS = ("gpt_oss",)
 
 
 @dataclass(frozen=True)
@@ -257,9 +262,11 @@ def causal_attention(q_THD, k_THD, v_THD, packing: Packing, scale: float) -> tor
 
 
 class Attention(nn.Module):
-    """GQA with per-head q/k RMSNorm, partial RoPE and (Qwen3.5/Qwen3-Next) a sigmoid output gate per channel."""
+    """GQA with per-head q/k RMSNorm, partial RoPE and (Qwen3.5/Qwen3-Next) a sigmoid output gate per channel;
+    gpt-oss: a learned sink logit per head (`sinks`) and, on its sliding layers, a `window` (both through
+    launch/sink_attention.py)."""
 
-    def __init__(self, s: ModelShape, norm_offset: float):
+    def __init__(self, s: ModelShape, norm_offset: float, window: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
         self.output_gate = s.attn_output_gate
@@ -273,6 +280,11 @@ class Attention(nn.Module):
         self.scale = softmax_scale(s)
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
+        self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.arch in GPT_OSS_ARCHS else None
+        self.window = window  # keys fewer than `window` positions back (None: every earlier key of the document)
+        # the share of o_proj's bias this rank adds: 1/tp under tensor parallelism (launch/tensor_parallel.py sets
+        # it), whose ranks' partial outputs are summed
+        self.o_proj_bias_share = 1.0
         # None: the whole sequence is here; launch/context_parallel.py installs its ContextParallel (K/V exchange)
         self.context_parallel = None
 
@@ -289,12 +301,20 @@ class Attention(nn.Module):
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = apply_rope(q, *rope), apply_rope(k, *rope)
-        if _context_parallel(self, packing) is not None:
+        if self.sinks is not None or self.window is not None:
+            if _context_parallel(self, packing) is not None:
+                o = self.context_parallel.sink_attention(q, k, v, self.sinks, packing, self.scale, self.window)
+            else:
+                o = sink_attention(q, k, v, self.sinks, packing, self.scale, self.window)
+            o = o.reshape(T, -1)
+        elif _context_parallel(self, packing) is not None:
             o = self.context_parallel.attention(q, k, v, packing, self.scale).reshape(T, -1)
         else:
             o = causal_attention(q, k, v, packing, self.scale).reshape(T, -1)
         if self.output_gate:
             o = o * torch.sigmoid(gate)
+        if self.o_proj.bias is not None and self.o_proj_bias_share != 1.0:
+            return F.linear(o, self.o_proj.weight, self.o_proj.bias * self.o_proj_bias_share)
         return self.o_proj(o)
 
 
@@ -464,21 +484,25 @@ class DecoderLayer(nn.Module):
         self.layer_type = layer_type
         if layer_type == "full_attention":
             self.self_attn = MLAttention(s) if s.mla is not None else Attention(s, norm_offset)
+        elif layer_type == "sliding_attention" and s.mla is None and s.sliding_window:
+            self.self_attn = Attention(s, norm_offset, window=s.sliding_window)
         elif layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(s)
         else:
             raise ValueError(f"layer type {layer_type!r} is not supported by this model (full_attention, "
-                             f"linear_attention)")
+                             f"sliding_attention with a sliding_window, linear_attention)")
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
         if dense:
             self.mlp = SwiGLU(s.hidden_size, s.dense_ffn)
         else:
+            gpt_oss = s.arch in GPT_OSS_ARCHS
             self.mlp = MoE(s.hidden_size, s.num_experts, s.top_k, s.expert_ffn, s.shared_expert_ffn,
-                           s.shared_expert_gate, s.norm_topk_prob, s.sigmoid_router)
+                           s.shared_expert_gate, s.norm_topk_prob, s.sigmoid_router, router_bias=gpt_oss,
+                           activation=GPT_OSS_GLU if gpt_oss else SWIGLU, expert_bias=gpt_oss)
 
     def forward(self, x_TD: torch.Tensor, rope, packing: Packing) -> torch.Tensor:
-        mixer = self.self_attn if self.layer_type == "full_attention" else self.linear_attn
+        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
         x_TD = x_TD + mixer(self.input_layernorm(x_TD), rope, packing)
         return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
 

@@ -7,7 +7,9 @@ The routed experts live in their own submodule (`GroupedExperts`): tokens and th
 sum of their experts' outputs out. How the tokens reach the experts is a pluggable `token_dispatch` (None: every
 expert is local); expert parallelism (launch/expert_parallel.py) installs one that sends them across ranks, so this
 module holds no communication and the expert submodule is one FSDP unit called once per forward.
-Parameter names and layouts follow Hugging Face's fused-expert layout: gate_up_proj [E, 2I, D], down_proj [E, D, I].
+Parameter names and layouts follow Hugging Face's fused-expert layout: gate_up_proj [E, 2I, D], down_proj [E, D, I];
+gpt-oss's experts add biases (gate_up_proj_bias [E, 2I], down_proj_bias [E, D]) and a clamped activation
+(kernels.expert_grads.GLU), and its router a bias.
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.expert_grads import slot_grads, swiglu_backward
+from kernels.expert_grads import GLU, SWIGLU, glu_forward, slot_grads, swiglu_backward
 
 
 # Up to LOOP_EXPERTS local experts of at least LOOP_MIN_WEIGHT elements a matrix, the per-expert loop of cuBLAS
@@ -118,12 +120,61 @@ def grouped_weight_grad(dy_MO, x_MD, counts: list[int] | None, offs_E) -> torch.
     return _weight_grad_loop(dy_MO, x_MD, counts)
 
 
+# the ones operand of the grouped bias-gradient GEMM: 8 columns keep its bf16 rows 16 bytes wide (the kernel's
+# alignment); the first column is the sum
+_ONES_COLUMNS = 8
+
+
+def grouped_bias_grad(dy_MO, counts: list[int] | None, offs_E) -> torch.Tensor:
+    """Per expert e: the sum of dy_e's rows → [E, O] (the gradient of a per-expert bias added to `grouped_linear`'s
+    output; zero for an idle expert). Where the grouped GEMMs run (no host counts) it is the grouped weight
+    gradient against a column of ones (no host sync, no atomics); else one sum an expert."""
+    E, (M, O) = offs_E.shape[0], dy_MO.shape
+    if counts is None or _use_grouped_mm(dy_MO, (E, O, _ONES_COLUMNS)):
+        ones = dy_MO.new_ones(M, _ONES_COLUMNS)
+        return torch._grouped_mm(dy_MO.t(), ones, offs=offs_E)[..., 0].contiguous()
+    out = dy_MO.new_empty(E, O)
+    start = 0
+    for e, n in enumerate(counts):
+        if n:
+            torch.sum(dy_MO[start:start + n], dim=0, out=out[e])
+        else:
+            out[e].zero_()
+        start += n
+    return out
+
+
+def add_expert_bias_(rows_MO, bias_EO, counts: list[int] | None, offs_E) -> torch.Tensor:
+    """rows += the bias of each row's expert (rows sorted by expert), in place: one add an expert with host counts,
+    else one gather of each row's bias (the expert of row m: the first offset above m)."""
+    if counts is not None:
+        start = 0
+        for e, n in enumerate(counts):
+            if n:
+                rows_MO[start:start + n] += bias_EO[e]
+            start += n
+        return rows_MO
+    expert_M = torch.searchsorted(offs_E, torch.arange(rows_MO.shape[0], device=offs_E.device, dtype=offs_E.dtype),
+                                  right=True)
+    return rows_MO.add_(bias_EO.index_select(0, expert_M))
+
+
 class GroupedExperts(nn.Module):
-    def __init__(self, num_experts: int, dim: int, ffn: int):
+    """Every routed expert: y = act(x W1ᵀ [+ b1]) W2ᵀ [+ b2], act the `activation` GLU of h = [gate | up] (SwiGLU;
+    gpt-oss's clamped form, with the biases)."""
+
+    def __init__(self, num_experts: int, dim: int, ffn: int, activation: GLU = SWIGLU, bias: bool = False):
         super().__init__()
         self.num_experts, self.dim, self.ffn_dim = num_experts, dim, ffn
+        self.activation = activation
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * ffn, dim))
         self.down_proj = nn.Parameter(torch.empty(num_experts, dim, ffn))
+        if bias:  # [gate | up] as the rows of gate_up_proj
+            self.gate_up_proj_bias = nn.Parameter(torch.empty(num_experts, 2 * ffn))
+            self.down_proj_bias = nn.Parameter(torch.empty(num_experts, dim))
+        else:
+            self.register_parameter("gate_up_proj_bias", None)
+            self.register_parameter("down_proj_bias", None)
         # (module, x_TD, top_w_TK, top_e_TK) -> out_TD; None: all experts are local (launch/expert_parallel.py)
         self.token_dispatch = None
 
@@ -131,18 +182,27 @@ class GroupedExperts(nn.Module):
         """Σ_k top_w_TK[t, k] · expert_{top_e_TK[t, k]}(x_TD[t]) for every token t."""
         if self.token_dispatch is not None:
             return self.token_dispatch(self, x_TD, top_w_TK, top_e_TK)
-        return _RoutedExperts.apply(x_TD, top_w_TK, top_e_TK, self.gate_up_proj, self.down_proj)
+        return _RoutedExperts.apply(x_TD, top_w_TK, top_e_TK, self.gate_up_proj, self.down_proj,
+                                    self.gate_up_proj_bias, self.down_proj_bias, self.activation)
 
 
 class TopKRouter(nn.Module):
-    def __init__(self, num_experts: int, dim: int, top_k: int, norm_topk_prob: bool):
+    """Softmax routing: the top-k experts of softmax(logits), renormalized over the k when norm_topk_prob. With a
+    bias (gpt-oss: logits = x Wᵀ + b) and renormalized, the k are chosen on the logits and weighted by a softmax
+    over those k logits, as gpt-oss computes it: the same weights as softmax, top-k, renormalize."""
+
+    def __init__(self, num_experts: int, dim: int, top_k: int, norm_topk_prob: bool, bias: bool = False):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (router logits [T, E], top-k weights [T, K] in x's dtype, top-k expert ids [T, K])."""
-        logits_TE = F.linear(x_TD, self.weight)
+        logits_TE = F.linear(x_TD, self.weight, self.bias)
+        if self.bias is not None and self.norm_topk_prob:
+            top_l_TK, top_e_TK = torch.topk(logits_TE, self.top_k, dim=-1)
+            return logits_TE, torch.softmax(top_l_TK.float(), dim=-1).to(x_TD.dtype), top_e_TK
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
         top_w_TK, top_e_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -257,11 +317,17 @@ def free_at_last_use(*tensors: torch.Tensor) -> None:
         t.untyped_storage().resize_(0)
 
 
-def expert_ffn(x_MD, w1_EFD, w2_EDI, counts: list[int] | None, offs_E) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SwiGLU experts over rows sorted by expert: (h = x W1ᵀ, [gate | up]; y = (silu(gate)·up) W2ᵀ)."""
+def expert_ffn(x_MD, w1_EFD, w2_EDI, counts: list[int] | None, offs_E, glu: GLU = SWIGLU, b1_EF=None,
+               b2_ED=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The experts over rows sorted by expert: (h = x W1ᵀ + b1, [gate | up]; y = glu(h) W2ᵀ + b2), the biases
+    optional (gpt-oss's), the activation SwiGLU (silu(gate)·up) or another `GLU`."""
     h_MF = grouped_linear(x_MD, w1_EFD, counts, offs_E)
-    gate, up = h_MF.chunk(2, dim=-1)
-    return h_MF, grouped_linear(F.silu(gate) * up, w2_EDI, counts, offs_E)
+    if b1_EF is not None:
+        add_expert_bias_(h_MF, b1_EF, counts, offs_E)
+    y_MD = grouped_linear(glu_forward(h_MF, glu), w2_EDI, counts, offs_E)
+    if b2_ED is not None:
+        add_expert_bias_(y_MD, b2_ED, counts, offs_E)
+    return h_MF, y_MD
 
 
 def combine_into(out_TD: torch.Tensor, y_MD: torch.Tensor, order_M: torch.Tensor, top_w_TK: torch.Tensor) -> None:
@@ -276,10 +342,12 @@ class _RoutedExperts(torch.autograd.Function):
     """Every routed expert on this rank, forward and backward written out (what autograd would do, less what it
     would keep and the kernels it would add):
 
-        forward:  x_M = x[token_M] (sorted by expert); h = x_M W1ᵀ; y = (silu(gate)·up) W2ᵀ; out_t = Σ_k w_tk y_tk
+        forward:  x_M = x[token_M] (sorted by expert); h = x_M W1ᵀ (+ b1); y = glu(h) W2ᵀ (+ b2);
+                  out_t = Σ_k w_tk y_tk (glu: SwiGLU's silu(gate)·up, or gpt-oss's clamped form)
         backward: g = dL/dout_t · w_tk and dL/dw_tk = dL/dout_t · y_tk, one kernel over the rows (slot_grads);
                   dh and the activation a from g W2 and h, one kernel (swiglu_backward); the weight gradients
-                  gᵀa and dhᵀx_M; dx_M = dh W1, back to (token, slot) order and summed over the slots
+                  gᵀa and dhᵀx_M, the bias gradients each expert's sums of g's and dh's rows;
+                  dx_M = dh W1, back to (token, slot) order and summed over the slots
 
     It saves x_M, h and y (the activation is recomputed in the backward's SwiGLU kernel), where autograd's graph of
     the same forward keeps the activation and silu(gate) as well, and its backward forms the routing weights'
@@ -288,15 +356,16 @@ class _RoutedExperts(torch.autograd.Function):
     launch/expert_parallel.py, does the same)."""
 
     @staticmethod
-    def forward(ctx, x_TD, top_w_TK, top_e_TK, w1_EFD, w2_EDI):
+    def forward(ctx, x_TD, top_w_TK, top_e_TK, w1_EFD, w2_EDI, b1_EF=None, b2_ED=None, glu: GLU = SWIGLU):
         # inside the backward pass (graph task running): this is the recompute of a checkpointed layer
         recompute = torch._C._current_graph_task_id() != -1
         order_M, token_M, counts_E = permute(top_e_TK, w1_EFD.shape[0])
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         # the loop needs them on the host
         ctx.counts = None if _use_grouped_mm(x_TD, w1_EFD.shape) else counts_E.tolist()
+        ctx.glu, ctx.bias_dtypes = glu, tuple(None if b is None else b.dtype for b in (b1_EF, b2_ED))
         x_MD = x_TD[token_M]
-        h_MF, y_MD = expert_ffn(x_MD, w1_EFD, w2_EDI, ctx.counts, offs_E)
+        h_MF, y_MD = expert_ffn(x_MD, w1_EFD, w2_EDI, ctx.counts, offs_E, glu, b1_EF, b2_ED)
         ctx.save_for_backward(x_MD, h_MF, y_MD, order_M, offs_E, top_w_TK, w1_EFD, w2_EDI)
         out_TD = x_TD.new_empty(x_TD.shape)
         if not recompute:
@@ -314,11 +383,14 @@ class _RoutedExperts(torch.autograd.Function):
                                 out=g_MD)
         free_at_last_use(y_MD)
         del y_MD
-        dh_MF, a_MI = swiglu_backward(h_MF, grouped_linear_dx(g_MD, w2, counts, offs_E))
+        b1_dtype, b2_dtype = ctx.bias_dtypes
+        db2 = None if b2_dtype is None else grouped_bias_grad(g_MD, counts, offs_E).to(b2_dtype)
+        dh_MF, a_MI = swiglu_backward(h_MF, grouped_linear_dx(g_MD, w2, counts, offs_E), glu=ctx.glu)
         free_at_last_use(h_MF)
         del h_MF
         dw2 = grouped_weight_grad(g_MD, a_MI, counts, offs_E)
         del g_MD, a_MI
+        db1 = None if b1_dtype is None else grouped_bias_grad(dh_MF, counts, offs_E).to(b1_dtype)
         dw1 = grouped_weight_grad(dh_MF, x_MD, counts, offs_E)
         free_at_last_use(x_MD)
         del x_MD
@@ -326,20 +398,25 @@ class _RoutedExperts(torch.autograd.Function):
         del dh_MF
         dx_TD = unpermute(dx_MD, order_M).view(T, K, -1).sum(1)
         dw_TK = dw_M.new_empty(T * K).index_copy_(0, order_M, dw_M).view(T, K)
-        return dx_TD.to(dout_TD.dtype), dw_TK.to(top_w_TK.dtype), None, dw1.to(w1.dtype), dw2.to(w2.dtype)
+        return (dx_TD.to(dout_TD.dtype), dw_TK.to(top_w_TK.dtype), None, dw1.to(w1.dtype), dw2.to(w2.dtype), db1,
+                db2, None)
 
 
 class MoE(nn.Module):
+    """Router → routed experts (+ shared expert). gpt-oss: `router_bias` (its router, TopKRouter's biased form),
+    `expert_bias` and its clamped `activation`."""
+
     def __init__(self, dim: int, num_experts: int, top_k: int, ffn: int, shared_ffn: int = 0,
-                 shared_gate: bool = False, norm_topk_prob: bool = True, sigmoid_router=None):
+                 shared_gate: bool = False, norm_topk_prob: bool = True, sigmoid_router=None,
+                 router_bias: bool = False, activation: GLU = SWIGLU, expert_bias: bool = False):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         if sigmoid_router is None:
-            self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob)
+            self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob, bias=router_bias)
         else:  # a recipe.models.SigmoidRouter
             self.gate = SigmoidTopKRouter(num_experts, dim, top_k, norm_topk_prob, sigmoid_router.groups,
                                           sigmoid_router.topk_groups, sigmoid_router.scaling)
-        self.experts = GroupedExperts(num_experts, dim, ffn)
+        self.experts = GroupedExperts(num_experts, dim, ffn, activation, expert_bias)
         self.shared_expert = SwiGLU(dim, shared_ffn) if shared_ffn else None
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_ffn and shared_gate else None
 

@@ -50,7 +50,8 @@ class MasterAdamW:
         self.masters = [p if p.dtype == master_dtype else
                         torch.nn.Parameter(p.detach().to(master_dtype).clone(), requires_grad=False)
                         for p in self.params]
-        self.decays = [p.dim() >= 2 for p in self.params]  # no decay on norms, dt_bias, A_log
+        # no decay on norms, dt_bias, A_log, biases (gpt-oss's per-expert ones are 2-D)
+        self.decays = [p.dim() >= 2 and not n.endswith("bias") for n, p in zip(self.names, self.params)]
         self.distributed = any(hasattr(p, "device_mesh") for p in self.params)
         self.num_steps = 0
         self.groups = self._groups(group_numel)

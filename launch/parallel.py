@@ -249,8 +249,10 @@ def _apply_expert_parallel(model: nn.Module, meshes: Meshes, num_chunks: int) ->
             raise LayoutError(f"ep={ep} does not divide the {experts.num_experts} experts")
         per_rank = experts.num_experts // ep
         if ep > 1:
-            for name in ("gate_up_proj", "down_proj"):
+            for name in ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"):
                 full = getattr(experts, name)
+                if full is None:  # no expert biases (every family but gpt-oss)
+                    continue
                 local = full.detach()[rank * per_rank:(rank + 1) * per_rank].clone()
                 setattr(experts, name, nn.Parameter(DTensor.from_local(local, ep_mesh, [Shard(0)], run_check=False)))
         experts.token_dispatch = ExpertParallel(meshes.ep_group, experts.num_experts, num_chunks, stream)

@@ -6,14 +6,17 @@ Shape legend: T tokens of the micro-batch, Tl = ⌈T / tp⌉ tokens a rank holds
 Parameters (DTensors on the 1-D tp mesh, as ColwiseParallel / RowwiseParallel / SequenceParallel place them; FSDP2
 then shards each over dp, so checkpoints hold the whole tensors under the same names for every layout):
 
-    Shard(0)    attention q_proj (per head [query | gate] rows), k_proj, v_proj; MLA's q_proj or q_b_proj and
+    Shard(0)    attention q_proj (per head [query | gate] rows), k_proj, v_proj (and their biases), gpt-oss's
+                sinks (one per query head); MLA's q_proj or q_b_proj and
                 kv_b_proj (per head rows); Gated DeltaNet in_proj_qkv and conv1d (rows grouped per key head,
                 launch/model.py), in_proj_z, in_proj_b, in_proj_a, dt_bias, A_log; a dense layer's MLP gate_proj
                 and up_proj; embed_tokens and lm_head (vocabulary rows)
     Shard(1)    o_proj, out_proj, a dense MLP's down_proj (rowwise: each rank's share gives a partial sum)
     Replicate   every other dense parameter: the residual-stream RMSNorms, q/k norms and the Gated DeltaNet output
                 norm, MLA's q_a_proj, kv_a_proj_with_mqa and their norms (the latents every head reads), router,
-                shared expert and its gate
+                shared expert and its gate; an attention o_proj bias (each rank adds 1/tp of it to its partial sum,
+                `Attention.o_proj_bias_share`: the reduce-scatter adds it up to one bias, and each rank's gradient,
+                1/tp of the bias's, sums to it)
 
 The residual stream between mixers is sequence-parallel: each tp rank holds Tl of the micro-batch's tokens (the
 sequence zero-padded to tp·Tl). Per decoder layer:
@@ -142,6 +145,8 @@ def _placements(model: nn.Module) -> dict[str, str]:
                 out[f"{prefix}{p}.weight"] = "row"
                 if getattr(m, p).bias is not None:
                     out[f"{prefix}{p}.bias"] = "row"
+            if m.sinks is not None:  # one per query head: split with the heads
+                out[f"{prefix}sinks"] = "row"
             out[f"{prefix}o_proj.weight"] = "col"
         elif isinstance(m, GatedDeltaNet):
             for p in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
@@ -171,7 +176,7 @@ def _is_dense_mlp(name: str, module: nn.Module) -> bool:
 
 def check_model(model: nn.Module, tp: int) -> None:
     """One line for a model this tensor parallelism cannot split exactly."""
-    from launch.model import ATTENTION_MIXERS, GatedDeltaNet
+    from launch.model import ATTENTION_MIXERS, Attention, GatedDeltaNet
 
     s = model.shape
     if s.tie_embeddings:
@@ -179,7 +184,7 @@ def check_model(model: nn.Module, tp: int) -> None:
                          f"not split; use tp=1")
     for m in model.modules():
         if isinstance(m, ATTENTION_MIXERS):
-            if m.o_proj.bias is not None:
+            if m.o_proj.bias is not None and not isinstance(m, Attention):  # Attention adds its share of it
                 raise ValueError(f"tp={tp}: {s.name}'s attention output projection has a bias (not split by this "
                                  f"tensor parallelism); use tp=1")
             if m.num_heads % tp or m.num_kv_heads % tp:
@@ -250,6 +255,9 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
         blocks += [m for m in layer.children() if m is not mixer]  # norms, the MoE / MLP
         mlps += [m for name, m in layer.named_children() if _is_dense_mlp("." + name, m)]
     _localize([*mixers, *blocks, model.embed_tokens, model.norm], mesh)
+    for mixer in mixers:
+        if hasattr(mixer, "o_proj_bias_share"):  # each rank's partial output carries 1/tp of o_proj's bias
+            mixer.o_proj_bias_share = 1.0 / tp.size
 
     def model_pre(module, args):
         tp.num_tokens = args[1].num_tokens if len(args) > 1 else args[0].shape[0]

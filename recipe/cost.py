@@ -981,6 +981,32 @@ def estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: Tra
         comm_bytes=comm, lm_head_own_gb=head_own / GB, compute_s={k: v * mb for k, v in compute.items()},
     )
 
+
+def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
+    """(in, out) widths of one layer's dense matmuls (the mixer's projections; the router and shared expert of a MoE
+    layer, or a dense FFN), each a token's GEMM row: 2·in·out FLOPs, in + out activations read and written."""
+    h = m.hidden_size
+    if kind == "linear_attention":
+        la = m.linear_attn
+        kd, vd = la.num_k_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
+        mixer = [(h, 2 * kd + vd), (h, vd), (h, la.num_v_heads), (h, la.num_v_heads), (vd, h)]
+    elif m.mla is not None:
+        a = m.mla
+        qk = m.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
+        q = [(h, a.q_lora_rank), (a.q_lora_rank, qk)] if a.q_lora_rank else [(h, qk)]
+        mixer = q + [(h, a.kv_lora_rank + a.qk_rope_head_dim),
+                     (a.kv_lora_rank, m.num_heads * (a.qk_nope_head_dim + a.v_head_dim)),
+                     (m.num_heads * a.v_head_dim, h)]
+    else:
+        q_out = m.num_heads * m.head_dim * (2 if m.attn_output_gate else 1)
+        kv = m.num_kv_heads * m.head_dim
+        mixer = [(h, q_out), (h, kv), (h, kv), (m.num_heads * m.head_dim, h)]
+    if not moe:
+        return mixer + [(h, m.dense_ffn), (h, m.dense_ffn), (m.dense_ffn, h)]
+    shared = [(h, m.shared_expert_ffn)] * 2 + [(m.shared_expert_ffn, h)] if m.shared_expert_ffn else []
+    return mixer + [(h, m.num_experts)] + shared + ([(h, 1)] if m.shared_expert_ffn and m.shared_expert_gate else [])
+
+
 # ---- pipeline stages -----------------------------------------------------------------------------------------
 def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
     """Forward FLOPs per token of each decoder layer, by the operation whose rate it runs at (rates): dense_gemm

@@ -117,9 +117,11 @@ class RopeScaling(Record):
 
 # what the training core (launch/) builds: the Qwen3.5 / Qwen3-Next hybrids (MoE and dense), Qwen3-MoE, Mixtral
 # (Qwen3-MoE's block without q/k norms, top-k weights renormalized), DeepSeek-V3 (multi-head latent attention, sigmoid
-# routing; Kimi-K2 and Moonlight share it), GLM-4.5 (sigmoid routing, q/k/v biases, partial RoPE) and dense
-# Llama-family stacks (Llama, Qwen2, Qwen3, Mistral without a sliding window); `recipe solve` plans every arch
-TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "qwen3_5", "dense")
+# routing; Kimi-K2 and Moonlight share it), GLM-4.5 (sigmoid routing, q/k/v biases, partial RoPE), gpt-oss (attention
+# sinks, sliding-window layers, biased router and experts, clamped GLU) and dense Llama-family stacks (Llama, Qwen2,
+# Qwen3, Mistral without a sliding window); `recipe solve` plans every arch
+TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5",
+                 "dense")
 
 
 def trainable(shape: "ModelShape") -> str | None:
@@ -128,11 +130,14 @@ def trainable(shape: "ModelShape") -> str | None:
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Mixtral, DeepSeek-V3 "
-                f"(Kimi-K2, Moonlight), GLM-4.5 and dense Llama/Qwen/Mistral stacks; not gpt-oss, Llama 4, "
+                f"(Kimi-K2, Moonlight), GLM-4.5, gpt-oss and dense Llama/Qwen/Mistral stacks; not Llama 4, "
                 f"ERNIE-4.5, OLMoE, Granite or Qwen2-MoE)")
     sc = shape.rope_scaling
+    gpt_oss = shape.arch == "gpt_oss"
     unsupported = [what for what, present in (
-        ("sliding-window attention", bool(shape.sliding_window)),
+        ("sliding-window attention", bool(shape.sliding_window) and not gpt_oss),
+        ("sliding_attention layers without a sliding_window",
+         shape.num_sliding_layers > 0 and not shape.sliding_window),
         ("DeepSeek-V2's softmax routing", shape.arch == "deepseek_v3" and shape.sigmoid_router is None),
         (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and sc.kind not in ROPE_SCALINGS))
                    if present]
@@ -146,6 +151,11 @@ def _positive(rec, names, strict: bool = True) -> None:
         v = getattr(rec, n)
         if isinstance(v, bool) or not isinstance(v, int) or (v <= 0 if strict else v < 0):
             raise ValueError(f"{n} must be a {'positive' if strict else 'non-negative'} integer, got {v!r}")
+
+
+# gpt-oss's published rope_scaling, and transformers' default for a gpt_oss config without one
+GPT_OSS_ROPE_SCALING = RopeScaling(kind="yarn", factor=32.0, original_max_position=4096, beta_fast=32.0, beta_slow=1.0,
+                                   truncate=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -325,8 +335,9 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
     "gpt-oss-120b": lambda: ModelShape(
             name="gpt-oss-120b", arch="gpt_oss", hidden_size=2880, num_layers=36, vocab_size=201088,
             layer_types=("sliding_attention", "full_attention") * 18, num_heads=64, num_kv_heads=8, head_dim=64,
-            qk_norm=False, attn_bias=True, sliding_window=128, rope_theta=150000.0, num_experts=128, top_k=4,
-            expert_ffn=2880, router_bias=True, max_position=131072, source="openai/gpt-oss-120b config.json",
+            qk_norm=False, attn_bias=True, sliding_window=128, rope_theta=150000.0,
+            rope_scaling=GPT_OSS_ROPE_SCALING, num_experts=128, top_k=4, expert_ffn=2880, router_bias=True,
+            rms_norm_eps=1e-5, max_position=131072, source="openai/gpt-oss-120b config.json",
         ),
     "mixtral-8x7b": lambda: ModelShape(
             name="mixtral-8x7b", arch="mixtral", hidden_size=4096, num_layers=32, vocab_size=32000,
@@ -659,10 +670,19 @@ def _from_hf_config(path: Path) -> ModelShape:
         if model_type != "deepseek_v2":  # V2's softmax routing is planned only (`trainable` says so)
             fields["sigmoid_router"] = _sigmoid_router(cfg, model_type, opt, number)
     elif arch == "gpt_oss":
-        window = cfg.get("sliding_window")
-        fields.update(qk_norm=False, attn_bias=True, router_bias=True,
+        # transformers' defaults for what a gpt_oss config leaves out: layers alternating sliding (first) and full,
+        # a 128-token window, RoPE base 150,000 with the published YaRN scaling, eps 1e-5
+        window = cfg.get("sliding_window", 128)
+        fields.update(qk_norm=False, attn_bias=opt_flag("attention_bias", True), router_bias=True,
                       sliding_window=None if window is None else count(window, "sliding_window"),
-                      expert_ffn=req("intermediate_size"))
+                      expert_ffn=req("intermediate_size"), rms_norm_eps=opt_num("rms_norm_eps", 1e-5))
+        if not cfg.get("layer_types") and 0 < n_layers <= 100_000:
+            fields["layer_types"] = tuple("sliding_attention" if i % 2 == 0 else "full_attention"
+                                          for i in range(n_layers))
+        if rope_theta is None:
+            fields["rope_theta"] = 150000.0
+        if scaling is None and cfg.get("rope_scaling") is None and cfg.get("rope_parameters") is None:
+            fields["rope_scaling"] = plain(GPT_OSS_ROPE_SCALING)
     elif arch == "mixtral":
         fields.update(qk_norm=False, expert_ffn=req("intermediate_size"))
     elif arch == "glm4_moe":

@@ -40,7 +40,9 @@ CASES = {
         ["pp2", 1, 1, 1, 1, "cp_off", "full", 1, 2, [3, 1]],
         ["pp2_v2", 1, 1, 1, 1, "cp", "full", 1, 2, [1, 1, 1, 1]],  # interleaved: 2 virtual stages a rank
         ["dense_dp2", 2, 1, 1, 1, "dense"], ["max_over_ranks", "memory"],
-        ["mla_cp2", 1, 1, 1, 2, "mla"], ["mla_tp2_ep2", 1, 2, 2, 1, "mla", "full", 2]],
+        ["mla_cp2", 1, 1, 1, 2, "mla"], ["mla_tp2_ep2", 1, 2, 2, 1, "mla", "full", 2],
+        ["oss_ep2", 2, 2, 2, 1, "oss"], ["oss_tp2_ep2", 1, 2, 1, 1, "oss", "full", 2],
+        ["oss_pp2", 1, 1, 1, 1, "oss", "full", 1, 2], ["oss_cp2", 1, 1, 1, 2, "oss"]],
     4: [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
         ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
         ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
@@ -73,9 +75,11 @@ VARIANTS = {
     # a DeepSeek-V3-style model (tiny_mla), on-policy with the KL term, micro-batches of up to 128 tokens (for CP),
     # advantages offset as "cp"'s
     "mla": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
+    # a gpt-oss-style model (tiny_oss), as "mla"
+    "oss": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
 }
 # the model each variant trains (default: tiny-moe)
-VARIANT_SHAPES = {"dense": "tiny-dense", "mla": "tiny-mla"}
+VARIANT_SHAPES = {"dense": "tiny-dense", "mla": "tiny-mla", "oss": "tiny-oss"}
 
 
 def tiny_mla():
@@ -93,6 +97,23 @@ def tiny_mla():
                       dense_ffn=48, rope_theta=10000.0,
                       rope_scaling=RopeScaling(kind="yarn", factor=4.0, original_max_position=32, mscale=1.0,
                                                mscale_all_dim=1.0))
+
+
+def tiny_oss():
+    """gpt-oss's blocks at tiny widths: attention sinks, sliding (window 8: the documents run to 42 tokens) and
+    full layers alternating, q/k/v/o biases, 4 query heads over 2 KV heads, a biased router over 8 experts (top-2)
+    with biases and the clamped GLU, YaRN (truncate false). `_model` scales its experts' gate_up weights so the clamp
+    at 7 acts."""
+    from recipe.models import ModelShape, RopeScaling
+
+    return ModelShape(name="tiny-oss", arch="gpt_oss", hidden_size=64, num_layers=4, vocab_size=512,
+                      layer_types=("sliding_attention", "full_attention") * 2, num_heads=4, num_kv_heads=2,
+                      head_dim=16, qk_norm=False, attn_bias=True, sliding_window=8, num_experts=8, top_k=2,
+                      expert_ffn=32, router_bias=True, rope_theta=150000.0, rms_norm_eps=1e-5,
+                      rope_scaling=RopeScaling(kind="yarn", factor=32.0, original_max_position=16, beta_fast=32.0,
+                                               beta_slow=1.0, truncate=False))
+
+
 # exp(A_log) per value head, so that the state entering a segment matters: with softplus(·) ≈ 1.3 a head keeps
 # e^{-0.5}..e^{-2.5} of its state over a 32-token segment (the initial A_log = log U(1, 16) forgets it within a few
 # tokens, and the combine would go untested)
@@ -109,6 +130,8 @@ def _shape(variant: str):
                                           first_dense_layers=moe.num_layers, dense_ffn=48))
     if VARIANT_SHAPES.get(variant) == "tiny-mla":
         return tiny_mla()
+    if VARIANT_SHAPES.get(variant) == "tiny-oss":
+        return tiny_oss()
     return PRESETS["tiny-moe"]
 
 
@@ -124,6 +147,10 @@ def _model(shape, variant: str):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.linspace(-0.05, 0.05, b.numel(), device=b.device).roll(int(name.split(".")[1])))
+        if shape.arch == "gpt_oss":  # gate and up values of ±8 or so: the clamp at 7 acts (init std 0.02 gives ~0.2)
+            for name, p in model.named_parameters():
+                if name.endswith("experts.gate_up_proj"):
+                    p.mul_(50.0)
     if VARIANTS[variant][3]:
         with torch.no_grad():
             for m in model.modules():
@@ -350,6 +377,20 @@ def run_pieces(name: str, cp: int) -> dict:
         o = ctx.attention(lq, lk, lv, packing, 8 ** -0.5)
         cpm.DENSE_MASK_MAX_TOKENS, cpm.SPLIT_PIECES = saved
         out[path] = compare(o, causal_attention(rq, rk, rv, full, 8 ** -0.5), [lq, lk, lv], [rq, rk, rv])
+    # gpt-oss's attention: a sink logit per query head, full and sliding (a window inside a segment, and one
+    # reaching back past a whole segment), merged pieces and one lower-right call
+    from launch.sink_attention import sink_attention
+
+    sinks = rand(4)
+    for path, window, split in (("sink_full", None, True), ("sink_full_lower_right", None, False),
+                                ("sink_window5", 5, True), ("sink_window40", 40, True)):
+        (rq, rk, rv), (lq, lk, lv) = leaves(q, k, v)
+        rs, ls = sinks.clone().requires_grad_(), sinks.clone().requires_grad_()
+        saved, cpm.SPLIT_PIECES = cpm.SPLIT_PIECES, split
+        o = ctx.sink_attention(lq, lk, lv, ls, packing, 8 ** -0.5, window)
+        cpm.SPLIT_PIECES = saved
+        out[path] = compare(o, sink_attention(rq, rk, rv, rs, full, 8 ** -0.5, window), [lq, lk, lv], [rq, rk, rv],
+                            ls, rs)
     # causal conv + SiLU, 6 channels, width 4
     x, w = rand(Tp, 6), rand(6, 4)
     (rx,), (lx,) = leaves(x)
@@ -367,7 +408,8 @@ def run_pieces(name: str, cp: int) -> dict:
         alone = chunk_outputs(chunk_factors(*loc_in, packing.positions, chunk), o.new_zeros(2, 2, 4, 3))
         out["delta_without_combine"] = float((alone[real] - ref[idx[real]]).abs().max())
     out["delta"] = compare(o, ref, loc_in, ref_in)
-    names = ("attn_dense", "attn_pieces", "attn_lower_right", "conv", "delta", "delta_without_combine")
+    names = ("attn_dense", "attn_pieces", "attn_lower_right", "sink_full", "sink_full_lower_right", "sink_window5",
+             "sink_window40", "conv", "delta", "delta_without_combine")
     errs = torch.tensor([out[k] for k in names], dtype=f64)
     dist.all_reduce(errs, op=dist.ReduceOp.MAX)
     out.update(zip(names, errs.tolist()))

@@ -6,7 +6,9 @@ per check. Shapes are odd (not multiples of the tiles), the row operands are col
 the backward passes them, and an empty chunk (M = 0) returns empty outputs.
 fp32: within 1e-6 (relative L2) of the torch reference. bf16: every output element within one bf16 rounding
 (2^-7 relative, whichever way it rounds: the interpreter truncates where the GPU rounds to nearest) of the fp32
-reference on the same bf16 inputs, and dw within 1e-6 of an fp64 reference.
+reference on the same bf16 inputs, and dw within 1e-6 of an fp64 reference. The activation backward also in
+gpt-oss's clamped form (kernels.expert_grads.GPT_OSS_GLU), with gate and up values across and exactly at ±7; its
+torch reference against autograd through the forward's own ops.
 """
 
 from __future__ import annotations
@@ -17,7 +19,8 @@ import pytest
 import torch
 
 import interpreter
-from kernels.expert_grads import slot_grads, slot_grads_torch, swiglu_backward, swiglu_backward_torch
+from kernels.expert_grads import (GPT_OSS_GLU, GLU, glu_backward_torch, glu_forward, slot_grads, slot_grads_torch,
+                                   swiglu_backward, swiglu_backward_torch)
 
 
 def _rel(x, ref) -> float:
@@ -78,7 +81,32 @@ def swiglu_checks():
     assert dh.shape == (0, 6) and a.shape == (0, 3)
 
 
-INTERPRETER_CHECKS = {f.__name__: f for f in (slot_checks, swiglu_checks)}
+def _clamped_h(M: int, I: int) -> torch.Tensor:
+    """[gate | up] of std 5 (a third beyond ±7) with a few values exactly at the clamp's bounds."""
+    h = torch.randn(M, 2 * I) * 5
+    h[0, 0], h[-1, I], h[M // 2, -1] = 7.0, -7.0, 7.0
+    return h
+
+
+def glu_checks():
+    for M, I in [(37, 21), (3, 16), (1, 1)]:
+        for dtype in (torch.float32, torch.bfloat16):
+            h, da = _clamped_h(M, I).to(dtype), torch.randn(M, I).to(dtype)
+            dh, a = swiglu_backward(h, da, backend="triton", glu=GPT_OSS_GLU)
+            assert dh.dtype == a.dtype == dtype and dh.shape == (M, 2 * I) and a.shape == (M, I)
+            if dtype == torch.float32:
+                dh_ref, a_ref = glu_backward_torch(h, da, GPT_OSS_GLU)
+                assert _rel(dh, dh_ref) <= 1e-6 and _rel(a, a_ref) <= 1e-6, (_rel(dh, dh_ref), _rel(a, a_ref))
+            else:
+                dh32, a32 = glu_backward_torch(h.float(), da.float(), GPT_OSS_GLU)
+                assert _one_rounding(dh, dh32) and _one_rounding(a, a32), (M, I)
+    # SwiGLU through the same entry point keeps its own arithmetic, bitwise
+    h, da = torch.randn(9, 10), torch.randn(9, 5)
+    assert all(torch.equal(x, y) for x, y in zip(swiglu_backward(h, da, backend="triton", glu=GLU()),
+                                                  swiglu_backward(h, da, backend="triton")))
+
+
+INTERPRETER_CHECKS = {f.__name__: f for f in (slot_checks, swiglu_checks, glu_checks)}
 
 
 interpreter_results, test_triton_kernels_interpreter = interpreter.pytest_cases(__file__, INTERPRETER_CHECKS)
@@ -96,6 +124,28 @@ def test_swiglu_backward_is_the_gradient_of_swiglu():
     dh, a = swiglu_backward(h.detach(), da)
     assert torch.allclose(dh, h.grad, rtol=1e-6, atol=1e-6)  # fp32 inside
     assert torch.allclose(a, out.detach(), rtol=1e-6, atol=1e-6)
+
+
+def test_clamped_glu_backward_is_the_gradient_of_the_forward():
+    """gpt-oss's activation: the torch reference's dh against autograd through `glu_forward` (the ops the forward
+    runs: clamp, sigmoid, products) from fp64 inputs, with values beyond and exactly at ±7 (the clamps' gradients
+    pass at their bounds, as torch's clamp passes them); a is the forward's output; and the forward is the
+    definition, (clamp(up) + 1) · g · σ(1.702 g), g = min(gate, 7)."""
+    g = torch.Generator().manual_seed(4)
+    h = (torch.randn(11, 12, generator=g, dtype=torch.float64) * 5)
+    h[0, 0], h[1, 6], h[2, 11] = 7.0, -7.0, 7.0
+    h.requires_grad_()
+    da = torch.randn(11, 6, generator=g, dtype=torch.float64)
+    out = glu_forward(h, GPT_OSS_GLU)
+    out.backward(da)
+    dh, a = swiglu_backward(h.detach(), da, glu=GPT_OSS_GLU)
+    assert torch.allclose(dh, h.grad, rtol=1e-6, atol=1e-6) and torch.allclose(a, out.detach(), rtol=1e-6, atol=1e-6)
+    gate, up = h.detach().chunk(2, dim=-1)
+    clamped = gate.clamp(max=7.0)
+    assert torch.allclose(out.detach(), (up.clamp(-7.0, 7.0) + 1) * clamped * torch.sigmoid(1.702 * clamped))
+    assert (gate > 7).any() and (up.abs() > 7).any() and (h.grad == 0).any()  # the clamps act, and cut gradients
+    with pytest.raises(ValueError, match="limit must be positive"):
+        GLU(limit=0.0)
 
 
 def test_slot_grads_by_hand():

@@ -285,13 +285,17 @@ def test_a_plan_that_fails_validation(tmp_path, no_launch):
 
 
 def test_a_plan_of_a_model_the_core_does_not_train_is_refused_before_any_worker(tmp_path, no_launch):
-    """gpt-oss is planned, not trained: the launch says so in one line (recipe.models.trainable) and starts nothing;
-    DeepSeek-V3's plan passes that check (and stops at the rendezvous it needs)."""
-    plans = CPU_PLAN.parent
-    one_line_error(launch(str(plans / "gpt-oss-120b_h100_32k.yaml"), "--dry-run"),
-                   "gpt-oss-120b: arch 'gpt_oss' is planned by `recipe solve` but not trained", code=2)
-    r = launch(str(plans / "deepseek-v3_h100_32k.yaml"), "--dry-run")
-    assert "not trained" not in r.output and "--rdzv-endpoint" in r.output
+    """OLMoE (a softmax-routed MoE of arch "moe") is planned, not trained: the launch says so in one line
+    (recipe.models.trainable) and starts nothing; gpt-oss's plan at cp = 2 (attention sinks and sliding windows under
+    context parallelism) and DeepSeek-V3's pass that check (and stop at the rendezvous they need)."""
+    plan = tmp_path / "olmoe.yaml"
+    solved = runner.invoke(app, ["solve", "--model", str(ROOT / "tests/fixtures/configs/olmoe-1b-7b.json"), "--seq",
+                                 "8k", "--hw", "h100", "--output", str(plan)])
+    assert solved.exit_code == 0, solved.output
+    one_line_error(launch(str(plan), "--dry-run"), "arch 'moe' is planned by `recipe solve` but not trained", code=2)
+    for name in ("gpt-oss-120b_h100_32k.yaml", "deepseek-v3_h100_32k.yaml"):
+        r = launch(str(CPU_PLAN.parent / name), "--dry-run")
+        assert "not trained" not in r.output and "--rdzv-endpoint" in r.output, r.output
 
 
 def test_a_drifted_plan_warns_in_one_line_and_still_launches(tmp_path, no_launch):

@@ -413,7 +413,7 @@ def test_context_parallel_piece_runs_on_cudnn_as_prefix_plus_square(heads, kv_he
     scale = dim ** -0.5
 
     def run(fn, dtype):
-        xs = [t.to(dtype).requires_grad_() for t in (q, k, v)]
+        xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)]
         (fn(*xs).float() * w).sum().backward()
         return [fn(*xs).detach().float()] + [x.grad.float() for x in xs]
 
@@ -430,5 +430,79 @@ def test_context_parallel_piece_runs_on_cudnn_as_prefix_plus_square(heads, kv_he
     one_call = run(lower_right, torch.bfloat16)
     ours = run(split, torch.bfloat16)
     for name, r, a, b in zip(("o", "dq", "dk", "dv"), ref, one_call, ours):
+        err_one, err_ours = (((x - r).norm() / r.norm()).item() for x in (a, b))
+        assert err_ours < max(1.5 * err_one, 1e-2), (name, err_ours, err_one)
+
+
+def test_gpt_oss_in_bf16_runs_on_the_gpu_and_follows_fp32():
+    """A tiny gpt-oss (attention sinks, 128-token sliding windows on every other layer, biased router and experts,
+    the clamped GLU, YaRN) over two packed documents longer than the window: bf16 on the GPU (the sliding blocks'
+    batched masked call, the full layers' per-document call, grouped expert GEMMs with their biases) follows fp32 in
+    its hidden states and in every layer parameter's gradient, sinks included (the head is not run). Every token takes all four experts (top-4
+    of 4), so no routing choice can flip between the dtypes; the router's softmax weights still differ per token."""
+    from launch.model import Packing, build_model
+    from recipe.models import GPT_OSS_ROPE_SCALING, ModelShape
+
+    shape = ModelShape(name="tiny-gpt-oss", arch="gpt_oss", hidden_size=256, num_layers=4, vocab_size=512,
+                       layer_types=("sliding_attention", "full_attention") * 2, num_heads=8, num_kv_heads=2,
+                       head_dim=64, qk_norm=False, attn_bias=True, sliding_window=128, rope_theta=150000.0,
+                       rope_scaling=GPT_OSS_ROPE_SCALING, num_experts=4, top_k=4, expert_ffn=128, router_bias=True,
+                       rms_norm_eps=1e-5, max_position=131072)
+    ids = torch.randint(0, 512, (2048,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    packing = Packing.from_lengths([700, 1348], device="cuda")
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_model(shape, device="cuda", dtype=dtype, seed=1)
+        h = model(ids, packing)
+        r = torch.randn(h.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        (h.float() * r).sum().backward()
+        out[dtype] = h.detach(), {n: p.grad for n, p in model.named_parameters()}
+    (h32, g32), (h16, g16) = out[torch.float32], out[torch.bfloat16]
+    assert _rel(h16, h32) < 2e-2
+    missing = [n for n, g in g16.items() if n != "lm_head.weight" and (g is None or not torch.isfinite(g).all())]
+    assert not missing, missing
+    worst = max((_rel(g16[n], g), n) for n, g in g32.items() if g is not None and g.norm() > 0)
+    assert worst[0] < 3e-2, worst
+    assert any("sinks" in n for n in g16)
+
+
+def test_gpt_oss_context_parallel_piece_runs_on_cudnn_with_its_sink():
+    """gpt-oss's full-attention CP piece (launch/context_parallel.py `_sink_piece`): the sink key joins the prefix,
+    both parts run in cuDNN at the padded head size (72), and the result follows the fp32 softmax-with-sink as
+    closely as the one lower-right flash call does, in the output and the q, k, v and sink gradients."""
+    import launch.context_parallel as cpm
+    from launch.attention_parts import split_kernel
+    from launch.sink_attention import sink_channels
+
+    n, m, hq, hkv, d = 1024, 1536, 64, 8, 64
+    g = torch.Generator("cuda").manual_seed(0)
+    q = torch.randn(n, hq, d, device="cuda", generator=g)
+    k, v = (torch.randn(m + n, hkv, d, device="cuda", generator=g) for _ in range(2))
+    sinks = torch.randn(hq, device="cuda", generator=g)
+    w = torch.randn(n, hq, d, device="cuda", generator=g)
+    scale = d ** -0.5
+    qc, kc, vc, _, _ = sink_channels(q.bfloat16(), k.bfloat16(), v.bfloat16(), sinks, scale)
+    assert split_kernel(qc.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]) == "cudnn"
+
+    def reference(q_, k_, v_, s_):
+        kk, vv = (t.repeat_interleave(hq // hkv, 1) for t in (k_, v_))
+        logits = torch.einsum("qhd,khd->hqk", q_, kk) * scale
+        pos_q = torch.arange(m, m + n, device="cuda")[:, None]
+        logits = logits.masked_fill(torch.arange(m + n, device="cuda")[None, :] > pos_q, float("-inf"))
+        full = torch.cat([logits, s_[:, None, None].expand(hq, n, 1)], dim=-1).softmax(-1)[..., :-1]
+        return torch.einsum("hqk,khd->qhd", full, vv)
+
+    def run(fn, dtype, split=True):
+        xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)] + [sinks.detach().clone().requires_grad_()]
+        saved, cpm.SPLIT_PIECES = cpm.SPLIT_PIECES, split
+        o = fn(*xs)
+        cpm.SPLIT_PIECES = saved
+        (o.float() * w).sum().backward()
+        return [o.detach().float()] + [x.grad.float() for x in xs]
+
+    ref = run(reference, torch.float32)
+    one_call = run(lambda *a: cpm._sink_piece(*a, scale), torch.bfloat16, split=False)
+    ours = run(lambda *a: cpm._sink_piece(*a, scale), torch.bfloat16)
+    for name, r, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), ref, one_call, ours):
         err_one, err_ours = (((x - r).norm() / r.norm()).item() for x in (a, b))
         assert err_ours < max(1.5 * err_one, 1e-2), (name, err_ours, err_one)

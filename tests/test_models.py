@@ -382,6 +382,8 @@ def test_fixture_shapes():
     oss = rd("gpt-oss-120b")
     assert oss.num_sliding_layers == oss.num_full_attn_layers == 18 and oss.sliding_window == 128
     assert param_counts(oss)["attention"] > 0 and oss.arch == "gpt_oss"  # attention sinks counted per head
+    # the published config without rope_scaling reads as transformers reads it (YaRN ×32, truncate false): the preset
+    assert _same_shape(oss, PRESETS["gpt-oss-120b"]) and oss.rope_scaling.truncate is False
     glm, ernie = rd("glm-4.5"), rd("ernie-4.5-21b-a3b")
     assert glm.partial_rotary_factor == 0.5 and glm.attn_bias and glm.qk_norm and glm.first_dense_layers == 3
     assert ernie.tie_embeddings and ernie.shared_expert_ffn == 3072 and ernie.first_dense_layers == 1

@@ -107,11 +107,13 @@ def test_context_parallel_data_crosses_segment_edges_and_pads(world2, world4):
 @pytest.mark.parametrize("world, name", [(2, "pieces_cp2"), (4, "pieces_cp4")])
 def test_context_parallel_exchanges_are_exact_in_fp64(world2, world4, world, name):
     """K/V all-gather attention (dense-mask path; per piece as prefix + square merged by their log-sum-exps, and
-    as one lower-right causal call), the conv with its halo and the delta rule with its
+    as one lower-right causal call), gpt-oss's attention with sinks (full, merged and one call; sliding windows of
+    5 and 40 tokens, the second reaching past a segment), the conv with its halo and the delta rule with its
     state combine, forward and backward across ranks, equal the one-process functions to fp64 rounding; documents
     start on a segment edge and inside segments. Without the combine the delta rule is off by > 0.1."""
     r = {2: world2, 4: world4}[world][name]
-    for piece in ("attn_dense", "attn_pieces", "attn_lower_right", "conv", "delta"):
+    for piece in ("attn_dense", "attn_pieces", "attn_lower_right", "sink_full", "sink_full_lower_right",
+                  "sink_window5", "sink_window40", "conv", "delta"):
         assert r[piece] < 1e-12, f"{name}: {piece} differs by {r[piece]:.2e}"
     assert r["delta_without_combine"] > 0.1
     assert r["edges_with_a_document_start"] >= 1
@@ -145,6 +147,24 @@ def test_deepseek_v3_layouts_equal_one_process(world2, world4, world, name):
         from launch.model import build_model
 
         dense = sum(1 for n, _ in build_model(dist_cases.tiny_mla()).named_parameters() if ".mlp.experts." not in n)
+        assert r["tensor_parallel_params"] == dense
+
+
+@pytest.mark.dist
+@pytest.mark.parametrize("name", ["oss_ep2", "oss_tp2_ep2", "oss_pp2", "oss_cp2"])
+def test_gpt_oss_layouts_equal_one_process(world2, name):
+    """The gpt-oss-style tiny model (dist_cases.tiny_oss: attention sinks, sliding and full layers, q/k/v/o biases,
+    biased router and experts, the clamped GLU acting) under dp=2 × ep=2 with 2 chunks, tp=2 × ep=2 (sinks split
+    with the heads, o_proj's bias added once over the tp ranks), pp=2 and cp=2 (sinks and windows over the
+    gathered keys, documents across segment edges) equals one process; under tp every parameter but the routed
+    experts is a tp DTensor."""
+    r = world2[name]
+    _assert_equal_to_one_process(r)
+    if "tp2" in name:
+        import dist_cases
+        from launch.model import build_model
+
+        dense = sum(1 for n, _ in build_model(dist_cases.tiny_oss()).named_parameters() if ".mlp.experts." not in n)
         assert r["tensor_parallel_params"] == dense
 
 
@@ -326,7 +346,7 @@ def test_check_plan_shape_refuses_tp_that_does_not_split_heads():
 
 
 def test_tensor_parallel_refuses_what_it_cannot_split():
-    """A tied embedding and head, or an attention output bias: one line each."""
+    """A tied embedding and head, or an MLA output bias: one line each."""
     import dataclasses
 
     from launch.model import build_model
@@ -337,8 +357,11 @@ def test_tensor_parallel_refuses_what_it_cannot_split():
     check_model(build_model(shape), 2)
     with pytest.raises(ValueError, match="ties its embedding to the LM head"):
         check_model(build_model(dataclasses.replace(shape, tie_embeddings=True)), 2)
-    with pytest.raises(ValueError, match="output projection has a bias"):
-        check_model(build_model(dataclasses.replace(shape, attn_bias=True)), 2)
+    check_model(build_model(dataclasses.replace(shape, attn_bias=True)), 2)  # Attention adds 1/tp of the bias
+    import dist_cases
+
+    with pytest.raises(ValueError, match="output projection has a bias"):  # MLA's is not split
+        check_model(build_model(dataclasses.replace(dist_cases.tiny_mla(), attn_bias=True)), 2)
 
 
 def test_parallelize_refuses_ep_without_a_process_group():
