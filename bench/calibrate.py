@@ -425,9 +425,9 @@ def refresh(path: str, hw: str | None) -> None:
           f"{data['errors']['fit']['time']:.3f}, held out {data['errors']['held_out']['time']:.3f})")
 
 
-FIT_TERMS = ("expert_gemm", "expert_rows", "expert_weights", "dense_gemm", "attention", "delta_rule", "lm_head",
+FIT_TERMS = ("expert_gemm", "expert_rows", "expert_weights", "dense_gemm", "dense_rows", "attention", "delta_rule", "lm_head",
              "ep_dispatch", "ep_passes", "layer_passes", "optimizer")
-HBM_TERMS = ("expert_rows", "expert_weights", "optimizer", "ep_dispatch")  # efficiencies of the HBM bandwidth
+HBM_TERMS = ("expert_rows", "expert_weights", "dense_rows", "optimizer", "ep_dispatch")  # efficiencies of the HBM bandwidth
 # The operations the grid's components time alone (bench_train_step.profile_components), by component name: their
 # rates are measured directly, not fitted. Every part of the step scales with tokens × layers, so over two models
 # the step times alone cannot tell the routed experts' rate from the delta rule's and the other matmuls' (a free fit
@@ -513,6 +513,21 @@ def anchored_rates(data: dict) -> dict[str, float]:
     return {op: sum(v) / len(v) for op, v in found.items()}
 
 
+def dense_rate(path: Path) -> float | None:
+    """FLOP/s of the dense matmuls' GEMMs from bench/bench_dense_rates.py's file: the non-negative least-squares
+    fit of each matmul's seconds (relative) to its FLOPs, its rows' bytes and a fixed time per GEMM call, whose FLOP
+    term is the GEMMs' own rate (the bytes and the calls the step fit's dense_rows and layer_passes carry there).
+    None without the file."""
+    import numpy as np
+
+    if not path.exists():
+        return None
+    rows = json.loads(path.read_text())["rows"]
+    a = np.array([[r["flops"], r["bytes"], 3.0] for r in rows]) / np.array([r["measured_s"] for r in rows])[:, None]
+    inv = _nnls(a, np.ones(len(rows)))
+    return 1 / inv[0] if inv[0] else None
+
+
 def fit(path: str) -> dict:
     """The per-operation efficiencies that best reproduce the measured step times of the grid's `fit` points
     (the held-out points are left out). The operations its components time alone take their measured rates
@@ -532,6 +547,11 @@ def fit(path: str) -> dict:
     peak, hbm = hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
     anchored = anchored_rates(data)
     experts = expert_rates(Path(path).with_name(f"{name}_experts.json"))
+    dense = dense_rate(Path(path).with_name(f"{name}_dense.json"))
+    if dense is not None:
+        anchored["dense_gemm"] = dense
+    else:  # one FLOP rate stands for the dense matmuls and what runs around them
+        anchored["dense_rows"] = float("inf")
     if experts is not None:
         anchored.update(experts)
     else:  # one FLOP rate stands for the experts' whole time, their bytes not charged apart

@@ -432,7 +432,7 @@ def ep_transfer_bytes(m: ModelShape, s: float, ep: int) -> float:
 
 
 EXPERT_TERMS = ("expert_gemm", "expert_rows", "expert_weights")
-BYTE_TERMS = ("expert_rows", "expert_weights")  # bytes, not FLOPs
+BYTE_TERMS = ("expert_rows", "expert_weights", "dense_rows")  # bytes, not FLOPs
 
 
 def expert_pass_work(m: ModelShape, s: float, layout: Layout) -> dict[str, float]:
@@ -685,6 +685,8 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
     work = {
         **experts,
         "dense_gemm": layers * (f["matmul_layers"] - routed) * mult["dense_gemm"],
+        "dense_rows": layers * sum(dense_row_bytes(m, kind, i >= m.first_dense_layers)
+                                   for i, kind in enumerate(m.layer_types)) * mult["dense_rows"],
         "attention": layers * f["attention"] * mult["attention"],
         "delta_rule": layers * f.get("linear_attention", 0.0) * mult["delta_rule"],
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
@@ -706,12 +708,15 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
     return work
 
 
+SHARED_OPS = ("dense_gemm", "dense_rows", "expert_gemm", "attention", "delta_rule")  # split over stages by layer
+
+
 def _stage_share(m: ModelShape, opts: TrainOptions, stage: range) -> dict[str, float]:
     """The part of the model's work of each operation that the layers of `stage` do (1 each for the whole model)."""
     if len(stage) == m.num_layers:
-        return {"dense_gemm": 1.0, "expert_gemm": 1.0, "attention": 1.0, "delta_rule": 1.0}
+        return dict.fromkeys(SHARED_OPS, 1.0)
     if not len(stage):
-        return {"dense_gemm": 0.0, "expert_gemm": 0.0, "attention": 0.0, "delta_rule": 0.0}
+        return dict.fromkeys(SHARED_OPS, 0.0)
     return dict(_stage_share_of(m, opts.micro_batch_tokens, stage.start, stage.stop))
 
 
@@ -719,7 +724,7 @@ def _stage_share(m: ModelShape, opts: TrainOptions, stage: range) -> dict[str, f
 def _stage_share_of(m: ModelShape, seq: float, start: int, stop: int) -> tuple[tuple[str, float], ...]:
     lw = layer_work(m, seq)
     out = []
-    for op in ("dense_gemm", "expert_gemm", "attention", "delta_rule"):
+    for op in SHARED_OPS:
         total = sum(w[op] for w in lw)
         out.append((op, sum(w[op] for w in lw[start:stop]) / total if total else 0.0))
     return tuple(out)
@@ -797,6 +802,7 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
     if e is None:
         r = peak * hw.compute_efficiency
         return {"expert_gemm": r, "expert_rows": float("inf"), "expert_weights": float("inf"), "dense_gemm": r,
+                "dense_rows": float("inf"),
                 "attention": attention_rate(peak, hw.compute_efficiency, m, hw.vendor), "delta_rule": r, "lm_head": r,
                 "optimizer": hbm * HBM_EFFICIENCY, "ep_dispatch": float("inf"), "ep_passes": 0.0,
                 "ep_chunks": EP_CHUNK_MS_ASSUMED * 1e-3, "layer_passes": 0.0}
@@ -804,7 +810,7 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
     return {"expert_gemm": peak * e.expert_gemm,
             "expert_rows": hbm * e.expert_rows if e.expert_rows else inf,
             "expert_weights": hbm * e.expert_weights if e.expert_weights else inf,
-            "dense_gemm": peak * e.dense_gemm,
+            "dense_gemm": peak * e.dense_gemm, "dense_rows": hbm * e.dense_rows if e.dense_rows else inf,
             "attention": attention_rate(peak, e.attention, m, hw.vendor),
             "delta_rule": peak * e.delta_rule, "lm_head": peak * e.lm_head, "optimizer": hbm * e.optimizer,
             "ep_dispatch": hbm * e.ep_dispatch, "ep_passes": e.ep_latency_ms * 1e-3,
@@ -1007,6 +1013,12 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
     return mixer + [(h, m.num_experts)] + shared + ([(h, 1)] if m.shared_expert_ffn and m.shared_expert_gate else [])
 
 
+def dense_row_bytes(m: ModelShape, kind: str, moe: bool) -> int:
+    """Bytes a token moves through one layer's dense matmuls in one pass: every one's input and output row in bf16
+    (`dense_matmuls`), the scale of the norms, activations and residual adds around them too."""
+    return BF16 * sum(k + n for k, n in dense_matmuls(m, kind, moe))
+
+
 # ---- pipeline stages -----------------------------------------------------------------------------------------
 def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
     """Forward FLOPs per token of each decoder layer, by the operation whose rate it runs at (rates): dense_gemm
@@ -1026,7 +1038,7 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
     experts = {k: v / seq for k, v in expert_pass_work(m, seq, Layout()).items() if k != "expert_gemm"}
     for i, kind in enumerate(m.layer_types):
         w = {"dense_gemm": 0.0, "expert_gemm": 0.0, "attention": 0.0, "delta_rule": 0.0, "expert_rows": 0.0,
-             "expert_weights": 0.0}
+             "expert_weights": 0.0, "dense_rows": dense_row_bytes(m, kind, i >= m.first_dense_layers)}
         if i < m.first_dense_layers:
             w["dense_gemm"] += 2 * swiglu * m.dense_ffn
         else:

@@ -74,6 +74,10 @@ class Efficiency(Record):
     # before them): not charged apart, expert_gemm stands for the whole
     expert_rows: float | None = None
     expert_weights: float | None = None
+    # the dense matmuls' rows (recipe/cost.py dense_row_bytes: every dense matmul's input and output row a token), of
+    # the HBM bandwidth, with the norms and elementwise work around them; with it dense_gemm is the GEMMs' FLOP rate
+    # alone (measured alone, bench/bench_dense_rates.py). Absent: dense_gemm stands for both
+    dense_rows: float | None = None
 
     def __post_init__(self) -> None:
         names = ("expert_gemm", "dense_gemm", "delta_rule", "lm_head", "optimizer", "ep_dispatch")
@@ -93,7 +97,7 @@ class Efficiency(Record):
             v = getattr(self, n)
             if isinstance(v, bool) or not isinstance(v, (int, float)) or not (math.isfinite(v) and v >= 0):
                 raise ValueError(f"efficiency.{n} must be a finite number of milliseconds, at least 0, got {v!r}")
-        given = [n for n in ("expert_rows", "expert_weights") if getattr(self, n) is not None]
+        given = [n for n in ("expert_rows", "expert_weights", "dense_rows") if getattr(self, n) is not None]
         _check_positive(self, given)
         for n in names + tuple(given):
             if getattr(self, n) > 1:
