@@ -72,9 +72,15 @@ def test_on_a_profile_the_split_balances_time():
     assert m.layer_types[0] == "linear_attention"
     h, f = m.hidden_size, m.expert_ffn  # the experts' bytes a token: its 8 routed rows, the 256 experts' weights
     assert w["expert_rows"] == 8 * (2 * h + 3 * f) * 2 and w["expert_weights"] == 256 * 3 * h * f * 2 / 32768
-    by_hand = 4 * (w["dense_gemm"] / r["dense_gemm"] + w["expert_gemm"] / r["expert_gemm"]
-                   + w["expert_rows"] / r["expert_rows"] + w["expert_weights"] / r["expert_weights"]
-                   + w["delta_rule"] / r["delta_rule"]) + 4 * r["layer_passes"] / 32768
+    # the dense matmuls' rows a token: in_proj_qkv (16 key heads × 128 twice, 32 value heads × 128), in_proj_z,
+    # in_proj_b and in_proj_a (one value a value head), out_proj; the router (256 experts); the shared expert's three
+    # matrices (width 512) and its gate (one output)
+    rows = ((h + 8192) + (h + 4096) + 2 * (h + 32) + (4096 + h)) + (h + 256) + 3 * (h + 512) + (h + 1)
+    assert w["dense_rows"] == 2 * rows
+    by_hand = 4 * (w["dense_gemm"] / r["dense_gemm"] + w["dense_rows"] / r["dense_rows"]
+                   + w["expert_gemm"] / r["expert_gemm"] + w["expert_rows"] / r["expert_rows"]
+                   + w["expert_weights"] / r["expert_weights"] + w["delta_rule"] / r["delta_rule"]) \
+        + 4 * r["layer_passes"] / 32768
     assert costs[0] == pytest.approx(by_hand, rel=1e-12)
     assert last == pytest.approx(3 * 2 * m.vocab_size * m.hidden_size / r["lm_head"], rel=1e-12)
 
