@@ -89,7 +89,7 @@ def main() -> None:
                                 SDPBackend.EFFICIENT_ATTENTION) + (("split",) if mask is not None else ()):
                     if backend == "split":  # the CP path: prefix keys and own square, merged (attention_parts)
                         m = T - Tq
-                        kernel = split_kernel(q, k, v)
+                        kernel = split_kernel(q, k[:, :, :m], v[:, :, :m], k[:, :, m:], v[:, :, m:])
 
                         def run(grad: bool):
                             x, y, z = (t.detach().requires_grad_(grad) for t in (q, k, v))

@@ -53,21 +53,24 @@ def _cpu_backward(do, q, k, v, o, lse, aux, causal: bool, scale: float):
 _KERNELS = {"cudnn": (_cudnn_forward, _cudnn_backward), "cpu": (_cpu_forward, _cpu_backward)}
 
 
-def split_kernel(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> str | None:
-    """The kernel `prefix_square_attention` runs for queries q [1, Hq, n, D] and keys k, v [1, Hkv, m, D(v)], or
-    None where neither takes the shapes (the caller keeps one lower-right SDPA call): cuDNN on a CUDA GPU where
-    torch says it takes both parts; the CPU flash kernel for CPU tensors of equal q·k and v head sizes."""
+def split_kernel(q: torch.Tensor, k_p: torch.Tensor, v_p: torch.Tensor, k_s: torch.Tensor,
+                 v_s: torch.Tensor) -> str | None:
+    """The kernel `prefix_square_attention` runs for queries q [1, Hq, n, D], prefix keys k_p, v_p and square keys
+    k_s, v_s [1, Hkv, ·, D(v)], or None where neither takes the shapes (the caller keeps one lower-right SDPA call):
+    cuDNN on a CUDA GPU where torch says it takes both parts (the prefix without a mask, the square causal); the CPU
+    flash kernel for CPU tensors of equal q·k and v head sizes."""
     if q.is_cuda:
         if q.dtype not in (torch.bfloat16, torch.float16):
             return None
+        gqa = k_p.shape[1] != q.shape[1]
         try:
             ok = all(torch.backends.cuda.can_use_cudnn_attention(
-                torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, k.shape[1] != q.shape[1]))
-                for causal in (False, True))
+                torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, gqa))
+                for k, v, causal in ((k_p, v_p, False), (k_s, v_s, True)))
         except (AttributeError, RuntimeError, TypeError):
             return None
         return "cudnn" if ok else None
-    if q.device.type == "cpu" and q.shape[-1] == v.shape[-1]:
+    if q.device.type == "cpu" and q.shape[-1] == v_p.shape[-1]:
         return "cpu"
     return None
 

@@ -264,7 +264,7 @@ def _sink_piece(q_nHD, k_mHD, v_mHD, sinks_H, scale: float) -> torch.Tensor:
     q = qc.transpose(0, 1)[None]
     k_p, v_p = (torch.cat([e[:1], x[:before]]).transpose(0, 1)[None] for e, x in ((extra_k, kc), (extra_v, vc)))
     k_s, v_s = (x[before:].transpose(0, 1)[None] for x in (kc, vc))
-    kernel = split_kernel(q, k_p, v_p) if SPLIT_PIECES else None
+    kernel = split_kernel(q, k_p, v_p, k_s, v_s) if SPLIT_PIECES else None
     if kernel is not None:
         o = prefix_square_attention(q, k_p, v_p, k_s, v_s, scale, kernel)
     else:
@@ -286,10 +286,11 @@ def _attention_by_piece(q_THD, k_THD, v_THD, shard: ContextShard, scale: float) 
     for local, n, a, start in shard.pieces:
         q, k, v = (x.transpose(0, 1)[None] for x in (q_THD[local:local + n], k_THD[start:a + n],
                                                        v_THD[start:a + n]))
-        kernel = split_kernel(q, k, v) if a > start and SPLIT_PIECES else None
+        m = a - start
+        parts = (k[:, :, :m], v[:, :, :m], k[:, :, m:], v[:, :, m:])
+        kernel = split_kernel(q, *parts) if m > 0 and SPLIT_PIECES else None
         if kernel is not None:
-            m = a - start
-            o = prefix_square_attention(q, k[:, :, :m], v[:, :, :m], k[:, :, m:], v[:, :, m:], scale, kernel)
+            o = prefix_square_attention(q, *parts, scale, kernel)
             outs.append(o[0].transpose(0, 1))
             continue
         k, v, gqa = sdpa_kv(q, k, v)

@@ -712,8 +712,15 @@ def run(argv: list[str], env: dict[str, str]) -> int:
             raise LaunchError(f"cannot start {argv[0]}: {e.strerror or e}") from None
         for signum in dict.fromkeys(received):  # arrived while it was starting
             proc.send_signal(signum)
-        relay_thread = threading.Thread(target=relay, daemon=True)
-        relay_thread.start()
+        # The relay thread starts with the two signals blocked (it inherits the mask), so the kernel delivers them to
+        # this thread: a signal taken by the relay thread would leave this one blocked in wait() until the command
+        # exits on its own, with the signal never forwarded.
+        blocked = signal.pthread_sigmask(signal.SIG_BLOCK, (signal.SIGINT, signal.SIGTERM))
+        try:
+            relay_thread = threading.Thread(target=relay, daemon=True)
+            relay_thread.start()
+        finally:
+            signal.pthread_sigmask(signal.SIG_SETMASK, blocked)
         code = proc.wait()
     finally:
         for s, handler in previous.items():

@@ -354,9 +354,28 @@ def test_gqa_runs_inside_flash_attention_and_equals_repeated_heads(head_dim):
     assert not gqa and kk.shape[1] == Hq and torch.equal(kk[:, 1], k32[:, 0])
 
 
+def _fp32_and_bf16(shape):
+    """The model of `shape` on the GPU in fp32 and in bf16 (the same seed) over two packed documents: per dtype its
+    hidden states and every parameter's gradient against a fixed random direction (h² would be about constant after
+    the final norm); and the bf16 model."""
+    from launch.model import Packing, build_model
+
+    ids = torch.randint(0, 512, (2048,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    packing = Packing.from_lengths([700, 1348], device="cuda")
+    out = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        model = build_model(shape, device="cuda", dtype=dtype, seed=1)
+        h = model(ids, packing)
+        r = torch.randn(h.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+        (h.float() * r).sum().backward()
+        out[dtype] = h.detach(), {n: p.grad for n, p in model.named_parameters()}
+    return out, model
+
+
 def test_mla_in_bf16_runs_in_flash_attention_and_matches_fp32():
     """DeepSeek-V3's attention at its head sizes is what SDPA's cuDNN kernel takes with v at its width (128), and the
-    flash kernel with v zero-padded to 192 (the CP path); the tiny DeepSeek-V3-style model (tests/dist_cases.py: MLA, YaRN, sigmoid group-limited routing) in bf16
+    flash kernel with v zero-padded to 192 (where cuDNN does not run); the tiny DeepSeek-V3-style model
+    (tests/dist_cases.py: MLA, YaRN, sigmoid group-limited routing) in bf16
     on the GPU (cuDNN's kernel) follows fp32 (padded, no cuDNN) in its hidden states, and with every layer dense (no
     routing choice to flip between the dtypes) in every parameter's gradient too."""
     import sys
@@ -364,27 +383,17 @@ def test_mla_in_bf16_runs_in_flash_attention_and_matches_fp32():
 
     sys.path.insert(0, str(Path(__file__).parent))
     import dist_cases
-    from launch.model import Packing, build_model
-
     from launch.model import cudnn_takes
 
     q, k, v = (torch.randn(1, 128, 1024, 192, device="cuda", dtype=torch.bfloat16) for _ in range(3))
     assert torch.backends.cuda.can_use_flash_attention(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, False))
     # the whole-sequence path's kernel: cuDNN with v at its own width (128)
     assert cudnn_takes(q[0].transpose(0, 1), k[0].transpose(0, 1), v[0, :, :, :128].transpose(0, 1))
-    ids = torch.randint(0, 512, (2048,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    packing = Packing.from_lengths([700, 1348], device="cuda")
     moe = dist_cases.tiny_mla()
     for shape in (moe, moe.model_copy(update={"first_dense_layers": moe.num_layers})):
-        out = {}
-        for dtype in (torch.float32, torch.bfloat16):
-            model = build_model(shape, device="cuda", dtype=dtype, seed=1)
-            h = model(ids, packing)
-            # against a fixed random direction: h² would be about constant after the final norm
-            r = torch.randn(h.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-            (h.float() * r).sum().backward()
-            out[dtype] = (h.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None})
+        out, model = _fp32_and_bf16(shape)
         (h32, g32), (h16, g16) = out[torch.float32], out[torch.bfloat16]
+        g32 = {n: g for n, g in g32.items() if g is not None}
         assert _rel(h16, h32) < 2e-2
         if shape is moe:
             assert model.layers[1].mlp.gate.e_score_correction_bias.dtype == torch.float32
@@ -422,7 +431,7 @@ def test_context_parallel_piece_runs_on_cudnn_as_prefix_plus_square(heads, kv_he
         return F.scaled_dot_product_attention(q_, kk, vv, attn_mask=causal_lower_right(n, m + n), scale=scale)
 
     def split(q_, k_, v_):
-        kernel = split_kernel(q_, k_, v_)
+        kernel = split_kernel(q_, k_[:, :, :m], v_[:, :, :m], k_[:, :, m:], v_[:, :, m:])
         assert kernel == "cudnn"
         return prefix_square_attention(q_, k_[:, :, :m], v_[:, :, :m], k_[:, :, m:], v_[:, :, m:], scale, kernel)
 
@@ -437,10 +446,10 @@ def test_context_parallel_piece_runs_on_cudnn_as_prefix_plus_square(heads, kv_he
 def test_gpt_oss_in_bf16_runs_on_the_gpu_and_follows_fp32():
     """A tiny gpt-oss (attention sinks, 128-token sliding windows on every other layer, biased router and experts,
     the clamped GLU, YaRN) over two packed documents longer than the window: bf16 on the GPU (the sliding blocks'
-    batched masked call, the full layers' per-document call, grouped expert GEMMs with their biases) follows fp32 in
-    its hidden states and in every layer parameter's gradient, sinks included (the head is not run). Every token takes all four experts (top-4
-    of 4), so no routing choice can flip between the dtypes; the router's softmax weights still differ per token."""
-    from launch.model import Packing, build_model
+    batched masked call, the full layers' sink prefix and causal square on cuDNN, grouped expert GEMMs with their
+    biases) follows fp32 in its hidden states and in every layer parameter's gradient, sinks included (the head is
+    not run). Every token takes all four experts (top-4 of 4), so no routing choice can flip between the dtypes; the
+    router's softmax weights still differ per token."""
     from recipe.models import GPT_OSS_ROPE_SCALING, ModelShape
 
     shape = ModelShape(name="tiny-gpt-oss", arch="gpt_oss", hidden_size=256, num_layers=4, vocab_size=512,
@@ -448,15 +457,7 @@ def test_gpt_oss_in_bf16_runs_on_the_gpu_and_follows_fp32():
                        head_dim=64, qk_norm=False, attn_bias=True, sliding_window=128, rope_theta=150000.0,
                        rope_scaling=GPT_OSS_ROPE_SCALING, num_experts=4, top_k=4, expert_ffn=128, router_bias=True,
                        rms_norm_eps=1e-5, max_position=131072)
-    ids = torch.randint(0, 512, (2048,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
-    packing = Packing.from_lengths([700, 1348], device="cuda")
-    out = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        model = build_model(shape, device="cuda", dtype=dtype, seed=1)
-        h = model(ids, packing)
-        r = torch.randn(h.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
-        (h.float() * r).sum().backward()
-        out[dtype] = h.detach(), {n: p.grad for n, p in model.named_parameters()}
+    out, _ = _fp32_and_bf16(shape)
     (h32, g32), (h16, g16) = out[torch.float32], out[torch.bfloat16]
     assert _rel(h16, h32) < 2e-2
     missing = [n for n, g in g16.items() if n != "lm_head.weight" and (g is None or not torch.isfinite(g).all())]
@@ -482,7 +483,8 @@ def test_gpt_oss_context_parallel_piece_runs_on_cudnn_with_its_sink():
     w = torch.randn(n, hq, d, device="cuda", generator=g)
     scale = d ** -0.5
     qc, kc, vc, _, _ = sink_channels(q.bfloat16(), k.bfloat16(), v.bfloat16(), sinks, scale)
-    assert split_kernel(qc.transpose(0, 1)[None], kc.transpose(0, 1)[None], vc.transpose(0, 1)[None]) == "cudnn"
+    kb, vb = (x.transpose(0, 1)[None] for x in (kc, vc))
+    assert split_kernel(qc.transpose(0, 1)[None], kb[:, :, :m], vb[:, :, :m], kb[:, :, m:], vb[:, :, m:]) == "cudnn"
 
     def reference(q_, k_, v_, s_):
         kk, vv = (t.repeat_interleave(hq // hkv, 1) for t in (k_, v_))
