@@ -1,9 +1,10 @@
 """The dense matmuls of each model's layers timed alone: every distinct (in, out) width of recipe/cost.py
 `dense_matmuls` (attention or Gated DeltaNet projections, MLA's LoRA pieces, the router, the shared expert, a dense
 FFN) as one bf16 linear layer's forward and backward (y = x Wᵀ; dx = dy W; dW = dyᵀ x) at a number of tokens. Prints
-each one's TF/s, and the non-negative least-squares fit of the two-term rate the step model can charge: FLOPs at a
-fraction of the dense bf16 peak plus the activations each GEMM reads and writes (tokens · (in + out) bf16 values
-for each of the three GEMMs) at a fraction of the HBM bandwidth, with the worst error of that fit over the rows.
+each one's TF/s, and the non-negative least-squares fit the profile's dense_gemm comes from (bench/calibrate.py
+dense_fit): FLOPs at a fraction of the dense bf16 peak, the activations each GEMM reads and writes (tokens · (in + out)
+bf16 values for each of the three GEMMs) at a fraction of the HBM bandwidth and a fixed time per GEMM call, with its
+worst errors.
 
     python bench/bench_dense_rates.py --out $OUT/h200_dense.json --commit $(git rev-parse --short HEAD)   # on the GPU
     python bench/bench_dense_rates.py --models tiny-moe --tokens 256 --device cpu                          # CPU smoke
@@ -19,6 +20,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 MODELS = "qwen35-35b,qwen3-30b-a3b,qwen3-235b-a22b,glm45-air,deepseek-v3,moonlight-16b,mixtral-8x7b,gpt-oss-120b"
 
@@ -37,20 +39,18 @@ def shapes(model: str) -> list[tuple[int, int, str]]:
 
 
 def fit(rows: list[dict], peak: float, hbm: float) -> dict:
-    """NNLS of each row's seconds (relative) to flops / (peak·e_flops) + bytes / (hbm·e_bytes)."""
-    import numpy as np
+    """calibrate.py's `dense_fit` (what the profile's dense_gemm is) in the profile's terms: the FLOP rate of the
+    dense peak, the row bytes' of the HBM bandwidth, µs a GEMM call, and the worst error over the matmuls at least
+    512 wide each way and over all."""
+    from calibrate import dense_fit
 
-    a = np.array([[r["flops"], r["bytes"]] for r in rows]) / np.array([r["measured_s"] for r in rows])[:, None]
-    try:
-        from scipy.optimize import nnls
-
-        inv, _ = nnls(a, np.ones(len(rows)))
-    except ImportError:
-        inv = np.linalg.lstsq(a, np.ones(len(rows)), rcond=None)[0]
-    err = a @ inv - 1
-    return {"dense_gemm": round(1 / (inv[0] * peak), 3) if inv[0] else None,
-            "dense_rows": round(1 / (inv[1] * hbm), 3) if inv[1] else None,
-            "worst_error": round(float(np.abs(err).max()), 3)}
+    inv, err = dense_fit(rows)
+    wide = [abs(e) for r, e in zip(rows, err) if min(r["in"], r["out"]) >= 512]
+    return {"dense_gemm": round(float(1 / (inv[0] * peak)), 3) if inv[0] else None,
+            "dense_rows": round(float(1 / (inv[1] * hbm)), 3) if inv[1] else None,
+            "us_per_gemm": round(float(inv[2]) * 1e6, 1),
+            "worst_error_512_wide": round(float(max(wide, default=0.0)), 3),
+            "worst_error": round(float(abs(err).max()), 3)}
 
 
 def main() -> None:

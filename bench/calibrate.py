@@ -425,9 +425,10 @@ def refresh(path: str, hw: str | None) -> None:
           f"{data['errors']['fit']['time']:.3f}, held out {data['errors']['held_out']['time']:.3f})")
 
 
-FIT_TERMS = ("expert_gemm", "expert_rows", "expert_weights", "dense_gemm", "dense_rows", "attention", "delta_rule", "lm_head",
-             "ep_dispatch", "ep_passes", "layer_passes", "optimizer")
-HBM_TERMS = ("expert_rows", "expert_weights", "dense_rows", "optimizer", "ep_dispatch")  # efficiencies of the HBM bandwidth
+FIT_TERMS = ("expert_gemm", "expert_rows", "expert_weights", "dense_gemm", "dense_rows", "attention", "delta_rule",
+             "lm_head", "ep_dispatch", "ep_passes", "layer_passes", "optimizer")
+# efficiencies of the HBM bandwidth
+HBM_TERMS = ("expert_rows", "expert_weights", "dense_rows", "optimizer", "ep_dispatch")
 # The operations the grid's components time alone (bench_train_step.profile_components), by component name: their
 # rates are measured directly, not fitted. Every part of the step scales with tokens × layers, so over two models
 # the step times alone cannot tell the routed experts' rate from the delta rule's and the other matmuls' (a free fit
@@ -513,18 +514,24 @@ def anchored_rates(data: dict) -> dict[str, float]:
     return {op: sum(v) / len(v) for op, v in found.items()}
 
 
-def dense_rate(path: Path) -> float | None:
-    """FLOP/s of the dense matmuls' GEMMs from bench/bench_dense_rates.py's file: the non-negative least-squares
-    fit of each matmul's seconds (relative) to its FLOPs, its rows' bytes and a fixed time per GEMM call, whose FLOP
-    term is the GEMMs' own rate (the bytes and the calls the step fit's dense_rows and layer_passes carry there).
-    None without the file."""
+def dense_fit(rows: list[dict]):
+    """The non-negative least-squares fit of each dense matmul's measured seconds (bench/bench_dense_rates.py rows,
+    each relative to its measurement) to its FLOPs, its rows' bytes and a fixed time per GEMM call (three a
+    matmul): (inverse rates [s/FLOP, s/byte, s/call], each row's predicted / measured − 1)."""
     import numpy as np
 
-    if not path.exists():
-        return None
-    rows = json.loads(path.read_text())["rows"]
     a = np.array([[r["flops"], r["bytes"], 3.0] for r in rows]) / np.array([r["measured_s"] for r in rows])[:, None]
     inv = _nnls(a, np.ones(len(rows)))
+    return inv, a @ inv - 1
+
+
+def dense_rate(path: Path) -> float | None:
+    """FLOP/s of the dense matmuls' GEMMs from bench/bench_dense_rates.py's file: `dense_fit`'s FLOP term, the GEMMs'
+    own rate (the bytes and the calls the step fit's dense_rows and layer_passes carry there). None without the
+    file."""
+    if not path.exists():
+        return None
+    inv, _ = dense_fit(json.loads(path.read_text())["rows"])
     return 1 / inv[0] if inv[0] else None
 
 

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from kernels.gdn_fused import causal_conv1d_silu
 from launch.gated_delta import chunk_factors, fla_status, fold_state_maps, segment_pass, with_incoming_states
 from launch.attention_parts import prefix_square_attention, split_kernel
-from launch.model import Packing, cudnn_takes, sdpa_kv
+from launch.model import Packing, sdpa_kv
 
 # CPU attention materializes the [Tl, T] mask up to this many key tokens (as launch/model.py's causal_attention)
 DENSE_MASK_MAX_TOKENS = 4096
@@ -140,12 +140,9 @@ class ContextParallel:
         [Tl, C] (MLA: the normed KV latent and the RoPE'd shared key, 576 values a token for DeepSeek-V3, where
         its expanded K and V are 128 heads × 384), and `expand(latent [n, C]) -> (k, v)` [n, H, Dh] rebuilds the
         whole micro-batch's keys and values on every rank (the expansion's gradient flows back through the
-        gather to each rank's own tokens). v keeps its own width where cuDNN takes the shapes (`cudnn_takes`),
-        else it is zero-padded to the q·k width (`expand(..., pad=True)`); the output is at v's width either way
-        in its first channels."""
-        k, v = expand(all_gather(latent_TC, self.group), pad=False)
-        if v.shape[-1] < k.shape[-1] and not cudnn_takes(q_THD, k, v):
-            v = F.pad(v, (0, k.shape[-1] - v.shape[-1]))
+        gather to each rank's own tokens). `expand(latent, q)` keeps v at its own width where cuDNN takes the
+        shapes, else pads it to the q·k width; the output is at v's width either way in its first channels."""
+        k, v = expand(all_gather(latent_TC, self.group), q_THD)
         return self._attend(q_THD, k, v, packing, scale)
 
     def sink_attention(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,

@@ -685,8 +685,7 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
     work = {
         **experts,
         "dense_gemm": layers * (f["matmul_layers"] - routed) * mult["dense_gemm"],
-        "dense_rows": layers * sum(dense_row_bytes(m, kind, i >= m.first_dense_layers)
-                                   for i, kind in enumerate(m.layer_types)) * mult["dense_rows"],
+        "dense_rows": layers * dense_row_bytes_all_layers(m) * mult["dense_rows"],
         "attention": layers * f["attention"] * mult["attention"],
         "delta_rule": layers * f.get("linear_attention", 0.0) * mult["delta_rule"],
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
@@ -1017,6 +1016,12 @@ def dense_row_bytes(m: ModelShape, kind: str, moe: bool) -> int:
     """Bytes a token moves through one layer's dense matmuls in one pass: every one's input and output row in bf16
     (`dense_matmuls`), the scale of the norms, activations and residual adds around them too."""
     return BF16 * sum(k + n for k, n in dense_matmuls(m, kind, moe))
+
+
+@functools.lru_cache(maxsize=1024)
+def dense_row_bytes_all_layers(m: ModelShape) -> int:
+    """`dense_row_bytes` summed over the model's layers (the solver asks for it for every layout it weighs)."""
+    return sum(dense_row_bytes(m, kind, i >= m.first_dense_layers) for i, kind in enumerate(m.layer_types))
 
 
 # ---- pipeline stages -----------------------------------------------------------------------------------------
