@@ -7,7 +7,10 @@ document, the ratio of each to the flash row (lower is faster), and
 the largest difference from the flash row's output and query gradient. `--lower-right` also times the context-parallel
 path's piece (queries the last 1/cp of the keys, lower-right causal mask). A kernel the platform refuses prints its
 reason. The CP piece also runs as the training core runs it: its prefix keys and its own square as two
-kernel calls merged by their log-sum-exps (launch/attention_parts.py).
+kernel calls merged by their log-sum-exps (launch/attention_parts.py). gpt-oss also runs the training core's
+attention with its sink logits: merged in by log-sum-exp (cuDNN at the heads' size), as an extra key (one
+lower-right call at the padded size) and, on the whole sequence, the sliding-window blocks (their errors are against
+the flash row without sinks, so only their times compare).
 
     python bench/bench_attention.py --model qwen35-35b deepseek-v3 --tokens 32768      # on the GPU
 """
@@ -48,7 +51,11 @@ def main() -> None:
     from torch.nn.attention.bias import causal_lower_right
 
     from bench_train_step import _time
-    from launch.attention_parts import prefix_square_attention, split_kernel
+    import launch.context_parallel as cpm
+    import launch.sink_attention as sa
+    from launch.attention_parts import kernel_for, merged_attention
+    from launch.model import Packing
+    from recipe.models import resolve_model
 
     dev = torch.device("cuda")
     names = {SDPBackend.FLASH_ATTENTION: "flash", SDPBackend.CUDNN_ATTENTION: "cuDNN",
@@ -89,13 +96,13 @@ def main() -> None:
                                 SDPBackend.EFFICIENT_ATTENTION) + (("split",) if mask is not None else ()):
                     if backend == "split":  # the CP path: prefix keys and own square, merged (attention_parts)
                         m = T - Tq
-                        kernel = split_kernel(q, k[:, :, :m], v[:, :, :m], k[:, :, m:], v[:, :, m:])
+                        kernel = kernel_for(q, [(k[:, :, :m], v[:, :, :m], False), (k[:, :, m:], v[:, :, m:], True)])
 
                         def run(grad: bool):
                             x, y, z = (t.detach().requires_grad_(grad) for t in (q, k, v))
                             with torch.set_grad_enabled(grad):
-                                o = prefix_square_attention(x, y[:, :, :m], z[:, :, :m], y[:, :, m:], z[:, :, m:],
-                                                            qk ** -0.5, kernel)
+                                o = merged_attention(x, [(y[:, :, :m], z[:, :, :m], False),
+                                                         (y[:, :, m:], z[:, :, m:], True)], qk ** -0.5, kernel)
                             if grad:
                                 (o.float() * w).sum().backward()
                             return o.detach(), (x.grad if grad else None)
@@ -133,6 +140,34 @@ def main() -> None:
                         if grad:
                             (o.float() * w).sum().backward()
                         return o.detach(), (x.grad if grad else None)
+
+                    report(label, run)
+                shape = resolve_model(model)
+                if shape.arch != "gpt_oss":
+                    continue
+                # gpt-oss: the training core's attention with its sink logits (launch/sink_attention.py), [T, H, D]
+                sinks = torch.randn(hq, device=dev, generator=g)
+                m = T - Tq
+                variants = [("sink merged (cuDNN)", True, None), ("sink as a key, one call (C = 72)", False, None)]
+                if Tq == T:
+                    variants.append((f"sliding blocks, W = {shape.sliding_window}", True, shape.sliding_window))
+                for label, merged, window in variants:
+                    def run(grad: bool, merged=merged, window=window):
+                        x, y, z = (t.detach()[0].transpose(0, 1).requires_grad_(grad) for t in (q, k, v))
+                        xs = sinks.detach().requires_grad_(grad)
+                        saved = sa.MERGED_SINK, cpm.SPLIT_PIECES
+                        sa.MERGED_SINK = cpm.SPLIT_PIECES = merged
+                        with torch.set_grad_enabled(grad):
+                            if m:
+                                o = cpm._sink_piece(x, y, z, xs, qk ** -0.5)
+                            else:
+                                o = sa.sink_attention(x, y, z, xs, Packing.from_lengths([T], device=dev), qk ** -0.5,
+                                                      window)
+                        sa.MERGED_SINK, cpm.SPLIT_PIECES = saved
+                        o = o.transpose(0, 1)[None]
+                        if grad:
+                            (o.float() * w).sum().backward()
+                        return o.detach(), (x.grad.transpose(0, 1)[None] if grad else None)
 
                     report(label, run)
 

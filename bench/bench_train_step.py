@@ -124,10 +124,11 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
     def wrap(f):
         return lambda xin=None: f(x if xin is None else xin)
 
-    attn = [layer for layer in layers if layer.layer_type == "full_attention"]
+    for kind, name in (("full_attention", "attention (block)"), ("sliding_attention", "sliding attention (block)")):
+        attn = [layer for layer in layers if layer.layer_type == kind]
+        if attn:
+            measure(name, wrap(lambda xin, a=attn[0]: a.self_attn(xin, rope, batch.packing)), len(attn))
     lin = [layer for layer in layers if layer.layer_type == "linear_attention"]
-    if attn:
-        measure("attention (block)", wrap(lambda xin: attn[0].self_attn(xin, rope, batch.packing)), len(attn))
     if lin:
         gdn = lin[0].linear_attn
         measure("gated deltanet (block)", wrap(lambda xin: gdn(xin, rope, batch.packing)), len(lin))

@@ -1,4 +1,4 @@
-"""Causal attention of queries that sit at the end of their keys, as two kernel calls merged exactly.
+"""Softmax attention over several key parts, each one kernel call, merged exactly; optionally with a sink logit.
 
 Under context parallelism a rank's piece of a document has n queries at global positions [a, a + n) and attends to
 the document's keys [start, a + n): a lower-right causal mask. On an H200 (torch 2.11) SDPA runs that shape only
@@ -11,12 +11,17 @@ in its flash kernel, while the whole-sequence causal shape runs in cuDNN's, 1.5-
 Each part returns its output o_i (normalized over its own keys) and the log-sum-exp l_i of its scaled scores per
 query. The whole piece's softmax is over the union of the keys, so
 
-    l = log(e^l_p + e^l_s),    o = e^(l_p − l) · o_p + e^(l_s − l) · o_s
+    l = log(Σ_i e^l_i),    o = Σ_i e^(l_i − l) · o_i
 
-(the merge of two partial softmaxes; docs/context_parallel.md). The backward needs no merge of its own: a flash
+(the merge of partial softmaxes; docs/context_parallel.md). The backward needs no merge of its own: a flash
 kernel's backward rebuilds the probabilities of its keys as exp(s − l) from the l it is given and takes
 D = rowsum(dO ∘ O) from the O it is given, so each part's backward called with the *merged* O and l yields
 exactly that part's share of dQ (summed over the parts) and its keys' dK, dV.
+
+A sink (gpt-oss: one logit σ_h per query head in every query's softmax, with no value) is one more part with
+l = σ_h and o = 0: it joins l and adds nothing to o, so no kernel runs for it and the heads keep their own size.
+Its gradient is that of a score whose value is zero, dS = P ∘ (dP − D) with dP = dO·0: ∂L/∂σ_h = −Σ_i p_i D_i,
+p_i = e^(σ_h − l_i) (docs/training.md, "gpt-oss: attention sinks and sliding windows").
 
 Kernels: cuDNN's (`aten._scaled_dot_product_cudnn_attention`) on CUDA, SDPA's CPU flash kernel on CPU (what the
 CPU tests check the merge with).
@@ -53,71 +58,88 @@ def _cpu_backward(do, q, k, v, o, lse, aux, causal: bool, scale: float):
 _KERNELS = {"cudnn": (_cudnn_forward, _cudnn_backward), "cpu": (_cpu_forward, _cpu_backward)}
 
 
-def split_kernel(q: torch.Tensor, k_p: torch.Tensor, v_p: torch.Tensor, k_s: torch.Tensor,
-                 v_s: torch.Tensor) -> str | None:
-    """The kernel `prefix_square_attention` runs for queries q [1, Hq, n, D], prefix keys k_p, v_p and square keys
-    k_s, v_s [1, Hkv, ·, D(v)], or None where neither takes the shapes (the caller keeps one lower-right SDPA call):
-    cuDNN on a CUDA GPU where torch says it takes both parts (the prefix without a mask, the square causal); the CPU
-    flash kernel for CPU tensors of equal q·k and v head sizes."""
+def kernel_for(q: torch.Tensor, parts) -> str | None:
+    """The kernel `merged_attention` runs for queries q [1, Hq, n, D] and key parts ((k, v, causal), …) with k, v
+    [1, Hkv, ·, D(v)], or None where none takes every part (the caller keeps its one-call path): cuDNN on a CUDA GPU
+    where torch says it takes each part as it is (without a mask, or causal); the CPU flash kernel for CPU tensors of
+    equal q·k and v head sizes."""
     if q.is_cuda:
         if q.dtype not in (torch.bfloat16, torch.float16):
             return None
-        gqa = k_p.shape[1] != q.shape[1]
         try:
             ok = all(torch.backends.cuda.can_use_cudnn_attention(
-                torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, gqa))
-                for k, v, causal in ((k_p, v_p, False), (k_s, v_s, True)))
+                torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, causal, k.shape[1] != q.shape[1]))
+                for k, v, causal in parts)
         except (AttributeError, RuntimeError, TypeError):
             return None
         return "cudnn" if ok else None
-    if q.device.type == "cpu" and q.shape[-1] == v_p.shape[-1]:
+    if q.device.type == "cpu" and all(q.shape[-1] == v.shape[-1] for _, v, _ in parts):
         return "cpu"
     return None
 
 
-def _lse_merge(o_p, l_p, o_s, l_s):
-    """The merged output (in o_s's dtype and layout) and log-sum-exp (in l_s's shape) of two partial softmaxes."""
-    shape, acc = o_s.shape[:-1], torch.promote_types(o_s.dtype, torch.float32)
-    lp, ls = l_p.reshape(shape).to(acc), l_s.reshape(shape).to(acc)
-    lse = torch.logaddexp(lp, ls)
-    o = torch.empty_like(o_s)
-    o.copy_(o_p.to(acc) * torch.exp(lp - lse)[..., None] + o_s.to(acc) * torch.exp(ls - lse)[..., None])
-    return o, lse.to(l_s.dtype)
+def _merge(outs, lses, sink_H):
+    """The merged output (in the last part's dtype and layout) and log-sum-exp (in the last part's lse shape) of
+    partial softmaxes (o_i, l_i), with the sink logits σ [H] as one more part whose output is zero."""
+    o_last = outs[-1]
+    shape, acc = o_last.shape[:-1], torch.promote_types(o_last.dtype, torch.float32)
+    ls = [lse.reshape(shape).to(acc) for lse in lses]
+    terms = torch.stack(ls + ([sink_H.to(acc).view(1, -1, 1).expand(shape)] if sink_H is not None else []))
+    lse = torch.logsumexp(terms, dim=0)
+    total = sum(o.to(acc) * torch.exp(li - lse)[..., None] for o, li in zip(outs, ls))
+    o = torch.empty_like(o_last)
+    o.copy_(total)
+    return o, lse.to(lses[-1].dtype)
 
 
-class _PrefixSquare(torch.autograd.Function):
+class _Merged(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k_p, v_p, k_s, v_s, scale: float, kernel: str):
+    def forward(ctx, q, sink_H, scale: float, kernel: str, causal: tuple, *kv):
         fwd, _ = _KERNELS[kernel]
-        o_p, l_p, aux_p = fwd(q, k_p, v_p, False, scale)
-        o_s, l_s, aux_s = fwd(q, k_s, v_s, True, scale)
-        o, lse = _lse_merge(o_p, l_p, o_s, l_s)
-        del o_p, o_s
-        ctx.scale, ctx.kernel, ctx.aux = scale, kernel, (aux_p, aux_s)
-        ctx.lse_shapes = (l_p.shape, l_s.shape)
-        ctx.save_for_backward(q, k_p, v_p, k_s, v_s, o, lse)
+        outs, lses, aux = [], [], []
+        for i, c in enumerate(causal):
+            o_i, l_i, aux_i = fwd(q, kv[2 * i], kv[2 * i + 1], c, scale)
+            outs.append(o_i)
+            lses.append(l_i)
+            aux.append(aux_i)
+        o, lse = _merge(outs, lses, sink_H)
+        ctx.scale, ctx.kernel, ctx.causal, ctx.aux = scale, kernel, causal, aux
+        ctx.lse_shapes = [l_i.shape for l_i in lses]
+        ctx.has_sink = sink_H is not None
+        ctx.save_for_backward(q, o, lse, sink_H if sink_H is not None else lse.new_empty(0), *kv)
         return o
 
     @staticmethod
     def backward(ctx, do):
-        q, k_p, v_p, k_s, v_s, o, lse = ctx.saved_tensors
+        q, o, lse, sink_H, *kv = ctx.saved_tensors
         _, bwd = _KERNELS[ctx.kernel]
         g = torch.empty_like(o)  # the output's own layout, which the kernels' backward expects of dO
         g.copy_(do)
-        (aux_p, aux_s), (shape_p, shape_s) = ctx.aux, ctx.lse_shapes
-        dq_p, dk_p, dv_p = bwd(g, q, k_p, v_p, o, lse.reshape(shape_p).contiguous(), aux_p, False, ctx.scale)
-        dq_s, dk_s, dv_s = bwd(g, q, k_s, v_s, o, lse.reshape(shape_s).contiguous(), aux_s, True, ctx.scale)
-        return dq_p + dq_s, dk_p, dv_p, dk_s, dv_s, None, None
+        dq, dkv = None, []
+        for i, c in enumerate(ctx.causal):
+            dq_i, dk_i, dv_i = bwd(g, q, kv[2 * i], kv[2 * i + 1], o, lse.reshape(ctx.lse_shapes[i]).contiguous(),
+                                   ctx.aux[i], c, ctx.scale)
+            dq = dq_i if dq is None else dq + dq_i
+            dkv += [dk_i, dv_i]
+        d_sink = None
+        if ctx.has_sink:  # ∂L/∂σ_h = Σ_i ∂L/∂s_i,sink = −Σ_i p_i,sink · rowsum(dO_i ∘ O_i): the sink's value is 0
+            acc = torch.promote_types(o.dtype, torch.float32)
+            D = (g.to(acc) * o.to(acc)).sum(-1)
+            p = torch.exp(sink_H.to(acc).view(1, -1, 1) - lse.reshape(D.shape).to(acc))
+            d_sink = (-(p * D).sum(dim=(0, 2))).to(sink_H.dtype)
+        return (dq, d_sink, None, None, None, *dkv)
 
 
-def prefix_square_attention(q: torch.Tensor, k_p: torch.Tensor, v_p: torch.Tensor, k_s: torch.Tensor,
-                            v_s: torch.Tensor, scale: float, kernel: str) -> torch.Tensor:
-    """softmax(scale · q [k_p | k_s]ᵀ + mask) [v_p | v_s] with every prefix key visible and the square part
-    causal: q [1, H, n, D], prefix k_p/v_p [1, Hkv, m, D], square k_s/v_s [1, Hkv, n, D]. `kernel` from
-    `split_kernel`. Returns [1, H, n, Dv]."""
+def merged_attention(q: torch.Tensor, parts, scale: float, kernel: str,
+                     sink_H: torch.Tensor | None = None) -> torch.Tensor:
+    """softmax(scale · q [k_1 | k_2 | …]ᵀ + mask) [v_1 | v_2 | …] over key parts ((k, v, causal), …), each part's
+    keys all visible or causal (a part of the queries' own length), with an optional sink logit σ_h per query head
+    in every query's softmax (a term e^σ in the denominator that takes no value). q [1, H, n, D], k/v
+    [1, Hkv, ·, D(v)]; `kernel` from `kernel_for`. Returns [1, H, n, Dv]."""
     if kernel not in _KERNELS:
         raise ValueError(f"unknown attention kernel {kernel!r} ({', '.join(_KERNELS)})")
-    if kernel == "cpu" and k_p.shape[1] < q.shape[1]:  # the CPU kernel has no GQA: K/V repeated (gradients summed)
-        rep = q.shape[1] // k_p.shape[1]
-        k_p, v_p, k_s, v_s = (x.repeat_interleave(rep, 1) for x in (k_p, v_p, k_s, v_s))
-    return _PrefixSquare.apply(q, k_p, v_p, k_s, v_s, scale, kernel)
+    if kernel == "cpu" and parts[0][0].shape[1] < q.shape[1]:  # the CPU kernel has no GQA: K/V repeated
+        rep = q.shape[1] // parts[0][0].shape[1]
+        parts = [(k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), c) for k, v, c in parts]
+    kv = [x for k, v, _ in parts for x in (k, v)]
+    return _Merged.apply(q, sink_H, scale, kernel, tuple(c for _, _, c in parts), *kv)

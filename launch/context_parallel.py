@@ -31,7 +31,7 @@ import torch.nn.functional as F
 
 from kernels.gdn_fused import causal_conv1d_silu
 from launch.gated_delta import chunk_factors, fla_status, fold_state_maps, segment_pass, with_incoming_states
-from launch.attention_parts import prefix_square_attention, split_kernel
+from launch.attention_parts import kernel_for, merged_attention
 from launch.model import Packing, sdpa_kv
 
 # CPU attention materializes the [Tl, T] mask up to this many key tokens (as launch/model.py's causal_attention)
@@ -150,7 +150,7 @@ class ContextParallel:
                        window: int | None = None) -> torch.Tensor:
         """gpt-oss's attention (launch/sink_attention.py: a sink logit per head; with `window`, keys fewer than
         `window` positions back) of the local queries against the all-gathered keys, per local document piece:
-        full attention as the piece's prefix keys with the sink key among them and its own square, merged
+        full attention as the piece's prefix keys and its own square with the sink merged in as one more part
         (`_sink_piece`: the kernels of launch/attention_parts.py); a sliding layer as one document of the keys the
         window reaches before the piece (at most window − 1, all-gathered like the rest) and the piece, whose
         extra leading queries are zeros and their outputs dropped. Returns [Tl, Hq, Dh]."""
@@ -248,26 +248,29 @@ def _shard_of(packing: Packing) -> ContextShard:
 
 
 def _sink_piece(q_nHD, k_mHD, v_mHD, sinks_H, scale: float) -> torch.Tensor:
-    """A full-attention piece with sinks: its n queries at the end of the m keys, every query seeing the sink key.
-    The sink key joins the prefix part (every prefix key is visible), so the piece runs as `_attention_by_piece`'s
-    prefix + square where a kernel takes them, else as one lower-right causal call over [sink, keys]."""
+    """A full-attention piece with sinks: its n queries at the end of the m keys, every query's softmax with its
+    head's sink logit. Where a kernel takes them, the prefix keys (every one visible) and the piece's own causal
+    square run as `_attention_by_piece`'s parts with the sink merged in as one more (launch/attention_parts.py), at
+    the heads' own size; else one lower-right causal call over [sink key, keys] (launch/sink_attention.py's
+    channels)."""
     from torch.nn.attention.bias import causal_lower_right
 
     from launch.sink_attention import sink_channels
 
     n, Dh = q_nHD.shape[0], q_nHD.shape[-1]
     before = k_mHD.shape[0] - n
-    qc, kc, vc, extra_k, extra_v = sink_channels(q_nHD, k_mHD, v_mHD, sinks_H, scale)
-    q = qc.transpose(0, 1)[None]
-    k_p, v_p = (torch.cat([e[:1], x[:before]]).transpose(0, 1)[None] for e, x in ((extra_k, kc), (extra_v, vc)))
-    k_s, v_s = (x[before:].transpose(0, 1)[None] for x in (kc, vc))
-    kernel = split_kernel(q, k_p, v_p, k_s, v_s) if SPLIT_PIECES else None
+    q, k, v = (x.transpose(0, 1)[None] for x in (q_nHD, k_mHD, v_mHD))
+    parts = ([(k[:, :, :before], v[:, :, :before], False)] if before else []) + [(k[:, :, before:], v[:, :, before:],
+                                                                                   True)]
+    kernel = kernel_for(q, parts) if SPLIT_PIECES else None
     if kernel is not None:
-        o = prefix_square_attention(q, k_p, v_p, k_s, v_s, scale, kernel)
-    else:
-        k, v, gqa = sdpa_kv(q, torch.cat([k_p, k_s], 2), torch.cat([v_p, v_s], 2))
-        o = F.scaled_dot_product_attention(q, k, v, attn_mask=causal_lower_right(n, before + 1 + n), scale=scale,
-                                           enable_gqa=gqa)
+        return merged_attention(q, parts, scale, kernel, sinks_H)[0].transpose(0, 1)
+    qc, kc, vc, extra_k, extra_v = sink_channels(q_nHD, k_mHD, v_mHD, sinks_H, scale)
+    qc = qc.transpose(0, 1)[None]
+    kc, vc = (torch.cat([e[:1], x]).transpose(0, 1)[None] for e, x in ((extra_k, kc), (extra_v, vc)))
+    kc, vc, gqa = sdpa_kv(qc, kc, vc)
+    o = F.scaled_dot_product_attention(qc, kc, vc, attn_mask=causal_lower_right(n, before + 1 + n), scale=scale,
+                                       enable_gqa=gqa)
     return o[0].transpose(0, 1)[..., :Dh]
 
 
@@ -284,10 +287,10 @@ def _attention_by_piece(q_THD, k_THD, v_THD, shard: ContextShard, scale: float) 
         q, k, v = (x.transpose(0, 1)[None] for x in (q_THD[local:local + n], k_THD[start:a + n],
                                                        v_THD[start:a + n]))
         m = a - start
-        parts = (k[:, :, :m], v[:, :, :m], k[:, :, m:], v[:, :, m:])
-        kernel = split_kernel(q, *parts) if m > 0 and SPLIT_PIECES else None
+        parts = [(k[:, :, :m], v[:, :, :m], False), (k[:, :, m:], v[:, :, m:], True)]
+        kernel = kernel_for(q, parts) if m > 0 and SPLIT_PIECES else None
         if kernel is not None:
-            o = prefix_square_attention(q, *parts, scale, kernel)
+            o = merged_attention(q, parts, scale, kernel)
             outs.append(o[0].transpose(0, 1))
             continue
         k, v, gqa = sdpa_kv(q, k, v)

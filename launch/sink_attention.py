@@ -21,12 +21,16 @@ The second channel marks padding keys (the sliding path's, below): [0 | 0 | PAD/
 every query, e^(PAD − max) is exactly 0 in fp32, and its value is zero: such a key changes nothing, gradients
 included (its probability is exactly 0).
 
-Three paths:
+Full attention needs no sink key: a kernel that returns its log-sum-exp l_i runs each document's causal attention
+at the heads' own size, and the sink merges in as one more partial softmax (l = log(e^l_i + e^σ_h), o scaled by
+e^(l_i − l); launch/attention_parts.py, which also gives σ's gradient). Paths:
 - dense (CPU, up to DENSE_MASK_MAX_TOKENS tokens): keys [sink, the T keys], one SDPA call with a [T, 1 + T] mask
   (the sink's column, and each document's causal, windowed band);
-- per document (full attention elsewhere, and windowed layers whose documents all fit in one window): keys
-  [sink, the document's keys], one SDPA call each with a lower-right causal mask (query i sees the sink and keys
-  0..i: `causal_lower_right`), GQA as `launch.model.sdpa_kv` passes it;
+- merged, per document (full attention, and windowed layers whose documents all fit in one window, where a kernel
+  takes the shapes: cuDNN on a GPU, SDPA's CPU flash kernel on CPU): one causal call each, the sink merged in;
+- per document with the sink key (the same where no such kernel runs): keys [sink, the document's keys], one SDPA
+  call each with a lower-right causal mask (query i sees the sink and keys 0..i: `causal_lower_right`), GQA as
+  `launch.model.sdpa_kv` passes it;
 - sliding blocks: each document's queries cut into blocks of W; block b sees the keys [sink, block b − 1, block b]
   (the 2W keys before and at its own, a document's first block a block of padding keys before it, the last block's
   tail padding queries whose outputs are dropped), and a query sees key j of those when 0 ≤ pos_q − pos_j < W. That
@@ -43,6 +47,9 @@ import torch
 import torch.nn.functional as F
 
 DENSE_MASK_MAX_TOKENS = 4096  # CPU: one call with a [T, 1 + T] mask up to this many tokens
+# full attention runs per document as one kernel call with the sink merged in (launch/attention_parts.py) where a
+# kernel takes the shapes; False: the sink as a key of the channels below, one lower-right call (tests run both)
+MERGED_SINK = True
 PAD = -1.0e4  # the score of a padding key (and, without sinks, of the sink key): exp underflows to exactly 0
 
 
@@ -75,9 +82,14 @@ def sink_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     Hkv = k_THD.shape[1]
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must be at least 1 token, got {window}")
-    q, k, v, extra_k, extra_v = sink_channels(q_THD, k_THD, v_THD, sinks_H, scale)
     longest = max(packing.doc_lengths)
-    if not q.is_cuda and T <= DENSE_MASK_MAX_TOKENS:
+    dense = not q_THD.is_cuda and T <= DENSE_MASK_MAX_TOKENS
+    if not dense and MERGED_SINK and (window is None or window >= longest):
+        o = _merged_per_document(q_THD, k_THD, v_THD, sinks_H, packing, scale)
+        if o is not None:
+            return o
+    q, k, v, extra_k, extra_v = sink_channels(q_THD, k_THD, v_THD, sinks_H, scale)
+    if dense:
         o = _dense(q, k, v, extra_k, extra_v, packing, scale, window)
     elif window is None or window >= longest:
         o = _per_document(q, k, v, extra_k, extra_v, packing, scale)
@@ -101,6 +113,24 @@ def _dense(q, k, v, extra_k, extra_v, packing, scale: float, window: int | None)
     o = F.scaled_dot_product_attention(q.transpose(0, 1).unsqueeze(0), keys, vals, attn_mask=mask, scale=scale,
                                        enable_gqa=keys.shape[1] != Hq)
     return o.squeeze(0).transpose(0, 1)
+
+
+def _merged_per_document(q_THD, k_THD, v_THD, sinks_H, packing, scale: float) -> torch.Tensor | None:
+    """Each document's causal attention as one kernel call at the heads' own size with the sink merged in by its
+    log-sum-exp (launch/attention_parts.py), or None where no kernel takes the shapes."""
+    from launch.attention_parts import kernel_for, merged_attention
+
+    q, k, v = (x.transpose(0, 1)[None] for x in (q_THD, k_THD, v_THD))  # [1, H, T, Dh]
+    outs, start = [], 0
+    for n in packing.doc_lengths:
+        sl = slice(start, start + n)
+        parts = [(k[:, :, sl], v[:, :, sl], True)]
+        kernel = kernel_for(q[:, :, sl], parts)
+        if kernel is None:
+            return None
+        outs.append(merged_attention(q[:, :, sl], parts, scale, kernel, sinks_H))
+        start += n
+    return torch.cat(outs, dim=2)[0].transpose(0, 1)
 
 
 def _per_document(q, k, v, extra_k, extra_v, packing, scale: float) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """gpt-oss: the training core against transformers' GptOssForCausalLM and against the definitions.
 
-- attention sinks and sliding windows (launch/sink_attention.py): every path (dense mask, one call per document,
+- attention sinks and sliding windows (launch/sink_attention.py): every path (dense mask, per document with the sink merged or as a key,
   sliding blocks) equals the explicit softmax with the sink logit in fp64, outputs and the gradients of q, k, v and
   the sinks to 1e-12, on packed documents shorter and longer than the window, with GQA and without;
 - a tiny random GptOss (4 layers alternating sliding/full, window 8, 4 query / 2 KV heads of 16, 8 experts top-2,
@@ -63,10 +63,13 @@ def _reference_attention(q, k, v, sinks, lengths, scale, window):
 
 @pytest.mark.parametrize("lengths, window, heads", [(DOCS, 8, (4, 2)), ([3, 17, 8, 9], 4, (6, 6)),
                                                     ([40], 1, (2, 1)), ([9, 16], 16, (4, 2))])
-@pytest.mark.parametrize("path", ["dense", "per_document_or_blocks"])
+@pytest.mark.parametrize("path", ["dense", "merged_or_blocks", "sink_key_or_blocks"])
 def test_sink_attention_equals_the_definition(lengths, window, heads, path, monkeypatch):
+    """Every path: the dense mask; per document the sink merged by log-sum-exp (SDPA's CPU flash kernel) or the sink
+    as a key; the sliding blocks."""
     if path != "dense":
         monkeypatch.setattr(sa, "DENSE_MASK_MAX_TOKENS", 0)
+    monkeypatch.setattr(sa, "MERGED_SINK", path != "sink_key_or_blocks")
     g = torch.Generator().manual_seed(len(lengths) * 7 + window)
     T, (Hq, Hkv) = sum(lengths), heads
     f64 = dict(dtype=torch.float64, generator=g)

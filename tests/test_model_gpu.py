@@ -411,7 +411,7 @@ def test_context_parallel_piece_runs_on_cudnn_as_prefix_plus_square(heads, kv_he
     import torch.nn.functional as F
     from torch.nn.attention.bias import causal_lower_right
 
-    from launch.attention_parts import prefix_square_attention, split_kernel
+    from launch.attention_parts import kernel_for, merged_attention
 
     n, m = 1536, 2560
     g = torch.Generator("cuda").manual_seed(0)
@@ -431,9 +431,10 @@ def test_context_parallel_piece_runs_on_cudnn_as_prefix_plus_square(heads, kv_he
         return F.scaled_dot_product_attention(q_, kk, vv, attn_mask=causal_lower_right(n, m + n), scale=scale)
 
     def split(q_, k_, v_):
-        kernel = split_kernel(q_, k_[:, :, :m], v_[:, :, :m], k_[:, :, m:], v_[:, :, m:])
+        parts = [(k_[:, :, :m], v_[:, :, :m], False), (k_[:, :, m:], v_[:, :, m:], True)]
+        kernel = kernel_for(q_, parts)
         assert kernel == "cudnn"
-        return prefix_square_attention(q_, k_[:, :, :m], v_[:, :, :m], k_[:, :, m:], v_[:, :, m:], scale, kernel)
+        return merged_attention(q_, parts, scale, kernel)
 
     ref = run(lower_right, torch.float32)
     one_call = run(lower_right, torch.bfloat16)
@@ -467,24 +468,28 @@ def test_gpt_oss_in_bf16_runs_on_the_gpu_and_follows_fp32():
     assert any("sinks" in n for n in g16)
 
 
-def test_gpt_oss_context_parallel_piece_runs_on_cudnn_with_its_sink():
-    """gpt-oss's full-attention CP piece (launch/context_parallel.py `_sink_piece`): the sink key joins the prefix,
-    both parts run in cuDNN at the padded head size (72), and the result follows the fp32 softmax-with-sink as
-    closely as the one lower-right flash call does, in the output and the q, k, v and sink gradients."""
+@pytest.mark.parametrize("before", [0, 1536])
+def test_gpt_oss_attention_runs_on_cudnn_with_its_sink_merged(before):
+    """gpt-oss's full attention with its sink logits: a whole document (launch/sink_attention.py's merged path) and
+    a CP piece after 1536 earlier keys (launch/context_parallel.py `_sink_piece`) run in cuDNN at the heads' own size
+    (64), the sink merged in by its log-sum-exp, and follow the fp32 softmax-with-sink as closely as the one
+    lower-right flash call over [sink key, keys] at the padded size (72) does, in the output and the q, k, v and sink
+    gradients."""
     import launch.context_parallel as cpm
-    from launch.attention_parts import split_kernel
-    from launch.sink_attention import sink_channels
+    import launch.sink_attention as sa
+    from launch.attention_parts import kernel_for
+    from launch.model import Packing
 
-    n, m, hq, hkv, d = 1024, 1536, 64, 8, 64
+    n, m, hq, hkv, d = 1024, before, 64, 8, 64
     g = torch.Generator("cuda").manual_seed(0)
     q = torch.randn(n, hq, d, device="cuda", generator=g)
     k, v = (torch.randn(m + n, hkv, d, device="cuda", generator=g) for _ in range(2))
     sinks = torch.randn(hq, device="cuda", generator=g)
     w = torch.randn(n, hq, d, device="cuda", generator=g)
     scale = d ** -0.5
-    qc, kc, vc, _, _ = sink_channels(q.bfloat16(), k.bfloat16(), v.bfloat16(), sinks, scale)
-    kb, vb = (x.transpose(0, 1)[None] for x in (kc, vc))
-    assert split_kernel(qc.transpose(0, 1)[None], kb[:, :, :m], vb[:, :, :m], kb[:, :, m:], vb[:, :, m:]) == "cudnn"
+    qb, kb, vb = (x.bfloat16().transpose(0, 1)[None] for x in (q, k, v))
+    parts = ([(kb[:, :, :m], vb[:, :, :m], False)] if m else []) + [(kb[:, :, m:], vb[:, :, m:], True)]
+    assert kernel_for(qb, parts) == "cudnn"
 
     def reference(q_, k_, v_, s_):
         kk, vv = (t.repeat_interleave(hq // hkv, 1) for t in (k_, v_))
@@ -494,17 +499,23 @@ def test_gpt_oss_context_parallel_piece_runs_on_cudnn_with_its_sink():
         full = torch.cat([logits, s_[:, None, None].expand(hq, n, 1)], dim=-1).softmax(-1)[..., :-1]
         return torch.einsum("hqk,khd->qhd", full, vv)
 
-    def run(fn, dtype, split=True):
+    def ours(q_, k_, v_, s_):
+        if m:
+            return cpm._sink_piece(q_, k_, v_, s_, scale)
+        return sa.sink_attention(q_, k_, v_, s_, Packing.from_lengths([n], device="cuda"), scale)
+
+    def run(fn, dtype, merged=True):
         xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)] + [sinks.detach().clone().requires_grad_()]
-        saved, cpm.SPLIT_PIECES = cpm.SPLIT_PIECES, split
+        saved = cpm.SPLIT_PIECES, sa.MERGED_SINK
+        cpm.SPLIT_PIECES = sa.MERGED_SINK = merged
         o = fn(*xs)
-        cpm.SPLIT_PIECES = saved
+        cpm.SPLIT_PIECES, sa.MERGED_SINK = saved
         (o.float() * w).sum().backward()
         return [o.detach().float()] + [x.grad.float() for x in xs]
 
     ref = run(reference, torch.float32)
-    one_call = run(lambda *a: cpm._sink_piece(*a, scale), torch.bfloat16, split=False)
-    ours = run(lambda *a: cpm._sink_piece(*a, scale), torch.bfloat16)
-    for name, r, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), ref, one_call, ours):
+    one_call = run(ours, torch.bfloat16, merged=False)
+    merged = run(ours, torch.bfloat16)
+    for name, r, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), ref, one_call, merged):
         err_one, err_ours = (((x - r).norm() / r.norm()).item() for x in (a, b))
         assert err_ours < max(1.5 * err_one, 1e-2), (name, err_ours, err_one)
