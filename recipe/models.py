@@ -339,6 +339,13 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             rope_scaling=GPT_OSS_ROPE_SCALING, num_experts=128, top_k=4, expert_ffn=2880, router_bias=True,
             rms_norm_eps=1e-5, max_position=131072, source="openai/gpt-oss-120b config.json",
         ),
+    "gpt-oss-20b": lambda: ModelShape(
+            name="gpt-oss-20b", arch="gpt_oss", hidden_size=2880, num_layers=24, vocab_size=201088,
+            layer_types=("sliding_attention", "full_attention") * 12, num_heads=64, num_kv_heads=8, head_dim=64,
+            qk_norm=False, attn_bias=True, sliding_window=128, rope_theta=150000.0,
+            rope_scaling=GPT_OSS_ROPE_SCALING, num_experts=32, top_k=4, expert_ffn=2880, router_bias=True,
+            rms_norm_eps=1e-5, max_position=131072, source="openai/gpt-oss-20b config.json",
+        ),
     "mixtral-8x7b": lambda: ModelShape(
             name="mixtral-8x7b", arch="mixtral", hidden_size=4096, num_layers=32, vocab_size=32000,
             layer_types=("full_attention",) * 32, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=False,

@@ -74,6 +74,7 @@ def test_with_layers_rejects_out_of_range(n):
     ("deepseek-v3", 671.0, 0.005),
     ("mixtral-8x7b", 46.7, 0.005),
     ("gpt-oss-120b", 116.8, 0.005),
+    ("gpt-oss-20b", 20.91, 0.005),
     ("qwen3-next-80b", 80.0, 0.01),
     ("qwen35-122b", 122.0, 0.01),
     ("qwen35-397b", 397.0, 0.01),
@@ -186,7 +187,8 @@ def test_hf_deepseek_v3_equals_preset(tmp_path):
 
 
 @pytest.mark.parametrize("fixture, preset", [("moonlight-16b-a3b", "moonlight-16b"), ("glm-4.5-air", "glm45-air"),
-                                             ("deepseek-v3", "deepseek-v3")])
+                                             ("deepseek-v3", "deepseek-v3"), ("gpt-oss-120b", "gpt-oss-120b"),
+                                             ("gpt-oss-20b", "gpt-oss-20b")])
 def test_published_configs_read_to_the_trained_presets(fixture, preset):
     """The published config.json fields (tests/fixtures/configs/, with the router's and RoPE scaling's) read to the
     preset in every field but the name: what `recipe solve --model config.json` plans is what the preset plans,
