@@ -202,26 +202,27 @@ def norm_saved(width: float) -> float:
     return width * BF16 + FP32
 
 
-def attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
+def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str = "nvidia") -> float:
     """Bytes saved by one full-attention layer's forward for its backward (launch/model.py: Attention).
 
     Per token: the normed input (kept by the q/k/v projections); q and k before their per-head norms (kept by the
     norms); q after RoPE, k after RoPE and v (kept by SDPA; with CP the K/V of the whole sequence is all-gathered,
     exact CP, so k and v count at s·cp); SDPA's output and log-sum-exp; the output as o_proj's contiguous input;
     with the output gate, its sigmoid and the gated output. GQA runs inside SDPA, so K/V stay at the KV heads'
-    count."""
+    count. MLA's v is at the kernel's width for `vendor` (`mla_widths`)."""
     nh, nkv = m.num_heads / tp, m.num_kv_heads / tp
     if m.mla is not None:  # launch/model.py MLAttention
         a = m.mla
-        qk, w = a.qk_nope_head_dim + a.qk_rope_head_dim, attention_width(m)
+        kw, vw = mla_widths(m, vendor)
+        qk = a.qk_nope_head_dim + a.qk_rope_head_dim
         # the q LoRA's projection (kept by its norm) and its normed copy (by q_b_proj); q as SDPA takes it (RoPE's
         # products keep only the constant cos and sin)
         q = s * (2 * a.q_lora_rank + nh * qk) * BF16
         # the latent [c | k_rope] as projected and as kept for the expansion; under CP the whole micro-batch's
-        # latent is all-gathered and every rank expands all of its keys and values, v padded to the kernel's width
+        # latent is all-gathered and every rank expands all of its keys and values, at the kernel's widths
         lat = a.kv_lora_rank + a.qk_rope_head_dim
-        kv = (s * lat * (2 + (cp if cp > 1 else 0)) + s * cp * nh * 2 * w) * BF16
-        out = s * nh * (w + a.v_head_dim) * BF16  # SDPA's output; its first v_head_dim channels as o_proj's input
+        kv = (s * lat * (2 + (cp if cp > 1 else 0)) + s * cp * nh * (kw + vw)) * BF16
+        out = s * nh * (vw + a.v_head_dim) * BF16  # SDPA's output; its first v_head_dim channels as o_proj's input
         return q + kv + out + s * nh * FP32 + s * m.hidden_size * BF16
     qw, kw = s * nh * m.head_dim * BF16, s * nkv * m.head_dim * BF16  # one q-sized, one k-sized tensor
     normed_in = s * m.hidden_size * BF16
@@ -283,25 +284,26 @@ def dense_ffn_working_set(m: ModelShape, s: float, tp: int) -> float:
     return (s * m.dense_ffn / tp * 3 * BF16 + 2 * s * m.hidden_size * BF16) if m.first_dense_layers else 0.0
 
 
-def layer_saved(m: ModelShape, s: float, tp: int, cp: int) -> tuple[float, float]:
+def layer_saved(m: ModelShape, s: float, tp: int, cp: int, vendor: str = "nvidia") -> tuple[float, float]:
     """(mixer, FFN) bytes one decoder layer's forward saves for its backward: the largest mixer and FFN kinds. The
     FFN side (its norm, router, experts) runs on the s/tp sequence-parallel tokens (launch/tensor_parallel.py)."""
     mixers = []
     if m.num_full_attn_layers or m.num_sliding_layers:
-        mixers.append(attention_working_set(m, s, tp, cp))
+        mixers.append(attention_working_set(m, s, tp, cp, vendor))
     if m.num_linear_attn_layers:
         mixers.append(linear_attention_working_set(m, s, tp, cp))
     ffn = max(moe_moments(m, s / tp)[0] if m.num_moe_layers else 0.0, dense_ffn_working_set(m, s, tp))
     return max(mixers) + s / tp * FP32, ffn  # + the input norm's row scale (its input is the layer's)
 
 
-def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: float = 0.0) -> float:
+def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: float = 0.0,
+                      vendor: str = "nvidia") -> float:
     """One layer's working set at its backward's peak, with every gradient counted as present: what its forward
     saved (mixer and FFN: the checkpoint unit is the decoder layer), the FFN's saved set replaced by its backward
     peak (`moe_moments`). `expert_grad`: the bytes of the layer's own expert weight gradients, which the routed
     experts' backward forms only after its largest moment before them, so that moment needs that much less than the
     count says."""
-    mixer, ffn = layer_saved(m, s, tp, cp)
+    mixer, ffn = layer_saved(m, s, tp, cp, vendor)
     if m.num_moe_layers:
         saved, before, after = moe_moments(m, s / tp)
         if saved >= dense_ffn_working_set(m, s, tp):  # the MoE block is the larger FFN kind (as layer_saved takes)
@@ -309,19 +311,20 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: fl
     # the FFN's backward runs first and frees its saved set; then attention's, which adds its gradients
     attention = 0.0
     if m.num_full_attn_layers or m.num_sliding_layers:
-        attention = attention_working_set(m, s, tp, cp) + attention_backward_bytes(m, s, tp, cp) + s / tp * FP32
+        attention = (attention_working_set(m, s, tp, cp, vendor) + attention_backward_bytes(m, s, tp, cp, vendor)
+                     + s / tp * FP32)
     return max(mixer + ffn, attention)
 
 
-def attention_backward_bytes(m: ModelShape, s: float, tp: int, cp: int) -> float:
+def attention_backward_bytes(m: ModelShape, s: float, tp: int, cp: int, vendor: str = "nvidia") -> float:
     """What the flash kernel's backward adds to attention's saved set: dq, and dk and dv of every key it attended
     (s·cp of them under CP, at the KV heads' count), in bf16 at the kernel's head width; its fp32 accumulator of dq
     and the fp32 row sums of dO·O. Small beside an MoE block's backward; at DeepSeek-V3's 128 heads of width 192
     (its dense layers) it is the layer's peak: 6.4 GB at 32K tokens."""
     nh = m.num_heads / tp
     nkv = nh if m.mla is not None else m.num_kv_heads / tp
-    w = attention_width(m)
-    return s * nh * w * (BF16 + FP32) + 2 * s * cp * nkv * w * BF16 + s * nh * FP32
+    kw, vw = mla_widths(m, vendor) if m.mla is not None else (m.head_dim, m.head_dim)
+    return s * nh * kw * (BF16 + FP32) + s * cp * nkv * (kw + vw) * BF16 + s * nh * FP32
 
 
 def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
@@ -534,7 +537,8 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     if dp * cp == 1 and edp == 1:
         unsharded = 0.0  # nothing to gather: the single copy is already whole
     # the layer's own expert weight gradients, counted in the gradient term, form after its backward's largest moment
-    working = layer_working_set(m, s, tp, cp, expert_grad=layer_expert / (ep * etp * edp) * BYTES_GRADS)
+    working = layer_working_set(m, s, tp, cp, expert_grad=layer_expert / (ep * etp * edp) * BYTES_GRADS,
+                                vendor=hw.vendor)
     if ep > 1 or ep_path:
         # the EP path's backward copies, on top of the layer's own
         working += ep_dispatch_bytes(m, s, opts.ep_overlap_chunks)
@@ -543,7 +547,7 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     head_own = head
     head_grad = min(ends, m.vocab_size * m.hidden_size) / (tp * dp * cp) * BYTES_GRADS
     emb_grad = ends / (tp * dp * cp) * BYTES_GRADS - head_grad  # an untied embedding's: the backward's last
-    mixer, ffn = layer_saved(m, s, tp, cp)
+    mixer, ffn = layer_saved(m, s, tp, cp, hw.vendor)
     layer_input = s * m.hidden_size * BF16 / tp  # kept by its input norm (under recompute: the checkpoint)
     checkpoints = (L - kept) * in_flight * layer_input
     saved = kept * in_flight * (mixer + ffn + layer_input)
@@ -741,6 +745,15 @@ def mla_v_padded(vendor: str) -> bool:
     """Whether MLA's attention kernel takes v zero-padded to the q·k width (launch/model.py MLAttention): on NVIDIA
     GPUs cuDNN's kernel takes v at its own width; the flash kernels elsewhere take one head size."""
     return vendor != "nvidia"
+
+
+def mla_widths(m: ModelShape, vendor: str = "nvidia") -> tuple[int, int]:
+    """(key, value) head widths MLA's attention kernel holds: the q·k width and v's own, or both at the wider one
+    where the kernel pads v (`mla_v_padded`)."""
+    qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
+    if mla_v_padded(vendor):
+        return (attention_width(m),) * 2
+    return qk, m.mla.v_head_dim
 
 
 def attention_kernel_work(m: ModelShape, vendor: str = "nvidia") -> float:

@@ -712,7 +712,8 @@ def test_keep_layers_needs_recompute():
 def test_mla_working_set_is_what_its_forward_saves():
     """attention_working_set for MLA equals the bytes MLAttention's forward keeps for its backward (distinct
     storages the autograd graph saves, weights aside), with a stand-in for SDPA that keeps what the flash kernel
-    keeps (q, k, v, the output and its fp32 log-sum-exp), in bf16 at a small width with and without the q LoRA."""
+    keeps (q, k, v, the output and its fp32 log-sum-exp), in bf16 at a small width with and without the q LoRA; v
+    padded to the q·k width (the kernels off NVIDIA) and at its own width (cuDNN's, `cudnn_takes`)."""
     import torch
 
     import launch.model as lm
@@ -728,7 +729,7 @@ def test_mla_working_set_is_what_its_forward_saves():
             ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[1], q.shape[0]))  # lse [H, T] fp32
             return out
 
-    for q_lora in (0, 96):
+    for q_lora, vendor in ((0, "amd"), (96, "amd"), (0, "nvidia"), (96, "nvidia")):
         m = ModelShape(name="mla", arch="deepseek_v3", hidden_size=256, num_layers=1, vocab_size=64,
                        layer_types=("full_attention",), num_heads=8, num_kv_heads=8, head_dim=48, qk_norm=False,
                        mla=MLAShape(q_lora_rank=q_lora, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
@@ -747,14 +748,15 @@ def test_mla_working_set_is_what_its_forward_saves():
                 saved[st.data_ptr()] = st.nbytes()
             return t
 
-        orig = lm.causal_attention
+        orig = lm.causal_attention, lm.cudnn_takes
         lm.causal_attention = lambda q, k, v, packing, scale: Flash.apply(q, k, v)
+        lm.cudnn_takes = lambda q, k, v: vendor == "nvidia"
         try:
             with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
                 attn(x, rope, lm.Packing.from_lengths([T]))
         finally:
-            lm.causal_attention = orig
-        want = attention_working_set(m, T, 1, 1)
+            lm.causal_attention, lm.cudnn_takes = orig
+        want = attention_working_set(m, T, 1, 1, vendor)
         # beyond the formula: the two norms' fp32 row scales (4 bytes a token each)
         got = sum(saved.values()) - T * 4 * (2 if q_lora else 1)
-        assert abs(got / want - 1) < 0.01, (q_lora, got, want)
+        assert abs(got / want - 1) < 0.01, (q_lora, vendor, got, want)
