@@ -93,6 +93,8 @@ def sink_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
         o = _dense(q, k, v, extra_k, extra_v, packing, scale, window)
     elif window is None or window >= longest:
         o = _per_document(q, k, v, extra_k, extra_v, packing, scale)
+    elif MERGED_SINK and (o := _sliding_merged(q_THD, k_THD, v_THD, sinks_H, packing, scale, window)) is not None:
+        return o
     else:
         o = _sliding_blocks(q, k, v, extra_k, extra_v, packing, scale, window)
     return o[..., :Dh]
@@ -158,6 +160,44 @@ def band_mask(window: int, device=None) -> torch.Tensor:
     r = torch.arange(window, device=device)[:, None]
     c = torch.arange(1 + 2 * window, device=device)[None, :]
     return (c == 0) | ((c > r + 1) & (c <= window + r + 1))
+
+
+def _block_rows(packing, W: int, pad_row: int, device):
+    """Each document's tokens in query blocks of W: (rows [NB·W] the token of each block row, `pad_row` past a
+    document's end; row_T [T] each token's block row; first [NB] bool, the blocks that start a document)."""
+    lengths = torch.tensor(packing.doc_lengths, device=device)
+    blocks = (lengths + W - 1) // W  # query blocks of each document
+    NB = int(sum(-(-n // W) for n in packing.doc_lengths))
+    first_row = W * (torch.cumsum(blocks, 0) - blocks)  # each document's first query row
+    doc = torch.repeat_interleave(torch.arange(len(packing.doc_lengths), device=device), lengths)
+    row_T = first_row[doc] + packing.positions  # token t's row among the NB·W query rows
+    rows = torch.full((NB * W,), pad_row, dtype=torch.long, device=device)
+    rows[row_T] = torch.arange(packing.num_tokens, device=device)
+    first = torch.zeros(NB, dtype=torch.bool, device=device)
+    first[first_row // W] = True
+    return rows, row_T, first
+
+
+def _sliding_merged(q_THD, k_THD, v_THD, sinks_H, packing, scale: float, W: int) -> torch.Tensor | None:
+    """The sliding window as launch/attention_parts.py's two causal squares per query block at the heads' own size
+    (its own block, and the previous block reversed), the sink merged in by log-sum-exp; None where no kernel takes
+    the shapes."""
+    from launch.attention_parts import kernel_for, sliding_window_attention
+
+    T, Hq, D = q_THD.shape
+    Hkv = k_THD.shape[1]
+    rows, row_T, first = _block_rows(packing, W, T, q_THD.device)
+    NB = first.numel()
+    qb, kb, vb = (torch.cat([x, x.new_zeros(1, *x.shape[1:])])[rows].view(NB, W, x.shape[1], D).transpose(1, 2)
+                  for x in (q_THD, k_THD, v_THD))
+    own = torch.nonzero(~first & (W > 1)).squeeze(1)  # W = 1: a row sees only itself, no previous block's key
+    kernel = kernel_for(qb, [(kb, vb, True)])
+    if kernel is not None and own.numel():
+        kernel = kernel_for(qb[:1, :, 1:], [(kb[:1, :, 1:], vb[:1, :, 1:], True)])
+    if kernel is None:
+        return None
+    o = sliding_window_attention(qb, kb, vb, torch.stack([own, own - 1]), scale, kernel, sinks_H)
+    return o.transpose(1, 2).reshape(NB * W, Hq, -1)[row_T]
 
 
 def _sliding_blocks(q, k, v, extra_k, extra_v, packing, scale: float, window: int) -> torch.Tensor:

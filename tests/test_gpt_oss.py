@@ -1,7 +1,8 @@
 """gpt-oss: the training core against transformers' GptOssForCausalLM and against the definitions.
 
-- attention sinks and sliding windows (launch/sink_attention.py): every path (dense mask, per document with the sink merged or as a key,
-  sliding blocks) equals the explicit softmax with the sink logit in fp64, outputs and the gradients of q, k, v and
+- attention sinks and sliding windows (launch/sink_attention.py): every path (dense mask; the sink merged by
+  log-sum-exp, per document and in the window's two causal squares a block; the sink as a key, per document and in
+  masked blocks) equals the explicit softmax with the sink logit in fp64, outputs and the gradients of q, k, v and
   the sinks to 1e-12, on packed documents shorter and longer than the window, with GQA and without;
 - a tiny random GptOss (4 layers alternating sliding/full, window 8, 4 query / 2 KV heads of 16, 8 experts top-2,
   YaRN with truncate false; expert gate_up weights large enough that the clamp at 7 cuts over 15% of the gate
@@ -63,13 +64,13 @@ def _reference_attention(q, k, v, sinks, lengths, scale, window):
 
 @pytest.mark.parametrize("lengths, window, heads", [(DOCS, 8, (4, 2)), ([3, 17, 8, 9], 4, (6, 6)),
                                                     ([40], 1, (2, 1)), ([9, 16], 16, (4, 2))])
-@pytest.mark.parametrize("path", ["dense", "merged_or_blocks", "sink_key_or_blocks"])
+@pytest.mark.parametrize("path", ["dense", "merged", "sink_key"])
 def test_sink_attention_equals_the_definition(lengths, window, heads, path, monkeypatch):
-    """Every path: the dense mask; per document the sink merged by log-sum-exp (SDPA's CPU flash kernel) or the sink
-    as a key; the sliding blocks."""
+    """Every path: the dense mask; the sink merged by log-sum-exp (SDPA's CPU flash kernel), per document and the
+    window as two causal squares a query block; the sink as a key, per document and in the masked blocks."""
     if path != "dense":
         monkeypatch.setattr(sa, "DENSE_MASK_MAX_TOKENS", 0)
-    monkeypatch.setattr(sa, "MERGED_SINK", path != "sink_key_or_blocks")
+    monkeypatch.setattr(sa, "MERGED_SINK", path != "sink_key")
     g = torch.Generator().manual_seed(len(lengths) * 7 + window)
     T, (Hq, Hkv) = sum(lengths), heads
     f64 = dict(dtype=torch.float64, generator=g)

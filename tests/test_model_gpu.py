@@ -468,13 +468,13 @@ def test_gpt_oss_in_bf16_runs_on_the_gpu_and_follows_fp32():
     assert any("sinks" in n for n in g16)
 
 
-@pytest.mark.parametrize("before", [0, 1536])
-def test_gpt_oss_attention_runs_on_cudnn_with_its_sink_merged(before):
-    """gpt-oss's full attention with its sink logits: a whole document (launch/sink_attention.py's merged path) and
-    a CP piece after 1536 earlier keys (launch/context_parallel.py `_sink_piece`) run in cuDNN at the heads' own size
-    (64), the sink merged in by its log-sum-exp, and follow the fp32 softmax-with-sink as closely as the one
-    lower-right flash call over [sink key, keys] at the padded size (72) does, in the output and the q, k, v and sink
-    gradients."""
+@pytest.mark.parametrize("before, window", [(0, None), (1536, None), (0, 128)])
+def test_gpt_oss_attention_runs_on_cudnn_with_its_sink_merged(before, window):
+    """gpt-oss's attention with its sink logits: a whole document (launch/sink_attention.py's merged path), a CP
+    piece after 1536 earlier keys (launch/context_parallel.py `_sink_piece`) and a 128-token sliding window (two
+    causal squares a query block) run in cuDNN at the heads' own size (64), the sink merged in by its log-sum-exp,
+    and follow the fp32 softmax-with-sink as closely as the sink-key paths at the padded size (72: one lower-right
+    flash call; the masked blocks) do, in the output and the q, k, v and sink gradients."""
     import launch.context_parallel as cpm
     import launch.sink_attention as sa
     from launch.attention_parts import kernel_for
@@ -490,19 +490,23 @@ def test_gpt_oss_attention_runs_on_cudnn_with_its_sink_merged(before):
     qb, kb, vb = (x.bfloat16().transpose(0, 1)[None] for x in (q, k, v))
     parts = ([(kb[:, :, :m], vb[:, :, :m], False)] if m else []) + [(kb[:, :, m:], vb[:, :, m:], True)]
     assert kernel_for(qb, parts) == "cudnn"
+    if window:
+        assert sa._sliding_merged(q.bfloat16(), k.bfloat16(), v.bfloat16(), sinks, Packing.from_lengths(
+            [n], device="cuda"), scale, window) is not None
 
     def reference(q_, k_, v_, s_):
         kk, vv = (t.repeat_interleave(hq // hkv, 1) for t in (k_, v_))
         logits = torch.einsum("qhd,khd->hqk", q_, kk) * scale
         pos_q = torch.arange(m, m + n, device="cuda")[:, None]
-        logits = logits.masked_fill(torch.arange(m + n, device="cuda")[None, :] > pos_q, float("-inf"))
+        pos_k = torch.arange(m + n, device="cuda")[None, :]
+        logits = logits.masked_fill((pos_k > pos_q) | ((pos_q - pos_k >= window) if window else False), float("-inf"))
         full = torch.cat([logits, s_[:, None, None].expand(hq, n, 1)], dim=-1).softmax(-1)[..., :-1]
         return torch.einsum("hqk,khd->qhd", full, vv)
 
     def ours(q_, k_, v_, s_):
         if m:
             return cpm._sink_piece(q_, k_, v_, s_, scale)
-        return sa.sink_attention(q_, k_, v_, s_, Packing.from_lengths([n], device="cuda"), scale)
+        return sa.sink_attention(q_, k_, v_, s_, Packing.from_lengths([n], device="cuda"), scale, window)
 
     def run(fn, dtype, merged=True):
         xs = [t.detach().to(dtype).requires_grad_() for t in (q, k, v)] + [sinks.detach().clone().requires_grad_()]
