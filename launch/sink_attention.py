@@ -31,8 +31,12 @@ e^(l_i − l); launch/attention_parts.py, which also gives σ's gradient). Paths
 - per document with the sink key (the same where no such kernel runs): keys [sink, the document's keys], one SDPA
   call each with a lower-right causal mask (query i sees the sink and keys 0..i: `causal_lower_right`), GQA as
   `launch.model.sdpa_kv` passes it;
-- sliding blocks: each document's queries cut into blocks of W; block b sees the keys [sink, block b − 1, block b]
-  (the 2W keys before and at its own, a document's first block a block of padding keys before it, the last block's
+- the window merged (where such a kernel takes the blocks): each document's queries in blocks of W; row r of a
+  block sees its own block's keys c ≤ r (a causal square) and the previous block's keys c > r, which with rows and
+  keys reversed is a causal square of W − 1 (launch/attention_parts.py `sliding_window_attention`): two batched
+  causal calls at the heads' own size, the sink merged in;
+- masked blocks (the same elsewhere): each document's queries cut into blocks of W; block b sees the keys
+  [sink, block b − 1, block b] (the 2W keys before and at its own, a document's first block a block of padding keys before it, the last block's
   tail padding queries whose outputs are dropped), and a query sees key j of those when 0 ≤ pos_q − pos_j < W. That
   band is the same [W, 1 + 2W] mask for every block (row r, key column c ≥ 1 at position (b − 1)W + c − 1: allowed
   iff r + 1 < c ≤ W + r + 1), so all blocks of all documents run as one batched SDPA call. The G query heads of a
@@ -205,18 +209,12 @@ def _sliding_blocks(q, k, v, extra_k, extra_v, packing, scale: float, window: in
     Hkv, W = k.shape[1], window
     G = Hq // Hkv
     dev = q.device
-    lengths = torch.tensor(packing.doc_lengths, device=dev)
-    blocks = (lengths + W - 1) // W  # query blocks of each document
-    NB = int(sum(-(-n // W) for n in packing.doc_lengths))
-    first_row = W * (torch.cumsum(blocks, 0) - blocks)  # each document's first query row
-    doc = torch.repeat_interleave(torch.arange(len(packing.doc_lengths), device=dev), lengths)
-    row_T = first_row[doc] + packing.positions  # token t's row among the NB·W query rows
     pad_row, sink_row = T, T + 1  # in the key/value rows below: [k, sink, padding] indexed as [0, T), T + 1, T
-    rows = torch.full((NB * W,), pad_row, dtype=torch.long, device=dev)
-    rows[row_T] = torch.arange(T, device=dev)
+    rows, row_T, first = _block_rows(packing, W, pad_row, dev)
+    NB = first.numel()
     own = rows.view(NB, W)
     prev = torch.cat([own.new_full((1, W), pad_row), own[:-1]])
-    prev[first_row // W] = pad_row  # a document's first block: a block of padding keys before it
+    prev[first] = pad_row  # a document's first block: a block of padding keys before it
     key_rows = torch.cat([own.new_full((NB, 1), sink_row), prev, own], dim=1)  # [NB, 1 + 2W]
     k_rows = torch.cat([k, extra_k[1:], extra_k[:1]])  # row T: the padding key, row T + 1: the sink key
     v_rows = torch.cat([v, extra_v])
