@@ -9,8 +9,8 @@ path's piece (queries the last 1/cp of the keys, lower-right causal mask). A ker
 reason. The CP piece also runs as the training core runs it: its prefix keys and its own square as two
 kernel calls merged by their log-sum-exps (launch/attention_parts.py). gpt-oss also runs the training core's
 attention with its sink logits: merged in by log-sum-exp (cuDNN at the heads' size), as an extra key (one
-lower-right call at the padded size) and, on the whole sequence, its sliding window as two causal squares a query
-block merged (cuDNN) and as the masked blocks (their errors are against the flash row without sinks or window, so
+lower-right call at the padded size) and, on the whole sequence, its sliding window as one windowed flash call with
+the sink merged and as the masked blocks (their errors are against the flash row without sinks or window, so
 only their times compare).
 
     python bench/bench_attention.py --model qwen35-35b deepseek-v3 --tokens 32768      # on the GPU
@@ -152,7 +152,7 @@ def main() -> None:
                 variants = [("sink merged (cuDNN)", True, None), ("sink as a key, one call (C = 72)", False, None)]
                 if Tq == T:
                     W = shape.sliding_window
-                    variants += [(f"window {W}: 2 squares a block, merged", True, W),
+                    variants += [(f"window {W}: flash windowed, merged", True, W),
                                  (f"window {W}: masked [W, 1 + 2W] blocks", False, W)]
                 for label, merged, window in variants:
                     def run(grad: bool, merged=merged, window=window):

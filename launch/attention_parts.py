@@ -145,86 +145,54 @@ def merged_attention(q: torch.Tensor, parts, scale: float, kernel: str,
     return _Merged.apply(q, sink_H, scale, kernel, tuple(c for _, _, c in parts), *kv)
 
 
-class _SlidingWindow(torch.autograd.Function):
-    """Window attention of query blocks (see `sliding_window_attention`): part 1 each block's own causal square,
-    part 2 a block's rows against the previous block's keys, reversed so that its band is a causal square."""
 
+class _FlashWindow(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, qb, kb, vb, prev, sink_H, scale: float, kernel: str):
-        fwd, _ = _KERNELS[kernel]
-        NB, _, W, _ = qb.shape
-        o1, l1, aux1 = fwd(qb, kb, vb, True, scale)
-        q2, k2, v2 = _previous_part(qb, kb, vb, prev)
-        o2, l2, aux2 = fwd(q2, k2, v2, True, scale) if prev.shape[1] else (None, l1[:0, :, 1:], None)
-        acc = torch.promote_types(o1.dtype, torch.float32)
-        shape = o1.shape[:-1]
-        l1f = l1.reshape(shape).to(acc)
-        l2f = torch.full(shape, float("-inf"), dtype=acc, device=qb.device)
-        if prev.shape[1]:
-            l2f[prev[0], :, :W - 1] = l2.reshape(q2.shape[:-1]).to(acc).flip(-1)
-        terms = [l1f, l2f] + ([sink_H.to(acc).view(1, -1, 1).expand(shape)] if sink_H is not None else [])
-        lse = torch.logsumexp(torch.stack(terms), dim=0)
-        total = o1.to(acc) * torch.exp(l1f - lse)[..., None]
-        if prev.shape[1]:
-            own = prev[0]
-            total[own, :, :W - 1] += o2.to(acc).flip(2) * torch.exp(l2f[own, :, :W - 1] - lse[own, :, :W - 1])[..., None]
-        o = torch.empty_like(o1)
-        o.copy_(total)
-        ctx.scale, ctx.kernel, ctx.aux = scale, kernel, (aux1, aux2)
-        ctx.lse_shapes = (l1.shape, l2.shape)
-        ctx.has_sink = sink_H is not None
-        ctx.save_for_backward(qb, kb, vb, prev, o, lse.to(l1.dtype),
+    def forward(ctx, q, k, v, cu, max_len: int, window: int, sink_H, scale: float):
+        o, lse, rng, unused, _ = aten._flash_attention_forward(
+            q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale, window_size_left=window - 1,
+            window_size_right=0)
+        if sink_H is not None:  # lse [H, T]: the sink as one more part with output 0
+            merged = torch.logaddexp(lse, sink_H.to(lse.dtype)[:, None])
+            o = (o.float() * torch.exp(lse - merged).t()[..., None]).to(o.dtype)
+            lse = merged
+        ctx.meta = (max_len, window, scale, sink_H is not None)
+        ctx.save_for_backward(q, k, v, cu, o, lse, rng, unused,
                               sink_H if sink_H is not None else lse.new_empty(0))
         return o
 
     @staticmethod
     def backward(ctx, do):
-        qb, kb, vb, prev, o, lse, sink_H = ctx.saved_tensors
-        _, bwd = _KERNELS[ctx.kernel]
-        W = qb.shape[2]
-        g = torch.empty_like(o)
-        g.copy_(do)
-        (aux1, aux2), (shape1, shape2) = ctx.aux, ctx.lse_shapes
-        dq, dk, dv = bwd(g, qb, kb, vb, o, lse.reshape(shape1).contiguous(), aux1, True, ctx.scale)
-        if prev.shape[1]:
-            q2, k2, v2 = _previous_part(qb, kb, vb, prev)
-            own, before = prev[0], prev[1]
-            g2, o2 = (x[own].flip(2)[:, :, 1:].contiguous() for x in (g, o))
-            l2 = lse.reshape(o.shape[:-1])[own].flip(-1)[..., 1:].reshape(shape2).contiguous()
-            dq2, dk2, dv2 = bwd(g2, q2, k2, v2, o2, l2, aux2, True, ctx.scale)
-            dq[own, :, :W - 1] += dq2.flip(2)
-            dk[before, :, 1:] += dk2.flip(2)
-            dv[before, :, 1:] += dv2.flip(2)
+        q, k, v, cu, o, lse, rng, unused, sink_H = ctx.saved_tensors
+        max_len, window, scale, has_sink = ctx.meta
+        g = do.contiguous()
+        dq, dk, dv = aten._flash_attention_backward(g, q, k, v, o, lse, cu, cu, max_len, max_len, 0.0, True, rng,
+                                                    unused, scale=scale, window_size_left=window - 1,
+                                                    window_size_right=0)
         d_sink = None
-        if ctx.has_sink:
-            acc = torch.promote_types(o.dtype, torch.float32)
-            D = (g.to(acc) * o.to(acc)).sum(-1)
-            p = torch.exp(sink_H.to(acc).view(1, -1, 1) - lse.reshape(D.shape).to(acc))
-            d_sink = (-(p * D).sum(dim=(0, 2))).to(sink_H.dtype)
-        return dq, dk, dv, None, d_sink, None, None
+        if has_sink:
+            D = (g.float() * o.float()).sum(-1)  # [T, H]
+            d_sink = (-(torch.exp(sink_H.float()[:, None] - lse) * D.t()).sum(1)).to(sink_H.dtype)
+        return dq, dk, dv, None, None, None, d_sink, None
 
 
-def _previous_part(qb, kb, vb, prev):
-    """Part 2's operands: the rows W−2..0 of each block that has a previous one, and that block's keys W−1..1."""
-    own, before = prev[0], prev[1]
-    q2 = qb[own].flip(2)[:, :, 1:].contiguous()
-    k2, v2 = (x[before].flip(2)[:, :, :-1].contiguous() for x in (kb, vb))
-    return q2, k2, v2
+def flash_window_takes(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> bool:
+    """Whether `window_attention` runs: a CUDA GPU in bf16/fp16 whose SDPA flash kernel takes these head shapes."""
+    if not q_THD.is_cuda or q_THD.dtype not in (torch.bfloat16, torch.float16):
+        return False
+    q, k, v = (x.transpose(0, 1)[None] for x in (q_THD, k_THD, v_THD))
+    try:
+        return torch.backends.cuda.can_use_flash_attention(
+            torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True, k.shape[1] != q.shape[1]))
+    except (AttributeError, RuntimeError, TypeError):
+        return False
 
 
-def sliding_window_attention(qb: torch.Tensor, kb: torch.Tensor, vb: torch.Tensor, prev: torch.Tensor,
-                             scale: float, kernel: str, sink_H: torch.Tensor | None = None) -> torch.Tensor:
-    """Attention of query blocks of W rows to the keys less than W positions back, with an optional sink logit per
-    query head: qb [NB, Hq, W, D] and kb, vb [NB, Hkv, W, D] the blocks' own rows (a document's blocks in order, its
-    last one padded at its end), `prev` [2, P] the blocks that have a previous block in their document and that
-    block. Row r of a block sees its own block's keys c ≤ r (a causal square) and the previous block's keys c > r.
-    Reversing both the rows and the keys turns that second band into a causal square too (row W−1−i sees keys
-    W−1−j for j ≤ i after dropping the last row, which sees none, and the first key, which no row sees), so both
-    parts run in the kernel as causal squares, merged by their log-sum-exps (with the sink) like `merged_attention`'s
-    parts. `kernel` from `kernel_for` of both parts. Returns [NB, Hq, W, Dv]."""
-    if kernel not in _KERNELS:
-        raise ValueError(f"unknown attention kernel {kernel!r} ({', '.join(_KERNELS)})")
-    if kernel == "cpu" and kb.shape[1] < qb.shape[1]:  # the CPU kernel has no GQA: K/V repeated
-        rep = qb.shape[1] // kb.shape[1]
-        kb, vb = kb.repeat_interleave(rep, 1), vb.repeat_interleave(rep, 1)
-    return _SlidingWindow.apply(qb, kb, vb, prev, sink_H, scale, kernel)
+def window_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, cu_seqlens: torch.Tensor,
+                     max_len: int, window: int, scale: float, sink_H: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal attention inside each packed document (`cu_seqlens` int32 [docs + 1], the longest `max_len`) to the
+    keys less than `window` positions back, with an optional sink logit per query head merged in by its log-sum-exp:
+    one call of the flash kernel's variable-length form with its window (keys [i − window + 1, i]), GQA inside it.
+    q [T, Hq, D], k/v [T, Hkv, D] (`flash_window_takes`). Returns [T, Hq, D]."""
+    return _FlashWindow.apply(q_THD.contiguous(), k_THD.contiguous(), v_THD.contiguous(), cu_seqlens, max_len,
+                              window, sink_H, scale)

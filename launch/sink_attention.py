@@ -21,8 +21,8 @@ The second channel marks padding keys (the sliding path's, below): [0 | 0 | PAD/
 every query, e^(PAD − max) is exactly 0 in fp32, and its value is zero: such a key changes nothing, gradients
 included (its probability is exactly 0).
 
-Full attention needs no sink key: a kernel that returns its log-sum-exp l_i runs each document's causal attention
-at the heads' own size, and the sink merges in as one more partial softmax (l = log(e^l_i + e^σ_h), o scaled by
+A kernel that returns its log-sum-exp l_i needs no sink key: it runs the plain causal (or windowed) attention at the
+heads' own size, and the sink merges in as one more partial softmax (l = log(e^l_i + e^σ_h), o scaled by
 e^(l_i − l); launch/attention_parts.py, which also gives σ's gradient). Paths:
 - dense (CPU, up to DENSE_MASK_MAX_TOKENS tokens): keys [sink, the T keys], one SDPA call with a [T, 1 + T] mask
   (the sink's column, and each document's causal, windowed band);
@@ -31,10 +31,8 @@ e^(l_i − l); launch/attention_parts.py, which also gives σ's gradient). Paths
 - per document with the sink key (the same where no such kernel runs): keys [sink, the document's keys], one SDPA
   call each with a lower-right causal mask (query i sees the sink and keys 0..i: `causal_lower_right`), GQA as
   `launch.model.sdpa_kv` passes it;
-- the window merged (where such a kernel takes the blocks): each document's queries in blocks of W; row r of a
-  block sees its own block's keys c ≤ r (a causal square) and the previous block's keys c > r, which with rows and
-  keys reversed is a causal square of W − 1 (launch/attention_parts.py `sliding_window_attention`): two batched
-  causal calls at the heads' own size, the sink merged in;
+- the window merged (where the flash kernel takes the shapes): all documents in one call of the flash kernel's
+  variable-length form with its window (launch/attention_parts.py `window_attention`), the sink merged in;
 - masked blocks (the same elsewhere): each document's queries cut into blocks of W; block b sees the keys
   [sink, block b − 1, block b] (the 2W keys before and at its own, a document's first block a block of padding keys before it, the last block's
   tail padding queries whose outputs are dropped), and a query sees key j of those when 0 ≤ pos_q − pos_j < W. That
@@ -82,23 +80,21 @@ def sink_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
                    packing, scale: float, window: int | None = None) -> torch.Tensor:
     """Causal attention inside each document of `packing` with a sink logit per query head (`sinks_H` [Hq], None:
     no sink) and, given a `window`, only keys less than `window` positions back. Returns [T, Hq, Dh]."""
-    T, Hq, Dh = q_THD.shape
-    Hkv = k_THD.shape[1]
+    T, Dh = q_THD.shape[0], q_THD.shape[-1]
     if window is not None and window < 1:
         raise ValueError(f"a sliding window must be at least 1 token, got {window}")
-    longest = max(packing.doc_lengths)
+    whole = window is None or window >= max(packing.doc_lengths)  # no query's window cuts its document
     dense = not q_THD.is_cuda and T <= DENSE_MASK_MAX_TOKENS
-    if not dense and MERGED_SINK and (window is None or window >= longest):
-        o = _merged_per_document(q_THD, k_THD, v_THD, sinks_H, packing, scale)
-        if o is not None:
-            return o
+    if not dense and MERGED_SINK:
+        merged = (_merged_per_document if whole else _flash_window)(q_THD, k_THD, v_THD, sinks_H, packing, scale,
+                                                                    window)
+        if merged is not None:
+            return merged
     q, k, v, extra_k, extra_v = sink_channels(q_THD, k_THD, v_THD, sinks_H, scale)
     if dense:
         o = _dense(q, k, v, extra_k, extra_v, packing, scale, window)
-    elif window is None or window >= longest:
+    elif whole:
         o = _per_document(q, k, v, extra_k, extra_v, packing, scale)
-    elif MERGED_SINK and (o := _sliding_merged(q_THD, k_THD, v_THD, sinks_H, packing, scale, window)) is not None:
-        return o
     else:
         o = _sliding_blocks(q, k, v, extra_k, extra_v, packing, scale, window)
     return o[..., :Dh]
@@ -121,7 +117,7 @@ def _dense(q, k, v, extra_k, extra_v, packing, scale: float, window: int | None)
     return o.squeeze(0).transpose(0, 1)
 
 
-def _merged_per_document(q_THD, k_THD, v_THD, sinks_H, packing, scale: float) -> torch.Tensor | None:
+def _merged_per_document(q_THD, k_THD, v_THD, sinks_H, packing, scale: float, window=None) -> torch.Tensor | None:
     """Each document's causal attention as one kernel call at the heads' own size with the sink merged in by its
     log-sum-exp (launch/attention_parts.py), or None where no kernel takes the shapes."""
     from launch.attention_parts import kernel_for, merged_attention
@@ -182,26 +178,16 @@ def _block_rows(packing, W: int, pad_row: int, device):
     return rows, row_T, first
 
 
-def _sliding_merged(q_THD, k_THD, v_THD, sinks_H, packing, scale: float, W: int) -> torch.Tensor | None:
-    """The sliding window as launch/attention_parts.py's two causal squares per query block at the heads' own size
-    (its own block, and the previous block reversed), the sink merged in by log-sum-exp; None where no kernel takes
-    the shapes."""
-    from launch.attention_parts import kernel_for, sliding_window_attention
+def _flash_window(q_THD, k_THD, v_THD, sinks_H, packing, scale: float, window: int) -> torch.Tensor | None:
+    """The sliding window in one call of the flash kernel's variable-length form with its window, at the heads' own
+    size, the sink merged in (launch/attention_parts.py `window_attention`); None where it does not run."""
+    from launch.attention_parts import flash_window_takes, window_attention
 
-    T, Hq, D = q_THD.shape
-    Hkv = k_THD.shape[1]
-    rows, row_T, first = _block_rows(packing, W, T, q_THD.device)
-    NB = first.numel()
-    qb, kb, vb = (torch.cat([x, x.new_zeros(1, *x.shape[1:])])[rows].view(NB, W, x.shape[1], D).transpose(1, 2)
-                  for x in (q_THD, k_THD, v_THD))
-    own = torch.nonzero(~first & (W > 1)).squeeze(1)  # W = 1: a row sees only itself, no previous block's key
-    kernel = kernel_for(qb, [(kb, vb, True)])
-    if kernel is not None and own.numel():
-        kernel = kernel_for(qb[:1, :, 1:], [(kb[:1, :, 1:], vb[:1, :, 1:], True)])
-    if kernel is None:
+    if not flash_window_takes(q_THD, k_THD, v_THD):
         return None
-    o = sliding_window_attention(qb, kb, vb, torch.stack([own, own - 1]), scale, kernel, sinks_H)
-    return o.transpose(1, 2).reshape(NB * W, Hq, -1)[row_T]
+    lengths = torch.tensor(packing.doc_lengths, device=q_THD.device, dtype=torch.int32)
+    cu = F.pad(torch.cumsum(lengths, 0, dtype=torch.int32), (1, 0))
+    return window_attention(q_THD, k_THD, v_THD, cu, max(packing.doc_lengths), window, scale, sinks_H)
 
 
 def _sliding_blocks(q, k, v, extra_k, extra_v, packing, scale: float, window: int) -> torch.Tensor:

@@ -471,13 +471,13 @@ def test_gpt_oss_in_bf16_runs_on_the_gpu_and_follows_fp32():
 @pytest.mark.parametrize("before, window", [(0, None), (1536, None), (0, 128)])
 def test_gpt_oss_attention_runs_on_cudnn_with_its_sink_merged(before, window):
     """gpt-oss's attention with its sink logits: a whole document (launch/sink_attention.py's merged path), a CP
-    piece after 1536 earlier keys (launch/context_parallel.py `_sink_piece`) and a 128-token sliding window (two
-    causal squares a query block) run in cuDNN at the heads' own size (64), the sink merged in by its log-sum-exp,
-    and follow the fp32 softmax-with-sink as closely as the sink-key paths at the padded size (72: one lower-right
+    piece after 1536 earlier keys (launch/context_parallel.py `_sink_piece`), both in cuDNN, and a 128-token sliding
+    window (the flash kernel's windowed variable-length form) run at the heads' own size (64), the sink merged in by
+    its log-sum-exp, and follow the fp32 softmax-with-sink as closely as the sink-key paths at the padded size (72: one lower-right
     flash call; the masked blocks) do, in the output and the q, k, v and sink gradients."""
     import launch.context_parallel as cpm
     import launch.sink_attention as sa
-    from launch.attention_parts import kernel_for
+    from launch.attention_parts import flash_window_takes, kernel_for
     from launch.model import Packing
 
     n, m, hq, hkv, d = 1024, before, 64, 8, 64
@@ -491,8 +491,7 @@ def test_gpt_oss_attention_runs_on_cudnn_with_its_sink_merged(before, window):
     parts = ([(kb[:, :, :m], vb[:, :, :m], False)] if m else []) + [(kb[:, :, m:], vb[:, :, m:], True)]
     assert kernel_for(qb, parts) == "cudnn"
     if window:
-        assert sa._sliding_merged(q.bfloat16(), k.bfloat16(), v.bfloat16(), sinks, Packing.from_lengths(
-            [n], device="cuda"), scale, window) is not None
+        assert flash_window_takes(q.bfloat16(), k.bfloat16(), v.bfloat16())
 
     def reference(q_, k_, v_, s_):
         kk, vv = (t.repeat_interleave(hq // hkv, 1) for t in (k_, v_))
