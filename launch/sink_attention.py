@@ -34,10 +34,10 @@ e^(l_i − l); launch/attention_parts.py, which also gives σ's gradient). Paths
 - the window merged (where the flash kernel takes the shapes): all documents in one call of the flash kernel's
   variable-length form with its window (launch/attention_parts.py `window_attention`), the sink merged in;
 - masked blocks (the same elsewhere): each document's queries cut into blocks of W; block b sees the keys
-  [sink, block b − 1, block b] (the 2W keys before and at its own, a document's first block a block of padding keys before it, the last block's
-  tail padding queries whose outputs are dropped), and a query sees key j of those when 0 ≤ pos_q − pos_j < W. That
-  band is the same [W, 1 + 2W] mask for every block (row r, key column c ≥ 1 at position (b − 1)W + c − 1: allowed
-  iff r + 1 < c ≤ W + r + 1), so all blocks of all documents run as one batched SDPA call. The G query heads of a
+  [sink, block b − 1, block b] (the 2W keys before and at its own, a document's first block a block of padding keys
+  before it, the last block's tail padding queries whose outputs are dropped), and a query sees key j of those when
+  0 ≤ pos_q − pos_j < W. That band is the same [W, 1 + 2W] mask for every block (row r, key column c ≥ 1 at position
+  (b − 1)W + c − 1: allowed iff r + 1 < c ≤ W + r + 1), so all blocks of all documents run as one batched SDPA call. The G query heads of a
   key head are stacked along the block's rows ([NB, Hkv, G·W, C] against [NB, Hkv, 1 + 2W, C], the mask repeated
   G times), so no key is copied per query head and the kernels that take a mask (memory-efficient, math) need no
   GQA support. Work and memory: (1 + 2W)/W keys a query, about twice a window's.

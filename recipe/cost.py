@@ -88,6 +88,9 @@ COLLECTIVE_LATENCY_S = 10e-6
 # the same bench move a row by up to 0.15 of a pass.
 CP_COMBINE_EFFICIENCY = 1 / 0.642
 CP_COMBINE_PASSES_PER_DOUBLING = 0.094
+# a windowed attention kernel's key tile: a block of queries scores every key tile its windows touch, so a query
+# costs its window rounded up past one more tile (window_keys), not the window alone
+WINDOW_KEY_TILE = 128
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 
@@ -357,14 +360,37 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
         qk, vd = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
     else:
         qk = vd = m.head_dim
-    ctx_full = seq / 2
-    ctx_sliding = min(m.sliding_window or seq, seq) / (2 if (m.sliding_window or seq) >= seq else 1)
+    ctx_full, ctx_sliding = attention_keys(m, seq)
     out["attention"] = 2 * m.num_heads * (qk + vd) * (m.num_full_attn_layers * ctx_full
                                                       + m.num_sliding_layers * ctx_sliding)
     if m.linear_attn is not None:
         la = m.linear_attn
         out["linear_attention"] = m.num_linear_attn_layers * la.num_v_heads * delta_rule_flops_per_token_head(la)
     return out
+
+
+def attention_keys(m: ModelShape, seq: float, kernel: bool = False) -> tuple[float, float]:
+    """Keys a query attends on average, (full layers, sliding layers): causal, seq/2; under a window shorter than
+    the sequence, the window. `kernel`: the keys the kernel scores, a sliding layer's window rounded up past one
+    more key tile (`window_keys`)."""
+    w = m.sliding_window or seq
+    if w >= seq:
+        return seq / 2, seq / 2
+    return seq / 2, (window_keys(w) if kernel else w)
+
+
+def window_keys(window: int) -> float:
+    """Keys a windowed kernel scores a query: a block of WINDOW_KEY_TILE queries reaches back window − 1 keys
+    before its first, so it scores the key tiles over window + tile − 1 keys (256 for gpt-oss's 128)."""
+    return -(-(window + WINDOW_KEY_TILE - 1) // WINDOW_KEY_TILE) * WINDOW_KEY_TILE
+
+
+def attention_kernel_ratio(m: ModelShape, seq: float) -> float:
+    """The attention kernels' work over the model's attention FLOPs at `seq` (1 without windows shorter than seq)."""
+    full, slide = attention_keys(m, seq)
+    _, slide_k = attention_keys(m, seq, kernel=True)
+    model = m.num_full_attn_layers * full + m.num_sliding_layers * slide
+    return (m.num_full_attn_layers * full + m.num_sliding_layers * slide_k) / model if model else 1.0
 
 
 # ---- communication -------------------------------------------------------------------------------------------
@@ -690,7 +716,7 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         **experts,
         "dense_gemm": layers * (f["matmul_layers"] - routed) * mult["dense_gemm"],
         "dense_rows": layers * dense_row_bytes_all_layers(m) * mult["dense_rows"],
-        "attention": layers * f["attention"] * mult["attention"],
+        "attention": layers * f["attention"] * attention_kernel_ratio(m, opts.micro_batch_tokens) * mult["attention"],
         "delta_rule": layers * f.get("linear_attention", 0.0) * mult["delta_rule"],
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
         "ep_dispatch": 0.0,
@@ -1041,9 +1067,9 @@ def dense_row_bytes_all_layers(m: ModelShape) -> int:
 def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
     """Forward FLOPs per token of each decoder layer, by the operation whose rate it runs at (rates): dense_gemm
     (the mixer's projections; the router and the shared expert, or a dense FFN), expert_gemm (top-k routed experts),
-    attention (the quadratic term over seq/2 keys, or the sliding window) and delta_rule (Gated DeltaNet's chunked
-    rule, linear in seq); and the routed experts' bytes per token (expert_rows, expert_weights: `expert_pass_work`
-    over seq tokens, ep = 1), which FLOP counts leave out."""
+    attention (the quadratic term over seq/2 keys, or the keys a windowed kernel scores) and delta_rule (Gated
+    DeltaNet's chunked rule, linear in seq); and the routed experts' bytes per token (expert_rows, expert_weights:
+    `expert_pass_work` over seq tokens, ep = 1), which FLOP counts leave out."""
     from .models import _full_attention_params, _linear_attention_params
 
     f = forward_flops_per_token(m, seq)
@@ -1051,7 +1077,7 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
     swiglu = 3 * h
     shared = (swiglu * m.shared_expert_ffn + (h if m.shared_expert_gate else 0)) if m.shared_expert_ffn else 0
     per_expert = swiglu * m.expert_ffn + ((2 * m.expert_ffn + h) if m.arch == "gpt_oss" else 0)
-    full_ctx, slide_ctx = seq / 2, min(m.sliding_window or seq, seq) / (2 if (m.sliding_window or seq) >= seq else 1)
+    full_ctx, slide_ctx = attention_keys(m, seq, kernel=True)
     out = []
     experts = {k: v / seq for k, v in expert_pass_work(m, seq, Layout()).items() if k != "expert_gemm"}
     for i, kind in enumerate(m.layer_types):

@@ -760,3 +760,17 @@ def test_mla_working_set_is_what_its_forward_saves():
         # beyond the formula: the two norms' fp32 row scales (4 bytes a token each)
         got = sum(saved.values()) - T * 4 * (2 if q_lora else 1)
         assert abs(got / want - 1) < 0.01, (q_lora, vendor, got, want)
+
+
+def test_window_kernel_keys_by_hand():
+    """A windowed kernel scores whole 128-key tiles: a 128-query block with a 128-token window reaches back 127 keys
+    before its first query, 255 keys over two tiles (256); a 130-token window needs three (384). gpt-oss-120b at 32K
+    (18 full layers at 16,384 keys a query, 18 sliding at 128): the kernels score (16,384 + 256) / (16,384 + 128) of
+    the model's attention FLOPs; a sequence no longer than the window is plain causal (ratio 1)."""
+    from recipe.cost import attention_keys, attention_kernel_ratio, window_keys
+
+    assert (window_keys(128), window_keys(100), window_keys(129), window_keys(130)) == (256, 256, 256, 384)
+    oss = PRESETS["gpt-oss-120b"]
+    assert attention_keys(oss, 32768) == (16384, 128) and attention_keys(oss, 32768, kernel=True) == (16384, 256)
+    assert attention_kernel_ratio(oss, 32768) == pytest.approx((16384 + 256) / (16384 + 128))
+    assert attention_kernel_ratio(oss, 128) == 1.0 and attention_kernel_ratio(PRESETS["qwen3-30b-a3b"], 32768) == 1.0

@@ -473,8 +473,8 @@ def test_gpt_oss_attention_runs_on_cudnn_with_its_sink_merged(before, window):
     """gpt-oss's attention with its sink logits: a whole document (launch/sink_attention.py's merged path), a CP
     piece after 1536 earlier keys (launch/context_parallel.py `_sink_piece`), both in cuDNN, and a 128-token sliding
     window (the flash kernel's windowed variable-length form) run at the heads' own size (64), the sink merged in by
-    its log-sum-exp, and follow the fp32 softmax-with-sink as closely as the sink-key paths at the padded size (72: one lower-right
-    flash call; the masked blocks) do, in the output and the q, k, v and sink gradients."""
+    its log-sum-exp, and follow the fp32 softmax-with-sink as closely as the sink-key paths at the padded size (72: one
+    lower-right flash call; the masked blocks) do, in the output and the q, k, v and sink gradients."""
     import launch.context_parallel as cpm
     import launch.sink_attention as sa
     from launch.attention_parts import flash_window_takes, kernel_for
