@@ -7,6 +7,8 @@ Shape legend: M routed (token, slot) rows on this rank, D model dim, I expert ff
         g = dout · w (the gradient of the slot's expert output, rounded to dout's dtype as torch's product is),
         dw = Σ_d dout·y in fp32 (the routing weight's gradient: dL/dw_tk = dL/dout_t · y_tk); `out` (dout itself
         allowed: each row is read before it is written) takes g
+    glu_forward(h_MF, glu=SWIGLU) -> a_MI
+        the forward's activation, a = glu(gate, up), fp32 inside and rounded once to h's dtype
     swiglu_backward(h_MF, da_MI, glu=SWIGLU) -> (dh_MF, a_MI)
         h = [gate | up], a = silu(gate)·up; with s = sigmoid(gate):
         dgate = da · up · s · (1 + gate (1 − s)),  dup = da · silu(gate);  dh = [dgate | dup]
@@ -61,8 +63,14 @@ SWIGLU = GLU()
 GPT_OSS_GLU = GLU(alpha=1.702, limit=7.0, up_offset=1.0)
 
 
-def glu_forward(h_MF: torch.Tensor, glu: GLU = SWIGLU) -> torch.Tensor:
-    """The activation a [M, I] of h = [gate | up] [M, 2I], in h's dtype (each op rounded as torch rounds it)."""
+def glu_forward(h_MF: torch.Tensor, glu: GLU = SWIGLU, backend: str | None = None) -> torch.Tensor:
+    """The activation a [M, I] of h = [gate | up] [M, 2I], in h's dtype: one kernel (fp32 inside, rounded once, as
+    `swiglu_backward` recomputes it) where Triton runs and no gradient is taken through it; else torch's ops, each
+    rounded as torch rounds it (and differentiable)."""
+    if not (torch.is_grad_enabled() and h_MF.requires_grad) and _pick_backend(h_MF, backend) != "torch":
+        from kernels import expert_grads_triton
+
+        return expert_grads_triton.glu_forward(h_MF, glu)
     gate, up = h_MF.chunk(2, dim=-1)
     if glu == SWIGLU:
         return F.silu(gate) * up

@@ -80,6 +80,26 @@ def _swiglu_bwd_kernel(h_ptr, s_h, da_ptr, s_da, dh_ptr, s_dh, a_ptr, s_a, M, I,
         tl.store(a_ptr + rows[:, None] * s_a + cols[None, :], (silu * up).to(a_ptr.dtype.element_ty), mask=ok)
 
 
+@triton.jit
+def _glu_fwd_kernel(h_ptr, s_h, a_ptr, s_a, M, I, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
+                    ALPHA: tl.constexpr = 1.0, CLAMP: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
+                    OFFSET: tl.constexpr = 0.0):
+    # a = g·σ(α·g)·(u + c), g and u clamped where the GLU has a limit (kernels.expert_grads.GLU), fp32 inside
+    pid_m = tl.program_id(0)
+    pid_i = tl.program_id(1)
+    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
+    ok = (rows < M)[:, None] & (cols < I)[None, :]
+    h_row = h_ptr + rows[:, None] * s_h + cols[None, :]
+    g = tl.load(h_row, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(h_row + I, mask=ok, other=0.0).to(tl.float32)
+    if CLAMP:
+        g = tl.minimum(g, LIMIT)
+        u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+    act = g * tl.sigmoid(ALPHA * g) * (u + OFFSET)
+    tl.store(a_ptr + rows[:, None] * s_a + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=ok)
+
+
 def _unit_columns(*ts: torch.Tensor) -> None:
     for t in ts:
         if t.dim() != 2 or (t.shape[1] > 1 and t.stride(1) != 1):
@@ -121,3 +141,17 @@ def swiglu_backward(h_MF: torch.Tensor, da_MI: torch.Tensor, glu=None):
                                                                      BLOCK_M=bm, BLOCK_I=bi, num_warps=warps,
                                                                      **general)
     return dh, a
+
+
+def glu_forward(h_MF: torch.Tensor, glu) -> torch.Tensor:
+    """The activation a [M, I] of h = [gate | up] for a kernels.expert_grads.GLU, in h's dtype, rounded once."""
+    _unit_columns(h_MF)
+    M, I = h_MF.shape[0], h_MF.shape[1] // 2
+    a = torch.empty((M, I), dtype=h_MF.dtype, device=h_MF.device)
+    if M:
+        bm, bi, warps = SWIGLU_TILE[_VENDOR]
+        _glu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bi))](
+            h_MF, h_MF.stride(0), a, a.stride(0), M, I, BLOCK_M=bm, BLOCK_I=bi, num_warps=warps,
+            ALPHA=float(glu.alpha), CLAMP=glu.limit is not None, LIMIT=float(glu.limit or 0.0),
+            OFFSET=float(glu.up_offset))
+    return a

@@ -6,7 +6,8 @@ per check. Shapes are odd (not multiples of the tiles), the row operands are col
 the backward passes them, and an empty chunk (M = 0) returns empty outputs.
 fp32: within 1e-6 (relative L2) of the torch reference. bf16: every output element within one bf16 rounding
 (2^-7 relative, whichever way it rounds: the interpreter truncates where the GPU rounds to nearest) of the fp32
-reference on the same bf16 inputs, and dw within 1e-6 of an fp64 reference. The activation backward also in
+reference on the same bf16 inputs, and dw within 1e-6 of an fp64 reference. The activation's forward kernel
+gives the backward kernel's activation bitwise. The activation backward also in
 gpt-oss's clamped form (kernels.expert_grads.GPT_OSS_GLU), with gate and up values across and exactly at ±7; its
 torch reference against autograd through the forward's own ops.
 """
@@ -106,7 +107,21 @@ def glu_checks():
                                                   swiglu_backward(h, da, backend="triton")))
 
 
-INTERPRETER_CHECKS = {f.__name__: f for f in (slot_checks, swiglu_checks, glu_checks)}
+def glu_forward_checks():
+    """The forward kernel: the backward kernel's a bitwise (the activation the down projection's weight gradient
+    takes is the one the forward multiplied), and within one rounding of fp32, SwiGLU and the clamped form."""
+    for glu in (GLU(), GPT_OSS_GLU):
+        for M, I in [(37, 21), (3, 16), (1, 1)]:
+            for dtype in (torch.float32, torch.bfloat16):
+                h, da = _clamped_h(M, I).to(dtype), torch.randn(M, I).to(dtype)
+                a = glu_forward(h, glu, backend="triton")
+                assert a.dtype == dtype and a.shape == (M, I)
+                assert torch.equal(a, swiglu_backward(h, da, backend="triton", glu=glu)[1]), (glu, M, I, dtype)
+                assert _one_rounding(a, glu_forward(h.float(), glu, backend="torch")), (glu, M, I, dtype)
+    assert glu_forward(torch.empty(0, 6), GPT_OSS_GLU, backend="triton").shape == (0, 3)
+
+
+INTERPRETER_CHECKS = {f.__name__: f for f in (slot_checks, swiglu_checks, glu_checks, glu_forward_checks)}
 
 
 interpreter_results, test_triton_kernels_interpreter = interpreter.pytest_cases(__file__, INTERPRETER_CHECKS)
