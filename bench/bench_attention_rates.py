@@ -1,5 +1,5 @@
 """Full attention's kernel timed alone (the training core's `causal_attention`: causal SDPA, GQA inside it where the
-flash kernel takes the shapes) over the head shapes of the presets the training core builds and 8K to 128K tokens,
+flash kernel takes the shapes; gpt-oss's full layers as `sink_attention` runs them, the sinks merged in) over the head shapes of the presets the training core builds and 8K to 128K tokens,
 against the step-time model's `attention` term (its quadratic FLOPs at the profile's `attention` rate).
 
 Each case times the forward, and forward + backward, of one layer's attention on random bf16 q, k, v of the model's
@@ -28,6 +28,9 @@ CASES = ("qwen35-35b:8192,qwen35-35b:32768,qwen35-35b:131072,qwen3-30b-a3b:8192,
 # Air's 96 query heads over 8: `--cases` with V3_CASES
 V3_CASES = ("moonlight-16b:8192,moonlight-16b:32768,moonlight-16b:65536,deepseek-v3:8192,deepseek-v3:32768,"
             "glm45-air:8192,glm45-air:32768,glm45-air:65536")
+# gpt-oss's width 64 beside a width 128 the step fit has (calibrate.py derives the profile's rate at 64 from them)
+WIDTH_CASES = ("qwen3-30b-a3b:8192,qwen3-30b-a3b:32768,qwen3-30b-a3b:131072,gpt-oss-120b:8192,gpt-oss-120b:32768,"
+               "gpt-oss-120b:131072")
 
 
 def model_seconds(name: str, seq: int, hw: str) -> tuple[float, float]:
@@ -52,6 +55,7 @@ def main() -> None:
     from bench_train_step import _time
     from launch.data import synthetic_long_batch
     from launch.model import causal_attention
+    from launch.sink_attention import sink_attention
     from recipe.models import resolve_model
 
     device = torch.device(args.device)
@@ -69,14 +73,20 @@ def main() -> None:
                 for _ in range(2))
         packing = synthetic_long_batch(seq, m.vocab_size, device).packing
         scale = m.head_dim ** -0.5
+        sinks = torch.randn(m.num_heads, device=device, generator=gen) if m.arch == "gpt_oss" else None
+
+        def attend(q_, k_, v_):  # a full layer as the core runs it: gpt-oss with its sinks
+            if sinks is None:
+                return causal_attention(q_, k_, v_, packing, scale)
+            return sink_attention(q_, k_, v_, sinks, packing, scale)
 
         def fwd():
             with torch.no_grad():
-                causal_attention(q, k, v, packing, scale)
+                attend(q, k, v)
 
         def fwd_bwd():
             qq, kk, vv = (x.detach().requires_grad_() for x in (q, k, v))
-            causal_attention(qq, kk, vv, packing, scale).float().sum().backward()
+            attend(qq, kk, vv).float().sum().backward()
 
         fwd(), fwd_bwd()  # warm-up
         t_f, t_fb = _time(fwd, device, args.reps), _time(fwd_bwd, device, args.reps)
