@@ -535,6 +535,25 @@ def dense_rate(path: Path) -> float | None:
     return 1 / inv[0] if inv[0] else None
 
 
+def derived_widths(fitted: dict[int, float], path: Path) -> dict[int, float]:
+    """Attention efficiencies at head widths no fitted point has (gpt-oss's 64), from the full-attention kernels
+    timed alone (bench/bench_attention_rates.py, `path`): the nearest fitted width's efficiency times the median,
+    over the token counts both were timed at, of the kernel's FLOP rate at the width over its rate at that one."""
+    if not fitted or not path.exists():
+        return {}
+    rate: dict[int, dict[int, float]] = {}
+    for r in json.loads(path.read_text())["rows"]:
+        rate.setdefault(r["head_dim"], {})[r["tokens"]] = r["flops"] / r["measured_s"]
+    out = {}
+    for width in sorted(set(rate) - set(fitted)):
+        near = min(fitted, key=lambda w: (abs(w - width), w))
+        common = sorted(set(rate[width]) & set(rate.get(near, {})))
+        if common:
+            ratios = sorted(rate[width][t] / rate[near][t] for t in common)
+            out[width] = round(fitted[near] * statistics.median(ratios), 3)
+    return out
+
+
 def fit(path: str) -> dict:
     """The per-operation efficiencies that best reproduce the measured step times of the grid's `fit` points
     (the held-out points are left out). The operations its components time alone take their measured rates
@@ -585,9 +604,16 @@ def fit(path: str) -> dict:
         else:
             eff[k] = round(min(1.0, 1 / (v * (hbm if k in HBM_TERMS else peak))), 3) if v else 1.0
     by_width = {int(k.split("@")[1]): eff.pop(k) for k in list(eff) if k.startswith("attention@")}
+    by_width.update(derived_widths(by_width, Path(path).with_name(f"{name}_attention.json")))
     if by_width:
         eff["attention"] = by_width if len(by_width) > 1 else next(iter(by_width.values()))
-    err = (a @ inv + known) / y - 1
+    # a point whose head width has no fitted term (a held-out MLA point's mean width 160) at the efficiency the
+    # profile gives that width (recipe.cost.attention_efficiency: between the two nearest), as a prediction would
+    from recipe.cost import attention_efficiency
+
+    unfitted = np.array([0.0 if r["attention_width"] in widths or not r["attention"] else
+                         r["attention"] / (peak * attention_efficiency(by_width, r["attention_width"])) for r in rows])
+    err = (a @ inv + known + unfitted) / y - 1
     out = {"efficiency": eff, "anchored": sorted(anchored), "fit_error": float(np.abs(err[fit_rows]).max()),
            "held_out_error": float(np.abs(err[~fit_rows]).max()) if (~fit_rows).any() else None,
            "fit_points": int(fit_rows.sum()), "held_out_points": int((~fit_rows).sum())}
