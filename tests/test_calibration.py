@@ -7,7 +7,9 @@ from __future__ import annotations
 
 import itertools
 import json
+import sys
 from importlib import resources
+from pathlib import Path
 
 import pytest
 
@@ -346,3 +348,21 @@ def test_ep_chunk_rows_is_what_the_committed_bench_runs_measure():
                   and k != "EP path, k=1"]
     assert [round(x, 2) for x in extra] == [0.24, 0.12, 0.12]
     assert cost.EP_CHUNK_ROWS == pytest.approx(sum(extra) / len(extra), abs=0.006) and cost.EP_CHUNK_ROWS > 0
+
+
+def test_a_width_without_fitted_points_takes_the_kernel_ratio(tmp_path):
+    """`calibrate.py --fit` gives a head width no fitted point has the nearest fitted width's efficiency times the
+    median, over the token counts both were timed at, of the kernel's rate at the width over its rate at that one:
+    rates at 64 of 0.70, 0.80 and 0.90 of 128's (and a count only 64 has, ignored) make 0.447 · 0.80 = 0.358; a
+    width with no common count, or no file, derives nothing."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from calibrate import derived_widths
+
+    rows = [{"head_dim": 128, "tokens": t, "flops": 1e12, "measured_s": 1e-3} for t in (8192, 32768, 131072)]
+    rows += [{"head_dim": 64, "tokens": t, "flops": 1e12 * f, "measured_s": 1e-3}
+             for t, f in ((8192, 0.9), (32768, 0.7), (131072, 0.8), (65536, 0.1))]
+    rows += [{"head_dim": 96, "tokens": 4096, "flops": 1e12, "measured_s": 1e-3}]
+    path = tmp_path / "h200_attention.json"
+    path.write_text(json.dumps({"rows": rows}))
+    assert derived_widths({128: 0.447, 256: 0.393}, path) == {64: pytest.approx(0.358, abs=1e-9)}
+    assert derived_widths({128: 0.447}, tmp_path / "missing.json") == {}
