@@ -38,20 +38,25 @@ def _slot_grads_kernel(dout_ptr, s_dout, w_ptr, s_w, y_ptr, s_y, g_ptr, s_g, dw_
 
 
 @triton.jit
+def _gate_up_tile(h_ptr, s_h, M, I, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr):
+    """This program's [BLOCK_M, BLOCK_I] tile of gate and of up (fp32), its rows, columns and mask."""
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_I + tl.arange(0, BLOCK_I)
+    ok = (rows < M)[:, None] & (cols < I)[None, :]
+    h_row = h_ptr + rows[:, None] * s_h + cols[None, :]
+    gate = tl.load(h_row, mask=ok, other=0.0).to(tl.float32)
+    up = tl.load(h_row + I, mask=ok, other=0.0).to(tl.float32)
+    return rows, cols, ok, gate, up
+
+
+@triton.jit
 def _swiglu_bwd_kernel(h_ptr, s_h, da_ptr, s_da, dh_ptr, s_dh, a_ptr, s_a, M, I,
                        BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, GENERAL: tl.constexpr = False,
                        ALPHA: tl.constexpr = 1.0, CLAMP: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
                        OFFSET: tl.constexpr = 0.0):
     # GENERAL: a kernels.expert_grads.GLU other than SwiGLU (gpt-oss's clamped form), whose derivation is there;
     # SwiGLU keeps its own arithmetic
-    pid_m = tl.program_id(0)
-    pid_i = tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
-    ok = (rows < M)[:, None] & (cols < I)[None, :]
-    h_row = h_ptr + rows[:, None] * s_h + cols[None, :]
-    gate = tl.load(h_row, mask=ok, other=0.0).to(tl.float32)
-    up = tl.load(h_row + I, mask=ok, other=0.0).to(tl.float32)
+    rows, cols, ok, gate, up = _gate_up_tile(h_ptr, s_h, M, I, BLOCK_M, BLOCK_I)
     da = tl.load(da_ptr + rows[:, None] * s_da + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     dh_row = dh_ptr + rows[:, None] * s_dh + cols[None, :]
     if GENERAL:
@@ -85,14 +90,7 @@ def _glu_fwd_kernel(h_ptr, s_h, a_ptr, s_a, M, I, BLOCK_M: tl.constexpr, BLOCK_I
                     ALPHA: tl.constexpr = 1.0, CLAMP: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
                     OFFSET: tl.constexpr = 0.0):
     # a = g·σ(α·g)·(u + c), g and u clamped where the GLU has a limit (kernels.expert_grads.GLU), fp32 inside
-    pid_m = tl.program_id(0)
-    pid_i = tl.program_id(1)
-    rows = pid_m.to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_i * BLOCK_I + tl.arange(0, BLOCK_I)
-    ok = (rows < M)[:, None] & (cols < I)[None, :]
-    h_row = h_ptr + rows[:, None] * s_h + cols[None, :]
-    g = tl.load(h_row, mask=ok, other=0.0).to(tl.float32)
-    u = tl.load(h_row + I, mask=ok, other=0.0).to(tl.float32)
+    rows, cols, ok, g, u = _gate_up_tile(h_ptr, s_h, M, I, BLOCK_M, BLOCK_I)
     if CLAMP:
         g = tl.minimum(g, LIMIT)
         u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)

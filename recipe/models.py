@@ -332,20 +332,8 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             first_dense_layers=1, dense_ffn=10944, rope_theta=1e6, rms_norm_eps=1e-5, max_position=131072,
             mtp_layers=1, source="zai-org/GLM-4.5-Air config.json",
         ),
-    "gpt-oss-120b": lambda: ModelShape(
-            name="gpt-oss-120b", arch="gpt_oss", hidden_size=2880, num_layers=36, vocab_size=201088,
-            layer_types=("sliding_attention", "full_attention") * 18, num_heads=64, num_kv_heads=8, head_dim=64,
-            qk_norm=False, attn_bias=True, sliding_window=128, rope_theta=150000.0,
-            rope_scaling=GPT_OSS_ROPE_SCALING, num_experts=128, top_k=4, expert_ffn=2880, router_bias=True,
-            rms_norm_eps=1e-5, max_position=131072, source="openai/gpt-oss-120b config.json",
-        ),
-    "gpt-oss-20b": lambda: ModelShape(
-            name="gpt-oss-20b", arch="gpt_oss", hidden_size=2880, num_layers=24, vocab_size=201088,
-            layer_types=("sliding_attention", "full_attention") * 12, num_heads=64, num_kv_heads=8, head_dim=64,
-            qk_norm=False, attn_bias=True, sliding_window=128, rope_theta=150000.0,
-            rope_scaling=GPT_OSS_ROPE_SCALING, num_experts=32, top_k=4, expert_ffn=2880, router_bias=True,
-            rms_norm_eps=1e-5, max_position=131072, source="openai/gpt-oss-20b config.json",
-        ),
+    "gpt-oss-120b": lambda: _gpt_oss("gpt-oss-120b", layers=36, experts=128),
+    "gpt-oss-20b": lambda: _gpt_oss("gpt-oss-20b", layers=24, experts=32),
     "mixtral-8x7b": lambda: ModelShape(
             name="mixtral-8x7b", arch="mixtral", hidden_size=4096, num_layers=32, vocab_size=32000,
             layer_types=("full_attention",) * 32, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=False,
@@ -382,6 +370,16 @@ class _Presets(Mapping):
     def __len__(self) -> int:
         return len(self._factories)
 
+
+
+def _gpt_oss(name: str, layers: int, experts: int) -> "ModelShape":
+    """gpt-oss's two sizes differ only in depth and expert count (openai/<name> config.json)."""
+    return ModelShape(
+        name=name, arch="gpt_oss", hidden_size=2880, num_layers=layers, vocab_size=201088,
+        layer_types=("sliding_attention", "full_attention") * (layers // 2), num_heads=64, num_kv_heads=8,
+        head_dim=64, qk_norm=False, attn_bias=True, sliding_window=128, rope_theta=150000.0,
+        rope_scaling=GPT_OSS_ROPE_SCALING, num_experts=experts, top_k=4, expert_ffn=2880, router_bias=True,
+        rms_norm_eps=1e-5, max_position=131072, source=f"openai/{name} config.json")
 
 PRESETS: Mapping[str, ModelShape] = _Presets(_PRESET_FACTORIES)
 
