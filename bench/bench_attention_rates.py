@@ -1,6 +1,7 @@
 """Full attention's kernel timed alone (the training core's `causal_attention`: causal SDPA, GQA inside it where the
-flash kernel takes the shapes; gpt-oss's full layers as `sink_attention` runs them, the sinks merged in) over the head shapes of the presets the training core builds and 8K to 128K tokens,
-against the step-time model's `attention` term (its quadratic FLOPs at the profile's `attention` rate).
+flash kernel takes the shapes; gpt-oss's full layers as `sink_attention` runs them, the sinks merged in) over the
+head shapes of the presets the training core builds and 8K to 128K tokens, against the step-time model's
+`attention` term (its quadratic FLOPs at the profile's `attention` rate).
 
 Each case times the forward, and forward + backward, of one layer's attention on random bf16 q, k, v of the model's
 query heads, KV heads and head width, one document of the given length, and prints the FLOP rate it ran at (the

@@ -565,6 +565,7 @@ def fit(path: str) -> dict:
     bandwidth, ms per pass) and the fitted and held-out errors they give."""
     import numpy as np
 
+    from recipe.cost import attention_efficiency
     from recipe.hw import load_profile
 
     data = json.loads(Path(path).read_text())
@@ -609,8 +610,6 @@ def fit(path: str) -> dict:
         eff["attention"] = by_width if len(by_width) > 1 else next(iter(by_width.values()))
     # a point whose head width has no fitted term (a held-out MLA point's mean width 160) at the efficiency the
     # profile gives that width (recipe.cost.attention_efficiency: between the two nearest), as a prediction would
-    from recipe.cost import attention_efficiency
-
     unfitted = np.array([0.0 if r["attention_width"] in widths or not r["attention"] else
                          r["attention"] / (peak * attention_efficiency(by_width, r["attention_width"])) for r in rows])
     err = (a @ inv + known + unfitted) / y - 1

@@ -78,18 +78,35 @@ def kernel_for(q: torch.Tensor, parts) -> str | None:
     return None
 
 
+def _per_head(sink_H: torch.Tensor, shape, dtype) -> torch.Tensor:
+    """σ [H] broadcast over `shape` (an output's shape less its channels, the heads on dim 1)."""
+    view = [1] * len(shape)
+    view[1] = -1
+    return sink_H.to(dtype).view(view).expand(shape)
+
+
 def _merge(outs, lses, sink_H):
     """The merged output (in the last part's dtype and layout) and log-sum-exp (in the last part's lse shape) of
-    partial softmaxes (o_i, l_i), with the sink logits σ [H] as one more part whose output is zero."""
+    partial softmaxes (o_i, l_i), with the sink logits σ [H] as one more part whose output is zero. Each l_i holds
+    o_i's elements less its channels (the heads on dim 1)."""
     o_last = outs[-1]
     shape, acc = o_last.shape[:-1], torch.promote_types(o_last.dtype, torch.float32)
     ls = [lse.reshape(shape).to(acc) for lse in lses]
-    terms = torch.stack(ls + ([sink_H.to(acc).view(1, -1, 1).expand(shape)] if sink_H is not None else []))
+    terms = torch.stack(ls + ([_per_head(sink_H, shape, acc)] if sink_H is not None else []))
     lse = torch.logsumexp(terms, dim=0)
     total = sum(o.to(acc) * torch.exp(li - lse)[..., None] for o, li in zip(outs, ls))
     o = torch.empty_like(o_last)
     o.copy_(total)
     return o, lse.to(lses[-1].dtype)
+
+
+def _sink_grad(g: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, sink_H: torch.Tensor) -> torch.Tensor:
+    """∂L/∂σ_h = Σ_i ∂L/∂s_i,sink = −Σ_i p_i,sink · rowsum(dO_i ∘ O_i), the sink's value being 0: from the merged
+    output o, its gradient g and its log-sum-exp (o's elements less its channels, the heads on dim 1)."""
+    acc = torch.promote_types(o.dtype, torch.float32)
+    D = (g.to(acc) * o.to(acc)).sum(-1)
+    p = torch.exp(_per_head(sink_H, D.shape, acc) - lse.reshape(D.shape).to(acc))
+    return (-(p * D).sum(dim=[d for d in range(D.dim()) if d != 1])).to(sink_H.dtype)
 
 
 class _Merged(torch.autograd.Function):
@@ -121,12 +138,7 @@ class _Merged(torch.autograd.Function):
                                    ctx.aux[i], c, ctx.scale)
             dq = dq_i if dq is None else dq + dq_i
             dkv += [dk_i, dv_i]
-        d_sink = None
-        if ctx.has_sink:  # ∂L/∂σ_h = Σ_i ∂L/∂s_i,sink = −Σ_i p_i,sink · rowsum(dO_i ∘ O_i): the sink's value is 0
-            acc = torch.promote_types(o.dtype, torch.float32)
-            D = (g.to(acc) * o.to(acc)).sum(-1)
-            p = torch.exp(sink_H.to(acc).view(1, -1, 1) - lse.reshape(D.shape).to(acc))
-            d_sink = (-(p * D).sum(dim=(0, 2))).to(sink_H.dtype)
+        d_sink = _sink_grad(g, o, lse, sink_H) if ctx.has_sink else None
         return (dq, d_sink, None, None, None, *dkv)
 
 
@@ -145,17 +157,15 @@ def merged_attention(q: torch.Tensor, parts, scale: float, kernel: str,
     return _Merged.apply(q, sink_H, scale, kernel, tuple(c for _, _, c in parts), *kv)
 
 
-
 class _FlashWindow(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cu, max_len: int, window: int, sink_H, scale: float):
         o, lse, rng, unused, _ = aten._flash_attention_forward(
             q, k, v, cu, cu, max_len, max_len, 0.0, True, False, scale=scale, window_size_left=window - 1,
             window_size_right=0)
-        if sink_H is not None:  # lse [H, T]: the sink as one more part with output 0
-            merged = torch.logaddexp(lse, sink_H.to(lse.dtype)[:, None])
-            o = (o.float() * torch.exp(lse - merged).t()[..., None]).to(o.dtype)
-            lse = merged
+        if sink_H is not None:  # o [T, H, D], lse [H, T]: the sink as one more part with output 0
+            o, lse_TH = _merge([o], [lse.t()], sink_H)
+            lse = lse_TH.t().contiguous()
         ctx.meta = (max_len, window, scale, sink_H is not None)
         ctx.save_for_backward(q, k, v, cu, o, lse, rng, unused,
                               sink_H if sink_H is not None else lse.new_empty(0))
@@ -169,10 +179,7 @@ class _FlashWindow(torch.autograd.Function):
         dq, dk, dv = aten._flash_attention_backward(g, q, k, v, o, lse, cu, cu, max_len, max_len, 0.0, True, rng,
                                                     unused, scale=scale, window_size_left=window - 1,
                                                     window_size_right=0)
-        d_sink = None
-        if has_sink:
-            D = (g.float() * o.float()).sum(-1)  # [T, H]
-            d_sink = (-(torch.exp(sink_H.float()[:, None] - lse) * D.t()).sum(1)).to(sink_H.dtype)
+        d_sink = _sink_grad(g, o, lse.t(), sink_H) if has_sink else None
         return dq, dk, dv, None, None, None, d_sink, None
 
 

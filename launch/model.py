@@ -15,7 +15,6 @@ parameter names follow Hugging Face's, so a state dict maps one to one (launch/h
 from __future__ import annotations
 
 import contextlib
-
 import math
 import zlib
 from dataclasses import dataclass

@@ -37,10 +37,11 @@ e^(l_i − l); launch/attention_parts.py, which also gives σ's gradient). Paths
   [sink, block b − 1, block b] (the 2W keys before and at its own, a document's first block a block of padding keys
   before it, the last block's tail padding queries whose outputs are dropped), and a query sees key j of those when
   0 ≤ pos_q − pos_j < W. That band is the same [W, 1 + 2W] mask for every block (row r, key column c ≥ 1 at position
-  (b − 1)W + c − 1: allowed iff r + 1 < c ≤ W + r + 1), so all blocks of all documents run as one batched SDPA call. The G query heads of a
-  key head are stacked along the block's rows ([NB, Hkv, G·W, C] against [NB, Hkv, 1 + 2W, C], the mask repeated
-  G times), so no key is copied per query head and the kernels that take a mask (memory-efficient, math) need no
-  GQA support. Work and memory: (1 + 2W)/W keys a query, about twice a window's.
+  (b − 1)W + c − 1: allowed iff r + 1 < c ≤ W + r + 1), so all blocks of all documents run as one batched SDPA
+  call. The G query heads of a key head are stacked along the block's rows ([NB, Hkv, G·W, C] against
+  [NB, Hkv, 1 + 2W, C], the mask repeated G times), so no key is copied per query head and the kernels that take a
+  mask (memory-efficient, math) need no GQA support. Work and memory: (1 + 2W)/W keys a query, about twice a
+  window's.
 """
 
 from __future__ import annotations
@@ -49,8 +50,9 @@ import torch
 import torch.nn.functional as F
 
 DENSE_MASK_MAX_TOKENS = 4096  # CPU: one call with a [T, 1 + T] mask up to this many tokens
-# full attention runs per document as one kernel call with the sink merged in (launch/attention_parts.py) where a
-# kernel takes the shapes; False: the sink as a key of the channels below, one lower-right call (tests run both)
+# the sink merged in by log-sum-exp (launch/attention_parts.py) where a kernel takes the shapes: full attention one
+# cuDNN call a document, a window one windowed flash call; False: the sink as a key of the channels below (the one
+# lower-right call a document, the masked blocks; tests run both)
 MERGED_SINK = True
 PAD = -1.0e4  # the score of a padding key (and, without sinks, of the sink key): exp underflows to exactly 0
 
@@ -86,8 +88,10 @@ def sink_attention(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor
     whole = window is None or window >= max(packing.doc_lengths)  # no query's window cuts its document
     dense = not q_THD.is_cuda and T <= DENSE_MASK_MAX_TOKENS
     if not dense and MERGED_SINK:
-        merged = (_merged_per_document if whole else _flash_window)(q_THD, k_THD, v_THD, sinks_H, packing, scale,
-                                                                    window)
+        if whole:
+            merged = _merged_per_document(q_THD, k_THD, v_THD, sinks_H, packing, scale)
+        else:
+            merged = _flash_window(q_THD, k_THD, v_THD, sinks_H, packing, scale, window)
         if merged is not None:
             return merged
     q, k, v, extra_k, extra_v = sink_channels(q_THD, k_THD, v_THD, sinks_H, scale)
@@ -117,7 +121,7 @@ def _dense(q, k, v, extra_k, extra_v, packing, scale: float, window: int | None)
     return o.squeeze(0).transpose(0, 1)
 
 
-def _merged_per_document(q_THD, k_THD, v_THD, sinks_H, packing, scale: float, window=None) -> torch.Tensor | None:
+def _merged_per_document(q_THD, k_THD, v_THD, sinks_H, packing, scale: float) -> torch.Tensor | None:
     """Each document's causal attention as one kernel call at the heads' own size with the sink merged in by its
     log-sum-exp (launch/attention_parts.py), or None where no kernel takes the shapes."""
     from launch.attention_parts import kernel_for, merged_attention
@@ -162,22 +166,6 @@ def band_mask(window: int, device=None) -> torch.Tensor:
     return (c == 0) | ((c > r + 1) & (c <= window + r + 1))
 
 
-def _block_rows(packing, W: int, pad_row: int, device):
-    """Each document's tokens in query blocks of W: (rows [NB·W] the token of each block row, `pad_row` past a
-    document's end; row_T [T] each token's block row; first [NB] bool, the blocks that start a document)."""
-    lengths = torch.tensor(packing.doc_lengths, device=device)
-    blocks = (lengths + W - 1) // W  # query blocks of each document
-    NB = int(sum(-(-n // W) for n in packing.doc_lengths))
-    first_row = W * (torch.cumsum(blocks, 0) - blocks)  # each document's first query row
-    doc = torch.repeat_interleave(torch.arange(len(packing.doc_lengths), device=device), lengths)
-    row_T = first_row[doc] + packing.positions  # token t's row among the NB·W query rows
-    rows = torch.full((NB * W,), pad_row, dtype=torch.long, device=device)
-    rows[row_T] = torch.arange(packing.num_tokens, device=device)
-    first = torch.zeros(NB, dtype=torch.bool, device=device)
-    first[first_row // W] = True
-    return rows, row_T, first
-
-
 def _flash_window(q_THD, k_THD, v_THD, sinks_H, packing, scale: float, window: int) -> torch.Tensor | None:
     """The sliding window in one call of the flash kernel's variable-length form with its window, at the heads' own
     size, the sink merged in (launch/attention_parts.py `window_attention`); None where it does not run."""
@@ -195,12 +183,18 @@ def _sliding_blocks(q, k, v, extra_k, extra_v, packing, scale: float, window: in
     Hkv, W = k.shape[1], window
     G = Hq // Hkv
     dev = q.device
+    lengths = torch.tensor(packing.doc_lengths, device=dev)
+    blocks = (lengths + W - 1) // W  # query blocks of each document
+    NB = int(sum(-(-n // W) for n in packing.doc_lengths))
+    first_row = W * (torch.cumsum(blocks, 0) - blocks)  # each document's first query row
+    doc = torch.repeat_interleave(torch.arange(len(packing.doc_lengths), device=dev), lengths)
+    row_T = first_row[doc] + packing.positions  # token t's row among the NB·W query rows
     pad_row, sink_row = T, T + 1  # in the key/value rows below: [k, sink, padding] indexed as [0, T), T + 1, T
-    rows, row_T, first = _block_rows(packing, W, pad_row, dev)
-    NB = first.numel()
+    rows = torch.full((NB * W,), pad_row, dtype=torch.long, device=dev)
+    rows[row_T] = torch.arange(T, device=dev)
     own = rows.view(NB, W)
     prev = torch.cat([own.new_full((1, W), pad_row), own[:-1]])
-    prev[first] = pad_row  # a document's first block: a block of padding keys before it
+    prev[first_row // W] = pad_row  # a document's first block: a block of padding keys before it
     key_rows = torch.cat([own.new_full((NB, 1), sink_row), prev, own], dim=1)  # [NB, 1 + 2W]
     k_rows = torch.cat([k, extra_k[1:], extra_k[:1]])  # row T: the padding key, row T + 1: the sink key
     v_rows = torch.cat([v, extra_v])
