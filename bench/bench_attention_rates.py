@@ -1,7 +1,8 @@
-"""Full attention's kernel timed alone (the training core's `causal_attention`: causal SDPA, GQA inside it where the
-flash kernel takes the shapes; gpt-oss's full layers as `sink_attention` runs them, the sinks merged in) over the
-head shapes of the presets the training core builds and 8K to 128K tokens, against the step-time model's
-`attention` term (its quadratic FLOPs at the profile's `attention` rate).
+"""Attention's kernel timed alone (the training core's `causal_attention`: causal SDPA, GQA inside it where the
+flash kernel takes the shapes; gpt-oss's layers as `sink_attention` runs them, the sinks merged in) over the head
+shapes of the presets the training core builds and 8K to 128K tokens, against the step-time model's `attention`
+term (its quadratic FLOPs, or the keys a windowed kernel scores, at the profile's `attention` rate). A case
+`model:tokens` times a full layer; `model:tokens:window` a sliding layer of that window (WINDOW_CASES).
 
 Each case times the forward, and forward + backward, of one layer's attention on random bf16 q, k, v of the model's
 query heads, KV heads and head width, one document of the given length, and prints the FLOP rate it ran at (the
@@ -10,6 +11,7 @@ measured forward plus forward + backward), the model's rate and their ratio. The
 timed: they are the `dense_gemm` term's.
 
     python bench/bench_attention_rates.py --out attention.json     # on the GPU
+    python bench/bench_attention_rates.py --cases WINDOW_CASES --out window.json
     python bench/bench_attention_rates.py --cases tiny-moe:512 --device cpu   # CPU smoke
 """
 
@@ -32,24 +34,33 @@ V3_CASES = ("moonlight-16b:8192,moonlight-16b:32768,moonlight-16b:65536,deepseek
 # gpt-oss's width 64 beside a width 128 the step fit has (calibrate.py derives the profile's rate at 64 from them)
 WIDTH_CASES = ("qwen3-30b-a3b:8192,qwen3-30b-a3b:32768,qwen3-30b-a3b:131072,gpt-oss-120b:8192,gpt-oss-120b:32768,"
                "gpt-oss-120b:131072")
+# gpt-oss's sliding layers: its window of 128 over 8K to 128K tokens, and wider windows at 32K (how a window's time
+# splits into the keys it scores and the work every query row costs whatever its window: cost_model.WINDOW_ROW_KEYS)
+WINDOW_CASES = ("gpt-oss-120b:8192:128,gpt-oss-120b:32768:128,gpt-oss-120b:131072:128,gpt-oss-120b:32768:256,"
+                "gpt-oss-120b:32768:512,gpt-oss-120b:32768:1024,gpt-oss-120b:32768:4096")
+NAMED = {"CASES": CASES, "V3_CASES": V3_CASES, "WIDTH_CASES": WIDTH_CASES, "WINDOW_CASES": WINDOW_CASES}
 
 
-def model_seconds(name: str, seq: int, hw: str) -> tuple[float, float]:
-    """(FLOPs, seconds) the cost model gives one full-attention layer's quadratic term in one step under full
-    recompute: 4 forward-equivalents of forward_flops_per_token's attention share for one layer."""
-    from recipe.cost import forward_flops_per_token, rates
+def model_seconds(m, seq: int, hw: str, window: int | None = None) -> tuple[float, float]:
+    """(FLOPs, seconds) the cost model gives one attention layer of `m` in one step under full recompute: 4
+    forward-equivalents of layer_work's attention term for a full layer, or, given a window, for a sliding layer of
+    that window (the keys its kernel scores)."""
+    from recipe.cost import layer_work, rates
+
     from recipe.hw import load_profile
-    from recipe.models import resolve_model
 
-    m = resolve_model(name)
-    flops = 4 * seq * forward_flops_per_token(m, seq)["attention"] / m.num_full_attn_layers
+    kind = "full_attention" if window is None else "sliding_attention"
+    if window is not None:
+        m = m.model_copy(update={"sliding_window": window, "layer_types": (kind,) * m.num_layers})
+    work = next(w for w, k in zip(layer_work(m, seq), m.layer_types) if k == kind)
+    flops = 4 * seq * work["attention"]
     # at the rate for the kernel's head width (and, where MLA's v is padded, its extra work), as compute_work
     return flops, flops / rates(load_profile(hw), m)["attention"]
 
 
 def main() -> None:
-    args = rate_args(__doc__, CASES, "model:tokens", "attention rate",
-                     extra=lambda p: p.add_argument("--reps", type=int, default=3))
+    args = rate_args(__doc__, CASES, "model:tokens[:window] (or CASES, V3_CASES, WIDTH_CASES, WINDOW_CASES)",
+                     "attention rate", extra=lambda p: p.add_argument("--reps", type=int, default=3))
 
     import torch
 
@@ -62,11 +73,11 @@ def main() -> None:
     device = torch.device(args.device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     rows = []
-    print(f"{'model':16} {'heads':>9} {'dim':>4} {'tokens':>7} {'fwd ms':>8} {'fwd+bwd ms':>10} {'TF/s':>6} "
-          f"{'model TF/s':>10} {'model/measured':>14}", flush=True)
-    for case in args.cases.split(","):
-        name, seq = case.split(":")
-        seq = int(seq)
+    print(f"{'model':16} {'heads':>9} {'dim':>4} {'tokens':>7} {'window':>6} {'fwd ms':>8} {'fwd+bwd ms':>10} "
+          f"{'TF/s':>6} {'model TF/s':>10} {'model/measured':>14}", flush=True)
+    for case in ",".join(NAMED.get(c, c) for c in args.cases.split(",")).split(","):
+        name, seq, *rest = case.split(":")
+        seq, window = int(seq), (int(rest[0]) if rest else None)
         m = resolve_model(name)
         gen = torch.Generator(device=device).manual_seed(0)
         q = torch.randn(seq, m.num_heads, m.head_dim, device=device, dtype=dtype, generator=gen)
@@ -76,10 +87,10 @@ def main() -> None:
         scale = m.head_dim ** -0.5
         sinks = torch.randn(m.num_heads, device=device, generator=gen) if m.arch == "gpt_oss" else None
 
-        def attend(q_, k_, v_):  # a full layer as the core runs it: gpt-oss with its sinks
-            if sinks is None:
+        def attend(q_, k_, v_):  # a layer as the core runs it: gpt-oss with its sinks
+            if sinks is None and window is None:
                 return causal_attention(q_, k_, v_, packing, scale)
-            return sink_attention(q_, k_, v_, sinks, packing, scale)
+            return sink_attention(q_, k_, v_, sinks, packing, scale, window)
 
         def fwd():
             with torch.no_grad():
@@ -92,14 +103,15 @@ def main() -> None:
         fwd(), fwd_bwd()  # warm-up
         t_f, t_fb = _time(fwd, device, args.reps), _time(fwd_bwd, device, args.reps)
         measured = t_f + t_fb  # the forward, recomputed in the backward pass under full recompute, then both
-        flops, predicted = model_seconds(name, seq, args.hw)
+        flops, predicted = model_seconds(m, seq, args.hw, window)
         rows.append({"model": name, "heads": m.num_heads, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
-                     "tokens": seq, "fwd_s": t_f, "fwd_bwd_s": t_fb, "measured_s": measured, "flops": flops,
-                     "predicted_s": predicted})
-        print(f"{name:16} {m.num_heads:>4}/{m.num_kv_heads:<4} {m.head_dim:>4} {seq:>7} {t_f * 1e3:>8.2f} "
+                     "tokens": seq, **({"window": window} if window else {}), "fwd_s": t_f, "fwd_bwd_s": t_fb,
+                     "measured_s": measured, "flops": flops, "predicted_s": predicted})
+        print(f"{name:16} {m.num_heads:>4}/{m.num_kv_heads:<4} {m.head_dim:>4} {seq:>7} {window or '':>6} "
+              f"{t_f * 1e3:>8.2f} "
               f"{t_fb * 1e3:>10.2f} {flops / measured / 1e12:>6.0f} {flops / predicted / 1e12:>10.0f} "
               f"{predicted / measured:>14.3f}", flush=True)
-    write_rates(args, "bench_attention_rates.py", "full attention's kernel timed alone (launch.model.causal_attention, "
+    write_rates(args, "bench_attention_rates.py", "attention's kernel timed alone (launch.model.causal_attention, "
                 "one document; bench/bench_attention_rates.py)", rows)
 
 if __name__ == "__main__":
