@@ -111,8 +111,9 @@ def main() -> None:
               f"{t_f * 1e3:>8.2f} "
               f"{t_fb * 1e3:>10.2f} {flops / measured / 1e12:>6.0f} {flops / predicted / 1e12:>10.0f} "
               f"{predicted / measured:>14.3f}", flush=True)
-    write_rates(args, "bench_attention_rates.py", "attention's kernel timed alone (launch.model.causal_attention, "
-                "one document; bench/bench_attention_rates.py)", rows)
+    write_rates(args, "bench_attention_rates.py", "attention's kernel timed alone (launch.model.causal_attention; "
+                "gpt-oss and windows launch.sink_attention.sink_attention), one document; "
+                "bench/bench_attention_rates.py", rows)
 
 if __name__ == "__main__":
     main()

@@ -554,6 +554,43 @@ def derived_widths(fitted: dict[int, float], path: Path) -> dict[int, float]:
     return out
 
 
+# rows of the windowed kernels timed alone below this many tokens are left out of the window fit: at 8K the calls'
+# fixed launch time (~0.9 ms a layer-step, which the step's per-layer latency carries) is a quarter of the row
+WINDOW_FIT_MIN_TOKENS = 32768
+
+
+def window_costs(path: Path, hw: str = "h200") -> dict | None:
+    """WINDOW_KEY_COST and WINDOW_ROW_KEYS (recipe/cost.py) from the sliding layers timed alone (the window cases of
+    bench/bench_attention_rates.py, `path`): each row's time in keys of the full-attention kernel at its head width
+    (its measured seconds over those a key a query costs at the profile's attention rate: 4 passes of
+    2·heads·(d_qk + d_v) FLOPs a token) is fitted as cost · window_keys(window) + row, by least squares of the
+    relative error over the rows of at least WINDOW_FIT_MIN_TOKENS tokens. None without the file."""
+    import numpy as np
+
+    from recipe.cost import rates, window_keys
+    from recipe.hw import load_profile
+    from recipe.models import resolve_model
+
+    if not path.exists():
+        return None
+    profile = load_profile(hw)
+    xs, ys = [], []
+    for r in json.loads(path.read_text())["rows"]:
+        if not r.get("window") or r["tokens"] < WINDOW_FIT_MIN_TOKENS:
+            continue
+        m = resolve_model(r["model"])
+        per_key = 4 * r["tokens"] * 2 * r["heads"] * 2 * r["head_dim"] / rates(profile, m)["attention"]
+        xs.append(window_keys(r["window"]))
+        ys.append(r["measured_s"] / per_key)
+    if len(xs) < 2:
+        return None
+    y = np.array(ys)
+    (cost, row), *_ = np.linalg.lstsq(np.array([[x, 1.0] for x in xs]) / y[:, None], np.ones_like(y), rcond=None)
+    err = (cost * np.array(xs) + row) / y - 1
+    return {"WINDOW_KEY_COST": round(float(cost), 2), "WINDOW_ROW_KEYS": int(round(row, -1)),
+            "window_fit_error": round(float(np.abs(err).max()), 3), "window_fit_rows": len(xs)}
+
+
 def fit(path: str) -> dict:
     """The per-operation efficiencies that best reproduce the measured step times of the grid's `fit` points
     (the held-out points are left out). The operations its components time alone take their measured rates
@@ -615,7 +652,8 @@ def fit(path: str) -> dict:
     err = (a @ inv + known + unfitted) / y - 1
     out = {"efficiency": eff, "anchored": sorted(anchored), "fit_error": float(np.abs(err[fit_rows]).max()),
            "held_out_error": float(np.abs(err[~fit_rows]).max()) if (~fit_rows).any() else None,
-           "fit_points": int(fit_rows.sum()), "held_out_points": int((~fit_rows).sum())}
+           "fit_points": int(fit_rows.sum()), "held_out_points": int((~fit_rows).sum()),
+           "window": window_costs(Path(path).with_name(f"{name}_window.json"), name)}
     print(json.dumps(out, indent=1))
     return out
 

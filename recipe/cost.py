@@ -91,6 +91,13 @@ CP_COMBINE_PASSES_PER_DOUBLING = 0.094
 # a windowed attention kernel's key tile: a block of queries scores every key tile its windows touch, so a query
 # costs its window rounded up past one more tile (window_keys), not the window alone
 WINDOW_KEY_TILE = 128
+# a windowed kernel's query row in keys of the full-attention kernel at the same head width (window_kernel_keys):
+# each key it scores costs WINDOW_KEY_COST of one (the windowed kernel is the flash kernel, slower per FLOP than the
+# cuDNN kernel full layers run on), and every row WINDOW_ROW_KEYS more whatever its window (loading and writing the
+# row, its softmax bookkeeping, the sink's merge). Fitted by `bench/calibrate.py --fit` to gpt-oss-120b's sliding
+# layers timed alone at windows of 128 to 4096 (hw_profiles/calibration/h200_window.json): within 8% of each
+WINDOW_KEY_COST = 1.45
+WINDOW_ROW_KEYS = 1130
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 
@@ -371,18 +378,24 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
 
 def attention_keys(m: ModelShape, seq: float, kernel: bool = False) -> tuple[float, float]:
     """Keys a query attends on average, (full layers, sliding layers): causal, seq/2; under a window shorter than
-    the sequence, the window. `kernel`: the keys the kernel scores, a sliding layer's window rounded up past one
-    more key tile (`window_keys`)."""
+    the sequence, the window. `kernel`: what the kernels cost a query, in keys of the full-attention kernel
+    (`window_kernel_keys` for a sliding layer)."""
     w = m.sliding_window or seq
     if w >= seq:
         return seq / 2, seq / 2
-    return seq / 2, (window_keys(w) if kernel else w)
+    return seq / 2, (window_kernel_keys(w) if kernel else w)
 
 
 def window_keys(window: int) -> float:
     """Keys a windowed kernel scores a query: a block of WINDOW_KEY_TILE queries reaches back window − 1 keys
     before its first, so it scores the key tiles over window + tile − 1 keys (256 for gpt-oss's 128)."""
     return -(-(window + WINDOW_KEY_TILE - 1) // WINDOW_KEY_TILE) * WINDOW_KEY_TILE
+
+
+def window_kernel_keys(window: int) -> float:
+    """What a windowed kernel costs a query, in keys of the full-attention kernel at the same width: the keys it
+    scores (`window_keys`) at WINDOW_KEY_COST each, and WINDOW_ROW_KEYS for the row (1,501 for gpt-oss's 128)."""
+    return WINDOW_KEY_COST * window_keys(window) + WINDOW_ROW_KEYS
 
 
 def attention_kernel_ratio(m: ModelShape, seq: float) -> float:

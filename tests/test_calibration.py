@@ -373,3 +373,38 @@ def test_a_width_without_fitted_points_takes_the_kernel_ratio(tmp_path):
     path.write_text(json.dumps({"rows": rows}))
     assert derived_widths({128: 0.447, 256: 0.393}, path) == {64: pytest.approx(0.358, abs=1e-9)}
     assert derived_widths({128: 0.447}, tmp_path / "missing.json") == {}
+
+
+def test_window_costs_fit_by_hand(tmp_path):
+    """`window_costs` puts each sliding-layer row in keys of the full-attention kernel: gpt-oss-120b at 32K (64
+    heads, width 64) costs a key a query 4 · 32,768 · 2 · 64 · 128 FLOPs at the H200 profile's 0.321 · 989.4
+    TFLOP/s = 6.762 µs. Rows of (2 · 256 + 100) and (2 · 640 + 100) of those (windows 128 and 512) give a key cost of
+    2 and a row of 100 keys exactly; an 8K row (below WINDOW_FIT_MIN_TOKENS) and a full layer's row are left out."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from calibrate import window_costs
+
+    per_key = 4 * 32768 * 2 * 64 * 128 / (0.321 * 989.4e12)
+    assert per_key == pytest.approx(6.762e-6, rel=1e-4)
+    base = {"model": "gpt-oss-120b", "heads": 64, "head_dim": 64}
+    rows = [{**base, "tokens": 32768, "window": w, "measured_s": (2 * k + 100) * per_key}
+            for w, k in ((128, 256), (512, 640))]
+    rows += [{**base, "tokens": 8192, "window": 128, "measured_s": 1.0}, {**base, "tokens": 32768, "measured_s": 1.0}]
+    path = tmp_path / "h200_window.json"
+    path.write_text(json.dumps({"rows": rows}))
+    got = window_costs(path)
+    assert (got["WINDOW_KEY_COST"], got["WINDOW_ROW_KEYS"], got["window_fit_rows"]) == (2.0, 100, 2)
+    assert got["window_fit_error"] < 1e-9 and window_costs(tmp_path / "missing.json") is None
+
+
+def test_window_constants_are_what_the_committed_bench_runs_measure():
+    """WINDOW_KEY_COST and WINDOW_ROW_KEYS are the fit of gpt-oss-120b's sliding layers timed alone
+    (hw_profiles/calibration/h200_window.json: windows 128 to 4096 at 32K tokens, 128 at 128K), within 8% of each
+    row; the windowed kernel's key costs more than the full kernel's (it is the flash kernel, not cuDNN)."""
+    import recipe.cost as cost
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from calibrate import window_costs
+
+    got = window_costs(Path(str(resources.files("hw_profiles") / "calibration" / "h200_window.json")))
+    assert (got["WINDOW_KEY_COST"], got["WINDOW_ROW_KEYS"]) == (cost.WINDOW_KEY_COST, cost.WINDOW_ROW_KEYS)
+    assert got["window_fit_rows"] == 6 and got["window_fit_error"] < 0.08 and cost.WINDOW_KEY_COST > 1
