@@ -351,6 +351,13 @@ def hf_config(shape: ModelShape) -> dict:
         cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.expert_ffn, layer_types=list(shape.layer_types))
         return cfg
+    if shape.arch == "qwen2_moe":
+        cfg.pop("attention_bias")
+        cfg.update(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
+                   qkv_bias=shape.attn_bias, shared_expert_intermediate_size=shape.shared_expert_ffn,
+                   intermediate_size=shape.shared_expert_ffn or shape.expert_ffn, decoder_sparse_step=1,
+                   mlp_only_layers=[], use_sliding_window=False, layer_types=list(shape.layer_types))
+        return cfg
     if shape.arch in _PLURAL_SHARED_ARCHS:  # DeepSeek-V3, GLM-4.5: sigmoid routing, shared experts, dense first layers
         r = shape.sigmoid_router
         cfg.pop("num_experts")

@@ -275,9 +275,9 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attn_bias)
         self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attn_bias)
         self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attn_bias)
-        # dense stacks with attention biases (Qwen2) and GLM-4.5 put them on q/k/v only
+        # of the archs with attention biases only gpt-oss has one on o_proj (Qwen2, Qwen2-MoE, GLM-4.5: q/k/v only)
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size,
-                                bias=s.attn_bias and s.arch not in ("dense", "glm4_moe"))
+                                bias=s.attn_bias and s.arch in GPT_OSS_ARCHS)
         self.scale = softmax_scale(s)
         self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None

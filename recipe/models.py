@@ -116,12 +116,13 @@ class RopeScaling(Record):
 
 
 # what the training core (launch/) builds: the Qwen3.5 / Qwen3-Next hybrids (MoE and dense), Qwen3-MoE, Mixtral
-# (Qwen3-MoE's block without q/k norms, top-k weights renormalized), DeepSeek-V3 (multi-head latent attention, sigmoid
-# routing; Kimi-K2 and Moonlight share it), GLM-4.5 (sigmoid routing, q/k/v biases, partial RoPE), gpt-oss (attention
-# sinks, sliding-window layers, biased router and experts, clamped GLU) and dense Llama-family stacks (Llama, Qwen2,
-# Qwen3, Mistral without a sliding window); `recipe solve` plans every arch
-TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5",
-                 "dense")
+# (Qwen3-MoE's block without q/k norms, top-k weights renormalized), Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B: q/k/v
+# biases, a gated shared expert, softmax routing without renormalization), DeepSeek-V3 (multi-head latent attention,
+# sigmoid routing; Kimi-K2 and Moonlight share it), GLM-4.5 (sigmoid routing, q/k/v biases, partial RoPE), gpt-oss
+# (attention sinks, sliding-window layers, biased router and experts, clamped GLU) and dense Llama-family stacks
+# (Llama, Qwen2, Qwen3, Mistral without a sliding window); `recipe solve` plans every arch
+TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe",
+                 "gpt_oss", "qwen3_5", "dense")
 
 
 def trainable(shape: "ModelShape") -> str | None:
@@ -129,9 +130,9 @@ def trainable(shape: "ModelShape") -> str | None:
     it): `recipe launch` checks it before any worker starts, `recipe models` shows it."""
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
-                f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Mixtral, DeepSeek-V3 "
-                f"(Kimi-K2, Moonlight), GLM-4.5, gpt-oss and dense Llama/Qwen/Mistral stacks; not Llama 4, "
-                f"ERNIE-4.5, OLMoE, Granite or Qwen2-MoE)")
+                f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Qwen2-MoE, Mixtral, "
+                f"DeepSeek-V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss and dense Llama/Qwen/Mistral stacks; not "
+                f"Llama 4, ERNIE-4.5, OLMoE, Granite, or Qwen2-MoE with dense layers among its MoE ones)")
     sc = shape.rope_scaling
     gpt_oss = shape.arch == "gpt_oss"
     unsupported = [what for what, present in (
@@ -162,11 +163,12 @@ GPT_OSS_ROPE_SCALING = RopeScaling(kind="yarn", factor=32.0, original_max_positi
 class ModelShape(Record):
     name: str
     # dense: every layer a dense FFN (num_experts = top_k = 1, first_dense_layers = num_layers), EP = 1;
-    # moe: a standard softmax-routed MoE (OLMoE, ERNIE-4.5, Llama-4, Granite, Qwen2-MoE, unknown types);
+    # moe: a standard softmax-routed MoE (OLMoE, ERNIE-4.5, Llama-4, Granite, Qwen2-MoE with dense layers among its
+    # MoE ones, unknown types); qwen2_moe: Qwen2-MoE with every layer MoE (q/k/v biases, gated shared expert);
     # glm4_moe: GLM-4.5 (sigmoid router, shared experts, dense first layers, partial RoPE);
     # qwen3_5: Qwen3.5 dense (Gated DeltaNet + gated attention, dense FFN)
-    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "deepseek_v3", "gpt_oss", "mixtral", "glm4_moe", "dense",
-                  "moe", "qwen3_5"]
+    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss", "mixtral", "glm4_moe",
+                  "dense", "moe", "qwen3_5"]
     hidden_size: Pos
     num_layers: Pos
     vocab_size: Pos
@@ -334,6 +336,10 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
         ),
     "gpt-oss-120b": lambda: _gpt_oss("gpt-oss-120b", layers=36, experts=128),
     "gpt-oss-20b": lambda: _gpt_oss("gpt-oss-20b", layers=24, experts=32),
+    "qwen15-moe-a27b": lambda: _qwen2_moe_preset("qwen15-moe-a27b", 2048, 24, 16, 16, 60, 4, 1408, 5632, 8192,
+                                                  "Qwen/Qwen1.5-MoE-A2.7B config.json"),
+    "qwen2-57b-a14b": lambda: _qwen2_moe_preset("qwen2-57b-a14b", 3584, 28, 28, 4, 64, 8, 2560, 20480, 131072,
+                                                 "Qwen/Qwen2-57B-A14B config.json"),
     "mixtral-8x7b": lambda: ModelShape(
             name="mixtral-8x7b", arch="mixtral", hidden_size=4096, num_layers=32, vocab_size=32000,
             layer_types=("full_attention",) * 32, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=False,
@@ -405,7 +411,8 @@ def _full_attention_params(m: ModelShape) -> int:
     q_out = m.num_heads * m.head_dim * (2 if m.attn_output_gate else 1)
     kv_out = 2 * m.num_kv_heads * m.head_dim
     o = m.num_heads * m.head_dim * h
-    bias = (q_out + kv_out + h) if m.attn_bias else 0
+    # q/k/v biases, and o_proj's where gpt-oss has one (launch/model.py: Attention)
+    bias = (q_out + kv_out + (h if m.arch == "gpt_oss" else 0)) if m.attn_bias else 0
     norms = 2 * m.head_dim if m.qk_norm else 0
     sinks = m.num_heads if m.arch == "gpt_oss" else 0  # per-head attention sinks
     return h * (q_out + kv_out) + o + bias + norms + sinks
@@ -486,13 +493,23 @@ def mtp_params(m: ModelShape) -> int:
     return m.mtp_layers * (layer + 2 * h * h + 3 * h)  # + eh_proj [2h → h] and its enorm/hnorm/final norm
 
 
+def _qwen2_moe_preset(name: str, hidden: int, layers: int, heads: int, kv_heads: int, experts: int, top_k: int,
+                      ffn: int, shared: int, max_position: int, source: str) -> ModelShape:
+    """Qwen2-MoE's releases: q/k/v biases, head width 128, a gated shared expert, top-k weights not renormalized."""
+    return ModelShape(name=name, arch="qwen2_moe", hidden_size=hidden, num_layers=layers, vocab_size=151936,
+                      layer_types=("full_attention",) * layers, num_heads=heads, num_kv_heads=kv_heads, head_dim=128,
+                      qk_norm=False, attn_bias=True, rope_theta=1e6, num_experts=experts, top_k=top_k,
+                      expert_ffn=ffn, shared_expert_ffn=shared, shared_expert_gate=True, norm_topk_prob=False,
+                      max_position=max_position, source=source)
+
+
 # ---- Hugging Face config.json --------------------------------------------------------------------------------
 _ARCH_BY_MODEL_TYPE = {
     "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe",
-    "qwen2_moe": "moe", "olmoe": "moe", "ernie4_5_moe": "moe", "llama4": "moe",
+    "qwen2_moe": "qwen2_moe", "olmoe": "moe", "ernie4_5_moe": "moe", "llama4": "moe",
     "llama4_text": "moe", "granitemoe": "moe", "granitemoeshared": "moe",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense",
 }
@@ -630,7 +647,7 @@ def _from_hf_config(path: Path) -> ModelShape:
         rms_norm_eps=opt_num("rms_norm_eps", 1e-6),
         max_position=opt("max_position_embeddings", 32768),
         mtp_layers=opt("mtp_num_hidden_layers", opt("num_nextn_predict_layers", opt("num_mtp_layers", 0))),
-        norm_topk_prob=opt_flag("norm_topk_prob", arch not in ("moe",)),
+        norm_topk_prob=opt_flag("norm_topk_prob", arch not in ("moe", "qwen2_moe")),
         source=str(path),
     )
     if arch in ("dense", "qwen3_5"):
@@ -696,6 +713,8 @@ def _from_hf_config(path: Path) -> ModelShape:
                       shared_expert_ffn=opt("n_shared_experts", 0) * fields["expert_ffn"], router_bias=True,
                       first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0,
                       sigmoid_router=_sigmoid_router(cfg, model_type, opt, number))
+    elif arch == "qwen2_moe":
+        _qwen2_moe(cfg, fields, n_layers, req, opt, opt_flag, count)
     elif arch == "moe":
         _generic_moe(cfg, model_type, fields, n_layers, req, opt, opt_flag, count)
     return validate(ModelShape, fields, f"{path}: invalid model shape")
@@ -743,15 +762,38 @@ def _rope_scaling(cfg: dict, rope: dict, bad, number, count) -> dict | None:
     return out
 
 
+def _qwen2_moe(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, count) -> None:
+    """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): q/k/v biases (`qkv_bias`, on in every release), a shared expert
+    behind a sigmoid gate, softmax routing without renormalization (transformers' default). A layer is MoE where
+    (i + 1) is a multiple of `decoder_sparse_step` and i is not in `mlp_only_layers`, dense (`intermediate_size`)
+    elsewhere: with dense layers among the MoE ones the shape counts them as leading dense layers (the cost does not
+    depend on where they sit) and is planned only (arch `moe`). `use_sliding_window` slides the layers from
+    `max_window_layers` on (transformers' rule), which the core does not train."""
+    shared = opt("shared_expert_intermediate_size", 0)
+    fields.update(qk_norm=False, attn_bias=opt_flag("qkv_bias", opt_flag("attention_bias", True)),
+                  shared_expert_ffn=shared, shared_expert_gate=bool(shared))
+    step = opt("decoder_sparse_step", 1)
+    if step <= 0:
+        raise ValueError(f"field 'decoder_sparse_step': expected a positive whole number, got {step}")
+    dense_only = cfg.get("mlp_only_layers") or []
+    if not isinstance(dense_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense_only):
+        raise ValueError(f"field 'mlp_only_layers': expected a list of layer indices, got {_shown(dense_only)}")
+    n_dense = sum(1 for i in range(n_layers) if i in dense_only or (i + 1) % step)
+    if n_dense:
+        fields.update(arch="moe", first_dense_layers=n_dense, dense_ffn=req("intermediate_size"))
+    if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
+        fields["sliding_window"] = count(cfg["sliding_window"], "sliding_window")
+        if not cfg.get("layer_types"):
+            first = opt("max_window_layers", n_layers)
+            fields["layer_types"] = tuple("sliding_attention" if i >= first else "full_attention"
+                                          for i in range(n_layers))
+
+
 def _generic_moe(cfg: dict, model_type: str, fields: dict, n_layers: int, req, opt, opt_flag, count) -> None:
     """The standard softmax-routed MoE families, by their field names."""
     moe_ffn = fields["expert_ffn"]
-    fields.update(qk_norm=model_type == "olmoe",
-                  attn_bias=opt_flag("attention_bias", model_type == "qwen2_moe"))
-    if model_type == "qwen2_moe":
-        shared = opt("shared_expert_intermediate_size", 0)
-        fields.update(shared_expert_ffn=shared, shared_expert_gate=bool(shared))
-    elif model_type == "ernie4_5_moe":
+    fields.update(qk_norm=model_type == "olmoe", attn_bias=opt_flag("attention_bias", False))
+    if model_type == "ernie4_5_moe":
         first = opt("moe_layer_start_index", 0)
         fields.update(shared_expert_ffn=opt("moe_num_shared_experts", 0) * moe_ffn,
                       first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0)
