@@ -351,6 +351,10 @@ def hf_config(shape: ModelShape) -> dict:
         cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.expert_ffn, layer_types=list(shape.layer_types))
         return cfg
+    if shape.arch == "olmoe":
+        cfg.update(model_type="olmoe", architectures=["OlmoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
+                   intermediate_size=shape.expert_ffn, clip_qkv=None, layer_types=list(shape.layer_types))
+        return cfg
     if shape.arch == "qwen2_moe":
         cfg.pop("attention_bias")
         cfg.update(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,

@@ -28,7 +28,7 @@ from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
 from launch.gated_delta import gated_delta_rule
 from launch.moe import MoE, SwiGLU
 from launch.sink_attention import sink_attention
-from recipe.models import ROPE_SCALINGS, ModelShape, trainable
+from recipe.models import QKV_ONLY_BIAS_ARCHS, ROPE_SCALINGS, WHOLE_QK_NORM_ARCHS, ModelShape, trainable
 
 # RMSNorm scales by (1 + w) in these (w stored zero-centred), by w elsewhere
 OFFSET_NORM_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
@@ -113,6 +113,28 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _RMSNorm.apply(x, self.weight, self.eps, self.offset)
+
+
+class HeadsRMSNorm(nn.Module):
+    """RMSNorm over all heads' channels of a token together (OLMoE's q/k norms: one weight per channel of the
+    projection, the mean square taken over its whole width `dim`), in OLMoE's order: fp32 inside, then the weight
+    times the normalized x in x's dtype. Under tensor parallelism a rank holds some of the heads: `sum_over_ranks`
+    (launch/tensor_parallel.py installs it; None: every head is here) adds the other ranks' sums of squares, and
+    autograd carries the gradient back through it."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.dim, self.eps = dim, eps
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.sum_over_ranks = None
+
+    def forward(self, x_THD: torch.Tensor) -> torch.Tensor:
+        x = x_THD.reshape(x_THD.shape[0], -1).float()
+        squares = x.pow(2).sum(-1, keepdim=True)
+        if self.sum_over_ranks is not None:
+            squares = self.sum_over_ranks(squares)
+        n = x * torch.rsqrt(squares / self.dim + self.eps)
+        return (self.weight * n.to(x_THD.dtype)).view_as(x_THD)
 
 
 class GatedRMSNorm(nn.Module):
@@ -263,7 +285,8 @@ def causal_attention(q_THD, k_THD, v_THD, packing: Packing, scale: float) -> tor
 
 
 class Attention(nn.Module):
-    """GQA with per-head q/k RMSNorm, partial RoPE and (Qwen3.5/Qwen3-Next) a sigmoid output gate per channel;
+    """GQA with per-head q/k RMSNorm (OLMoE: over all heads together, HeadsRMSNorm), partial RoPE and
+    (Qwen3.5/Qwen3-Next) a sigmoid output gate per channel;
     gpt-oss: a learned sink logit per head (`sinks`) and, on its sliding layers, a `window` (both through
     launch/sink_attention.py)."""
 
@@ -275,12 +298,15 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attn_bias)
         self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attn_bias)
         self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attn_bias)
-        # of the archs with attention biases only gpt-oss has one on o_proj (Qwen2, Qwen2-MoE, GLM-4.5: q/k/v only)
         self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size,
-                                bias=s.attn_bias and s.arch in GPT_OSS_ARCHS)
+                                bias=s.attn_bias and s.arch not in QKV_ONLY_BIAS_ARCHS)
         self.scale = softmax_scale(s)
-        self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
-        self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
+        if s.qk_norm and s.arch in WHOLE_QK_NORM_ARCHS:  # OLMoE: over all heads of the projection together
+            self.q_norm = HeadsRMSNorm(s.num_heads * s.head_dim, s.rms_norm_eps)
+            self.k_norm = HeadsRMSNorm(s.num_kv_heads * s.head_dim, s.rms_norm_eps)
+        else:
+            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
+            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.arch in GPT_OSS_ARCHS else None
         self.window = window  # keys fewer than `window` positions back (None: every earlier key of the document)
         # the share of o_proj's bias this rank adds: 1/tp under tensor parallelism (launch/tensor_parallel.py sets

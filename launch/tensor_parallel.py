@@ -12,6 +12,8 @@ then shards each over dp, so checkpoints hold the whole tensors under the same n
                 launch/model.py), in_proj_z, in_proj_b, in_proj_a, dt_bias, A_log; a dense layer's MLP gate_proj
                 and up_proj; embed_tokens and lm_head (vocabulary rows)
     Shard(1)    o_proj, out_proj, a dense MLP's down_proj (rowwise: each rank's share gives a partial sum)
+    Shard(0)    OLMoE's q/k norms (a weight per channel of q_proj's and k_proj's rows: their sums of squares are
+                summed over the tp ranks, TensorParallel.all_reduce)
     Replicate   every other dense parameter: the residual-stream RMSNorms, q/k norms and the Gated DeltaNet output
                 norm, MLA's q_a_proj, kv_a_proj_with_mqa and their norms (the latents every head reads), router,
                 shared expert and its gate; an attention o_proj bias (each rank adds 1/tp of it to its partial sum,
@@ -121,6 +123,12 @@ class TensorParallel:
     def reduce_scatter(self, x_TD: torch.Tensor) -> torch.Tensor:
         return _ReduceScatterTokens.apply(x_TD, self)
 
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        """The sum of `x` over the tp ranks, its gradient the sum of theirs (OLMoE's q/k norms' sums of squares)."""
+        from torch.distributed.nn.functional import all_reduce
+
+        return all_reduce(x, group=self.group)
+
     def head_weight(self, weight_VD: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary rows of the LM head (for kernels' vocab-parallel head, with `group`)."""
         return weight_VD.to_local() if hasattr(weight_VD, "to_local") else weight_VD
@@ -130,7 +138,7 @@ class TensorParallel:
 def _placements(model: nn.Module) -> dict[str, str]:
     """Parameter name → "row" (Shard(0)), "col" (Shard(1)) or "rep" (Replicate) for every tp parameter; the routed
     experts are left out (expert parallelism places them)."""
-    from launch.model import Attention, GatedDeltaNet, MLAttention
+    from launch.model import Attention, GatedDeltaNet, HeadsRMSNorm, MLAttention
 
     out: dict[str, str] = {}
     for name, m in model.named_modules():
@@ -147,6 +155,8 @@ def _placements(model: nn.Module) -> dict[str, str]:
                     out[f"{prefix}{p}.bias"] = "row"
             if m.sinks is not None:  # one per query head: split with the heads
                 out[f"{prefix}sinks"] = "row"
+            if isinstance(m.q_norm, HeadsRMSNorm):  # a weight per channel of the projection: split with its rows
+                out[f"{prefix}q_norm.weight"] = out[f"{prefix}k_norm.weight"] = "row"
             out[f"{prefix}o_proj.weight"] = "col"
         elif isinstance(m, GatedDeltaNet):
             for p in ("in_proj_qkv.weight", "in_proj_z.weight", "in_proj_b.weight", "in_proj_a.weight",
@@ -258,6 +268,9 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
     for mixer in mixers:
         if hasattr(mixer, "o_proj_bias_share"):  # each rank's partial output carries 1/tp of o_proj's bias
             mixer.o_proj_bias_share = 1.0 / tp.size
+        for norm in (getattr(mixer, "q_norm", None), getattr(mixer, "k_norm", None)):
+            if hasattr(norm, "sum_over_ranks"):  # a norm over all heads: this rank's heads are some of them
+                norm.sum_over_ranks = tp.all_reduce
 
     def model_pre(module, args):
         tp.num_tokens = args[1].num_tokens if len(args) > 1 else args[0].shape[0]

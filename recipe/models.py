@@ -120,9 +120,16 @@ class RopeScaling(Record):
 # biases, a gated shared expert, softmax routing without renormalization), DeepSeek-V3 (multi-head latent attention,
 # sigmoid routing; Kimi-K2 and Moonlight share it), GLM-4.5 (sigmoid routing, q/k/v biases, partial RoPE), gpt-oss
 # (attention sinks, sliding-window layers, biased router and experts, clamped GLU) and dense Llama-family stacks
-# (Llama, Qwen2, Qwen3, Mistral without a sliding window); `recipe solve` plans every arch
-TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe",
+# (Llama, Qwen2, Qwen3, Mistral without a sliding window), OLMoE (q/k norms over all heads together, softmax routing
+# without renormalization); `recipe solve` plans every arch
+TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe",
                  "gpt_oss", "qwen3_5", "dense")
+# archs whose q/k RMSNorms span all heads of a token together (one weight per channel of the projection), not each
+# head apart
+WHOLE_QK_NORM_ARCHS = ("olmoe",)
+# archs whose attention biases are on q/k/v only (Qwen2, Qwen2-MoE, GLM-4.5); the others' (gpt-oss, OLMoE, the Qwen3
+# families) are on o_proj too
+QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 
 
 def trainable(shape: "ModelShape") -> str | None:
@@ -130,9 +137,10 @@ def trainable(shape: "ModelShape") -> str | None:
     it): `recipe launch` checks it before any worker starts, `recipe models` shows it."""
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
-                f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Qwen2-MoE, Mixtral, "
+                f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, "
                 f"DeepSeek-V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss and dense Llama/Qwen/Mistral stacks; not "
-                f"Llama 4, ERNIE-4.5, OLMoE, Granite, or Qwen2-MoE with dense layers among its MoE ones)")
+                f"Llama 4, ERNIE-4.5, Granite, OLMoE with clip_qkv, or Qwen2-MoE with dense layers among its MoE "
+                f"ones)")
     sc = shape.rope_scaling
     gpt_oss = shape.arch == "gpt_oss"
     unsupported = [what for what, present in (
@@ -163,12 +171,13 @@ GPT_OSS_ROPE_SCALING = RopeScaling(kind="yarn", factor=32.0, original_max_positi
 class ModelShape(Record):
     name: str
     # dense: every layer a dense FFN (num_experts = top_k = 1, first_dense_layers = num_layers), EP = 1;
-    # moe: a standard softmax-routed MoE (OLMoE, ERNIE-4.5, Llama-4, Granite, Qwen2-MoE with dense layers among its
-    # MoE ones, unknown types); qwen2_moe: Qwen2-MoE with every layer MoE (q/k/v biases, gated shared expert);
+    # moe: a standard softmax-routed MoE (ERNIE-4.5, Llama-4, Granite, Qwen2-MoE with dense layers among its MoE
+    # ones, OLMoE with clip_qkv, unknown types); qwen2_moe: Qwen2-MoE with every layer MoE (q/k/v biases, gated
+    # shared expert); olmoe: OLMoE (q/k norms over all heads together);
     # glm4_moe: GLM-4.5 (sigmoid router, shared experts, dense first layers, partial RoPE);
     # qwen3_5: Qwen3.5 dense (Gated DeltaNet + gated attention, dense FFN)
-    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "deepseek_v3", "gpt_oss", "mixtral", "glm4_moe",
-                  "dense", "moe", "qwen3_5"]
+    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss", "mixtral",
+                  "glm4_moe", "dense", "moe", "qwen3_5"]
     hidden_size: Pos
     num_layers: Pos
     vocab_size: Pos
@@ -340,6 +349,12 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
                                                   "Qwen/Qwen1.5-MoE-A2.7B config.json"),
     "qwen2-57b-a14b": lambda: _qwen2_moe_preset("qwen2-57b-a14b", 3584, 28, 28, 4, 64, 8, 2560, 20480, 131072,
                                                  "Qwen/Qwen2-57B-A14B config.json"),
+    "olmoe-1b-7b": lambda: ModelShape(
+            name="olmoe-1b-7b", arch="olmoe", hidden_size=2048, num_layers=16, vocab_size=50304,
+            layer_types=("full_attention",) * 16, num_heads=16, num_kv_heads=16, head_dim=128, qk_norm=True,
+            rope_theta=10000.0, num_experts=64, top_k=8, expert_ffn=1024, norm_topk_prob=False, rms_norm_eps=1e-5,
+            max_position=4096, source="allenai/OLMoE-1B-7B-0924 config.json",
+        ),
     "mixtral-8x7b": lambda: ModelShape(
             name="mixtral-8x7b", arch="mixtral", hidden_size=4096, num_layers=32, vocab_size=32000,
             layer_types=("full_attention",) * 32, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=False,
@@ -411,9 +426,10 @@ def _full_attention_params(m: ModelShape) -> int:
     q_out = m.num_heads * m.head_dim * (2 if m.attn_output_gate else 1)
     kv_out = 2 * m.num_kv_heads * m.head_dim
     o = m.num_heads * m.head_dim * h
-    # q/k/v biases, and o_proj's where gpt-oss has one (launch/model.py: Attention)
-    bias = (q_out + kv_out + (h if m.arch == "gpt_oss" else 0)) if m.attn_bias else 0
-    norms = 2 * m.head_dim if m.qk_norm else 0
+    # q/k/v biases, and o_proj's where the arch has one (launch/model.py: Attention)
+    bias = (q_out + kv_out + (0 if m.arch in QKV_ONLY_BIAS_ARCHS else h)) if m.attn_bias else 0
+    norms = (kv_out // 2 + m.num_heads * m.head_dim if m.arch in WHOLE_QK_NORM_ARCHS else 2 * m.head_dim) \
+        if m.qk_norm else 0
     sinks = m.num_heads if m.arch == "gpt_oss" else 0  # per-head attention sinks
     return h * (q_out + kv_out) + o + bias + norms + sinks
 
@@ -509,7 +525,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe",
-    "qwen2_moe": "qwen2_moe", "olmoe": "moe", "ernie4_5_moe": "moe", "llama4": "moe",
+    "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "moe", "llama4": "moe",
     "llama4_text": "moe", "granitemoe": "moe", "granitemoeshared": "moe",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense",
 }
@@ -647,7 +663,7 @@ def _from_hf_config(path: Path) -> ModelShape:
         rms_norm_eps=opt_num("rms_norm_eps", 1e-6),
         max_position=opt("max_position_embeddings", 32768),
         mtp_layers=opt("mtp_num_hidden_layers", opt("num_nextn_predict_layers", opt("num_mtp_layers", 0))),
-        norm_topk_prob=opt_flag("norm_topk_prob", arch not in ("moe", "qwen2_moe")),
+        norm_topk_prob=opt_flag("norm_topk_prob", arch not in ("moe", "qwen2_moe", "olmoe")),
         source=str(path),
     )
     if arch in ("dense", "qwen3_5"):
@@ -715,6 +731,12 @@ def _from_hf_config(path: Path) -> ModelShape:
                       sigmoid_router=_sigmoid_router(cfg, model_type, opt, number))
     elif arch == "qwen2_moe":
         _qwen2_moe(cfg, fields, n_layers, req, opt, opt_flag, count)
+    elif arch == "olmoe":
+        # q/k norms over all heads together; clip_qkv (clamping q, k and v) is planned only
+        fields.update(qk_norm=True, attn_bias=opt_flag("attention_bias", False),
+                      shared_expert_ffn=opt("shared_expert_intermediate_size", 0))
+        if cfg.get("clip_qkv") is not None:
+            fields["arch"] = "moe"
     elif arch == "moe":
         _generic_moe(cfg, model_type, fields, n_layers, req, opt, opt_flag, count)
     return validate(ModelShape, fields, f"{path}: invalid model shape")
@@ -792,7 +814,7 @@ def _qwen2_moe(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, count
 def _generic_moe(cfg: dict, model_type: str, fields: dict, n_layers: int, req, opt, opt_flag, count) -> None:
     """The standard softmax-routed MoE families, by their field names."""
     moe_ffn = fields["expert_ffn"]
-    fields.update(qk_norm=model_type == "olmoe", attn_bias=opt_flag("attention_bias", False))
+    fields.update(qk_norm=False, attn_bias=opt_flag("attention_bias", False))
     if model_type == "ernie4_5_moe":
         first = opt("moe_layer_start_index", 0)
         fields.update(shared_expert_ffn=opt("moe_num_shared_experts", 0) * moe_ffn,
@@ -821,7 +843,7 @@ def _generic_moe(cfg: dict, model_type: str, fields: dict, n_layers: int, req, o
                 "sliding_attention" if r else "full_attention" for r in rope_layers))
     elif model_type in ("granitemoe", "granitemoeshared"):
         fields.update(expert_ffn=req("intermediate_size"), shared_expert_ffn=opt("shared_intermediate_size", 0))
-    else:  # olmoe, unknown: the routed expert width is moe_intermediate_size or intermediate_size
+    else:  # unknown: the routed expert width is moe_intermediate_size or intermediate_size
         fields.update(shared_expert_ffn=opt("shared_expert_intermediate_size", 0))
 
 

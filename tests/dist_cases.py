@@ -42,7 +42,8 @@ CASES = {
         ["dense_dp2", 2, 1, 1, 1, "dense"], ["max_over_ranks", "memory"],
         ["mla_cp2", 1, 1, 1, 2, "mla"], ["mla_tp2_ep2", 1, 2, 2, 1, "mla", "full", 2],
         ["oss_ep2", 2, 2, 2, 1, "oss"], ["oss_tp2_ep2", 1, 2, 1, 1, "oss", "full", 2],
-        ["oss_pp2", 1, 1, 1, 1, "oss", "full", 1, 2], ["oss_cp2", 1, 1, 1, 2, "oss"]],
+        ["oss_pp2", 1, 1, 1, 1, "oss", "full", 1, 2], ["oss_cp2", 1, 1, 1, 2, "oss"],
+        ["olmoe_tp2_ep2", 1, 2, 1, 1, "olmoe", "full", 2], ["qwen2moe_tp2", 1, 1, 1, 1, "qwen2moe", "full", 2]],
     4: [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
         ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
         ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
@@ -77,9 +78,13 @@ VARIANTS = {
     "mla": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
     # a gpt-oss-style model (tiny_oss), as "mla"
     "oss": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
+    # an OLMoE-style and a Qwen2-MoE-style model (tiny_olmoe, tiny_qwen2_moe), as "mla"
+    "olmoe": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
+    "qwen2moe": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
 }
 # the model each variant trains (default: tiny-moe)
-VARIANT_SHAPES = {"dense": "tiny-dense", "mla": "tiny-mla", "oss": "tiny-oss"}
+VARIANT_SHAPES = {"dense": "tiny-dense", "mla": "tiny-mla", "oss": "tiny-oss", "olmoe": "tiny-olmoe",
+                  "qwen2moe": "tiny-qwen2-moe"}
 
 
 def tiny_mla():
@@ -114,6 +119,28 @@ def tiny_oss():
                                                beta_slow=1.0, truncate=False))
 
 
+def tiny_olmoe():
+    """OLMoE's blocks at tiny widths: q/k norms over all heads together (their sums of squares added over the tp
+    ranks), q/k/v/o biases, softmax routing over 8 experts (top-2) without renormalization."""
+    from recipe.models import ModelShape
+
+    return ModelShape(name="tiny-olmoe", arch="olmoe", hidden_size=64, num_layers=4, vocab_size=512,
+                      layer_types=("full_attention",) * 4, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
+                      attn_bias=True, num_experts=8, top_k=2, expert_ffn=32, norm_topk_prob=False, rope_theta=10000.0,
+                      rms_norm_eps=1e-5)
+
+
+def tiny_qwen2_moe():
+    """Qwen2-MoE's blocks at tiny widths: q/k/v biases (none on o_proj), a shared expert behind a sigmoid gate,
+    softmax routing over 8 experts (top-2) without renormalization."""
+    from recipe.models import ModelShape
+
+    return ModelShape(name="tiny-qwen2-moe", arch="qwen2_moe", hidden_size=64, num_layers=4, vocab_size=512,
+                      layer_types=("full_attention",) * 4, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=False,
+                      attn_bias=True, num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=48,
+                      shared_expert_gate=True, norm_topk_prob=False)
+
+
 # exp(A_log) per value head, so that the state entering a segment matters: with softplus(·) ≈ 1.3 a head keeps
 # e^{-0.5}..e^{-2.5} of its state over a 32-token segment (the initial A_log = log U(1, 16) forgets it within a few
 # tokens, and the combine would go untested)
@@ -132,6 +159,10 @@ def _shape(variant: str):
         return tiny_mla()
     if VARIANT_SHAPES.get(variant) == "tiny-oss":
         return tiny_oss()
+    if VARIANT_SHAPES.get(variant) == "tiny-olmoe":
+        return tiny_olmoe()
+    if VARIANT_SHAPES.get(variant) == "tiny-qwen2-moe":
+        return tiny_qwen2_moe()
     return PRESETS["tiny-moe"]
 
 

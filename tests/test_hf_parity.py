@@ -1,5 +1,5 @@
 """Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE,
-Qwen2-MoE, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), GLM-4.5, gpt-oss (attention
+Qwen2-MoE, OLMoE (q/k norms over all heads; with attention biases), Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), GLM-4.5, gpt-oss (attention
 sinks, sliding and full layers, YaRN without truncation; packed documents, MXFP4: tests/test_gpt_oss.py), and the
 dense Qwen3.5, Llama (also under llama3 RoPE scaling), Qwen2 and Qwen3 (also under YaRN) built in transformers,
 saved, loaded into ours (logits fp32 atol 1e-4, loss), and exported back."""
@@ -79,6 +79,12 @@ def _hf_model(arch: str):
                                                              beta_fast=32.0, beta_slow=1.0, truncate=False,
                                                              original_max_position_embeddings=16))
         cls = transformers.GptOssForCausalLM
+    elif arch == "olmoe":  # q/k norms over all heads together (the head width hidden / heads, as OLMoE's norms need);
+        # no pad_token_id: transformers' embedding would freeze that row (padding_idx), which ours trains like any other
+        moe = {k: v for k, v in COMMON.items() if k not in ("head_dim", "moe_intermediate_size")}
+        cfg = transformers.OlmoeConfig(**moe, num_hidden_layers=2, intermediate_size=16, attention_bias=True,
+                                       pad_token_id=None, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+        cls = transformers.OlmoeForCausalLM
     elif arch == "qwen2_moe":  # q/k/v biases, a gated shared expert, top-k weights not renormalized
         cfg = transformers.Qwen2MoeConfig(**COMMON, num_hidden_layers=2, shared_expert_intermediate_size=24,
                                           intermediate_size=24, rope_parameters=dict(rope_type="default",
@@ -108,7 +114,7 @@ def _hf_model(arch: str):
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "mixtral", *MLA_ARCHS,
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral", *MLA_ARCHS,
                                   "glm4_moe", "gpt_oss", "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)
@@ -179,7 +185,8 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe",
+                                  "gpt_oss"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map."""

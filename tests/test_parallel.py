@@ -169,6 +169,22 @@ def test_gpt_oss_layouts_equal_one_process(world2, name):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("name, shape", [("olmoe_tp2_ep2", "tiny_olmoe"), ("qwen2moe_tp2", "tiny_qwen2_moe")])
+def test_olmoe_and_qwen2_moe_under_tensor_parallelism_equal_one_process(world2, name, shape):
+    """The OLMoE-style tiny model (dist_cases.tiny_olmoe: q/k norms over all heads, each tp rank holding half of
+    them and the sums of squares added over the ranks; q/k/v/o biases) under tp=2 × ep=2, and the Qwen2-MoE-style
+    one (q/k/v biases, the gated shared expert) under tp=2, equal one process; every parameter but the routed
+    experts is a tp DTensor."""
+    import dist_cases
+    from launch.model import build_model
+
+    r = world2[name]
+    _assert_equal_to_one_process(r)
+    dense = sum(1 for n, _ in build_model(getattr(dist_cases, shape)()).named_parameters() if ".mlp.experts." not in n)
+    assert r["tensor_parallel_params"] == dense
+
+
+@pytest.mark.dist
 def test_tensor_parallel_splits_every_dense_parameter_and_the_data_crosses_edges(world2, world4):
     """Every parameter but the routed experts is a tp DTensor, some micro-batch is padded to whole
     sequence-parallel rows, and some document runs across the edge between two tp ranks' rows."""
