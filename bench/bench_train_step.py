@@ -1,5 +1,6 @@
-"""One training step (forward + backward + AdamW), ours against Hugging Face transformers' Qwen3_5MoeForCausalLM,
-on the same shape (default: 4 layers of Qwen3.5-35B-A3B, full width), one GPU.
+"""One training step (forward + backward + AdamW), ours against Hugging Face transformers' own implementation of the
+same family (Qwen3_5MoeForCausalLM for the default: 4 layers of Qwen3.5-35B-A3B, full width; the model's
+`hf_config` picks it), one GPU.
 
 Ours: bf16 compute, fp32 master AdamW, full recompute, the GRPO loss fused into the LM head
 (kernels.linear_policy_loss: three logits-sized GEMMs), fused Gated DeltaNet conv and norm (kernels.gdn_fused).
@@ -190,8 +191,8 @@ def run_hf(shape, T: int, device, steps: int) -> dict:
 
     from launch.hf_io import hf_config
 
-    cfg_dict = {k: v for k, v in hf_config(shape).items() if k not in ("model_type", "architectures")}
-    config = transformers.Qwen3_5MoeTextConfig(**cfg_dict)
+    cfg_dict = {k: v for k, v in hf_config(shape).items() if k != "architectures"}
+    config = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)  # the shape's own family
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # built directly in the compute dtype: an fp32 build then cast leaves ~17 GiB of freed fp32 blocks in the
     # caching allocator, which was enough to push transformers' 32K step (≈117 GiB peak) out of memory
@@ -199,12 +200,12 @@ def run_hf(shape, T: int, device, steps: int) -> dict:
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = transformers.Qwen3_5MoeForCausalLM(config)
+            model = transformers.AutoModelForCausalLM.from_config(config)
     finally:
         torch.set_default_dtype(default)
     if device.type == "cuda":
         torch.cuda.empty_cache()
-    if device.type == "cuda":
+    if device.type == "cuda" and shape.num_experts > 1:
         model.set_experts_implementation("grouped_mm")
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
