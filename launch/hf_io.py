@@ -53,7 +53,11 @@ _MIXTRAL_EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts\.\d+)\.(w1|w2|w3)\.we
 # DeepSeek-V3's and GLM-4.5's shared experts are `mlp.shared_experts` (ours, Qwen's: `mlp.shared_expert`)
 _SHARED_EXPERTS = re.compile(r"^(layers\.\d+\.mlp)\.shared_experts\.")
 _OUR_SHARED_EXPERT = re.compile(r"^(layers\.\d+\.mlp)\.shared_expert\.")
-_PLURAL_SHARED_ARCHS = ("deepseek_v3", "glm4_moe")
+_PLURAL_SHARED_ARCHS = ("deepseek_v3", "glm4_moe", "ernie4_5_moe")
+# ERNIE-4.5 keeps its router's correction bias as `mlp.moe_statics.e_score_correction_bias` [1, E] in its checkpoints
+# (`mlp.gate.moe_statics.…` in transformers' module tree); ours is the gate's, [E]
+_ERNIE_BIAS = re.compile(r"^(layers\.\d+\.mlp)\.(?:gate\.)?moe_statics\.e_score_correction_bias$")
+_OUR_BIAS = re.compile(r"^(layers\.\d+\.mlp)\.gate\.e_score_correction_bias$")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 # gpt-oss: the router is `mlp.router` (ours: `mlp.gate`); its fused experts' tensors (stripped of `mlp.experts.`)
 _ROUTER = re.compile(r"^(layers\.\d+\.mlp)\.router\.")
@@ -255,6 +259,8 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         if layer and int(layer.group(1)) in mtp:  # DeepSeek-V3's and GLM-4.5's MTP layers follow the stack
             continue
         key = _SHARED_EXPERTS.sub(r"\1.shared_expert.", _MIXTRAL_BLOCK.sub(r"\1.mlp.", key))
+        if _ERNIE_BIAS.match(key):
+            key, t = _ERNIE_BIAS.sub(r"\1.gate.e_score_correction_bias", key), t.reshape(-1)
         if gpt_oss:
             key = _ROUTER.sub(r"\1.gate.", key)
             fused = _FUSED_EXPERT.match(key)
@@ -351,6 +357,14 @@ def hf_config(shape: ModelShape) -> dict:
         cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.expert_ffn, layer_types=list(shape.layer_types))
         return cfg
+    if shape.arch == "ernie4_5_moe":
+        for k in ("num_experts", "num_experts_per_tok", "attention_bias"):
+            cfg.pop(k)
+        cfg.update(model_type="ernie4_5_moe", architectures=["Ernie4_5_MoeForCausalLM"], moe_num_experts=shape.num_experts,
+                   moe_k=shape.top_k, moe_num_shared_experts=shape.shared_expert_ffn // shape.expert_ffn,
+                   moe_layer_start_index=shape.first_dense_layers, moe_layer_end_index=shape.num_layers - 1,
+                   moe_layer_interval=1, intermediate_size=shape.dense_ffn or shape.expert_ffn, use_bias=False)
+        return cfg
     if shape.arch == "olmoe":
         cfg.update(model_type="olmoe", architectures=["OlmoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.expert_ffn, clip_qkv=None, layer_types=list(shape.layer_types))
@@ -444,7 +458,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
     name = lambda w: ours.get(w, w)  # noqa: E731 - an expert matrix's name in the checkpoint
 
     plural = model.shape.arch in _PLURAL_SHARED_ARCHS
-    gpt_oss = model.shape.arch == "gpt_oss"
+    gpt_oss, ernie = model.shape.arch == "gpt_oss", model.shape.arch == "ernie4_5_moe"
 
     def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`; DeepSeek's shared expert plural
         if plural:
@@ -457,6 +471,8 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
             out["model." + key] = _gpt_oss_experts_to_hf(fused.group(1), t)
         elif gpt_oss and _OUR_ROUTER.match(key):
             out["model." + _OUR_ROUTER.sub(r"\1.router.", key)] = t
+        elif ernie and _OUR_BIAS.match(key):
+            out["model." + _OUR_BIAS.sub(r"\1.moe_statics.e_score_correction_bias", key)] = t[None]
         elif key.endswith("mlp.experts.gate_up_proj"):
             base = "model." + block(key[: -len(".gate_up_proj")])
             ffn = t.shape[1] // 2

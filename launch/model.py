@@ -28,7 +28,8 @@ from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
 from launch.gated_delta import gated_delta_rule
 from launch.moe import MoE, SwiGLU
 from launch.sink_attention import sink_attention
-from recipe.models import QKV_ONLY_BIAS_ARCHS, ROPE_SCALINGS, WHOLE_QK_NORM_ARCHS, ModelShape, trainable
+from recipe.models import (INTERLEAVED_ROPE_ARCHS, QKV_ONLY_BIAS_ARCHS, ROPE_SCALINGS, SOFTMAX_SCORE_ARCHS,
+                           WHOLE_QK_NORM_ARCHS, ModelShape, trainable)
 
 # RMSNorm scales by (1 + w) in these (w stored zero-centred), by w elsewhere
 OFFSET_NORM_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
@@ -308,6 +309,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.arch in GPT_OSS_ARCHS else None
+        self.rope_interleaved = s.arch in INTERLEAVED_ROPE_ARCHS  # ERNIE-4.5: channel pairs, not halves
         self.window = window  # keys fewer than `window` positions back (None: every earlier key of the document)
         # the share of o_proj's bias this rank adds: 1/tp under tensor parallelism (launch/tensor_parallel.py sets
         # it), whose ranks' partial outputs are summed
@@ -327,7 +329,8 @@ class Attention(nn.Module):
         v = self.v_proj(x_TD).view(T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+        rotate = apply_rope_interleaved if self.rope_interleaved else apply_rope
+        q, k = rotate(q, *rope), rotate(k, *rope)
         if self.sinks is not None or self.window is not None:
             if _context_parallel(self, packing) is not None:
                 o = self.context_parallel.sink_attention(q, k, v, self.sinks, packing, self.scale, self.window)
@@ -524,7 +527,8 @@ class DecoderLayer(nn.Module):
             gpt_oss = s.arch in GPT_OSS_ARCHS
             self.mlp = MoE(s.hidden_size, s.num_experts, s.top_k, s.expert_ffn, s.shared_expert_ffn,
                            s.shared_expert_gate, s.norm_topk_prob, s.sigmoid_router, router_bias=gpt_oss,
-                           activation=GPT_OSS_GLU if gpt_oss else SWIGLU, expert_bias=gpt_oss)
+                           activation=GPT_OSS_GLU if gpt_oss else SWIGLU, expert_bias=gpt_oss,
+                           softmax_scores=s.arch in SOFTMAX_SCORE_ARCHS)
 
     def forward(self, x_TD: torch.Tensor, rope, packing: Packing) -> torch.Tensor:
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn

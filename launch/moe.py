@@ -211,7 +211,8 @@ class TopKRouter(nn.Module):
 
 
 class SigmoidTopKRouter(nn.Module):
-    """DeepSeek-V3 / GLM-4.5 routing (recipe.models.SigmoidRouter): sigmoid scores; the top-k experts chosen on score +
+    """DeepSeek-V3 / GLM-4.5 routing (recipe.models.SigmoidRouter): sigmoid scores (`softmax`: a softmax over the
+    experts, ERNIE-4.5's); the top-k experts chosen on score +
     `e_score_correction_bias` among the `topk_groups` best of `groups` expert groups (a group scored by the sum of
     its two best); weighted by their scores without the bias, renormalized (norm_topk_prob), times `scaling`. The
     correction bias is a buffer: it steers the choice, which has no gradient, so the loss cannot train it; it is
@@ -219,8 +220,9 @@ class SigmoidTopKRouter(nn.Module):
     steps finer than bf16 resolves near 1)."""
 
     def __init__(self, num_experts: int, dim: int, top_k: int, norm_topk_prob: bool, groups: int = 1,
-                 topk_groups: int = 1, scaling: float = 1.0):
+                 topk_groups: int = 1, scaling: float = 1.0, softmax: bool = False):
         super().__init__()
+        self.softmax = softmax
         if num_experts % groups or (groups > 1 and num_experts // groups < 2):
             raise ValueError(f"{num_experts} experts cannot form {groups} groups of two or more")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
@@ -239,7 +241,7 @@ class SigmoidTopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (router logits [T, E], top-k weights [T, K] in x's dtype, top-k expert ids [T, K])."""
         logits_TE = F.linear(x_TD, self.weight)
-        scores_TE = torch.sigmoid(logits_TE.float())
+        scores_TE = torch.softmax(logits_TE.float(), dim=-1) if self.softmax else torch.sigmoid(logits_TE.float())
         with torch.no_grad():
             choice_TE = scores_TE + self.e_score_correction_bias
             if self.groups > 1:
@@ -404,18 +406,20 @@ class _RoutedExperts(torch.autograd.Function):
 
 class MoE(nn.Module):
     """Router → routed experts (+ shared expert). gpt-oss: `router_bias` (its router, TopKRouter's biased form),
-    `expert_bias` and its clamped `activation`."""
+    `expert_bias` and its clamped `activation`. ERNIE-4.5: `softmax_scores` (its router, SigmoidTopKRouter scoring
+    by a softmax)."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, norm_topk_prob: bool = True, sigmoid_router=None,
-                 router_bias: bool = False, activation: GLU = SWIGLU, expert_bias: bool = False):
+                 router_bias: bool = False, activation: GLU = SWIGLU, expert_bias: bool = False,
+                 softmax_scores: bool = False):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         if sigmoid_router is None:
             self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob, bias=router_bias)
         else:  # a recipe.models.SigmoidRouter
             self.gate = SigmoidTopKRouter(num_experts, dim, top_k, norm_topk_prob, sigmoid_router.groups,
-                                          sigmoid_router.topk_groups, sigmoid_router.scaling)
+                                          sigmoid_router.topk_groups, sigmoid_router.scaling, softmax_scores)
         self.experts = GroupedExperts(num_experts, dim, ffn, activation, expert_bias)
         self.shared_expert = SwiGLU(dim, shared_ffn) if shared_ffn else None
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_ffn and shared_gate else None

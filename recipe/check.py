@@ -179,6 +179,9 @@ def divisibility(m, lay, seq: int, stages: list[int] | None = None) -> list[tupl
         out.append(("tp", tp, f"{m.num_kv_heads} KV heads of {m.name} are not divisible by tp={tp}"))
     if m.vocab_size % tp:
         out.append(("tp", tp, f"vocab {m.vocab_size} of {m.name} is not divisible by tp={tp}"))
+    if tp > 1 and m.tie_embeddings:
+        out.append(("tp", tp, f"{m.name} ties its embedding to the LM head, which tensor parallelism does not split "
+                              f"(tp=1)"))
     if m.num_experts % lay.ep:
         out.append(("ep", lay.ep, f"{m.num_experts} experts of {m.name} are not divisible by ep={lay.ep}"))
     if m.num_layers % lay.pp:

@@ -121,9 +121,14 @@ class RopeScaling(Record):
 # sigmoid routing; Kimi-K2 and Moonlight share it), GLM-4.5 (sigmoid routing, q/k/v biases, partial RoPE), gpt-oss
 # (attention sinks, sliding-window layers, biased router and experts, clamped GLU) and dense Llama-family stacks
 # (Llama, Qwen2, Qwen3, Mistral without a sliding window), OLMoE (q/k norms over all heads together, softmax routing
-# without renormalization); `recipe solve` plans every arch
-TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe",
-                 "gpt_oss", "qwen3_5", "dense")
+# without renormalization), ERNIE-4.5 MoE (softmax scores steered by a correction bias, shared experts, a dense first
+# layer, interleaved RoPE, tied embeddings); `recipe solve` plans every arch
+TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "mixtral",
+                 "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5", "dense")
+# archs whose router with a correction bias (sigmoid_router) scores the experts by a softmax, not a sigmoid
+SOFTMAX_SCORE_ARCHS = ("ernie4_5_moe",)
+# archs whose attention rotates channel pairs (0, 1), (2, 3), … (GLM-style RoPE), not the two halves of a head
+INTERLEAVED_ROPE_ARCHS = ("ernie4_5_moe",)
 # archs whose q/k RMSNorms span all heads of a token together (one weight per channel of the projection), not each
 # head apart
 WHOLE_QK_NORM_ARCHS = ("olmoe",)
@@ -137,10 +142,10 @@ def trainable(shape: "ModelShape") -> str | None:
     it): `recipe launch` checks it before any worker starts, `recipe models` shows it."""
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
-                f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Qwen2-MoE, OLMoE, Mixtral, "
-                f"DeepSeek-V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss and dense Llama/Qwen/Mistral stacks; not "
-                f"Llama 4, ERNIE-4.5, Granite, OLMoE with clip_qkv, or Qwen2-MoE with dense layers among its MoE "
-                f"ones)")
+                f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Qwen2-MoE, OLMoE, ERNIE-4.5, "
+                f"Mixtral, DeepSeek-V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss and dense Llama/Qwen/Mistral stacks; "
+                f"not Llama 4, Granite, OLMoE with clip_qkv, ERNIE-4.5 with biases or dense layers after its MoE "
+                f"ones, or Qwen2-MoE with dense layers among its MoE ones)")
     sc = shape.rope_scaling
     gpt_oss = shape.arch == "gpt_oss"
     unsupported = [what for what, present in (
@@ -171,13 +176,14 @@ GPT_OSS_ROPE_SCALING = RopeScaling(kind="yarn", factor=32.0, original_max_positi
 class ModelShape(Record):
     name: str
     # dense: every layer a dense FFN (num_experts = top_k = 1, first_dense_layers = num_layers), EP = 1;
-    # moe: a standard softmax-routed MoE (ERNIE-4.5, Llama-4, Granite, Qwen2-MoE with dense layers among its MoE
-    # ones, OLMoE with clip_qkv, unknown types); qwen2_moe: Qwen2-MoE with every layer MoE (q/k/v biases, gated
-    # shared expert); olmoe: OLMoE (q/k norms over all heads together);
+    # moe: a standard softmax-routed MoE (Llama-4, Granite, the forms of Qwen2-MoE, OLMoE and ERNIE-4.5 the core does
+    # not train, unknown types); qwen2_moe: Qwen2-MoE with every layer MoE (q/k/v biases, gated shared expert);
+    # olmoe: OLMoE (q/k norms over all heads together); ernie4_5_moe: ERNIE-4.5 MoE (SOFTMAX_SCORE_ARCHS,
+    # INTERLEAVED_ROPE_ARCHS);
     # glm4_moe: GLM-4.5 (sigmoid router, shared experts, dense first layers, partial RoPE);
     # qwen3_5: Qwen3.5 dense (Gated DeltaNet + gated attention, dense FFN)
-    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "deepseek_v3", "gpt_oss", "mixtral",
-                  "glm4_moe", "dense", "moe", "qwen3_5"]
+    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "deepseek_v3",
+                  "gpt_oss", "mixtral", "glm4_moe", "dense", "moe", "qwen3_5"]
     hidden_size: Pos
     num_layers: Pos
     vocab_size: Pos
@@ -355,6 +361,14 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             rope_theta=10000.0, num_experts=64, top_k=8, expert_ffn=1024, norm_topk_prob=False, rms_norm_eps=1e-5,
             max_position=4096, source="allenai/OLMoE-1B-7B-0924 config.json",
         ),
+    "ernie45-21b-a3b": lambda: ModelShape(
+            name="ernie45-21b-a3b", arch="ernie4_5_moe", hidden_size=2560, num_layers=28, vocab_size=103424,
+            layer_types=("full_attention",) * 28, num_heads=20, num_kv_heads=4, head_dim=128, qk_norm=False,
+            rope_theta=500000.0, num_experts=64, top_k=6, expert_ffn=1536, shared_expert_ffn=2 * 1536,
+            router_bias=True, sigmoid_router=SigmoidRouter(), first_dense_layers=1, dense_ffn=12288,
+            tie_embeddings=True, rms_norm_eps=1e-5, max_position=131072,
+            source="baidu/ERNIE-4.5-21B-A3B-PT config.json",
+        ),
     "mixtral-8x7b": lambda: ModelShape(
             name="mixtral-8x7b", arch="mixtral", hidden_size=4096, num_layers=32, vocab_size=32000,
             layer_types=("full_attention",) * 32, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=False,
@@ -525,7 +539,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe",
-    "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "moe", "llama4": "moe",
+    "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe", "llama4": "moe",
     "llama4_text": "moe", "granitemoe": "moe", "granitemoeshared": "moe",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense",
 }
@@ -731,6 +745,8 @@ def _from_hf_config(path: Path) -> ModelShape:
                       sigmoid_router=_sigmoid_router(cfg, model_type, opt, number))
     elif arch == "qwen2_moe":
         _qwen2_moe(cfg, fields, n_layers, req, opt, opt_flag, count)
+    elif arch == "ernie4_5_moe":
+        _ernie(cfg, fields, n_layers, req, opt, opt_flag)
     elif arch == "olmoe":
         # q/k norms over all heads together; clip_qkv (clamping q, k and v) is planned only
         fields.update(qk_norm=True, attn_bias=opt_flag("attention_bias", False),
@@ -784,6 +800,28 @@ def _rope_scaling(cfg: dict, rope: dict, bad, number, count) -> dict | None:
     return out
 
 
+def _ernie(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag) -> None:
+    """ERNIE-4.5 MoE (ERNIE-4.5-21B-A3B, 300B-A47B): dense layers before `moe_layer_start_index`, MoE from there to
+    `moe_layer_end_index` every `moe_layer_interval`-th layer; `moe_num_shared_experts` plain shared experts; the
+    router's softmax scores steered by a correction bias (no groups, no scaling), the chosen weights renormalized.
+    With biases (`use_bias`) or dense layers among or after the MoE ones it is planned only (arch `moe`, its dense
+    layers counted as leading ones)."""
+    moe_ffn = fields["expert_ffn"]
+    first, interval = opt("moe_layer_start_index", 0), opt("moe_layer_interval", 1)
+    last = opt("moe_layer_end_index", n_layers - 1)
+    if last < 0:  # transformers reads -1 as the last layer
+        last = n_layers - 1
+    if interval <= 0:
+        raise ValueError(f"field 'moe_layer_interval': expected a positive whole number, got {interval}")
+    moe = [i for i in range(n_layers) if first <= i <= last and (i + 1) % interval == 0]
+    n_dense = n_layers - len(moe)
+    fields.update(qk_norm=False, attn_bias=opt_flag("use_bias", False), norm_topk_prob=True, router_bias=True,
+                  shared_expert_ffn=opt("moe_num_shared_experts", 0) * moe_ffn, sigmoid_router={},
+                  first_dense_layers=n_dense, dense_ffn=req("intermediate_size") if n_dense else 0)
+    if fields["attn_bias"] or moe != list(range(n_dense, n_layers)):
+        fields.update(arch="moe", sigmoid_router=None, router_bias=False)
+
+
 def _qwen2_moe(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, count) -> None:
     """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): q/k/v biases (`qkv_bias`, on in every release), a shared expert
     behind a sigmoid gate, softmax routing without renormalization (transformers' default). A layer is MoE where
@@ -815,11 +853,7 @@ def _generic_moe(cfg: dict, model_type: str, fields: dict, n_layers: int, req, o
     """The standard softmax-routed MoE families, by their field names."""
     moe_ffn = fields["expert_ffn"]
     fields.update(qk_norm=False, attn_bias=opt_flag("attention_bias", False))
-    if model_type == "ernie4_5_moe":
-        first = opt("moe_layer_start_index", 0)
-        fields.update(shared_expert_ffn=opt("moe_num_shared_experts", 0) * moe_ffn,
-                      first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0)
-    elif model_type in ("llama4", "llama4_text"):
+    if model_type in ("llama4", "llama4_text"):
         # every interleave_moe_layer_step-th layer is MoE (routed + one shared expert), the rest dense with
         # intermediate_size_mlp; the shape keeps the count of dense layers (their positions do not change the cost).
         # Chunked local attention (attention_chunk_size) on the RoPE layers, global NoPE attention on the others:

@@ -91,10 +91,13 @@ def divisors(n: int) -> list[int]:
 
 # ---- candidate values (divisibility) -------------------------------------------------------------------------
 def tp_candidates(m: ModelShape, hw: HwProfile, ranks: int) -> list[int]:
-    """TP splits heads, KV heads, linear-attention heads and the vocab; it stays inside a node."""
+    """TP splits heads, KV heads, linear-attention heads and the vocab (an embedding tied to the LM head is not
+    split: tp = 1); it stays inside a node."""
     out = []
     for t in divisors(ranks):
         if t > hw.gpus_per_node or m.num_heads % t or m.num_kv_heads % t or m.vocab_size % t:
+            continue
+        if t > 1 and m.tie_embeddings:
             continue
         if m.linear_attn is not None and m.linear_attn.num_k_heads % t:
             continue
@@ -175,6 +178,9 @@ def pin_violations(m: ModelShape, hw: HwProfile, seq: int, pins: dict[str, int],
             out.append(f"tp={tp} must divide the {', the '.join(bad)}")
         if tp > hw.gpus_per_node:
             out.append(f"tp={tp} must stay inside one node ({hw.gpus_per_node} GPUs per {hw.name} node)")
+        if tp > 1 and m.tie_embeddings:
+            out.append(f"tp={tp}: {m.name} ties its embedding to the LM head, which tensor parallelism does not "
+                       f"split (tp=1)")
     if cp is not None:
         out += [f"cp={cp} must split the sequence: {why}" for why in cp_violations(m, seq, cp)]
     if ep is not None and m.num_experts % ep:

@@ -43,7 +43,8 @@ CASES = {
         ["mla_cp2", 1, 1, 1, 2, "mla"], ["mla_tp2_ep2", 1, 2, 2, 1, "mla", "full", 2],
         ["oss_ep2", 2, 2, 2, 1, "oss"], ["oss_tp2_ep2", 1, 2, 1, 1, "oss", "full", 2],
         ["oss_pp2", 1, 1, 1, 1, "oss", "full", 1, 2], ["oss_cp2", 1, 1, 1, 2, "oss"],
-        ["olmoe_tp2_ep2", 1, 2, 1, 1, "olmoe", "full", 2], ["qwen2moe_tp2", 1, 1, 1, 1, "qwen2moe", "full", 2]],
+        ["olmoe_tp2_ep2", 1, 2, 1, 1, "olmoe", "full", 2], ["qwen2moe_tp2", 1, 1, 1, 1, "qwen2moe", "full", 2],
+        ["ernie_ep2", 2, 2, 2, 1, "ernie"], ["ernie_cp2", 1, 1, 1, 2, "ernie"]],
     4: [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
         ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
         ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
@@ -81,10 +82,11 @@ VARIANTS = {
     # an OLMoE-style and a Qwen2-MoE-style model (tiny_olmoe, tiny_qwen2_moe), as "mla"
     "olmoe": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
     "qwen2moe": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
+    "ernie": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an ERNIE-4.5-style model (tiny_ernie), as "mla"
 }
 # the model each variant trains (default: tiny-moe)
 VARIANT_SHAPES = {"dense": "tiny-dense", "mla": "tiny-mla", "oss": "tiny-oss", "olmoe": "tiny-olmoe",
-                  "qwen2moe": "tiny-qwen2-moe"}
+                  "qwen2moe": "tiny-qwen2-moe", "ernie": "tiny-ernie"}
 
 
 def tiny_mla():
@@ -141,6 +143,18 @@ def tiny_qwen2_moe():
                       shared_expert_gate=True, norm_topk_prob=False)
 
 
+def tiny_ernie():
+    """ERNIE-4.5 MoE's blocks at tiny widths: a dense first layer, softmax scores over 8 experts (top-2) steered by a
+    correction bias, the chosen weights renormalized, 2 shared experts, interleaved RoPE, tied embeddings."""
+    from recipe.models import ModelShape, SigmoidRouter
+
+    return ModelShape(name="tiny-ernie", arch="ernie4_5_moe", hidden_size=64, num_layers=4, vocab_size=512,
+                      layer_types=("full_attention",) * 4, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=False,
+                      num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=64, router_bias=True,
+                      sigmoid_router=SigmoidRouter(), first_dense_layers=1, dense_ffn=48, tie_embeddings=True,
+                      rope_theta=500000.0, rms_norm_eps=1e-5)
+
+
 # exp(A_log) per value head, so that the state entering a segment matters: with softplus(·) ≈ 1.3 a head keeps
 # e^{-0.5}..e^{-2.5} of its state over a 32-token segment (the initial A_log = log U(1, 16) forgets it within a few
 # tokens, and the combine would go untested)
@@ -163,6 +177,8 @@ def _shape(variant: str):
         return tiny_olmoe()
     if VARIANT_SHAPES.get(variant) == "tiny-qwen2-moe":
         return tiny_qwen2_moe()
+    if VARIANT_SHAPES.get(variant) == "tiny-ernie":
+        return tiny_ernie()
     return PRESETS["tiny-moe"]
 
 

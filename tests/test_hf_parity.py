@@ -1,5 +1,5 @@
 """Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE,
-Qwen2-MoE, OLMoE (q/k norms over all heads; with attention biases), Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), GLM-4.5, gpt-oss (attention
+Qwen2-MoE, OLMoE (q/k norms over all heads; with attention biases), ERNIE-4.5 MoE, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), GLM-4.5, gpt-oss (attention
 sinks, sliding and full layers, YaRN without truncation; packed documents, MXFP4: tests/test_gpt_oss.py), and the
 dense Qwen3.5, Llama (also under llama3 RoPE scaling), Qwen2 and Qwen3 (also under YaRN) built in transformers,
 saved, loaded into ours (logits fp32 atol 1e-4, loss), and exported back."""
@@ -79,6 +79,14 @@ def _hf_model(arch: str):
                                                              beta_fast=32.0, beta_slow=1.0, truncate=False,
                                                              original_max_position_embeddings=16))
         cls = transformers.GptOssForCausalLM
+    elif arch == "ernie4_5_moe":  # softmax scores steered by a correction bias, 2 shared experts, a dense first
+        # layer, interleaved RoPE, tied embeddings
+        moe = {k: v for k, v in COMMON.items() if k not in ("num_experts", "num_experts_per_tok")}
+        cfg = transformers.Ernie4_5_MoeConfig(**moe, moe_num_experts=6, moe_k=2, moe_num_shared_experts=2,
+                                              moe_layer_start_index=1, moe_layer_end_index=2, intermediate_size=40,
+                                              num_hidden_layers=3, tie_word_embeddings=True, pad_token_id=None,
+                                              rope_parameters=dict(rope_type="default", rope_theta=500000.0))
+        cls = transformers.Ernie4_5_MoeForCausalLM
     elif arch == "olmoe":  # q/k norms over all heads together (the head width hidden / heads, as OLMoE's norms need);
         # no pad_token_id: transformers' embedding would freeze that row (padding_idx), which ours trains like any other
         moe = {k: v for k, v in COMMON.items() if k not in ("head_dim", "moe_intermediate_size")}
@@ -114,7 +122,7 @@ def _hf_model(arch: str):
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "mixtral", *MLA_ARCHS,
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "mixtral", *MLA_ARCHS,
                                   "glm4_moe", "gpt_oss", "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)
@@ -148,7 +156,8 @@ def test_logits_and_loss_match_transformers(arch, tmp_path):
 
         export_hf_checkpoint(ours, tmp_path / "bf16", dtype=torch.bfloat16)
         f = safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt")
-        bias = f.get_tensor("model.layers.1.mlp.gate.e_score_correction_bias")
+        where = "moe_statics" if arch == "ernie4_5_moe" else "gate"  # ERNIE's [1, E] beside the router
+        bias = f.get_tensor(f"model.layers.1.mlp.{where}.e_score_correction_bias").reshape(-1)
         assert bias.dtype == torch.float32 and torch.equal(bias, ours.layers[1].mlp.gate.e_score_correction_bias)
         assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
     back = type(hf).from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
@@ -185,8 +194,8 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "mixtral", "deepseek_v3", "glm4_moe",
-                                  "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "mixtral", "deepseek_v3",
+                                  "glm4_moe", "gpt_oss"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map."""
@@ -201,7 +210,7 @@ def test_gradients_match_transformers(arch, tmp_path):
     ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
     hf.zero_grad()
     hf(input_ids=ids, labels=ids).loss.backward()
-    want = hf_to_ours({n: p.grad for n, p in hf.named_parameters()}, ours)
+    want = hf_to_ours({n: p.grad for n, p in hf.named_parameters() if p.requires_grad}, ours)  # not ERNIE's bias
     hidden = ours(ids[0], Packing.from_lengths([T]))
     targets = torch.cat([ids[0, 1:], torch.tensor([-1])])
     (-token_logprobs(hidden, ours.lm_head.weight, targets, mode="fused")[:-1].mean()).backward()

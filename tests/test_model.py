@@ -305,9 +305,9 @@ def test_unsupported_shapes_fail_loudly():
 
     from recipe.models import from_hf_config
 
-    ernie = from_hf_config(Path(__file__).parent / "fixtures" / "configs" / "ernie-4.5-21b-a3b.json")  # planned only
+    granite = from_hf_config(Path(__file__).parent / "fixtures" / "configs" / "granite-3.0-1b-a400m.json")  # planned
     with pytest.raises(ValueError, match="arch 'moe' is planned"):
-        build_model(ernie.with_layers(1), device="meta")
+        build_model(granite.with_layers(1), device="meta")
     with pytest.raises(ValueError, match="document lengths must be positive"):
         Packing.from_lengths([3, 0])
 

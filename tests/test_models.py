@@ -393,6 +393,7 @@ def test_fixture_shapes():
     assert _same_shape(rd("qwen2-57b-a14b"), PRESETS["qwen2-57b-a14b"])
     assert _same_shape(rd("qwen1.5-moe-a2.7b"), PRESETS["qwen15-moe-a27b"])
     assert _same_shape(rd("olmoe-1b-7b"), PRESETS["olmoe-1b-7b"])
+    assert _same_shape(ernie, PRESETS["ernie45-21b-a3b"]) and ernie.arch == "ernie4_5_moe"
     assert rd("qwen3-next-80b-a3b").num_linear_attn_layers == 36
     assert _same_shape(rd("qwen3.5-35b-a3b"), Q35)
     assert _same_shape(rd("qwen3-30b-a3b"), PRESETS["qwen3-30b-a3b"])

@@ -185,6 +185,15 @@ def test_olmoe_and_qwen2_moe_under_tensor_parallelism_equal_one_process(world2, 
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("name", ["ernie_ep2", "ernie_cp2"])
+def test_ernie_layouts_equal_one_process(world2, name):
+    """The ERNIE-4.5-style tiny model (dist_cases.tiny_ernie: softmax scores steered by a correction bias, shared
+    experts, a dense first layer, interleaved RoPE, tied embeddings) under dp=2 × ep=2 with 2 chunks and under cp=2
+    (the rotated keys exchanged, documents across segment edges) equals one process."""
+    _assert_equal_to_one_process(world2[name])
+
+
+@pytest.mark.dist
 def test_tensor_parallel_splits_every_dense_parameter_and_the_data_crosses_edges(world2, world4):
     """Every parameter but the routed experts is a tp DTensor, some micro-batch is padded to whole
     sequence-parallel rows, and some document runs across the edge between two tp ranks' rows."""

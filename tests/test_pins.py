@@ -140,6 +140,20 @@ def test_tp_pin_must_stay_in_a_node():
                    1, "tp=16 must stay inside one node (8 GPUs per h100 node)")
 
 
+def test_a_tied_embedding_takes_no_tensor_parallelism():
+    """ERNIE-4.5 ties its embedding to the LM head, which the vocabulary-parallel head does not split: a tp pin is
+    refused naming why, the solver never picks tp > 1 for it, and `recipe check` flags a committed tp > 1."""
+    from recipe.check import divisibility
+    from recipe.cost import Layout
+    from recipe.solver import tp_candidates
+
+    one_line_error(run("solve", "--model", "ernie45-21b-a3b", "--seq", "32k", "--hw", "h100", "--tp", "2"), 1,
+                   "tp=2: ernie45-21b-a3b ties its embedding to the LM head")
+    m, hw = PRESETS["ernie45-21b-a3b"], load_profile("h100")
+    assert tp_candidates(m, hw, 8) == [1] and tp_candidates(PRESETS["qwen3-30b-a3b"], hw, 8) == [1, 2, 4]
+    assert [d for d, _, _ in divisibility(m, Layout(tp=2), 32768)] == ["tp"]
+
+
 @pytest.mark.parametrize("flag", ["--pp", "--tp", "--cp", "--ep"])
 def test_non_positive_pin_is_unusable_input(flag):
     one_line_error(run("solve", *TINY, flag, "0"), 2, f"{flag} must be positive, got 0")
