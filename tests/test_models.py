@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from recipe.models import (PRESETS, active_matmul_params, active_params, from_hf_config, param_counts,
-                           resolve_model, total_params)
+                           resolve_model, total_params, trainable)
 
 Q35 = PRESETS["qwen35-35b"]
 
@@ -495,3 +495,29 @@ def test_hf_top_k_outside_the_experts_is_named(tmp_path, top_k):
     with pytest.raises(ValueError) as e:
         from_hf_config(_write(tmp_path, "bad", cfg))
     assert "\n" not in str(e.value) and ("top_k" in str(e.value) or "moe_k" in str(e.value)), str(e.value)
+
+
+def test_qwen2_moe_and_ernie_dense_layers_and_windows_by_hand(tmp_path):
+    """Qwen2-MoE's layer i is MoE where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers: 8 layers
+    at step 2 are 4 dense (i = 0, 2, 4, 6), step 1 with mlp_only_layers [0, 5] 2 dense; either way counted as leading
+    dense layers of intermediate_size and planned only (arch moe). use_sliding_window slides the layers from
+    max_window_layers on (6 of 8 full). ERNIE-4.5's MoE layers run from moe_layer_start_index to
+    moe_layer_end_index: start 1, end 5 of 8 leaves 3 dense (0, 6, 7), planned only; use_bias too."""
+    base = json.loads((FIXTURES / "qwen1.5-moe-a2.7b.json").read_text()) | {"num_hidden_layers": 8}
+    rd = lambda name, **over: from_hf_config(_write(tmp_path, name, base | over))  # noqa: E731
+    plain = rd("all")
+    assert (plain.arch, plain.first_dense_layers, plain.attn_bias, plain.norm_topk_prob) == ("qwen2_moe", 0, True, False)
+    step2 = rd("step2", decoder_sparse_step=2)
+    assert (step2.arch, step2.first_dense_layers, step2.dense_ffn, step2.num_moe_layers) == ("moe", 4, 5632, 4)
+    only = rd("only", mlp_only_layers=[0, 5])
+    assert (only.arch, only.first_dense_layers) == ("moe", 2)
+    window = rd("window", use_sliding_window=True, sliding_window=4096, max_window_layers=6)
+    assert window.layer_types == ("full_attention",) * 6 + ("sliding_attention",) * 2 and window.sliding_window == 4096
+    assert "sliding-window attention" in trainable(window)
+    ernie = json.loads((FIXTURES / "ernie-4.5-21b-a3b.json").read_text()) | {"num_hidden_layers": 8}
+    rd = lambda name, **over: from_hf_config(_write(tmp_path, name, ernie | over))  # noqa: E731
+    whole = rd("e")
+    assert (whole.arch, whole.first_dense_layers) == ("ernie4_5_moe", 1)
+    cut = rd("cut", moe_layer_end_index=5)
+    assert (cut.arch, cut.first_dense_layers, cut.sigmoid_router) == ("moe", 3, None) and trainable(cut)
+    assert rd("biased", use_bias=True).arch == "moe"
