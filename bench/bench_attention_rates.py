@@ -46,7 +46,6 @@ def model_seconds(m, seq: int, hw: str, window: int | None = None) -> tuple[floa
     forward-equivalents of layer_work's attention term for a full layer, or, given a window, for a sliding layer of
     that window (the keys its kernel scores)."""
     from recipe.cost import layer_work, rates
-
     from recipe.hw import load_profile
 
     kind = "full_attention" if window is None else "sliding_attention"

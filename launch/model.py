@@ -28,14 +28,17 @@ from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
 from launch.gated_delta import gated_delta_rule
 from launch.moe import MoE, SwiGLU
 from launch.sink_attention import sink_attention
-from recipe.models import (INTERLEAVED_ROPE_ARCHS, QKV_ONLY_BIAS_ARCHS, ROPE_SCALINGS, SOFTMAX_SCORE_ARCHS,
-                           WHOLE_QK_NORM_ARCHS, ModelShape, trainable)
+from recipe.models import QKV_ONLY_BIAS_ARCHS, ROPE_SCALINGS, WHOLE_QK_NORM_ARCHS, ModelShape, trainable
 
 # RMSNorm scales by (1 + w) in these (w stored zero-centred), by w elsewhere
 OFFSET_NORM_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
 # attention with a learned sink logit per head, sliding windows on the "sliding_attention" layers, a biased router
 # and biased experts with the clamped GLU (kernels.expert_grads.GPT_OSS_GLU)
 GPT_OSS_ARCHS = ("gpt_oss",)
+# the router with a correction bias (sigmoid_router) scoring the experts by a softmax, not a sigmoid (ERNIE-4.5)
+SOFTMAX_SCORE_ARCHS = ("ernie4_5_moe",)
+# attention rotating channel pairs (0, 1), (2, 3), … (GLM-style RoPE), not the two halves of a head (ERNIE-4.5)
+INTERLEAVED_ROPE_ARCHS = ("ernie4_5_moe",)
 
 
 @dataclass(frozen=True)

@@ -125,10 +125,6 @@ class RopeScaling(Record):
 # layer, interleaved RoPE, tied embeddings); `recipe solve` plans every arch
 TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "mixtral",
                  "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5", "dense")
-# archs whose router with a correction bias (sigmoid_router) scores the experts by a softmax, not a sigmoid
-SOFTMAX_SCORE_ARCHS = ("ernie4_5_moe",)
-# archs whose attention rotates channel pairs (0, 1), (2, 3), … (GLM-style RoPE), not the two halves of a head
-INTERLEAVED_ROPE_ARCHS = ("ernie4_5_moe",)
 # archs whose q/k RMSNorms span all heads of a token together (one weight per channel of the projection), not each
 # head apart
 WHOLE_QK_NORM_ARCHS = ("olmoe",)
@@ -178,8 +174,8 @@ class ModelShape(Record):
     # dense: every layer a dense FFN (num_experts = top_k = 1, first_dense_layers = num_layers), EP = 1;
     # moe: a standard softmax-routed MoE (Llama-4, Granite, the forms of Qwen2-MoE, OLMoE and ERNIE-4.5 the core does
     # not train, unknown types); qwen2_moe: Qwen2-MoE with every layer MoE (q/k/v biases, gated shared expert);
-    # olmoe: OLMoE (q/k norms over all heads together); ernie4_5_moe: ERNIE-4.5 MoE (SOFTMAX_SCORE_ARCHS,
-    # INTERLEAVED_ROPE_ARCHS);
+    # olmoe: OLMoE (q/k norms over all heads together); ernie4_5_moe: ERNIE-4.5 MoE (softmax scores steered by a
+    # correction bias, interleaved RoPE: launch/model.py);
     # glm4_moe: GLM-4.5 (sigmoid router, shared experts, dense first layers, partial RoPE);
     # qwen3_5: Qwen3.5 dense (Gated DeltaNet + gated attention, dense FFN)
     arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "deepseek_v3",
