@@ -92,17 +92,9 @@ def divisors(n: int) -> list[int]:
 # ---- candidate values (divisibility) -------------------------------------------------------------------------
 def tp_candidates(m: ModelShape, hw: HwProfile, ranks: int) -> list[int]:
     """TP splits heads, KV heads, linear-attention heads and the vocab (an embedding tied to the LM head is not
-    split: tp = 1); it stays inside a node."""
-    out = []
-    for t in divisors(ranks):
-        if t > hw.gpus_per_node or m.num_heads % t or m.num_kv_heads % t or m.vocab_size % t:
-            continue
-        if t > 1 and m.tie_embeddings:
-            continue
-        if m.linear_attn is not None and m.linear_attn.num_k_heads % t:
-            continue
-        out.append(t)
-    return out
+    split: tp = 1); it stays inside a node. The divisors of `ranks` that break none of the tp rules a pin is held to
+    (pin_violations: the sequence does not enter them)."""
+    return [t for t in divisors(ranks) if not pin_violations(m, hw, 0, {"tp": t})]
 
 
 def cp_violations(m: ModelShape, seq: int, cp: int) -> list[str]:
