@@ -123,6 +123,19 @@ GRIDS = {
         ("glm45-air", 2, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 32 * K),
         ("deepseek-v3", 3, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K])]), 8 * K),
     ],
+    # the families trained beside Qwen3 and DeepSeek-V3, every point held out: OLMoE-1B-7B (q/k norms over all heads,
+    # 64 experts, top 8), Qwen1.5-MoE-A2.7B (q/k/v biases, 60 experts of width 1,408, top 4, a gated shared
+    # expert), ERNIE-4.5-21B-A3B (a dense first layer, then 64 experts, top 6, two shared; softmax scores with a
+    # correction bias) and gpt-oss-20b (sliding and full attention with sinks, 32 biased experts, top 4), each at
+    # its first two layers; `--grid families`, merged into the committed grid
+    "families": [
+        ("olmoe-1b-7b", 2, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+        ("qwen15-moe-a27b", 2, _pts([(("none", "fused"), [8 * K]),
+                                     (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+        ("ernie45-21b-a3b", 2, _pts([(("none", "fused"), [8 * K]),
+                                     (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+        ("gpt-oss-20b", 2, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+    ],
     "smoke": [
         ("tiny-moe", 2, _pts([(("none", "fused"), [256]), (("full", "fused"), [256, 512]),
                               (("full", "lean"), [256]), (("full", "naive"), [256])], [256]), 256),
@@ -134,7 +147,7 @@ GRIDS = {
 FIT_MODELS = ("qwen35-35b", "qwen3-30b-a3b", "tiny-moe")  # the efficiencies are fit on their 2- and 4-layer points
 
 
-HELD_OUT_GRIDS = ("holdout", "partial", "v3")  # every point of these is held out, whatever its model and depth
+HELD_OUT_GRIDS = ("holdout", "partial", "v3", "families")  # every point of these is held out, whatever its model and depth
 
 
 def role(model: str, layers: int, grid: str = "full") -> str:
