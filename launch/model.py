@@ -76,15 +76,25 @@ class _RMSNorm(torch.autograd.Function):
         y = n ⊙ (offset + w)  (fp32, then rounded)   or   y = w ⊙ round(n)  (in x's dtype, Qwen3-MoE's order)
         dn = dy ⊙ (offset + w)  or  dy ⊙ w;   dw = Σ_rows dy ⊙ n;   dx = r · (dn − n · mean(dn ⊙ n))
 
-    (from ∂n_i/∂x_j = r·(δ_ij − n_i n_j / d)), each in the precision the autograd graph computes it in."""
+    (from ∂n_i/∂x_j = r·(δ_ij − n_i n_j / d)), each in the precision the autograd graph computes it in.
+
+    `sum_over_ranks` (a norm over a width split across tensor-parallel ranks, `HeadsRMSNorm`): x holds `width / tp`
+    of a row's channels, so the row's sum of squares in the forward and Σ dn ⊙ n in the backward are each this
+    rank's sum added over the ranks (the callable), and the means divide by the whole `width`."""
 
     @staticmethod
-    def forward(ctx, x, weight, eps: float, offset: float):
+    def forward(ctx, x, weight, eps: float, offset: float, sum_over_ranks=None, width: int | None = None):
         x32 = x.float()
-        r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        if width is None:
+            r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+        else:
+            squares = x32.pow(2).sum(-1, keepdim=True)
+            if sum_over_ranks is not None:
+                squares = sum_over_ranks(squares)
+            r = torch.rsqrt(squares / width + eps)
         n = x32 * r
         ctx.save_for_backward(x, weight, r)
-        ctx.offset = offset
+        ctx.offset, ctx.sum_over_ranks, ctx.width = offset, sum_over_ranks, width
         if offset:
             return (n * (offset + weight.float())).to(x.dtype)
         return weight * n.to(x.dtype)
@@ -102,8 +112,15 @@ class _RMSNorm(torch.autograd.Function):
             dw = (dy * n.to(x.dtype)).sum(rows).to(weight.dtype)
             dn = (dy * weight).float()
         del dy
-        dx = r * (dn - n * (dn * n).mean(-1, keepdim=True))
-        return dx.to(x.dtype), dw, None, None
+        if ctx.width is None:
+            dot = (dn * n).mean(-1, keepdim=True)
+        else:
+            dot = (dn * n).sum(-1, keepdim=True)
+            if ctx.sum_over_ranks is not None:
+                dot = ctx.sum_over_ranks(dot)
+            dot = dot / ctx.width
+        dx = r * (dn - n * dot)
+        return dx.to(x.dtype), dw, None, None, None, None
 
 
 class RMSNorm(nn.Module):
@@ -124,7 +141,8 @@ class HeadsRMSNorm(nn.Module):
     projection, the mean square taken over its whole width `dim`), in OLMoE's order: fp32 inside, then the weight
     times the normalized x in x's dtype. Under tensor parallelism a rank holds some of the heads: `sum_over_ranks`
     (launch/tensor_parallel.py installs it; None: every head is here) adds the other ranks' sums of squares, and
-    autograd carries the gradient back through it."""
+    the backward's Σ dn ⊙ n is added over them the same way. `_RMSNorm` with the whole width: it keeps x and r alone,
+    where autograd's graph of the same forward kept x in fp32 and the rounded n (6 bytes an element beside x's 2)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -133,12 +151,8 @@ class HeadsRMSNorm(nn.Module):
         self.sum_over_ranks = None
 
     def forward(self, x_THD: torch.Tensor) -> torch.Tensor:
-        x = x_THD.reshape(x_THD.shape[0], -1).float()
-        squares = x.pow(2).sum(-1, keepdim=True)
-        if self.sum_over_ranks is not None:
-            squares = self.sum_over_ranks(squares)
-        n = x * torch.rsqrt(squares / self.dim + self.eps)
-        return (self.weight * n.to(x_THD.dtype)).view_as(x_THD)
+        x = x_THD.reshape(x_THD.shape[0], -1)
+        return _RMSNorm.apply(x, self.weight, self.eps, 0.0, self.sum_over_ranks, self.dim).view_as(x_THD)
 
 
 class GatedRMSNorm(nn.Module):

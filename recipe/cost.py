@@ -277,8 +277,10 @@ def moe_moments(m: ModelShape, s: float) -> tuple[float, float, float]:
     exist, peak after). Saved: the post-attention norm's input, its output (kept by the router and the shared
     expert), the router's fp32 probabilities and top-k weights and indices, the routed rows (`routed_row_bytes`,
     s·k of them), the shared expert's gate, up, activation and product and the gated output. The backward runs the
-    shared expert first (created last), then the routed experts, whose peak is their saved rows plus the larger
-    backward moment; once their weight gradients are formed the block holds the input gradient's rows twice
+    shared expert first (created last): autograd's SwiGLU backward holds, at its multiply, the product's gradient
+    and the activation's and up's beside the gate, up and activation it saved (six expert-width tensors where four
+    were saved); then the routed experts, whose peak is their saved rows plus the larger backward moment; once
+    their weight gradients are formed the block holds the input gradient's rows twice
     (expert order, then token order: 2·h a row) and no saved row: the backward frees each at its last use, with or
     without recompute (launch/moe.py: `free_at_last_use`)."""
     h, k = m.hidden_size, m.top_k
@@ -286,7 +288,8 @@ def moe_moments(m: ModelShape, s: float) -> tuple[float, float, float]:
     row_saved, row_bwd = routed_row_bytes(m)
     routed = s * k * row_saved
     shared = s * (4 * m.shared_expert_ffn + (h if m.shared_expert_gate else 0)) * BF16 if m.shared_expert_ffn else 0.0
-    before = base + routed + max(s * k * row_bwd, shared)
+    shared_backward = shared + s * 2 * m.shared_expert_ffn * BF16
+    before = base + routed + max(s * k * row_bwd, shared_backward)
     return base + routed + shared, before, base + s * k * 2 * h * BF16
 
 
