@@ -10,7 +10,8 @@ are the ones the per-operation efficiencies are fit on; the 8-layer points are h
 are recorded with their error, not dropped. `--grid holdout`: Qwen3-235B-A22B at 1 and 2 layers (another width),
 Qwen3-Next-80B-A3B at 2 layers (512 experts, top 10) and Mixtral-8x7B at 2 (8 wide experts), every point held out
 (merged into the committed grid beside the others). `--grid v3`: Moonlight-16B-A3B and GLM-4.5-Air at 2 layers and
-DeepSeek-V3 at 3 (multi-head latent attention, sigmoid routing), every point held out. `--grid partial`: partial
+DeepSeek-V3 at 3 (multi-head latent attention, sigmoid routing), every point held out. `--grid families`: OLMoE,
+Qwen1.5-MoE, ERNIE-4.5 and gpt-oss-20b at 2 layers, every point held out. `--grid partial`: partial
 recompute (the last `keep_layers` layers keep their activations) beside none and full on the same model and length,
 every partial point held out.
 
@@ -147,7 +148,8 @@ GRIDS = {
 FIT_MODELS = ("qwen35-35b", "qwen3-30b-a3b", "tiny-moe")  # the efficiencies are fit on their 2- and 4-layer points
 
 
-HELD_OUT_GRIDS = ("holdout", "partial", "v3", "families")  # every point of these is held out, whatever its model and depth
+# every point of these is held out, whatever its model and depth
+HELD_OUT_GRIDS = ("holdout", "partial", "v3", "families")
 
 
 def role(model: str, layers: int, grid: str = "full") -> str:

@@ -293,8 +293,15 @@ def moe_moments(m: ModelShape, s: float) -> tuple[float, float, float]:
     return base + routed + shared, before, base + s * k * 2 * h * BF16
 
 
-def dense_ffn_working_set(m: ModelShape, s: float, tp: int) -> float:
-    return (s * m.dense_ffn / tp * 3 * BF16 + 2 * s * m.hidden_size * BF16) if m.first_dense_layers else 0.0
+def dense_ffn_moments(m: ModelShape, s: float, tp: int) -> tuple[float, float]:
+    """A dense SwiGLU FFN on s tokens (its width split by tp), in bytes: (saved, peak in its backward). Saved: the
+    norm's input and output (h each) and autograd's gate, up, activation and product (f each). Its backward, at the
+    multiply, holds the product's gradient and the activation's and up's beside the gate, up and activation (six
+    f-wide tensors; the product is dropped once the down projection's gradients are formed)."""
+    if not m.first_dense_layers:
+        return 0.0, 0.0
+    f, around = m.dense_ffn / tp, 2 * s * m.hidden_size * BF16
+    return s * 4 * f * BF16 + around, s * 6 * f * BF16 + around
 
 
 def layer_saved(m: ModelShape, s: float, tp: int, cp: int, vendor: str = "nvidia") -> tuple[float, float]:
@@ -305,7 +312,7 @@ def layer_saved(m: ModelShape, s: float, tp: int, cp: int, vendor: str = "nvidia
         mixers.append(attention_working_set(m, s, tp, cp, vendor))
     if m.num_linear_attn_layers:
         mixers.append(linear_attention_working_set(m, s, tp, cp))
-    ffn = max(moe_moments(m, s / tp)[0] if m.num_moe_layers else 0.0, dense_ffn_working_set(m, s, tp))
+    ffn = max(moe_moments(m, s / tp)[0] if m.num_moe_layers else 0.0, dense_ffn_moments(m, s, tp)[0])
     return max(mixers) + s / tp * FP32, ffn  # + the input norm's row scale (its input is the layer's)
 
 
@@ -313,14 +320,14 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: fl
                       vendor: str = "nvidia") -> float:
     """One layer's working set at its backward's peak, with every gradient counted as present: what its forward
     saved (mixer and FFN: the checkpoint unit is the decoder layer), the FFN's saved set replaced by its backward
-    peak (`moe_moments`). `expert_grad`: the bytes of the layer's own expert weight gradients, which the routed
-    experts' backward forms only after its largest moment before them, so that moment needs that much less than the
-    count says."""
-    mixer, ffn = layer_saved(m, s, tp, cp, vendor)
+    peak, the larger of the dense FFN's (`dense_ffn_moments`) and the MoE block's (`moe_moments`). `expert_grad`:
+    the bytes of the layer's own expert weight gradients, which the routed experts' backward forms only after its
+    largest moment before them, so that moment needs that much less than the count says."""
+    mixer = layer_saved(m, s, tp, cp, vendor)[0]
+    ffn = dense_ffn_moments(m, s, tp)[1]
     if m.num_moe_layers:
-        saved, before, after = moe_moments(m, s / tp)
-        if saved >= dense_ffn_working_set(m, s, tp):  # the MoE block is the larger FFN kind (as layer_saved takes)
-            ffn = max(before - expert_grad, after)
+        _, before, after = moe_moments(m, s / tp)
+        ffn = max(ffn, before - expert_grad, after)
     # the FFN's backward runs first and frees its saved set; then attention's, which adds its gradients
     attention = 0.0
     if m.num_full_attn_layers or m.num_sliding_layers:
