@@ -127,6 +127,10 @@ class HwProfile(Record):
     # per-operation efficiencies measured on hw_profiles/calibration/<name>.json; None: every matmul at
     # compute_efficiency and the optimizer at 0.9 of the HBM bandwidth (an assumption, no measurement)
     efficiency: Efficiency | None = None
+    # a built-in profile whose measured efficiencies this one takes, in place of its own `efficiency` (a part never
+    # measured): the same shares of the HBM bandwidth and fixed times, the compute-bound ones scaled by this profile's
+    # compute_efficiency over the reference's (`derived_efficiency`); `efficiency` then holds the derived figures
+    efficiency_from: str | None = None
 
     def __post_init__(self) -> None:
         """Every figure finite and positive (the cost model divides by them): a profile with `bw_gb_s: 0` or
@@ -162,6 +166,46 @@ class HwProfile(Record):
                                                                             else set())))
 
 
+# the efficiencies that are fractions of the dense peak (the rest are fractions of the HBM bandwidth, or fixed times)
+COMPUTE_EFFICIENCIES = ("expert_gemm", "dense_gemm", "attention", "delta_rule", "lm_head")
+
+
+def derived_efficiency(ref: HwProfile, compute_efficiency: float) -> Efficiency:
+    """`ref`'s measured efficiencies carried to a part that has none of its own: the shares of the HBM bandwidth and
+    the fixed times as they are, each fraction of the dense peak times compute_efficiency / ref.compute_efficiency
+    (the part's one assumed GEMM efficiency against the one the reference's step was first fit with), at most 1."""
+    if ref.efficiency is None:
+        raise ValueError(f"efficiency_from: {ref.name} has no measured efficiencies to take")
+    scale = compute_efficiency / ref.compute_efficiency
+    e = ref.efficiency
+    changes = {}
+    for n in COMPUTE_EFFICIENCIES:
+        v = getattr(e, n)
+        changes[n] = {k: min(1.0, x * scale) for k, x in v.items()} if isinstance(v, dict) else min(1.0, v * scale)
+    return e.model_copy(update=changes)
+
+
+def _resolve_efficiency_from(data: dict, origin: str) -> dict:
+    """A profile's `efficiency_from: <built-in name>` replaced by the efficiencies it derives (`derived_efficiency`),
+    the name kept beside them."""
+    ref_name = data.get("efficiency_from")
+    if ref_name is None:
+        return data
+    if data.get("efficiency") is not None:
+        raise ValueError(f"{origin}: efficiency_from and efficiency are both given: a profile takes its own measured "
+                         f"efficiencies or another's, not both")
+    names = builtin_names()
+    if not isinstance(ref_name, str) or ref_name not in names:
+        raise ValueError(f"{origin}: efficiency_from: {ref_name!r} is not a built-in profile ({', '.join(names)})")
+    ref = load_profile(ref_name)
+    if ref.efficiency_from is not None or ref.efficiency is None:
+        raise ValueError(f"{origin}: efficiency_from: {ref_name} has no efficiencies measured on its own grid")
+    ce = data.get("compute_efficiency")
+    if isinstance(ce, bool) or not isinstance(ce, (int, float)) or not (math.isfinite(ce) and 0 < ce <= 1):
+        raise ValueError(f"{origin}: compute_efficiency must be a number in (0, 1], got {ce!r}")
+    return {**data, "efficiency": plain(derived_efficiency(ref, float(ce)))}
+
+
 def _builtin_dir():
     return resources.files("hw_profiles")
 
@@ -180,6 +224,7 @@ def _parse(text: str, origin: str, trusted: bool = False) -> HwProfile:
         raise ValueError(f"{origin}: expected a mapping of profile fields")
     if not all(isinstance(k, str) for k in data):
         raise ValueError(f"{origin}: field {next(k for k in data if not isinstance(k, str))!r}: unknown field")
+    data = _resolve_efficiency_from(data, origin)
     if trusted:  # a profile shipped with recipe: checked by the test suite against the full schema
         eff = data.get("efficiency")
         return HwProfile(**{**data, "intra_node": Link(**data["intra_node"]),

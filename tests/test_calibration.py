@@ -117,12 +117,27 @@ def test_point_errors_and_summary_hand_worked():
 
 
 def test_measured_profiles_carry_their_efficiencies_and_sources():
-    """h200 times its step from the per-operation efficiencies fit on its grid, each named in `sources`; a profile
-    without them (b200, the AMD ones) falls back to one compute_efficiency."""
+    """h200 times its step from the per-operation efficiencies fit on its grid, each named in `sources`; the parts
+    never measured take them from it (`efficiency_from`), each share of the dense peak scaled by their
+    compute_efficiency over the H200's and the rest as they are, with the assumption in their sources."""
     h200 = load_profile("h200")
     assert h200.efficiency is not None and "calibration/h200.json" in h200.sources["efficiency"]
-    for name in ("b200", "mi300x"):
-        assert load_profile(name).efficiency is None
+    assert h200.efficiency_from is None
+    e = h200.efficiency
+    for name in ("h100", "b200", "mi300x", "mi325x", "mi355x"):
+        p = load_profile(name)
+        assert p.efficiency_from == "h200" and p.sources["efficiency_from"]
+        k = p.compute_efficiency / h200.compute_efficiency
+        d = p.efficiency
+        for n in ("expert_gemm", "dense_gemm", "delta_rule", "lm_head"):
+            assert getattr(d, n) == pytest.approx(getattr(e, n) * k, rel=1e-12)
+        assert d.attention == {w: pytest.approx(v * k, rel=1e-12) for w, v in e.attention.items()}
+        for n in ("expert_rows", "expert_weights", "dense_rows", "optimizer", "ep_dispatch", "layer_latency_ms",
+                  "ep_latency_ms", "ep_chunk_ms"):
+            assert getattr(d, n) == getattr(e, n)
+    assert load_profile("mi300x").efficiency.delta_rule == pytest.approx(0.048 * 0.32 / 0.385)
+    assert load_profile("h100").efficiency == e  # the same chip, the same compute_efficiency
+    assert load_profile("cpu").efficiency is None  # no reference: one compute_efficiency
 
 
 def _nnls_by_brute_force(np, lhs, rhs):

@@ -313,7 +313,7 @@ def test_plot_figure_reads():
     (("efficiency", "expert_weights", 0), ["expert_weights must be a finite number of at least 1e-06, got 0"]),
 ], ids=lambda x: str(x[0]) if isinstance(x, tuple) else None)
 def test_bad_profile_figures_are_named(tmp_path, edit, needles):
-    data = yaml.safe_load((resources.files("hw_profiles") / "h100.yaml").read_text())
+    data = yaml.safe_load((resources.files("hw_profiles") / "h200.yaml").read_text())
     *where, key, value = edit
     target = data
     for k in where:
@@ -327,10 +327,48 @@ def test_bad_profile_figures_are_named(tmp_path, edit, needles):
     assert snapshot(prof) == snap
 
 
+@pytest.mark.parametrize("edit, needles", [
+    ({"efficiency_from": "h900"}, ["efficiency_from: 'h900' is not a built-in profile (b200, cpu, h100, h200"]),
+    ({"efficiency_from": "cpu"}, ["efficiency_from: cpu has no efficiencies measured on its own grid"]),
+    ({"efficiency_from": "mi300x"}, ["efficiency_from: mi300x has no efficiencies measured on its own grid"]),
+    ({"efficiency_from": 7}, ["efficiency_from: 7 is not a built-in profile"]),
+    ({"efficiency_from": "h200", "efficiency": {"expert_gemm": 0.5}}, ["efficiency_from and efficiency are both "
+                                                                        "given"]),
+    ({"efficiency_from": "h200", "compute_efficiency": "fast"}, ["compute_efficiency must be a number in (0, 1], "
+                                                                  "got 'fast'"]),
+], ids=["unknown", "cpu", "derived", "number", "both", "bad-scale"])
+def test_a_bad_efficiency_reference_is_named(tmp_path, edit, needles):
+    """A profile that takes another's efficiencies names a built-in profile measured on its own grid, and gives no
+    efficiencies of its own; anything else is one line naming the field, the file left as it was."""
+    data = yaml.safe_load((resources.files("hw_profiles") / "mi300x.yaml").read_text())
+    data.update(edit)
+    prof = tmp_path / "bad.yaml"
+    prof.write_text(yaml.safe_dump(data))
+    snap = snapshot(prof)
+    one_line(run("solve", "--model", "tiny-moe", "--seq", "4k", "--hw", str(prof), "--gpus", "1"), 2, "bad.yaml",
+             *needles)
+    assert snapshot(prof) == snap
+
+
+def test_a_user_profile_takes_a_measured_profiles_efficiencies(tmp_path):
+    """A user's copy of mi300x with its compute_efficiency raised times the step as the built-in profile does with
+    every share of the dense peak scaled by the ratio of the two compute_efficiencies, and the rest unchanged."""
+    from recipe.hw import load_profile
+
+    data = yaml.safe_load((resources.files("hw_profiles") / "mi300x.yaml").read_text())
+    data["compute_efficiency"] = 0.385
+    prof = tmp_path / "tuned.yaml"
+    prof.write_text(yaml.safe_dump(data))
+    mine, h200 = load_profile(str(prof)), load_profile("h200")
+    assert mine.efficiency == h200.efficiency  # the same compute_efficiency as the reference: its figures as they are
+    assert load_profile("mi300x").efficiency.dense_gemm == pytest.approx(h200.efficiency.dense_gemm * 0.32 / 0.385)
+    assert run("solve", "--model", "tiny-moe", "--seq", "4k", "--hw", str(prof), "--gpus", "1").exit_code == 0
+
+
 def test_a_fixed_time_of_zero_is_a_valid_profile_figure(tmp_path):
     """A per-pass fixed time the calibration fit leaves at zero (no measurable cost) is a figure like any other: the
     profile loads and solves; its efficiencies, which divide, must stay at least 1e-6."""
-    data = yaml.safe_load((resources.files("hw_profiles") / "h100.yaml").read_text())
+    data = yaml.safe_load((resources.files("hw_profiles") / "h200.yaml").read_text())
     data["efficiency"].update(ep_latency_ms=0, layer_latency_ms=0.0, ep_chunk_ms=0)
     prof = tmp_path / "zero.yaml"
     prof.write_text(yaml.safe_dump(data))
@@ -344,7 +382,7 @@ def test_a_profile_without_the_expert_byte_terms_charges_the_experts_flops_alone
     from recipe.hw import load_profile
     from recipe.models import PRESETS
 
-    data = yaml.safe_load((resources.files("hw_profiles") / "h100.yaml").read_text())
+    data = yaml.safe_load((resources.files("hw_profiles") / "h200.yaml").read_text())
     del data["efficiency"]["expert_rows"], data["efficiency"]["expert_weights"]
     prof = tmp_path / "old.yaml"
     prof.write_text(yaml.safe_dump(data))

@@ -221,7 +221,7 @@ def test_cli_exits_2_in_one_line(tmp_path_factory, case, fmt):
 # returns never breaks the solver (no ZeroDivisionError from `bw_gb_s: 0`, no 1-GB HBM from `hbm_gib: true`).
 LOADER_FUZZ = settings(max_examples=1000, deadline=None,
                        suppress_health_check=[HealthCheck.too_slow, HealthCheck.function_scoped_fixture])
-PROFILE = yaml.safe_load((Path(__file__).resolve().parents[1] / "hw_profiles" / "h100.yaml").read_text())
+PROFILE = yaml.safe_load((Path(__file__).resolve().parents[1] / "hw_profiles" / "h200.yaml").read_text())
 HF_CONFIG = {
     "model_type": "qwen3_5_moe_text", "hidden_size": 64, "num_hidden_layers": 4, "vocab_size": 512,
     "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "rms_norm_eps": 1e-6,

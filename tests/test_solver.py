@@ -252,15 +252,15 @@ def _auto(model: str, seq: int, hw: str):
 
 
 def test_recompute_auto_takes_none_where_it_fits_and_is_faster():
-    """mixtral-8x7b at 32K on MI300X: 8 GPUs under full recompute (cp=1); without recompute the same 8 GPUs fit at
-    cp=8 and, solved apart, run 1.25x the tokens/s per GPU. auto takes that solution whole, keeps the count the full
+    """qwen15-moe-a27b at 128K on MI300X: 8 GPUs under full recompute; without recompute the same 8 GPUs fit at cp=8
+    and, solved apart, run 1.15x the tokens/s per GPU. auto takes that solution whole, keeps the count the full
     solve chose, and names what it rejected."""
-    m, hw = PRESETS["mixtral-8x7b"], _hw("mi300x")
-    full = solve(m, hw, 8, TrainOptions(micro_batch_tokens=32_768))
-    none = solve(m, hw, 8, TrainOptions(micro_batch_tokens=32_768, recompute="none"))
+    m, hw, seq = PRESETS["qwen15-moe-a27b"], _hw("mi300x"), 131_072
+    full = solve(m, hw, 8, TrainOptions(micro_batch_tokens=seq))
+    none = solve(m, hw, 8, TrainOptions(micro_batch_tokens=seq, recompute="none"))
     gain = none.estimate.tokens_per_s_per_gpu / full.estimate.tokens_per_s_per_gpu
-    assert gain > 1.03 and none.estimate.fits
-    s = _auto("mixtral-8x7b", 32_768, "mi300x")
+    assert gain > 1.03 and none.estimate.fits and none.layout.cp == 8
+    s = _auto("qwen15-moe-a27b", seq, "mi300x")
     assert s.world == 8 and s.opts.recompute == "none" and s.layout == none.layout
     assert s.estimate.step_time_s == pytest.approx(none.estimate.step_time_s)
     assert s.recompute.value == "none" and s.recompute.numbers["gain"] == pytest.approx(gain, abs=1e-4)
@@ -269,7 +269,7 @@ def test_recompute_auto_takes_none_where_it_fits_and_is_faster():
     from recipe.planfile import SolveInputs
     from recipe.solving import solve_inputs
 
-    counted = solve_inputs(SolveInputs(model="mixtral-8x7b", seq_len=32_768, hw="mi300x"))[2].count
+    counted = solve_inputs(SolveInputs(model="qwen15-moe-a27b", seq_len=seq, hw="mi300x"))[2].count
     assert s.count.value == 8 and s.count.reason == f"{counted.reason}, under full recompute"
 
 
@@ -299,40 +299,42 @@ def test_recompute_auto_keeps_full_when_none_is_slower():
     assert f"runs {gain:.2f}x the tokens/s per GPU of this one" in s.recompute.reason
 
 
-@pytest.mark.parametrize("model, hw, want", [("qwen35-35b", "mi300x", (23, 2)), ("qwen3-30b-a3b", "mi355x", (41, 2))])
-def test_recompute_auto_keeps_the_last_layers_where_they_pay(model, hw, want):
-    """At 32K on MI300X / MI355X, full recompute leaves memory free at cp=1. Without recompute the layers fit only at a
-    larger CP, slower; keeping the last k layers' activations, every dimension solved again for each k, is faster. auto
-    takes the fastest over every k a scan solves (Qwen3-30B-A3B: the most its cp=2 layout holds, 47, is solved at
-    tp=2 and is slower, so the search bisects back to the most that keeps cp=2, 41)."""
+@pytest.mark.parametrize("model, seq, hw, want", [("gpt-oss-20b", 32_768, "mi300x", (23, 2)),
+                                                   ("qwen35-35b", 32_768, "mi300x", (12, 1))])
+def test_recompute_auto_keeps_the_last_layers_where_they_pay(model, seq, hw, want):
+    """At 32K on MI300X full recompute leaves memory free at cp=1. Without recompute the layers fit only at a larger
+    CP, slower; keeping the last k layers' activations, every dimension solved again for each k, is faster: at cp=2
+    for gpt-oss-20b, at cp=1 for Qwen3.5-35B-A3B (where cp=2, holding more layers, pays each rank's fixed per-layer
+    time and weight reads in full). auto takes the fastest over every k a scan solves."""
     from recipe.cost import Layout
 
     m, hw = PRESETS[model], _hw(hw)
-    s = _auto(model, 32_768, hw.name)
-    full = solve(m, hw, s.world, TrainOptions(micro_batch_tokens=32_768))
+    s = _auto(model, seq, hw.name)
+    full = solve(m, hw, s.world, TrainOptions(micro_batch_tokens=seq))
     scan = {}
     for k in range(1, m.num_layers):
         try:
-            scan[k] = solve(m, hw, s.world, TrainOptions(micro_batch_tokens=32_768, keep_layers=k), suggest=False)
+            scan[k] = solve(m, hw, s.world, TrainOptions(micro_batch_tokens=seq, keep_layers=k), suggest=False)
         except InfeasibleError:
             break
     best = max(scan, key=lambda k: scan[k].estimate.tokens_per_s_per_gpu)
     assert (best, scan[best].layout.cp) == want and full.layout == Layout(ep=full.layout.ep)
     assert s.opts.recompute == "full" and s.opts.keep_layers == best and s.layout == scan[best].layout
     assert s.estimate.tokens_per_s_per_gpu == scan[best].estimate.tokens_per_s_per_gpu
-    assert s.decisions["cp"].value == 2 and s.decisions["cp"].constraint == "activation memory"
+    assert s.decisions["cp"].value == want[1] and s.decisions["cp"].constraint == "activation memory"
     gain = s.estimate.tokens_per_s_per_gpu / full.estimate.tokens_per_s_per_gpu
-    none = solve(m, hw, s.world, TrainOptions(micro_batch_tokens=32_768, recompute="none"))
+    none = solve(m, hw, s.world, TrainOptions(micro_batch_tokens=seq, recompute="none"))
     assert gain > 1.03 and none.estimate.tokens_per_s_per_gpu < s.estimate.tokens_per_s_per_gpu
     d = s.recompute
     assert d.value == f"keep {best}" and d.constraint == "step time"
     assert d.numbers == {"gain": round(gain, 4), "keep_layers": best}
-    assert d.reason == (f"the last {best} of the {m.num_layers} layers keep their activations (pp=1 tp=1 cp=2 "
+    assert d.reason == (f"the last {best} of the {m.num_layers} layers keep their activations (pp=1 tp=1 cp={want[1]} "
                         f"ep={s.layout.ep}): the fastest of the kept-layer counts solved on {s.world} GPUs, "
                         f"{gain:.2f}x the tokens/s per GPU of full recompute")
     assert d.rejected == (f"full recompute: pp=1 tp=1 cp=1 ep={full.layout.ep} at "
-                          f"{full.estimate.tokens_per_s_per_gpu:,.0f} tok/s/GPU; no recompute: pp=1 tp=1 "
-                          f"cp={none.layout.cp} ep={none.layout.ep} at {none.estimate.tokens_per_s_per_gpu:,.0f} "
+                          f"{full.estimate.tokens_per_s_per_gpu:,.0f} tok/s/GPU; no recompute: pp=1 "
+                          f"tp={none.layout.tp} cp={none.layout.cp} ep={none.layout.ep} at "
+                          f"{none.estimate.tokens_per_s_per_gpu:,.0f} "
                           f"tok/s/GPU")
 
 
