@@ -92,7 +92,8 @@ def test_recompute_auto_writes_the_choice_and_checks_clean(tmp_path):
     """--recompute auto: the plan keeps `auto` in its inputs and the mode chosen in train.recompute, with its reason;
     `recipe check` re-solves it to the same plan; the summary has the RC row."""
     out = tmp_path / "mx.yaml"
-    r = run("solve", "--model", "mixtral-8x7b", "--seq", "32k", "--hw", "mi300x", "--recompute", "auto", "-o", str(out))
+    r = run("solve", "--model", "qwen15-moe-a27b", "--seq", "128k", "--hw", "mi300x", "--recompute", "auto", "-o",
+            str(out))
     assert r.exit_code == 0, r.output
     assert "(no recompute, " in r.stdout and "\nRC=none  step time: no recompute fits 8 GPUs as " in r.stdout
     plan = load_plan(out)
@@ -108,17 +109,17 @@ def test_recompute_auto_keeps_layers_and_the_plan_runs_them(tmp_path):
     out = tmp_path / "q.yaml"
     r = run("solve", "--model", "qwen35-35b", "--seq", "32k", "--hw", "mi300x", "--recompute", "auto", "-o", str(out))
     assert r.exit_code == 0, r.output
-    assert "(recompute, last 23 layers kept, " in r.stdout
-    assert "\nRC=keep 23 step time: the last 23 of the 40 layers keep their activations" in r.stdout
+    assert "(recompute, last 12 layers kept, " in r.stdout
+    assert "\nRC=keep 12 step time: the last 12 of the 40 layers keep their activations" in r.stdout
     plan = load_plan(out)
-    assert plan.inputs.recompute == "auto" and plan.train.recompute == "full" and plan.train.keep_layers == 23
-    assert plan.train_options().keep_layers == 23 and plan.layout.cp == 2
+    assert plan.inputs.recompute == "auto" and plan.train.recompute == "full" and plan.train.keep_layers == 12
+    assert plan.train_options().keep_layers == 12 and plan.layout.cp == 1
     assert run("check", str(out)).exit_code == 0
     bad = tmp_path / "bad.yaml"
-    bad.write_text(out.read_text().replace("  recompute: full\n  keep_layers: 23",
-                                           "  recompute: none\n  keep_layers: 23"))
+    bad.write_text(out.read_text().replace("  recompute: full\n  keep_layers: 12",
+                                           "  recompute: none\n  keep_layers: 12"))
     r = run("check", str(bad))
-    assert r.exit_code != 0 and "train.keep_layers = 23 needs train.recompute: full" in r.output
+    assert r.exit_code != 0 and "train.keep_layers = 12 needs train.recompute: full" in r.output
     # a plan solved without auto has no such field
     full = tmp_path / "full.yaml"
     assert run("solve", "--model", "qwen35-35b", "--seq", "32k", "--hw", "mi300x", "-o", str(full)).exit_code == 0
