@@ -11,7 +11,7 @@ are recorded with their error, not dropped. `--grid holdout`: Qwen3-235B-A22B at
 Qwen3-Next-80B-A3B at 2 layers (512 experts, top 10) and Mixtral-8x7B at 2 (8 wide experts), every point held out
 (merged into the committed grid beside the others). `--grid v3`: Moonlight-16B-A3B and GLM-4.5-Air at 2 layers and
 DeepSeek-V3 at 3 (multi-head latent attention, sigmoid routing), every point held out. `--grid families`: OLMoE,
-Qwen1.5-MoE, ERNIE-4.5 and gpt-oss-20b at 2 layers, every point held out. `--grid partial`: partial
+Qwen1.5-MoE, ERNIE-4.5 and gpt-oss-20b at 2 layers and MiniMax-M2 at 1, every point held out. `--grid partial`: partial
 recompute (the last `keep_layers` layers keep their activations) beside none and full on the same model and length,
 every partial point held out.
 
@@ -127,8 +127,10 @@ GRIDS = {
     # the families trained beside Qwen3 and DeepSeek-V3, every point held out: OLMoE-1B-7B (q/k norms over all heads,
     # 64 experts, top 8), Qwen1.5-MoE-A2.7B (q/k/v biases, 60 experts of width 1,408, top 4, a gated shared
     # expert), ERNIE-4.5-21B-A3B (a dense first layer, then 64 experts, top 6, two shared; softmax scores with a
-    # correction bias) and gpt-oss-20b (sliding and full attention with sinks, 32 biased experts, top 4), each at
-    # its first two layers; `--grid families`, merged into the committed grid
+    # correction bias) and gpt-oss-20b (sliding and full attention with sinks, 32 biased experts, top 4), each at its
+    # first two layers, and MiniMax-M2 at its first (q/k norms over all heads, 48 query heads over 8, 256
+    # sigmoid-routed experts, top 8: two layers' fp32 state would not fit one GPU); `--grid families`, merged into the
+    # committed grid
     "families": [
         ("olmoe-1b-7b", 2, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
         ("qwen15-moe-a27b", 2, _pts([(("none", "fused"), [8 * K]),
@@ -136,6 +138,7 @@ GRIDS = {
         ("ernie45-21b-a3b", 2, _pts([(("none", "fused"), [8 * K]),
                                      (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
         ("gpt-oss-20b", 2, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
+        ("minimax-m2", 1, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 32 * K),
     ],
     "smoke": [
         ("tiny-moe", 2, _pts([(("none", "fused"), [256]), (("full", "fused"), [256, 512]),

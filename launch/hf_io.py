@@ -2,13 +2,15 @@
 
 Reads a directory holding `model.safetensors` or a sharded `model.safetensors.index.json` (or one .safetensors
 file). Accepted key spellings, all mapped onto our parameter names (which are Hugging Face's without the prefix):
-- prefixes `model.` (…ForCausalLM) and `model.language_model.` (Qwen3.5 …ForConditionalGeneration); `mtp.*`,
+- prefixes `model.` (…ForCausalLM) and `model.language_model.` (Qwen3.5 …ForConditionalGeneration); `mtp.*` and
+  MiniMax-M2's `mtp_modules.*` / `mtp_transition*`,
   vision-tower keys and the multi-token-prediction layers after the stack (DeepSeek-V3's, GLM-4.5's) are skipped;
 - DeepSeek-V3's and GLM-4.5's `mlp.shared_experts` (ours: `mlp.shared_expert`), and the sigmoid router's
   `mlp.gate.e_score_correction_bias` (a buffer);
 - routed experts one tensor per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, what transformers
   writes) or fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); Mixtral's
-  `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down);
+  `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down), and MiniMax-M2's (the same,
+  with the router's correction bias on the block: `block_sparse_moe.e_score_correction_bias`, or `mlp.…`);
 - Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba`, split into Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b,
   in_proj_a (the same network: the rows are only reordered);
 - block-quantized fp8 weights (DeepSeek-V3's and Kimi-K2's releases: float8_e4m3 with a `weight_scale_inv` per
@@ -26,8 +28,8 @@ there, so load and export reorder those two tensors (`gdn_grouped_order`), and c
 the same tensors.
 
 Export writes the layout transformers itself writes for the architecture (per-expert tensors, `model.` prefix;
-Mixtral's own names; gpt-oss's fused bf16 layout, not quantized) and a config.json, so `from_pretrained` and our
-loader both read it back.
+Mixtral's own names, and MiniMax-M2's: Mixtral's with the correction bias on the block; gpt-oss's fused bf16 layout,
+not quantized) and a config.json, so `from_pretrained` and our loader both read it back.
 """
 
 from __future__ import annotations
@@ -43,7 +45,7 @@ from launch.hf_files import safetensors_files
 from launch.model import GatedDeltaNet, Transformer, assign_full, whole_model_name
 from recipe.models import ModelShape
 
-_SKIP = re.compile(r"^(mtp\.|model\.visual\.|visual\.|model\.mtp\.)")
+_SKIP = re.compile(r"^(model\.)?(mtp[._]|visual\.)")  # MTP (DeepSeek's `mtp.`, MiniMax-M2's `mtp_modules.`), vision
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # Mixtral's names for the MoE block and its experts' three matrices (ours: `mlp`, gate_proj/up_proj/down_proj)
 _MIXTRAL_BLOCK = re.compile(r"^(layers\.\d+)\.block_sparse_moe\.")
@@ -58,6 +60,8 @@ _PLURAL_SHARED_ARCHS = ("deepseek_v3", "glm4_moe", "ernie4_5_moe")
 # (`mlp.gate.moe_statics.…` in transformers' module tree); ours is the gate's, [E]
 _ERNIE_BIAS = re.compile(r"^(layers\.\d+\.mlp)\.(?:gate\.)?moe_statics\.e_score_correction_bias$")
 _OUR_BIAS = re.compile(r"^(layers\.\d+\.mlp)\.gate\.e_score_correction_bias$")
+# MiniMax-M2 keeps it on the MoE block (`block_sparse_moe.e_score_correction_bias` in its releases)
+_BLOCK_BIAS = re.compile(r"^(layers\.\d+\.mlp)\.e_score_correction_bias$")
 _LAYER = re.compile(r"^layers\.(\d+)\.")
 # gpt-oss: the router is `mlp.router` (ours: `mlp.gate`); its fused experts' tensors (stripped of `mlp.experts.`)
 _ROUTER = re.compile(r"^(layers\.\d+\.mlp)\.router\.")
@@ -261,6 +265,7 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         key = _SHARED_EXPERTS.sub(r"\1.shared_expert.", _MIXTRAL_BLOCK.sub(r"\1.mlp.", key))
         if _ERNIE_BIAS.match(key):
             key, t = _ERNIE_BIAS.sub(r"\1.gate.e_score_correction_bias", key), t.reshape(-1)
+        key = _BLOCK_BIAS.sub(r"\1.gate.e_score_correction_bias", key)
         if gpt_oss:
             key = _ROUTER.sub(r"\1.gate.", key)
             fused = _FUSED_EXPERT.match(key)
@@ -400,6 +405,14 @@ def hf_config(shape: ModelShape) -> dict:
                    intermediate_size=shape.expert_ffn, sliding_window=shape.sliding_window,
                    layer_types=list(shape.layer_types), output_router_logits=False)
         return cfg
+    if shape.arch == "minimax_m2":
+        for k in ("num_experts", "moe_intermediate_size", "attention_bias"):
+            cfg.pop(k)
+        cfg.update(model_type="minimax_m2", architectures=["MiniMaxM2ForCausalLM"], num_local_experts=shape.num_experts,
+                   intermediate_size=shape.expert_ffn, rotary_dim=round(shape.head_dim * shape.partial_rotary_factor),
+                   use_qk_norm=shape.qk_norm, qk_norm_type="per_layer", scoring_func="sigmoid", use_routing_bias=True,
+                   shared_intermediate_size=0, use_mtp=False, router_jitter_noise=0.0, output_router_logits=False)
+        return cfg
     if shape.arch == "mixtral":
         for k in ("num_experts", "moe_intermediate_size", "attention_bias"):
             cfg.pop(k)
@@ -453,7 +466,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
             if model.shape.arch == "qwen3_next":
                 _interleave_qwen3_next(sd, prefix, m)
     out: dict[str, torch.Tensor] = {}
-    mixtral = model.shape.arch == "mixtral"
+    mixtral = model.shape.arch in ("mixtral", "minimax_m2")  # MiniMax-M2's releases keep Mixtral's names
     ours = {v: k for k, v in _MIXTRAL_W.items()} if mixtral else {}
     name = lambda w: ours.get(w, w)  # noqa: E731 - an expert matrix's name in the checkpoint
 
@@ -473,6 +486,8 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
             out["model." + _OUR_ROUTER.sub(r"\1.router.", key)] = t
         elif ernie and _OUR_BIAS.match(key):
             out["model." + _OUR_BIAS.sub(r"\1.moe_statics.e_score_correction_bias", key)] = t[None]
+        elif mixtral and _OUR_BIAS.match(key):  # MiniMax-M2: on the block
+            out["model." + block(key).replace(".gate.e_score_correction_bias", ".e_score_correction_bias")] = t
         elif key.endswith("mlp.experts.gate_up_proj"):
             base = "model." + block(key[: -len(".gate_up_proj")])
             ffn = t.shape[1] // 2

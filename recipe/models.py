@@ -122,12 +122,13 @@ class RopeScaling(Record):
 # (attention sinks, sliding-window layers, biased router and experts, clamped GLU) and dense Llama-family stacks
 # (Llama, Qwen2, Qwen3, Mistral without a sliding window), OLMoE (q/k norms over all heads together, softmax routing
 # without renormalization), ERNIE-4.5 MoE (softmax scores steered by a correction bias, shared experts, a dense first
-# layer, interleaved RoPE, tied embeddings); `recipe solve` plans every arch
-TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "mixtral",
-                 "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5", "dense")
+# layer, interleaved RoPE, tied embeddings), MiniMax-M2 (q/k norms over all heads together, partial RoPE, sigmoid
+# routing steered by a correction bias, no shared expert); `recipe solve` plans every arch
+TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2",
+                 "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5", "dense")
 # archs whose q/k RMSNorms span all heads of a token together (one weight per channel of the projection), not each
 # head apart
-WHOLE_QK_NORM_ARCHS = ("olmoe",)
+WHOLE_QK_NORM_ARCHS = ("olmoe", "minimax_m2")
 # archs whose attention biases are on q/k/v only (Qwen2, Qwen2-MoE, GLM-4.5); the others' (gpt-oss, OLMoE, the Qwen3
 # families) are on o_proj too
 QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
@@ -139,9 +140,10 @@ def trainable(shape: "ModelShape") -> str | None:
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Qwen2-MoE, OLMoE, ERNIE-4.5, "
-                f"Mixtral, DeepSeek-V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss and dense Llama/Qwen/Mistral stacks; "
-                f"not Llama 4, Granite, OLMoE with clip_qkv, ERNIE-4.5 with biases or dense layers after its MoE "
-                f"ones, or Qwen2-MoE with dense layers among its MoE ones)")
+                f"MiniMax-M2, Mixtral, DeepSeek-V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss and dense "
+                f"Llama/Qwen/Mistral stacks; not Llama 4, Granite, OLMoE with clip_qkv, ERNIE-4.5 with biases or "
+                f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
+                f"with per-head q/k norms, a shared expert or softmax scoring)")
     sc = shape.rope_scaling
     gpt_oss = shape.arch == "gpt_oss"
     unsupported = [what for what, present in (
@@ -177,9 +179,10 @@ class ModelShape(Record):
     # olmoe: OLMoE (q/k norms over all heads together); ernie4_5_moe: ERNIE-4.5 MoE (softmax scores steered by a
     # correction bias, interleaved RoPE: launch/model.py);
     # glm4_moe: GLM-4.5 (sigmoid router, shared experts, dense first layers, partial RoPE);
+    # minimax_m2: MiniMax-M2 (q/k norms over all heads together, partial RoPE, sigmoid router, no shared expert);
     # qwen3_5: Qwen3.5 dense (Gated DeltaNet + gated attention, dense FFN)
-    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "deepseek_v3",
-                  "gpt_oss", "mixtral", "glm4_moe", "dense", "moe", "qwen3_5"]
+    arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2",
+                  "deepseek_v3", "gpt_oss", "mixtral", "glm4_moe", "dense", "moe", "qwen3_5"]
     hidden_size: Pos
     num_layers: Pos
     vocab_size: Pos
@@ -365,6 +368,13 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             tie_embeddings=True, rms_norm_eps=1e-5, max_position=131072,
             source="baidu/ERNIE-4.5-21B-A3B-PT config.json",
         ),
+    "minimax-m2": lambda: ModelShape(
+            name="minimax-m2", arch="minimax_m2", hidden_size=3072, num_layers=62, vocab_size=200064,
+            layer_types=("full_attention",) * 62, num_heads=48, num_kv_heads=8, head_dim=128, qk_norm=True,
+            partial_rotary_factor=0.5, rope_theta=5e6, num_experts=256, top_k=8, expert_ffn=1536, router_bias=True,
+            sigmoid_router=SigmoidRouter(), rms_norm_eps=1e-6, max_position=196608, mtp_layers=3,
+            source="MiniMaxAI/MiniMax-M2 config.json",
+        ),
     "mixtral-8x7b": lambda: ModelShape(
             name="mixtral-8x7b", arch="mixtral", hidden_size=4096, num_layers=32, vocab_size=32000,
             layer_types=("full_attention",) * 32, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=False,
@@ -535,7 +545,8 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe",
-    "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe", "llama4": "moe",
+    "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe", "minimax_m2": "minimax_m2",
+    "llama4": "moe",
     "llama4_text": "moe", "granitemoe": "moe", "granitemoeshared": "moe",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense",
 }
@@ -743,6 +754,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         _qwen2_moe(cfg, fields, n_layers, req, opt, opt_flag, count)
     elif arch == "ernie4_5_moe":
         _ernie(cfg, fields, n_layers, req, opt, opt_flag)
+    elif arch == "minimax_m2":
+        _minimax_m2(cfg, fields, opt, opt_flag, number, count)
     elif arch == "olmoe":
         # q/k norms over all heads together; clip_qkv (clamping q, k and v) is planned only
         fields.update(qk_norm=True, attn_bias=opt_flag("attention_bias", False),
@@ -816,6 +829,34 @@ def _ernie(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag) -> None:
                   first_dense_layers=n_dense, dense_ffn=req("intermediate_size") if n_dense else 0)
     if fields["attn_bias"] or moe != list(range(n_dense, n_layers)):
         fields.update(arch="moe", sigmoid_router=None, router_bias=False)
+
+
+def _minimax_m2(cfg: dict, fields: dict, opt, opt_flag, number, count) -> None:
+    """MiniMax-M2 (M2, M2.1, M2.5): q/k RMSNorms over the whole projection (`qk_norm_type` "per_layer"), RoPE on the
+    first `rotary_dim` channels of each head (transformers' port reads `partial_rotary_factor`; both are accepted and
+    must agree), experts scored by a sigmoid and chosen on score + a correction bias (`use_routing_bias`), the chosen
+    weights renormalized: DeepSeek-V3's router with one group and no scaling; no shared expert. Its multi-token-
+    prediction modules (`num_mtp_modules` of `mtp_transformer_layers` each) are counted apart. With per-head q/k
+    norms, a shared expert or another scoring function it is planned only (arch `moe`)."""
+    head = fields["head_dim"]
+    if cfg.get("rotary_dim") is not None:
+        rotary = count(cfg["rotary_dim"], "rotary_dim")
+        if not 0 < rotary <= head:
+            raise ValueError(f"field 'rotary_dim': expected a whole number from 1 to head_dim {head}, got {rotary}")
+        given = fields.get("partial_rotary_factor")
+        if given is not None and abs(given * head - rotary) > 1e-6:
+            raise ValueError(f"field 'rotary_dim': {rotary} channels of {head} disagree with partial_rotary_factor "
+                             f"{given:g}")
+        fields["partial_rotary_factor"] = rotary / head
+    scaling = cfg.get("routed_scaling_factor")
+    shared = opt("shared_intermediate_size", 0)
+    fields.update(qk_norm=opt_flag("use_qk_norm", True), attn_bias=False, router_bias=True, norm_topk_prob=True,
+                  shared_expert_ffn=shared,
+                  sigmoid_router={} if scaling is None else {"scaling": number(scaling, "routed_scaling_factor")})
+    if opt_flag("use_mtp", True):
+        fields["mtp_layers"] = opt("num_mtp_modules", 0) * opt("mtp_transformer_layers", 1)
+    if cfg.get("qk_norm_type", "per_layer") != "per_layer" or shared or cfg.get("scoring_func", "sigmoid") != "sigmoid":
+        fields.update(arch="moe", sigmoid_router=None)
 
 
 def _qwen2_moe(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, count) -> None:

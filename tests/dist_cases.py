@@ -44,7 +44,8 @@ CASES = {
         ["oss_ep2", 2, 2, 2, 1, "oss"], ["oss_tp2_ep2", 1, 2, 1, 1, "oss", "full", 2],
         ["oss_pp2", 1, 1, 1, 1, "oss", "full", 1, 2], ["oss_cp2", 1, 1, 1, 2, "oss"],
         ["olmoe_tp2_ep2", 1, 2, 1, 1, "olmoe", "full", 2], ["qwen2moe_tp2", 1, 1, 1, 1, "qwen2moe", "full", 2],
-        ["ernie_ep2", 2, 2, 2, 1, "ernie"], ["ernie_cp2", 1, 1, 1, 2, "ernie"]],
+        ["ernie_ep2", 2, 2, 2, 1, "ernie"], ["ernie_cp2", 1, 1, 1, 2, "ernie"],
+        ["minimax_tp2_ep2", 1, 2, 1, 1, "minimax", "full", 2]],
     4: [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
         ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
         ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
@@ -83,10 +84,11 @@ VARIANTS = {
     "olmoe": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
     "qwen2moe": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
     "ernie": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an ERNIE-4.5-style model (tiny_ernie), as "mla"
+    "minimax": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a MiniMax-M2-style model (tiny_minimax), as "mla"
 }
 # the model each variant trains (default: tiny-moe)
 VARIANT_SHAPES = {"dense": "tiny-dense", "mla": "tiny-mla", "oss": "tiny-oss", "olmoe": "tiny-olmoe",
-                  "qwen2moe": "tiny-qwen2-moe", "ernie": "tiny-ernie"}
+                  "qwen2moe": "tiny-qwen2-moe", "ernie": "tiny-ernie", "minimax": "tiny-minimax"}
 
 
 def tiny_mla():
@@ -130,6 +132,18 @@ def tiny_olmoe():
                       layer_types=("full_attention",) * 4, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
                       attn_bias=True, num_experts=8, top_k=2, expert_ffn=32, norm_topk_prob=False, rope_theta=10000.0,
                       rms_norm_eps=1e-5)
+
+
+def tiny_minimax():
+    """MiniMax-M2's blocks at tiny widths: q/k norms over all heads together (their sums of squares added over the tp
+    ranks), half of each head rotated, sigmoid scores over 8 experts (top-2) chosen with a correction bias and
+    renormalized, no shared expert."""
+    from recipe.models import ModelShape, SigmoidRouter
+
+    return ModelShape(name="tiny-minimax", arch="minimax_m2", hidden_size=64, num_layers=4, vocab_size=512,
+                      layer_types=("full_attention",) * 4, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
+                      partial_rotary_factor=0.5, num_experts=8, top_k=2, expert_ffn=32, router_bias=True,
+                      sigmoid_router=SigmoidRouter(), rope_theta=5e6)
 
 
 def tiny_qwen2_moe():
@@ -179,6 +193,8 @@ def _shape(variant: str):
         return tiny_qwen2_moe()
     if VARIANT_SHAPES.get(variant) == "tiny-ernie":
         return tiny_ernie()
+    if VARIANT_SHAPES.get(variant) == "tiny-minimax":
+        return tiny_minimax()
     return PRESETS["tiny-moe"]
 
 

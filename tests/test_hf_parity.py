@@ -1,5 +1,5 @@
 """Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE,
-Qwen2-MoE, OLMoE (q/k norms over all heads; with attention biases), ERNIE-4.5 MoE, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), GLM-4.5, gpt-oss (attention
+Qwen2-MoE, OLMoE (q/k norms over all heads; with attention biases), ERNIE-4.5 MoE, MiniMax-M2, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), GLM-4.5, gpt-oss (attention
 sinks, sliding and full layers, YaRN without truncation; packed documents, MXFP4: tests/test_gpt_oss.py), and the
 dense Qwen3.5, Llama (also under llama3 RoPE scaling), Qwen2 and Qwen3 (also under YaRN) built in transformers,
 saved, loaded into ours (logits fp32 atol 1e-4, loss), and exported back."""
@@ -93,6 +93,13 @@ def _hf_model(arch: str):
         cfg = transformers.OlmoeConfig(**moe, num_hidden_layers=2, intermediate_size=16, attention_bias=True,
                                        pad_token_id=None, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
         cls = transformers.OlmoeForCausalLM
+    elif arch == "minimax_m2":  # q/k norms over all heads together, half of each head rotated, sigmoid routing
+        # steered by a correction bias, Mixtral's names for the block and its experts
+        moe = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
+        cfg = transformers.MiniMaxM2Config(**moe, num_local_experts=6, num_experts_per_tok=2, intermediate_size=16,
+                                           num_hidden_layers=2, rope_parameters=dict(
+                                               rope_type="default", rope_theta=5e6, partial_rotary_factor=0.5))
+        cls = transformers.MiniMaxM2ForCausalLM
     elif arch == "qwen2_moe":  # q/k/v biases, a gated shared expert, top-k weights not renormalized
         cfg = transformers.Qwen2MoeConfig(**COMMON, num_hidden_layers=2, shared_expert_intermediate_size=24,
                                           intermediate_size=24, rope_parameters=dict(rope_type="default",
@@ -122,7 +129,8 @@ def _hf_model(arch: str):
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "mixtral", *MLA_ARCHS,
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe",
+                                  "minimax_m2", "mixtral", *MLA_ARCHS,
                                   "glm4_moe", "gpt_oss", "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)
@@ -156,10 +164,12 @@ def test_logits_and_loss_match_transformers(arch, tmp_path):
 
         export_hf_checkpoint(ours, tmp_path / "bf16", dtype=torch.bfloat16)
         f = safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt")
-        where = "moe_statics" if arch == "ernie4_5_moe" else "gate"  # ERNIE's [1, E] beside the router
-        bias = f.get_tensor(f"model.layers.1.mlp.{where}.e_score_correction_bias").reshape(-1)
+        # ERNIE's [1, E] beside the router; MiniMax-M2's on its block
+        where = {"ernie4_5_moe": "mlp.moe_statics.", "minimax_m2": "block_sparse_moe."}.get(arch, "mlp.gate.")
+        bias = f.get_tensor(f"model.layers.1.{where}e_score_correction_bias").reshape(-1)
         assert bias.dtype == torch.float32 and torch.equal(bias, ours.layers[1].mlp.gate.e_score_correction_bias)
-        assert f.get_tensor("model.layers.1.mlp.gate.weight").dtype == torch.bfloat16
+        block = "block_sparse_moe" if arch == "minimax_m2" else "mlp"
+        assert f.get_tensor(f"model.layers.1.{block}.gate.weight").dtype == torch.bfloat16
     back = type(hf).from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
     with torch.no_grad():
         err_back = (back(input_ids=ids).logits - out.logits).abs().max().item()
@@ -194,8 +204,8 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "mixtral", "deepseek_v3",
-                                  "glm4_moe", "gpt_oss"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral",
+                                  "deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map."""

@@ -188,7 +188,7 @@ def test_hf_deepseek_v3_equals_preset(tmp_path):
 
 @pytest.mark.parametrize("fixture, preset", [("moonlight-16b-a3b", "moonlight-16b"), ("glm-4.5-air", "glm45-air"),
                                              ("deepseek-v3", "deepseek-v3"), ("gpt-oss-120b", "gpt-oss-120b"),
-                                             ("gpt-oss-20b", "gpt-oss-20b")])
+                                             ("gpt-oss-20b", "gpt-oss-20b"), ("minimax-m2", "minimax-m2")])
 def test_published_configs_read_to_the_trained_presets(fixture, preset):
     """The published config.json fields (tests/fixtures/configs/, with the router's and RoPE scaling's) read to the
     preset in every field but the name: what `recipe solve --model config.json` plans is what the preset plans,
@@ -317,6 +317,7 @@ PUBLISHED = {
     "glm-4.5": ("355", "32", "-head", "GLM-4.5 report, arXiv:2508.06471 (355B total, 32B activated)"),
     "glm-4.5-air": ("106", "12", "-head", "GLM-4.5 report, arXiv:2508.06471 (106B total, 12B activated)"),
     "ernie-4.5-21b-a3b": ("21", "3", "ours", "baidu/ERNIE-4.5-21B-A3B-PT model card (21B total, 3B activated)"),
+    "minimax-m2": ("230", "10", "ours", "MiniMaxAI/MiniMax-M2 model card (230B total, 10B activated)"),
     "llama-4-scout-17b-16e": ("109", "17", "+embedding", "Meta Llama 4 model card (109B total, 17B active)"),
     "llama-4-maverick-17b-128e": ("400", "17", "+embedding", "Meta Llama 4 model card (400B total, 17B active)"),
     "granite-3.0-3b-a800m": ("3.3", "0.8", "-head", "IBM Granite 3.0 report (3.3B total, 800M active)"),
@@ -521,3 +522,28 @@ def test_qwen2_moe_and_ernie_dense_layers_and_windows_by_hand(tmp_path):
     cut = rd("cut", moe_layer_end_index=5)
     assert (cut.arch, cut.first_dense_layers, cut.sigmoid_router) == ("moe", 3, None) and trainable(cut)
     assert rd("biased", use_bias=True).arch == "moe"
+
+
+def test_minimax_m2_forms_by_hand(tmp_path):
+    """MiniMax-M2 rotates `rotary_dim` channels of each head (64 of 128: a partial RoPE factor of 0.5) and agrees
+    with a `partial_rotary_factor` given beside it, or says which two disagree; its MTP modules are counted apart
+    (3 of 1 layer); per-head q/k norms, a shared expert or softmax scoring are planned only (arch moe)."""
+    base = json.loads((FIXTURES / "minimax-m2.json").read_text()) | {"num_hidden_layers": 4}
+    rd = lambda name, **over: from_hf_config(_write(tmp_path, name, base | over))  # noqa: E731
+    m = rd("m")
+    assert (m.arch, m.partial_rotary_factor, m.mtp_layers, m.qk_norm, m.shared_expert_ffn) == ("minimax_m2", 0.5, 3,
+                                                                                                 True, 0)
+    assert m.sigmoid_router is not None and m.sigmoid_router.scaling == 1.0 and m.norm_topk_prob and not trainable(m)
+    assert rd("both", rope_parameters={"rope_theta": 5e6, "partial_rotary_factor": 0.5}).partial_rotary_factor == 0.5
+    with pytest.raises(ValueError, match="field 'rotary_dim': 64 channels of 128 disagree with partial_rotary_factor "
+                                         "0.25"):
+        rd("clash", partial_rotary_factor=0.25)
+    with pytest.raises(ValueError, match="field 'rotary_dim': expected a whole number from 1 to head_dim 128, got 256"):
+        rd("wide", rotary_dim=256)
+    assert rd("hf", rotary_dim=None, rope_parameters={"rope_theta": 5e6, "partial_rotary_factor": 0.5}) == \
+        m.model_copy(update={"source": str(tmp_path / "hf" / "config.json"), "name": "hf"})
+    assert rd("no_mtp", use_mtp=False).mtp_layers == 0
+    for name, over in (("per_head", {"qk_norm_type": "per_head"}), ("shared", {"shared_intermediate_size": 1536}),
+                       ("softmax", {"scoring_func": "softmax"})):
+        planned = rd(name, **over)
+        assert (planned.arch, planned.sigmoid_router) == ("moe", None) and trainable(planned), name
