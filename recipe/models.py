@@ -165,6 +165,7 @@ def _positive(rec, names, strict: bool = True) -> None:
             raise ValueError(f"{n} must be a {'positive' if strict else 'non-negative'} integer, got {v!r}")
 
 
+GPT_OSS_SWIGLU_LIMIT = 7.0  # gpt-oss's clamp of the GLU's gate and up values (its config's `swiglu_limit`)
 # gpt-oss's published rope_scaling, and transformers' default for a gpt_oss config without one
 GPT_OSS_ROPE_SCALING = RopeScaling(kind="yarn", factor=32.0, original_max_position=4096, beta_fast=32.0, beta_slow=1.0,
                                    truncate=False)
@@ -742,6 +743,10 @@ def _from_hf_config(path: Path) -> ModelShape:
             fields["rope_theta"] = 150000.0
         if scaling is None and cfg.get("rope_scaling") is None and cfg.get("rope_parameters") is None:
             fields["rope_scaling"] = plain(GPT_OSS_ROPE_SCALING)
+        # the core's clamped GLU clamps at gpt-oss's 7 (kernels.expert_grads.GPT_OSS_GLU): another limit is planned only
+        limit = cfg.get("swiglu_limit")
+        if limit is not None and number(limit, "swiglu_limit") != GPT_OSS_SWIGLU_LIMIT:
+            fields["arch"] = "moe"
     elif arch == "mixtral":
         fields.update(qk_norm=False, expert_ffn=req("intermediate_size"))
     elif arch == "glm4_moe":

@@ -547,3 +547,21 @@ def test_minimax_m2_forms_by_hand(tmp_path):
                        ("softmax", {"scoring_func": "softmax"})):
         planned = rd(name, **over)
         assert (planned.arch, planned.sigmoid_router) == ("moe", None) and trainable(planned), name
+
+
+def test_gpt_oss_with_another_glu_limit_is_planned_only(tmp_path):
+    """The core's clamped GLU clamps at gpt-oss's published 7 (`swiglu_limit`); a config with another limit is
+    planned (its windows kept) but not trained, and the two constants are one figure."""
+    torch = pytest.importorskip("torch")  # noqa: F841 - kernels.expert_grads imports it
+    from kernels.expert_grads import GPT_OSS_GLU
+    from recipe.models import GPT_OSS_SWIGLU_LIMIT
+
+    assert GPT_OSS_GLU.limit == GPT_OSS_SWIGLU_LIMIT == 7.0
+    base = json.loads((FIXTURES / "gpt-oss-20b.json").read_text())
+    rd = lambda name, **over: from_hf_config(_write(tmp_path, name, base | over))  # noqa: E731
+    seven = rd("seven", swiglu_limit=7.0)
+    assert seven.arch == "gpt_oss" and not trainable(seven)
+    other = rd("ten", swiglu_limit=10.0)
+    assert other.arch == "moe" and other.sliding_window == 128 and trainable(other)
+    with pytest.raises(ValueError, match="field 'swiglu_limit': expected a finite number"):
+        rd("bad", swiglu_limit="7")
