@@ -68,6 +68,15 @@ class Packing:
         return sum(self.doc_lengths)
 
 
+def _row_mean(t: torch.Tensor, sum_over_ranks, width: int | None) -> torch.Tensor:
+    """The mean of each row of `t` over its last dimension; given `width`, over that many channels of which `t` holds
+    this rank's, its sum added over the ranks by `sum_over_ranks` (None: every channel is here)."""
+    if width is None:
+        return t.mean(-1, keepdim=True)
+    total = t.sum(-1, keepdim=True)
+    return (total if sum_over_ranks is None else sum_over_ranks(total)) / width
+
+
 class _RMSNorm(torch.autograd.Function):
     """RMSNorm in fp32 that keeps for its backward only its input and the per-row reciprocal RMS r. Autograd's graph
     of the same forward keeps the fp32 copy of x and the fp32 normalized n = x·r (8 bytes an element, 10 with the
@@ -85,13 +94,7 @@ class _RMSNorm(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, eps: float, offset: float, sum_over_ranks=None, width: int | None = None):
         x32 = x.float()
-        if width is None:
-            r = torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
-        else:
-            squares = x32.pow(2).sum(-1, keepdim=True)
-            if sum_over_ranks is not None:
-                squares = sum_over_ranks(squares)
-            r = torch.rsqrt(squares / width + eps)
+        r = torch.rsqrt(_row_mean(x32.pow(2), sum_over_ranks, width) + eps)
         n = x32 * r
         ctx.save_for_backward(x, weight, r)
         ctx.offset, ctx.sum_over_ranks, ctx.width = offset, sum_over_ranks, width
@@ -112,14 +115,7 @@ class _RMSNorm(torch.autograd.Function):
             dw = (dy * n.to(x.dtype)).sum(rows).to(weight.dtype)
             dn = (dy * weight).float()
         del dy
-        if ctx.width is None:
-            dot = (dn * n).mean(-1, keepdim=True)
-        else:
-            dot = (dn * n).sum(-1, keepdim=True)
-            if ctx.sum_over_ranks is not None:
-                dot = ctx.sum_over_ranks(dot)
-            dot = dot / ctx.width
-        dx = r * (dn - n * dot)
+        dx = r * (dn - n * _row_mean(dn * n, ctx.sum_over_ranks, ctx.width))
         return dx.to(x.dtype), dw, None, None, None, None
 
 

@@ -173,9 +173,8 @@ COMPUTE_EFFICIENCIES = ("expert_gemm", "dense_gemm", "attention", "delta_rule", 
 def derived_efficiency(ref: HwProfile, compute_efficiency: float) -> Efficiency:
     """`ref`'s measured efficiencies carried to a part that has none of its own: the shares of the HBM bandwidth and
     the fixed times as they are, each fraction of the dense peak times compute_efficiency / ref.compute_efficiency
-    (the part's one assumed GEMM efficiency against the one the reference's step was first fit with), at most 1."""
-    if ref.efficiency is None:
-        raise ValueError(f"efficiency_from: {ref.name} has no measured efficiencies to take")
+    (the part's one assumed GEMM efficiency against the one the reference's step was first fit with), at most 1.
+    `ref` has efficiencies of its own (`_resolve_efficiency_from` checks it)."""
     scale = compute_efficiency / ref.compute_efficiency
     e = ref.efficiency
     changes = {}
