@@ -67,14 +67,17 @@ def _time(fn, device, reps: int) -> float:
     return statistics.median(_times(fn, device, reps))
 
 
-def run_ours(shape, T: int, device, steps: int, profile: bool) -> dict:
+def run_ours(shape, T: int, device, steps: int, profile: bool, norm_backend: str = "auto") -> dict:
     from launch.data import synthetic_long_batch
-    from launch.model import build_model
+    from launch.model import HeadsRMSNorm, RMSNorm, build_model
     from launch.train import TrainConfig, Trainer
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(shape, device=device, dtype=dtype, seed=0)
+    for m in model.modules():  # the RMSNorms' path: auto (fused kernels on GPU) or torch (kernels/rms_norm.py)
+        if isinstance(m, (RMSNorm, HeadsRMSNorm)):
+            m.backend = norm_backend
     trainer = Trainer(model, TrainConfig(lr=1e-6), recompute="full", lm_head="fused")
     batch = synthetic_long_batch(T, shape.vocab_size, device)
     trainer.step(batch)  # warm-up: Triton compilation and autotuning, allocator growth
@@ -83,7 +86,8 @@ def run_ours(shape, T: int, device, steps: int, profile: bool) -> dict:
     last = {}
     times = _times(lambda: last.update(trainer.step(batch)), device, steps)
     metrics = last
-    out = {"impl": "ours", "tokens": T, "step_s": statistics.median(times), "step_s_all": times,
+    out = {"impl": "ours" if norm_backend == "auto" else f"ours, {norm_backend} norms", "tokens": T,
+           "step_s": statistics.median(times), "step_s_all": times,
            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
     if device.type == "cuda":
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
@@ -241,7 +245,7 @@ def child(args) -> None:
               file=sys.stderr)
     try:
         if args.child == "ours":
-            res = run_ours(shape, args.child_seq, device, args.steps, args.profile)
+            res = run_ours(shape, args.child_seq, device, args.steps, args.profile, args.norm_backend)
         else:
             res = run_hf(shape, args.child_seq, device, args.steps)
     except torch.OutOfMemoryError as e:
@@ -261,18 +265,24 @@ def main() -> None:
     p.add_argument("--out", help="write all results as JSON here")
     p.add_argument("--child", choices=["ours", "hf"], help=argparse.SUPPRESS)
     p.add_argument("--child-seq", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--norm-backends", default="auto",
+                   help="ours: the RMSNorms' path for each run, comma-separated: auto (the fused kernels on GPU) "
+                        "and/or torch (the torch ops), e.g. auto,torch for an A/B")
+    p.add_argument("--norm-backend", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
 
     shape = resolve_model(args.model).with_layers(args.layers)
-    runs = [("hf", int(s)) for s in args.hf_seqs.split(",") if s] + [("ours", int(s)) for s in args.seqs.split(",")]
+    runs = [("hf", int(s), "auto") for s in args.hf_seqs.split(",") if s] + \
+        [("ours", int(s), nb) for s in args.seqs.split(",") for nb in args.norm_backends.split(",")]
     results = []
-    for impl, T in runs:
+    for impl, T, norms in runs:
         cmd = [sys.executable, __file__, "--child", impl, "--child-seq", str(T), "--model", args.model,
-               "--layers", str(args.layers), "--steps", str(args.steps), "--device", args.device]
-        if impl == "ours" and T == args.profile_seq:
+               "--layers", str(args.layers), "--steps", str(args.steps), "--device", args.device,
+               "--norm-backend", norms]
+        if impl == "ours" and T == args.profile_seq and norms == "auto":
             cmd.append("--profile")
         env = os.environ.copy()
         if impl == "hf":
@@ -308,12 +318,12 @@ def main() -> None:
 def print_table(shape, results) -> None:
     print(f"\n{shape.name}: {total_params(shape) / 1e9:.2f}B params, {active_matmul_params(shape) / 1e6:.0f}M active "
           f"matmul params/token")
-    print(f"{'impl':13} {'tokens':>7} {'step s':>8} {'peak GiB':>9} {'model TF/s':>11} {'hw TF/s':>8}")
+    print(f"{'impl':18} {'tokens':>7} {'step s':>8} {'peak GiB':>9} {'model TF/s':>11} {'hw TF/s':>8}")
     for r in results:
         if "error" in r:
-            print(f"{r['impl']:13} {r['tokens']:>7} {r['error'][:100]}")
+            print(f"{r['impl']:18} {r['tokens']:>7} {r['error'][:100]}")
             continue
-        print(f"{r['impl']:13} {r['tokens']:>7} {r['step_s']:>8.3f} {r.get('peak_allocated_gib', 0):>9.1f} "
+        print(f"{r['impl']:18} {r['tokens']:>7} {r['step_s']:>8.3f} {r.get('peak_allocated_gib', 0):>9.1f} "
               f"{r['model_tflops']:>11.0f} {r['hardware_tflops']:>8.0f}")
     for r in results:
         if "profile" in r:

@@ -208,38 +208,53 @@ def conv_bwd(x_TC, w_CW, pos_T, dy_TC, need_dx: bool, need_dw: bool):
     return (dx_TC if need_dx else None), dw_CW
 
 
-# ----------------------------------------------------------------------------------------------- gated RMSNorm
+# --------------------------------------------------------------------------------------- RMSNorm, gated or plain
 @triton.jit
-def _norm_rows(x_ptr, g_ptr, w_ptr, r_R, d_D, R, D, eps, ROUND_P: tl.constexpr):
-    """Loads one tile of rows and recomputes the forward: (offsets, mask, x, g, w, rstd, n, nq, p) in fp32."""
+def _norm_rows(x_ptr, g_ptr, w_ptr, r_R, d_D, R, D, XS, eps, offset,
+               HAS_GATE: tl.constexpr, OFFSET_MODE: tl.constexpr, ROUND_P: tl.constexpr):
+    """Loads one tile of rows (x's rows XS elements apart; the gate's and the outputs' D apart) and recomputes the
+    forward: (offsets, mask, g, w, rstd, n, nq, p) in fp32. nq is n as the weight multiplies it and p the product:
+    OFFSET_MODE, n·(offset + w) in fp32; otherwise w·round(n) (rounded again where ROUND_P)."""
     ok_RD = (r_R < R)[:, None] & (d_D < D)[None, :]
     off_RD = r_R.to(tl.int64)[:, None] * D + d_D[None, :]
-    x_RD = tl.load(x_ptr + off_RD, mask=ok_RD, other=0.0).to(tl.float32)
-    g_RD = tl.load(g_ptr + off_RD, mask=ok_RD, other=0.0).to(tl.float32)
+    x_RD = tl.load(x_ptr + r_R.to(tl.int64)[:, None] * XS + d_D[None, :], mask=ok_RD, other=0.0).to(tl.float32)
+    if HAS_GATE:
+        g_RD = tl.load(g_ptr + off_RD, mask=ok_RD, other=0.0).to(tl.float32)
+    else:
+        g_RD = x_RD  # (unused)
     w_D = tl.load(w_ptr + d_D, mask=d_D < D, other=0.0).to(tl.float32)
     rstd_R = 1.0 / tl.sqrt(tl.sum(x_RD * x_RD, axis=1) / D + eps)
     n_RD = x_RD * rstd_R[:, None]
-    nq_RD = _cast(n_RD, x_ptr.dtype.element_ty).to(tl.float32)  # the reference's .type_as(x)
-    p_RD = w_D[None, :] * nq_RD
-    if ROUND_P:  # weight and x of one 16-bit dtype: the reference's product is rounded to it
-        p_RD = _cast(p_RD, x_ptr.dtype.element_ty).to(tl.float32)
+    if OFFSET_MODE:
+        nq_RD = n_RD
+        p_RD = n_RD * (offset + w_D[None, :])
+    else:
+        nq_RD = _cast(n_RD, x_ptr.dtype.element_ty).to(tl.float32)  # the reference's .type_as(x)
+        p_RD = w_D[None, :] * nq_RD
+        if ROUND_P:  # weight and x of one 16-bit dtype: the reference's product is rounded to it
+            p_RD = _cast(p_RD, x_ptr.dtype.element_ty).to(tl.float32)
     return off_RD, ok_RD, g_RD, w_D, rstd_R, n_RD, nq_RD, p_RD
 
 
 @triton.jit
-def _norm_fwd_kernel(x_ptr, g_ptr, w_ptr, y_ptr, R, D, eps,
-                     ROUND_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+def _norm_fwd_kernel(x_ptr, g_ptr, w_ptr, y_ptr, R, D, XS, eps, offset,
+                     HAS_GATE: tl.constexpr, OFFSET_MODE: tl.constexpr, ROUND_P: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     r_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d_D = tl.arange(0, BLOCK_D)
-    off_RD, ok_RD, g_RD, w_D, rstd_R, n_RD, nq_RD, p_RD = _norm_rows(x_ptr, g_ptr, w_ptr, r_R, d_D, R, D, eps,
-                                                                     ROUND_P)
-    y_RD = p_RD * (g_RD / (1.0 + tl.exp(-g_RD)))
+    off_RD, ok_RD, g_RD, w_D, rstd_R, n_RD, nq_RD, p_RD = _norm_rows(x_ptr, g_ptr, w_ptr, r_R, d_D, R, D, XS, eps,
+                                                                     offset, HAS_GATE, OFFSET_MODE, ROUND_P)
+    if HAS_GATE:
+        y_RD = p_RD * (g_RD / (1.0 + tl.exp(-g_RD)))
+    else:
+        y_RD = p_RD
     tl.store(y_ptr + off_RD, _cast(y_RD, y_ptr.dtype.element_ty), mask=ok_RD)
 
 
 @triton.jit
-def _norm_bwd_kernel(x_ptr, g_ptr, w_ptr, dy_ptr, dx_ptr, dg_ptr, dwp_ptr, R, D, eps, ROWS_PER_STRIP,
-                     ROUND_P: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
+def _norm_bwd_kernel(x_ptr, g_ptr, w_ptr, dy_ptr, dx_ptr, dg_ptr, dwp_ptr, R, D, XS, eps, offset, ROWS_PER_STRIP,
+                     HAS_GATE: tl.constexpr, OFFSET_MODE: tl.constexpr, ROUND_P: tl.constexpr,
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
                      NEED_DX: tl.constexpr, NEED_DG: tl.constexpr, NEED_DW: tl.constexpr):
     pid = tl.program_id(0)
     d_D = tl.arange(0, BLOCK_D)
@@ -249,17 +264,24 @@ def _norm_bwd_kernel(x_ptr, g_ptr, w_ptr, dy_ptr, dx_ptr, dg_ptr, dwp_ptr, R, D,
     for r0 in range(strip0, strip1, BLOCK_R):
         r_R = r0 + tl.arange(0, BLOCK_R)
         off_RD, ok_RD, g_RD, w_D, rstd_R, n_RD, nq_RD, p_RD = _norm_rows(x_ptr, g_ptr, w_ptr, r_R, d_D, strip1, D,
-                                                                         eps, ROUND_P)
+                                                                         XS, eps, offset, HAS_GATE, OFFSET_MODE,
+                                                                         ROUND_P)
         dy_RD = tl.load(dy_ptr + off_RD, mask=ok_RD, other=0.0).to(tl.float32)
-        sig_RD = 1.0 / (1.0 + tl.exp(-g_RD))
-        dp_RD = dy_RD * (g_RD * sig_RD)  # d out / d p = silu(g)
-        if NEED_DG:
-            dg_RD = dy_RD * p_RD * (sig_RD * (1.0 + g_RD * (1.0 - sig_RD)))
-            tl.store(dg_ptr + off_RD, _cast(dg_RD, dg_ptr.dtype.element_ty), mask=ok_RD)
+        if HAS_GATE:
+            sig_RD = 1.0 / (1.0 + tl.exp(-g_RD))
+            dp_RD = dy_RD * (g_RD * sig_RD)  # d out / d p = silu(g)
+            if NEED_DG:
+                dg_RD = dy_RD * p_RD * (sig_RD * (1.0 + g_RD * (1.0 - sig_RD)))
+                tl.store(dg_ptr + off_RD, _cast(dg_RD, dg_ptr.dtype.element_ty), mask=ok_RD)
+        else:
+            dp_RD = dy_RD
         if NEED_DW:
             dw_D += tl.sum(dp_RD * nq_RD, axis=0)
-        if NEED_DX:
-            dn_RD = dp_RD * w_D[None, :]  # the casts pass gradients through unchanged
+        if NEED_DX:  # the casts pass gradients through unchanged
+            if OFFSET_MODE:
+                dn_RD = dp_RD * (offset + w_D[None, :])
+            else:
+                dn_RD = dp_RD * w_D[None, :]
             dot_R = tl.sum(dn_RD * n_RD, axis=1) / D
             dx_RD = rstd_R[:, None] * (dn_RD - n_RD * dot_R[:, None])
             tl.store(dx_ptr + off_RD, _cast(dx_RD, dx_ptr.dtype.element_ty), mask=ok_RD)
@@ -267,26 +289,46 @@ def _norm_bwd_kernel(x_ptr, g_ptr, w_ptr, dy_ptr, dx_ptr, dg_ptr, dwp_ptr, R, D,
         tl.store(dwp_ptr + pid * D + d_D, dw_D, mask=d_D < D)
 
 
+def _norm_tile(D: int) -> tuple[int, int, int]:
+    """(rows, BD, warps) of a norm program: NORM_TILE's rows and warps up to BD = 128 channels a row; wider rows
+    keep its values a program (rows x BD), down to one row, then add warps (at most 16) to keep ~16 a thread."""
+    BD = triton.next_power_of_2(D)
+    rows, warps = NORM_TILE[_VENDOR]
+    if BD > 128:
+        rows = max(1, rows * 128 // BD)
+        warps = max(warps, min(16, BD // 512)) if _VENDOR != "interpreter" else warps
+    return rows, BD, warps
+
+
 def _round_p(x_RD: torch.Tensor, w_D: torch.Tensor) -> bool:
     return x_RD.element_size() == 2 and torch.promote_types(x_RD.dtype, w_D.dtype) == x_RD.dtype
 
 
-def norm_fwd(x_RD, g_RD, w_D, eps: float, y_RD) -> None:
+def norm_fwd(x_RD, g_RD, w_D, eps: float, y_RD, offset: float | None = None) -> None:
+    """y = RMSNorm of x's rows, times silu(gate) when g_RD is given; offset None: w·round(n), else n·(offset + w).
+    x_RD may be a view whose rows are evenly spaced (stride(1) = 1); g_RD and y_RD are contiguous."""
     R, D = x_RD.shape
-    BR, nw = NORM_TILE[_VENDOR]
-    _norm_fwd_kernel[(triton.cdiv(R, BR),)](x_RD, g_RD, w_D, y_RD, R, D, eps, ROUND_P=_round_p(x_RD, w_D),
-                                            BLOCK_R=BR, BLOCK_D=triton.next_power_of_2(D), num_warps=nw)
+    BR, BD, nw = _norm_tile(D)
+    _norm_fwd_kernel[(triton.cdiv(R, BR),)](x_RD, x_RD if g_RD is None else g_RD, w_D, y_RD, R, D, x_RD.stride(0),
+                                            eps, 0.0 if offset is None else offset, HAS_GATE=g_RD is not None,
+                                            OFFSET_MODE=offset is not None, ROUND_P=_round_p(x_RD, w_D),
+                                            BLOCK_R=BR, BLOCK_D=BD, num_warps=nw)
 
 
-def norm_bwd(x_RD, g_RD, w_D, eps: float, dy_RD, need_dx: bool, need_dg: bool, need_dw: bool):
-    """(dx in x's dtype, dgate in gate's dtype, dweight fp32 [D]); None for those not needed."""
+def norm_bwd(x_RD, g_RD, w_D, eps: float, dy_RD, need_dx: bool, need_dg: bool, need_dw: bool,
+             offset: float | None = None):
+    """(dx contiguous in x's dtype, dgate in gate's dtype, dweight fp32 [D]); None for those not needed (and for
+    dgate without a gate)."""
     R, D = x_RD.shape
-    BR, nw = NORM_TILE[_VENDOR]
+    BR, BD, nw = _norm_tile(D)
+    need_dg = need_dg and g_RD is not None
     per, strips = _strips(triton.cdiv(R, BR), 1, x_RD.device)
-    dx = torch.empty_like(x_RD) if need_dx else x_RD
-    dg = torch.empty_like(g_RD) if need_dg else g_RD
+    dx = torch.empty((R, D), dtype=x_RD.dtype, device=x_RD.device) if need_dx else dy_RD
+    dg = torch.empty_like(g_RD) if need_dg else dy_RD
     dwp_SD = torch.empty((strips, D) if need_dw else (1,), dtype=torch.float32, device=x_RD.device)
-    _norm_bwd_kernel[(strips,)](x_RD, g_RD, w_D, dy_RD, dx, dg, dwp_SD, R, D, eps, per * BR,
-                                ROUND_P=_round_p(x_RD, w_D), BLOCK_R=BR, BLOCK_D=triton.next_power_of_2(D),
-                                NEED_DX=need_dx, NEED_DG=need_dg, NEED_DW=need_dw, num_warps=nw)
+    _norm_bwd_kernel[(strips,)](x_RD, x_RD if g_RD is None else g_RD, w_D, dy_RD, dx, dg, dwp_SD, R, D,
+                                x_RD.stride(0), eps, 0.0 if offset is None else offset, per * BR,
+                                HAS_GATE=g_RD is not None, OFFSET_MODE=offset is not None,
+                                ROUND_P=_round_p(x_RD, w_D), BLOCK_R=BR, BLOCK_D=BD, NEED_DX=need_dx,
+                                NEED_DG=need_dg, NEED_DW=need_dw, num_warps=nw)
     return (dx if need_dx else None), (dg if need_dg else None), (dwp_SD.sum(0) if need_dw else None)

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from kernels.expert_grads import GPT_OSS_GLU, SWIGLU
 from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
+from kernels.rms_norm import rms_norm
 from launch.gated_delta import gated_delta_rule
 from launch.moe import MoE, SwiGLU
 from launch.sink_attention import sink_attention
@@ -68,68 +69,19 @@ class Packing:
         return sum(self.doc_lengths)
 
 
-def _row_mean(t: torch.Tensor, sum_over_ranks, width: int | None) -> torch.Tensor:
-    """The mean of each row of `t` over its last dimension; given `width`, over that many channels of which `t` holds
-    this rank's, its sum added over the ranks by `sum_over_ranks` (None: every channel is here)."""
-    if width is None:
-        return t.mean(-1, keepdim=True)
-    total = t.sum(-1, keepdim=True)
-    return (total if sum_over_ranks is None else sum_over_ranks(total)) / width
-
-
-class _RMSNorm(torch.autograd.Function):
-    """RMSNorm in fp32 that keeps for its backward only its input and the per-row reciprocal RMS r. Autograd's graph
-    of the same forward keeps the fp32 copy of x and the fp32 normalized n = x·r (8 bytes an element, 10 with the
-    offset's), several times a layer: at 128K tokens over a GB a norm. The backward recomputes n from x and r:
-
-        y = n ⊙ (offset + w)  (fp32, then rounded)   or   y = w ⊙ round(n)  (in x's dtype, Qwen3-MoE's order)
-        dn = dy ⊙ (offset + w)  or  dy ⊙ w;   dw = Σ_rows dy ⊙ n;   dx = r · (dn − n · mean(dn ⊙ n))
-
-    (from ∂n_i/∂x_j = r·(δ_ij − n_i n_j / d)), each in the precision the autograd graph computes it in.
-
-    `sum_over_ranks` (a norm over a width split across tensor-parallel ranks, `HeadsRMSNorm`): x holds `width / tp`
-    of a row's channels, so the row's sum of squares in the forward and Σ dn ⊙ n in the backward are each this
-    rank's sum added over the ranks (the callable), and the means divide by the whole `width`."""
-
-    @staticmethod
-    def forward(ctx, x, weight, eps: float, offset: float, sum_over_ranks=None, width: int | None = None):
-        x32 = x.float()
-        r = torch.rsqrt(_row_mean(x32.pow(2), sum_over_ranks, width) + eps)
-        n = x32 * r
-        ctx.save_for_backward(x, weight, r)
-        ctx.offset, ctx.sum_over_ranks, ctx.width = offset, sum_over_ranks, width
-        if offset:
-            return (n * (offset + weight.float())).to(x.dtype)
-        return weight * n.to(x.dtype)
-
-    @staticmethod
-    def backward(ctx, dy):
-        x, weight, r = ctx.saved_tensors
-        n = x.float() * r
-        rows = tuple(range(dy.dim() - 1))
-        if ctx.offset:
-            dy32 = dy.float()
-            dw = (dy32 * n).sum(rows).to(weight.dtype)
-            dn = dy32 * (ctx.offset + weight.float())
-        else:
-            dw = (dy * n.to(x.dtype)).sum(rows).to(weight.dtype)
-            dn = (dy * weight).float()
-        del dy
-        dx = r * (dn - n * _row_mean(dn * n, ctx.sum_over_ranks, ctx.width))
-        return dx.to(x.dtype), dw, None, None, None, None
-
-
 class RMSNorm(nn.Module):
-    """RMSNorm in fp32. Qwen3.5/Qwen3-Next scale by (1 + w) with w initialized at 0 (`offset=1`); Qwen3-MoE by w.
-    One autograd Function (`_RMSNorm`) that saves x and r alone."""
+    """RMSNorm in fp32. Qwen3.5/Qwen3-Next scale by (1 + w) with w initialized at 0 (`offset=1`); Qwen3-MoE by w
+    (kernels.rms_norm: one fused Triton kernel each way on GPU, the torch path on CPU; x alone kept for the
+    backward)."""
 
     def __init__(self, dim: int, eps: float, offset: float):
         super().__init__()
         self.eps, self.offset = eps, offset
         self.weight = nn.Parameter(torch.zeros(dim) if offset else torch.ones(dim))
+        self.backend = "auto"  # auto | torch | triton (kernels/rms_norm.py)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _RMSNorm.apply(x, self.weight, self.eps, self.offset)
+        return rms_norm(x, self.weight, self.eps, self.offset, backend=self.backend)
 
 
 class HeadsRMSNorm(nn.Module):
@@ -137,18 +89,20 @@ class HeadsRMSNorm(nn.Module):
     projection, the mean square taken over its whole width `dim`), in OLMoE's order: fp32 inside, then the weight
     times the normalized x in x's dtype. Under tensor parallelism a rank holds some of the heads: `sum_over_ranks`
     (launch/tensor_parallel.py installs it; None: every head is here) adds the other ranks' sums of squares, and
-    the backward's Σ dn ⊙ n is added over them the same way. `_RMSNorm` with the whole width: it keeps x and r alone,
-    where autograd's graph of the same forward kept x in fp32 and the rounded n (6 bytes an element beside x's 2)."""
+    the backward's Σ dn ⊙ n is added over them the same way (kernels.rms_norm's torch path, which takes the callable;
+    the fused kernels where the whole width is here)."""
 
     def __init__(self, dim: int, eps: float):
         super().__init__()
         self.dim, self.eps = dim, eps
         self.weight = nn.Parameter(torch.ones(dim))
         self.sum_over_ranks = None
+        self.backend = "auto"  # auto | torch | triton (kernels/rms_norm.py)
 
     def forward(self, x_THD: torch.Tensor) -> torch.Tensor:
         x = x_THD.reshape(x_THD.shape[0], -1)
-        return _RMSNorm.apply(x, self.weight, self.eps, 0.0, self.sum_over_ranks, self.dim).view_as(x_THD)
+        return rms_norm(x, self.weight, self.eps, 0.0, sum_over_ranks=self.sum_over_ranks, width=self.dim,
+                        backend=self.backend).view_as(x_THD)
 
 
 class GatedRMSNorm(nn.Module):

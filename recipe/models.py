@@ -832,8 +832,8 @@ def _ernie(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag) -> None:
     fields.update(qk_norm=False, attn_bias=opt_flag("use_bias", False), norm_topk_prob=True, router_bias=True,
                   shared_expert_ffn=opt("moe_num_shared_experts", 0) * moe_ffn, sigmoid_router={},
                   first_dense_layers=n_dense, dense_ffn=req("intermediate_size") if n_dense else 0)
-    if fields["attn_bias"] or moe != list(range(n_dense, n_layers)):
-        fields.update(arch="moe", sigmoid_router=None, router_bias=False)
+    if fields["attn_bias"] or moe != list(range(n_dense, n_layers)):  # the correction bias still counts: E a layer
+        fields.update(arch="moe", sigmoid_router=None)
 
 
 def _minimax_m2(cfg: dict, fields: dict, opt, opt_flag, number, count) -> None:

@@ -86,11 +86,6 @@ VARIANTS = {
     "ernie": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an ERNIE-4.5-style model (tiny_ernie), as "mla"
     "minimax": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a MiniMax-M2-style model (tiny_minimax), as "mla"
 }
-# the model each variant trains (default: tiny-moe)
-VARIANT_SHAPES = {"dense": "tiny-dense", "mla": "tiny-mla", "oss": "tiny-oss", "olmoe": "tiny-olmoe",
-                  "qwen2moe": "tiny-qwen2-moe", "ernie": "tiny-ernie", "minimax": "tiny-minimax"}
-
-
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
     experts in 4 groups (2 groups chosen, sigmoid scores, correction bias, scaling 2.5), a shared expert, YaRN
@@ -175,27 +170,25 @@ def tiny_ernie():
 SLOW_DECAY = (0.012, 0.02, 0.04, 0.06)
 
 
+def tiny_dense():
+    """tiny-moe's attention and Gated DeltaNet layers with a dense SwiGLU in every layer, no experts."""
+    from recipe.models import PRESETS
+
+    moe = PRESETS["tiny-moe"]
+    return moe.model_copy(update=dict(name="tiny-dense", arch="qwen3_5", num_experts=1, top_k=1, shared_expert_ffn=0,
+                                      shared_expert_gate=False, first_dense_layers=moe.num_layers, dense_ffn=48))
+
+
+# the model each variant trains (the others train tiny-moe)
+VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "oss": tiny_oss, "olmoe": tiny_olmoe,
+                  "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax}
+
+
 def _shape(variant: str):
     from recipe.models import PRESETS
 
-    if VARIANT_SHAPES.get(variant) == "tiny-dense":
-        moe = PRESETS["tiny-moe"]
-        return moe.model_copy(update=dict(name="tiny-dense", arch="qwen3_5", num_experts=1, top_k=1,
-                                          shared_expert_ffn=0, shared_expert_gate=False,
-                                          first_dense_layers=moe.num_layers, dense_ffn=48))
-    if VARIANT_SHAPES.get(variant) == "tiny-mla":
-        return tiny_mla()
-    if VARIANT_SHAPES.get(variant) == "tiny-oss":
-        return tiny_oss()
-    if VARIANT_SHAPES.get(variant) == "tiny-olmoe":
-        return tiny_olmoe()
-    if VARIANT_SHAPES.get(variant) == "tiny-qwen2-moe":
-        return tiny_qwen2_moe()
-    if VARIANT_SHAPES.get(variant) == "tiny-ernie":
-        return tiny_ernie()
-    if VARIANT_SHAPES.get(variant) == "tiny-minimax":
-        return tiny_minimax()
-    return PRESETS["tiny-moe"]
+    build = VARIANT_SHAPES.get(variant)
+    return build() if build else PRESETS["tiny-moe"]
 
 
 # where the cases run: set once per process by main()

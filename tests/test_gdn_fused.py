@@ -1,4 +1,5 @@
-"""Fused Gated DeltaNet ops (kernels.gdn_fused): the Triton kernels against the torch reference, forward and backward.
+"""Fused Gated DeltaNet ops (kernels.gdn_fused) and the plain RMSNorm (kernels.rms_norm, the same Triton kernels
+without the gate): the Triton kernels against the torch reference, forward and backward.
 
 The Triton kernels run on CPU tensors under TRITON_INTERPRET=1, all in one subprocess and one test each
 (tests/interpreter.py: the variable must be set before triton is imported).
@@ -21,6 +22,7 @@ import torch
 import interpreter
 from kernels.gdn_fused import (causal_conv1d_silu, causal_conv1d_silu_torch, gated_rms_norm,
                                gated_rms_norm_torch)
+from kernels.rms_norm import rms_norm, rms_norm_torch
 
 
 def _rel(x, ref) -> float:
@@ -120,15 +122,66 @@ def norm_checks() -> None:
             assert _rel(ours, ref) < 2e-3
 
 
+def rms_norm_checks() -> None:
+    """The plain RMSNorm in both orders (offset 0: w·round(n); offset 1: round(n·(1 + w))): rows of a per-head
+    norm ([T, H, Dh]) and of a hidden-size norm wider than one tile's 128 channels, fp32 and bf16, the weight in
+    x's dtype or fp32 (the output then fp32 at offset 0, as the torch path's promotion gives); bf16 outputs equal
+    to the torch path's; a per-head view of a wider projection (Qwen3.5's queries beside their gates) read in place
+    and a transposed view copied, each equal to the contiguous input's result; x and the weight kept alone."""
+    g = torch.Generator().manual_seed(2)
+    for shape in ((13, 3, 24), (7, 300)):
+        D = shape[-1]
+        x = torch.randn(shape, generator=g) * 3.0
+        dy = torch.randn(shape, generator=g)
+        for offset in (0.0, 1.0):
+            w = (0.0 if offset else 1.0) + 0.3 * torch.randn(D, generator=g)
+            for dtype in (torch.float32, torch.bfloat16):
+                for rg in ((True, True),) + (((True, False), (False, True)) if dtype == torch.float32 else ()):
+                    leaves = [x.clone().requires_grad_(rg[0]), w.clone().requires_grad_(rg[1])]
+                    errs = _compare(rms_norm, rms_norm_torch, leaves, dy, (1e-6, offset), dtype, 1e-5,
+                                    f"rms_norm {shape} offset {offset} {rg}")
+                    if rg == (True, True):
+                        print("rms_norm", shape, offset, dtype, errs)
+                xb = x.to(dtype)
+                for w_dtype in (dtype, torch.float32):
+                    ours = rms_norm(xb, w.to(w_dtype), 1e-6, offset, backend="triton")
+                    ref = rms_norm_torch(xb, w.to(w_dtype), 1e-6, offset)
+                    assert ours.dtype == ref.dtype and ours.shape == ref.shape, (ours.dtype, ref.dtype)
+                    frac = (ours == ref).float().mean().item()
+                    assert frac >= (0.995 if dtype == torch.bfloat16 else 0.0), f"{shape} {offset}: {frac:.4f} equal"
+                    assert _rel(ours, ref) < (2e-3 if dtype == torch.bfloat16 else 1e-6)
+    # views: a per-head slice of a [T, H, 2·Dh] projection (rows evenly spaced), a transposed [H, T, Dh] one
+    base = torch.randn(9, 3, 32, generator=g)
+    w = 1.0 + 0.3 * torch.randn(16, generator=g)
+    dy = torch.randn(9, 3, 16, generator=g)
+    for view in (base[..., :16], base[..., 16:].transpose(0, 1).transpose(0, 1)):
+        xs = view.detach().requires_grad_()
+        xc = view.detach().contiguous().requires_grad_()
+        ys, yc = (rms_norm(t, w, 1e-6, 1.0, backend="triton") for t in (xs, xc))
+        ys.backward(dy), yc.backward(dy)
+        assert torch.equal(ys, yc) and torch.equal(xs.grad, xc.grad) and xs.grad.shape == xs.shape
+    xt = base[..., :16].transpose(0, 1)  # rows not evenly spaced: copied
+    assert torch.equal(rms_norm(xt, w, 1e-6, backend="triton"), rms_norm(xt.contiguous(), w, 1e-6, backend="triton"))
+    x = torch.randn(6, 32, dtype=torch.bfloat16, requires_grad=True)
+    wb = torch.ones(32, dtype=torch.bfloat16, requires_grad=True)
+    saved = []
+    with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t) or t, lambda t: t):
+        rms_norm(x, wb, 1e-6, backend="triton")
+    assert sorted(tuple(t.shape) for t in saved) == [(6, 32), (32,)]
+    assert any(t.data_ptr() == x.data_ptr() for t in saved)
+
+
 def cpu_path_never_imports_triton() -> None:
     """The CPU path (backend "auto", also through the model) never imports triton (run first, in a fresh process)."""
     import launch.model  # noqa: F401  (the model module imports kernels.gdn_fused too)
     causal_conv1d_silu(torch.randn(5, 3), torch.randn(3, 4), torch.arange(5))
     gated_rms_norm(torch.randn(5, 3), torch.randn(5, 3), torch.ones(3), 1e-6)
+    rms_norm(torch.randn(5, 3), torch.ones(3), 1e-6)
     assert "triton" not in sys.modules, "the CPU path imported triton"
 
 
-INTERPRETER_CHECKS = {f.__name__: f for f in (cpu_path_never_imports_triton, conv_checks, norm_checks)}
+INTERPRETER_CHECKS = {f.__name__: f for f in (cpu_path_never_imports_triton, conv_checks, norm_checks,
+                                                rms_norm_checks)}
 
 
 interpreter_results, test_triton_kernels_interpreter = interpreter.pytest_cases(__file__, INTERPRETER_CHECKS)

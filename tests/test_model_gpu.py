@@ -121,6 +121,26 @@ def test_fused_conv_silu_matches_torch_path(lengths):
         assert _rel(a, r) < 1e-5
 
 
+@pytest.mark.parametrize("shape, offset", [((8192, 7168), 0.0), ((8192, 2048), 1.0), ((8192, 32, 128), 1.0),
+                                           ((8192, 4, 128), 0.0)])
+def test_fused_rms_norm_matches_torch_path(shape, offset):
+    """kernels.rms_norm.rms_norm at the model's shapes (a hidden-size norm at DeepSeek-V3's and Qwen3.5's widths,
+    per-head q/k norms), both orders, bf16: within bf16 rounding of the fp32 torch path, no worse than the bf16
+    torch path, and its bf16 output equal to the torch path's."""
+    from kernels.rms_norm import rms_norm
+
+    gen = torch.Generator(device="cuda").manual_seed(2)
+    x = (torch.randn(shape, device="cuda", generator=gen) * 2).bfloat16()
+    w = ((0.0 if offset else 1.0) + 0.2 * torch.randn(shape[-1], device="cuda", generator=gen)).bfloat16()
+    dy = torch.randn(shape, device="cuda", generator=gen).bfloat16()
+    ours, torch16, ref = _fused_vs_torch(rms_norm, [x, w], dy, (1e-6, offset))
+    assert (ours[0] == torch16[0]).float().mean() > 0.995  # same roundings in the same order
+    for name, a, t, r in zip(("y", "dx", "dw"), ours, torch16, ref):
+        assert a.dtype == torch.bfloat16 and torch.isfinite(a).all()
+        assert _rel(a, r) < 5e-3 and _rel(a, r) <= max(1.25 * _rel(t, r), 4e-3), \
+            f"{name}: ours {_rel(a, r):.2e}, torch bf16 {_rel(t, r):.2e} against fp32"
+
+
 def test_fused_gated_norm_matches_torch_path():
     """kernels.gdn_fused.gated_rms_norm at the real shape (8192 tokens x 32 value heads, head dim 128, bf16)."""
     from kernels.gdn_fused import gated_rms_norm

@@ -503,7 +503,8 @@ def test_qwen2_moe_and_ernie_dense_layers_and_windows_by_hand(tmp_path):
     at step 2 are 4 dense (i = 0, 2, 4, 6), step 1 with mlp_only_layers [0, 5] 2 dense; either way counted as leading
     dense layers of intermediate_size and planned only (arch moe). use_sliding_window slides the layers from
     max_window_layers on (6 of 8 full). ERNIE-4.5's MoE layers run from moe_layer_start_index to
-    moe_layer_end_index: start 1, end 5 of 8 leaves 3 dense (0, 6, 7), planned only; use_bias too."""
+    moe_layer_end_index: start 1, end 5 of 8 leaves 3 dense (0, 6, 7), planned only; use_bias too. Planned only, its
+    router still counts the correction bias the checkpoint holds (E values a MoE layer)."""
     base = json.loads((FIXTURES / "qwen1.5-moe-a2.7b.json").read_text()) | {"num_hidden_layers": 8}
     rd = lambda name, **over: from_hf_config(_write(tmp_path, name, base | over))  # noqa: E731
     plain = rd("all")
@@ -521,13 +522,15 @@ def test_qwen2_moe_and_ernie_dense_layers_and_windows_by_hand(tmp_path):
     assert (whole.arch, whole.first_dense_layers) == ("ernie4_5_moe", 1)
     cut = rd("cut", moe_layer_end_index=5)
     assert (cut.arch, cut.first_dense_layers, cut.sigmoid_router) == ("moe", 3, None) and trainable(cut)
+    assert param_counts(cut)["router"] == 5 * (cut.hidden_size + 1) * cut.num_experts
     assert rd("biased", use_bias=True).arch == "moe"
 
 
 def test_minimax_m2_forms_by_hand(tmp_path):
     """MiniMax-M2 rotates `rotary_dim` channels of each head (64 of 128: a partial RoPE factor of 0.5) and agrees
     with a `partial_rotary_factor` given beside it, or says which two disagree; its MTP modules are counted apart
-    (3 of 1 layer); per-head q/k norms, a shared expert or softmax scoring are planned only (arch moe)."""
+    (3 of 1 layer); per-head q/k norms, a shared expert or softmax scoring are planned only (arch moe), the router
+    still counting the correction bias (E values a layer)."""
     base = json.loads((FIXTURES / "minimax-m2.json").read_text()) | {"num_hidden_layers": 4}
     rd = lambda name, **over: from_hf_config(_write(tmp_path, name, base | over))  # noqa: E731
     m = rd("m")
@@ -547,6 +550,7 @@ def test_minimax_m2_forms_by_hand(tmp_path):
                        ("softmax", {"scoring_func": "softmax"})):
         planned = rd(name, **over)
         assert (planned.arch, planned.sigmoid_router) == ("moe", None) and trainable(planned), name
+        assert param_counts(planned)["router"] == 4 * (planned.hidden_size + 1) * planned.num_experts, name
 
 
 def test_gpt_oss_with_another_glu_limit_is_planned_only(tmp_path):
