@@ -96,8 +96,8 @@ WINDOW_KEY_TILE = 128
 # cuDNN kernel full layers run on), and every row WINDOW_ROW_KEYS more whatever its window (loading and writing the
 # row, its softmax bookkeeping, the sink's merge). Fitted by `bench/calibrate.py --fit` to gpt-oss-120b's sliding
 # layers timed alone at windows of 128 to 4096 (hw_profiles/calibration/h200_window.json): within 8% of each
-WINDOW_KEY_COST = 1.45
-WINDOW_ROW_KEYS = 1130
+WINDOW_KEY_COST = 1.58
+WINDOW_ROW_KEYS = 1230
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 
@@ -207,8 +207,8 @@ def layer_params(m: ModelShape) -> tuple[float, float]:
 
 # ---- activations ---------------------------------------------------------------------------------------------
 def norm_saved(width: float) -> float:
-    """Bytes a token's RMSNorm keeps for its backward (launch/model.py: _RMSNorm): its bf16 input and the fp32
-    reciprocal RMS of the row."""
+    """Bytes a token's RMSNorm keeps for its backward (kernels/rms_norm.py): its bf16 input and, on the torch path,
+    the fp32 reciprocal RMS of the row (the fused kernels recompute it: an upper bound by 4 bytes)."""
     return width * BF16 + FP32
 
 
@@ -1161,12 +1161,14 @@ def slowest_stage(m: ModelShape, pp: int, opts: TrainOptions, hw: HwProfile | No
 @functools.lru_cache(maxsize=4096)
 def _slowest_stage(m: ModelShape, pp: int, opts: TrainOptions, rate_key) -> tuple[int, int, bool]:
     # every estimate under pp asks (compute_work, communication_terms): remember it, as _pipeline_split
-    whole = _split_options(opts)
+    whole = _split_options(opts, m)
     sizes = _pipeline_split(m, pp, whole, rate_key)
     costs, first, last = _stage_costs(m, opts.micro_batch_tokens, whole, None if rate_key is None else dict(rate_key))
     starts = [sum(sizes[:i]) for i in range(len(sizes))]
-    # a kept layer (keep_layers, 0 without recompute) runs 3 of a recomputed layer's 4 passes
-    totals = [sum(costs[a:a + n]) - sum(costs[a + n - min(opts.keep_layers, n):a + n]) / 4
+    # a kept layer (keep_layers, 0 without recompute) runs 3 of a recomputed layer's 4 passes (every layer kept: the
+    # costs are no recompute's already)
+    kept = opts.keep_layers if whole.recompute == opts.recompute else 0
+    totals = [sum(costs[a:a + n]) - sum(costs[a + n - min(kept, n):a + n]) / 4
               + (first if i == 0 else 0.0) + (last if i == len(sizes) - 1 else 0.0)
               for i, (a, n) in enumerate(zip(starts, sizes))]
     i = max(range(len(sizes)), key=lambda k: totals[k])
@@ -1220,13 +1222,18 @@ def pipeline_split(m: ModelShape, stages: int, opts: TrainOptions, hw: HwProfile
     micro-batch (in time on `hw`; in FLOPs without a profile): what `recipe solve` records as the plan's
     `train.pp_stages` and what the trainer builds. Under recompute the split balances every layer recomputed: the
     kept layers (keep_layers) are the same number at the end of every stage, so they leave it about as balanced."""
-    return list(_pipeline_split(m, stages, _split_options(opts), _rate_key(hw, m)))
+    return list(_pipeline_split(m, stages, _split_options(opts, m), _rate_key(hw, m)))
 
 
-def _split_options(opts: TrainOptions) -> TrainOptions:
+def _split_options(opts: TrainOptions, m: ModelShape) -> TrainOptions:
     """The options a pipeline split is balanced under: keep_layers left out (every layer counted recomputed), so
-    the split and its cache entry are one for every kept-layer count."""
-    return opts.model_copy(update={"keep_layers": 0}) if opts.keep_layers else opts
+    the split and its cache entry are one for every kept-layer count; keeping every layer of the model is no
+    recompute, balanced as such."""
+    if not opts.keep_layers:
+        return opts
+    if opts.keep_layers >= m.num_layers:
+        return opts.model_copy(update={"keep_layers": 0, "recompute": "none"})
+    return opts.model_copy(update={"keep_layers": 0})
 
 
 def _rate_key(hw: HwProfile | None, m: ModelShape):
