@@ -1,5 +1,5 @@
-"""Triton kernels of kernels/gdn_fused.py: the causal depthwise conv + SiLU and the gated RMSNorm, forward and
-backward.
+"""Triton kernels of kernels/gdn_fused.py and kernels/rms_norm.py: the causal depthwise conv + SiLU and the RMSNorm
+(gated, or plain in either weight order), forward and backward.
 
 Imported lazily by kernels/gdn_fused.py (never at package import), so the CPU path needs no triton.
 
@@ -21,10 +21,12 @@ conv backward (grid: S strips x C tiles; a program walks its strip tile by tile)
     dw: each program sums its strip's rows in fp32 registers (W tiles of [BT, BC], reduced over rows once per
     strip; W <= 4) and writes one fp32 partial per strip;
     the autograd function sums the S partials in fp32 (no atomics, deterministic).
-norm forward  (grid: R tiles). One tile holds BR whole rows (BD = next_pow2(D) >= D), so the mean of squares is
-    a register reduction: x, gate in, y out, one pass.
-norm backward (grid: S strips). Recomputes rstd and the forward's intermediates from x and gate, writes dx and
-    dgate, and sums dweight over the strip in fp32 (partials summed by the autograd function).
+norm forward  (grid: R tiles). One tile holds BR whole rows (BD = next_pow2(D) >= D; `_norm_tile` trades rows for
+    warps on wide rows), so the mean of squares is a register reduction: x (rows XS apart), gate in, y out, one
+    pass. HAS_GATE: the gate and its SiLU (Gated DeltaNet's output norm); without it the plain RMSNorm, whose weight
+    multiplies round(n) (OFFSET_MODE off) or whose (offset + w) multiplies n in fp32 (on).
+norm backward (grid: S strips). Recomputes rstd and the forward's intermediates from x (and gate), writes dx (and
+    dgate), and sums dweight over the strip in fp32 (partials summed by the autograd function).
 """
 
 from __future__ import annotations
