@@ -147,8 +147,9 @@ def rms_norm_checks() -> None:
                     ours = rms_norm(xb, w.to(w_dtype), 1e-6, offset, backend="triton")
                     ref = rms_norm_torch(xb, w.to(w_dtype), 1e-6, offset)
                     assert ours.dtype == ref.dtype and ours.shape == ref.shape, (ours.dtype, ref.dtype)
-                    frac = (ours == ref).float().mean().item()
-                    assert frac >= (0.995 if dtype == torch.bfloat16 else 0.0), f"{shape} {offset}: {frac:.4f} equal"
+                    if ours.dtype == torch.bfloat16:  # the same roundings in the same order
+                        frac = (ours == ref).float().mean().item()
+                        assert frac >= 0.995, f"{shape} {offset}: {frac:.4f} of bf16 outputs equal"
                     assert _rel(ours, ref) < (2e-3 if dtype == torch.bfloat16 else 1e-6)
     # views: a per-head slice of a [T, H, 2·Dh] projection (rows evenly spaced), a transposed [H, T, Dh] one
     base = torch.randn(9, 3, 32, generator=g)
