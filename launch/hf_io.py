@@ -348,6 +348,8 @@ def hf_config(shape: ModelShape) -> dict:
         num_experts_per_tok=shape.top_k, moe_intermediate_size=shape.expert_ffn, attention_bias=shape.attn_bias,
         rope_parameters=_rope_parameters(shape),
     )
+    if shape.pad_token_id is not None:  # the embedding row transformers never updates
+        cfg["pad_token_id"] = shape.pad_token_id
     if shape.arch == "dense":  # Llama-family: Qwen3 has q/k norms, Qwen2 q/k/v biases, Llama neither
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             cfg.pop(k)

@@ -514,7 +514,10 @@ class Transformer(nn.Module):
             raise ValueError(refusal)
         self.shape = shape
         norm_offset = 1.0 if shape.arch in OFFSET_NORM_ARCHS else 0.0
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size)
+        # transformers' embedding never updates its pad row (padding_idx): nor does ours; `pad_row` keeps the
+        # vocabulary's id where tensor parallelism makes padding_idx this rank's
+        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size, padding_idx=shape.pad_token_id)
+        self.embed_tokens.pad_row = shape.pad_token_id
         self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset, dense=i < shape.first_dense_layers)
                                     for i, t in enumerate(shape.layer_types))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, norm_offset)
@@ -546,8 +549,8 @@ def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = Non
     parameter names stay the whole model's). Each parameter is drawn from a generator of its own, seeded by `seed`
     and its name, at its full (global) shape on its device, and each rank keeps its shard: so a model built whole
     and one built on the meta device and sharded hold the same weights, whatever the layout. A_log ~ log U(1, 16),
-    dt_bias 1, norm weights 1 (0 for offset norms), the rest N(0, std); the sigmoid router's correction bias (a
-    buffer) 0."""
+    dt_bias 1, norm weights 1 (0 for offset norms), the rest N(0, std) but the embedding's pad row (0, as
+    transformers initializes it); the sigmoid router's correction bias (a buffer) 0."""
     for name, p in module.named_parameters():
         gen = torch.Generator(device=p.device)
         gen.manual_seed(_parameter_seed(0 if seed is None else seed, whole_model_name(name)))
@@ -561,6 +564,10 @@ def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = Non
             full = torch.full(p.shape, 0.0 if isinstance(owner, RMSNorm) and owner.offset else 1.0, device=p.device)
         else:
             full = torch.randn(p.shape, generator=gen, device=p.device) * std
+            if leaf == "weight" and name.endswith("embed_tokens.weight"):
+                pad = getattr(module.get_submodule(name.rsplit(".", 1)[0]), "pad_row", None)
+                if pad is not None:
+                    full[pad] = 0.0
         assign_full(p, full)
     for name, b in module.named_buffers():
         if name.endswith("e_score_correction_bias"):  # the sigmoid router's (launch/moe.py)

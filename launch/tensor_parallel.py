@@ -277,6 +277,9 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
 
     rows = model.embed_tokens.num_embeddings // tp.size  # this rank's vocabulary rows: [rank·rows, (rank+1)·rows)
     inside = {}
+    pad = getattr(model.embed_tokens, "pad_row", None)  # the frozen row, where this rank holds it
+    model.embed_tokens.padding_idx = pad - tp.rank * rows if pad is not None and 0 <= pad - tp.rank * rows < rows \
+        else None
 
     def embed_pre(module, args):
         ids = args[0] - tp.rank * rows

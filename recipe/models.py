@@ -214,6 +214,7 @@ class ModelShape(Record):
     dense_ffn: NonNeg = 0
     # embeddings, norms
     tie_embeddings: bool = False
+    pad_token_id: int | None = None  # the embedding row transformers never updates (its padding_idx)
     rms_norm_eps: float = 1e-6
     max_position: int = 262144
     mtp_layers: NonNeg = 0  # multi-token-prediction layers (counted apart from the text stack)
@@ -241,6 +242,8 @@ class ModelShape(Record):
             raise ValueError(f"first_dense_layers={self.first_dense_layers} needs dense_ffn > 0")
         if self.first_dense_layers > self.num_layers:
             raise ValueError(f"first_dense_layers={self.first_dense_layers} > num_layers={self.num_layers}")
+        if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
+            raise ValueError(f"pad_token_id={self.pad_token_id} is not a token of the {self.vocab_size}-row vocabulary")
 
     # ---- derived shape facts -------------------------------------------------------------------------------
     @functools.cached_property
@@ -275,8 +278,8 @@ class ModelShape(Record):
         )
 
     def fingerprint_dict(self) -> dict:
-        # a shape without the routing or RoPE-scaling records keeps the fingerprint it had before they existed
-        unset = {k for k in ("sigmoid_router", "rope_scaling") if getattr(self, k) is None}
+        # a shape without the routing, RoPE-scaling or pad records keeps the fingerprint it had before they existed
+        unset = {k for k in ("sigmoid_router", "rope_scaling", "pad_token_id") if getattr(self, k) is None}
         return plain(self, exclude=frozenset({"source"} | unset))
 
 
@@ -674,9 +677,18 @@ def _from_hf_config(path: Path) -> ModelShape:
         rope_theta, rope_key = rope.get("rope_theta"), "rope_parameters.rope_theta"
     if "max_position_embeddings" in cfg and cfg["max_position_embeddings"] is None:
         raise bad("max_position_embeddings", "a whole number", None)
+    vocab = req("vocab_size")
+    pad = cfg.get("pad_token_id", raw.get("pad_token_id"))
+    if pad is not None and vocab > 0:  # transformers' embedding takes it as padding_idx, negatives from the end
+        pad = count(pad, "pad_token_id")
+        if not -vocab <= pad < vocab:
+            raise bad("pad_token_id", f"a token id of the {vocab:,}-row vocabulary", pad)
+        pad %= vocab
+    else:
+        pad = None  # (a vocabulary that is no size is refused by its own field)
     fields: dict = dict(
         name=path.parent.name if path.name == "config.json" else path.stem,
-        arch=arch, hidden_size=hidden, num_layers=n_layers, vocab_size=req("vocab_size"),
+        arch=arch, hidden_size=hidden, num_layers=n_layers, vocab_size=vocab, pad_token_id=pad,
         layer_types=layer_types, num_heads=num_heads,
         num_kv_heads=opt("num_key_value_heads", num_heads),
         head_dim=opt("head_dim", hidden // num_heads),

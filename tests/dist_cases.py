@@ -120,13 +120,14 @@ def tiny_oss():
 
 def tiny_olmoe():
     """OLMoE's blocks at tiny widths: q/k norms over all heads together (their sums of squares added over the tp
-    ranks), q/k/v/o biases, softmax routing over 8 experts (top-2) without renormalization."""
+    ranks), q/k/v/o biases, softmax routing over 8 experts (top-2) without renormalization, a pad token whose
+    embedding row is frozen (326: in the second tp rank's half of the vocabulary, and in both steps' data)."""
     from recipe.models import ModelShape
 
     return ModelShape(name="tiny-olmoe", arch="olmoe", hidden_size=64, num_layers=4, vocab_size=512,
                       layer_types=("full_attention",) * 4, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=True,
                       attn_bias=True, num_experts=8, top_k=2, expert_ffn=32, norm_topk_prob=False, rope_theta=10000.0,
-                      rms_norm_eps=1e-5)
+                      rms_norm_eps=1e-5, pad_token_id=326)
 
 
 def tiny_minimax():

@@ -84,14 +84,13 @@ def _hf_model(arch: str):
         moe = {k: v for k, v in COMMON.items() if k not in ("num_experts", "num_experts_per_tok")}
         cfg = transformers.Ernie4_5_MoeConfig(**moe, moe_num_experts=6, moe_k=2, moe_num_shared_experts=2,
                                               moe_layer_start_index=1, moe_layer_end_index=2, intermediate_size=40,
-                                              num_hidden_layers=3, tie_word_embeddings=True, pad_token_id=None,
+                                              num_hidden_layers=3, tie_word_embeddings=True,
                                               rope_parameters=dict(rope_type="default", rope_theta=500000.0))
         cls = transformers.Ernie4_5_MoeForCausalLM
-    elif arch == "olmoe":  # q/k norms over all heads together (the head width hidden / heads, as OLMoE's norms need);
-        # no pad_token_id: transformers' embedding would freeze that row (padding_idx), which ours trains like any other
+    elif arch == "olmoe":  # q/k norms over all heads together (the head width hidden / heads, as OLMoE's norms need)
         moe = {k: v for k, v in COMMON.items() if k not in ("head_dim", "moe_intermediate_size")}
         cfg = transformers.OlmoeConfig(**moe, num_hidden_layers=2, intermediate_size=16, attention_bias=True,
-                                       pad_token_id=None, rope_parameters=dict(rope_type="default", rope_theta=10000.0))
+                                       rope_parameters=dict(rope_type="default", rope_theta=10000.0))
         cls = transformers.OlmoeForCausalLM
     elif arch == "minimax_m2":  # q/k norms over all heads together, half of each head rotated, sigmoid routing
         # steered by a correction bias, Mixtral's names for the block and its experts
@@ -208,7 +207,9 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
                                   "deepseek_v3", "glm4_moe", "gpt_oss"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
-    transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map."""
+    transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.
+    OLMoE's and ERNIE-4.5's configs name a pad token (1 and 0, transformers' defaults), which the input holds twice:
+    its embedding row gets no gradient from the lookup in either (ERNIE's tied head still updates it)."""
     from launch.hf_io import hf_to_ours
 
     hf = _hf_model(arch)
@@ -218,6 +219,9 @@ def test_gradients_match_transformers(arch, tmp_path):
     load_hf_checkpoint(ours, tmp_path / "hf")
     T = 40
     ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
+    assert shape.pad_token_id == {"olmoe": 1, "ernie4_5_moe": 0}.get(arch)
+    if shape.pad_token_id is not None:
+        ids[0, [3, 17]] = shape.pad_token_id
     hf.zero_grad()
     hf(input_ids=ids, labels=ids).loss.backward()
     want = hf_to_ours({n: p.grad for n, p in hf.named_parameters() if p.requires_grad}, ours)  # not ERNIE's bias
@@ -229,6 +233,9 @@ def test_gradients_match_transformers(arch, tmp_path):
     for n, g in got.items():
         scale = want[n].abs().max().item()
         assert scale > 0 and (g - want[n]).abs().max().item() <= 1e-4 * scale + 1e-7, n
+    if arch == "olmoe":  # untied: the pad row's gradient is exactly zero, where the other input tokens' are not
+        row = got["embed_tokens.weight"]
+        assert torch.equal(row[1], torch.zeros_like(row[1])) and row[ids[0, 0]].abs().max() > 0
 
 
 def test_a_block_quantized_fp8_checkpoint_loads_dequantized(tmp_path):

@@ -316,15 +316,18 @@ def test_a_model_built_on_meta_and_materialized_equals_one_built_whole():
     """What a distributed run does (launch/job.py): the model built on the meta device, wrapped (here: recompute,
     which adds a module level to parameter names), then given storage and initialized — the same weights as a
     model built whole for the seed, since each parameter's values depend only on the seed and its whole-model
-    name; another seed gives other weights."""
+    name; another seed gives other weights. The embedding's pad row starts at zero either way, as transformers
+    initializes it."""
     from launch.model import materialize
 
-    shape = PRESETS["tiny-moe"]
+    shape = PRESETS["tiny-moe"].model_copy(update={"pad_token_id": 5})
     whole = build_model(shape, seed=3).state_dict()
     meta = apply_recompute(build_model(shape, device="meta"), "full")
     assert all(p.is_meta for p in meta.parameters())
     got = materialize(meta, "cpu", seed=3).state_dict()
     assert sorted(got) == sorted(whole) and all(torch.equal(got[k], whole[k]) for k in whole)
+    emb = whole["embed_tokens.weight"]
+    assert not emb[5].any() and emb[4].any() and emb[6].any()
     other = build_model(shape, seed=4).state_dict()
     assert not torch.equal(other["embed_tokens.weight"], whole["embed_tokens.weight"])
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 from pathlib import Path
 
@@ -524,6 +525,37 @@ def test_qwen2_moe_and_ernie_dense_layers_and_windows_by_hand(tmp_path):
     assert (cut.arch, cut.first_dense_layers, cut.sigmoid_router) == ("moe", 3, None) and trainable(cut)
     assert param_counts(cut)["router"] == 5 * (cut.hidden_size + 1) * cut.num_experts
     assert rd("biased", use_bias=True).arch == "moe"
+
+
+def test_pad_token_id_read_checked_and_left_out_of_the_fingerprint_when_absent(tmp_path):
+    """A config's pad_token_id (the embedding row transformers' padding_idx freezes) is read from the text config or
+    the top level, a negative id counted from the end of the vocabulary as torch does; an id outside the vocabulary
+    or not a whole number is a one-line error; a shape without one keeps the fingerprint it had before the field
+    existed, and the export writes it back."""
+    from launch.hf_io import hf_config
+    from recipe.planfile import fingerprint
+
+    base = json.loads((FIXTURES / "olmoe-1b-7b.json").read_text())
+    rd = lambda name, **over: from_hf_config(_write(tmp_path, name, base | over))  # noqa: E731
+    assert rd("none").pad_token_id is None and rd("one", pad_token_id=1).pad_token_id == 1
+    assert rd("last", pad_token_id=-1).pad_token_id == base["vocab_size"] - 1
+    with pytest.raises(ValueError, match="field 'pad_token_id': expected a token id of the 50,304-row vocabulary, "
+                                         "got 50304"):
+        rd("over", pad_token_id=50304)
+    with pytest.raises(ValueError, match="field 'pad_token_id': expected a whole number, got 'x'"):
+        rd("text", pad_token_id="x")
+    q = json.loads((FIXTURES / "qwen3.5-35b-a3b.json").read_text())
+    assert "text_config" in q
+    assert from_hf_config(_write(tmp_path, "top", q | {"pad_token_id": 7})).pad_token_id == 7
+    m = PRESETS["olmoe-1b-7b"]
+    assert fingerprint(m.fingerprint_dict()) == fingerprint(m.model_copy(update={"pad_token_id": None})
+                                                            .fingerprint_dict())
+    assert "pad_token_id" not in m.fingerprint_dict() and m.model_copy(update={"pad_token_id": 1}).fingerprint_dict()[
+        "pad_token_id"] == 1
+    torch = pytest.importorskip("torch")  # noqa: F841 - launch.hf_io imports it
+    assert hf_config(rd("exp", pad_token_id=1))["pad_token_id"] == 1 and "pad_token_id" not in hf_config(rd("no"))
+    with pytest.raises(ValueError, match="pad_token_id=600 is not a token of the 512-row vocabulary"):
+        dataclasses.replace(PRESETS["tiny-moe"], pad_token_id=600)
 
 
 def test_minimax_m2_forms_by_hand(tmp_path):
