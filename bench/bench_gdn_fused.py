@@ -112,7 +112,6 @@ def main() -> None:
         results += bench_op(f"norm R={R} D={D}", gated_rms_norm, [xn, gate, wn], (1e-6,), dyn, 3 * e, 5 * e,
                             a.reps, a.warmup, a.bw)
         del gate
-        e = R * D * 2
         results += bench_op(f"rmsnorm R={R} D={D}", rms_norm, [xn, wn], (1e-6, 0.0), dyn, 2 * e, 3 * e, a.reps,
                             a.warmup, a.bw)
         del xn, dyn

@@ -564,7 +564,7 @@ def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = Non
             full = torch.full(p.shape, 0.0 if isinstance(owner, RMSNorm) and owner.offset else 1.0, device=p.device)
         else:
             full = torch.randn(p.shape, generator=gen, device=p.device) * std
-            if leaf == "weight" and name.endswith("embed_tokens.weight"):
+            if name.endswith("embed_tokens.weight"):
                 pad = getattr(module.get_submodule(name.rsplit(".", 1)[0]), "pad_row", None)
                 if pad is not None:
                     full[pad] = 0.0
