@@ -361,7 +361,7 @@ class MLAttention(nn.Module):
         else:
             k, v = self.expand(latent, q)
             # v at its own width: cuDNN's kernel (2.1 times padded flash on an H200, 1.5 times padded cuDNN)
-            with cudnn_first() if v.shape[-1] < k.shape[-1] else contextlib.nullcontext():
+            with sdpa_without_flash() if v.shape[-1] < k.shape[-1] else contextlib.nullcontext():
                 o = causal_attention(q, k, v, packing, self.scale)
         return self.o_proj(o[..., : self.v_dim].reshape(T, -1))
 
@@ -391,12 +391,18 @@ def cudnn_takes(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -
         return False
 
 
-def cudnn_first():
-    """SDPA prefers cuDNN's kernel, then the memory-efficient one (both take v narrower than q·k), then the math
-    path."""
+def sdpa_without_flash():
+    """SDPA with its flash kernel disabled (it needs v as wide as q·k, which MLA's is not): cuDNN's kernel, the
+    memory-efficient one and the math path stay enabled, in torch's own priority order (on Hopper and Blackwell
+    datacenter GPUs torch puts cuDNN first; elsewhere the memory-efficient kernel leads). Only the enabled set changes,
+    and it is restored exactly on exit; the priority order is never set here. Setting it would pin torch's pristine
+    flash-first order for the rest of the process whenever the context is the process's first SDPA call (torch fills
+    in its GPU-dependent default at that first call, after the context has saved the order it restores), and every
+    later model's attention would run the flash kernel where torch picks cuDNN (on the H200, 1.7x slower at 96 query
+    heads over 8, 32K tokens)."""
     from torch.nn.attention import SDPBackend, sdpa_kernel
 
-    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH], set_priority=True)
+    return sdpa_kernel([SDPBackend.CUDNN_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH])
 
 
 ATTENTION_MIXERS = (Attention, MLAttention)  # full attention's two forms: what CP and TP install on and split

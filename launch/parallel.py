@@ -45,9 +45,6 @@ def check_layout(layout, world: int) -> None:
     if layout.etp != 1:
         raise LayoutError(f"this version runs data, tensor, context, expert and pipeline parallelism (dp, tp, cp, ep, "
                           f"pp); the plan asks for etp={layout.etp}: re-solve it")
-    if layout.pp > 1 and layout.tp > 1:
-        raise LayoutError(f"pipeline and tensor parallelism together (pp={layout.pp}, tp={layout.tp}) do not run in "
-                          f"this version: re-solve with --pp 1 or --tp 1")
 
 
 def check_plan_shape(plan, shape) -> None:

@@ -17,7 +17,9 @@ per-layer cost; pp entries, or v·pp for v virtual stages a rank), or the same f
 micro-batch when the plan does not carry it.
 
 What flows between stages: the hidden states [T, D] of one micro-batch forward and their gradient backward, T the
-plan's micro_batch_tokens (T/cp under cp: each rank's zigzag shard); a schedule needs one shape for every
+plan's micro_batch_tokens (T/cp under cp: each rank's zigzag shard; under tp each rank's sequence-parallel rows
+[⌈T/tp⌉, D], sent to the rank of the same tp coordinate in the next stage, so no tp rank ever gathers the whole
+sequence between stages); a schedule needs one shape for every
 micro-batch, so each is padded to T with a document of loss weight 0. Everything else a stage needs — the document
 layout (Packing), targets, masks, advantages, log-probs, aggregation weights — every rank already holds (every rank
 packs the same step), so each stage takes the micro-batch's from the step's queue, in order (both schedules run each
@@ -69,11 +71,14 @@ class StageModule(nn.Module):
         self.norm = model.norm if is_last else None
         self.lm_head = model.lm_head if is_last else None
         self.context_parallel = None
+        self.tensor_parallel = None  # launch/tensor_parallel.py, under tp > 1
         self.pipeline: Pipeline | None = None  # attach_pipeline
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         batch, weight, real = self.pipeline.take(self.index)
         packing = batch.packing
+        if self.tensor_parallel is not None:  # what the dense MLPs and the final norm gather to
+            self.tensor_parallel.num_tokens = packing.num_tokens
         h_TD = self.embed_tokens(x.reshape(-1)) if self.is_first else x
         rope = rope_cos_sin(packing.positions, self.shape, h_TD.dtype)
         for layer in self.layers.values():
@@ -103,16 +108,18 @@ class StageGroup(nn.Module):
         self.lm_head = last.lm_head if last is not None else None
         self.stages = stages  # a plain list (see above)
         self.is_first, self.is_last = first is not None, last is not None
-        self.context_parallel = None
+        self.context_parallel = self.tensor_parallel = None
         self.pipeline: Pipeline | None = None  # attach_pipeline
         self.sync()
 
     def sync(self) -> None:
-        """Take the stages' layers (recompute wraps them in place of the originals) and context parallel."""
+        """Take the stages' layers (recompute wraps them in place of the originals), context parallel and tensor
+        parallel (the trainer hands the head its group: the last stage's where this rank holds it)."""
         for st in self.stages:
             for k, layer in st.layers.items():
                 self.layers[k] = layer
         self.context_parallel = self.stages[0].context_parallel
+        self.tensor_parallel = self.stages[-1].tensor_parallel
 
     def forward(self, *args, **kwargs):
         raise RuntimeError("a pipeline rank's model runs through its schedule (Trainer.forward_backward)")
@@ -186,6 +193,9 @@ class Pipeline:
 
         self.module, self.tokens, self.num_stages = group, tokens, num_stages
         local = tokens // meshes.cp_size  # under cp each rank holds its zigzag shard of every micro-batch
+        tp = meshes.dense.size(meshes.dense.mesh_dim_names.index("tp"))
+        rows = -(-local // tp)  # under tp the sequence-parallel rows [Tl, D] flow between stages
+        self.tp_rank = meshes.dense.get_local_rank("tp")
         self.group = meshes.dense.get_group("pp")
         self.pp = meshes.dense.size(meshes.dense.mesh_dim_names.index("pp"))
         self.index = meshes.dense.get_local_rank("pp")
@@ -196,9 +206,9 @@ class Pipeline:
         for st in group.stages:
             # shapes are static (every micro-batch padded to `tokens`): no shape inference at the first step
             inputs = (torch.empty(1, local, dtype=torch.int64, device=device) if st.is_first else
-                      torch.empty(local, hidden, dtype=dtype, device=device, requires_grad=True))
+                      torch.empty(rows, hidden, dtype=dtype, device=device, requires_grad=True))
             outputs = (torch.empty(1, dtype=torch.float32, device=device, requires_grad=True) if st.is_last else
-                       torch.empty(local, hidden, dtype=dtype, device=device, requires_grad=True))
+                       torch.empty(rows, hidden, dtype=dtype, device=device, requires_grad=True))
             self.stages.append(PipelineStage(st, st.index, num_stages, device, input_args=inputs,
                                              output_args=outputs, group=self.group))
             st.pipeline = self
@@ -292,11 +302,12 @@ def attach_pipeline(group: StageGroup, plan, meshes, dtype: torch.dtype) -> Stag
 def gathered_state_dict(stage: StageGroup) -> dict[str, torch.Tensor] | None:
     """The whole model's state dict as full CPU tensors on global rank 0 (None on the other ranks), every stage's
     parameters under their global names: each stage gathers its sharded tensors one at a time (bounded device
-    memory), its first data-parallel rank keeps them in host memory, and rank 0 collects the stages'."""
+    memory), its first data-parallel (and tensor-parallel) rank keeps them in host memory, and rank 0 collects the
+    stages'."""
     from torch.distributed.tensor import DTensor
 
     pipeline = stage.pipeline
-    keep = pipeline.metrics_group is None or dist.get_rank(pipeline.metrics_group) == 0
+    keep = (pipeline.metrics_group is None or dist.get_rank(pipeline.metrics_group) == 0) and pipeline.tp_rank == 0
     mine: dict[str, torch.Tensor] = {}
     for name, t in stage.state_dict().items():
         full = t.full_tensor() if isinstance(t, DTensor) else t

@@ -166,7 +166,9 @@ def _placements(model: nn.Module) -> dict[str, str]:
         elif _is_dense_mlp(name, m):
             out[prefix + "gate_proj.weight"] = out[prefix + "up_proj.weight"] = "row"
             out[prefix + "down_proj.weight"] = "col"
-    out["lm_head.weight"] = out["embed_tokens.weight"] = "row"
+    for held in ("lm_head", "embed_tokens"):  # a pipeline stage holds either, both or neither
+        if getattr(model, held, None) is not None:
+            out[held + ".weight"] = "row"
     for name, p in model.named_parameters():
         if name not in out and not _is_routed_expert(name):
             out[name] = "rep"
@@ -252,19 +254,26 @@ def _localize(modules: list[nn.Module], mesh) -> None:
 
 def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
     """Split `model` (on the meta device, or built whole with the same weights on every rank) over the 1-D tp
-    `mesh` and install the sequence-parallel hooks; returns the TensorParallel, also set as `model.tensor_parallel`."""
-    from launch.model import ATTENTION_MIXERS, GatedDeltaNet
+    `mesh` and install the sequence-parallel hooks; returns the TensorParallel, also set as `model.tensor_parallel`.
+
+    `model` is a Transformer, or one pipeline stage of it (launch/pipeline.py: its layers in a ModuleDict, the
+    embedding on the first stage, the final norm and head on the last). A Transformer's forward sets the micro-batch's
+    token count T (`num_tokens`, what the dense MLPs and the final norm gather to) from its packing; a stage sets it
+    itself, from the micro-batch it takes. Between two stages flow the sequence-parallel rows [Tl, D]."""
+    from launch.model import ATTENTION_MIXERS, GatedDeltaNet, Transformer
 
     check_model(model, mesh.size())
     tp = TensorParallel(mesh)
     _distribute(model, mesh)
     mixers, blocks, mlps = [], [], []
-    for layer in model.layers:
+    layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
+    for layer in layers:
         mixer = next(m for m in layer.children() if isinstance(m, (*ATTENTION_MIXERS, GatedDeltaNet)))
         mixers.append(mixer)
         blocks += [m for m in layer.children() if m is not mixer]  # norms, the MoE / MLP
         mlps += [m for name, m in layer.named_children() if _is_dense_mlp("." + name, m)]
-    _localize([*mixers, *blocks, model.embed_tokens, model.norm], mesh)
+    embed, final_norm = getattr(model, "embed_tokens", None), getattr(model, "norm", None)
+    _localize([m for m in (*mixers, *blocks, embed, final_norm) if m is not None], mesh)
     for mixer in mixers:
         if hasattr(mixer, "o_proj_bias_share"):  # each rank's partial output carries 1/tp of o_proj's bias
             mixer.o_proj_bias_share = 1.0 / tp.size
@@ -272,14 +281,14 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
             if hasattr(norm, "sum_over_ranks"):  # a norm over all heads: this rank's heads are some of them
                 norm.sum_over_ranks = tp.all_reduce
 
-    def model_pre(module, args):
-        tp.num_tokens = args[1].num_tokens if len(args) > 1 else args[0].shape[0]
+    def model_pre(module, args):  # Transformer.forward(input_ids_T, packing)
+        tp.num_tokens = args[1].num_tokens
 
-    rows = model.embed_tokens.num_embeddings // tp.size  # this rank's vocabulary rows: [rank·rows, (rank+1)·rows)
+    rows = model.shape.vocab_size // tp.size  # this rank's vocabulary rows: [rank·rows, (rank+1)·rows)
     inside = {}
-    pad = getattr(model.embed_tokens, "pad_row", None)  # the frozen row, where this rank holds it
-    model.embed_tokens.padding_idx = pad - tp.rank * rows if pad is not None and 0 <= pad - tp.rank * rows < rows \
-        else None
+    if embed is not None:
+        pad = getattr(embed, "pad_row", None)  # the frozen row, where this rank holds it
+        embed.padding_idx = pad - tp.rank * rows if pad is not None and 0 <= pad - tp.rank * rows < rows else None
 
     def embed_pre(module, args):
         ids = args[0] - tp.rank * rows
@@ -302,15 +311,18 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
     def norm_post(module, args, out):
         return tp.gather(out, tp.num_tokens, reduce=False)
 
-    model.register_forward_pre_hook(model_pre)
-    model.embed_tokens.register_forward_pre_hook(embed_pre)
-    model.embed_tokens.register_forward_hook(embed_post)
+    if isinstance(model, Transformer):
+        model.register_forward_pre_hook(model_pre)
+    if embed is not None:
+        embed.register_forward_pre_hook(embed_pre)
+        embed.register_forward_hook(embed_post)
     for mixer in mixers:
         mixer.register_forward_pre_hook(mixer_pre)
         mixer.register_forward_hook(mixer_post)
     for mlp in mlps:
         mlp.register_forward_pre_hook(mlp_pre)
         mlp.register_forward_hook(mixer_post)
-    model.norm.register_forward_hook(norm_post)
+    if final_norm is not None:
+        final_norm.register_forward_hook(norm_post)
     model.tensor_parallel = tp
     return tp

@@ -54,11 +54,15 @@ CASES = {
         ["pp2_dp2_ep2_keep1", 2, 2, 1, 1, "base", "keep1", 1, 2, [3, 1]],  # stage 0: layers 0-1 recomputed, not 2
         ["pp4", 1, 1, 1, 1, "cp", "full", 1, 4], ["pp2_cp2", 1, 1, 1, 2, "cp", "full", 1, 2],
         ["dense_tp2_dp2", 2, 1, 1, 1, "dense", "full", 2],
-        ["mla_cp2_tp2_ep4", 1, 4, 1, 2, "mla", "full", 2], ["mla_pp2_dp2_ep2", 2, 2, 1, 1, "mla", "full", 1, 2]],
+        ["mla_cp2_tp2_ep4", 1, 4, 1, 2, "mla", "full", 2], ["mla_pp2_dp2_ep2", 2, 2, 1, 1, "mla", "full", 1, 2],
+        # pp × tp: an uneven split with ep=2 over each stage's tp ranks (off-policy, sequence-mean), and interleaved
+        # over 2 virtual stages a rank with a dense model's MLPs split over tp
+        ["pp2_tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2, 2, [3, 1]],
+        ["dense_pp2_v2_tp2", 1, 1, 1, 1, "dense", "full", 2, 2, [1, 1, 1, 1]]],
     8: [["dp8", 8, 1, 1], ["dp8_ep8_k2", 8, 8, 2], ["cp2_dp4_ep4_k2", 4, 4, 2, 2, "cp_off"],
         ["tp2_dp4_ep8", 4, 8, 1, 1, "base", "full", 2], ["cp2_tp2_dp2_ep4", 2, 4, 2, 2, "cp_off", "full", 2],
         ["pp2_dp4_ep4", 4, 4, 1, 1, "base", "full", 1, 2], ["pp2_cp2_dp2", 2, 1, 1, 2, "cp", "full", 1, 2],
-        ["dense_tp2_dp4", 4, 1, 1, 1, "dense", "full", 2]],
+        ["dense_tp2_dp4", 4, 1, 1, 1, "dense", "full", 2], ["pp2_cp2_tp2_ep2", 1, 2, 1, 2, "cp", "full", 2, 2]],
 }
 
 # variant: (micro-batch tokens, log-prob fields the rollouts carry, LossConfig fields, slow Gated DeltaNet decay and
@@ -324,6 +328,11 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
                 return orig_a2a(*a, **kw)
             dispatch.route, dispatch.all_to_all = route, all_to_all
     stage_calls = _count_stage_forwards(model)
+    exported = None
+    if pp > 1:  # what an export writes (before the steps: the weights every rank built), gathered to rank 0
+        from launch.pipeline import gathered_state_dict
+
+        exported = gathered_state_dict(model)
     losses, grads, metrics = _run(model, trainer, steps)  # every rank: the gradients are gathered collectively
     pipeline = None
     if pp > 1:  # each stage holds its own layers: every rank's gradients, and what each stage ran, to every rank
@@ -356,12 +365,18 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
                                           and "tp" in (p.device_mesh.mesh_dim_names or ())),
             # PP: per stage (index, its layers, holds the embedding, holds the head, forwards it ran)
             "pipeline": pipeline,
+            # PP: the stages' gathered state dict equals the whole model's, name for name and bit for bit
+            "export_equal": None if exported is None else _same_state(exported, _model(shape, variant).state_dict()),
             # the layers this rank runs under recompute (global indices), in order
             "recomputed_layers": [int(k) for k, x in (model.layers.items() if isinstance(model.layers, nn.ModuleDict)
                                                      else enumerate(model.layers))
                                   if hasattr(x, "_checkpoint_wrapped_module")],
             "all_to_alls_per_layer_chunk_micro_batch": calls[0] / (len(layers) * forwards * chunks) if ep > 1 else None,
             "grads": {n: g for n, g in grads.items()}}
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return sorted(a) == sorted(b) and all(torch.equal(a[k].cpu(), b[k].cpu()) for k in b)
 
 
 def _crosses_tp_edge(packing, tp: int) -> bool:

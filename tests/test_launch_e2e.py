@@ -191,9 +191,9 @@ def test_sigint_stops_after_the_step_with_a_checkpoint(tmp_path):
     assert saved >= 3 and (out / "checkpoints" / f"step_{saved}" / "COMPLETE").exists()
 
 
-def _two_steps_exported(tmp_path, reference, name: str, seq: str, *pins: str):
-    """Solve a 2-process tiny-moe plan with `pins` and run two steps of it under torchrun with --export: both losses
-    equal the reference's, and the export holds the step-2 checkpoint's masters. Returns (run folder, plan)."""
+def _two_steps_exported(tmp_path, reference, name: str, seq: str, *pins: str, gpus: int = 2):
+    """Solve a `gpus`-process tiny-moe plan with `pins` and run two steps of it under torchrun with --export: both
+    losses equal the reference's, and the export holds the step-2 checkpoint's masters. Returns (run folder, plan)."""
     import torch
 
     from launch.checkpoint import load
@@ -203,11 +203,11 @@ def _two_steps_exported(tmp_path, reference, name: str, seq: str, *pins: str):
     from recipe.models import PRESETS
 
     plan = tmp_path / f"{name}.yaml"
-    r = subprocess.run(["recipe", "solve", "--model", "tiny-moe", "--seq", seq, "--hw", "cpu", "--gpus", "2", *pins,
-                        "-o", str(plan)], env=_env(), cwd=ROOT, capture_output=True, text=True)
+    r = subprocess.run(["recipe", "solve", "--model", "tiny-moe", "--seq", seq, "--hw", "cpu", "--gpus", str(gpus),
+                        *pins, "-o", str(plan)], env=_env(), cwd=ROOT, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr
     out = tmp_path / "run"
-    torchrun(2, plan, out, "--steps", "2", "--export", str(tmp_path / "hf"))
+    torchrun(gpus, plan, out, "--steps", "2", "--export", str(tmp_path / "hf"))
     close(losses(out), reference, [1, 2], OTHER)
     exported = build_model(PRESETS["tiny-moe"], seed=7)
     load_hf_checkpoint(exported, tmp_path / "hf")
@@ -238,4 +238,14 @@ def test_pipeline_run_exports_resumes_and_redeploys(tmp_path, reference, plan1):
     assert "saved at world size 2" in r.stdout
     r = torchrun(2, plan, out, "--steps", "4", "--resume")
     assert "resumed from" in r.stdout and "saved at world size 1" in r.stdout
+    close(losses(out), reference, [3, 4], OTHER)
+
+
+def test_pipeline_with_tensor_parallel_run_exports_and_resumes_at_tp1(tmp_path, reference, plan1):
+    """pp=2 × tp=2 on 4 processes (3 + 1 layers, each stage's heads and vocabulary split over its 2 tp ranks) for
+    two steps, exported; resumed on one process: every step's loss equals the reference's, and the export holds the
+    checkpoint's masters (each stage's tp DTensors gathered, every tensor once)."""
+    out, _ = _two_steps_exported(tmp_path, reference, "pp2_tp2", "512", "--pp", "2", "--tp", "2", gpus=4)
+    r = torchrun(1, plan1, out, "--steps", "4", "--resume")
+    assert "saved at world size 4" in r.stdout
     close(losses(out), reference, [3, 4], OTHER)

@@ -399,3 +399,25 @@ def test_attention_gqa_inside_sdpa_equals_repeated_heads():
         torch.testing.assert_close(out, ref)
         for a, b in zip(grads, rgrads):
             torch.testing.assert_close(a, b)
+
+
+def test_sdpa_without_flash_leaves_the_priority_order_alone():
+    """MLA's attention runs SDPA without the flash kernel; the context restores the enabled backends exactly (also
+    where one was disabled before it) and never sets the priority order (torch's GPU-dependent default, filled in at
+    the process's first SDPA call, must not be overwritten by the order saved before it)."""
+    from launch.model import sdpa_without_flash
+
+    flash, cudnn = torch.backends.cuda.flash_sdp_enabled(), torch.backends.cuda.cudnn_sdp_enabled()
+    before = torch._C._get_sdp_priority_order()
+    try:
+        torch.backends.cuda.enable_flash_sdp(False)
+        torch.backends.cuda.enable_cudnn_sdp(False)
+        with sdpa_without_flash():
+            assert torch._C._get_sdp_priority_order() == before
+            assert not torch.backends.cuda.flash_sdp_enabled()
+            assert torch.backends.cuda.cudnn_sdp_enabled() and torch.backends.cuda.mem_efficient_sdp_enabled()
+        assert torch._C._get_sdp_priority_order() == before
+        assert not torch.backends.cuda.flash_sdp_enabled() and not torch.backends.cuda.cudnn_sdp_enabled()
+    finally:
+        torch.backends.cuda.enable_flash_sdp(flash)
+        torch.backends.cuda.enable_cudnn_sdp(cudnn)

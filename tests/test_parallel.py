@@ -9,7 +9,8 @@ chunk bitwise. CP: cp=2 (world 2), cp=4 and cp=2 × ep=2 with dp=2 (world 4) on 
 cross segment edges, with a padded tail; and the CP exchanges alone (attention, conv halo, delta-rule combine) against
 the one-process functions in fp64, outputs and input gradients to 1e-12. PP: pp=2 with an uneven split (3 + 1
 layers) on off-policy sequence-mean data and interleaved over 2 virtual stages a rank (world 2), pp=2 × dp=2 with
-ep=2 inside each stage, pp=4 (two middle stages) and pp=2 × cp=2 (world 4). TP:
+ep=2 inside each stage, pp=4 (two middle stages), pp=2 × cp=2, pp=2 × tp=2 with ep=2 and a dense model at pp=2 ×
+tp=2 interleaved (world 4). TP:
 tp=2 alone and with ep=2 over the tp ranks (world 2), tp=2 × dp=2 with ep=1 and ep=4 and cp=2 × tp=2 with ep=4
 (world 4), on packed micro-batches padded to whole sequence-parallel rows with documents across the tp ranks' edge.
 
@@ -209,13 +210,37 @@ def test_tensor_parallel_splits_every_dense_parameter_and_the_data_crosses_edges
 
 @pytest.mark.dist
 @pytest.mark.parametrize("world, name", [(2, "pp2"), (2, "pp2_v2"), (4, "pp2_dp2_ep2"), (4, "pp4"),
-                                         (4, "pp2_cp2"), (4, "pp2_dp2_ep2_keep1")])
+                                         (4, "pp2_cp2"), (4, "pp2_dp2_ep2_keep1"), (4, "pp2_tp2_ep2"),
+                                         (4, "dense_pp2_v2_tp2")])
 def test_pipeline_layouts_equal_one_process(world2, world4, world, name):
     """pp=2 (1F1B, micro-batches padded to the plan's micro_batch_tokens), pp=2 with 2 virtual stages a rank
-    (interleaved 1F1B), pp=2 × dp=2 with ep=2 inside each stage, pp=4, pp=2 × cp=2, and pp=2 × dp=2 × ep=2 with
-    the last layer of each stage kept (partial recompute): every step's loss and metrics (on the last stage,
+    (interleaved 1F1B), pp=2 × dp=2 with ep=2 inside each stage, pp=4, pp=2 × cp=2, pp=2 × dp=2 × ep=2 with
+    the last layer of each stage kept (partial recompute), pp=2 × tp=2 with ep=2 over each stage's tp ranks on an
+    uneven split, and a dense model at pp=2 × tp=2 interleaved: every step's loss and metrics (on the last stage,
     broadcast to every rank) and every gradient of every stage equal one process."""
     _assert_equal_to_one_process({2: world2, 4: world4}[world][name])
+
+
+@pytest.mark.dist
+def test_pipeline_with_tensor_parallel_splits_each_stage(world4):
+    """Under pp × tp each rank's stages hold their dense parameters as tp DTensors (the embedding on the first
+    stage, the head on the last) and exchange their sequence-parallel rows, some document across the tp ranks'
+    edge."""
+    import dist_cases
+    from launch.model import build_model
+
+    def dense_params(model, layers, first, last):
+        return sum(1 for n, _ in model.named_parameters() if ".mlp.experts." not in n and (
+            (n.startswith("layers.") and n.split(".")[1] in layers) or (first and n.startswith("embed_tokens."))
+            or (last and n.split(".")[0] in ("norm", "lm_head"))))
+
+    for name, variant in (("pp2_tp2_ep2", "cp_off"), ("dense_pp2_v2_tp2", "dense")):
+        whole = build_model(dist_cases._shape(variant))
+        r = world4[name]
+        assert r["tp_docs_cross_shard_edges"], name
+        # rank 0 holds the first stage(s): its count of tp parameters is theirs
+        layers, first, last = r["pipeline"][0][1], r["pipeline"][0][2], r["pipeline"][0][3]
+        assert r["tensor_parallel_params"] == dense_params(whole, layers, first, last), name
 
 
 @pytest.mark.dist
@@ -241,6 +266,10 @@ def test_pipeline_stages_hold_their_layers_and_run_every_micro_batch(world2, wor
     assert [p[1] for p in world4["pp2_dp2_ep2_keep1"]["pipeline"]] == [["0", "1", "2"], ["3"]]
     assert world4["pp2_dp2_ep2_keep1"]["recomputed_layers"] == [0, 1]
     assert world4["pp2_dp2_ep2"]["recomputed_layers"] == [0, 1]  # the split [2, 2], every layer recomputed
+    # what an export writes: every stage's tensors gathered whole (tp, ep and dp shards joined) under the model's names
+    for r in (world2["pp2"], world2["pp2_v2"], world4["pp2_dp2_ep2"], world4["pp4"], world4["pp2_tp2_ep2"],
+              world4["dense_pp2_v2_tp2"]):
+        assert r["export_equal"] is True, r["name"]
 
 
 @pytest.mark.dist
@@ -321,8 +350,7 @@ def test_layout_checks_name_every_factor():
         check_layout(layout, 2)
     check_layout(LayoutSpec(pp=1, tp=1, cp=2, ep=2, dp=2, etp=1, edp=2), 4)  # cp runs
     check_layout(LayoutSpec(pp=2, tp=1, cp=1, ep=2, dp=2, etp=1, edp=1), 4)  # pp runs, with dp and ep
-    with pytest.raises(LayoutError, match=r"pipeline and tensor parallelism together \(pp=2, tp=2\)"):
-        check_layout(LayoutSpec(pp=2, tp=2, cp=1, ep=1, dp=1, etp=1, edp=2), 4)
+    check_layout(LayoutSpec(pp=2, tp=2, cp=1, ep=1, dp=1, etp=1, edp=2), 4)  # and with tp
     with pytest.raises(LayoutError, match=r"the plan asks for etp=2"):
         check_layout(LayoutSpec(pp=1, tp=2, cp=1, ep=1, dp=2, etp=2, edp=2), 4)
 
