@@ -184,8 +184,9 @@ def divisibility(m, lay, seq: int, stages: list[int] | None = None) -> list[tupl
                               f"(tp=1)"))
     if m.num_experts % lay.ep:
         out.append(("ep", lay.ep, f"{m.num_experts} experts of {m.name} are not divisible by ep={lay.ep}"))
-    if m.num_layers % lay.pp:
-        out.append(("pp", lay.pp, f"{m.num_layers} layers of {m.name} are not divisible into pp={lay.pp} stages"))
+    if lay.pp > m.num_layers:
+        out.append(("pp", lay.pp, f"{m.num_layers} layers of {m.name} cannot give each of pp={lay.pp} stages a "
+                                  f"layer"))
     if stages is not None and sum(stages) != m.num_layers:
         out.append(("pp", lay.pp, f"train.pp_stages {list(stages)} holds {sum(stages)} layers but {m.name} has "
                                   f"{m.num_layers}"))

@@ -121,7 +121,9 @@ def ep_candidates(m: ModelShape, ranks: int) -> list[int]:
 
 
 def pp_candidates(m: ModelShape, world: int) -> list[int]:
-    return [p for p in divisors(world) if m.num_layers % p == 0]
+    """Divisors of the world that leave every pipeline stage at least one layer: stages need not hold equal counts
+    (the split balances them in time, recipe.cost.pipeline_split, and the memory is the largest stage's)."""
+    return [p for p in divisors(world) if p <= m.num_layers]
 
 
 # ---- pins: degrees the user fixes ("what if") ------------------------------------------------------------------
@@ -159,8 +161,8 @@ def pin_violations(m: ModelShape, hw: HwProfile, seq: int, pins: dict[str, int],
     world/pp — at pp = 1 when pp is not pinned: an ep that does not divide the world divides no world/pp)."""
     out = []
     pp, tp, cp, ep = (pins.get(k) for k in PIN_DIMS)
-    if pp is not None and m.num_layers % pp:
-        out.append(f"pp={pp} must divide the {m.num_layers} layers into equal stages")
+    if pp is not None and pp > m.num_layers:
+        out.append(f"pp={pp} must leave each pipeline stage at least one of the {m.num_layers} layers")
     if tp is not None:
         split = [(m.num_heads, "attention heads"), (m.num_kv_heads, "KV heads"), (m.vocab_size, "vocab entries")]
         if m.linear_attn is not None:

@@ -180,7 +180,8 @@ def test_divisibility_rules_one_by_one():
     assert any("attention heads" in w for _, _, w in divisibility(m, lay(tp=3), 131072))
     assert any("vocab" in w for _, _, w in divisibility(PRESETS["mixtral-8x7b"], lay(tp=3), 3 * 32768))
     assert [f for f, _, _ in divisibility(m, lay(ep=3), 131072)] == ["ep"]
-    assert [f for f, _, _ in divisibility(m, lay(pp=3), 131072)] == ["pp"]
+    assert divisibility(m, lay(pp=3), 131072) == []  # 40 layers as 14 + 13 + 13, or as the split balances them
+    assert [f for f, _, _ in divisibility(m, lay(pp=41), 131072)] == ["pp"]  # a stage with no layer
     assert any("sequence 131071 does not split into 2·cp=4" in w for _, _, w in divisibility(m, lay(cp=2), 131071))
     split = divisibility(m, lay(cp=2), 6)  # 6 tokens: divisible by cp=2, not into 2·cp=4 segments
     assert any("2·cp=4" in w for _, _, w in split)

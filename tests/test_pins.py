@@ -118,7 +118,7 @@ def test_pins_without_gpus_take_the_smallest_count_the_pins_allow():
     (["--gpus", "2", "--ep", "4"], "ep=4 must divide world/pp = 2/1 = 2"),
     (["--gpus", "4", "--pp", "2", "--ep", "4"], "ep=4 must divide world/pp = 4/2 = 2"),
     (["--gpus", "4", "--tp", "4"], "tp=4 must divide the 2 KV heads, the 2 linear-attention key heads"),
-    (["--gpus", "2", "--pp", "3"], "pp=3 must divide the 4 layers"),
+    (["--gpus", "8", "--pp", "8"], "pp=8 must leave each pipeline stage at least one of the 4 layers"),
     (["--gpus", "2", "--cp", "3"], "sequence 4096 does not split into 2·cp=6 equal segments"),
     (["--gpus", "2", "--tp", "2", "--cp", "2"], "pinned tp·cp = 2·2 = 4 must divide the 2 GPUs"),
     (["--gpus", "6", "--cp", "4"], "cp=4 must divide the 6 GPUs"),
