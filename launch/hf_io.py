@@ -384,7 +384,7 @@ def hf_config(shape: ModelShape) -> dict:
                    mlp_only_layers=[], use_sliding_window=False, layer_types=list(shape.layer_types))
         return cfg
     if shape.arch in _PLURAL_SHARED_ARCHS:  # DeepSeek-V3, GLM-4.5: sigmoid routing, shared experts, dense first layers
-        r = shape.sigmoid_router
+        r = shape.sigmoid_router or shape.softmax_router  # the latter: DeepSeek-V2
         cfg.pop("num_experts")
         cfg.update(n_routed_experts=shape.num_experts, n_shared_experts=shape.shared_expert_ffn // shape.expert_ffn,
                    n_group=r.groups, topk_group=r.topk_groups, routed_scaling_factor=r.scaling,
@@ -399,6 +399,10 @@ def hf_config(shape: ModelShape) -> dict:
                        q_lora_rank=a.q_lora_rank or None, kv_lora_rank=a.kv_lora_rank,
                        qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
                        v_head_dim=a.v_head_dim, head_dim=a.qk_rope_head_dim)
+            if shape.softmax_router is not None:  # DeepSeek-V2: softmax routing, no correction bias
+                cfg.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], scoring_func="softmax",
+                           topk_method="group_limited_greedy" if r.groups > 1 else "greedy")
+                cfg.pop("rope_interleave")
         return cfg
     if shape.arch == "gpt_oss":
         for k in ("num_experts", "moe_intermediate_size"):

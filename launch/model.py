@@ -501,7 +501,7 @@ class DecoderLayer(nn.Module):
             self.mlp = MoE(s.hidden_size, s.num_experts, s.top_k, s.expert_ffn, s.shared_expert_ffn,
                            s.shared_expert_gate, s.norm_topk_prob, s.sigmoid_router, router_bias=gpt_oss,
                            activation=GPT_OSS_GLU if gpt_oss else SWIGLU, expert_bias=gpt_oss,
-                           softmax_scores=s.arch in SOFTMAX_SCORE_ARCHS)
+                           softmax_scores=s.arch in SOFTMAX_SCORE_ARCHS, softmax_router=s.softmax_router)
 
     def forward(self, x_TD: torch.Tensor, rope, packing: Packing) -> torch.Tensor:
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn

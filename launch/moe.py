@@ -189,11 +189,17 @@ class GroupedExperts(nn.Module):
 class TopKRouter(nn.Module):
     """Softmax routing: the top-k experts of softmax(logits), renormalized over the k when norm_topk_prob. With a
     bias (gpt-oss: logits = x Wᵀ + b) and renormalized, the k are chosen on the logits and weighted by a softmax
-    over those k logits, as gpt-oss computes it: the same weights as softmax, top-k, renormalize."""
+    over those k logits, as gpt-oss computes it: the same weights as softmax, top-k, renormalize. DeepSeek-V2
+    (recipe.models.SoftmaxRouter): the k chosen among the `topk_groups` best of `groups` expert groups (a group
+    scored by its most probable expert), the weights times `scaling`."""
 
-    def __init__(self, num_experts: int, dim: int, top_k: int, norm_topk_prob: bool, bias: bool = False):
+    def __init__(self, num_experts: int, dim: int, top_k: int, norm_topk_prob: bool, bias: bool = False,
+                 groups: int = 1, topk_groups: int = 1, scaling: float = 1.0):
         super().__init__()
+        if num_experts % groups:
+            raise ValueError(f"{num_experts} experts cannot form {groups} equal groups")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.groups, self.topk_groups, self.scaling = groups, topk_groups, scaling
         self.weight = nn.Parameter(torch.empty(num_experts, dim))
         self.bias = nn.Parameter(torch.empty(num_experts)) if bias else None
 
@@ -204,9 +210,21 @@ class TopKRouter(nn.Module):
             top_l_TK, top_e_TK = torch.topk(logits_TE, self.top_k, dim=-1)
             return logits_TE, torch.softmax(top_l_TK.float(), dim=-1).to(x_TD.dtype), top_e_TK
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
-        top_w_TK, top_e_TK = torch.topk(probs_TE, self.top_k, dim=-1)
+        if self.groups > 1:
+            with torch.no_grad():  # which experts may be chosen: the choice has no gradient
+                T, E = probs_TE.shape
+                best_TG = probs_TE.view(T, self.groups, E // self.groups).amax(-1).topk(self.topk_groups, -1).indices
+                keep_TG = torch.zeros(T, self.groups, dtype=torch.bool, device=probs_TE.device).scatter_(1, best_TG,
+                                                                                                       True)
+                top_e_TK = probs_TE.masked_fill(~keep_TG.repeat_interleave(E // self.groups, dim=1),
+                                                -1.0).topk(self.top_k, dim=-1).indices
+            top_w_TK = probs_TE.gather(1, top_e_TK)
+        else:
+            top_w_TK, top_e_TK = torch.topk(probs_TE, self.top_k, dim=-1)
         if self.norm_topk_prob:
             top_w_TK = top_w_TK / top_w_TK.sum(-1, keepdim=True)
+        if self.scaling != 1.0:
+            top_w_TK = top_w_TK * self.scaling
         return logits_TE, top_w_TK.to(x_TD.dtype), top_e_TK
 
 
@@ -412,11 +430,13 @@ class MoE(nn.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, norm_topk_prob: bool = True, sigmoid_router=None,
                  router_bias: bool = False, activation: GLU = SWIGLU, expert_bias: bool = False,
-                 softmax_scores: bool = False):
+                 softmax_scores: bool = False, softmax_router=None):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         if sigmoid_router is None:
-            self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob, bias=router_bias)
+            grouped = {} if softmax_router is None else dict(  # a recipe.models.SoftmaxRouter (DeepSeek-V2)
+                groups=softmax_router.groups, topk_groups=softmax_router.topk_groups, scaling=softmax_router.scaling)
+            self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob, bias=router_bias, **grouped)
         else:  # a recipe.models.SigmoidRouter
             self.gate = SigmoidTopKRouter(num_experts, dim, top_k, norm_topk_prob, sigmoid_router.groups,
                                           sigmoid_router.topk_groups, sigmoid_router.scaling, softmax_scores)

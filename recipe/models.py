@@ -60,12 +60,9 @@ class MLAShape(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
-class SigmoidRouter(Record):
-    """DeepSeek-V3 / GLM-4.5 routing (what a softmax top-k router is replaced by): each expert scored by a sigmoid;
-    experts chosen on score + a per-expert correction bias (set by load balancing in pre-training, not by the
-    loss), among the `topk_groups` best of `groups` equal expert groups (a group scored by its two best experts);
-    the chosen experts weighted by their scores without the bias, renormalized if norm_topk_prob, times
-    `scaling`."""
+class _GroupedRouting(Record):
+    """The experts in `groups` equal groups, the top-k chosen among the `topk_groups` best groups, their weights
+    times `scaling`."""
 
     groups: Pos = 1
     topk_groups: Pos = 1
@@ -77,6 +74,23 @@ class SigmoidRouter(Record):
             raise ValueError(f"topk_groups={self.topk_groups} > groups={self.groups}")
         if not (isinstance(self.scaling, (int, float)) and math.isfinite(self.scaling) and self.scaling > 0):
             raise ValueError(f"routed scaling must be a positive number, got {self.scaling!r}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SigmoidRouter(_GroupedRouting):
+    """DeepSeek-V3 / GLM-4.5 routing (what a softmax top-k router is replaced by): each expert scored by a sigmoid;
+    experts chosen on score + a per-expert correction bias (set by load balancing in pre-training, not by the
+    loss), among the `topk_groups` best of `groups` equal expert groups (a group scored by its two best experts);
+    the chosen experts weighted by their scores without the bias, renormalized if norm_topk_prob, times
+    `scaling`."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class SoftmaxRouter(_GroupedRouting):
+    """DeepSeek-V2 routing: the experts' softmax probabilities; the top-k chosen among the `topk_groups` best of
+    `groups` equal expert groups (a group scored by its most probable expert; one group: plain top-k, V2-Lite's
+    "greedy"); weighted by their probabilities, renormalized if norm_topk_prob, times `scaling`. No correction
+    bias."""
 
 
 ROPE_SCALINGS = ("yarn", "llama3", "linear")  # the RoPE scalings the training core applies
@@ -117,8 +131,8 @@ class RopeScaling(Record):
 
 # what the training core (launch/) builds: the Qwen3.5 / Qwen3-Next hybrids (MoE and dense), Qwen3-MoE, Mixtral
 # (Qwen3-MoE's block without q/k norms, top-k weights renormalized), Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B: q/k/v
-# biases, a gated shared expert, softmax routing without renormalization), DeepSeek-V3 (multi-head latent attention,
-# sigmoid routing; Kimi-K2 and Moonlight share it), GLM-4.5 (sigmoid routing, q/k/v biases, partial RoPE), gpt-oss
+# biases, a gated shared expert, softmax routing without renormalization), DeepSeek-V3 (multi-head latent
+# attention, sigmoid routing; Kimi-K2 and Moonlight share it) and DeepSeek-V2 (its softmax routing), GLM-4.5 (sigmoid routing, q/k/v biases, partial RoPE), gpt-oss
 # (attention sinks, sliding-window layers, biased router and experts, clamped GLU) and dense Llama-family stacks
 # (Llama, Qwen2, Qwen3, Mistral without a sliding window), OLMoE (q/k norms over all heads together, softmax routing
 # without renormalization), ERNIE-4.5 MoE (softmax scores steered by a correction bias, shared experts, a dense first
@@ -140,7 +154,7 @@ def trainable(shape: "ModelShape") -> str | None:
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Qwen2-MoE, OLMoE, ERNIE-4.5, "
-                f"MiniMax-M2, Mixtral, DeepSeek-V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss and dense "
+                f"MiniMax-M2, Mixtral, DeepSeek-V2 and V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss and dense "
                 f"Llama/Qwen/Mistral stacks; not Llama 4, Granite, OLMoE with clip_qkv, ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
@@ -150,7 +164,8 @@ def trainable(shape: "ModelShape") -> str | None:
         ("sliding-window attention", bool(shape.sliding_window) and not gpt_oss),
         ("sliding_attention layers without a sliding_window",
          shape.num_sliding_layers > 0 and not shape.sliding_window),
-        ("DeepSeek-V2's softmax routing", shape.arch == "deepseek_v3" and shape.sigmoid_router is None),
+        ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
+         and shape.softmax_router is None),
         (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and sc.kind not in ROPE_SCALINGS))
                    if present]
     if unsupported:
@@ -210,6 +225,7 @@ class ModelShape(Record):
     norm_topk_prob: bool = True  # renormalize the top-k router weights
     router_bias: bool = False
     sigmoid_router: SigmoidRouter | None = None  # None: softmax top-k
+    softmax_router: SoftmaxRouter | None = None  # DeepSeek-V2's grouped softmax top-k (None: plain softmax top-k)
     first_dense_layers: NonNeg = 0  # leading layers with a dense FFN instead of MoE
     dense_ffn: NonNeg = 0
     # embeddings, norms
@@ -242,6 +258,8 @@ class ModelShape(Record):
             raise ValueError(f"first_dense_layers={self.first_dense_layers} needs dense_ffn > 0")
         if self.first_dense_layers > self.num_layers:
             raise ValueError(f"first_dense_layers={self.first_dense_layers} > num_layers={self.num_layers}")
+        if self.sigmoid_router is not None and self.softmax_router is not None:
+            raise ValueError("a model has one router: sigmoid_router and softmax_router are both set")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id={self.pad_token_id} is not a token of the {self.vocab_size}-row vocabulary")
 
@@ -279,7 +297,8 @@ class ModelShape(Record):
 
     def fingerprint_dict(self) -> dict:
         # a shape without the routing, RoPE-scaling or pad records keeps the fingerprint it had before they existed
-        unset = {k for k in ("sigmoid_router", "rope_scaling", "pad_token_id") if getattr(self, k) is None}
+        unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id")
+                 if getattr(self, k) is None}
         return plain(self, exclude=frozenset({"source"} | unset))
 
 
@@ -739,7 +758,9 @@ def _from_hf_config(path: Path) -> ModelShape:
             first_dense_layers=opt("first_k_dense_replace", 0),
             dense_ffn=opt("intermediate_size", 0),
         )
-        if model_type != "deepseek_v2":  # V2's softmax routing is planned only (`trainable` says so)
+        if model_type == "deepseek_v2":
+            fields["softmax_router"] = _softmax_router(cfg, opt, number)
+        else:
             fields["sigmoid_router"] = _sigmoid_router(cfg, model_type, opt, number)
     elif arch == "gpt_oss":
         # transformers' defaults for what a gpt_oss config leaves out: layers alternating sliding (first) and full,
@@ -795,6 +816,19 @@ def _sigmoid_router(cfg: dict, model_type: str, opt, number) -> dict:
     given = cfg.get("routed_scaling_factor")
     return dict(groups=opt("n_group", groups), topk_groups=opt("topk_group", topk_groups),
                 scaling=scaling if given is None else number(given, "routed_scaling_factor"))
+
+
+def _softmax_router(cfg: dict, opt, number) -> dict:
+    """DeepSeek-V2's router fields: `topk_method` "greedy" (transformers' default; one group) or
+    "group_limited_greedy" (n_group, topk_group), routed_scaling_factor (default 1)."""
+    method = cfg.get("topk_method", "greedy")
+    given = cfg.get("routed_scaling_factor")
+    scaling = 1.0 if given is None else number(given, "routed_scaling_factor")
+    if method == "greedy":
+        return dict(scaling=scaling)
+    if method == "group_limited_greedy":
+        return dict(groups=opt("n_group", 1), topk_groups=opt("topk_group", 1), scaling=scaling)
+    raise ValueError(f"topk_method {method!r} is not DeepSeek-V2's (greedy, group_limited_greedy)")
 
 
 def _rope_scaling(cfg: dict, rope: dict, bad, number, count) -> dict | None:

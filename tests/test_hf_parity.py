@@ -1,5 +1,6 @@
 """Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE,
-Qwen2-MoE, OLMoE (q/k norms over all heads; with attention biases), ERNIE-4.5 MoE, MiniMax-M2, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), GLM-4.5, gpt-oss (attention
+Qwen2-MoE, OLMoE (q/k norms over all heads; with attention biases), ERNIE-4.5 MoE, MiniMax-M2, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), DeepSeek-V2 and
+V2-Lite (softmax routing, group-limited and plain), GLM-4.5, gpt-oss (attention
 sinks, sliding and full layers, YaRN without truncation; packed documents, MXFP4: tests/test_gpt_oss.py), and the
 dense Qwen3.5, Llama (also under llama3 RoPE scaling), Qwen2 and Qwen3 (also under YaRN) built in transformers,
 saved, loaded into ours (logits fp32 atol 1e-4, loss), and exported back."""
@@ -47,7 +48,16 @@ DEEPSEEK = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_va
 MLA_ARCHS = {"deepseek_v3": DEEPSEEK,  # Moonlight: no q LoRA, one expert group, plain RoPE
              "moonlight": {**DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1,
                            "rope_parameters": dict(rope_type="default", rope_theta=50000.0)}}
-ARCH = {"moonlight": "deepseek_v3", **{a: "dense" for a in DENSE}}  # the shape's arch where it is not the name
+# DeepSeek-V2: softmax routing in 2 groups of 4 experts (each scored by its best), the 2 experts from the best group
+# only (the limit binds: V2's own keeps 3 groups of 8 for 6 experts), weights not renormalized, times 16 (V2's
+# factor); V2-Lite: no q LoRA, plain top-k ("greedy"), plain RoPE
+DEEPSEEK_V2 = {"deepseek_v2": {**DEEPSEEK, "topk_method": "group_limited_greedy", "n_group": 2, "topk_group": 1,
+                               "routed_scaling_factor": 16.0, "norm_topk_prob": False},
+               "deepseek_v2_lite": {**DEEPSEEK, "q_lora_rank": None, "topk_method": "greedy", "n_group": None,
+                                    "topk_group": None, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
+                                    "rope_parameters": dict(rope_type="default", rope_theta=10000.0)}}
+# the shape's arch where it is not the name
+ARCH = {"moonlight": "deepseek_v3", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE}}
 
 
 def _hf_model(arch: str):
@@ -71,6 +81,9 @@ def _hf_model(arch: str):
     elif arch in MLA_ARCHS:
         cfg = transformers.DeepseekV3Config(**MLA_ARCHS[arch])
         cls = transformers.DeepseekV3ForCausalLM
+    elif arch in DEEPSEEK_V2:
+        cfg = transformers.DeepseekV2Config(**DEEPSEEK_V2[arch])
+        cls = transformers.DeepseekV2ForCausalLM
     elif arch == "gpt_oss":  # sinks, sliding (window 8) and full layers, biased router and experts, clamped GLU
         attn = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
         cfg = transformers.GptOssConfig(**attn, num_local_experts=6, num_experts_per_tok=2, intermediate_size=16,
@@ -129,7 +142,7 @@ def _hf_model(arch: str):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe",
-                                  "minimax_m2", "mixtral", *MLA_ARCHS,
+                                  "minimax_m2", "mixtral", *MLA_ARCHS, *DEEPSEEK_V2,
                                   "glm4_moe", "gpt_oss", "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)
@@ -204,7 +217,7 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral",
-                                  "deepseek_v3", "glm4_moe", "gpt_oss"])
+                                  "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.

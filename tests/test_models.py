@@ -213,9 +213,9 @@ def test_sigmoid_router_fields_default_as_transformers_does(tmp_path):
 
 def test_rope_scaling_and_routing_read_or_refused(tmp_path):
     """transformers' newer `rope_parameters` is read like the legacy `rope_scaling`; a scaling the core does not
-    apply is named by trainable() in one line; DeepSeek-V2 (softmax routing) keeps no sigmoid router and is
-    refused for training, as are malformed fields for every command."""
-    from recipe.models import trainable
+    apply is named by trainable() in one line; DeepSeek-V2's softmax routing is read (plain or group-limited top-k,
+    its scaling) and trained, an unknown topk_method refused, as are malformed fields for every command."""
+    from recipe.models import SoftmaxRouter, trainable
 
     llama = {"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128,
              "num_attention_heads": 4, "intermediate_size": 96,
@@ -238,8 +238,19 @@ def test_rope_scaling_and_routing_read_or_refused(tmp_path):
     v2 = {"model_type": "deepseek_v2", "hidden_size": 64, "num_hidden_layers": 2, "vocab_size": 128,
           "num_attention_heads": 4, "kv_lora_rank": 16, "qk_nope_head_dim": 8, "qk_rope_head_dim": 4,
           "v_head_dim": 8, "n_routed_experts": 8, "num_experts_per_tok": 2, "moe_intermediate_size": 16}
-    m = from_hf_config(_write(tmp_path, "v2", v2))
-    assert m.sigmoid_router is None and "DeepSeek-V2's softmax routing is planned" in trainable(m)
+    m = from_hf_config(_write(tmp_path, "v2", v2))  # transformers' defaults: "greedy", scaling 1
+    assert m.sigmoid_router is None and m.softmax_router == SoftmaxRouter() and trainable(m) is None
+    v2.update(topk_method="group_limited_greedy", n_group=4, topk_group=2, routed_scaling_factor=16.0)
+    m = from_hf_config(_write(tmp_path, "v2g", v2))  # DeepSeek-V2's own routing
+    assert m.softmax_router == SoftmaxRouter(groups=4, topk_groups=2, scaling=16.0) and trainable(m) is None
+    assert m.fingerprint_dict()["softmax_router"] == {"groups": 4, "topk_groups": 2, "scaling": 16.0}
+    published = {n: from_hf_config(Path(__file__).parent / "fixtures" / "configs" / f"{n}.json").softmax_router
+                 for n in ("deepseek-v2", "deepseek-v2-lite")}
+    assert published == {"deepseek-v2": SoftmaxRouter(groups=8, topk_groups=3, scaling=16.0),
+                         "deepseek-v2-lite": SoftmaxRouter()}
+    v2["topk_method"] = "noaux_tc"
+    with pytest.raises(ValueError, match="topk_method 'noaux_tc' is not DeepSeek-V2's"):
+        from_hf_config(_write(tmp_path, "v2bad", v2))
     glm = {"model_type": "glm4_moe", "hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 128,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "n_routed_experts": 8,
            "num_experts_per_tok": 2, "moe_intermediate_size": 16, "n_shared_experts": 1, "intermediate_size": 96,
