@@ -67,17 +67,20 @@ def _time(fn, device, reps: int) -> float:
     return statistics.median(_times(fn, device, reps))
 
 
-def run_ours(shape, T: int, device, steps: int, profile: bool, norm_backend: str = "auto") -> dict:
+def run_ours(shape, T: int, device, steps: int, profile: bool, norm_backend: str = "auto",
+             rope_backend: str = "auto") -> dict:
     from launch.data import synthetic_long_batch
-    from launch.model import HeadsRMSNorm, RMSNorm, build_model
+    from launch.model import ATTENTION_MIXERS, HeadsRMSNorm, RMSNorm, build_model
     from launch.train import TrainConfig, Trainer
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model = build_model(shape, device=device, dtype=dtype, seed=0)
-    for m in model.modules():  # the RMSNorms' path: auto (fused kernels on GPU) or torch (kernels/rms_norm.py)
+    for m in model.modules():  # the RMSNorms' and RoPE's path: auto (fused kernels on GPU) or torch
         if isinstance(m, (RMSNorm, HeadsRMSNorm)):
             m.backend = norm_backend
+        if isinstance(m, ATTENTION_MIXERS):
+            m.rope_backend = rope_backend
     trainer = Trainer(model, TrainConfig(lr=1e-6), recompute="full", lm_head="fused")
     batch = synthetic_long_batch(T, shape.vocab_size, device)
     trainer.step(batch)  # warm-up: Triton compilation and autotuning, allocator growth
@@ -86,7 +89,8 @@ def run_ours(shape, T: int, device, steps: int, profile: bool, norm_backend: str
     last = {}
     times = _times(lambda: last.update(trainer.step(batch)), device, steps)
     metrics = last
-    out = {"impl": "ours" if norm_backend == "auto" else f"ours, {norm_backend} norms", "tokens": T,
+    torch_paths = [f"{b} {what}" for b, what in ((norm_backend, "norms"), (rope_backend, "RoPE")) if b != "auto"]
+    out = {"impl": ", ".join(["ours", *torch_paths]), "tokens": T,
            "step_s": statistics.median(times), "step_s_all": times,
            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
     if device.type == "cuda":
@@ -245,7 +249,8 @@ def child(args) -> None:
               file=sys.stderr)
     try:
         if args.child == "ours":
-            res = run_ours(shape, args.child_seq, device, args.steps, args.profile, args.norm_backend)
+            res = run_ours(shape, args.child_seq, device, args.steps, args.profile, args.norm_backend,
+                           args.rope_backend)
         else:
             res = run_hf(shape, args.child_seq, device, args.steps)
     except torch.OutOfMemoryError as e:
@@ -269,20 +274,24 @@ def main() -> None:
                    help="ours: the RMSNorms' path for each run, comma-separated: auto (the fused kernels on GPU) "
                         "and/or torch (the torch ops), e.g. auto,torch for an A/B")
     p.add_argument("--norm-backend", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--rope-backends", default="auto",
+                   help="ours: RoPE's path for each run, comma-separated: auto (the fused kernel on GPU) and/or torch")
+    p.add_argument("--rope-backend", default="auto", help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
 
     shape = resolve_model(args.model).with_layers(args.layers)
-    runs = [("hf", int(s), "auto") for s in args.hf_seqs.split(",") if s] + \
-        [("ours", int(s), nb) for s in args.seqs.split(",") for nb in args.norm_backends.split(",")]
+    runs = [("hf", int(s), "auto", "auto") for s in args.hf_seqs.split(",") if s] + \
+        [("ours", int(s), nb, rb) for s in args.seqs.split(",") for nb in args.norm_backends.split(",")
+         for rb in args.rope_backends.split(",")]
     results = []
-    for impl, T, norms in runs:
+    for impl, T, norms, ropes in runs:
         cmd = [sys.executable, __file__, "--child", impl, "--child-seq", str(T), "--model", args.model,
                "--layers", str(args.layers), "--steps", str(args.steps), "--device", args.device,
-               "--norm-backend", norms]
-        if impl == "ours" and T == args.profile_seq and norms == "auto":
+               "--norm-backend", norms, "--rope-backend", ropes]
+        if impl == "ours" and T == args.profile_seq and norms == ropes == "auto":
             cmd.append("--profile")
         env = os.environ.copy()
         if impl == "hf":

@@ -25,6 +25,7 @@ import torch.nn.functional as F
 
 from kernels.expert_grads import GPT_OSS_GLU, SWIGLU
 from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
+from kernels.rope import rope as apply_rope
 from kernels.rms_norm import rms_norm
 from launch.gated_delta import gated_delta_rule
 from launch.moe import MoE, SwiGLU
@@ -192,25 +193,6 @@ def rope_cos_sin(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype):
     return (emb_TR.cos() * attn).to(dtype), (emb_TR.sin() * attn).to(dtype)
 
 
-def apply_rope(x_THD: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
-    """Rotate-half RoPE on the first R channels of each head (partial rotary), the rest pass through."""
-    r = cos_TR.shape[-1]
-    x_rot, x_pass = x_THD[..., :r], x_THD[..., r:]
-    x1, x2 = x_rot[..., : r // 2], x_rot[..., r // 2:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    out = x_rot * cos_TR[:, None] + rotated * sin_TR[:, None]
-    return torch.cat([out, x_pass], dim=-1) if x_pass.shape[-1] else out
-
-
-def apply_rope_interleaved(x_THR: torch.Tensor, cos_TR: torch.Tensor, sin_TR: torch.Tensor) -> torch.Tensor:
-    """DeepSeek's RoPE: channel pairs (0, 1), (2, 3), … each rotated by one angle; the result holds the pairs'
-    first channels, then their second ones (the same layout for q and k, so q·k is unchanged by it)."""
-    r = x_THR.shape[-1] // 2
-    cos, sin = cos_TR[:, None, :r], sin_TR[:, None, :r]
-    x1, x2 = x_THR[..., 0::2], x_THR[..., 1::2]
-    return torch.cat([x1 * cos - x2 * sin, x2 * cos + x1 * sin], dim=-1)
-
-
 def sdpa_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
     """K/V as SDPA should take them for queries q ([1, Hq, Tq, Dh]; K/V [1, Hkv, Tk, Dh]), and whether to pass
     `enable_gqa`. GQA inside SDPA (each K/V head serves its group of query heads) keeps no K/V copied to the query
@@ -277,6 +259,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.arch in GPT_OSS_ARCHS else None
         self.rope_interleaved = s.arch in INTERLEAVED_ROPE_ARCHS  # ERNIE-4.5: channel pairs, not halves
+        self.rope_backend = "auto"  # auto | torch | triton (kernels/rope.py: one fused kernel on GPU)
         self.window = window  # keys fewer than `window` positions back (None: every earlier key of the document)
         # the share of o_proj's bias this rank adds: 1/tp under tensor parallelism (launch/tensor_parallel.py sets
         # it), whose ranks' partial outputs are summed
@@ -296,8 +279,7 @@ class Attention(nn.Module):
         v = self.v_proj(x_TD).view(T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        rotate = apply_rope_interleaved if self.rope_interleaved else apply_rope
-        q, k = rotate(q, *rope), rotate(k, *rope)
+        q, k = (apply_rope(t, *rope, pairs=self.rope_interleaved, backend=self.rope_backend) for t in (q, k))
         if self.sinks is not None or self.window is not None:
             if _context_parallel(self, packing) is not None:
                 o = self.context_parallel.sink_attention(q, k, v, self.sinks, packing, self.scale, self.window)
@@ -320,7 +302,7 @@ class MLAttention(nn.Module):
     through a low-rank q_a_proj → RMSNorm → q_b_proj (q_lora_rank > 0); keys and values from one shared latent:
     kv_a_proj_with_mqa gives the kv_lora_rank latent (normed, then kv_b_proj expands it to each head's
     [k_nope (Dn) | v (Dv)]) and one RoPE key part (Dr) that every head shares. Per head q = [q_nope | rope(q_rope)],
-    k = [k_nope | rope(k_rope)], interleaved RoPE (apply_rope_interleaved). Attention runs as multi-head attention
+    k = [k_nope | rope(k_rope)], RoPE on channel pairs (kernels.rope, `pairs`). Attention runs as multi-head attention
     over the expanded keys (training processes every token, so the latent is never cached): on a GPU whose cuDNN
     takes the shapes, cuDNN's kernel with v at its own width Dv; elsewhere v zero-padded to q's head size Dn + Dr
     (flash attention takes one head size; the padded output channels are zero and dropped). `expand` decides, for
@@ -345,6 +327,7 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(a.kv_lora_rank, s.num_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
         self.o_proj = nn.Linear(s.num_heads * a.v_head_dim, s.hidden_size, bias=s.attn_bias)
         self.scale = softmax_scale(s)
+        self.rope_backend = "auto"  # as Attention's
         self.context_parallel = None  # as Attention's
 
     def forward(self, x_TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing):
@@ -352,9 +335,10 @@ class MLAttention(nn.Module):
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD))) if hasattr(self, "q_b_proj") else self.q_proj(x_TD)
         q = q.view(T, -1, self.qk_dim)  # [T, H, Dn + Dr]: heads from the width (tensor parallelism splits them)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rope_interleaved(q_rope, *rope)], dim=-1)
+        q = torch.cat([q_nope, apply_rope(q_rope, *rope, pairs=True, backend=self.rope_backend)], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x_TD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_rope = apply_rope_interleaved(k_rope.view(T, 1, self.rope_dim), *rope).view(T, self.rope_dim)
+        k_rope = apply_rope(k_rope.view(T, 1, self.rope_dim), *rope, pairs=True,
+                            backend=self.rope_backend).view(T, self.rope_dim)
         latent = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)  # [T, C + Dr]: all a key needs
         if _context_parallel(self, packing) is not None:  # the latent crosses the cp ranks, not K and V
             o = self.context_parallel.latent_attention(q, latent, self.expand, packing, self.scale)

@@ -132,12 +132,13 @@ class RopeScaling(Record):
 # what the training core (launch/) builds: the Qwen3.5 / Qwen3-Next hybrids (MoE and dense), Qwen3-MoE, Mixtral
 # (Qwen3-MoE's block without q/k norms, top-k weights renormalized), Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B: q/k/v
 # biases, a gated shared expert, softmax routing without renormalization), DeepSeek-V3 (multi-head latent
-# attention, sigmoid routing; Kimi-K2 and Moonlight share it) and DeepSeek-V2 (its softmax routing), GLM-4.5 (sigmoid routing, q/k/v biases, partial RoPE), gpt-oss
-# (attention sinks, sliding-window layers, biased router and experts, clamped GLU) and dense Llama-family stacks
-# (Llama, Qwen2, Qwen3, Mistral without a sliding window), OLMoE (q/k norms over all heads together, softmax routing
-# without renormalization), ERNIE-4.5 MoE (softmax scores steered by a correction bias, shared experts, a dense first
-# layer, interleaved RoPE, tied embeddings), MiniMax-M2 (q/k norms over all heads together, partial RoPE, sigmoid
-# routing steered by a correction bias, no shared expert); `recipe solve` plans every arch
+# attention, sigmoid routing; Kimi-K2 and Moonlight share it) and DeepSeek-V2 (its softmax routing), GLM-4.5
+# (sigmoid routing, q/k/v biases, partial RoPE), gpt-oss (attention sinks, sliding-window layers, biased router and
+# experts, clamped GLU) and dense Llama-family stacks (Llama, Qwen2, Qwen3, Mistral without a sliding window), OLMoE
+# (q/k norms over all heads together, softmax routing without renormalization), ERNIE-4.5 MoE (softmax scores
+# steered by a correction bias, shared experts, a dense first layer, interleaved RoPE, tied embeddings), MiniMax-M2
+# (q/k norms over all heads together, partial RoPE, sigmoid routing steered by a correction bias, no shared
+# expert); `recipe solve` plans every arch
 TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2",
                  "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5", "dense")
 # archs whose q/k RMSNorms span all heads of a token together (one weight per channel of the projection), not each

@@ -141,6 +141,31 @@ def test_fused_rms_norm_matches_torch_path(shape, offset):
             f"{name}: ours {_rel(a, r):.2e}, torch bf16 {_rel(t, r):.2e} against fp32"
 
 
+@pytest.mark.parametrize("heads, dim, rotary, pairs", [(32, 128, 128, False), (16, 256, 64, False),
+                                                      (128, 64, 64, True)])
+def test_fused_rope_matches_torch_path(heads, dim, rotary, pairs):
+    """kernels.rope.rope at the model's shapes (Qwen3-MoE's 32 query heads of 128, Qwen3.5's 16 of 256 with 64
+    rotated, DeepSeek-V3's 128 MLA rope slices of 64 as pairs), 8192 tokens, bf16: within bf16 rounding of the fp32
+    torch path and no worse than the bf16 torch path, the pass-through channels bit for bit."""
+    from kernels.rope import rope
+    from launch.model import rope_cos_sin
+    from recipe.models import PRESETS
+
+    T = 8192
+    gen = torch.Generator(device="cuda").manual_seed(3)
+    x = torch.randn(T, heads, dim, device="cuda", generator=gen).bfloat16()
+    dy = torch.randn(T, heads, dim, device="cuda", generator=gen).bfloat16()
+    shape = PRESETS["qwen3-30b-a3b"].model_copy(update={"head_dim": rotary, "partial_rotary_factor": 1.0})
+    cos, sin = rope_cos_sin(torch.arange(T, device="cuda"), shape, torch.bfloat16)
+    ours, torch16, ref = _fused_vs_torch(lambda t, backend: rope(t, cos, sin, pairs=pairs, backend=backend), [x],
+                                         dy, ())
+    assert torch.equal(ours[0][..., rotary:], x[..., rotary:])
+    for name, a, t, r in zip(("y", "dx"), ours, torch16, ref):
+        assert a.dtype == torch.bfloat16 and torch.isfinite(a).all()
+        assert _rel(a, r) < 4e-3 and _rel(a, r) <= 1.05 * _rel(t, r), \
+            f"{name}: ours {_rel(a, r):.2e}, torch bf16 {_rel(t, r):.2e} against fp32"
+
+
 def test_fused_gated_norm_matches_torch_path():
     """kernels.gdn_fused.gated_rms_norm at the real shape (8192 tokens x 32 value heads, head dim 128, bf16)."""
     from kernels.gdn_fused import gated_rms_norm
