@@ -178,6 +178,9 @@ def cpu_path_never_imports_triton() -> None:
     causal_conv1d_silu(torch.randn(5, 3), torch.randn(3, 4), torch.arange(5))
     gated_rms_norm(torch.randn(5, 3), torch.randn(5, 3), torch.ones(3), 1e-6)
     rms_norm(torch.randn(5, 3), torch.ones(3), 1e-6)
+    from kernels.rope import rope
+
+    rope(torch.randn(5, 2, 4), torch.ones(5, 4), torch.zeros(5, 4))
     assert "triton" not in sys.modules, "the CPU path imported triton"
 
 
