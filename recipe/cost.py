@@ -1183,7 +1183,12 @@ def split_stages(layer_costs: list[float], stages: int, first: float = 0.0, last
 
     Example: costs [1, 1, 1, 3, 1, 1, 1, 3] (a full-attention layer after every three Gated DeltaNet layers costing a
     third as much), 2 stages and a head costing 2 on the last: cutting after 5 layers gives 7 and 5 + 2 = 7, after 4
-    gives 6 and 8: [5, 3]."""
+    gives 6 and 8: [5, 3].
+
+    The cut search is a binary search: for a stage ending at layer j, the earlier stages' best largest cost over layers
+    0..i-1 does not fall as i grows and this stage's own cost over i..j-1 does not rise, so the cost of cutting at i
+    (the larger of the two) falls, then rises, in i, and its minimum sits where the two cross. O(stages·layers·log
+    layers), the same cuts as trying every i from the latest down (tests/test_pipeline.py checks the two agree)."""
     n = len(layer_costs)
     if stages < 1 or stages > n:
         raise ValueError(f"{stages} pipeline stages for {n} layers: every stage needs at least one layer")
@@ -1201,11 +1206,30 @@ def split_stages(layer_costs: list[float], stages: int, first: float = 0.0, last
     for j in range(1, n + 1):
         best[0][j] = first + run(0, j)
     for s in range(1, stages):
-        for j in range(s + 1, n + 1):
-            for i in range(j - 1, s - 1, -1):  # latest start first: kept on a tie
-                cost = max(best[s - 1][i], run(i, j) + (last if s == stages - 1 and j == n else 0.0))
-                if cost < best[s][j]:
-                    best[s][j], cut[s][j] = cost, i
+        before = best[s - 1]
+        for j in range(s + 1, n + 1) if s < stages - 1 else (n,):  # the last stage ends at n
+            extra = last if s == stages - 1 else 0.0
+            lo, hi = s, j - 1  # the cut i: this stage holds layers i..j-1
+            a, b = lo, hi + 1  # the first i at which the earlier stages cost at least this one (hi + 1: none)
+            while a < b:
+                mid = (a + b) // 2
+                if before[mid] >= run(mid, j) + extra:
+                    b = mid
+                else:
+                    a = mid + 1
+            over = before[a] if a <= hi else inf  # cutting at i >= a costs before[i], least at i = a
+            under = run(a - 1, j) + extra if a - 1 >= lo else inf  # cutting at i < a costs this stage's, least at a - 1
+            if over <= under:  # on a tie the latest cut: the last i whose earlier stages still cost `over`
+                a2, b2 = a, hi
+                while a2 < b2:
+                    mid = (a2 + b2 + 1) // 2
+                    if before[mid] <= over:
+                        a2 = mid
+                    else:
+                        b2 = mid - 1
+                best[s][j], cut[s][j] = over, a2
+            else:
+                best[s][j], cut[s][j] = under, a - 1
     if stages == 1:
         return [n]
     sizes, j = [], n

@@ -36,6 +36,45 @@ def test_split_balances_unequal_layer_costs_by_hand():
     assert split_stages([1, 1, 1, 1], 4) == [1, 1, 1, 1]
 
 
+def _split_by_trying_every_cut(costs, stages, first=0.0, last=0.0):
+    """The reference: the same dynamic program trying every cut from the latest down (O(stages·layers²))."""
+    n, inf = len(costs), float("inf")
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + c)
+    best = [[inf] * (n + 1) for _ in range(stages)]
+    cut = [[0] * (n + 1) for _ in range(stages)]
+    for j in range(1, n + 1):
+        best[0][j] = first + prefix[j]
+    for s in range(1, stages):
+        for j in range(s + 1, n + 1):
+            for i in range(j - 1, s - 1, -1):
+                cost = max(best[s - 1][i], prefix[j] - prefix[i] + (last if s == stages - 1 and j == n else 0.0))
+                if cost < best[s][j]:
+                    best[s][j], cut[s][j] = cost, i
+    sizes, j = [], n
+    for s in range(stages - 1, 0, -1):
+        sizes.append(j - cut[s][j])
+        j = cut[s][j]
+    return [j, *sizes[::-1]]
+
+
+def test_split_by_binary_search_equals_trying_every_cut():
+    """The cut search (a binary search where the two sides' costs cross) picks the same cuts as trying every one,
+    ties included: small integer costs (many ties), real-valued ones, a first and a last stage's extra cost."""
+    import random
+
+    rng = random.Random(5)
+    for trial in range(400):
+        n = rng.randint(1, 24)
+        costs = ([float(rng.randint(0, 3)) for _ in range(n)] if trial % 2 else
+                 [rng.uniform(0.1, 5.0) for _ in range(n)])
+        stages = rng.randint(1, n)
+        first, last = rng.choice([0.0, 1.0, rng.uniform(0, 4)]), rng.choice([0.0, 2.0, rng.uniform(0, 6)])
+        assert split_stages(costs, stages, first, last) == _split_by_trying_every_cut(costs, stages, first, last), \
+            (costs, stages, first, last)
+
+
 def test_split_refuses_more_stages_than_layers():
     with pytest.raises(ValueError, match="5 pipeline stages for 4 layers"):
         split_stages([1, 1, 1, 1], 5)
