@@ -208,10 +208,11 @@ def _only(cands: list[int], pins: dict[str, int], key: str) -> list[int]:
 
 
 def _pp_cands(m: ModelShape, world: int, pins: dict[str, int]) -> list[int]:
-    """pp candidates that leave room for the pinned tp·cp and ep."""
-    inner, ep = pins.get("tp", 1) * pins.get("cp", 1), pins.get("ep", 1)
-    return [p for p in _only(pp_candidates(m, world), pins, "pp") if (world // p) % inner == 0
-            and (world // p) % ep == 0]
+    """pp candidates that leave room for the pinned tp·cp and ep; a pinned pp is its own candidate wherever it divides
+    the world, also where it does not divide the layers (an uneven split)."""
+    inner, ep, pinned = pins.get("tp", 1) * pins.get("cp", 1), pins.get("ep", 1), pins.get("pp")
+    cands = pp_candidates(m, world) if pinned is None else [pinned] if world % pinned == 0 else []
+    return [p for p in cands if (world // p) % inner == 0 and (world // p) % ep == 0]
 
 
 def _tp_cands(m: ModelShape, hw: HwProfile, ranks: int, pins: dict[str, int]) -> list[int]:
@@ -566,8 +567,11 @@ def _pinned_decision(dim: str, m: ModelShape, hw: HwProfile, world: int, lay: La
         n.update(heads_per_rank=m.num_heads // v, tp_comm_s=round(est.time_s["tp"], 4))
         detail = f"{n['heads_per_rank']} attention heads/rank, TP exchange {n['tp_comm_s']:.3f} s/step"
     else:
-        n.update(layers_per_stage=m.num_layers // v, bubble=round((v - 1) / (opts.micro_batches + v - 1), 3))
-        detail = f"{n['layers_per_stage']} layers/stage, bubble {100 * n['bubble']:.0f}% of the step"
+        # the largest stage's layers (an uneven split where pp does not divide them)
+        n.update(layers_per_stage=stage_layers(m, v, opts, hw),
+                 bubble=round((v - 1) / (opts.micro_batches + v - 1), 3))
+        detail = (f"{'' if m.num_layers % v == 0 else 'up to '}{n['layers_per_stage']} layers/stage, bubble "
+                  f"{100 * n['bubble']:.0f}% of the step")
     reason = f"{dim}={v} ({_peak_of(est, hw)}, {detail})"
     rejected = ""
     rule = _rule_choice(dim, m, hw, world, lay, opts, auto_chunks)

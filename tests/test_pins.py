@@ -68,6 +68,19 @@ def test_pin_ep_on_tiny_moe_solves_the_rest():
     assert d["prediction"]["memory_gb"]["total"] <= d["prediction"]["memory_gb"]["usable"]
 
 
+def test_an_uneven_pipeline_depth_can_be_pinned(tmp_path):
+    """pp=3 over tiny-moe's 4 layers: the unpinned search keeps to depths that divide the layers, a pin may not; the
+    plan's stages cover the layers unevenly ([2, 1, 1]: the head's stage the lightest), its reason names the largest
+    stage, and `recipe check` finds the plan valid and fitting."""
+    d = solved_json(*TINY_EP, "--gpus", "3", "--pp", "3")
+    assert d["layout"]["pp"] == 3 and d["train"]["pp_stages"] == [2, 1, 1]
+    assert "up to 2 layers/stage" in d["reasons"]["pp"]
+    plan = tmp_path / "pp3.yaml"
+    assert run("solve", *TINY_EP, "--gpus", "3", "--pp", "3", "-o", str(plan)).exit_code == 0
+    r = run("check", str(plan))
+    assert r.exit_code == 0 and "1 plan checked: 1 ok" in r.output, r.output
+
+
 def test_pinned_decision_in_the_solver_api():
     m, hw = PRESETS["tiny-moe"], load_profile("cpu")
     o = TrainOptions(micro_batch_tokens=1024)
