@@ -186,6 +186,20 @@ class GroupedExperts(nn.Module):
                                     self.gate_up_proj_bias, self.down_proj_bias, self.activation)
 
 
+def topk_in_best_groups(choice_TE: torch.Tensor, top_k: int, groups: int, topk_groups: int,
+                        group_score) -> torch.Tensor:
+    """Expert ids [T, K]: the top-k of `choice_TE` among the `topk_groups` best of `groups` equal expert groups, a
+    group scored by `group_score` over its [T, G, E/G] choice values (DeepSeek-V3's: its two best summed; V2's: its
+    best). No gradient: the choice steers, it is not trained."""
+    with torch.no_grad():
+        if groups > 1:
+            T, E = choice_TE.shape
+            best_TG = group_score(choice_TE.view(T, groups, E // groups)).topk(topk_groups, dim=-1).indices
+            keep_TG = torch.zeros(T, groups, dtype=torch.bool, device=choice_TE.device).scatter_(1, best_TG, True)
+            choice_TE = choice_TE.masked_fill(~keep_TG.repeat_interleave(E // groups, dim=1), float("-inf"))
+        return choice_TE.topk(top_k, dim=-1).indices
+
+
 class TopKRouter(nn.Module):
     """Softmax routing: the top-k experts of softmax(logits), renormalized over the k when norm_topk_prob. With a
     bias (gpt-oss: logits = x Wᵀ + b) and renormalized, the k are chosen on the logits and weighted by a softmax
@@ -211,13 +225,8 @@ class TopKRouter(nn.Module):
             return logits_TE, torch.softmax(top_l_TK.float(), dim=-1).to(x_TD.dtype), top_e_TK
         probs_TE = torch.softmax(logits_TE.float(), dim=-1)
         if self.groups > 1:
-            with torch.no_grad():  # which experts may be chosen: the choice has no gradient
-                T, E = probs_TE.shape
-                best_TG = probs_TE.view(T, self.groups, E // self.groups).amax(-1).topk(self.topk_groups, -1).indices
-                keep_TG = torch.zeros(T, self.groups, dtype=torch.bool, device=probs_TE.device).scatter_(1, best_TG,
-                                                                                                       True)
-                top_e_TK = probs_TE.masked_fill(~keep_TG.repeat_interleave(E // self.groups, dim=1),
-                                                -1.0).topk(self.top_k, dim=-1).indices
+            top_e_TK = topk_in_best_groups(probs_TE, self.top_k, self.groups, self.topk_groups,
+                                           lambda g_TGE: g_TGE.amax(-1))
             top_w_TK = probs_TE.gather(1, top_e_TK)
         else:
             top_w_TK, top_e_TK = torch.topk(probs_TE, self.top_k, dim=-1)
@@ -260,15 +269,8 @@ class SigmoidTopKRouter(nn.Module):
         """Returns (router logits [T, E], top-k weights [T, K] in x's dtype, top-k expert ids [T, K])."""
         logits_TE = F.linear(x_TD, self.weight)
         scores_TE = torch.softmax(logits_TE.float(), dim=-1) if self.softmax else torch.sigmoid(logits_TE.float())
-        with torch.no_grad():
-            choice_TE = scores_TE + self.e_score_correction_bias
-            if self.groups > 1:
-                T, E = choice_TE.shape
-                group_TG = choice_TE.view(T, self.groups, E // self.groups).topk(2, dim=-1).values.sum(-1)
-                best_TG = group_TG.topk(self.topk_groups, dim=-1).indices
-                keep_TG = torch.zeros_like(group_TG, dtype=torch.bool).scatter_(1, best_TG, True)
-                choice_TE = choice_TE.masked_fill(~keep_TG.repeat_interleave(E // self.groups, dim=1), float("-inf"))
-            top_e_TK = choice_TE.topk(self.top_k, dim=-1).indices
+        top_e_TK = topk_in_best_groups(scores_TE.detach() + self.e_score_correction_bias, self.top_k, self.groups,
+                                       self.topk_groups, lambda g_TGE: g_TGE.topk(2, dim=-1).values.sum(-1))
         top_w_TK = scores_TE.gather(1, top_e_TK)
         if self.norm_topk_prob:
             top_w_TK = top_w_TK / (top_w_TK.sum(-1, keepdim=True) + 1e-20)

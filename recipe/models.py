@@ -760,7 +760,7 @@ def _from_hf_config(path: Path) -> ModelShape:
             dense_ffn=opt("intermediate_size", 0),
         )
         if model_type == "deepseek_v2":
-            fields["softmax_router"] = _softmax_router(cfg, opt, number)
+            fields["softmax_router"] = _softmax_router(cfg, opt, number, bad)
         else:
             fields["sigmoid_router"] = _sigmoid_router(cfg, model_type, opt, number)
     elif arch == "gpt_oss":
@@ -819,7 +819,7 @@ def _sigmoid_router(cfg: dict, model_type: str, opt, number) -> dict:
                 scaling=scaling if given is None else number(given, "routed_scaling_factor"))
 
 
-def _softmax_router(cfg: dict, opt, number) -> dict:
+def _softmax_router(cfg: dict, opt, number, bad) -> dict:
     """DeepSeek-V2's router fields: `topk_method` "greedy" (transformers' default; one group) or
     "group_limited_greedy" (n_group, topk_group), routed_scaling_factor (default 1)."""
     method = cfg.get("topk_method", "greedy")
@@ -829,7 +829,7 @@ def _softmax_router(cfg: dict, opt, number) -> dict:
         return dict(scaling=scaling)
     if method == "group_limited_greedy":
         return dict(groups=opt("n_group", 1), topk_groups=opt("topk_group", 1), scaling=scaling)
-    raise ValueError(f"topk_method {method!r} is not DeepSeek-V2's (greedy, group_limited_greedy)")
+    raise bad("topk_method", "DeepSeek-V2's greedy or group_limited_greedy", method)
 
 
 def _rope_scaling(cfg: dict, rope: dict, bad, number, count) -> dict | None:

@@ -249,7 +249,8 @@ def test_rope_scaling_and_routing_read_or_refused(tmp_path):
     assert published == {"deepseek-v2": SoftmaxRouter(groups=8, topk_groups=3, scaling=16.0),
                          "deepseek-v2-lite": SoftmaxRouter()}
     v2["topk_method"] = "noaux_tc"
-    with pytest.raises(ValueError, match="topk_method 'noaux_tc' is not DeepSeek-V2's"):
+    with pytest.raises(ValueError, match="field 'topk_method': expected DeepSeek-V2's greedy or group_limited_greedy, "
+                                         "got 'noaux_tc'"):
         from_hf_config(_write(tmp_path, "v2bad", v2))
     glm = {"model_type": "glm4_moe", "hidden_size": 64, "num_hidden_layers": 3, "vocab_size": 128,
            "num_attention_heads": 4, "num_key_value_heads": 2, "head_dim": 16, "n_routed_experts": 8,
