@@ -33,8 +33,8 @@ def shapes(model: str) -> list[tuple[int, int, str]]:
     m = resolve_model(model)
     seen: dict[tuple[int, int], str] = {}
     for i, kind in enumerate(m.layer_types):
-        for k, n in dense_matmuls(m, kind, i >= m.first_dense_layers):
-            seen.setdefault((k, n), f"{kind}{'' if i >= m.first_dense_layers else ' (dense FFN layer)'}")
+        for k, n in dense_matmuls(m, kind, not m.is_dense_layer(i)):
+            seen.setdefault((k, n), f"{kind}{' (dense FFN layer)' if m.is_dense_layer(i) else ''}")
     return [(k, n, w) for (k, n), w in seen.items()]
 
 

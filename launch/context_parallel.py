@@ -59,6 +59,23 @@ class ContextShard:
     def num_tokens(self) -> int:
         return 2 * self.size * self.segment_len
 
+    def chunked(self, chunk: int) -> "ContextShard":
+        """The shard as chunked attention sees it (Llama 4's): every document of the micro-batch cut into runs of
+        `chunk` positions from its start, each run a document of its own, so each local piece is cut where a run
+        ends and attends from its run's first token."""
+        pieces = []
+        for local, n, a, start in self.pieces:
+            g = a
+            while g < a + n:
+                run = start + (g - start) // chunk * chunk
+                end = min(a + n, run + chunk)
+                pieces.append((local + g - a, end - g, g, run))
+                g = end
+        runs_per_doc = self.positions.shape[0] // chunk + 1
+        return dataclasses.replace(self, pieces=tuple(pieces), positions=self.positions % chunk,
+                                   doc=self.doc * runs_per_doc + torch.div(self.positions, chunk,
+                                                                           rounding_mode="floor"))
+
 
 def zigzag_index(num_tokens: int, cp: int, rank: int, device=None) -> torch.Tensor:
     """Global indices of rank `rank`'s tokens: segment `rank`, then segment 2·cp−1−rank (of 2·cp equal ones)."""

@@ -45,7 +45,9 @@ from launch.hf_files import safetensors_files
 from launch.model import GatedDeltaNet, Transformer, assign_full, whole_model_name
 from recipe.models import ModelShape
 
-_SKIP = re.compile(r"^(model\.)?(mtp[._]|visual\.)")  # MTP (DeepSeek's `mtp.`, MiniMax-M2's `mtp_modules.`), vision
+# MTP (DeepSeek's `mtp.`, MiniMax-M2's `mtp_modules.`), vision (Qwen3.5's `visual.`, Llama 4's `vision_model.` and
+# `multi_modal_projector.`)
+_SKIP = re.compile(r"^(model\.)?(mtp[._]|visual\.|vision_model\.|multi_modal_projector\.)")
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # Mixtral's names for the MoE block and its experts' three matrices (ours: `mlp`, gate_proj/up_proj/down_proj)
 _MIXTRAL_BLOCK = re.compile(r"^(layers\.\d+)\.block_sparse_moe\.")
@@ -67,10 +69,15 @@ _LAYER = re.compile(r"^layers\.(\d+)\.")
 _ROUTER = re.compile(r"^(layers\.\d+\.mlp)\.router\.")
 _OUR_ROUTER = re.compile(r"^(layers\.\d+\.mlp)\.gate\.")
 _FUSED_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.(gate_up_proj|gate_up_proj_bias|down_proj|down_proj_bias)$")
+# Llama 4's FFN is `feed_forward` (ours: `mlp`), dense or MoE; its router `feed_forward.router`, its fused experts
+# input dimension first: gate_up_proj [E, D, 2I] (columns [gate | up]), down_proj [E, I, D]
+_FEED_FORWARD = re.compile(r"^(layers\.\d+)\.feed_forward\.")
+_OUR_FFN = re.compile(r"^(layers\.\d+)\.mlp\.")
 
 
 def _strip(key: str) -> str:
-    for prefix in ("model.language_model.", "model."):
+    # Llama 4's multimodal releases: `language_model.model.` and `language_model.lm_head`
+    for prefix in ("model.language_model.", "language_model.model.", "language_model.", "model."):
         if key.startswith(prefix):
             return key[len(prefix):]
     return key
@@ -252,7 +259,7 @@ def _gpt_oss_experts_to_hf(name: str, t: torch.Tensor) -> torch.Tensor:
 
 def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
-    gpt_oss = model.shape.arch == "gpt_oss"
+    gpt_oss, llama4 = model.shape.arch == "gpt_oss", model.shape.arch == "llama4"
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     mtp = range(model.shape.num_layers, model.shape.num_layers + model.shape.mtp_layers)
     for key, t in raw.items():
@@ -266,11 +273,13 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         if _ERNIE_BIAS.match(key):
             key, t = _ERNIE_BIAS.sub(r"\1.gate.e_score_correction_bias", key), t.reshape(-1)
         key = _BLOCK_BIAS.sub(r"\1.gate.e_score_correction_bias", key)
-        if gpt_oss:
+        if llama4:
+            key = _FEED_FORWARD.sub(r"\1.mlp.", key)
+        if gpt_oss or llama4:
             key = _ROUTER.sub(r"\1.gate.", key)
             fused = _FUSED_EXPERT.match(key)
             if fused:
-                t = _gpt_oss_experts_to_ours(fused.group(1), t)
+                t = _gpt_oss_experts_to_ours(fused.group(1), t) if gpt_oss else t.transpose(1, 2)
         w = _MIXTRAL_EXPERT.match(key)
         if w:
             key = f"{w.group(1)}.{_MIXTRAL_W[w.group(2)]}.weight"
@@ -380,7 +389,8 @@ def hf_config(shape: ModelShape) -> dict:
         cfg.pop("attention_bias")
         cfg.update(model_type="qwen2_moe", architectures=["Qwen2MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    qkv_bias=shape.attn_bias, shared_expert_intermediate_size=shape.shared_expert_ffn,
-                   intermediate_size=shape.shared_expert_ffn or shape.expert_ffn, decoder_sparse_step=1,
+                   intermediate_size=shape.dense_ffn or shape.shared_expert_ffn or shape.expert_ffn,
+                   decoder_sparse_step=shape.moe_layer_step,
                    mlp_only_layers=[], use_sliding_window=False, layer_types=list(shape.layer_types))
         return cfg
     if shape.arch in _PLURAL_SHARED_ARCHS:  # DeepSeek-V3, GLM-4.5: sigmoid routing, shared experts, dense first layers
@@ -410,6 +420,20 @@ def hf_config(shape: ModelShape) -> dict:
         cfg.update(model_type="gpt_oss", architectures=["GptOssForCausalLM"], num_local_experts=shape.num_experts,
                    intermediate_size=shape.expert_ffn, sliding_window=shape.sliding_window,
                    layer_types=list(shape.layer_types), output_router_logits=False)
+        return cfg
+    if shape.arch == "llama4":
+        for k in ("num_experts", "moe_intermediate_size"):
+            cfg.pop(k)
+        l4 = shape.llama4
+        rope_layers = [int(t == "chunked_attention") for t in shape.layer_types]
+        cfg.update(model_type="llama4_text", architectures=["Llama4ForCausalLM"], num_local_experts=shape.num_experts,
+                   intermediate_size=shape.expert_ffn, intermediate_size_mlp=shape.dense_ffn or shape.expert_ffn,
+                   interleave_moe_layer_step=shape.moe_layer_step,
+                   moe_layers=[i for i in range(shape.num_layers) if not shape.is_dense_layer(i)],
+                   no_rope_layers=rope_layers, layer_types=list(shape.layer_types),
+                   attention_chunk_size=shape.attention_chunk, use_qk_norm=l4.qk_norm,
+                   attn_temperature_tuning=l4.temperature_tuning, floor_scale=l4.floor_scale,
+                   attn_scale=l4.attn_scale, router_aux_loss_coef=0.0, output_router_logits=False)
         return cfg
     if shape.arch == "minimax_m2":
         for k in ("num_experts", "moe_intermediate_size", "attention_bias"):
@@ -478,6 +502,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
 
     plural = model.shape.arch in _PLURAL_SHARED_ARCHS
     gpt_oss, ernie = model.shape.arch == "gpt_oss", model.shape.arch == "ernie4_5_moe"
+    llama4 = model.shape.arch == "llama4"
 
     def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`; DeepSeek's shared expert plural
         if plural:
@@ -485,8 +510,11 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
         return _OUR_MOE_BLOCK.sub(r"\1.block_sparse_moe.", key) if mixtral else key
 
     for key, t in sd.items():
-        fused = _FUSED_EXPERT.match(key) if gpt_oss else None
-        if fused:  # gpt-oss: its own fused layout
+        fused = _FUSED_EXPERT.match(key) if gpt_oss or llama4 else None
+        if llama4:  # its own names and fused layout, input dimension first
+            key = _OUR_FFN.sub(r"\1.feed_forward.", _OUR_ROUTER.sub(r"\1.router.", key))
+            out[key if key == "lm_head.weight" else "model." + key] = t.transpose(1, 2) if fused else t
+        elif fused:  # gpt-oss: its own fused layout
             out["model." + key] = _gpt_oss_experts_to_hf(fused.group(1), t)
         elif gpt_oss and _OUR_ROUTER.match(key):
             out["model." + _OUR_ROUTER.sub(r"\1.router.", key)] = t

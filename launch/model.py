@@ -17,7 +17,7 @@ from __future__ import annotations
 import contextlib
 import math
 import zlib
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -37,10 +37,13 @@ OFFSET_NORM_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
 # attention with a learned sink logit per head, sliding windows on the "sliding_attention" layers, a biased router
 # and biased experts with the clamped GLU (kernels.expert_grads.GPT_OSS_GLU)
 GPT_OSS_ARCHS = ("gpt_oss",)
+# the router's top-k logits through a sigmoid weight the routed experts' input, not their output (Llama 4)
+INPUT_WEIGHTED_ARCHS = ("llama4",)
 # the router with a correction bias (sigmoid_router) scoring the experts by a softmax, not a sigmoid (ERNIE-4.5)
 SOFTMAX_SCORE_ARCHS = ("ernie4_5_moe",)
-# attention rotating channel pairs (0, 1), (2, 3), … (GLM-style RoPE), not the two halves of a head (ERNIE-4.5)
-INTERLEAVED_ROPE_ARCHS = ("ernie4_5_moe",)
+# attention rotating channel pairs (0, 1), (2, 3), … (GLM-style RoPE), not the two halves of a head (ERNIE-4.5,
+# Llama 4)
+INTERLEAVED_ROPE_ARCHS = ("ernie4_5_moe", "llama4")
 
 
 @dataclass(frozen=True)
@@ -53,6 +56,7 @@ class Packing:
     # a context-parallel shard (launch.context_parallel.ContextShard): these T tokens are this rank's two zigzag
     # segments of a longer micro-batch, `doc_lengths` their runs of one document; None: the whole micro-batch
     cp: object | None = None
+    _derived: dict = field(default_factory=dict, compare=False, repr=False)  # `chunked`'s, made once a batch
 
     @staticmethod
     def from_lengths(doc_lengths: list[int] | tuple[int, ...], device: torch.device | str = "cpu") -> "Packing":
@@ -68,6 +72,20 @@ class Packing:
     @property
     def num_tokens(self) -> int:
         return sum(self.doc_lengths)
+
+    def chunked(self, chunk: int) -> "Packing":
+        """The layout chunked attention sees (Llama 4's): every document cut into runs of `chunk` positions from
+        its start, each run a document of its own. Made once per batch and kept (every chunked layer asks). A
+        context-parallel shard's runs are cut on the whole micro-batch's positions (`ContextShard.chunked`)."""
+        hit = self._derived.get(chunk)
+        if hit is None:
+            if self.cp is not None:
+                hit = replace(self, cp=self.cp.chunked(chunk), _derived={})
+            else:
+                runs = [min(chunk, n - s) for n in self.doc_lengths for s in range(0, n, chunk)]
+                hit = Packing.from_lengths(runs, self.positions.device)
+            self._derived[chunk] = hit
+        return hit
 
 
 class RMSNorm(nn.Module):
@@ -234,13 +252,26 @@ def causal_attention(q_THD, k_THD, v_THD, packing: Packing, scale: float) -> tor
     return o.squeeze(0).transpose(0, 1)
 
 
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """Each row of the last dimension scaled to unit RMS, in fp32, without a weight (Llama 4's q/k norm)."""
+    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
+def query_temperature(positions_T: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
+    """Llama 4's query scale on its RoPE-free layers at each position p: 1 + attn_scale · log(1 + ⌊(p + 1) /
+    floor_scale⌋), fp32 [T, 1, 1] (1 for the first floor_scale − 1 positions of a document)."""
+    return (torch.log1p(torch.floor((positions_T.float() + 1.0) / floor_scale)) * attn_scale + 1.0).view(-1, 1, 1)
+
+
 class Attention(nn.Module):
     """GQA with per-head q/k RMSNorm (OLMoE: over all heads together, HeadsRMSNorm), partial RoPE and
     (Qwen3.5/Qwen3-Next) a sigmoid output gate per channel;
     gpt-oss: a learned sink logit per head (`sinks`) and, on its sliding layers, a `window` (both through
-    launch/sink_attention.py)."""
+    launch/sink_attention.py); Llama 4: on its `chunk` layers RoPE, then q and k heads at unit RMS (`unit_rms`,
+    where its qk_norm is on), each query attending within its chunk of the document; on its others no RoPE, the
+    queries scaled by `query_temperature` (where temperature tuning is on), global attention."""
 
-    def __init__(self, s: ModelShape, norm_offset: float, window: int | None = None):
+    def __init__(self, s: ModelShape, norm_offset: float, window: int | None = None, chunk: int | None = None):
         super().__init__()
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
         self.output_gate = s.attn_output_gate
@@ -261,6 +292,12 @@ class Attention(nn.Module):
         self.rope_interleaved = s.arch in INTERLEAVED_ROPE_ARCHS  # ERNIE-4.5: channel pairs, not halves
         self.rope_backend = "auto"  # auto | torch | triton (kernels/rope.py: one fused kernel on GPU)
         self.window = window  # keys fewer than `window` positions back (None: every earlier key of the document)
+        self.chunk = chunk  # keys of the query's own run of `chunk` positions of the document (None: no chunks)
+        l4 = s.llama4
+        self.rotary = l4 is None or chunk is not None  # Llama 4's global layers take no RoPE
+        self.unit_rms_eps = s.rms_norm_eps if l4 is not None and l4.qk_norm and chunk is not None else None
+        self.temperature = ((l4.floor_scale, l4.attn_scale) if l4 is not None and l4.temperature_tuning
+                            and chunk is None else None)
         # the share of o_proj's bias this rank adds: 1/tp under tensor parallelism (launch/tensor_parallel.py sets
         # it), whose ranks' partial outputs are summed
         self.o_proj_bias_share = 1.0
@@ -279,7 +316,14 @@ class Attention(nn.Module):
         v = self.v_proj(x_TD).view(T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q, k = (apply_rope(t, *rope, pairs=self.rope_interleaved, backend=self.rope_backend) for t in (q, k))
+        if self.rotary:
+            q, k = (apply_rope(t, *rope, pairs=self.rope_interleaved, backend=self.rope_backend) for t in (q, k))
+        if self.unit_rms_eps is not None:
+            q, k = unit_rms(q, self.unit_rms_eps), unit_rms(k, self.unit_rms_eps)
+        if self.temperature is not None:
+            q = (q * query_temperature(packing.positions, *self.temperature)).to(q.dtype)
+        if self.chunk is not None:
+            packing = packing.chunked(self.chunk)
         if self.sinks is not None or self.window is not None:
             if _context_parallel(self, packing) is not None:
                 o = self.context_parallel.sink_attention(q, k, v, self.sinks, packing, self.scale, self.window)
@@ -462,7 +506,7 @@ def _context_parallel(mixer: nn.Module, packing: Packing):
 
 class DecoderLayer(nn.Module):
     """`x + mixer(norm(x))`, then `x + ffn(norm(x))`: the FFN is the MoE, or a dense SwiGLU MLP (`dense`: the
-    model's first_dense_layers, which are all of a dense model's)."""
+    model's dense layers, `ModelShape.is_dense_layer`, which are all of a dense model's)."""
 
     def __init__(self, s: ModelShape, layer_type: str, norm_offset: float, dense: bool = False):
         super().__init__()
@@ -471,11 +515,14 @@ class DecoderLayer(nn.Module):
             self.self_attn = MLAttention(s) if s.mla is not None else Attention(s, norm_offset)
         elif layer_type == "sliding_attention" and s.mla is None and s.sliding_window:
             self.self_attn = Attention(s, norm_offset, window=s.sliding_window)
+        elif layer_type == "chunked_attention" and s.mla is None and s.attention_chunk:
+            self.self_attn = Attention(s, norm_offset, chunk=s.attention_chunk)
         elif layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(s)
         else:
             raise ValueError(f"layer type {layer_type!r} is not supported by this model (full_attention, "
-                             f"sliding_attention with a sliding_window, linear_attention)")
+                             f"sliding_attention with a sliding_window, chunked_attention with an attention_chunk, "
+                             f"linear_attention)")
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
         if dense:
@@ -485,7 +532,8 @@ class DecoderLayer(nn.Module):
             self.mlp = MoE(s.hidden_size, s.num_experts, s.top_k, s.expert_ffn, s.shared_expert_ffn,
                            s.shared_expert_gate, s.norm_topk_prob, s.sigmoid_router, router_bias=gpt_oss,
                            activation=GPT_OSS_GLU if gpt_oss else SWIGLU, expert_bias=gpt_oss,
-                           softmax_scores=s.arch in SOFTMAX_SCORE_ARCHS, softmax_router=s.softmax_router)
+                           softmax_scores=s.arch in SOFTMAX_SCORE_ARCHS, softmax_router=s.softmax_router,
+                           weights_on_input=s.arch in INPUT_WEIGHTED_ARCHS)
 
     def forward(self, x_TD: torch.Tensor, rope, packing: Packing) -> torch.Tensor:
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
@@ -508,7 +556,7 @@ class Transformer(nn.Module):
         # vocabulary's id where tensor parallelism makes padding_idx this rank's
         self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size, padding_idx=shape.pad_token_id)
         self.embed_tokens.pad_row = shape.pad_token_id
-        self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset, dense=i < shape.first_dense_layers)
+        self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset, dense=shape.is_dense_layer(i))
                                     for i, t in enumerate(shape.layer_types))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, norm_offset)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)

@@ -205,11 +205,13 @@ class TopKRouter(nn.Module):
     bias (gpt-oss: logits = x Wᵀ + b) and renormalized, the k are chosen on the logits and weighted by a softmax
     over those k logits, as gpt-oss computes it: the same weights as softmax, top-k, renormalize. DeepSeek-V2
     (recipe.models.SoftmaxRouter): the k chosen among the `topk_groups` best of `groups` expert groups (a group
-    scored by its most probable expert), the weights times `scaling`."""
+    scored by its most probable expert), the weights times `scaling`. `sigmoid_of_top` (Llama 4): the k chosen on
+    the logits and weighted by the sigmoid of each, in fp32 (no softmax, no renormalization)."""
 
     def __init__(self, num_experts: int, dim: int, top_k: int, norm_topk_prob: bool, bias: bool = False,
-                 groups: int = 1, topk_groups: int = 1, scaling: float = 1.0):
+                 groups: int = 1, topk_groups: int = 1, scaling: float = 1.0, sigmoid_of_top: bool = False):
         super().__init__()
+        self.sigmoid_of_top = sigmoid_of_top
         if num_experts % groups:
             raise ValueError(f"{num_experts} experts cannot form {groups} equal groups")
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
@@ -220,6 +222,9 @@ class TopKRouter(nn.Module):
     def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Returns (router logits [T, E], top-k weights [T, K] in x's dtype, top-k expert ids [T, K])."""
         logits_TE = F.linear(x_TD, self.weight, self.bias)
+        if self.sigmoid_of_top:
+            top_l_TK, top_e_TK = torch.topk(logits_TE, self.top_k, dim=-1)
+            return logits_TE, torch.sigmoid(top_l_TK.float()).to(x_TD.dtype), top_e_TK
         if self.bias is not None and self.norm_topk_prob:
             top_l_TK, top_e_TK = torch.topk(logits_TE, self.top_k, dim=-1)
             return logits_TE, torch.softmax(top_l_TK.float(), dim=-1).to(x_TD.dtype), top_e_TK
@@ -427,18 +432,22 @@ class _RoutedExperts(torch.autograd.Function):
 class MoE(nn.Module):
     """Router → routed experts (+ shared expert). gpt-oss: `router_bias` (its router, TopKRouter's biased form),
     `expert_bias` and its clamped `activation`. ERNIE-4.5: `softmax_scores` (its router, SigmoidTopKRouter scoring
-    by a softmax)."""
+    by a softmax). Llama 4: `weights_on_input`: each of a token's k experts takes the token times its weight (the
+    sigmoid of its logit, TopKRouter's `sigmoid_of_top`) and the k outputs are summed unweighted, as one routed
+    row a (token, slot) pair with weight 1."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, norm_topk_prob: bool = True, sigmoid_router=None,
                  router_bias: bool = False, activation: GLU = SWIGLU, expert_bias: bool = False,
-                 softmax_scores: bool = False, softmax_router=None):
+                 softmax_scores: bool = False, softmax_router=None, weights_on_input: bool = False):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
+        self.weights_on_input = weights_on_input
         if sigmoid_router is None:
             grouped = {} if softmax_router is None else dict(  # a recipe.models.SoftmaxRouter (DeepSeek-V2)
                 groups=softmax_router.groups, topk_groups=softmax_router.topk_groups, scaling=softmax_router.scaling)
-            self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob, bias=router_bias, **grouped)
+            self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob, bias=router_bias,
+                                   sigmoid_of_top=weights_on_input, **grouped)
         else:  # a recipe.models.SigmoidRouter
             self.gate = SigmoidTopKRouter(num_experts, dim, top_k, norm_topk_prob, sigmoid_router.groups,
                                           sigmoid_router.topk_groups, sigmoid_router.scaling, softmax_scores)
@@ -448,7 +457,15 @@ class MoE(nn.Module):
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:
         _, top_w_TK, top_e_TK = self.gate(x_TD)
-        out_TD = self.experts(x_TD, top_w_TK, top_e_TK)
+        if self.weights_on_input:
+            T, K = top_w_TK.shape
+            rows = x_TD if K == 1 else x_TD.unsqueeze(1).expand(T, K, x_TD.shape[1]).reshape(T * K, -1)
+            rows = rows * top_w_TK.reshape(T * K, 1)
+            out_TD = self.experts(rows, top_w_TK.new_ones(T * K, 1), top_e_TK.reshape(T * K, 1))
+            if K > 1:
+                out_TD = out_TD.view(T, K, -1).sum(1)
+        else:
+            out_TD = self.experts(x_TD, top_w_TK, top_e_TK)
         if self.shared_expert is not None:
             shared_TD = self.shared_expert(x_TD)
             if self.shared_expert_gate is not None:

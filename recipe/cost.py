@@ -199,9 +199,9 @@ def layer_params(m: ModelShape) -> tuple[float, float]:
     """(dense, routed-expert) parameters of the largest single layer (FSDP2's unit)."""
     c = param_counts(m)
     n_moe = max(m.num_moe_layers, 1)
-    attn = max(c["attention"] / max(m.num_full_attn_layers + m.num_sliding_layers, 1),
+    attn = max(c["attention"] / max(m.num_attention_layers, 1),
                c["linear_attention"] / max(m.num_linear_attn_layers, 1))
-    ffn = max(c["router"] / n_moe + c["shared_expert"] / n_moe, c["dense_ffn"] / max(m.first_dense_layers, 1))
+    ffn = max(c["router"] / n_moe + c["shared_expert"] / n_moe, c["dense_ffn"] / max(m.num_dense_layers, 1))
     return attn + ffn, c["routed_experts"] / n_moe
 
 
@@ -298,7 +298,7 @@ def dense_ffn_moments(m: ModelShape, s: float, tp: int) -> tuple[float, float]:
     norm's input and output (h each) and autograd's gate, up, activation and product (f each). Its backward, at the
     multiply, holds the product's gradient and the activation's and up's beside the gate, up and activation (six
     f-wide tensors; the product is dropped once the down projection's gradients are formed)."""
-    if not m.first_dense_layers:
+    if not m.num_dense_layers:
         return 0.0, 0.0
     f, around = m.dense_ffn / tp, 2 * s * m.hidden_size * BF16
     return s * 4 * f * BF16 + around, s * 6 * f * BF16 + around
@@ -308,7 +308,7 @@ def layer_saved(m: ModelShape, s: float, tp: int, cp: int, vendor: str = "nvidia
     """(mixer, FFN) bytes one decoder layer's forward saves for its backward: the largest mixer and FFN kinds. The
     FFN side (its norm, router, experts) runs on the s/tp sequence-parallel tokens (launch/tensor_parallel.py)."""
     mixers = []
-    if m.num_full_attn_layers or m.num_sliding_layers:
+    if m.num_attention_layers:
         mixers.append(attention_working_set(m, s, tp, cp, vendor))
     if m.num_linear_attn_layers:
         mixers.append(linear_attention_working_set(m, s, tp, cp))
@@ -330,7 +330,7 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: fl
         ffn = max(ffn, before - expert_grad, after)
     # the FFN's backward runs first and frees its saved set; then attention's, which adds its gradients
     attention = 0.0
-    if m.num_full_attn_layers or m.num_sliding_layers:
+    if m.num_attention_layers:
         attention = (attention_working_set(m, s, tp, cp, vendor) + attention_backward_bytes(m, s, tp, cp, vendor)
                      + s / tp * FP32)
     return max(mixer + ffn, attention)
@@ -367,7 +367,8 @@ def lm_head_bytes(m: ModelShape, s: float, tp: int, mode: str) -> float:
 # ---- FLOPs ---------------------------------------------------------------------------------------------------
 def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
     """Forward FLOPs per token by part: 2·N over the active matmul weights, attention's quadratic term (causal:
-    on average seq/2 keys; sliding layers at most the window) and Gated DeltaNet's chunked rule (linear in seq)."""
+    on average seq/2 keys; sliding layers at most the window; chunked layers half their chunk) and Gated DeltaNet's
+    chunked rule (linear in seq)."""
     c = param_counts(m)
     routed = c["routed_experts"] * m.top_k / m.num_experts
     dense = c["attention"] + c["linear_attention"] + c["router"] + c["shared_expert"] + c["dense_ffn"]
@@ -379,7 +380,8 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
         qk = vd = m.head_dim
     ctx_full, ctx_sliding = attention_keys(m, seq)
     out["attention"] = 2 * m.num_heads * (qk + vd) * (m.num_full_attn_layers * ctx_full
-                                                      + m.num_sliding_layers * ctx_sliding)
+                                                      + m.num_sliding_layers * ctx_sliding
+                                                      + m.num_chunked_layers * chunk_keys(m, seq))
     if m.linear_attn is not None:
         la = m.linear_attn
         out["linear_attention"] = m.num_linear_attn_layers * la.num_v_heads * delta_rule_flops_per_token_head(la)
@@ -394,6 +396,19 @@ def attention_keys(m: ModelShape, seq: float, kernel: bool = False) -> tuple[flo
     if w >= seq:
         return seq / 2, seq / 2
     return seq / 2, (window_kernel_keys(w) if kernel else w)
+
+
+def chunk_keys(m: ModelShape, seq: float) -> float:
+    """Keys a query of a chunked layer attends on average: causal inside chunks of `attention_chunk` positions, so
+    seq/2 up to one chunk; beyond, each whole chunk of C averages C/2 and the last, of r, r/2, weighted by their
+    tokens: (n·C² + r²) / (2·seq). The chunks are documents to the full-attention kernel (launch/model.py), so
+    these are its keys as well as the model's."""
+    c = m.attention_chunk
+    if not c or seq <= c:
+        return seq / 2
+    n = math.floor(seq / c)
+    r = seq - n * c
+    return (n * c * c + r * r) / (2 * seq)
 
 
 def window_keys(window: int) -> float:
@@ -412,8 +427,9 @@ def attention_kernel_ratio(m: ModelShape, seq: float) -> float:
     """The attention kernels' work over the model's attention FLOPs at `seq` (1 without windows shorter than seq)."""
     full, slide = attention_keys(m, seq)
     _, slide_k = attention_keys(m, seq, kernel=True)
-    model = m.num_full_attn_layers * full + m.num_sliding_layers * slide
-    return (m.num_full_attn_layers * full + m.num_sliding_layers * slide_k) / model if model else 1.0
+    chunked = m.num_chunked_layers * chunk_keys(m, seq)
+    model = m.num_full_attn_layers * full + m.num_sliding_layers * slide + chunked
+    return (m.num_full_attn_layers * full + m.num_sliding_layers * slide_k + chunked) / model if model else 1.0
 
 
 # ---- communication -------------------------------------------------------------------------------------------
@@ -783,9 +799,9 @@ def _stage_share_of(m: ModelShape, seq: float, start: int, stop: int) -> tuple[t
 
 
 def _stage_counts(m: ModelShape, stage: range) -> dict[str, int]:
-    """Layers of `stage` by kind: moe (routed), dense (a dense FFN), attention (full or sliding), linear."""
+    """Layers of `stage` by kind: moe (routed), dense (a dense FFN), attention (full, sliding or chunked), linear."""
     kinds = [m.layer_types[i] for i in stage]
-    dense = sum(1 for i in stage if i < m.first_dense_layers)
+    dense = sum(1 for i in stage if m.is_dense_layer(i))
     return {"moe": len(stage) - dense, "dense": dense, "linear": kinds.count("linear_attention"),
             "attention": len(kinds) - kinds.count("linear_attention")}
 
@@ -1083,7 +1099,7 @@ def dense_row_bytes(m: ModelShape, kind: str, moe: bool) -> int:
 @functools.lru_cache(maxsize=1024)
 def dense_row_bytes_all_layers(m: ModelShape) -> int:
     """`dense_row_bytes` summed over the model's layers (the solver asks for it for every layout it weighs)."""
-    return sum(dense_row_bytes(m, kind, i >= m.first_dense_layers) for i, kind in enumerate(m.layer_types))
+    return sum(dense_row_bytes(m, kind, not m.is_dense_layer(i)) for i, kind in enumerate(m.layer_types))
 
 
 # ---- pipeline stages -----------------------------------------------------------------------------------------
@@ -1105,8 +1121,8 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
     experts = {k: v / seq for k, v in expert_pass_work(m, seq, Layout()).items() if k != "expert_gemm"}
     for i, kind in enumerate(m.layer_types):
         w = {"dense_gemm": 0.0, "expert_gemm": 0.0, "attention": 0.0, "delta_rule": 0.0, "expert_rows": 0.0,
-             "expert_weights": 0.0, "dense_rows": dense_row_bytes(m, kind, i >= m.first_dense_layers)}
-        if i < m.first_dense_layers:
+             "expert_weights": 0.0, "dense_rows": dense_row_bytes(m, kind, not m.is_dense_layer(i))}
+        if m.is_dense_layer(i):
             w["dense_gemm"] += 2 * swiglu * m.dense_ffn
         else:
             w["dense_gemm"] += 2 * (h * m.num_experts + shared)
@@ -1118,7 +1134,8 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
         else:
             qk = (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim) if m.mla else (m.head_dim,) * 2
             w["dense_gemm"] += 2 * _full_attention_params(m)
-            w["attention"] += 2 * m.num_heads * sum(qk) * (full_ctx if kind == "full_attention" else slide_ctx)
+            ctx = {"full_attention": full_ctx, "chunked_attention": chunk_keys(m, seq)}.get(kind, slide_ctx)
+            w["attention"] += 2 * m.num_heads * sum(qk) * ctx
         out.append(w)
     return out
 

@@ -24,7 +24,8 @@ from ._data import Record, plain, validate
 Pos = int  # > 0, checked in __post_init__ (which pydantic also runs when it validates untrusted data)
 NonNeg = int  # >= 0, likewise
 
-LayerType = Literal["full_attention", "linear_attention", "sliding_attention"]
+LayerType = Literal["full_attention", "linear_attention", "sliding_attention", "chunked_attention"]
+LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention", "chunked_attention")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -93,6 +94,25 @@ class SoftmaxRouter(_GroupedRouting):
     bias."""
 
 
+@dataclass(frozen=True, kw_only=True)
+class Llama4Attention(Record):
+    """Llama 4's attention beyond the chunks: its chunked layers rotate q and k (RoPE on channel pairs) and, with
+    `qk_norm`, scale each head of them to unit RMS (no weight) after the rotation; its full-attention layers take no
+    RoPE and, with `temperature_tuning`, scale each query by 1 + attn_scale · log(1 + ⌊(p + 1) / floor_scale⌋) at
+    its position p."""
+
+    qk_norm: bool = True
+    temperature_tuning: bool = True
+    floor_scale: Pos = 8192
+    attn_scale: float = 0.1
+
+    def __post_init__(self) -> None:
+        _positive(self, ("floor_scale",))
+        v = self.attn_scale
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v < 0:
+            raise ValueError(f"attn_scale must be a non-negative number, got {v!r}")
+
+
 ROPE_SCALINGS = ("yarn", "llama3", "linear")  # the RoPE scalings the training core applies
 
 
@@ -138,9 +158,10 @@ class RopeScaling(Record):
 # (q/k norms over all heads together, softmax routing without renormalization), ERNIE-4.5 MoE (softmax scores
 # steered by a correction bias, shared experts, a dense first layer, interleaved RoPE, tied embeddings), MiniMax-M2
 # (q/k norms over all heads together, partial RoPE, sigmoid routing steered by a correction bias, no shared
-# expert); `recipe solve` plans every arch
+# expert), Llama 4 (chunked attention with RoPE, global attention without, sigmoid top-k weights scaling the routed
+# experts' input, a shared expert, dense layers among the MoE ones); `recipe solve` plans every arch
 TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2",
-                 "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "qwen3_5", "dense")
+                 "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "qwen3_5", "dense")
 # archs whose q/k RMSNorms span all heads of a token together (one weight per channel of the projection), not each
 # head apart
 WHOLE_QK_NORM_ARCHS = ("olmoe", "minimax_m2")
@@ -155,8 +176,8 @@ def trainable(shape: "ModelShape") -> str | None:
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Qwen2-MoE, OLMoE, ERNIE-4.5, "
-                f"MiniMax-M2, Mixtral, DeepSeek-V2 and V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss and dense "
-                f"Llama/Qwen/Mistral stacks; not Llama 4, Granite, OLMoE with clip_qkv, ERNIE-4.5 with biases or "
+                f"MiniMax-M2, Mixtral, DeepSeek-V2 and V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss, Llama 4 and dense "
+                f"Llama/Qwen/Mistral stacks; not Granite, OLMoE with clip_qkv, ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
     sc = shape.rope_scaling
@@ -165,6 +186,7 @@ def trainable(shape: "ModelShape") -> str | None:
         ("sliding-window attention", bool(shape.sliding_window) and not gpt_oss),
         ("sliding_attention layers without a sliding_window",
          shape.num_sliding_layers > 0 and not shape.sliding_window),
+        ("chunked attention outside Llama 4", shape.num_chunked_layers > 0 and shape.arch != "llama4"),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
          and shape.softmax_router is None),
         (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and sc.kind not in ROPE_SCALINGS))
@@ -197,9 +219,10 @@ class ModelShape(Record):
     # correction bias, interleaved RoPE: launch/model.py);
     # glm4_moe: GLM-4.5 (sigmoid router, shared experts, dense first layers, partial RoPE);
     # minimax_m2: MiniMax-M2 (q/k norms over all heads together, partial RoPE, sigmoid router, no shared expert);
-    # qwen3_5: Qwen3.5 dense (Gated DeltaNet + gated attention, dense FFN)
+    # qwen3_5: Qwen3.5 dense (Gated DeltaNet + gated attention, dense FFN);
+    # llama4: Llama 4 (chunked and global attention, `llama4`; sigmoid top-k weights on the experts' input)
     arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2",
-                  "deepseek_v3", "gpt_oss", "mixtral", "glm4_moe", "dense", "moe", "qwen3_5"]
+                  "deepseek_v3", "gpt_oss", "mixtral", "glm4_moe", "llama4", "dense", "moe", "qwen3_5"]
     hidden_size: Pos
     num_layers: Pos
     vocab_size: Pos
@@ -215,6 +238,9 @@ class ModelShape(Record):
     rope_theta: float = 1e6
     rope_scaling: RopeScaling | None = None  # None: plain RoPE
     sliding_window: int | None = None
+    # chunked_attention layers: a query sees the keys of its own chunk of this many positions of its document
+    attention_chunk: int | None = None
+    llama4: Llama4Attention | None = None  # Llama 4's RoPE-free global layers and q/k scaling (arch llama4)
     mla: MLAShape | None = None
     linear_attn: LinearAttnShape | None = None
     # MoE
@@ -228,6 +254,9 @@ class ModelShape(Record):
     sigmoid_router: SigmoidRouter | None = None  # None: softmax top-k
     softmax_router: SoftmaxRouter | None = None  # DeepSeek-V2's grouped softmax top-k (None: plain softmax top-k)
     first_dense_layers: NonNeg = 0  # leading layers with a dense FFN instead of MoE
+    # after those, layer i is MoE only where (i + 1) is a multiple of this (Llama 4's interleave_moe_layer_step,
+    # Qwen2-MoE's decoder_sparse_step); the others have the dense FFN
+    moe_layer_step: Pos = 1
     dense_ffn: NonNeg = 0
     # embeddings, norms
     tie_embeddings: bool = False
@@ -244,9 +273,14 @@ class ModelShape(Record):
         if not 0 < self.partial_rotary_factor <= 1:
             raise ValueError(f"partial_rotary_factor must be in (0, 1], got {self.partial_rotary_factor}")
         object.__setattr__(self, "layer_types", tuple(self.layer_types))
-        bad = [t for t in self.layer_types if t not in ("full_attention", "linear_attention", "sliding_attention")]
+        _positive(self, ("moe_layer_step",))
+        bad = [t for t in self.layer_types if t not in LAYER_TYPES]
         if bad:
-            raise ValueError(f"unknown layer type {bad[0]!r} (full_attention, linear_attention, sliding_attention)")
+            raise ValueError(f"unknown layer type {bad[0]!r} ({', '.join(LAYER_TYPES)})")
+        if self.attention_chunk is not None:
+            _positive(self, ("attention_chunk",))
+        if "chunked_attention" in self.layer_types and not self.attention_chunk:
+            raise ValueError("layer_types has chunked_attention layers but no attention_chunk")
         if len(self.layer_types) != self.num_layers:
             raise ValueError(f"layer_types has {len(self.layer_types)} entries but num_layers={self.num_layers}")
         if self.num_heads % self.num_kv_heads:
@@ -255,8 +289,9 @@ class ModelShape(Record):
             raise ValueError(f"top_k={self.top_k} > num_experts={self.num_experts}")
         if "linear_attention" in self.layer_types and self.linear_attn is None:
             raise ValueError("layer_types has linear_attention layers but no linear_attn shape")
-        if self.first_dense_layers and not self.dense_ffn:
-            raise ValueError(f"first_dense_layers={self.first_dense_layers} needs dense_ffn > 0")
+        if self.num_dense_layers and not self.dense_ffn:
+            raise ValueError(f"{self.num_dense_layers} dense layers (first_dense_layers={self.first_dense_layers}, "
+                             f"moe_layer_step={self.moe_layer_step}) need dense_ffn > 0")
         if self.first_dense_layers > self.num_layers:
             raise ValueError(f"first_dense_layers={self.first_dense_layers} > num_layers={self.num_layers}")
         if self.sigmoid_router is not None and self.softmax_router is not None:
@@ -277,9 +312,26 @@ class ModelShape(Record):
     def num_sliding_layers(self) -> int:
         return sum(t == "sliding_attention" for t in self.layer_types)
 
+    @functools.cached_property
+    def num_chunked_layers(self) -> int:
+        return sum(t == "chunked_attention" for t in self.layer_types)
+
+    @property
+    def num_attention_layers(self) -> int:
+        """Layers whose mixer is softmax attention: full, sliding and chunked."""
+        return self.num_full_attn_layers + self.num_sliding_layers + self.num_chunked_layers
+
+    def is_dense_layer(self, i: int) -> bool:
+        """Whether layer i has the dense FFN (one of the first_dense_layers, or off the moe_layer_step)."""
+        return i < self.first_dense_layers or (i + 1) % self.moe_layer_step != 0
+
+    @functools.cached_property
+    def num_dense_layers(self) -> int:
+        return sum(self.is_dense_layer(i) for i in range(self.num_layers))
+
     @property
     def num_moe_layers(self) -> int:
-        return self.num_layers - self.first_dense_layers
+        return self.num_layers - self.num_dense_layers
 
     def with_layers(self, num_layers: int) -> "ModelShape":
         """The same model cut to its first `num_layers` layers (for validation runs on few GPUs)."""
@@ -298,8 +350,10 @@ class ModelShape(Record):
 
     def fingerprint_dict(self) -> dict:
         # a shape without the routing, RoPE-scaling or pad records keeps the fingerprint it had before they existed
-        unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id")
-                 if getattr(self, k) is None}
+        unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id", "attention_chunk",
+                             "llama4") if getattr(self, k) is None}
+        if self.moe_layer_step == 1:
+            unset.add("moe_layer_step")
         return plain(self, exclude=frozenset({"source"} | unset))
 
 
@@ -504,14 +558,13 @@ def _param_counts(m: ModelShape) -> tuple[tuple[str, int], ...]:
     counts = dict.fromkeys(PARAM_GROUPS, 0)
     counts["embedding"] = m.vocab_size * h
     counts["head"] = 0 if m.tie_embeddings else m.vocab_size * h
-    attn_layers = m.num_full_attn_layers + m.num_sliding_layers
-    counts["attention"] = attn_layers * _full_attention_params(m)
+    counts["attention"] = m.num_attention_layers * _full_attention_params(m)
     if m.linear_attn is not None:
         counts["linear_attention"] = m.num_linear_attn_layers * _linear_attention_params(m)
     counts["router"] = moe_layers * (h * m.num_experts + (m.num_experts if m.router_bias else 0))
     shared = swiglu * m.shared_expert_ffn + (h if m.shared_expert_gate else 0) if m.shared_expert_ffn else 0
     counts["shared_expert"] = moe_layers * shared
-    counts["dense_ffn"] = m.first_dense_layers * swiglu * m.dense_ffn
+    counts["dense_ffn"] = m.num_dense_layers * swiglu * m.dense_ffn
     per_expert = swiglu * m.expert_ffn
     if m.arch == "gpt_oss":
         per_expert += 2 * m.expert_ffn + h  # gate_up and down biases
@@ -548,7 +601,7 @@ def mtp_params(m: ModelShape) -> int:
         return 0
     h = m.hidden_size
     c = param_counts(m.model_copy(update={"num_layers": 1, "layer_types": ("full_attention",),
-                                           "first_dense_layers": 0}))
+                                           "first_dense_layers": 0, "moe_layer_step": 1}))
     layer = c["attention"] + c["router"] + c["shared_expert"] + c["routed_experts"] + 2 * h
     return m.mtp_layers * (layer + 2 * h * h + 3 * h)  # + eh_proj [2h → h] and its enorm/hnorm/final norm
 
@@ -570,8 +623,8 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe",
     "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe", "minimax_m2": "minimax_m2",
-    "llama4": "moe",
-    "llama4_text": "moe", "granitemoe": "moe", "granitemoeshared": "moe",
+    "llama4": "llama4",
+    "llama4_text": "llama4", "granitemoe": "moe", "granitemoeshared": "moe",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense",
 }
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
@@ -801,6 +854,8 @@ def _from_hf_config(path: Path) -> ModelShape:
                       shared_expert_ffn=opt("shared_expert_intermediate_size", 0))
         if cfg.get("clip_qkv") is not None:
             fields["arch"] = "moe"
+    elif arch == "llama4":
+        _llama4(cfg, fields, n_layers, req, opt, opt_flag, number, count, bad)
     elif arch == "moe":
         _generic_moe(cfg, model_type, fields, n_layers, req, opt, opt_flag, count)
     return validate(ModelShape, fields, f"{path}: invalid model shape")
@@ -915,8 +970,8 @@ def _qwen2_moe(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, count
     """Qwen2-MoE (Qwen1.5-MoE-A2.7B, Qwen2-57B-A14B): q/k/v biases (`qkv_bias`, on in every release), a shared expert
     behind a sigmoid gate, softmax routing without renormalization (transformers' default). A layer is MoE where
     (i + 1) is a multiple of `decoder_sparse_step` and i is not in `mlp_only_layers`, dense (`intermediate_size`)
-    elsewhere: with dense layers among the MoE ones the shape counts them as leading dense layers (the cost does not
-    depend on where they sit) and is planned only (arch `moe`). `use_sliding_window` slides the layers from
+    elsewhere: the step is the shape's `moe_layer_step`; with `mlp_only_layers` the shape counts the dense layers as
+    leading ones (the cost does not depend on where they sit) and is planned only (arch `moe`). `use_sliding_window` slides the layers from
     `max_window_layers` on (transformers' rule), which the core does not train."""
     shared = opt("shared_expert_intermediate_size", 0)
     fields.update(qk_norm=False, attn_bias=opt_flag("qkv_bias", opt_flag("attention_bias", True)),
@@ -928,8 +983,10 @@ def _qwen2_moe(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, count
     if not isinstance(dense_only, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in dense_only):
         raise ValueError(f"field 'mlp_only_layers': expected a list of layer indices, got {_shown(dense_only)}")
     n_dense = sum(1 for i in range(n_layers) if i in dense_only or (i + 1) % step)
-    if n_dense:
+    if dense_only and n_dense:
         fields.update(arch="moe", first_dense_layers=n_dense, dense_ffn=req("intermediate_size"))
+    elif n_dense:
+        fields.update(moe_layer_step=step, dense_ffn=req("intermediate_size"))
     if cfg.get("use_sliding_window") and cfg.get("sliding_window"):
         fields["sliding_window"] = count(cfg["sliding_window"], "sliding_window")
         if not cfg.get("layer_types"):
@@ -938,33 +995,65 @@ def _qwen2_moe(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, count
                                           for i in range(n_layers))
 
 
+def _index_list(cfg: dict, key: str, bad) -> list[int] | None:
+    """An optional list of whole numbers (layer indices or 0/1 flags); None where absent or null."""
+    v = cfg.get(key)
+    if v is None:
+        return None
+    if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
+        raise bad(key, "a list of whole numbers", v)
+    return v
+
+
+def _llama4(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, number, count, bad) -> None:
+    """Llama 4 (Scout, Maverick; transformers' `llama4_text`, or the `text_config` of `llama4`). The layers flagged 1
+    in `no_rope_layers` (by default all but every `no_rope_layer_interval`-th) rotate q and k and attend within
+    chunks of `attention_chunk_size` positions; the others attend globally without RoPE (with query temperature
+    tuning: `attn_temperature_tuning`, `floor_scale`, `attn_scale`). `use_qk_norm` scales the RoPE layers' q and k
+    heads to unit RMS. Every `interleave_moe_layer_step`-th layer is MoE (top-k of `num_local_experts` experts of
+    `intermediate_size`, plus a shared expert of the same width), the others dense of `intermediate_size_mlp`;
+    a `moe_layers` list must be that pattern (another is refused by name)."""
+    step = opt("interleave_moe_layer_step", 1)
+    if step <= 0:
+        raise ValueError(f"field 'interleave_moe_layer_step': expected a positive whole number, got {step}")
+    moe_layers = _index_list(cfg, "moe_layers", bad)
+    want = list(range(step - 1, n_layers, step))
+    if moe_layers is not None and sorted(moe_layers) != want:
+        raise bad("moe_layers", f"every interleave_moe_layer_step-th layer ({want[:4]}…)", moe_layers)
+    interval = opt("no_rope_layer_interval", 4)
+    if interval <= 0:
+        raise ValueError(f"field 'no_rope_layer_interval': expected a positive whole number, got {interval}")
+    flags = _index_list(cfg, "no_rope_layers", bad)
+    if flags is None:
+        flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+    elif len(flags) < n_layers or any(f not in (0, 1) for f in flags):
+        raise bad("no_rope_layers", f"{n_layers} flags of 0 or 1", flags)
+    rope_layers = [bool(f) for f in flags[:n_layers]]
+    types = tuple("chunked_attention" if r else "full_attention" for r in rope_layers)
+    given = cfg.get("layer_types")
+    if given and tuple(given)[:n_layers] != types:
+        raise bad("layer_types", "chunked_attention on the RoPE layers of no_rope_layers, full_attention elsewhere",
+                  given)
+    chunk = cfg.get("attention_chunk_size", 8192)
+    if chunk is None and any(rope_layers):
+        raise ValueError("field 'attention_chunk_size': null, but RoPE layers attend in chunks (no_rope_layers)")
+    ffn = req("intermediate_size")
+    n_dense = n_layers - len(want)
+    fields.update(expert_ffn=ffn, shared_expert_ffn=ffn, moe_layer_step=step, layer_types=types,
+                  dense_ffn=req("intermediate_size_mlp") if n_dense else 0, qk_norm=False,
+                  attn_bias=opt_flag("attention_bias", False),
+                  rms_norm_eps=1e-5 if cfg.get("rms_norm_eps") is None else number(cfg["rms_norm_eps"], "rms_norm_eps"),
+                  attention_chunk=None if chunk is None else count(chunk, "attention_chunk_size"),
+                  llama4=dict(qk_norm=opt_flag("use_qk_norm", True),
+                              temperature_tuning=opt_flag("attn_temperature_tuning", True),
+                              floor_scale=count(cfg.get("floor_scale", 8192), "floor_scale"),
+                              attn_scale=number(cfg.get("attn_scale", 0.1), "attn_scale")))
+
+
 def _generic_moe(cfg: dict, model_type: str, fields: dict, n_layers: int, req, opt, opt_flag, count) -> None:
     """The standard softmax-routed MoE families, by their field names."""
-    moe_ffn = fields["expert_ffn"]
     fields.update(qk_norm=False, attn_bias=opt_flag("attention_bias", False))
-    if model_type in ("llama4", "llama4_text"):
-        # every interleave_moe_layer_step-th layer is MoE (routed + one shared expert), the rest dense with
-        # intermediate_size_mlp; the shape keeps the count of dense layers (their positions do not change the cost).
-        # Chunked local attention (attention_chunk_size) on the RoPE layers, global NoPE attention on the others:
-        # read as sliding attention of the chunk's width.
-        step = opt("interleave_moe_layer_step", 1)
-        if step <= 0:
-            raise ValueError(f"field 'interleave_moe_layer_step': expected a positive whole number, got {step}")
-        ffn = req("intermediate_size")
-        n_dense = n_layers - n_layers // step
-        fields.update(expert_ffn=ffn, shared_expert_ffn=ffn, first_dense_layers=n_dense,
-                      dense_ffn=req("intermediate_size_mlp") if n_dense else 0, qk_norm=False)
-        chunk = cfg.get("attention_chunk_size")
-        if chunk is not None:
-            chunk = count(chunk, "attention_chunk_size")
-            nope = cfg.get("no_rope_layers")
-            if isinstance(nope, list) and len(nope) >= n_layers:  # 1 = RoPE (chunked), 0 = NoPE (global)
-                rope_layers = [bool(x) for x in nope[:n_layers]]
-            else:
-                rope_layers = [(i + 1) % 4 != 0 for i in range(n_layers)]
-            fields.update(sliding_window=chunk, layer_types=tuple(
-                "sliding_attention" if r else "full_attention" for r in rope_layers))
-    elif model_type in ("granitemoe", "granitemoeshared"):
+    if model_type in ("granitemoe", "granitemoeshared"):
         fields.update(expert_ffn=req("intermediate_size"), shared_expert_ffn=opt("shared_intermediate_size", 0))
     else:  # unknown: the routed expert width is moe_intermediate_size or intermediate_size
         fields.update(shared_expert_ffn=opt("shared_expert_intermediate_size", 0))

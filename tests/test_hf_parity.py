@@ -1,5 +1,5 @@
 """Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE,
-Qwen2-MoE, OLMoE (q/k norms over all heads; with attention biases), ERNIE-4.5 MoE, MiniMax-M2, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), DeepSeek-V2 and
+Qwen2-MoE (also with dense layers between MoE ones), Llama 4 (Scout's and Maverick's forms), OLMoE (q/k norms over all heads; with attention biases), ERNIE-4.5 MoE, MiniMax-M2, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), DeepSeek-V2 and
 V2-Lite (softmax routing, group-limited and plain), GLM-4.5, gpt-oss (attention
 sinks, sliding and full layers, YaRN without truncation; packed documents, MXFP4: tests/test_gpt_oss.py), and the
 dense Qwen3.5, Llama (also under llama3 RoPE scaling), Qwen2 and Qwen3 (also under YaRN) built in transformers,
@@ -56,8 +56,25 @@ DEEPSEEK_V2 = {"deepseek_v2": {**DEEPSEEK, "topk_method": "group_limited_greedy"
                "deepseek_v2_lite": {**DEEPSEEK, "q_lora_rank": None, "topk_method": "greedy", "n_group": None,
                                     "topk_group": None, "routed_scaling_factor": 1.0, "norm_topk_prob": False,
                                     "rope_parameters": dict(rope_type="default", rope_theta=10000.0)}}
+# Llama 4: chunks of 16 positions on the RoPE layers (the 75-token test crosses four), a NoPE layer whose query
+# temperature changes every 8 positions (floor_scale 8); Scout's form: every layer MoE, q/k at unit RMS, here 2 of 6
+# experts a token (the published top 1 is Maverick's test); Maverick's: MoE every second layer (dense ones between),
+# no q/k norm, llama3 RoPE scaling
+LLAMA4_BASE = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                   num_local_experts=6, intermediate_size=16, intermediate_size_mlp=40, num_hidden_layers=4,
+                   no_rope_layers=[1, 1, 0, 1], attention_chunk_size=16, floor_scale=8, attn_scale=0.25,
+                   rms_norm_eps=1e-5, max_position_embeddings=256)
+LLAMA4 = {"llama4": {**LLAMA4_BASE, "num_experts_per_tok": 2, "interleave_moe_layer_step": 1, "use_qk_norm": True,
+                     "rope_parameters": dict(rope_type="default", rope_theta=500000.0)},
+          "llama4_maverick": {**LLAMA4_BASE, "num_experts_per_tok": 1, "interleave_moe_layer_step": 2,
+                              "use_qk_norm": False, "rope_parameters": dict(
+                                  rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
+                                  high_freq_factor=4.0, original_max_position_embeddings=16)}}
+# Qwen2-MoE with a dense layer between MoE ones (decoder_sparse_step 2)
+QWEN2_SPARSE = dict(decoder_sparse_step=2, num_hidden_layers=4, intermediate_size=40)
 # the shape's arch where it is not the name
-ARCH = {"moonlight": "deepseek_v3", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE}}
+ARCH = {"moonlight": "deepseek_v3", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE},
+        "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe"}
 
 
 def _hf_model(arch: str):
@@ -112,11 +129,15 @@ def _hf_model(arch: str):
                                            num_hidden_layers=2, rope_parameters=dict(
                                                rope_type="default", rope_theta=5e6, partial_rotary_factor=0.5))
         cls = transformers.MiniMaxM2ForCausalLM
-    elif arch == "qwen2_moe":  # q/k/v biases, a gated shared expert, top-k weights not renormalized
-        cfg = transformers.Qwen2MoeConfig(**COMMON, num_hidden_layers=2, shared_expert_intermediate_size=24,
-                                          intermediate_size=24, rope_parameters=dict(rope_type="default",
-                                                                                     rope_theta=1e6))
+    elif arch in ("qwen2_moe", "qwen2_moe_sparse"):  # q/k/v biases, a gated shared expert, top-k weights not
+        # renormalized
+        sparse = QWEN2_SPARSE if arch == "qwen2_moe_sparse" else dict(num_hidden_layers=2, intermediate_size=24)
+        cfg = transformers.Qwen2MoeConfig(**COMMON, **sparse, shared_expert_intermediate_size=24,
+                                          rope_parameters=dict(rope_type="default", rope_theta=1e6))
         cls = transformers.Qwen2MoeForCausalLM
+    elif arch in LLAMA4:
+        cfg = transformers.Llama4TextConfig(**LLAMA4[arch])
+        cls = transformers.Llama4ForCausalLM
     elif arch == "glm4_moe":  # q/k/v biases, half the head rotated, sigmoid routing in 2 groups
         cfg = transformers.Glm4MoeConfig(**{k: v for k, v in COMMON.items() if k != "num_experts"},
                                          n_routed_experts=6, n_group=2, topk_group=1, n_shared_experts=1,
@@ -141,9 +162,9 @@ def _hf_model(arch: str):
     return model
 
 
-@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe",
-                                  "minimax_m2", "mixtral", *MLA_ARCHS, *DEEPSEEK_V2,
-                                  "glm4_moe", "gpt_oss", "qwen3_5", *DENSE])
+@pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
+                                  "ernie4_5_moe", "minimax_m2", "mixtral", *MLA_ARCHS, *DEEPSEEK_V2,
+                                  "glm4_moe", "gpt_oss", *LLAMA4, "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)
     hf.save_pretrained(tmp_path / "hf")
@@ -217,7 +238,7 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral",
-                                  "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss"])
+                                  "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", *LLAMA4])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.

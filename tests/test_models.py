@@ -393,8 +393,11 @@ def test_fixture_shapes():
     assert not lite.router_bias and v3.router_bias  # V2: softmax gate; V3: sigmoid with a bias
     scout, mav = rd("llama-4-scout-17b-16e"), rd("llama-4-maverick-17b-128e")
     assert scout.num_moe_layers == 48 and mav.num_moe_layers == 24 and mav.dense_ffn == 16384  # interleaved
-    assert scout.sliding_window == 8192 and scout.num_sliding_layers == 36 and scout.num_full_attn_layers == 12
-    assert scout.shared_expert_ffn == 8192
+    assert [mav.is_dense_layer(i) for i in range(4)] == [True, False, True, False]  # MoE at odd layers
+    assert scout.attention_chunk == 8192 and scout.num_chunked_layers == 36 and scout.num_full_attn_layers == 12
+    assert scout.layer_types[:4] == ("chunked_attention",) * 3 + ("full_attention",) and scout.arch == "llama4"
+    assert scout.shared_expert_ffn == 8192 and scout.llama4.qk_norm and not mav.llama4.qk_norm
+    assert trainable(scout) is None and trainable(mav) is None
     oss = rd("gpt-oss-120b")
     assert oss.num_sliding_layers == oss.num_full_attn_layers == 18 and oss.sliding_window == 128
     assert param_counts(oss)["attention"] > 0 and oss.arch == "gpt_oss"  # attention sinks counted per head
@@ -513,8 +516,8 @@ def test_hf_top_k_outside_the_experts_is_named(tmp_path, top_k):
 
 def test_qwen2_moe_and_ernie_dense_layers_and_windows_by_hand(tmp_path):
     """Qwen2-MoE's layer i is MoE where (i + 1) % decoder_sparse_step == 0 and i is not in mlp_only_layers: 8 layers
-    at step 2 are 4 dense (i = 0, 2, 4, 6), step 1 with mlp_only_layers [0, 5] 2 dense; either way counted as leading
-    dense layers of intermediate_size and planned only (arch moe). use_sliding_window slides the layers from
+    at step 2 are 4 dense (i = 0, 2, 4, 6: the shape's moe_layer_step, trained); step 1 with mlp_only_layers [0, 5]
+    2 dense, counted as leading dense layers of intermediate_size and planned only (arch moe). use_sliding_window slides the layers from
     max_window_layers on (6 of 8 full). ERNIE-4.5's MoE layers run from moe_layer_start_index to
     moe_layer_end_index: start 1, end 5 of 8 leaves 3 dense (0, 6, 7), planned only; use_bias too. Planned only, its
     router still counts the correction bias the checkpoint holds (E values a MoE layer)."""
@@ -523,7 +526,8 @@ def test_qwen2_moe_and_ernie_dense_layers_and_windows_by_hand(tmp_path):
     plain = rd("all")
     assert (plain.arch, plain.first_dense_layers, plain.attn_bias, plain.norm_topk_prob) == ("qwen2_moe", 0, True, False)
     step2 = rd("step2", decoder_sparse_step=2)
-    assert (step2.arch, step2.first_dense_layers, step2.dense_ffn, step2.num_moe_layers) == ("moe", 4, 5632, 4)
+    assert (step2.arch, step2.first_dense_layers, step2.dense_ffn, step2.num_moe_layers) == ("qwen2_moe", 0, 5632, 4)
+    assert [step2.is_dense_layer(i) for i in range(8)] == [True, False] * 4 and trainable(step2) is None
     only = rd("only", mlp_only_layers=[0, 5])
     assert (only.arch, only.first_dense_layers) == ("moe", 2)
     window = rd("window", use_sliding_window=True, sliding_window=4096, max_window_layers=6)
