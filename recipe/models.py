@@ -1005,6 +1005,16 @@ def _index_list(cfg: dict, key: str, bad) -> list[int] | None:
     return v
 
 
+def _truthy(cfg: dict, key: str, default: bool, bad) -> bool:
+    """A switch given as true/false or, as some releases write it, a number (on where not zero)."""
+    v = cfg.get(key)
+    if v is None:
+        return default
+    if isinstance(v, bool) or (isinstance(v, (int, float)) and math.isfinite(v)):
+        return bool(v)
+    raise bad(key, "true, false or a number", v)
+
+
 def _llama4(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, number, count, bad) -> None:
     """Llama 4 (Scout, Maverick; transformers' `llama4_text`, or the `text_config` of `llama4`). The layers flagged 1
     in `no_rope_layers` (by default all but every `no_rope_layer_interval`-th) rotate q and k and attend within
@@ -1045,7 +1055,7 @@ def _llama4(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, number, 
                   rms_norm_eps=1e-5 if cfg.get("rms_norm_eps") is None else number(cfg["rms_norm_eps"], "rms_norm_eps"),
                   attention_chunk=None if chunk is None else count(chunk, "attention_chunk_size"),
                   llama4=dict(qk_norm=opt_flag("use_qk_norm", True),
-                              temperature_tuning=opt_flag("attn_temperature_tuning", True),
+                              temperature_tuning=_truthy(cfg, "attn_temperature_tuning", True, bad),
                               floor_scale=count(cfg.get("floor_scale", 8192), "floor_scale"),
                               attn_scale=number(cfg.get("attn_scale", 0.1), "attn_scale")))
 

@@ -45,7 +45,8 @@ CASES = {
         ["oss_pp2", 1, 1, 1, 1, "oss", "full", 1, 2], ["oss_cp2", 1, 1, 1, 2, "oss"],
         ["olmoe_tp2_ep2", 1, 2, 1, 1, "olmoe", "full", 2], ["qwen2moe_tp2", 1, 1, 1, 1, "qwen2moe", "full", 2],
         ["ernie_ep2", 2, 2, 2, 1, "ernie"], ["ernie_cp2", 1, 1, 1, 2, "ernie"],
-        ["minimax_tp2_ep2", 1, 2, 1, 1, "minimax", "full", 2]],
+        ["minimax_tp2_ep2", 1, 2, 1, 1, "minimax", "full", 2],
+        ["llama4_cp2", 1, 1, 1, 2, "llama4"], ["llama4_tp2_ep2", 1, 2, 1, 1, "llama4", "full", 2]],
     4: [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
         ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
         ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
@@ -89,6 +90,7 @@ VARIANTS = {
     "qwen2moe": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),
     "ernie": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an ERNIE-4.5-style model (tiny_ernie), as "mla"
     "minimax": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a MiniMax-M2-style model (tiny_minimax), as "mla"
+    "llama4": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Llama-4-style model (tiny_llama4), as "mla"
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -146,6 +148,21 @@ def tiny_minimax():
                       sigmoid_router=SigmoidRouter(), rope_theta=5e6)
 
 
+def tiny_llama4():
+    """Llama 4's blocks at tiny widths: chunked attention in runs of 8 positions (documents run to 42 tokens, CP
+    segments are 32: runs cross segment edges) with RoPE on channel pairs and q/k at unit RMS, a RoPE-free global
+    layer whose query temperature changes every 4 positions, MoE every second layer (8 experts, top-2 by the sigmoid
+    of their logits, weighting the experts' input; a shared expert), dense layers between."""
+    from recipe.models import Llama4Attention, ModelShape
+
+    return ModelShape(name="tiny-llama4", arch="llama4", hidden_size=64, num_layers=4, vocab_size=512,
+                      layer_types=("chunked_attention", "chunked_attention", "full_attention", "chunked_attention"),
+                      num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=False, attention_chunk=8,
+                      llama4=Llama4Attention(floor_scale=4, attn_scale=0.25), num_experts=8, top_k=2,
+                      expert_ffn=32, shared_expert_ffn=32, moe_layer_step=2, dense_ffn=48, norm_topk_prob=False,
+                      rope_theta=500000.0, rms_norm_eps=1e-5)
+
+
 def tiny_qwen2_moe():
     """Qwen2-MoE's blocks at tiny widths: q/k/v biases (none on o_proj), a shared expert behind a sigmoid gate,
     softmax routing over 8 experts (top-2) without renormalization."""
@@ -186,7 +203,7 @@ def tiny_dense():
 
 # the model each variant trains (the others train tiny-moe)
 VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "oss": tiny_oss, "olmoe": tiny_olmoe,
-                  "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax}
+                  "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4}
 
 
 def _shape(variant: str):

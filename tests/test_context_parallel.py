@@ -314,3 +314,37 @@ def test_parallelize_refuses_cp_without_a_process_group():
     with pytest.raises(LayoutError, match="context parallel needs a process group"):
         parallelize(build_model(PRESETS["tiny-moe"]), plan, None)
 
+
+
+@pytest.mark.parametrize("cp", [2, 3])
+def test_chunked_attention_by_piece_equals_the_whole_sequence(cp):
+    """Llama 4's chunked attention under CP: each rank's queries, cut into pieces where a run of `chunk` positions
+    of their document ends (`ContextShard.chunked`) and attended against the whole micro-batch's keys piece by piece
+    (the kernel path GPUs take), and by the dense mask of the runs (the CPU path), equal the whole sequence's
+    chunked attention (`Packing.chunked`) at the rank's tokens; runs cross segment edges and documents start
+    mid-run of the segments."""
+    from launch.context_parallel import _attention_by_piece
+    from launch.model import causal_attention
+
+    lengths, chunk = [9, 30, 4, 21], 8  # 64 tokens: segments of 16 (cp 2) or 11 (cp 3, padded to 66)
+    batch = _batch(lengths)
+    gen = torch.Generator().manual_seed(4)
+    Tp = padded_length(64, cp, 1)
+    q, k, v = (torch.randn(Tp, 4, 8, generator=gen) for _ in range(3))
+    whole = Packing.from_lengths(lengths + ([Tp - 64] if Tp > 64 else []))
+    want = causal_attention(q, k, v, whole.chunked(chunk), 0.3)
+    assert not torch.allclose(want, causal_attention(q, k, v, whole, 0.3), atol=1e-3)  # the runs matter
+    crossing = 0
+    for rank in range(cp):
+        shard = shard_batch(batch, rank, cp).packing.cp
+        runs = shard.chunked(chunk)
+        crossing += sum(1 for _, n, a, start in runs.pieces if a > start)  # a piece whose run began before it
+        got = _attention_by_piece(q[shard.index], k, v, runs, 0.3)
+        torch.testing.assert_close(got, want[shard.index], atol=1e-5, rtol=1e-5)
+        qi = shard.index
+        mask = (runs.doc[qi][:, None] == runs.doc[None, :]) & (torch.arange(Tp)[None, :] <= qi[:, None])
+        dense = torch.nn.functional.scaled_dot_product_attention(
+            q[qi].transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=mask,
+            scale=0.3)[0].transpose(0, 1)
+        torch.testing.assert_close(dense, want[qi], atol=1e-5, rtol=1e-5)
+    assert crossing > 0

@@ -239,6 +239,25 @@ def test_packed_equals_unpacked():
     assert err < 1e-5, f"packed vs one at a time: max err {err:.2e}"
 
 
+def test_llama4_packed_equals_unpacked_and_chunks_restart_per_document():
+    """Llama 4's chunked layers cut each document into runs of `attention_chunk` positions from its own start: three
+    documents packed give each one's outputs alone (boundaries mid-run), and the packing the chunked layers see is
+    the runs, documents of their own."""
+    from dist_cases import tiny_llama4
+
+    shape = tiny_llama4()
+    model = build_model(shape, seed=0)
+    lengths = [21, 7, 30]
+    packing = Packing.from_lengths(lengths)
+    assert packing.chunked(8).doc_lengths == (8, 8, 5, 7, 8, 8, 8, 6) and packing.chunked(8) is packing.chunked(8)
+    ids = torch.randint(0, shape.vocab_size, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        packed = model(ids, packing)
+        alone = torch.cat([model(doc, Packing.from_lengths([len(doc)])) for doc in ids.split(lengths)])
+    err = (packed - alone).abs().max().item()
+    assert err < 1e-5, f"packed vs one at a time: max err {err:.2e}"
+
+
 def test_packed_gradients_equal_sum_of_unpacked():
     model = build_model(TINY, seed=1)
     lengths = [19, 26]

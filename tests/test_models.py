@@ -617,3 +617,37 @@ def test_gpt_oss_with_another_glu_limit_is_planned_only(tmp_path):
     assert other.arch == "moe" and other.sliding_window == 128 and trainable(other)
     with pytest.raises(ValueError, match="field 'swiglu_limit': expected a finite number"):
         rd("bad", swiglu_limit="7")
+
+
+def test_llama4_fields_read_and_refused_in_one_line(tmp_path):
+    """Llama 4's own fields: the RoPE layers (no_rope_layers, by default all but every 4th) are the chunked ones,
+    attn_temperature_tuning may be written as a number (on where not zero), and a moe_layers list that is not every
+    interleave_moe_layer_step-th layer, flags of the wrong count, a null chunk with RoPE layers or layer_types that
+    disagree with no_rope_layers are each one line naming the field. Chunked layers cost half a sliding window of
+    the chunk's width at long sequences: the keys are causal inside each chunk."""
+    from recipe.cost import chunk_keys
+
+    base = json.loads((FIXTURES / "llama-4-scout-17b-16e.json").read_text())
+
+    def rd(name, **over):
+        cfg = json.loads(json.dumps(base))
+        cfg["text_config"].update(over)
+        return from_hf_config(_write(tmp_path, name, cfg))
+
+    assert rd("t4", attn_temperature_tuning=4).llama4.temperature_tuning
+    assert not rd("t0", attn_temperature_tuning=0).llama4.temperature_tuning
+    flags = [1, 0] * 24
+    m = rd("flags", no_rope_layers=flags)
+    assert m.layer_types[:2] == ("chunked_attention", "full_attention") and m.num_chunked_layers == 24
+    for name, over, field in (("moe", {"moe_layers": [0, 1]}, "moe_layers"),
+                              ("few", {"no_rope_layers": [1, 0]}, "no_rope_layers"),
+                              ("null", {"attention_chunk_size": None}, "attention_chunk_size"),
+                              ("types", {"layer_types": ["full_attention"] * 48}, "layer_types"),
+                              ("temp", {"attn_temperature_tuning": "yes"}, "attn_temperature_tuning")):
+        with pytest.raises(ValueError) as e:
+            rd(name, **over)
+        assert "\n" not in str(e.value) and f"'{field}'" in str(e.value), str(e.value)
+    scout = rd("scout")
+    assert chunk_keys(scout, 4096) == 2048  # within one chunk: causal
+    assert chunk_keys(scout, 32768) == 4096  # four whole chunks: C/2
+    assert chunk_keys(scout, 12288) == (8192**2 + 4096**2) / (2 * 12288)  # a whole chunk and half of one

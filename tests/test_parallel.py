@@ -195,6 +195,25 @@ def test_ernie_layouts_equal_one_process(world2, name):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("name", ["llama4_cp2", "llama4_tp2_ep2"])
+def test_llama4_layouts_equal_one_process(world2, name):
+    """The Llama-4-style tiny model (dist_cases.tiny_llama4: chunked attention in runs of 8 positions, a RoPE-free
+    global layer with query temperature, q/k at unit RMS, top-2 sigmoid weights on the experts' input, MoE every
+    second layer) under cp=2 (runs cut on the whole micro-batch's positions, documents across segment edges) and
+    under tp=2 × ep=2 equals one process; under tp every parameter but the routed experts is a tp DTensor."""
+    r = world2[name]
+    _assert_equal_to_one_process(r)
+    if "tp2" in name:
+        import dist_cases
+        from launch.model import build_model
+
+        dense = sum(1 for n, _ in build_model(dist_cases.tiny_llama4()).named_parameters() if ".mlp.experts." not in n)
+        assert r["tensor_parallel_params"] == dense
+    else:
+        assert r["cp_docs_cross_segments"]
+
+
+@pytest.mark.dist
 def test_tensor_parallel_splits_every_dense_parameter_and_the_data_crosses_edges(world2, world4):
     """Every parameter but the routed experts is a tp DTensor, some micro-batch is padded to whole
     sequence-parallel rows, and some document runs across the edge between two tp ranks' rows."""
