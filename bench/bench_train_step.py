@@ -133,7 +133,8 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
     def wrap(f):
         return lambda xin=None: f(x if xin is None else xin)
 
-    for kind, name in (("full_attention", "attention (block)"), ("sliding_attention", "sliding attention (block)")):
+    for kind, name in (("full_attention", "attention (block)"), ("sliding_attention", "sliding attention (block)"),
+                       ("chunked_attention", "chunked attention (block)")):
         attn = [layer for layer in layers if layer.layer_type == kind]
         if attn:
             measure(name, wrap(lambda xin, a=attn[0]: a.self_attn(xin, rope, batch.packing)), len(attn))
@@ -157,7 +158,7 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
     from launch.moe import MoE
 
     moe_layers = [layer for layer in layers if isinstance(layer.mlp, MoE)]
-    dense = [layer for layer in layers if not isinstance(layer.mlp, MoE)]  # first_dense_layers (a SwiGLU MLP)
+    dense = [layer for layer in layers if not isinstance(layer.mlp, MoE)]  # the dense layers (a SwiGLU MLP)
     if dense:
         mlp = dense[0].mlp
         measure("dense mlp (SwiGLU)", wrap(lambda xin: mlp(xin)), len(dense))

@@ -524,6 +524,29 @@ def test_gpt_oss_in_bf16_runs_on_the_gpu_and_follows_fp32():
     assert any("sinks" in n for n in g16)
 
 
+def test_llama4_in_bf16_runs_on_the_gpu_and_follows_fp32():
+    """A tiny Llama 4 (chunked attention in runs of 256 positions over two packed documents of 700 and 1348 tokens,
+    a RoPE-free global layer with query temperature changing every 128 positions, q/k at unit RMS, MoE every
+    second layer with top-4 of 4 sigmoid weights on the experts' input, so no routing choice can flip between the
+    dtypes) in bf16 on the GPU (every chunk a cuDNN call, fused RoPE on channel pairs, grouped expert GEMMs) follows
+    fp32 in its hidden states and in every parameter's gradient (the head is not run)."""
+    from recipe.models import Llama4Attention, ModelShape
+
+    shape = ModelShape(name="tiny-llama4", arch="llama4", hidden_size=256, num_layers=4, vocab_size=512,
+                       layer_types=("chunked_attention", "full_attention") * 2, num_heads=8, num_kv_heads=2,
+                       head_dim=64, qk_norm=False, attention_chunk=256,
+                       llama4=Llama4Attention(floor_scale=128, attn_scale=0.25), num_experts=4, top_k=4,
+                       expert_ffn=128, shared_expert_ffn=128, moe_layer_step=2, dense_ffn=192, norm_topk_prob=False,
+                       rope_theta=500000.0, rms_norm_eps=1e-5)
+    out, _ = _fp32_and_bf16(shape)
+    (h32, g32), (h16, g16) = out[torch.float32], out[torch.bfloat16]
+    assert _rel(h16, h32) < 2e-2
+    for n, g in g32.items():
+        if n != "lm_head.weight":
+            assert g16[n] is not None and torch.isfinite(g16[n]).all() and g.norm() > 0, n
+            assert _rel(g16[n], g) < 3e-2, (n, _rel(g16[n], g))
+
+
 @pytest.mark.parametrize("before, window", [(0, None), (1536, None), (0, 128)])
 def test_gpt_oss_attention_runs_on_cudnn_with_its_sink_merged(before, window):
     """gpt-oss's attention with its sink logits: a whole document (launch/sink_attention.py's merged path), a CP
