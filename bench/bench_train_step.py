@@ -81,6 +81,7 @@ def run_ours(shape, T: int, device, steps: int, profile: bool, norm_backend: str
             m.backend = norm_backend
         if isinstance(m, ATTENTION_MIXERS):
             m.rope_backend = rope_backend
+            m.norm_backend = norm_backend  # Llama 4's unit-RMS q/k norm (unused elsewhere)
     trainer = Trainer(model, TrainConfig(lr=1e-6), recompute="full", lm_head="fused")
     batch = synthetic_long_batch(T, shape.vocab_size, device)
     trainer.step(batch)  # warm-up: Triton compilation and autotuning, allocator growth
@@ -214,8 +215,13 @@ def run_hf(shape, T: int, device, steps: int) -> dict:
         torch.set_default_dtype(default)
     if device.type == "cuda":
         torch.cuda.empty_cache()
+    experts = "default"
     if device.type == "cuda" and shape.num_experts > 1:
-        model.set_experts_implementation("grouped_mm")
+        try:  # transformers' grouped-GEMM experts where the family takes them (Llama 4's bmm experts do not)
+            model.set_experts_implementation("grouped_mm")
+            experts = "grouped_mm"
+        except ValueError:
+            pass
     model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     model.train()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6, foreach=True)
@@ -233,7 +239,8 @@ def run_hf(shape, T: int, device, steps: int) -> dict:
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
     times = _times(step, device, steps)
-    out = {"impl": "transformers", "tokens": T, "step_s": statistics.median(times), "step_s_all": times}
+    out = {"impl": "transformers", "tokens": T, "step_s": statistics.median(times), "step_s_all": times,
+           "experts": experts}
     if device.type == "cuda":
         out["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
         out["peak_reserved_gib"] = torch.cuda.max_memory_reserved() / 2**30

@@ -252,9 +252,11 @@ def causal_attention(q_THD, k_THD, v_THD, packing: Packing, scale: float) -> tor
     return o.squeeze(0).transpose(0, 1)
 
 
-def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
-    """Each row of the last dimension scaled to unit RMS, in fp32, without a weight (Llama 4's q/k norm)."""
-    return (x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+def unit_rms(x: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor:
+    """Each row of the last dimension scaled to unit RMS in fp32, then rounded to x's dtype (Llama 4's q/k norm, no
+    weight): kernels.rms_norm with a weight of ones, whose w ⊙ round(n) is round(n) exactly (one fused kernel each
+    way on GPU; the weight takes no gradient)."""
+    return rms_norm(x, x.new_ones(x.shape[-1]), eps, 0.0, backend=backend)
 
 
 def query_temperature(positions_T: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
@@ -296,6 +298,7 @@ class Attention(nn.Module):
         l4 = s.llama4
         self.rotary = l4 is None or chunk is not None  # Llama 4's global layers take no RoPE
         self.unit_rms_eps = s.rms_norm_eps if l4 is not None and l4.qk_norm and chunk is not None else None
+        self.norm_backend = "auto"  # the unit-RMS q/k norm's: auto | torch | triton (kernels/rms_norm.py)
         self.temperature = ((l4.floor_scale, l4.attn_scale) if l4 is not None and l4.temperature_tuning
                             and chunk is None else None)
         # the share of o_proj's bias this rank adds: 1/tp under tensor parallelism (launch/tensor_parallel.py sets
@@ -319,7 +322,7 @@ class Attention(nn.Module):
         if self.rotary:
             q, k = (apply_rope(t, *rope, pairs=self.rope_interleaved, backend=self.rope_backend) for t in (q, k))
         if self.unit_rms_eps is not None:
-            q, k = unit_rms(q, self.unit_rms_eps), unit_rms(k, self.unit_rms_eps)
+            q, k = (unit_rms(t, self.unit_rms_eps, self.norm_backend) for t in (q, k))
         if self.temperature is not None:
             q = (q * query_temperature(packing.positions, *self.temperature)).to(q.dtype)
         if self.chunk is not None:
