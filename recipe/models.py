@@ -1034,7 +1034,7 @@ def _llama4(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, number, 
     if interval <= 0:
         raise ValueError(f"field 'no_rope_layer_interval': expected a positive whole number, got {interval}")
     flags = _index_list(cfg, "no_rope_layers", bad)
-    if flags is None:
+    if not flags:  # absent, null or empty: transformers' default pattern
         flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
     elif len(flags) < n_layers or any(f not in (0, 1) for f in flags):
         raise bad("no_rope_layers", f"{n_layers} flags of 0 or 1", flags)

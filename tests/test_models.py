@@ -635,6 +635,7 @@ def test_llama4_fields_read_and_refused_in_one_line(tmp_path):
         return from_hf_config(_write(tmp_path, name, cfg))
 
     assert rd("t4", attn_temperature_tuning=4).llama4.temperature_tuning
+    assert rd("empty", no_rope_layers=[]).layer_types == rd("default").layer_types  # empty: the default pattern
     assert not rd("t0", attn_temperature_tuning=0).llama4.temperature_tuning
     flags = [1, 0] * 24
     m = rd("flags", no_rope_layers=flags)
