@@ -321,3 +321,32 @@ def test_a_block_quantized_fp8_checkpoint_loads_dequantized(tmp_path):
     save_file(fp8, str(tmp_path / "fp8" / "model.safetensors"))
     with pytest.raises(ValueError, match="kv_b_proj.weight: an fp8 tensor without its weight_scale_inv"):
         load_hf_checkpoint(a, tmp_path / "fp8")
+
+
+@pytest.mark.parametrize("layout", ["release", "transformers"])
+def test_a_llama4_multimodal_checkpoint_loads_its_text_model(layout, tmp_path):
+    """Llama 4's multimodal checkpoints: Meta's release names the text model `language_model.model.*` and its head
+    `language_model.lm_head.weight` beside `vision_model.*` and `multi_modal_projector.*`; transformers'
+    `Llama4ForConditionalGeneration` writes `model.language_model.*`, `lm_head.weight`, `model.vision_model.*` and
+    `model.multi_modal_projector.*`. Either loads to the text model's weights, the vision tower and projector
+    skipped."""
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_model("llama4")
+    hf.save_pretrained(tmp_path / "text")
+    shape = from_hf_config(tmp_path / "text" / "config.json")
+    want = build_model(shape, seed=1)
+    load_hf_checkpoint(want, tmp_path / "text")
+    text, prefix = load_file(str(tmp_path / "text" / "model.safetensors")), {
+        "release": ("language_model.model.", "language_model.", ""),
+        "transformers": ("model.language_model.", "", "model.")}[layout]
+    body, head, other = prefix
+    renamed = {(head + k if k == "lm_head.weight" else body + k.removeprefix("model.")): v for k, v in text.items()}
+    renamed[other + "vision_model.patch_embedding.linear.weight"] = torch.zeros(4, 4)
+    renamed[other + "multi_modal_projector.linear_1.weight"] = torch.zeros(4, 4)
+    (tmp_path / "mm").mkdir()
+    save_file(renamed, str(tmp_path / "mm" / "model.safetensors"))
+    got = build_model(shape, seed=2)
+    load_hf_checkpoint(got, tmp_path / "mm")
+    sw, sg = want.state_dict(), got.state_dict()
+    assert all(torch.equal(sw[k], sg[k]) for k in sw)
