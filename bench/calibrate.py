@@ -64,8 +64,6 @@ def _pts(rc_head_seqs, ep_seqs=()):
     return out + [("full", "fused", s, True, 0) for s in ep_seqs]
 
 
-LLAMA4_SCOUT = "tests/fixtures/configs/llama-4-scout-17b-16e.json"  # a config, read from the repository root
-
 # (model, layers, points, component-profile length or 0). Order: each model's 4 layers and its held-out 8, then the
 # 2-layer groups, so a run cut short by its time budget still has fitted and held-out points of both models.
 GRIDS = {
@@ -135,8 +133,8 @@ GRIDS = {
     # committed grid
     "families": [
         # Llama 4 Scout's first two layers (chunked attention in runs of 8192 positions, 40 query heads over 8;
-        # 16 experts of width 8,192, top 1 by a sigmoid weighting its input, a shared expert), read from its config
-        (LLAMA4_SCOUT, 2, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 32 * K),
+        # 16 experts of width 8,192, top 1 by a sigmoid weighting its input, a shared expert)
+        ("llama4-scout", 2, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 32 * K),
         ("olmoe-1b-7b", 2, _pts([(("none", "fused"), [8 * K]), (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),
         ("qwen15-moe-a27b", 2, _pts([(("none", "fused"), [8 * K]),
                                      (("full", "fused"), [8 * K, 32 * K, 64 * K])]), 0),

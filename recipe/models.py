@@ -453,6 +453,14 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             sigmoid_router=SigmoidRouter(), rms_norm_eps=1e-6, max_position=196608, mtp_layers=3,
             source="MiniMaxAI/MiniMax-M2 config.json",
         ),
+    "llama4-scout": lambda: _llama4_preset(
+            "llama4-scout", experts=16, moe_step=1, qk_norm=True, max_position=10485760,
+            rope_scaling=RopeScaling(kind="llama3", factor=16.0, original_max_position=8192, low_freq_factor=1.0,
+                                     high_freq_factor=1.0),
+            source="meta-llama/Llama-4-Scout-17B-16E config.json (text_config)"),
+    "llama4-maverick": lambda: _llama4_preset(
+            "llama4-maverick", experts=128, moe_step=2, qk_norm=False, max_position=1048576, rope_scaling=None,
+            source="meta-llama/Llama-4-Maverick-17B-128E config.json (text_config)"),
     "mixtral-8x7b": lambda: ModelShape(
             name="mixtral-8x7b", arch="mixtral", hidden_size=4096, num_layers=32, vocab_size=32000,
             layer_types=("full_attention",) * 32, num_heads=32, num_kv_heads=8, head_dim=128, qk_norm=False,
@@ -489,6 +497,20 @@ class _Presets(Mapping):
     def __len__(self) -> int:
         return len(self._factories)
 
+
+
+def _llama4_preset(name: str, experts: int, moe_step: int, qk_norm: bool, max_position: int, rope_scaling,
+                   source: str) -> "ModelShape":
+    """Llama 4's two releases share the stack: 48 layers of hidden 5120, 40 query heads over 8 of width 128, every
+    fourth layer global without RoPE, the others chunked in runs of 8,192 positions; one expert of 8,192 a token by a
+    sigmoid on its input, a shared expert of the same width; Maverick MoE every second layer (dense 16,384 between)."""
+    return ModelShape(
+        name=name, arch="llama4", hidden_size=5120, num_layers=48, vocab_size=202048,
+        layer_types=(("chunked_attention",) * 3 + ("full_attention",)) * 12, num_heads=40, num_kv_heads=8, head_dim=128,
+        qk_norm=False, attention_chunk=8192, llama4=Llama4Attention(qk_norm=qk_norm), rope_theta=500000.0,
+        rope_scaling=rope_scaling, num_experts=experts, top_k=1, expert_ffn=8192, shared_expert_ffn=8192,
+        moe_layer_step=moe_step, dense_ffn=16384 if moe_step > 1 else 0, norm_topk_prob=False, rms_norm_eps=1e-5,
+        max_position=max_position, source=source)
 
 
 def _gpt_oss(name: str, layers: int, experts: int) -> "ModelShape":
@@ -971,8 +993,9 @@ def _qwen2_moe(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, count
     behind a sigmoid gate, softmax routing without renormalization (transformers' default). A layer is MoE where
     (i + 1) is a multiple of `decoder_sparse_step` and i is not in `mlp_only_layers`, dense (`intermediate_size`)
     elsewhere: the step is the shape's `moe_layer_step`; with `mlp_only_layers` the shape counts the dense layers as
-    leading ones (the cost does not depend on where they sit) and is planned only (arch `moe`). `use_sliding_window` slides the layers from
-    `max_window_layers` on (transformers' rule), which the core does not train."""
+    leading ones (the cost does not depend on where they sit) and is planned only (arch `moe`).
+    `use_sliding_window` slides the layers from `max_window_layers` on (transformers' rule), which the core does not
+    train."""
     shared = opt("shared_expert_intermediate_size", 0)
     fields.update(qk_norm=False, attn_bias=opt_flag("qkv_bias", opt_flag("attention_bias", True)),
                   shared_expert_ffn=shared, shared_expert_gate=bool(shared))
@@ -1049,7 +1072,7 @@ def _llama4(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, number, 
         raise ValueError("field 'attention_chunk_size': null, but RoPE layers attend in chunks (no_rope_layers)")
     ffn = req("intermediate_size")
     n_dense = n_layers - len(want)
-    fields.update(expert_ffn=ffn, shared_expert_ffn=ffn, moe_layer_step=step, layer_types=types,
+    fields.update(expert_ffn=ffn, shared_expert_ffn=ffn, moe_layer_step=step, layer_types=types, norm_topk_prob=False,
                   dense_ffn=req("intermediate_size_mlp") if n_dense else 0, qk_norm=False,
                   attn_bias=opt_flag("attention_bias", False),
                   rms_norm_eps=1e-5 if cfg.get("rms_norm_eps") is None else number(cfg["rms_norm_eps"], "rms_norm_eps"),

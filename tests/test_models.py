@@ -398,6 +398,8 @@ def test_fixture_shapes():
     assert scout.layer_types[:4] == ("chunked_attention",) * 3 + ("full_attention",) and scout.arch == "llama4"
     assert scout.shared_expert_ffn == 8192 and scout.llama4.qk_norm and not mav.llama4.qk_norm
     assert trainable(scout) is None and trainable(mav) is None
+    assert _same_shape(scout, PRESETS["llama4-scout"]) and _same_shape(mav, PRESETS["llama4-maverick"])
+    assert scout.rope_scaling.kind == "llama3" and mav.rope_scaling is None and scout.llama4.temperature_tuning
     oss = rd("gpt-oss-120b")
     assert oss.num_sliding_layers == oss.num_full_attn_layers == 18 and oss.sliding_window == 128
     assert param_counts(oss)["attention"] > 0 and oss.arch == "gpt_oss"  # attention sinks counted per head
