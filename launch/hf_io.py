@@ -409,6 +409,12 @@ def hf_config(shape: ModelShape) -> dict:
                        q_lora_rank=a.q_lora_rank or None, kv_lora_rank=a.kv_lora_rank,
                        qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
                        v_head_dim=a.v_head_dim, head_dim=a.qk_rope_head_dim)
+            if shape.hf_model_type == "glm4_moe_lite":  # GLM-4.7-Flash: its dense layers by type, not by count
+                first = shape.first_dense_layers
+                cfg.update(model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"],
+                           mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first))
+                for k in ("first_k_dense_replace", "num_mtp_layers"):
+                    cfg.pop(k)
             if shape.softmax_router is not None:  # DeepSeek-V2: softmax routing, no correction bias
                 cfg.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], scoring_func="softmax",
                            topk_method="group_limited_greedy" if r.groups > 1 else "greedy")

@@ -264,6 +264,9 @@ class ModelShape(Record):
     rms_norm_eps: float = 1e-6
     max_position: int = 262144
     mtp_layers: NonNeg = 0  # multi-token-prediction layers (counted apart from the text stack)
+    # the Hugging Face model_type an export writes where the arch's blocks serve several (glm4_moe_lite: GLM-4.7-Flash
+    # on DeepSeek-V3's); None: the arch's own
+    hf_model_type: str | None = None
     source: str = ""  # where the figures come from
 
     def __post_init__(self) -> None:
@@ -351,7 +354,7 @@ class ModelShape(Record):
     def fingerprint_dict(self) -> dict:
         # a shape without the routing, RoPE-scaling or pad records keeps the fingerprint it had before they existed
         unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id", "attention_chunk",
-                             "llama4") if getattr(self, k) is None}
+                             "llama4", "hf_model_type") if getattr(self, k) is None}
         if self.moe_layer_step == 1:
             unset.add("moe_layer_step")
         return plain(self, exclude=frozenset({"source"} | unset))
@@ -643,6 +646,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
+    "glm4_moe_lite": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe",
     "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe", "minimax_m2": "minimax_m2",
     "llama4": "llama4",
@@ -831,9 +835,11 @@ def _from_hf_config(path: Path) -> ModelShape:
             mla=dict(q_lora_rank=opt("q_lora_rank", 0), kv_lora_rank=req("kv_lora_rank"), qk_nope_head_dim=nope,
                      qk_rope_head_dim=rope_dim, v_head_dim=req("v_head_dim")),
             shared_expert_ffn=opt("n_shared_experts", 0) * req("moe_intermediate_size"),
-            first_dense_layers=opt("first_k_dense_replace", 0),
+            first_dense_layers=_leading_dense(cfg, model_type, opt, bad),
             dense_ffn=opt("intermediate_size", 0),
         )
+        if model_type == "glm4_moe_lite":  # GLM-4.7-Flash: DeepSeek-V3's blocks, exported under its own type
+            fields["hf_model_type"] = model_type
         if model_type == "deepseek_v2":
             fields["softmax_router"] = _softmax_router(cfg, opt, number, bad)
         else:
@@ -884,7 +890,22 @@ def _from_hf_config(path: Path) -> ModelShape:
 
 
 # transformers' defaults where a config leaves the router's fields out: (n_group, topk_group, routed_scaling_factor)
-_SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5), "glm4_moe": (1, 1, 1.0)}
+_SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5), "glm4_moe": (1, 1, 1.0),
+                            "glm4_moe_lite": (1, 1, 1.8)}
+
+
+def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
+    """The dense layers before the MoE ones: `first_k_dense_replace`, or GLM-4.7-Flash's `mlp_layer_types` ("dense"
+    and "sparse" a layer; transformers' default there: one dense layer, then sparse), whose dense layers must lead."""
+    types = cfg.get("mlp_layer_types")
+    if types is None:
+        return opt("first_k_dense_replace", 1 if model_type == "glm4_moe_lite" else 0)
+    if not isinstance(types, list) or any(t not in ("dense", "sparse") for t in types):
+        raise bad("mlp_layer_types", 'a list of "dense" and "sparse"', types)
+    k = types.index("sparse") if "sparse" in types else len(types)
+    if "dense" in types[k:]:
+        raise bad("mlp_layer_types", "the dense layers first, then the sparse ones", types)
+    return k
 
 
 def _sigmoid_router(cfg: dict, model_type: str, opt, number) -> dict:

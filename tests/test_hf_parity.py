@@ -1,5 +1,5 @@
 """Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE,
-Qwen2-MoE (also with dense layers between MoE ones), Llama 4 (Scout's and Maverick's forms), OLMoE (q/k norms over all heads; with attention biases), ERNIE-4.5 MoE, MiniMax-M2, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), DeepSeek-V2 and
+Qwen2-MoE (also with dense layers between MoE ones), Llama 4 (Scout's and Maverick's forms), GLM-4.7-Flash, OLMoE (q/k norms over all heads; with attention biases), ERNIE-4.5 MoE, MiniMax-M2, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), DeepSeek-V2 and
 V2-Lite (softmax routing, group-limited and plain), GLM-4.5, gpt-oss (attention
 sinks, sliding and full layers, YaRN without truncation; packed documents, MXFP4: tests/test_gpt_oss.py), and the
 dense Qwen3.5, Llama (also under llama3 RoPE scaling), Qwen2 and Qwen3 (also under YaRN) built in transformers,
@@ -48,6 +48,11 @@ DEEPSEEK = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_va
 MLA_ARCHS = {"deepseek_v3": DEEPSEEK,  # Moonlight: no q LoRA, one expert group, plain RoPE
              "moonlight": {**DEEPSEEK, "q_lora_rank": None, "n_group": 1, "topk_group": 1,
                            "rope_parameters": dict(rope_type="default", rope_theta=50000.0)}}
+# GLM-4.7-Flash (glm4_moe_lite): DeepSeek-V3's blocks, its dense layers given by type (here the first), one expert
+# group, scaling 1.8, plain RoPE
+GLM_LITE = {k: v for k, v in DEEPSEEK.items() if k != "first_k_dense_replace"} | {
+    "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.8, "mlp_layer_types": ["dense", "sparse", "sparse"],
+    "rope_parameters": dict(rope_type="default", rope_theta=1e6)}
 # DeepSeek-V2: softmax routing in 2 groups of 4 experts (each scored by its best), the 2 experts from the best group
 # only (the limit binds: V2's own keeps 3 groups of 8 for 6 experts), weights not renormalized, times 16 (V2's
 # factor); V2-Lite: no q LoRA, plain top-k ("greedy"), plain RoPE
@@ -74,7 +79,7 @@ LLAMA4 = {"llama4": {**LLAMA4_BASE, "num_experts_per_tok": 2, "interleave_moe_la
 QWEN2_SPARSE = dict(decoder_sparse_step=2, num_hidden_layers=4, intermediate_size=40)
 # the shape's arch where it is not the name
 ARCH = {"moonlight": "deepseek_v3", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE},
-        "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe"}
+        "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3"}
 
 
 def _hf_model(arch: str):
@@ -98,6 +103,9 @@ def _hf_model(arch: str):
     elif arch in MLA_ARCHS:
         cfg = transformers.DeepseekV3Config(**MLA_ARCHS[arch])
         cls = transformers.DeepseekV3ForCausalLM
+    elif arch == "glm4_moe_lite":
+        cfg = transformers.Glm4MoeLiteConfig(**GLM_LITE)
+        cls = transformers.Glm4MoeLiteForCausalLM
     elif arch in DEEPSEEK_V2:
         cfg = transformers.DeepseekV2Config(**DEEPSEEK_V2[arch])
         cls = transformers.DeepseekV2ForCausalLM
@@ -163,7 +171,7 @@ def _hf_model(arch: str):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
-                                  "ernie4_5_moe", "minimax_m2", "mixtral", *MLA_ARCHS, *DEEPSEEK_V2,
+                                  "ernie4_5_moe", "minimax_m2", "mixtral", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
                                   "glm4_moe", "gpt_oss", *LLAMA4, "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)
@@ -238,7 +246,7 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral",
-                                  "deepseek_v3", "deepseek_v2", "glm4_moe", "gpt_oss", *LLAMA4])
+                                  "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "glm4_moe", "gpt_oss", *LLAMA4])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.

@@ -654,3 +654,26 @@ def test_llama4_fields_read_and_refused_in_one_line(tmp_path):
     assert chunk_keys(scout, 4096) == 2048  # within one chunk: causal
     assert chunk_keys(scout, 32768) == 4096  # four whole chunks: C/2
     assert chunk_keys(scout, 12288) == (8192**2 + 4096**2) / (2 * 12288)  # a whole chunk and half of one
+
+
+def test_glm47_flash_reads_as_deepseek_v3_blocks(tmp_path):
+    """GLM-4.7-Flash (`glm4_moe_lite`): DeepSeek-V3's blocks (multi-head latent attention, sigmoid routing with a
+    correction bias), its dense layers given by `mlp_layer_types` (transformers' default: one, then sparse), its
+    router's defaults one group and scaling 1.8, exported under its own type (hf_model_type, which leaves other
+    shapes' fingerprints alone); a pattern whose dense layers do not lead, or an unknown kind, is one line naming the
+    field. transformers' default config is the 30B-A3B shape."""
+    import transformers
+
+    transformers.Glm4MoeLiteConfig().save_pretrained(tmp_path / "flash")
+    m = from_hf_config(tmp_path / "flash" / "config.json")
+    assert (m.arch, m.hf_model_type, m.first_dense_layers, m.mla.v_head_dim) == ("deepseek_v3", "glm4_moe_lite", 1, 256)
+    assert (m.sigmoid_router.groups, m.sigmoid_router.scaling, m.top_k, m.num_experts) == (1, 1.8, 4, 64)
+    assert 29.5e9 < total_params(m) < 30.5e9 and trainable(m) is None
+    assert "hf_model_type" not in PRESETS["deepseek-v3"].fingerprint_dict()
+    cfg = json.loads((tmp_path / "flash" / "config.json").read_text())
+    for name, types in (("mid", ["sparse", "dense"] + ["sparse"] * 45), ("odd", ["dense", "moe"] + ["sparse"] * 45)):
+        with pytest.raises(ValueError) as e:
+            from_hf_config(_write(tmp_path, name, cfg | {"mlp_layer_types": types}))
+        assert "\n" not in str(e.value) and "'mlp_layer_types'" in str(e.value), str(e.value)
+    two = from_hf_config(_write(tmp_path, "two", cfg | {"mlp_layer_types": ["dense"] * 2 + ["sparse"] * 45}))
+    assert two.first_dense_layers == 2
