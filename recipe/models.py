@@ -840,6 +840,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         )
         if model_type == "glm4_moe_lite":  # GLM-4.7-Flash: DeepSeek-V3's blocks, exported under its own type
             fields["hf_model_type"] = model_type
+        if cfg.get("rope_interleave") is False:  # RoPE on halves of the rope channels: planned only (arch `moe`)
+            fields["arch"] = "moe"
         if model_type == "deepseek_v2":
             fields["softmax_router"] = _softmax_router(cfg, opt, number, bad)
         else:

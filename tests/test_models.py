@@ -677,3 +677,6 @@ def test_glm47_flash_reads_as_deepseek_v3_blocks(tmp_path):
         assert "\n" not in str(e.value) and "'mlp_layer_types'" in str(e.value), str(e.value)
     two = from_hf_config(_write(tmp_path, "two", cfg | {"mlp_layer_types": ["dense"] * 2 + ["sparse"] * 45}))
     assert two.first_dense_layers == 2
+    # the core rotates MLA's rope channels in pairs (rope_interleave, the default): halves are planned only
+    halves = from_hf_config(_write(tmp_path, "halves", cfg | {"rope_interleave": False}))
+    assert halves.arch == "moe" and halves.mla is not None and "planned" in trainable(halves)
