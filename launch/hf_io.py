@@ -73,6 +73,17 @@ _FUSED_EXPERT = re.compile(r"^layers\.\d+\.mlp\.experts\.(gate_up_proj|gate_up_p
 # input dimension first: gate_up_proj [E, D, 2I] (columns [gate | up]), down_proj [E, I, D]
 _FEED_FORWARD = re.compile(r"^(layers\.\d+)\.feed_forward\.")
 _OUR_FFN = re.compile(r"^(layers\.\d+)\.mlp\.")
+# Granite MoE's releases (and what transformers writes): the experts `block_sparse_moe.input_linear` [E, 2I, D] (rows
+# [gate | up]) and `output_linear` [E, D, I], the router `block_sparse_moe.router.layer`, the shared expert
+# `shared_mlp.input_linear` [2I, D] and `output_linear` beside the block
+_GRANITE_IN = {"mlp.input_linear.weight": "mlp.experts.gate_up_proj", "mlp.output_linear.weight": "mlp.experts.down_proj",
+               "mlp.router.layer.weight": "mlp.gate.weight", "mlp.router.weight": "mlp.gate.weight",
+               "shared_mlp.output_linear.weight": "mlp.shared_expert.down_proj.weight"}
+_GRANITE_OUT = {"mlp.experts.gate_up_proj": "block_sparse_moe.input_linear.weight",
+                "mlp.experts.down_proj": "block_sparse_moe.output_linear.weight",
+                "mlp.gate.weight": "block_sparse_moe.router.layer.weight",
+                "mlp.shared_expert.down_proj.weight": "shared_mlp.output_linear.weight"}
+_LAYER_REST = re.compile(r"^(layers\.\d+)\.(.*)$")
 
 
 def _strip(key: str) -> str:
@@ -259,7 +270,7 @@ def _gpt_oss_experts_to_hf(name: str, t: torch.Tensor) -> torch.Tensor:
 
 def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
-    gpt_oss, llama4 = model.shape.arch == "gpt_oss", model.shape.arch == "llama4"
+    gpt_oss, llama4, granite = (model.shape.arch == a for a in ("gpt_oss", "llama4", "granitemoe"))
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     mtp = range(model.shape.num_layers, model.shape.num_layers + model.shape.mtp_layers)
     for key, t in raw.items():
@@ -275,6 +286,14 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         key = _BLOCK_BIAS.sub(r"\1.gate.e_score_correction_bias", key)
         if llama4:
             key = _FEED_FORWARD.sub(r"\1.mlp.", key)
+        if granite and (parts := _LAYER_REST.match(key)):
+            layer, rest = parts.groups()
+            if rest == "shared_mlp.input_linear.weight":  # [gate | up] rows of the shared expert
+                gate, up = t.chunk(2, dim=0)
+                sd[f"{layer}.mlp.shared_expert.gate_proj.weight"] = gate
+                sd[f"{layer}.mlp.shared_expert.up_proj.weight"] = up
+                continue
+            key = f"{layer}.{_GRANITE_IN.get(rest, rest)}"
         if gpt_oss or llama4:
             key = _ROUTER.sub(r"\1.gate.", key)
             fused = _FUSED_EXPERT.match(key)
@@ -427,6 +446,18 @@ def hf_config(shape: ModelShape) -> dict:
                    intermediate_size=shape.expert_ffn, sliding_window=shape.sliding_window,
                    layer_types=list(shape.layer_types), output_router_logits=False)
         return cfg
+    if shape.arch == "granitemoe":
+        for k in ("num_experts", "moe_intermediate_size"):
+            cfg.pop(k)
+        g, shared = shape.granite, shape.shared_expert_ffn
+        cfg.update(model_type="granitemoeshared" if shared else "granitemoe",
+                   architectures=["GraniteMoeSharedForCausalLM" if shared else "GraniteMoeForCausalLM"],
+                   num_local_experts=shape.num_experts, intermediate_size=shape.expert_ffn,
+                   embedding_multiplier=g.embedding, attention_multiplier=g.attention,
+                   residual_multiplier=g.residual, logits_scaling=g.logits, output_router_logits=False)
+        if shared:
+            cfg["shared_intermediate_size"] = shared
+        return cfg
     if shape.arch == "llama4":
         for k in ("num_experts", "moe_intermediate_size"):
             cfg.pop(k)
@@ -508,7 +539,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
 
     plural = model.shape.arch in _PLURAL_SHARED_ARCHS
     gpt_oss, ernie = model.shape.arch == "gpt_oss", model.shape.arch == "ernie4_5_moe"
-    llama4 = model.shape.arch == "llama4"
+    llama4, granite = model.shape.arch == "llama4", model.shape.arch == "granitemoe"
 
     def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`; DeepSeek's shared expert plural
         if plural:
@@ -517,7 +548,16 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
 
     for key, t in sd.items():
         fused = _FUSED_EXPERT.match(key) if gpt_oss or llama4 else None
-        if llama4:  # its own names and fused layout, input dimension first
+        parts = _LAYER_REST.match(key) if granite else None
+        if parts:  # Granite's names: the fused experts whole, the shared expert's gate and up as one matrix
+            layer, rest = parts.groups()
+            if rest.startswith("mlp.shared_expert.") and rest.endswith(("gate_proj.weight", "up_proj.weight")):
+                if rest.endswith("gate_proj.weight"):
+                    up = sd[f"{layer}.mlp.shared_expert.up_proj.weight"]
+                    out[f"model.{layer}.shared_mlp.input_linear.weight"] = torch.cat([t, up])
+                continue
+            out[f"model.{layer}.{_GRANITE_OUT.get(rest, rest)}"] = t
+        elif llama4:  # its own names and fused layout, input dimension first
             key = _OUR_FFN.sub(r"\1.feed_forward.", _OUR_ROUTER.sub(r"\1.router.", key))
             out[key if key == "lm_head.weight" else "model." + key] = t.transpose(1, 2) if fused else t
         elif fused:  # gpt-oss: its own fused layout

@@ -195,12 +195,33 @@ def rope_frequencies(s: ModelShape, device=None) -> tuple[torch.Tensor, float]:
 
 def softmax_scale(s: ModelShape) -> float:
     """Attention's softmax scale: 1/√(q·k head dim); MLA under YaRN with mscale_all_dim also multiplies it by
-    mscale(factor, mscale_all_dim)², as DeepSeek-V3 does."""
+    mscale(factor, mscale_all_dim)², as DeepSeek-V3 does; Granite's `attention` multiplier in its place."""
+    if s.granite is not None:
+        return s.granite.attention
     scale = (s.mla.qk_nope_head_dim + s.mla.qk_rope_head_dim if s.mla is not None else s.head_dim) ** -0.5
     sc = s.rope_scaling
     if s.mla is not None and sc is not None and sc.kind == "yarn" and sc.mscale_all_dim:
         scale *= _mscale(sc.factor, sc.mscale_all_dim) ** 2
     return scale
+
+
+def logits_divisor(s: ModelShape) -> float:
+    """What the model divides its logits by before the softmax (Granite's `logits` scaling; 1 elsewhere): the trainer
+    folds it into the head's temperature (launch/train.py), so the fused head applies it inside its kernels."""
+    return s.granite.logits if s.granite is not None else 1.0
+
+
+class ScaledEmbedding(nn.Embedding):
+    """nn.Embedding whose rows come out times `scale` (Granite's embedding multiplier; 1 elsewhere). Parameter names
+    and the padding row are nn.Embedding's; tensor parallelism's hooks see the scaled rows (a linear map)."""
+
+    def __init__(self, *args, scale: float = 1.0, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.scale = scale
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        out = super().forward(ids)
+        return out if self.scale == 1.0 else out * self.scale
 
 
 def rope_cos_sin(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype):
@@ -528,6 +549,8 @@ class DecoderLayer(nn.Module):
                              f"linear_attention)")
         self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
         self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
+        # Granite: each branch's output times its residual multiplier before the add (1 elsewhere)
+        self.residual_scale = s.granite.residual if s.granite is not None else 1.0
         if dense:
             self.mlp = SwiGLU(s.hidden_size, s.dense_ffn)
         else:
@@ -540,6 +563,9 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x_TD: torch.Tensor, rope, packing: Packing) -> torch.Tensor:
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        if self.residual_scale != 1.0:
+            x_TD = x_TD + mixer(self.input_layernorm(x_TD), rope, packing) * self.residual_scale
+            return x_TD + self.mlp(self.post_attention_layernorm(x_TD)) * self.residual_scale
         x_TD = x_TD + mixer(self.input_layernorm(x_TD), rope, packing)
         return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
 
@@ -557,7 +583,8 @@ class Transformer(nn.Module):
         norm_offset = 1.0 if shape.arch in OFFSET_NORM_ARCHS else 0.0
         # transformers' embedding never updates its pad row (padding_idx): nor does ours; `pad_row` keeps the
         # vocabulary's id where tensor parallelism makes padding_idx this rank's
-        self.embed_tokens = nn.Embedding(shape.vocab_size, shape.hidden_size, padding_idx=shape.pad_token_id)
+        self.embed_tokens = ScaledEmbedding(shape.vocab_size, shape.hidden_size, padding_idx=shape.pad_token_id,
+                                            scale=shape.granite.embedding if shape.granite is not None else 1.0)
         self.embed_tokens.pad_row = shape.pad_token_id
         self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset, dense=shape.is_dense_layer(i))
                                     for i, t in enumerate(shape.layer_types))

@@ -23,7 +23,7 @@ from dataclasses import dataclass, field
 import torch
 
 from launch.data import Batch
-from launch.model import Transformer
+from launch.model import Transformer, logits_divisor
 from launch.optim import MasterAdamW, NonFiniteError
 from launch.recompute import apply_recompute
 from launch.rl import LossConfig, fused_nll_loss, fused_policy_loss, policy_loss, token_logprobs, token_weights
@@ -85,7 +85,10 @@ class Trainer:
         stage)."""
         if hidden_TD is None:
             hidden_TD = self.model(batch.input_ids, batch.packing)
-        weight, mask, temp = self.model.lm_head.weight, batch.loss_mask, self.cfg.temperature
+        # the sampling temperature, times what the model divides its logits by (Granite's logits scaling)
+        weight, mask = self.model.lm_head.weight, batch.loss_mask
+        shape = getattr(self.model, "shape", None)
+        temp = self.cfg.temperature * (logits_divisor(shape) if shape is not None else 1.0)
         w_T, n_loss = batch.extra.get("token_weight"), batch.extra.get("num_loss_tokens")
         tp = self.tensor_parallel
         if tp is not None:

@@ -113,6 +113,24 @@ class Llama4Attention(Record):
             raise ValueError(f"attn_scale must be a non-negative number, got {v!r}")
 
 
+@dataclass(frozen=True, kw_only=True)
+class GraniteScales(Record):
+    """Granite's multipliers: the input embedding times `embedding`, attention's softmax scale `attention` (in place
+    of 1/√d), each layer's mixer and FFN output times `residual` before its residual add, the logits divided by
+    `logits`."""
+
+    embedding: float = 1.0
+    attention: float = 1.0
+    residual: float = 1.0
+    logits: float = 1.0
+
+    def __post_init__(self) -> None:
+        for n in ("embedding", "attention", "residual", "logits"):
+            v = getattr(self, n)
+            if isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v) or v <= 0:
+                raise ValueError(f"Granite's {n} multiplier must be a positive number, got {v!r}")
+
+
 ROPE_SCALINGS = ("yarn", "llama3", "linear")  # the RoPE scalings the training core applies
 
 
@@ -159,9 +177,10 @@ class RopeScaling(Record):
 # steered by a correction bias, shared experts, a dense first layer, interleaved RoPE, tied embeddings), MiniMax-M2
 # (q/k norms over all heads together, partial RoPE, sigmoid routing steered by a correction bias, no shared
 # expert), Llama 4 (chunked attention with RoPE, global attention without, sigmoid top-k weights scaling the routed
-# experts' input, a shared expert, dense layers among the MoE ones); `recipe solve` plans every arch
+# experts' input, a shared expert, dense layers among the MoE ones), Granite 3.x MoE (Mixtral's block with
+# embedding, attention, residual and logits multipliers; an optional shared expert); `recipe solve` plans every arch
 TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2",
-                 "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "qwen3_5", "dense")
+                 "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "granitemoe", "qwen3_5", "dense")
 # archs whose q/k RMSNorms span all heads of a token together (one weight per channel of the projection), not each
 # head apart
 WHOLE_QK_NORM_ARCHS = ("olmoe", "minimax_m2")
@@ -176,8 +195,8 @@ def trainable(shape: "ModelShape") -> str | None:
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Qwen2-MoE, OLMoE, ERNIE-4.5, "
-                f"MiniMax-M2, Mixtral, DeepSeek-V2 and V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss, Llama 4 and dense "
-                f"Llama/Qwen/Mistral stacks; not Granite, OLMoE with clip_qkv, ERNIE-4.5 with biases or "
+                f"MiniMax-M2, Mixtral, DeepSeek-V2 and V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss, Llama 4, Granite MoE "
+                f"and dense Llama/Qwen/Mistral stacks; not OLMoE with clip_qkv, ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
     sc = shape.rope_scaling
@@ -213,16 +232,18 @@ GPT_OSS_ROPE_SCALING = RopeScaling(kind="yarn", factor=32.0, original_max_positi
 class ModelShape(Record):
     name: str
     # dense: every layer a dense FFN (num_experts = top_k = 1, first_dense_layers = num_layers), EP = 1;
-    # moe: a standard softmax-routed MoE (Llama-4, Granite, the forms of Qwen2-MoE, OLMoE and ERNIE-4.5 the core does
-    # not train, unknown types); qwen2_moe: Qwen2-MoE with every layer MoE (q/k/v biases, gated shared expert);
+    # moe: a standard softmax-routed MoE (the forms of Qwen2-MoE, OLMoE and ERNIE-4.5 the core does not train,
+    # unknown types); qwen2_moe: Qwen2-MoE (q/k/v biases, gated shared expert);
     # olmoe: OLMoE (q/k norms over all heads together); ernie4_5_moe: ERNIE-4.5 MoE (softmax scores steered by a
     # correction bias, interleaved RoPE: launch/model.py);
     # glm4_moe: GLM-4.5 (sigmoid router, shared experts, dense first layers, partial RoPE);
     # minimax_m2: MiniMax-M2 (q/k norms over all heads together, partial RoPE, sigmoid router, no shared expert);
     # qwen3_5: Qwen3.5 dense (Gated DeltaNet + gated attention, dense FFN);
-    # llama4: Llama 4 (chunked and global attention, `llama4`; sigmoid top-k weights on the experts' input)
+    # llama4: Llama 4 (chunked and global attention, `llama4`; sigmoid top-k weights on the experts' input);
+    # granitemoe: Granite 3.x MoE (Mixtral's block, `granite` multipliers, an optional shared expert)
     arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2",
-                  "deepseek_v3", "gpt_oss", "mixtral", "glm4_moe", "llama4", "dense", "moe", "qwen3_5"]
+                  "deepseek_v3", "gpt_oss", "mixtral", "glm4_moe", "llama4", "granitemoe", "dense", "moe",
+                  "qwen3_5"]
     hidden_size: Pos
     num_layers: Pos
     vocab_size: Pos
@@ -241,6 +262,7 @@ class ModelShape(Record):
     # chunked_attention layers: a query sees the keys of its own chunk of this many positions of its document
     attention_chunk: int | None = None
     llama4: Llama4Attention | None = None  # Llama 4's RoPE-free global layers and q/k scaling (arch llama4)
+    granite: GraniteScales | None = None  # Granite's multipliers (arch granitemoe)
     mla: MLAShape | None = None
     linear_attn: LinearAttnShape | None = None
     # MoE
@@ -354,7 +376,7 @@ class ModelShape(Record):
     def fingerprint_dict(self) -> dict:
         # a shape without the routing, RoPE-scaling or pad records keeps the fingerprint it had before they existed
         unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id", "attention_chunk",
-                             "llama4", "hf_model_type") if getattr(self, k) is None}
+                             "llama4", "hf_model_type", "granite") if getattr(self, k) is None}
         if self.moe_layer_step == 1:
             unset.add("moe_layer_step")
         return plain(self, exclude=frozenset({"source"} | unset))
@@ -650,7 +672,7 @@ _ARCH_BY_MODEL_TYPE = {
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe",
     "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe", "minimax_m2": "minimax_m2",
     "llama4": "llama4",
-    "llama4_text": "llama4", "granitemoe": "moe", "granitemoeshared": "moe",
+    "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense",
 }
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
@@ -886,6 +908,14 @@ def _from_hf_config(path: Path) -> ModelShape:
             fields["arch"] = "moe"
     elif arch == "llama4":
         _llama4(cfg, fields, n_layers, req, opt, opt_flag, number, count, bad)
+    elif arch == "granitemoe":
+        # Granite 3.x MoE: Mixtral's block with four multipliers (transformers' defaults 1 where absent), the top-k
+        # weights a softmax over the chosen logits; granitemoeshared adds a plain shared expert
+        fields.update(expert_ffn=req("intermediate_size"), shared_expert_ffn=opt("shared_intermediate_size", 0),
+                      qk_norm=False, attn_bias=opt_flag("attention_bias", False), norm_topk_prob=True,
+                      granite={k: 1.0 if cfg.get(f) is None else number(cfg[f], f) for k, f in (
+                          ("embedding", "embedding_multiplier"), ("attention", "attention_multiplier"),
+                          ("residual", "residual_multiplier"), ("logits", "logits_scaling"))})
     elif arch == "moe":
         _generic_moe(cfg, model_type, fields, n_layers, req, opt, opt_flag, count)
     return validate(ModelShape, fields, f"{path}: invalid model shape")
@@ -1107,12 +1137,9 @@ def _llama4(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, number, 
 
 
 def _generic_moe(cfg: dict, model_type: str, fields: dict, n_layers: int, req, opt, opt_flag, count) -> None:
-    """The standard softmax-routed MoE families, by their field names."""
+    """The standard softmax-routed MoE families (and unknown types), by their field names."""
     fields.update(qk_norm=False, attn_bias=opt_flag("attention_bias", False))
-    if model_type in ("granitemoe", "granitemoeshared"):
-        fields.update(expert_ffn=req("intermediate_size"), shared_expert_ffn=opt("shared_intermediate_size", 0))
-    else:  # unknown: the routed expert width is moe_intermediate_size or intermediate_size
-        fields.update(shared_expert_ffn=opt("shared_expert_intermediate_size", 0))
+    fields.update(shared_expert_ffn=opt("shared_expert_intermediate_size", 0))
 
 
 def _shown(v) -> str:

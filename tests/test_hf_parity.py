@@ -1,5 +1,6 @@
 """Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE,
-Qwen2-MoE (also with dense layers between MoE ones), Llama 4 (Scout's and Maverick's forms), GLM-4.7-Flash, OLMoE (q/k norms over all heads; with attention biases), ERNIE-4.5 MoE, MiniMax-M2, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), DeepSeek-V2 and
+Qwen2-MoE (also with dense layers between MoE ones), Llama 4 (Scout's and Maverick's forms), GLM-4.7-Flash, Granite
+MoE (with and without its shared expert; its multipliers), OLMoE (q/k norms over all heads; with attention biases), ERNIE-4.5 MoE, MiniMax-M2, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), DeepSeek-V2 and
 V2-Lite (softmax routing, group-limited and plain), GLM-4.5, gpt-oss (attention
 sinks, sliding and full layers, YaRN without truncation; packed documents, MXFP4: tests/test_gpt_oss.py), and the
 dense Qwen3.5, Llama (also under llama3 RoPE scaling), Qwen2 and Qwen3 (also under YaRN) built in transformers,
@@ -12,7 +13,7 @@ transformers = pytest.importorskip("transformers")
 pytest.importorskip("safetensors")
 
 from launch.hf_io import export_hf_checkpoint, load_hf_checkpoint  # noqa: E402
-from launch.model import Packing, build_model  # noqa: E402
+from launch.model import Packing, build_model, logits_divisor  # noqa: E402
 from launch.rl import token_logprobs  # noqa: E402
 from recipe.models import from_hf_config  # noqa: E402
 
@@ -75,11 +76,17 @@ LLAMA4 = {"llama4": {**LLAMA4_BASE, "num_experts_per_tok": 2, "interleave_moe_la
                               "use_qk_norm": False, "rope_parameters": dict(
                                   rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0,
                                   high_freq_factor=4.0, original_max_position_embeddings=16)}}
+# Granite 3.x MoE: its four multipliers away from 1 (the embedding ×3, attention's scale 0.2 for 1/√16, each branch
+# ×0.5 before its residual add, the logits ÷2.5); granitemoeshared adds a shared expert
+GRANITE = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=16,
+               num_local_experts=6, num_experts_per_tok=2, num_hidden_layers=2, embedding_multiplier=3.0,
+               attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.5, rms_norm_eps=1e-6)
 # Qwen2-MoE with a dense layer between MoE ones (decoder_sparse_step 2)
 QWEN2_SPARSE = dict(decoder_sparse_step=2, num_hidden_layers=4, intermediate_size=40)
 # the shape's arch where it is not the name
 ARCH = {"moonlight": "deepseek_v3", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE},
-        "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3"}
+        "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3",
+        "granitemoeshared": "granitemoe"}
 
 
 def _hf_model(arch: str):
@@ -143,6 +150,11 @@ def _hf_model(arch: str):
         cfg = transformers.Qwen2MoeConfig(**COMMON, **sparse, shared_expert_intermediate_size=24,
                                           rope_parameters=dict(rope_type="default", rope_theta=1e6))
         cls = transformers.Qwen2MoeForCausalLM
+    elif arch == "granitemoe":
+        cfg, cls = transformers.GraniteMoeConfig(**GRANITE), transformers.GraniteMoeForCausalLM
+    elif arch == "granitemoeshared":
+        cfg = transformers.GraniteMoeSharedConfig(**GRANITE, shared_intermediate_size=24)
+        cls = transformers.GraniteMoeSharedForCausalLM
     elif arch in LLAMA4:
         cfg = transformers.Llama4TextConfig(**LLAMA4[arch])
         cls = transformers.Llama4ForCausalLM
@@ -172,7 +184,7 @@ def _hf_model(arch: str):
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
                                   "ernie4_5_moe", "minimax_m2", "mixtral", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
-                                  "glm4_moe", "gpt_oss", *LLAMA4, "qwen3_5", *DENSE])
+                                  "glm4_moe", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared", "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)
     hf.save_pretrained(tmp_path / "hf")
@@ -187,14 +199,14 @@ def test_logits_and_loss_match_transformers(arch, tmp_path):
     with torch.no_grad():
         out = hf(input_ids=ids, labels=ids)
         hidden = ours(ids[0], Packing.from_lengths([T]))
-        logits = hidden @ ours.lm_head.weight.T
+        logits = hidden @ ours.lm_head.weight.T / logits_divisor(shape)  # Granite divides its logits
     err = (logits - out.logits[0]).abs().max().item()
     assert err < 1e-4, f"{arch}: max |logits − transformers| = {err:.3e}"
 
     targets = torch.cat([ids[0, 1:], torch.tensor([-1])])
     for mode in ("fused", "naive"):
         with torch.no_grad():
-            logp = token_logprobs(hidden, ours.lm_head.weight, targets, mode=mode)
+            logp = token_logprobs(hidden, ours.lm_head.weight, targets, mode=mode, temperature=logits_divisor(shape))
         loss = -logp[:-1].mean()
         assert abs(loss.item() - out.loss.item()) < 1e-5, (mode, loss.item(), out.loss.item())
 
@@ -246,7 +258,8 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral",
-                                  "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "glm4_moe", "gpt_oss", *LLAMA4])
+                                  "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "glm4_moe", "gpt_oss", *LLAMA4,
+                                  "granitemoeshared"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.
@@ -269,7 +282,8 @@ def test_gradients_match_transformers(arch, tmp_path):
     want = hf_to_ours({n: p.grad for n, p in hf.named_parameters() if p.requires_grad}, ours)  # not ERNIE's bias
     hidden = ours(ids[0], Packing.from_lengths([T]))
     targets = torch.cat([ids[0, 1:], torch.tensor([-1])])
-    (-token_logprobs(hidden, ours.lm_head.weight, targets, mode="fused")[:-1].mean()).backward()
+    (-token_logprobs(hidden, ours.lm_head.weight, targets, mode="fused",
+                     temperature=logits_divisor(shape))[:-1].mean()).backward()
     got = {n: p.grad for n, p in ours.named_parameters()}
     assert got.keys() == want.keys()
     for n, g in got.items():

@@ -285,12 +285,17 @@ def test_a_plan_that_fails_validation(tmp_path, no_launch):
 
 
 def test_a_plan_of_a_model_the_core_does_not_train_is_refused_before_any_worker(tmp_path, no_launch):
-    """Granite MoE (a softmax-routed MoE of arch "moe") is planned, not trained: the launch says so in one line
-    (recipe.models.trainable) and starts nothing; gpt-oss's plan at cp = 2 (attention sinks and sliding windows under
-    context parallelism) and DeepSeek-V3's pass that check (and stop at the rendezvous they need)."""
-    plan = tmp_path / "granite.yaml"
-    solved = runner.invoke(app, ["solve", "--model", str(ROOT / "tests/fixtures/configs/granite-3.0-1b-a400m.json"),
-                                 "--seq", "8k", "--hw", "h100", "--output", str(plan)])
+    """Qwen2-MoE with `mlp_only_layers` (a softmax-routed MoE of arch "moe") is planned, not trained: the launch says
+    so in one line (recipe.models.trainable) and starts nothing; gpt-oss's plan at cp = 2 (attention sinks and sliding
+    windows under context parallelism) and DeepSeek-V3's pass that check (and stop at the rendezvous they need)."""
+    import json
+
+    config = tmp_path / "qwen2moe" / "config.json"
+    config.parent.mkdir()
+    cfg = json.loads((ROOT / "tests/fixtures/configs/qwen1.5-moe-a2.7b.json").read_text())
+    config.write_text(json.dumps(cfg | {"mlp_only_layers": [0]}))
+    plan = tmp_path / "planned.yaml"
+    solved = runner.invoke(app, ["solve", "--model", str(config), "--seq", "8k", "--hw", "h100", "--output", str(plan)])
     assert solved.exit_code == 0, solved.output
     one_line_error(launch(str(plan), "--dry-run"), "arch 'moe' is planned by `recipe solve` but not trained", code=2)
     for name in ("gpt-oss-120b_h100_32k.yaml", "deepseek-v3_h100_32k.yaml"):

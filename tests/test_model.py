@@ -324,9 +324,11 @@ def test_unsupported_shapes_fail_loudly():
 
     from recipe.models import from_hf_config
 
-    granite = from_hf_config(Path(__file__).parent / "fixtures" / "configs" / "granite-3.0-1b-a400m.json")  # planned
+    # Qwen2-MoE with mlp_only_layers: planned only
+    planned = from_hf_config(Path(__file__).parent / "fixtures" / "configs" / "qwen1.5-moe-a2.7b.json").model_copy(
+        update={"arch": "moe"})
     with pytest.raises(ValueError, match="arch 'moe' is planned"):
-        build_model(granite.with_layers(1), device="meta")
+        build_model(planned.with_layers(1), device="meta")
     with pytest.raises(ValueError, match="document lengths must be positive"):
         Packing.from_lengths([3, 0])
 

@@ -94,6 +94,30 @@ def test_lean_head_gives_the_fused_step():
         Trainer(build_model(TINY, seed=5), cfg, lm_head="liger")
 
 
+@pytest.mark.parametrize("lm_head", ["fused", "naive"])
+def test_the_loss_divides_granites_logits_by_its_scaling(lm_head):
+    """A Granite model's logits are divided by its `logits` scaling before the softmax: the trainer folds it into
+    the head's temperature, so its SFT loss at sampling temperature 2 equals the mean negative log-probability of the
+    logits divided by 2 × 2.5, computed here from the hidden states by hand."""
+    from recipe.models import GraniteScales
+
+    shape = PRESETS["mixtral-8x7b"].model_copy(update=dict(
+        name="tiny-granite", arch="granitemoe", hidden_size=32, num_layers=2, vocab_size=96,
+        layer_types=("full_attention",) * 2, num_heads=4, num_kv_heads=2, head_dim=8, num_experts=4, top_k=2,
+        expert_ffn=16, granite=GraniteScales(embedding=3.0, attention=0.3, residual=0.5, logits=2.5)))
+    trainer = Trainer(build_model(shape, seed=1), TrainConfig(objective="sft", temperature=2.0), recompute="none",
+                      lm_head=lm_head)
+    batch = make_batch(synthetic_rollouts(1, 2, shape.vocab_size, prompt_len=(4, 6), response_len=(5, 8), seed=3))
+    loss, _ = trainer.loss_terms(batch)
+    with torch.no_grad():
+        h = trainer.model(batch.input_ids, batch.packing)
+        logp = torch.log_softmax(h @ trainer.model.lm_head.weight.T / 5.0, dim=-1)
+        keep = batch.targets >= 0
+        want = -(logp[keep].gather(1, batch.targets[keep, None])[:, 0] * batch.loss_mask[keep]).sum()
+        want = want / batch.loss_mask.sum()
+    assert loss.item() == pytest.approx(want.item(), rel=1e-5)
+
+
 def test_master_adamw_matches_torch_adamw():
     torch.manual_seed(0)
     w = [torch.randn(5, 3, requires_grad=True), torch.randn(4, requires_grad=True)]
