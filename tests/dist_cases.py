@@ -46,7 +46,8 @@ CASES = {
         ["olmoe_tp2_ep2", 1, 2, 1, 1, "olmoe", "full", 2], ["qwen2moe_tp2", 1, 1, 1, 1, "qwen2moe", "full", 2],
         ["ernie_ep2", 2, 2, 2, 1, "ernie"], ["ernie_cp2", 1, 1, 1, 2, "ernie"],
         ["minimax_tp2_ep2", 1, 2, 1, 1, "minimax", "full", 2],
-        ["llama4_cp2", 1, 1, 1, 2, "llama4"], ["llama4_tp2_ep2", 1, 2, 1, 1, "llama4", "full", 2]],
+        ["llama4_cp2", 1, 1, 1, 2, "llama4"], ["llama4_tp2_ep2", 1, 2, 1, 1, "llama4", "full", 2],
+        ["granite_tp2_ep2", 1, 2, 1, 1, "granite", "full", 2]],
     4: [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
         ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
         ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
@@ -91,6 +92,7 @@ VARIANTS = {
     "ernie": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an ERNIE-4.5-style model (tiny_ernie), as "mla"
     "minimax": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a MiniMax-M2-style model (tiny_minimax), as "mla"
     "llama4": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Llama-4-style model (tiny_llama4), as "mla"
+    "granite": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Granite-MoE-style model (tiny_granite), as "mla"
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -163,6 +165,18 @@ def tiny_llama4():
                       rope_theta=500000.0, rms_norm_eps=1e-5)
 
 
+def tiny_granite():
+    """Granite MoE's blocks at tiny widths: its four multipliers away from 1 (embedding ×3 through the
+    vocabulary-parallel embedding under tp, attention's scale 0.2, each branch ×0.5, the logits ÷2.5 in the head),
+    softmax top-2 of 8 experts over the chosen logits, a shared expert, untied embeddings (so tp splits them)."""
+    from recipe.models import GraniteScales, ModelShape
+
+    return ModelShape(name="tiny-granite", arch="granitemoe", hidden_size=64, num_layers=4, vocab_size=512,
+                      layer_types=("full_attention",) * 4, num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=False,
+                      num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=32, rope_theta=10000.0,
+                      granite=GraniteScales(embedding=3.0, attention=0.2, residual=0.5, logits=2.5))
+
+
 def tiny_qwen2_moe():
     """Qwen2-MoE's blocks at tiny widths: q/k/v biases (none on o_proj), a shared expert behind a sigmoid gate,
     softmax routing over 8 experts (top-2) without renormalization."""
@@ -203,7 +217,8 @@ def tiny_dense():
 
 # the model each variant trains (the others train tiny-moe)
 VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "oss": tiny_oss, "olmoe": tiny_olmoe,
-                  "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4}
+                  "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4,
+                  "granite": tiny_granite}
 
 
 def _shape(variant: str):

@@ -214,6 +214,21 @@ def test_llama4_layouts_equal_one_process(world2, name):
 
 
 @pytest.mark.dist
+def test_granite_under_tensor_parallelism_equals_one_process(world2):
+    """The Granite-MoE-style tiny model (dist_cases.tiny_granite: the embedding multiplier through the
+    vocabulary-parallel embedding, attention's own scale, residual multipliers, the logits' divisor in the head's
+    temperature, a shared expert) under tp=2 × ep=2 equals one process; every parameter but the routed experts is a tp
+    DTensor."""
+    import dist_cases
+    from launch.model import build_model
+
+    r = world2["granite_tp2_ep2"]
+    _assert_equal_to_one_process(r)
+    dense = sum(1 for n, _ in build_model(dist_cases.tiny_granite()).named_parameters() if ".mlp.experts." not in n)
+    assert r["tensor_parallel_params"] == dense
+
+
+@pytest.mark.dist
 def test_tensor_parallel_splits_every_dense_parameter_and_the_data_crosses_edges(world2, world4):
     """Every parameter but the routed experts is a tp DTensor, some micro-batch is padded to whole
     sequence-parallel rows, and some document runs across the edge between two tp ranks' rows."""
