@@ -402,7 +402,7 @@ def hf_config(shape: ModelShape) -> dict:
         return cfg
     if shape.arch == "olmoe":
         cfg.update(model_type="olmoe", architectures=["OlmoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
-                   intermediate_size=shape.expert_ffn, clip_qkv=None, layer_types=list(shape.layer_types))
+                   intermediate_size=shape.expert_ffn, clip_qkv=shape.clip_qkv, layer_types=list(shape.layer_types))
         return cfg
     if shape.arch == "qwen2_moe":
         cfg.pop("attention_bias")

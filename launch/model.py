@@ -312,6 +312,7 @@ class Attention(nn.Module):
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.arch in GPT_OSS_ARCHS else None
+        self.clip_qkv = s.clip_qkv  # OLMoE's: q and k after their norms, and v, clamped to ±clip_qkv (None: not)
         self.rope_interleaved = s.arch in INTERLEAVED_ROPE_ARCHS  # ERNIE-4.5: channel pairs, not halves
         self.rope_backend = "auto"  # auto | torch | triton (kernels/rope.py: one fused kernel on GPU)
         self.window = window  # keys fewer than `window` positions back (None: every earlier key of the document)
@@ -340,6 +341,8 @@ class Attention(nn.Module):
         v = self.v_proj(x_TD).view(T, -1, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        if self.clip_qkv is not None:
+            q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.rotary:
             q, k = (apply_rope(t, *rope, pairs=self.rope_interleaved, backend=self.rope_backend) for t in (q, k))
         if self.unit_rms_eps is not None:

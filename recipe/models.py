@@ -196,7 +196,7 @@ def trainable(shape: "ModelShape") -> str | None:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Qwen2-MoE, OLMoE, ERNIE-4.5, "
                 f"MiniMax-M2, Mixtral, DeepSeek-V2 and V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss, Llama 4, Granite MoE "
-                f"and dense Llama/Qwen/Mistral stacks; not OLMoE with clip_qkv, ERNIE-4.5 with biases or "
+                f"and dense Llama/Qwen/Mistral stacks; not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
     sc = shape.rope_scaling
@@ -263,6 +263,7 @@ class ModelShape(Record):
     attention_chunk: int | None = None
     llama4: Llama4Attention | None = None  # Llama 4's RoPE-free global layers and q/k scaling (arch llama4)
     granite: GraniteScales | None = None  # Granite's multipliers (arch granitemoe)
+    clip_qkv: float | None = None  # OLMoE's clip_qkv: q and k (after their norms) and v clamped to ±this
     mla: MLAShape | None = None
     linear_attn: LinearAttnShape | None = None
     # MoE
@@ -317,6 +318,8 @@ class ModelShape(Record):
         if self.num_dense_layers and not self.dense_ffn:
             raise ValueError(f"{self.num_dense_layers} dense layers (first_dense_layers={self.first_dense_layers}, "
                              f"moe_layer_step={self.moe_layer_step}) need dense_ffn > 0")
+        if self.clip_qkv is not None and not (isinstance(self.clip_qkv, (int, float)) and self.clip_qkv > 0):
+            raise ValueError(f"clip_qkv must be a positive number, got {self.clip_qkv!r}")
         if self.first_dense_layers > self.num_layers:
             raise ValueError(f"first_dense_layers={self.first_dense_layers} > num_layers={self.num_layers}")
         if self.sigmoid_router is not None and self.softmax_router is not None:
@@ -376,7 +379,7 @@ class ModelShape(Record):
     def fingerprint_dict(self) -> dict:
         # a shape without the routing, RoPE-scaling or pad records keeps the fingerprint it had before they existed
         unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id", "attention_chunk",
-                             "llama4", "hf_model_type", "granite") if getattr(self, k) is None}
+                             "llama4", "hf_model_type", "granite", "clip_qkv") if getattr(self, k) is None}
         if self.moe_layer_step == 1:
             unset.add("moe_layer_step")
         return plain(self, exclude=frozenset({"source"} | unset))
@@ -901,11 +904,11 @@ def _from_hf_config(path: Path) -> ModelShape:
     elif arch == "minimax_m2":
         _minimax_m2(cfg, fields, opt, opt_flag, number, count)
     elif arch == "olmoe":
-        # q/k norms over all heads together; clip_qkv (clamping q, k and v) is planned only
+        # q/k norms over all heads together; clip_qkv clamps q and k (after their norms) and v
         fields.update(qk_norm=True, attn_bias=opt_flag("attention_bias", False),
                       shared_expert_ffn=opt("shared_expert_intermediate_size", 0))
         if cfg.get("clip_qkv") is not None:
-            fields["arch"] = "moe"
+            fields["clip_qkv"] = number(cfg["clip_qkv"], "clip_qkv")
     elif arch == "llama4":
         _llama4(cfg, fields, n_layers, req, opt, opt_flag, number, count, bad)
     elif arch == "granitemoe":

@@ -86,7 +86,7 @@ QWEN2_SPARSE = dict(decoder_sparse_step=2, num_hidden_layers=4, intermediate_siz
 # the shape's arch where it is not the name
 ARCH = {"moonlight": "deepseek_v3", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE},
         "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3",
-        "granitemoeshared": "granitemoe"}
+        "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe"}
 
 
 def _hf_model(arch: str):
@@ -132,9 +132,11 @@ def _hf_model(arch: str):
                                               num_hidden_layers=3, tie_word_embeddings=True,
                                               rope_parameters=dict(rope_type="default", rope_theta=500000.0))
         cls = transformers.Ernie4_5_MoeForCausalLM
-    elif arch == "olmoe":  # q/k norms over all heads together (the head width hidden / heads, as OLMoE's norms need)
+    elif arch in ("olmoe", "olmoe_clip"):  # q/k norms over all heads together (the head width hidden / heads, as
+        # OLMoE's norms need); olmoe_clip: q, k (normed) and v clamped at ±0.5, which cuts a share of each
         moe = {k: v for k, v in COMMON.items() if k not in ("head_dim", "moe_intermediate_size")}
         cfg = transformers.OlmoeConfig(**moe, num_hidden_layers=2, intermediate_size=16, attention_bias=True,
+                                       clip_qkv=0.5 if arch == "olmoe_clip" else None,
                                        rope_parameters=dict(rope_type="default", rope_theta=10000.0))
         cls = transformers.OlmoeForCausalLM
     elif arch == "minimax_m2":  # q/k norms over all heads together, half of each head rotated, sigmoid routing
@@ -183,6 +185,7 @@ def _hf_model(arch: str):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
+                                  "olmoe_clip",
                                   "ernie4_5_moe", "minimax_m2", "mixtral", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
                                   "glm4_moe", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared", "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
@@ -259,7 +262,7 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "glm4_moe", "gpt_oss", *LLAMA4,
-                                  "granitemoeshared"])
+                                  "granitemoeshared", "olmoe_clip"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.
@@ -274,7 +277,7 @@ def test_gradients_match_transformers(arch, tmp_path):
     load_hf_checkpoint(ours, tmp_path / "hf")
     T = 40
     ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
-    assert shape.pad_token_id == {"olmoe": 1, "ernie4_5_moe": 0}.get(arch)
+    assert shape.pad_token_id == {"olmoe": 1, "olmoe_clip": 1, "ernie4_5_moe": 0}.get(arch)
     if shape.pad_token_id is not None:
         ids[0, [3, 17]] = shape.pad_token_id
     hf.zero_grad()
