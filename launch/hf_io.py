@@ -84,6 +84,9 @@ _GRANITE_OUT = {"mlp.experts.gate_up_proj": "block_sparse_moe.input_linear.weigh
                 "mlp.gate.weight": "block_sparse_moe.router.layer.weight",
                 "mlp.shared_expert.down_proj.weight": "shared_mlp.output_linear.weight"}
 _LAYER_REST = re.compile(r"^(layers\.\d+)\.(.*)$")
+# Hunyuan-A13B's names (ours on the right): q/k norms, the router's `wg`, the shared expert
+_HUNYUAN_IN = (("self_attn.query_layernorm.", "self_attn.q_norm."), ("self_attn.key_layernorm.", "self_attn.k_norm."),
+               ("mlp.gate.wg.", "mlp.gate."), ("mlp.shared_mlp.", "mlp.shared_expert."))
 
 
 def _strip(key: str) -> str:
@@ -271,6 +274,7 @@ def _gpt_oss_experts_to_hf(name: str, t: torch.Tensor) -> torch.Tensor:
 def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     gpt_oss, llama4, granite = (model.shape.arch == a for a in ("gpt_oss", "llama4", "granitemoe"))
+    hunyuan = model.shape.arch == "hunyuan_moe"
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     mtp = range(model.shape.num_layers, model.shape.num_layers + model.shape.mtp_layers)
     for key, t in raw.items():
@@ -286,6 +290,9 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         key = _BLOCK_BIAS.sub(r"\1.gate.e_score_correction_bias", key)
         if llama4:
             key = _FEED_FORWARD.sub(r"\1.mlp.", key)
+        if hunyuan:
+            for theirs, ours in _HUNYUAN_IN:
+                key = key.replace(theirs, ours)
         if granite and (parts := _LAYER_REST.match(key)):
             layer, rest = parts.groups()
             if rest == "shared_mlp.input_linear.weight":  # [gate | up] rows of the shared expert
@@ -446,6 +453,12 @@ def hf_config(shape: ModelShape) -> dict:
                    intermediate_size=shape.expert_ffn, sliding_window=shape.sliding_window,
                    layer_types=list(shape.layer_types), output_router_logits=False)
         return cfg
+    if shape.arch == "hunyuan_moe":
+        for k in ("num_experts_per_tok", "moe_intermediate_size"):
+            cfg.pop(k)
+        cfg.update(model_type="hunyuan_v1_moe", architectures=["HunYuanMoEV1ForCausalLM"], moe_topk=shape.top_k,
+                   intermediate_size=shape.expert_ffn)
+        return cfg
     if shape.arch == "granitemoe":
         for k in ("num_experts", "moe_intermediate_size"):
             cfg.pop(k)
@@ -516,7 +529,8 @@ def _rope_parameters(shape: ModelShape) -> dict:
             ("factor", sc.factor), ("original_max_position_embeddings", sc.original_max_position or None),
             ("beta_fast", sc.beta_fast), ("beta_slow", sc.beta_slow), ("mscale", sc.mscale),
             ("mscale_all_dim", sc.mscale_all_dim), ("attention_factor", sc.attention_factor),
-            ("low_freq_factor", sc.low_freq_factor), ("high_freq_factor", sc.high_freq_factor)) if v is not None})
+            ("low_freq_factor", sc.low_freq_factor), ("high_freq_factor", sc.high_freq_factor),
+            ("alpha", sc.alpha)) if v is not None})
         if not sc.truncate:
             out["truncate"] = False
     return out
@@ -540,6 +554,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
     plural = model.shape.arch in _PLURAL_SHARED_ARCHS
     gpt_oss, ernie = model.shape.arch == "gpt_oss", model.shape.arch == "ernie4_5_moe"
     llama4, granite = model.shape.arch == "llama4", model.shape.arch == "granitemoe"
+    hunyuan = model.shape.arch == "hunyuan_moe"
 
     def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`; DeepSeek's shared expert plural
         if plural:
@@ -583,6 +598,13 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
                 out[key] = t
         else:
             out["model." + block(key)] = t
+    if hunyuan:
+        renamed = {}
+        for k, v in out.items():
+            for theirs, ours in _HUNYUAN_IN:
+                k = k.replace(ours, theirs)
+            renamed[k] = v
+        out = renamed
     return {k: v.contiguous().cpu() for k, v in out.items()}
 
 

@@ -37,6 +37,8 @@ OFFSET_NORM_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
 # attention with a learned sink logit per head, sliding windows on the "sliding_attention" layers, a biased router
 # and biased experts with the clamped GLU (kernels.expert_grads.GPT_OSS_GLU)
 GPT_OSS_ARCHS = ("gpt_oss",)
+# per-head q/k RMSNorms after RoPE, not before (Hunyuan-A13B)
+QK_NORM_AFTER_ROPE_ARCHS = ("hunyuan_moe",)
 # the router's top-k logits through a sigmoid weight the routed experts' input, not their output (Llama 4)
 INPUT_WEIGHTED_ARCHS = ("llama4",)
 # the router with a correction bias (sigmoid_router) scoring the experts by a softmax, not a sigmoid (ERNIE-4.5)
@@ -159,6 +161,9 @@ def rope_frequencies(s: ModelShape, device=None) -> tuple[torch.Tensor, float]:
         return inv, 1.0
     if sc.kind == "linear":
         return inv / sc.factor, 1.0
+    if sc.kind == "dynamic" and sc.alpha is not None:  # Hunyuan's NTK-alpha: the base stretched, at every length
+        base = s.rope_theta * sc.alpha ** (dim / (dim - 2))
+        return 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)), 1.0
     if sc.kind == "llama3":
         low, high = sc.low_freq_factor or 1.0, sc.high_freq_factor or 4.0
         wavelen = 2 * math.pi / inv
@@ -287,7 +292,8 @@ def query_temperature(positions_T: torch.Tensor, floor_scale: float, attn_scale:
 
 
 class Attention(nn.Module):
-    """GQA with per-head q/k RMSNorm (OLMoE: over all heads together, HeadsRMSNorm), partial RoPE and
+    """GQA with per-head q/k RMSNorm (OLMoE: over all heads together, HeadsRMSNorm; Hunyuan: after RoPE), partial
+    RoPE and
     (Qwen3.5/Qwen3-Next) a sigmoid output gate per channel;
     gpt-oss: a learned sink logit per head (`sinks`) and, on its sliding layers, a `window` (both through
     launch/sink_attention.py); Llama 4: on its `chunk` layers RoPE, then q and k heads at unit RMS (`unit_rms`,
@@ -313,6 +319,7 @@ class Attention(nn.Module):
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.arch in GPT_OSS_ARCHS else None
         self.clip_qkv = s.clip_qkv  # OLMoE's: q and k after their norms, and v, clamped to ±clip_qkv (None: not)
+        self.qk_norm_after_rope = s.arch in QK_NORM_AFTER_ROPE_ARCHS
         self.rope_interleaved = s.arch in INTERLEAVED_ROPE_ARCHS  # ERNIE-4.5: channel pairs, not halves
         self.rope_backend = "auto"  # auto | torch | triton (kernels/rope.py: one fused kernel on GPU)
         self.window = window  # keys fewer than `window` positions back (None: every earlier key of the document)
@@ -339,12 +346,14 @@ class Attention(nn.Module):
         q = q.reshape(T, -1, self.head_dim)
         k = self.k_proj(x_TD).view(T, -1, self.head_dim)
         v = self.v_proj(x_TD).view(T, -1, self.head_dim)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.rotary:
             q, k = (apply_rope(t, *rope, pairs=self.rope_interleaved, backend=self.rope_backend) for t in (q, k))
+        if self.q_norm is not None and self.qk_norm_after_rope:
+            q, k = self.q_norm(q), self.k_norm(k)
         if self.unit_rms_eps is not None:
             q, k = (unit_rms(t, self.unit_rms_eps, self.norm_backend) for t in (q, k))
         if self.temperature is not None:

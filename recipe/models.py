@@ -131,7 +131,8 @@ class GraniteScales(Record):
                 raise ValueError(f"Granite's {n} multiplier must be a positive number, got {v!r}")
 
 
-ROPE_SCALINGS = ("yarn", "llama3", "linear")  # the RoPE scalings the training core applies
+# the RoPE scalings the training core applies ("dynamic" only in its NTK-alpha form: Hunyuan's, with `alpha`)
+ROPE_SCALINGS = ("yarn", "llama3", "linear", "dynamic")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -150,13 +151,14 @@ class RopeScaling(Record):
     mscale_all_dim: float | None = None
     attention_factor: float | None = None
     truncate: bool = True
+    alpha: float | None = None  # dynamic (Hunyuan's NTK-alpha): the base stretched to base · alpha^(d / (d − 2))
     low_freq_factor: float | None = None  # llama3
     high_freq_factor: float | None = None
 
     def __post_init__(self) -> None:
         _positive(self, ("original_max_position",), strict=False)
         for n in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor",
-                  "low_freq_factor", "high_freq_factor"):
+                  "low_freq_factor", "high_freq_factor", "alpha"):
             v = getattr(self, n)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not math.isfinite(v)
                                   or v < 0):
@@ -178,9 +180,11 @@ class RopeScaling(Record):
 # (q/k norms over all heads together, partial RoPE, sigmoid routing steered by a correction bias, no shared
 # expert), Llama 4 (chunked attention with RoPE, global attention without, sigmoid top-k weights scaling the routed
 # experts' input, a shared expert, dense layers among the MoE ones), Granite 3.x MoE (Mixtral's block with
-# embedding, attention, residual and logits multipliers; an optional shared expert); `recipe solve` plans every arch
+# embedding, attention, residual and logits multipliers; an optional shared expert), Hunyuan-A13B (per-head q/k
+# norms after RoPE, a shared expert of the experts' width, NTK-alpha RoPE); `recipe solve` plans every arch
 TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2",
-                 "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "granitemoe", "qwen3_5", "dense")
+                 "mixtral", "deepseek_v3", "glm4_moe", "gpt_oss", "llama4", "granitemoe", "hunyuan_moe", "qwen3_5",
+                 "dense")
 # archs whose q/k RMSNorms span all heads of a token together (one weight per channel of the projection), not each
 # head apart
 WHOLE_QK_NORM_ARCHS = ("olmoe", "minimax_m2")
@@ -195,8 +199,8 @@ def trainable(shape: "ModelShape") -> str | None:
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Qwen2-MoE, OLMoE, ERNIE-4.5, "
-                f"MiniMax-M2, Mixtral, DeepSeek-V2 and V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss, Llama 4, Granite MoE "
-                f"and dense Llama/Qwen/Mistral stacks; not ERNIE-4.5 with biases or "
+                f"MiniMax-M2, Mixtral, DeepSeek-V2 and V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss, Llama 4, Granite MoE, "
+                f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
     sc = shape.rope_scaling
@@ -208,7 +212,8 @@ def trainable(shape: "ModelShape") -> str | None:
         ("chunked attention outside Llama 4", shape.num_chunked_layers > 0 and shape.arch != "llama4"),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
          and shape.softmax_router is None),
-        (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and sc.kind not in ROPE_SCALINGS))
+        (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and (
+            sc.kind not in ROPE_SCALINGS or (sc.kind == "dynamic" and sc.alpha is None))))
                    if present]
     if unsupported:
         return f"{shape.name}: {' and '.join(unsupported)} is planned by `recipe solve` but not trained by this core"
@@ -240,10 +245,11 @@ class ModelShape(Record):
     # minimax_m2: MiniMax-M2 (q/k norms over all heads together, partial RoPE, sigmoid router, no shared expert);
     # qwen3_5: Qwen3.5 dense (Gated DeltaNet + gated attention, dense FFN);
     # llama4: Llama 4 (chunked and global attention, `llama4`; sigmoid top-k weights on the experts' input);
-    # granitemoe: Granite 3.x MoE (Mixtral's block, `granite` multipliers, an optional shared expert)
+    # granitemoe: Granite 3.x MoE (Mixtral's block, `granite` multipliers, an optional shared expert);
+    # hunyuan_moe: Hunyuan-A13B (per-head q/k norms after RoPE, a plain shared expert, NTK-alpha RoPE)
     arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2",
-                  "deepseek_v3", "gpt_oss", "mixtral", "glm4_moe", "llama4", "granitemoe", "dense", "moe",
-                  "qwen3_5"]
+                  "deepseek_v3", "gpt_oss", "mixtral", "glm4_moe", "llama4", "granitemoe", "hunyuan_moe", "dense",
+                  "moe", "qwen3_5"]
     hidden_size: Pos
     num_layers: Pos
     vocab_size: Pos
@@ -382,7 +388,10 @@ class ModelShape(Record):
                              "llama4", "hf_model_type", "granite", "clip_qkv") if getattr(self, k) is None}
         if self.moe_layer_step == 1:
             unset.add("moe_layer_step")
-        return plain(self, exclude=frozenset({"source"} | unset))
+        out = plain(self, exclude=frozenset({"source"} | unset))
+        if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
+            del out["rope_scaling"]["alpha"]
+        return out
 
 
 def _rounded_layer_types(num_layers: int, interval: int) -> tuple[LayerType, ...]:
@@ -676,6 +685,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe", "minimax_m2": "minimax_m2",
     "llama4": "llama4",
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
+    "hunyuan_v1_moe": "hunyuan_moe",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense",
 }
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
@@ -829,6 +839,11 @@ def _from_hf_config(path: Path) -> ModelShape:
         fields.update(num_experts=1, top_k=1, expert_ffn=ffn, first_dense_layers=n_layers, dense_ffn=ffn,
                       qk_norm=model_type in ("qwen3", "qwen3_5", "qwen3_5_text"),
                       attn_bias=opt_flag("attention_bias", model_type == "qwen2"))
+    elif arch == "hunyuan_moe":  # per-layer lists where they are uniform; transformers' port: one width
+        width = req("intermediate_size")
+        fields.update(num_experts=_uniform(cfg, "num_experts", count, bad), top_k=_uniform(cfg, "moe_topk", count, bad),
+                      expert_ffn=width, shared_expert_ffn=width, qk_norm=True, norm_topk_prob=True,
+                      attn_bias=opt_flag("attention_bias", False), rms_norm_eps=opt_num("rms_norm_eps", 1e-5))
     else:
         fields.update(num_experts=req(*_EXPERT_KEYS), top_k=req("num_experts_per_tok", "experts_per_token", "moe_k"),
                       expert_ffn=req("moe_intermediate_size", "intermediate_size"))
@@ -980,7 +995,7 @@ def _rope_scaling(cfg: dict, rope: dict, bad, number, count) -> dict | None:
         return None
     out: dict = {"kind": kind}
     for name in ("factor", "beta_fast", "beta_slow", "mscale", "mscale_all_dim", "attention_factor", "low_freq_factor",
-                 "high_freq_factor"):  # the same names as RopeScaling's
+                 "high_freq_factor", "alpha"):  # the same names as RopeScaling's
         if src.get(name) is not None:
             out[name] = number(src[name], f"{key}.{name}")
     if src.get("original_max_position_embeddings") is not None:
@@ -1082,6 +1097,18 @@ def _index_list(cfg: dict, key: str, bad) -> list[int] | None:
     if not isinstance(v, list) or not all(isinstance(i, int) and not isinstance(i, bool) for i in v):
         raise bad(key, "a list of whole numbers", v)
     return v
+
+
+def _uniform(cfg: dict, key: str, count, bad) -> int:
+    """A count given once or once a layer (Hunyuan's lists), the same for every layer."""
+    v = cfg.get(key)
+    if v is None:
+        raise ValueError(f"missing field {key!r}")
+    if isinstance(v, list):
+        if not v or any(x != v[0] for x in v):
+            raise bad(key, "one value, or the same value for every layer", v)
+        v = v[0]
+    return count(v, key)
 
 
 def _truthy(cfg: dict, key: str, default: bool, bad) -> bool:

@@ -1,6 +1,8 @@
 """Parity with Hugging Face transformers' own implementations: tiny random Qwen3.5-MoE, Qwen3-Next, Qwen3-MoE,
 Qwen2-MoE (also with dense layers between MoE ones), Llama 4 (Scout's and Maverick's forms), GLM-4.7-Flash, Granite
-MoE (with and without its shared expert; its multipliers), OLMoE (q/k norms over all heads; with attention biases), ERNIE-4.5 MoE, MiniMax-M2, Mixtral, DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), DeepSeek-V2 and
+MoE (with and without its shared expert; its multipliers), Hunyuan-A13B (q/k norms after RoPE, NTK-alpha RoPE), OLMoE
+(q/k norms over all heads; with attention biases; also with clip_qkv acting), ERNIE-4.5 MoE, MiniMax-M2, Mixtral,
+DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), DeepSeek-V2 and
 V2-Lite (softmax routing, group-limited and plain), GLM-4.5, gpt-oss (attention
 sinks, sliding and full layers, YaRN without truncation; packed documents, MXFP4: tests/test_gpt_oss.py), and the
 dense Qwen3.5, Llama (also under llama3 RoPE scaling), Qwen2 and Qwen3 (also under YaRN) built in transformers,
@@ -81,12 +83,17 @@ LLAMA4 = {"llama4": {**LLAMA4_BASE, "num_experts_per_tok": 2, "interleave_moe_la
 GRANITE = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, intermediate_size=16,
                num_local_experts=6, num_experts_per_tok=2, num_hidden_layers=2, embedding_multiplier=3.0,
                attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=2.5, rms_norm_eps=1e-6)
+# Hunyuan-A13B: q/k norms after RoPE, a shared expert of the experts' width, NTK-alpha RoPE (alpha 1000: the base
+# 1e4 stretched to 1e4 · 1000^(16/14)), top-k as a per-layer list
+HUNYUAN = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+               intermediate_size=16, num_experts=6, moe_topk=[2, 2], num_hidden_layers=2, rms_norm_eps=1e-5,
+               rope_parameters=dict(rope_type="dynamic", rope_theta=10000.0, alpha=1000.0, factor=1.0))
 # Qwen2-MoE with a dense layer between MoE ones (decoder_sparse_step 2)
 QWEN2_SPARSE = dict(decoder_sparse_step=2, num_hidden_layers=4, intermediate_size=40)
 # the shape's arch where it is not the name
 ARCH = {"moonlight": "deepseek_v3", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE},
         "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3",
-        "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe"}
+        "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe"}
 
 
 def _hf_model(arch: str):
@@ -152,6 +159,8 @@ def _hf_model(arch: str):
         cfg = transformers.Qwen2MoeConfig(**COMMON, **sparse, shared_expert_intermediate_size=24,
                                           rope_parameters=dict(rope_type="default", rope_theta=1e6))
         cls = transformers.Qwen2MoeForCausalLM
+    elif arch == "hunyuan_v1_moe":
+        cfg, cls = transformers.HunYuanMoEV1Config(**HUNYUAN), transformers.HunYuanMoEV1ForCausalLM
     elif arch == "granitemoe":
         cfg, cls = transformers.GraniteMoeConfig(**GRANITE), transformers.GraniteMoeForCausalLM
     elif arch == "granitemoeshared":
@@ -187,7 +196,8 @@ def _hf_model(arch: str):
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
                                   "olmoe_clip",
                                   "ernie4_5_moe", "minimax_m2", "mixtral", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
-                                  "glm4_moe", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared", "qwen3_5", *DENSE])
+                                  "glm4_moe", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared", "hunyuan_v1_moe",
+                                  "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)
     hf.save_pretrained(tmp_path / "hf")
@@ -262,7 +272,7 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "glm4_moe", "gpt_oss", *LLAMA4,
-                                  "granitemoeshared", "olmoe_clip"])
+                                  "granitemoeshared", "olmoe_clip", "hunyuan_v1_moe"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.
@@ -277,7 +287,7 @@ def test_gradients_match_transformers(arch, tmp_path):
     load_hf_checkpoint(ours, tmp_path / "hf")
     T = 40
     ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
-    assert shape.pad_token_id == {"olmoe": 1, "olmoe_clip": 1, "ernie4_5_moe": 0}.get(arch)
+    assert shape.pad_token_id == {"olmoe": 1, "olmoe_clip": 1, "ernie4_5_moe": 0, "hunyuan_v1_moe": 0}.get(arch)
     if shape.pad_token_id is not None:
         ids[0, [3, 17]] = shape.pad_token_id
     hf.zero_grad()

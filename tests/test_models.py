@@ -680,3 +680,25 @@ def test_glm47_flash_reads_as_deepseek_v3_blocks(tmp_path):
     # the core rotates MLA's rope channels in pairs (rope_interleave, the default): halves are planned only
     halves = from_hf_config(_write(tmp_path, "halves", cfg | {"rope_interleave": False}))
     assert halves.arch == "moe" and halves.mla is not None and "planned" in trainable(halves)
+
+
+def test_hunyuan_reads_its_lists_and_its_alpha_rope(tmp_path):
+    """Hunyuan-A13B (`hunyuan_v1_moe`): `num_experts` and `moe_topk` given once or once a layer (the same for every
+    layer: a list that varies is one line naming the field), experts and shared expert of `intermediate_size`, per-
+    head q/k norms; its NTK-alpha RoPE (rope_type dynamic with `alpha`) trains, while a dynamic scaling without alpha
+    (the length-dependent one) is planned only; an alpha leaves other shapes' fingerprints as they were."""
+    base = {"model_type": "hunyuan_v1_moe", "hidden_size": 4096, "num_hidden_layers": 4, "vocab_size": 128167,
+            "num_attention_heads": 32, "num_key_value_heads": 8, "head_dim": 128, "intermediate_size": 3072,
+            "num_experts": 64, "moe_topk": [8, 8, 8, 8],
+            "rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "alpha": 1000.0, "factor": 1.0}}
+    m = from_hf_config(_write(tmp_path, "a13b", base))
+    assert (m.arch, m.num_experts, m.top_k, m.expert_ffn, m.shared_expert_ffn, m.qk_norm) == (
+        "hunyuan_moe", 64, 8, 3072, 3072, True)
+    assert m.rope_scaling.alpha == 1000.0 and trainable(m) is None
+    with pytest.raises(ValueError) as e:
+        from_hf_config(_write(tmp_path, "varies", base | {"moe_topk": [8, 8, 4, 8]}))
+    assert "\n" not in str(e.value) and "'moe_topk'" in str(e.value), str(e.value)
+    plain_dynamic = from_hf_config(_write(tmp_path, "dyn", base | {"rope_parameters": {
+        "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}))
+    assert "RoPE scaling 'dynamic'" in trainable(plain_dynamic)
+    assert "alpha" not in PRESETS["deepseek-v3"].fingerprint_dict()["rope_scaling"]
