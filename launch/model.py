@@ -1,5 +1,6 @@
-"""Qwen3.5 (MoE and dense) / Qwen3-Next / Qwen3-MoE / Mixtral / DeepSeek-V3 / GLM-4.5 / gpt-oss and dense
-Llama-family text stacks, built from a `recipe.models.ModelShape`.
+"""Qwen3.5 (MoE and dense) / Qwen3-Next / Qwen3-MoE / Qwen2-MoE / OLMoE / ERNIE-4.5 / MiniMax-M2 / Mixtral /
+DeepSeek-V2 and V3 / GLM-4.5 / gpt-oss / Llama 4 / Granite MoE / Hunyuan-A13B and dense Llama-family text stacks,
+built from a `recipe.models.ModelShape`.
 
 Shape legend: T tokens (one packed sequence: several documents back to back), D model dim, Hq query heads, Hkv
 key/value heads, Dh attention head dim, R rotary dims, V vocabulary.
@@ -292,9 +293,8 @@ def query_temperature(positions_T: torch.Tensor, floor_scale: float, attn_scale:
 
 
 class Attention(nn.Module):
-    """GQA with per-head q/k RMSNorm (OLMoE: over all heads together, HeadsRMSNorm; Hunyuan: after RoPE), partial
-    RoPE and
-    (Qwen3.5/Qwen3-Next) a sigmoid output gate per channel;
+    """GQA with per-head q/k RMSNorm (OLMoE: over all heads together, HeadsRMSNorm, and optionally q, k and v
+    clamped; Hunyuan: after RoPE), partial RoPE and (Qwen3.5/Qwen3-Next) a sigmoid output gate per channel;
     gpt-oss: a learned sink logit per head (`sinks`) and, on its sliding layers, a `window` (both through
     launch/sink_attention.py); Llama 4: on its `chunk` layers RoPE, then q and k heads at unit RMS (`unit_rms`,
     where its qk_norm is on), each query attending within its chunk of the document; on its others no RoPE, the
