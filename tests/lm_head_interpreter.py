@@ -120,8 +120,16 @@ def tile_kernels():
                 for got, want in ((st.m2, ref.m2), (st.lse2, ref.lse2), (st.ent, ref.ent), (st.tz, ref.tz),
                                   (e, e_ref)):
                     assert rel(got, want) < 1e-5, (tma, block_v, rel(got, want))
+                e_pad = torch.full((37, 320), float("nan"))  # padded to 320 columns (numerics.aligned_width)
+                kt.logits_tiles(hidden, weight, target, 0.7, True, e_pad)
+                assert torch.equal(e_pad[:, :301], e) and not e_pad[:, 301:].any(), (tma, block_v)
                 kt.dlogits_from_tiles(e, st, target, st.lse2, coef, 0.7, torch.tensor(4.0))
                 assert rel(e, dz_ref) < 1e-5, (tma, block_v, rel(e, dz_ref))
+                kt.dlogits_from_tiles(e_pad, st, target, st.lse2, coef, 0.7, torch.tensor(4.0))
+                assert torch.equal(e_pad[:, :301], e) and not e_pad[:, 301:].any(), (tma, block_v)
+                # and the torch backend's the same way
+                kc.logits_tiles(hidden, weight, target, 0.7, True, e_pad.fill_(float("nan")))
+                assert torch.equal(e_pad[:, :301], e_ref) and not e_pad[:, 301:].any(), block_v
     finally:
         kt._use_tma, kt._tile_config = kt_use_tma, kt_tile
     # the one-pass merge against torch's, 13 tiles (a masked tail of 1 at 4 per block), a row with -inf tiles

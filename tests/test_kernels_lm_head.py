@@ -200,3 +200,19 @@ def test_both_backends_offer_the_same_functions():
     torch_fns, triton_fns = public(PACKAGE / "torch_backend.py"), public(PACKAGE / "triton_backend.py")
     assert interface <= set(torch_fns) and interface <= set(triton_fns)
     assert {n: torch_fns[n] for n in interface} == {n: triton_fns[n] for n in interface}
+
+
+def test_backward_vocab_chunks_split_the_unaligned_tail():
+    # the autograd path's backward cuts the last vocabulary chunk where its rows stop being a multiple of
+    # GEMM_ALIGN (64): V = 128,167 in chunks of 8192 ends in 5,248 and 39 rows; aligned or small vocabularies and
+    # chunk widths that are not multiples of 64 are left as they are
+    from kernels.lm_head.token_stats import vocab_chunks
+
+    assert vocab_chunks(128167, 8192)[-3:] == [(114688, 122880), (122880, 128128), (128128, 128167)]
+    assert len(vocab_chunks(128167, 8192)) == 17 and vocab_chunks(128192, 8192)[-1] == (122880, 128192)
+    assert vocab_chunks(301, 192) == [(0, 192), (192, 256), (256, 301)]
+    assert vocab_chunks(301, 128) == [(0, 128), (128, 256), (256, 301)]  # a tail of 45 < 64: as it is
+    assert vocab_chunks(301, 50)[-1] == (300, 301) and vocab_chunks(301, 301) == [(0, 301)]
+    # and the split chunks give the unsplit gradients (bf16: fp16 dZ, scaled GEMMs)
+    check_cross_entropy(37, 48, 301, backend="torch", tol=1e-5, grad_tol=3e-3, dtype=torch.bfloat16,
+                        reduction="none", chunk_tokens=16, chunk_vocab=192)

@@ -93,3 +93,31 @@ def test_group_size_worked_example():
     assert group_size(65536, 248320, None, 2) == 4096
     assert group_size(65536, 248320, None, 4) == 2048
     assert group_size(300, 248320, None, 2) == 300 and group_size(65536, 248320, 1000, 2) == 1000
+
+
+def test_odd_vocabulary_pads_the_gradient_gemms(monkeypatch):
+    # V = 301: the gradient GEMMs see a vocabulary extent of 320 (a multiple of GEMM_ALIGN), dZ's extra columns and
+    # W16's extra rows zero, every leading dimension 16-byte aligned; the gradients equal the float64 reference
+    import kernels.lm_head.fused as fused
+    from kernels.lm_head.numerics import GEMM_ALIGN, aligned_width
+
+    assert aligned_width(301) == 320 and aligned_width(320) == 320 and aligned_width(1) == GEMM_ALIGN
+    assert aligned_width(301, 16) == 304 and aligned_width(301, 256) == 320  # inside the last logits tile
+    kinds = []
+    real = fused.gemm_acc
+
+    def spy(acc, a, b, first, alpha=1.0):
+        for t in (acc, a, b):
+            assert max(t.stride()) % 8 == 0, t.stride()  # the leading dimension: 16 bytes of fp16
+        if b.shape[0] == 320:  # dH = dZ W16 over K = 320: the padding of both is zero
+            kinds.append("dH")
+            assert a.shape[1] == 320 and a[:, 301:].abs().max() == 0 and b[301:].abs().max() == 0
+        else:  # dW32 += dZ^T h16 over M = 320
+            kinds.append("dW")
+            assert a.shape[0] == acc.shape[0] == 320 and a[301:].abs().max() == 0
+        real(acc, a, b, first, alpha)
+
+    monkeypatch.setattr(fused, "gemm_acc", spy)
+    check_cross_entropy(37, 48, 301, backend="torch", tol=2e-5, grad_tol=3e-3, dtype=torch.bfloat16,
+                        chunk_tokens=16)
+    assert kinds.count("dH") == kinds.count("dW") == 3  # three groups of 16 tokens

@@ -38,7 +38,8 @@ import torch
 import torch.distributed as dist
 
 from kernels.lm_head.numerics import (
-    LN2, LOG2E, Coefficients, Head, TileStats, amax, combine_over_group, dz_scale, gemm_acc, pow2_scale)
+    LN2, LOG2E, Coefficients, Head, TileStats, aligned_width, amax, combine_over_group, dz_scale, gemm_acc,
+    pow2_scale)
 
 SCRATCH_BYTES = 2 * 2**30  # the most the group buffer of tile weights [Tg, V] holds (dZ is written over them)
 # The most tokens a group: the logits GEMM keeps the group's hidden block in L2 while it sweeps the vocabulary, and
@@ -160,20 +161,25 @@ def fused_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_token
     f32 = dict(dtype=torch.float32, device=dev)
     e_dtype = torch.float16 if half else torch.float32
     elem = 2 if half else 4
-    # the group's tile weights e = exp(x - tile max), then its dZ in the same place (fp16 for 16-bit inputs)
+    # the group's tile weights e = exp(x - tile max), then its dZ in the same place (fp16 for 16-bit inputs); for
+    # 16-bit inputs the vocabulary extent of the gradient GEMMs is padded to Vp: the logits GEMM writes e = 0 past
+    # V, so dZ's extra columns are 0, W16's extra rows are zeros and dW32's extra rows come out 0 (aligned_width)
     Tg = group_size(T, V, chunk_tokens, elem)
-    e_buf = torch.empty((Tg, V), dtype=e_dtype, device=dev)
+    Vp = aligned_width(V, head.kmod.tile_vocab(hidden_TH)) if half else V
+    e_buf = torch.empty((Tg, Vp), dtype=e_dtype, device=dev)
     if half:
         h_scale_f = float(pow2_scale(amax(hidden_TH)))
         w_scale_f = float(pow2_scale(amax(weight_VH)))
         w_g = None
         if need_h:  # one pass, bf16 x a power of two (exact) stored as fp16
-            w_g = torch.mul(weight_VH, w_scale_f, out=torch.empty((V, H), dtype=torch.float16, device=dev))
+            w_g = torch.empty((Vp, H), dtype=torch.float16, device=dev)
+            w_g[V:].zero_()
+            torch.mul(weight_VH, w_scale_f, out=w_g[:V])
         h_buf = torch.empty((Tg, H), dtype=torch.float16, device=dev) if need_w else None
     else:
         w_g, h_buf, h_scale_f, w_scale_f = weight_VH, None, 1.0, 1.0
     # the first group's GEMM writes it (beta = 0); no tokens, no group: zeros
-    dW32 = (torch.empty if T else torch.zeros)((V, H), **f32) if need_w else None
+    dW32 = (torch.empty if T else torch.zeros)((Vp, H), **f32) if need_w else None
     dH32 = torch.empty((T, H), **f32) if (need_h and head.tp_group is not None) else None
     dH = torch.empty_like(hidden_TH) if (need_h and head.tp_group is None) else None
     dH_buf = torch.empty((Tg, H), **f32) if dH is not None else None  # one group's fp32 dH, cast into dH
@@ -182,7 +188,7 @@ def fused_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_token
     scale_host = HostScalar(dev)
     for g0 in range(0, T, Tg):
         g1 = min(g0 + Tg, T)
-        dz_gV = e_buf[: g1 - g0]
+        dz_gV = e_buf[: g1 - g0]  # [rows, Vp]: the zero columns past V are the GEMMs' padding
         tiles, coef = group_statistics(head, g0, g1, with_entropy, token_loss, dz_gV, totals)
         scale = dz_scale(coef, head.inv_temp) if half else torch.ones((), **f32)
         # cuBLAS takes alpha from the host: the scale's copy is queued before the dZ pass and the h operand, so the
@@ -203,7 +209,7 @@ def fused_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_token
     if dH32 is not None:
         dist.all_reduce(dH32, group=head.tp_group)
         dH = dH32
-    dW = None if dW32 is None else dW32.to(in_dtype)  # (a no-op for fp32)
+    dW = None if dW32 is None else dW32[:V].to(in_dtype)  # (a no-op for fp32)
     if dH is not None:
         dH = dH.to(in_dtype)
     return totals, dH, dW

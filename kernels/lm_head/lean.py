@@ -31,7 +31,8 @@ import torch.distributed as dist
 
 from kernels.lm_head.fused import GROUP_TOKENS, Totals, TokenLoss, group_statistics
 from kernels.lm_head.numerics import (
-    LOG2E, PARTS_PER_TILE, Coefficients, Head, amax, backward_operands, dz_scale, gemm_acc, pow2_scale)
+    LOG2E, PARTS_PER_TILE, Coefficients, Head, aligned_width, amax, backward_operands, dz_scale, gemm_acc,
+    pow2_scale)
 
 GRAIN = 256  # chunk sizes are multiples of this (tests shrink it to exercise the carving)
 PASS_W_CHUNKS = (8192, 8192)  # (Tc, Vc) wanted in pass W: 128 MiB dZ + 64 MiB dW32 + 32 MiB h16 at H = 2048
@@ -213,7 +214,8 @@ def _zero_grads(hidden_TH, weight_VH, need_h: bool, need_w: bool):
 
 @dataclass(frozen=True)
 class GroupShape:
-    """What sizes pass 1's scratch for a token group: V, H, the bytes of a tile weight (e_bytes), the tile width,
+    """What sizes pass 1's scratch for a token group: V (the tile weights' row width: the vocabulary, padded where
+    the dH GEMM pads it), H, the bytes of a tile weight (e_bytes), the tile width,
     whether dH is wanted, and w_rows of W in fp16 for the dH GEMM (0: W is used as it is)."""
 
     V: int
@@ -266,20 +268,23 @@ def lean_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_tokens
     one = torch.ones((), **f32)
     w_scale = pow2_scale(amax(weight_VH)) if convert else one
     tile = head.kmod.tile_vocab(hidden_TH)
-    shape = GroupShape(V, H, e_dtype.itemsize, tile, need_h, min(V, GROUP_DH_VOCAB) if convert and need_h else 0)
+    # with fp16 chunks of W, the dH GEMM's vocabulary extent is padded to Vp (zero columns of e past V against zero
+    # rows of the chunk: numerics.aligned_width), e's rows Vp apart
+    Vp = aligned_width(V, tile) if convert else V
+    shape = GroupShape(Vp, H, e_dtype.itemsize, tile, need_h, min(Vp, GROUP_DH_VOCAB) if convert and need_h else 0)
     region = _bytes_of(dW) if dW is not None else None
     Tg = shape.tokens(region.numel() if region is not None else 0, T, chunk_tokens)
     if region is None or shape.need(Tg) > region.numel():  # a buffer of its own: EXTERNAL_BYTES of tokens
-        shape = GroupShape(V, H, e_dtype.itemsize, tile, need_h,
-                           min(V, EXTERNAL_DH_VOCAB) if convert and need_h else 0)
+        shape = GroupShape(Vp, H, e_dtype.itemsize, tile, need_h,
+                           min(Vp, EXTERNAL_DH_VOCAB) if convert and need_h else 0)
         Tg = shape.tokens(EXTERNAL_BYTES + shape.need(0), T, chunk_tokens)
         region = torch.empty(shape.need(Tg), dtype=torch.uint8, device=dev)
     w_rows = shape.w_rows
     for g0 in range(0, T, Tg):
         g1 = min(g0 + Tg, T)
         arena = _Arena(region)
-        e = arena.take((g1 - g0, V), e_dtype)
-        parts = arena.take((_parts_floats(g1 - g0, V, tile),), torch.float32)
+        e = arena.take((g1 - g0, Vp), e_dtype)  # the logits GEMM writes its columns past V as zeros
+        parts = arena.take((_parts_floats(g1 - g0, Vp, tile),), torch.float32)
         tiles, coef = group_statistics(head, g0, g1, with_entropy, token_loss, e, totals, parts=parts)
         a_T[g0:g1].copy_(coef.a)
         c_T[g0:g1].copy_(coef.c)
@@ -294,9 +299,12 @@ def lean_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_tokens
         dH32 = arena.take((g1 - g0, H), torch.float32)
         if convert:  # fp32 C across the chunks of W: no 16-bit partial sums; the scales come off once, on device
             w16 = arena.take((w_rows, H), torch.float16)
-            for v0 in range(0, V, w_rows):
-                v1 = min(v0 + w_rows, V)
-                w_c = torch.mul(weight_VH[v0:v1], w_scale, out=w16[: v1 - v0])
+            for v0 in range(0, Vp, w_rows):
+                v1 = min(v0 + w_rows, Vp)
+                vr = min(v1, V)  # W's rows in this chunk; those after them are the padding's zeros
+                w_c = w16[: v1 - v0]
+                torch.mul(weight_VH[v0:vr], w_scale, out=w_c[: vr - v0])
+                w_c[vr - v0:].zero_()
                 gemm_acc(dH32, e[:, v0:v1], w_c, first=(v0 == 0))
         else:
             gemm_acc(dH32, e, weight_VH, first=True)

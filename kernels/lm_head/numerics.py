@@ -12,6 +12,8 @@ dloss/dlogit is that divided by the temperature. `Coefficients` carries (lse, a,
 
 from __future__ import annotations
 
+import math
+
 import warnings
 from dataclasses import dataclass
 
@@ -138,6 +140,21 @@ def downcast_in_place(x32: torch.Tensor, dtype: torch.dtype, chunk: int = 1 << 2
         j = min(i + chunk, n)
         out[i:j].copy_(flat[i:j].to(dtype))
     return out.view(x32.shape)
+
+
+GEMM_ALIGN = 64  # elements: the vocabulary extent of the gradient GEMMs' operands is padded to a multiple of it
+
+
+def aligned_width(n: int, tile: int | None = None) -> int:
+    """n rounded up to a multiple of GEMM_ALIGN (of its largest divisor that divides `tile` too, where the padding
+    has to stay inside the last logits tile of that width: every kernel tile of the GPU backends is a multiple of
+    GEMM_ALIGN). cuBLAS takes its Hopper kernels only when the operands' leading
+    dimensions and contiguous extents are 16-byte multiples; a vocabulary that is not (Hunyuan-A13B's 128,167,
+    Granite's 49,155) otherwise sends both gradient GEMMs, whose K or M is the vocabulary, to align-1 kernels that
+    run ~4x slower. The fused head pads instead: zero columns of dZ against zero rows of W, exact
+    (docs/kernels.md, "An odd vocabulary")."""
+    step = math.gcd(GEMM_ALIGN, tile) if tile else GEMM_ALIGN
+    return -(-n // step) * step
 
 
 _MIXED_ADDMM_OK = True  # torch.addmm(..., out_dtype=fp32) with 16-bit operands (CUDA, torch >= 2.8)

@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from kernels.lm_head.numerics import (
-    LN2, PARTS_PER_TILE, Coefficients, Head, backward_operands, combine_over_group, combine_splits,
+    GEMM_ALIGN, LN2, PARTS_PER_TILE, Coefficients, Head, backward_operands, combine_over_group, combine_splits,
     downcast_in_place, gemm_acc, logits_fp32)
 
 BACKWARD_SCRATCH_BYTES = 128 * 2**20  # the fp32 logits chunk's budget; see chunk_sizes
@@ -70,6 +70,18 @@ def chunk_sizes(T: int, V: int, chunk_tokens, chunk_vocab) -> tuple[int, int]:
     return max(1, min(T, chunk_tokens)), Vc
 
 
+def vocab_chunks(V: int, Vc: int) -> list[tuple[int, int]]:
+    """The backward's vocabulary chunks [(v0, v1)]: Vc rows each, the last one split where its rows stop being a
+    multiple of GEMM_ALIGN, so that every chunk but a last one of fewer than GEMM_ALIGN rows gives cuBLAS aligned
+    extents (numerics.aligned_width: an odd vocabulary otherwise runs the last chunk's GEMMs on align-1 kernels).
+    V = 128,167, Vc = 8192: 15 chunks of 8192, then 5,248 and 39."""
+    cuts = list(range(0, V, Vc)) + [V]
+    last = cuts[-2] + (V - cuts[-2]) // GEMM_ALIGN * GEMM_ALIGN
+    if cuts[-2] < last < V and Vc % GEMM_ALIGN == 0:
+        cuts.insert(-1, last)
+    return list(zip(cuts[:-1], cuts[1:]))
+
+
 def backward_chunks(head: Head, coef: Coefficients, need_h: bool, need_w: bool, chunk_tokens, chunk_vocab):
     """(dH, dW), each None unless needed. Vocab-outer, token-inner. For 16-bit inputs dZ and both GEMMs run in fp16
     with power-of-two scales (exact to apply and undo): fp16 keeps 11 significant bits where bf16 keeps 8, so the dZ
@@ -93,8 +105,7 @@ def backward_chunks(head: Head, coef: Coefficients, need_h: bool, need_w: bool, 
     dZ_buf = torch.empty((Tc, Vc), dtype=ops.dtype, device=dev)
     z_buf = torch.empty((Tc, Vc), **f32)
     dW32_buf = torch.empty((Vc, H), **f32) if need_w else None
-    for v0 in range(0, V, Vc):
-        v1 = min(v0 + Vc, V)
+    for v0, v1 in vocab_chunks(V, Vc):
         w_vH = weight_VH[v0:v1]
         w_g = w_vH if ops.dtype == w_vH.dtype else torch.mul(w_vH, ops.w_scale, out=w_buf[: v1 - v0])
         for t0 in range(0, T, Tc):

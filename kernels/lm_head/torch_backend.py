@@ -39,7 +39,8 @@ def target_logits(hidden_TH, weight_VH, tgt_T, inv_temp: float, out=None):
 def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, parts=None,
                  merge=True) -> TileStats:
     """The logits GEMM with the statistics in its epilogue: per [T, tile] logits block, each row's max m2 and the
-    block's own lse2 and entropy; 2^14 e = 2^(x2 - m2 + 14) written into e_TV (its dtype) when given. parts: a flat
+    block's own lse2 and entropy; 2^14 e = 2^(x2 - m2 + 14) written into e_TV (its dtype; [T, >= V], its columns
+    past V written as zeros, within the last tile) when given. parts: a flat
     fp32 buffer of at least PARTS_PER_TILE T N elements for the per-tile statistics (else allocated). merge=False:
     the tile maxima only (no lse2, ent, tz)."""
     T = hidden_TH.shape[0]
@@ -51,6 +52,11 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
         parts = torch.zeros(n_parts, dtype=torch.float32, device=hidden_TH.device)
     m2_NT, lse2_NT, ent_NT = parts[:n_parts].view(PARTS_PER_TILE, n_tiles, T).unbind(0)
     ent_NT.zero_()  # (written only with entropy)
+    if e_TV is not None:
+        if not V <= e_TV.shape[1] <= n_tiles * tile:
+            raise ValueError(f"e_TV has {e_TV.shape[1]} columns: it needs V = {V} to {n_tiles * tile} (the last "
+                             f"tile's end)")
+        e_TV[:, V:] = 0
     h_TH = hidden_TH.float()
     for i, v0 in enumerate(range(0, V, tile)):
         v1 = min(v0 + tile, V)

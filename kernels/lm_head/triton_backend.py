@@ -96,7 +96,7 @@ E_LOG2 = tl.constexpr(_E_LOG2)  # the weights are stored times 2^14 (see _tile_e
 @triton.jit
 def _logits_tiles_kernel(
     h_ptr, w_ptr, e_ptr, m2_ptr, lse2_ptr, ent_ptr,
-    T, V, H, stride_h, stride_w, stride_e, k2,
+    T, V, VE, H, stride_h, stride_w, stride_e, k2,
     WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
     SUBTILE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -116,7 +116,7 @@ def _logits_tiles_kernel(
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     acc = _logits_tile(h_ptr, w_ptr, rows, offs_v, V, H, stride_h, stride_w, DOT_FP32, EVEN_K, BLOCK_T, BLOCK_V,
                        BLOCK_K)
-    _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr, k2, WRITE_E,
+    _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, VE, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr, k2, WRITE_E,
                    WITH_ENTROPY, SUBTILE, BLOCK_V)
 
 
@@ -134,7 +134,7 @@ def _store_weights(e_ptr, offs_t, t_mask, offs_v, V, stride_e, e):
 
 
 @triton.jit
-def _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr, k2,
+def _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, VE, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr, k2,
                    WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_V: tl.constexpr):
     """Per row of the [BLOCK_T, BLOCK_V] tile: max m2 and lse2 of the tile's softmax (log2 units, x2 = acc k2),
     its entropy; 2^14 e = 2^(x2 - m2 + 14) stored when WRITE_E (in (0, 2^14]: fp16 keeps full precision down to
@@ -142,7 +142,10 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, e_ptr, stride_e, m2_ptr, ls
     exponent (x2 - (m2 - 14)), and the sums are taken of the scaled weights (s' = 2^14 s, wy' = 2^14 wy): per element
     one FMA (x2), one max, one subtraction, one exp2, one add (s') and half a conversion to fp16 (docs/kernels.md).
     SUBTILE: the tile is taken in two column halves, so the exp tile beside the accumulator is half as large
-    (fewer live registers): what the 256-wide tiles take (kernels/lm_head/tiles.py)."""
+    (fewer live registers): what the 256-wide tiles take (kernels/lm_head/tiles.py). The weights are stored for
+    the columns below VE >= V: those from V on are 0 (their x2 is _PAST_V), the zero padding of the gradient GEMMs'
+    operand (kernels/lm_head/numerics.py: aligned_width), and a VE that is a multiple of 16 lets the stores be
+    vectorized where V's own mask would not."""
     if SUBTILE:
         acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, BLOCK_V // 2]), [0, 2, 1]))
         offs_v0 = pid_v * BLOCK_V + tl.arange(0, BLOCK_V // 2)
@@ -156,8 +159,8 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, e_ptr, stride_e, m2_ptr, ls
         if WITH_ENTROPY:
             wy = tl.sum(e0 * (x2_0 - m2[:, None]), 1) + tl.sum(e1 * (x2_1 - m2[:, None]), 1)
         if WRITE_E:
-            _store_weights(e_ptr, offs_t, t_mask, offs_v0, V, stride_e, e0)
-            _store_weights(e_ptr, offs_t, t_mask, offs_v1, V, stride_e, e1)
+            _store_weights(e_ptr, offs_t, t_mask, offs_v0, VE, stride_e, e0)
+            _store_weights(e_ptr, offs_t, t_mask, offs_v1, VE, stride_e, e1)
     else:
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
         x2 = _tile_x2(acc, offs_v, V, k2)
@@ -167,7 +170,7 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, e_ptr, stride_e, m2_ptr, ls
         if WITH_ENTROPY:
             wy = tl.sum(e * (x2 - m2[:, None]), 1)
         if WRITE_E:
-            _store_weights(e_ptr, offs_t, t_mask, offs_v, V, stride_e, e)
+            _store_weights(e_ptr, offs_t, t_mask, offs_v, VE, stride_e, e)
     out = pid_v.to(tl.int64) * T + offs_t
     log2_s = tl.log2(s)  # log2 s' = log2 s + 14
     tl.store(m2_ptr + out, m2, mask=t_mask)
@@ -179,7 +182,7 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, e_ptr, stride_e, m2_ptr, ls
 @triton.jit
 def _logits_tiles_tma_kernel(
     h_desc, w_desc, e_ptr, m2_ptr, lse2_ptr, ent_ptr,
-    T, V, H, stride_e, k2, NUM_PROGRAMS,
+    T, V, VE, H, stride_e, k2, NUM_PROGRAMS,
     WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -199,8 +202,8 @@ def _logits_tiles_tma_kernel(
             b = w_desc.load([pid_v * BLOCK_V, k0])
             acc = tl.dot(a, b.T, acc)
         offs_t, t_mask, _ = _token_rows(pid_t, T, BLOCK_T)
-        _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr, k2, WRITE_E,
-                       WITH_ENTROPY, SUBTILE, BLOCK_V)
+        _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, VE, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr, k2,
+                       WRITE_E, WITH_ENTROPY, SUBTILE, BLOCK_V)
 
 
 @triton.jit
@@ -341,7 +344,7 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
                  merge=True) -> TileStats:
     """One logits GEMM with the statistics in its epilogue: the tile maxima m2 and, merged over the tiles, lse2,
     ent (zeros unless with_entropy) and tz (target_logits); writes the tile weights into e_TV (fp16 or fp32, row
-    stride free) when given. parts: a flat fp32 buffer of at least PARTS_PER_TILE T N elements for the per-tile
+    stride free; [T, >= V], its columns past V written as zeros, within the last tile) when given. parts: a flat fp32 buffer of at least PARTS_PER_TILE T N elements for the per-tile
     statistics (else allocated). merge=False: the tile maxima only (no lse2, ent, tz)."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
@@ -353,6 +356,9 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
         parts = torch.empty(n_parts, dtype=torch.float32, device=hidden_TH.device)
     m2_NT, lse2_NT, ent_NT = parts[:n_parts].view(PARTS_PER_TILE, n_tiles, T).unbind(0)
     e_arg = e_TV if e_TV is not None else parts
+    VE = e_TV.shape[1] if e_TV is not None else V
+    if not V <= VE <= n_tiles * c.block_v:
+        raise ValueError(f"e_TV has {VE} columns: it needs V = {V} to {n_tiles * c.block_v} (the last tile's end)")
     grid_tiles = triton.cdiv(T, c.block_t) * n_tiles
     meta = dict(WRITE_E=e_TV is not None, WITH_ENTROPY=with_entropy,
                 SUBTILE=c.block_v >= 256,  # 128-register accumulators: the epilogue takes two halves
@@ -364,10 +370,10 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
         h_desc = _desc(hidden_TH, [c.block_t, c.block_k])
         w_desc = _desc(weight_VH, [c.block_v, c.block_k])
         progs = min(grid_tiles, _num_sms(hidden_TH.device))
-        _logits_tiles_tma_kernel[(progs,)](h_desc, w_desc, *outs, T, V, H, e_arg.stride(0), k2, progs, **meta)
+        _logits_tiles_tma_kernel[(progs,)](h_desc, w_desc, *outs, T, V, VE, H, e_arg.stride(0), k2, progs, **meta)
     else:
         _logits_tiles_kernel[(grid_tiles,)](
-            hidden_TH, weight_VH, *outs, T, V, H, hidden_TH.stride(0), weight_VH.stride(0), e_arg.stride(0),
+            hidden_TH, weight_VH, *outs, T, V, VE, H, hidden_TH.stride(0), weight_VH.stride(0), e_arg.stride(0),
             k2, DOT_FP32=dot_fp32, **meta)
     if not merge:  # (the caller wants the weights and the tile maxima only)
         return TileStats(m2_NT, c.block_v)
