@@ -617,10 +617,20 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     checkpoints = (L - kept) * in_flight * layer_input
     saved = kept * in_flight * (mixer + ffn + layer_input)
     grads = mem["grads"]
+    layer_grad = (grads - head_grad - emb_grad) / L
+    # a recomputed layer's backward: its checkpoint and those before it are live, and the gradients of the layers
+    # after it (and its own); counted against the whole gradient term. With one micro-batch in flight the k-th
+    # recomputed layer from the top holds (J - k + 1) inputs and lacks (J - k) layers' gradients: the most at the
+    # first or the last of the J (docs/cost_model.md, 1.3); with several, the earlier micro-batches' backward has
+    # formed every gradient, and every checkpoint of this one is live
+    J = L - kept
+    if in_flight == 1 and opts.micro_batches == 1:
+        recomputed_inputs = max(layer_input, J * layer_input - (J - 1) * layer_grad)
+    else:
+        recomputed_inputs = L * in_flight * layer_input
     if not kept:
-        # full recompute: the peak is in a layer's backward, before the embedding's gradient exists: activations
-        # are counted against the whole gradient term, so they shrink by it
-        acts = checkpoints + working + unsharded - emb_grad
+        # full recompute: the peak is in a layer's backward, before the embedding's gradient exists
+        acts = recomputed_inputs + working + unsharded - emb_grad
     else:
         # kept layers hold what their forward saved, but the gradients arrive one layer at a time in the backward:
         # the peak is at the last kept layer's backward (every saved set, the head's and that layer's gradients),
@@ -629,13 +639,11 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
         # and under 1F1B the other micro-batches' kept saved sets (the kept layers, the stage's last, are done by
         # then in this one); activations and lm_head are counted against the whole gradient term, so they shrink
         # by the gradients not yet there
-        layer_grad = (grads - head_grad - emb_grad) / L
         last = checkpoints + saved + (working - mixer - ffn) + unsharded - (grads - head_grad - layer_grad)
         if kept == L:
             first = in_flight * working + unsharded - emb_grad
         else:
-            inputs = L * in_flight * layer_input
-            first = inputs + kept * (in_flight - 1) * (mixer + ffn) + working + unsharded - emb_grad
+            first = recomputed_inputs + kept * (in_flight - 1) * (mixer + ffn) + working + unsharded - emb_grad
         acts = max(last, first, 0.0)
     if in_head or kept:
         # the fused and lean heads run (forward and their gradients) at the end of the forward, when the

@@ -273,8 +273,11 @@ def test_plot_figure_reads():
         assert [t.get_text() for t in ax.get_xticklabels()] == ["8k", "16k", "32k", "64k", "128k", "256k"]
         assert any(list(line.get_xdata()) == [131072, 131072] and line.get_linestyle() == ":" for line in ax.lines)
         notes = [t.get_text() for t in ax.texts]
-        # where the solver's layout changes with length: cp=1 at the short ones, a larger cp by 256k
-        assert notes[0].startswith("cp=1 ") and notes[-1] == "cp=2 ep=1", notes
+        # where the solver's layout changes with length: cp=1 at the short ones, then another layout (on 8 MI300X a
+        # larger cp by 256k; on 4 MI355X another ep)
+        assert notes[0].startswith("cp=1 ") and len(notes) >= 2 and notes[-1] != notes[0], notes
+        if ax is axes[0]:
+            assert notes[-1] == "cp=2 ep=1", notes
         title = ax.title.get_window_extent(renderer)
         assert title.x0 >= 0 and title.x1 <= fig.bbox.x1 and title.y1 <= fig.bbox.y1
     legend = fig.legends[0].get_window_extent(renderer)

@@ -324,9 +324,14 @@ def test_sharding_groups_hand_worked_tiny():
     s = 4096 / 2
     # ep > 1: the EP path's backward copies (ep_dispatch_bytes) join the layer's working set, whose expert
     # gradients (the layer's E/ep experts, sharded over edp) form after its peak; the untied embedding's gradient
-    # (over dp·cp) forms after every layer's
+    # (over dp·cp) forms after every layer's. The checkpoints: the last layer's backward holds all four beside one
+    # layer's gradients (L·c − (L − 1)·g), the first's one beside every layer's (c), counted against every gradient
     assert not m.tie_embeddings
-    expected_acts = (m.num_layers * s * m.hidden_size * BF16
+    ends = c["embedding"] + c["head"]
+    g = ((dense - ends) / 8 + experts / 8) * BF16 / m.num_layers  # one layer's local gradients
+    ckpt = s * m.hidden_size * BF16
+    assert m.num_layers * ckpt - (m.num_layers - 1) * g > ckpt
+    expected_acts = (m.num_layers * ckpt - (m.num_layers - 1) * g
                      + layer_working_set(m, s, 1, 2, expert_grad=layer_expert / (2 * 4) * BF16)
                      + ep_dispatch_bytes(m, s) + (layer_dense + layer_expert / 2) * BYTES_UNSHARDED
                      - c["embedding"] / 8 * BF16)

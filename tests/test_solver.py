@@ -235,18 +235,18 @@ def test_ep_decision_names_its_chunk_count_and_loop_time():
 def test_tp_decision_names_the_exchange_it_replaces():
     """The TP rule takes tp = 2 when it is ≥ 3% faster per token than tp = 1 with the CP and EP that tp = 1 needs, and
     its reason names what differs. Qwen3.5-35B-A3B on 32 H100s at 128K: tp = 1 needs cp = 2, so TP's exchange replaces
-    the CP one. Qwen3.5-122B-A10B on 64 H100s at 32K with cp = 1 pinned: tp = 1 fits only at ep = 16 (its unsharded
-    expert layer smaller), so TP's exchange replaces the expert-parallel one of ep = 16, at the same cp."""
+    the CP one. GLM-4.5-Air on 32 H100s at 16K with cp = 1 pinned: tp = 2 fits only at ep = 32 (its unsharded
+    expert layer smaller), so tp = 4's exchange replaces the expert-parallel one of ep = 32, at the same cp."""
     s = solve(PRESETS["qwen35-35b"], _hw("h100"), 32, TrainOptions(micro_batch_tokens=131_072))
     d = s.decisions["tp"]
     assert d.value == 2 and d.constraint == "per-layer communication"
     assert d.reason == ("tp=2 with cp=1 is 4% faster per token than tp=1 with cp=2: TP's in-node exchange costs less "
                         "than the CP exchange it replaces")
-    s = solve(PRESETS["qwen35-122b"], _hw("h100"), 64, TrainOptions(micro_batch_tokens=32_768), pins={"cp": 1})
+    s = solve(PRESETS["glm45-air"], _hw("h100"), 32, TrainOptions(micro_batch_tokens=16_384), pins={"cp": 1})
     d = s.decisions["tp"]
-    assert d.value == 2 and d.constraint == "per-layer communication"
-    assert d.reason == ("tp=2 with cp=1, ep=8 is 33% faster per token than tp=1 with cp=1, ep=16: TP's in-node exchange "
-                        "costs less than the expert-parallel exchange of ep=16 it replaces")
+    assert d.value == 4 and d.constraint == "per-layer communication"
+    assert d.reason == ("tp=4 with cp=1, ep=8 is 41% faster per token than tp=2 with cp=1, ep=32: TP's in-node exchange "
+                        "costs less than the expert-parallel exchange of ep=32 it replaces")
 
 
 # ---- --recompute auto --------------------------------------------------------------------------------------------
@@ -258,15 +258,15 @@ def _auto(model: str, seq: int, hw: str):
 
 
 def test_recompute_auto_takes_none_where_it_fits_and_is_faster():
-    """qwen15-moe-a27b at 128K on MI300X: 8 GPUs under full recompute; without recompute the same 8 GPUs fit at cp=8
-    and, solved apart, run 1.15x the tokens/s per GPU. auto takes that solution whole, keeps the count the full
+    """qwen15-moe-a27b at 64K on H200s: 8 GPUs under full recompute; without recompute the same 8 GPUs fit at cp=4
+    and, solved apart, run 1.20x the tokens/s per GPU. auto takes that solution whole, keeps the count the full
     solve chose, and names what it rejected."""
-    m, hw, seq = PRESETS["qwen15-moe-a27b"], _hw("mi300x"), 131_072
+    m, hw, seq = PRESETS["qwen15-moe-a27b"], _hw("h200"), 65_536
     full = solve(m, hw, 8, TrainOptions(micro_batch_tokens=seq))
     none = solve(m, hw, 8, TrainOptions(micro_batch_tokens=seq, recompute="none"))
     gain = none.estimate.tokens_per_s_per_gpu / full.estimate.tokens_per_s_per_gpu
-    assert gain > 1.03 and none.estimate.fits and none.layout.cp == 8
-    s = _auto("qwen15-moe-a27b", seq, "mi300x")
+    assert gain > 1.03 and none.estimate.fits and none.layout.cp == 4
+    s = _auto("qwen15-moe-a27b", seq, "h200")
     assert s.world == 8 and s.opts.recompute == "none" and s.layout == none.layout
     assert s.estimate.step_time_s == pytest.approx(none.estimate.step_time_s)
     assert s.recompute.value == "none" and s.recompute.numbers["gain"] == pytest.approx(gain, abs=1e-4)
@@ -275,7 +275,7 @@ def test_recompute_auto_takes_none_where_it_fits_and_is_faster():
     from recipe.planfile import SolveInputs
     from recipe.solving import solve_inputs
 
-    counted = solve_inputs(SolveInputs(model="qwen15-moe-a27b", seq_len=seq, hw="mi300x"))[2].count
+    counted = solve_inputs(SolveInputs(model="qwen15-moe-a27b", seq_len=seq, hw="h200"))[2].count
     assert s.count.value == 8 and s.count.reason == f"{counted.reason}, under full recompute"
 
 
@@ -306,12 +306,12 @@ def test_recompute_auto_keeps_full_when_none_is_slower():
 
 
 @pytest.mark.parametrize("model, seq, hw, want", [("gpt-oss-20b", 32_768, "mi300x", (23, 2)),
-                                                   ("qwen35-35b", 32_768, "mi300x", (12, 1))])
+                                                   ("qwen35-35b", 65_536, "mi300x", (5, 1))])
 def test_recompute_auto_keeps_the_last_layers_where_they_pay(model, seq, hw, want):
-    """At 32K on MI300X full recompute leaves memory free at cp=1. Without recompute the layers fit only at a larger
-    CP, slower; keeping the last k layers' activations, every dimension solved again for each k, is faster: at cp=2
-    for gpt-oss-20b, at cp=1 for Qwen3.5-35B-A3B (where cp=2, holding more layers, pays each rank's fixed per-layer
-    time and weight reads in full). auto takes the fastest over every k a scan solves."""
+    """On MI300X (gpt-oss-20b at 32K, Qwen3.5-35B-A3B at 64K) full recompute leaves memory free at cp=1. Without
+    recompute the layers fit only at a larger CP, slower; keeping the last k layers' activations, every dimension
+    solved again for each k, is faster: at cp=2 for gpt-oss-20b, at cp=1 for Qwen3.5-35B-A3B. auto takes the fastest
+    over every k a scan solves."""
     from recipe.cost import Layout
 
     m, hw = PRESETS[model], _hw(hw)
