@@ -621,7 +621,7 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     # a recomputed layer's backward: its checkpoint and those before it are live, and the gradients of the layers
     # after it (and its own); counted against the whole gradient term. With one micro-batch in flight the k-th
     # recomputed layer from the top holds (J - k + 1) inputs and lacks (J - k) layers' gradients: the most at the
-    # first or the last of the J (docs/cost_model.md, 1.3); with several, the earlier micro-batches' backward has
+    # first or the last of the J (docs/cost_model.md, 1.2); with several, the earlier micro-batches' backward has
     # formed every gradient, and every checkpoint of this one is live
     J = L - kept
     if in_flight == 1 and opts.micro_batches == 1:
