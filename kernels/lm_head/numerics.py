@@ -146,15 +146,24 @@ GEMM_ALIGN = 64  # elements: the vocabulary extent of the gradient GEMMs' operan
 
 
 def aligned_width(n: int, tile: int | None = None) -> int:
-    """n rounded up to a multiple of GEMM_ALIGN (of its largest divisor that divides `tile` too, where the padding
-    has to stay inside the last logits tile of that width: every kernel tile of the GPU backends is a multiple of
-    GEMM_ALIGN). cuBLAS takes its Hopper kernels only when the operands' leading
-    dimensions and contiguous extents are 16-byte multiples; a vocabulary that is not (Hunyuan-A13B's 128,167,
-    Granite's 49,155) otherwise sends both gradient GEMMs, whose K or M is the vocabulary, to align-1 kernels that
-    run ~4x slower. The fused head pads instead: zero columns of dZ against zero rows of W, exact
-    (docs/kernels.md, "An odd vocabulary")."""
+    """n rounded up to a multiple of GEMM_ALIGN, or of gcd(GEMM_ALIGN, tile) where the padding has to stay inside
+    the last logits tile of width `tile` (every kernel tile of the GPU backends is a multiple of GEMM_ALIGN). cuBLAS
+    takes its Hopper kernels only when the operands' leading dimensions and contiguous extents are 16-byte
+    multiples; a vocabulary that is not (Hunyuan-A13B's 128,167, Granite's 49,155) otherwise sends both gradient
+    GEMMs, whose K or M is the vocabulary, to align-1 kernels that run ~4x slower. The heads pad instead: zero
+    columns of dZ against zero rows of W, exact (docs/kernels.md, "An odd vocabulary")."""
     step = math.gcd(GEMM_ALIGN, tile) if tile else GEMM_ALIGN
     return -(-n // step) * step
+
+
+def weight_columns(e_TV: torch.Tensor | None, V: int, tile_end: int) -> int:
+    """The columns logits_tiles writes its tile weights into: e_TV's width, from V (the vocabulary) up to tile_end
+    (the last tile's end; those past V are written as zeros), or V without e_TV."""
+    if e_TV is None:
+        return V
+    if not V <= e_TV.shape[1] <= tile_end:
+        raise ValueError(f"e_TV has {e_TV.shape[1]} columns: it needs V = {V} to {tile_end} (the last tile's end)")
+    return e_TV.shape[1]
 
 
 _MIXED_ADDMM_OK = True  # torch.addmm(..., out_dtype=fp32) with 16-bit operands (CUDA, torch >= 2.8)

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from kernels.lm_head.numerics import E_LOG2, E_SCALE, LN2, LOG2E, PARTS_PER_TILE, Coefficients, TileStats
+from kernels.lm_head.numerics import (
+    E_LOG2, E_SCALE, LN2, LOG2E, PARTS_PER_TILE, Coefficients, TileStats, weight_columns)
 
 LOGITS_TILE_VOCAB = 4096  # the tile width of logits_tiles here (tests shrink it to cross tile edges)
 TARGET_CHUNK_TOKENS = 4096  # target_logits gathers this many rows of the weight at a time
@@ -52,10 +53,7 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
         parts = torch.zeros(n_parts, dtype=torch.float32, device=hidden_TH.device)
     m2_NT, lse2_NT, ent_NT = parts[:n_parts].view(PARTS_PER_TILE, n_tiles, T).unbind(0)
     ent_NT.zero_()  # (written only with entropy)
-    if e_TV is not None:
-        if not V <= e_TV.shape[1] <= n_tiles * tile:
-            raise ValueError(f"e_TV has {e_TV.shape[1]} columns: it needs V = {V} to {n_tiles * tile} (the last "
-                             f"tile's end)")
+    if weight_columns(e_TV, V, n_tiles * tile) > V:
         e_TV[:, V:] = 0
     h_TH = hidden_TH.float()
     for i, v0 in enumerate(range(0, V, tile)):

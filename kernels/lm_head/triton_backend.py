@@ -17,7 +17,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.lm_head.numerics import E_LOG2 as _E_LOG2, LOG2E, PARTS_PER_TILE, Coefficients, TileStats
+from kernels.lm_head.numerics import (
+    E_LOG2 as _E_LOG2, LOG2E, PARTS_PER_TILE, Coefficients, TileStats, weight_columns)
 from kernels.lm_head.tiles import DW_ACC_TILES, DZ_ROWS_TILE, DZ_TILES, MERGE_TILES, TARGET_TILES, logits_tile_config
 
 
@@ -344,8 +345,8 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
                  merge=True) -> TileStats:
     """One logits GEMM with the statistics in its epilogue: the tile maxima m2 and, merged over the tiles, lse2,
     ent (zeros unless with_entropy) and tz (target_logits); writes the tile weights into e_TV (fp16 or fp32, row
-    stride free; [T, >= V], its columns past V written as zeros, within the last tile) when given. parts: a flat fp32 buffer of at least PARTS_PER_TILE T N elements for the per-tile
-    statistics (else allocated). merge=False: the tile maxima only (no lse2, ent, tz)."""
+    stride free; [T, >= V], its columns past V written as zeros, within the last tile) when given. parts: a flat
+    fp32 buffer of at least PARTS_PER_TILE T N elements for the per-tile statistics (else allocated). merge=False: the tile maxima only (no lse2, ent, tz)."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
     dot_fp32 = _dot_fp32(hidden_TH)
@@ -356,9 +357,7 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
         parts = torch.empty(n_parts, dtype=torch.float32, device=hidden_TH.device)
     m2_NT, lse2_NT, ent_NT = parts[:n_parts].view(PARTS_PER_TILE, n_tiles, T).unbind(0)
     e_arg = e_TV if e_TV is not None else parts
-    VE = e_TV.shape[1] if e_TV is not None else V
-    if not V <= VE <= n_tiles * c.block_v:
-        raise ValueError(f"e_TV has {VE} columns: it needs V = {V} to {n_tiles * c.block_v} (the last tile's end)")
+    VE = weight_columns(e_TV, V, n_tiles * c.block_v)
     grid_tiles = triton.cdiv(T, c.block_t) * n_tiles
     meta = dict(WRITE_E=e_TV is not None, WITH_ENTROPY=with_entropy,
                 SUBTILE=c.block_v >= 256,  # 128-register accumulators: the epilogue takes two halves
