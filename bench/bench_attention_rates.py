@@ -12,6 +12,7 @@ timed: they are the `dense_gemm` term's.
 
     python bench/bench_attention_rates.py --out attention.json     # on the GPU
     python bench/bench_attention_rates.py --cases WINDOW_CASES --out window.json
+    python bench/bench_attention_rates.py --cases WIDTH_CASES --no-sinks --out plain.json   # gpt-oss without sinks
     python bench/bench_attention_rates.py --cases tiny-moe:512 --device cpu   # CPU smoke
 """
 
@@ -57,9 +58,16 @@ def model_seconds(m, seq: int, hw: str, window: int | None = None) -> tuple[floa
     return flops, flops / rates(load_profile(hw), m)["attention"]
 
 
+def _extra(p) -> None:
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--no-sinks", action="store_true",
+                   help="gpt-oss's layers without their sinks (plain causal attention, as a model of the same heads "
+                        "without sinks runs): the sink merge's own cost is the difference")
+
+
 def main() -> None:
     args = rate_args(__doc__, CASES, "model:tokens[:window] (or CASES, V3_CASES, WIDTH_CASES, WINDOW_CASES)",
-                     "attention rate", extra=lambda p: p.add_argument("--reps", type=int, default=3))
+                     "attention rate", extra=_extra)
 
     import torch
 
@@ -84,7 +92,8 @@ def main() -> None:
                 for _ in range(2))
         packing = synthetic_long_batch(seq, m.vocab_size, device).packing
         scale = m.head_dim ** -0.5
-        sinks = torch.randn(m.num_heads, device=device, generator=gen) if m.arch == "gpt_oss" else None
+        with_sinks = m.arch == "gpt_oss" and not args.no_sinks
+        sinks = torch.randn(m.num_heads, device=device, generator=gen) if with_sinks else None
 
         def attend(q_, k_, v_):  # a layer as the core runs it: gpt-oss with its sinks
             if sinks is None and window is None:
@@ -104,7 +113,8 @@ def main() -> None:
         measured = t_f + t_fb  # the forward, recomputed in the backward pass under full recompute, then both
         flops, predicted = model_seconds(m, seq, args.hw, window)
         rows.append({"model": name, "heads": m.num_heads, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
-                     "tokens": seq, **({"window": window} if window else {}), "fwd_s": t_f, "fwd_bwd_s": t_fb,
+                     "tokens": seq, **({"window": window} if window else {}), "sinks": with_sinks,
+                     "fwd_s": t_f, "fwd_bwd_s": t_fb,
                      "measured_s": measured, "flops": flops, "predicted_s": predicted})
         print(f"{name:16} {m.num_heads:>4}/{m.num_kv_heads:<4} {m.head_dim:>4} {seq:>7} {window or '':>6} "
               f"{t_f * 1e3:>8.2f} "
