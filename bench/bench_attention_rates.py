@@ -12,7 +12,9 @@ timed: they are the `dense_gemm` term's.
 
     python bench/bench_attention_rates.py --out attention.json     # on the GPU
     python bench/bench_attention_rates.py --cases WINDOW_CASES --out window.json
-    python bench/bench_attention_rates.py --cases WIDTH_CASES --no-sinks --out plain.json   # gpt-oss without sinks
+    python bench/bench_attention_rates.py --cases WIDTH_CASES --out width.json
+    python bench/bench_attention_rates.py --cases SINK_CASES --out sinks.json
+    python bench/bench_attention_rates.py --cases SINK_CASES --no-sinks --out plain.json   # gpt-oss without sinks
     python bench/bench_attention_rates.py --cases tiny-moe:512 --device cpu   # CPU smoke
 """
 
@@ -32,21 +34,28 @@ CASES = ("qwen35-35b:8192,qwen35-35b:32768,qwen35-35b:131072,qwen3-30b-a3b:8192,
 # Air's 96 query heads over 8: `--cases` with V3_CASES
 V3_CASES = ("moonlight-16b:8192,moonlight-16b:32768,moonlight-16b:65536,deepseek-v3:8192,deepseek-v3:32768,"
             "glm45-air:8192,glm45-air:32768,glm45-air:65536")
-# gpt-oss's width 64 beside a width 128 the step fit has (calibrate.py derives the profile's rate at 64 from them)
-WIDTH_CASES = ("qwen3-30b-a3b:8192,qwen3-30b-a3b:32768,qwen3-30b-a3b:131072,gpt-oss-120b:8192,gpt-oss-120b:32768,"
-               "gpt-oss-120b:131072")
+_LENGTHS = (8192, 16384, 32768, 65536, 131072)
+# width 64 (Granite 3.0-3B-A800M's 24 heads over 8, no sinks) beside a width 128 the step fit has, 8K to 128K tokens
+# (calibrate.py derives the profile's rate at 64 from them and SINK_CASES --no-sinks)
+WIDTH_CASES = ",".join(f"{m}:{t}" for m in ("qwen3-30b-a3b", "bench/configs/granite-3.0-3b-a800m.json")
+                       for t in _LENGTHS)
+# gpt-oss-120b's full layers (64 heads over 8, width 64), run once with their sinks and once with --no-sinks: the
+# plain rows join the width-64 rows above, the pairs' difference is the sink merge (cost.SINK_MERGE_BYTES)
+SINK_CASES = ",".join(f"gpt-oss-120b:{t}" for t in _LENGTHS)
 # gpt-oss's sliding layers: its window of 128 over 8K to 128K tokens, and wider windows at 32K (how a window's time
 # splits into the keys it scores and the work every query row costs whatever its window: cost_model.WINDOW_ROW_KEYS)
 WINDOW_CASES = ("gpt-oss-120b:8192:128,gpt-oss-120b:32768:128,gpt-oss-120b:131072:128,gpt-oss-120b:32768:256,"
                 "gpt-oss-120b:32768:512,gpt-oss-120b:32768:1024,gpt-oss-120b:32768:4096")
-NAMED = {"CASES": CASES, "V3_CASES": V3_CASES, "WIDTH_CASES": WIDTH_CASES, "WINDOW_CASES": WINDOW_CASES}
+NAMED = {"CASES": CASES, "V3_CASES": V3_CASES, "WIDTH_CASES": WIDTH_CASES, "SINK_CASES": SINK_CASES,
+         "WINDOW_CASES": WINDOW_CASES}
 
 
-def model_seconds(m, seq: int, hw: str, window: int | None = None) -> tuple[float, float]:
+def model_seconds(m, seq: int, hw: str, window: int | None = None, sinks: bool = False) -> tuple[float, float]:
     """(FLOPs, seconds) the cost model gives one attention layer of `m` in one step under full recompute: 4
     forward-equivalents of layer_work's attention term for a full layer, or, given a window, for a sliding layer of
-    that window (the keys its kernel scores)."""
-    from recipe.cost import layer_work, rates
+    that window (the keys its kernel scores); a full layer with `sinks` adds their merge's bytes (SINK_MERGE_BYTES a
+    value and pass, at the dense rows' rate)."""
+    from recipe.cost import SINK_MERGE_BYTES, layer_work, rates
     from recipe.hw import load_profile
 
     kind = "full_attention" if window is None else "sliding_attention"
@@ -55,7 +64,9 @@ def model_seconds(m, seq: int, hw: str, window: int | None = None) -> tuple[floa
     work = next(w for w, k in zip(layer_work(m, seq), m.layer_types) if k == kind)
     flops = 4 * seq * work["attention"]
     # at the rate for the kernel's head width (and, where MLA's v is padded, its extra work), as compute_work
-    return flops, flops / rates(load_profile(hw), m)["attention"]
+    r = rates(load_profile(hw), m)
+    merge = 4 * seq * SINK_MERGE_BYTES * m.num_heads * m.head_dim / r["dense_rows"] if sinks and not window else 0.0
+    return flops, flops / r["attention"] + merge
 
 
 def _extra(p) -> None:
@@ -66,7 +77,7 @@ def _extra(p) -> None:
 
 
 def main() -> None:
-    args = rate_args(__doc__, CASES, "model:tokens[:window] (or CASES, V3_CASES, WIDTH_CASES, WINDOW_CASES)",
+    args = rate_args(__doc__, CASES, "model:tokens[:window] (or CASES, V3_CASES, WIDTH_CASES, SINK_CASES, WINDOW_CASES)",
                      "attention rate", extra=_extra)
 
     import torch
@@ -111,7 +122,7 @@ def main() -> None:
         fwd(), fwd_bwd()  # warm-up
         t_f, t_fb = _time(fwd, device, args.reps), _time(fwd_bwd, device, args.reps)
         measured = t_f + t_fb  # the forward, recomputed in the backward pass under full recompute, then both
-        flops, predicted = model_seconds(m, seq, args.hw, window)
+        flops, predicted = model_seconds(m, seq, args.hw, window, with_sinks)
         rows.append({"model": name, "heads": m.num_heads, "kv_heads": m.num_kv_heads, "head_dim": m.head_dim,
                      "tokens": seq, **({"window": window} if window else {}), "sinks": with_sinks,
                      "fwd_s": t_f, "fwd_bwd_s": t_fb,

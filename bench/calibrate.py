@@ -557,22 +557,45 @@ def dense_rate(path: Path) -> float | None:
 
 
 def derived_widths(fitted: dict[int, float], path: Path) -> dict[int, float]:
-    """Attention efficiencies at head widths no fitted point has (gpt-oss's 64), from the full-attention kernels
-    timed alone (bench/bench_attention_rates.py, `path`): the nearest fitted width's efficiency times the median,
-    over the token counts both were timed at, of the kernel's FLOP rate at the width over its rate at that one."""
+    """Attention efficiencies at head widths no fitted point has (64: gpt-oss's and Granite's), from the full-
+    attention kernels timed alone (bench/bench_attention_rates.py, `path`) without sinks: the nearest fitted width's
+    efficiency times the median, over the rows at the width, of a row's FLOP rate over the nearest width's at its
+    token count (rows of several models at one width each count)."""
     if not fitted or not path.exists():
         return {}
+    plain = [r for r in json.loads(path.read_text())["rows"] if not r.get("sinks") and not r.get("window")]
     rate: dict[int, dict[int, float]] = {}
-    for r in json.loads(path.read_text())["rows"]:
+    for r in plain:
         rate.setdefault(r["head_dim"], {})[r["tokens"]] = r["flops"] / r["measured_s"]
     out = {}
     for width in sorted(set(rate) - set(fitted)):
         near = min(fitted, key=lambda w: (abs(w - width), w))
-        common = sorted(set(rate[width]) & set(rate.get(near, {})))
-        if common:
-            ratios = sorted(rate[width][t] / rate[near][t] for t in common)
+        ratios = [r["flops"] / r["measured_s"] / rate[near][r["tokens"]] for r in plain
+                  if r["head_dim"] == width and r["tokens"] in rate.get(near, {})]
+        if ratios:
             out[width] = round(fitted[near] * statistics.median(ratios), 3)
     return out
+
+
+def sink_merge_bytes(path: Path, hw: str = "h200") -> dict | None:
+    """SINK_MERGE_BYTES (recipe/cost.py) from full-attention layers timed alone with and without their sinks at the
+    same token counts (bench/bench_attention_rates.py with and without --no-sinks, `path`): the difference of each
+    pair in bytes at the profile's dense-row rate, per value of the output (query heads × head width) and pass (4 a
+    layer-step, as full recompute runs it), the median over the pairs. None without such pairs."""
+    from recipe.cost import rates
+    from recipe.hw import load_profile
+
+    if not path.exists():
+        return None
+    rows = [r for r in json.loads(path.read_text())["rows"] if not r.get("window")]
+    plain = {(r["model"], r["tokens"]): r for r in rows if r.get("sinks") is False}
+    rate = rates(load_profile(hw))["dense_rows"]
+    per_value = [(r["measured_s"] - plain[k]["measured_s"]) * rate / (4 * r["tokens"] * r["heads"] * r["head_dim"])
+                 for r in rows if r.get("sinks") and (k := (r["model"], r["tokens"])) in plain]
+    if not per_value:
+        return None
+    return {"SINK_MERGE_BYTES": int(round(statistics.median(per_value))),
+            "sink_fit_range": [round(min(per_value), 1), round(max(per_value), 1)], "sink_fit_pairs": len(per_value)}
 
 
 # rows of the windowed kernels timed alone below this many tokens are left out of the window fit: at 8K the calls'
@@ -674,7 +697,8 @@ def fit(path: str) -> dict:
     out = {"efficiency": eff, "anchored": sorted(anchored), "fit_error": float(np.abs(err[fit_rows]).max()),
            "held_out_error": float(np.abs(err[~fit_rows]).max()) if (~fit_rows).any() else None,
            "fit_points": int(fit_rows.sum()), "held_out_points": int((~fit_rows).sum()),
-           "window": window_costs(Path(path).with_name(f"{name}_window.json"), name)}
+           "window": window_costs(Path(path).with_name(f"{name}_window.json"), name),
+           "sinks": sink_merge_bytes(Path(path).with_name(f"{name}_attention.json"), name)}
     print(json.dumps(out, indent=1))
     return out
 

@@ -95,9 +95,15 @@ WINDOW_KEY_TILE = 128
 # each key it scores costs WINDOW_KEY_COST of one (the windowed kernel is the flash kernel, slower per FLOP than the
 # cuDNN kernel full layers run on), and every row WINDOW_ROW_KEYS more whatever its window (loading and writing the
 # row, its softmax bookkeeping, the sink's merge). Fitted by `bench/calibrate.py --fit` to gpt-oss-120b's sliding
-# layers timed alone at windows of 128 to 4096 (hw_profiles/calibration/h200_window.json): within 8% of each
-WINDOW_KEY_COST = 1.58
-WINDOW_ROW_KEYS = 1230
+# layers timed alone at windows of 128 to 4096 (hw_profiles/calibration/h200_window.json): within 8.2% of each
+WINDOW_KEY_COST = 1.72
+WINDOW_ROW_KEYS = 1060
+# a full-attention layer with sinks (gpt-oss) merges them in by log-sum-exp around its kernel (launch/
+# attention_parts.py): elementwise work over the output, SINK_MERGE_BYTES a value (query head × head width) and pass,
+# charged with the dense rows' bytes. Fitted by `bench/calibrate.py --fit` to gpt-oss-120b's full layers timed
+# alone with and without sinks at 8K to 128K tokens (hw_profiles/calibration/h200_attention.json): the median of the
+# five, which span 15 to 22
+SINK_MERGE_BYTES = 20
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 
@@ -1100,8 +1106,10 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
 
 def dense_row_bytes(m: ModelShape, kind: str, moe: bool) -> int:
     """Bytes a token moves through one layer's dense matmuls in one pass: every one's input and output row in bf16
-    (`dense_matmuls`), the scale of the norms, activations and residual adds around them too."""
-    return BF16 * sum(k + n for k, n in dense_matmuls(m, kind, moe))
+    (`dense_matmuls`), the scale of the norms, activations and residual adds around them too; and a full-attention
+    layer's sink merge (SINK_MERGE_BYTES a value of its output)."""
+    sinks = SINK_MERGE_BYTES * m.num_heads * m.head_dim if kind == "full_attention" and m.has_sinks else 0
+    return BF16 * sum(k + n for k, n in dense_matmuls(m, kind, moe)) + sinks
 
 
 @functools.lru_cache(maxsize=1024)

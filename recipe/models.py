@@ -334,6 +334,11 @@ class ModelShape(Record):
             raise ValueError(f"pad_token_id={self.pad_token_id} is not a token of the {self.vocab_size}-row vocabulary")
 
     # ---- derived shape facts -------------------------------------------------------------------------------
+    @property
+    def has_sinks(self) -> bool:
+        """Whether attention has a sink logit per query head (gpt-oss)."""
+        return self.arch == "gpt_oss"
+
     @functools.cached_property
     def num_full_attn_layers(self) -> int:
         return sum(t == "full_attention" for t in self.layer_types)
@@ -587,7 +592,7 @@ def _full_attention_params(m: ModelShape) -> int:
     bias = (q_out + kv_out + (0 if m.arch in QKV_ONLY_BIAS_ARCHS else h)) if m.attn_bias else 0
     norms = (kv_out // 2 + m.num_heads * m.head_dim if m.arch in WHOLE_QK_NORM_ARCHS else 2 * m.head_dim) \
         if m.qk_norm else 0
-    sinks = m.num_heads if m.arch == "gpt_oss" else 0  # per-head attention sinks
+    sinks = m.num_heads if m.has_sinks else 0  # per-head attention sinks
     return h * (q_out + kv_out) + o + bias + norms + sinks
 
 
