@@ -31,6 +31,8 @@ from __future__ import annotations
 
 import torch
 
+from kernels.sink_merge import row_dots, scale_rows
+
 aten = torch.ops.aten
 
 
@@ -94,14 +96,14 @@ def _merge(outs, lses, sink_H):
     ls = [lse.reshape(shape).to(acc) for lse in lses]
     terms = torch.stack(ls + ([_per_head(sink_H, shape, acc)] if sink_H is not None else []))
     lse = torch.logsumexp(terms, dim=0)
-    # each part's weight e^(l_i − l) applied as its output is read (promoted to fp32, no copy of it), one rounding:
-    # with one part (and the sink) its output is scaled in place
-    weights = [torch.exp(li - lse)[..., None] for li in ls]
+    # each part's weight e^(l_i − l) applied as its output is read (in fp32, no copy of it), one rounding: with
+    # one part (and the sink) its output is scaled in place (kernels/sink_merge.py)
+    weights = [torch.exp(li - lse) for li in ls]
     if len(outs) == 1:
-        return o_last.mul_(weights[0]), lse.to(lses[-1].dtype)
-    total = outs[0] * weights[0]
+        return scale_rows(o_last, weights[0]), lse.to(lses[-1].dtype)
+    total = outs[0] * weights[0][..., None]
     for o_i, w_i in zip(outs[1:], weights[1:]):
-        total += o_i * w_i
+        total += o_i * w_i[..., None]
     o = torch.empty_like(o_last)
     o.copy_(total)
     return o, lse.to(lses[-1].dtype)
@@ -111,7 +113,7 @@ def _sink_grad(g: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, sink_H: torc
     """∂L/∂σ_h = Σ_i ∂L/∂s_i,sink = −Σ_i p_i,sink · rowsum(dO_i ∘ O_i), the sink's value being 0: from the merged
     output o, its gradient g and its log-sum-exp (o's elements less its channels, the heads on dim 1)."""
     acc = torch.promote_types(o.dtype, torch.float32)
-    D = (g.to(acc) * o).sum(-1)  # o promoted as it is read: no fp32 copy of it
+    D = row_dots(g, o)  # in fp32, one pass (kernels/sink_merge.py)
     p = torch.exp(_per_head(sink_H, D.shape, acc) - lse.reshape(D.shape).to(acc))
     return (-(p * D).sum(dim=[d for d in range(D.dim()) if d != 1])).to(sink_H.dtype)
 
