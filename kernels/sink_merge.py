@@ -1,18 +1,19 @@
 """The sink merge's two passes over an attention output (launch/attention_parts.py), each one kernel:
 
-    scale_rows(o, w)   o ← o · w, one fp32 weight per row (head and token), in place: the forward's merge of the
-                       kernel's output with the sink, o' = o · e^(l − l')
-    row_dots(g, o)     D = rowsum(g ∘ o) in fp32: the backward's D of the sink's gradient, ∂L/∂σ_h = −Σ_t p·D
+    scale_rows(o, w)    o ← o · w, one fp32 weight per row (head and token), in place: the forward's merge of the
+                        kernel's output with the sink, o' = o · e^(l − l')
+    grad_rows(do, o)    (g, D): dO in o's layout, which the attention kernels' backward takes, and D = rowsum(dO ∘ o)
+                        in fp32, the sink's gradient being ∂L/∂σ_h = −Σ_t p·D
 
-o and g are [..., D] with their rows at any strides (the kernels' own output layouts) and the channels contiguous.
+o and dO are [..., D] with their rows at any strides (the kernels' own output layouts, the gradient as the layers
+above hand it) and the channels contiguous.
 
-Why fuse: torch runs the first as a broadcast multiply of a bf16 tensor by an fp32 one and the second as an fp32
-copy, a mixed-dtype product and a reduction, all on its generic strided elementwise kernels: on an H200 they take
-most of the ~3.4 ms a gpt-oss-120b full layer's merge costs forward and backward at 32K tokens, where the bytes
-they must move take ~0.3 ms. The kernels read each row once, in fp32 registers, with one rounding (scale_rows) or
-none (row_dots). Backends as in kernels/gdn_fused.py: "auto" runs Triton on CUDA/ROCm tensors when triton is
-installed and the torch path otherwise; "torch" and "triton" force one ("triton" on CPU tensors only under
-TRITON_INTERPRET=1).
+Why fuse: torch runs the first as a broadcast multiply of a bf16 tensor by an fp32 one, and the second as a strided
+copy, an fp32 copy, a mixed-dtype product and a reduction, all on its generic strided elementwise kernels: on an
+H200 they take ~3.4 ms of a gpt-oss-120b full layer's forward and backward at 32K tokens, where the bytes they must
+move take ~0.3 ms. The kernels read each row once, in fp32 registers, with one rounding (scale_rows) or none.
+Backends as in kernels/gdn_fused.py: "auto" runs Triton on CUDA/ROCm tensors when triton is installed and the torch
+path otherwise; "torch" and "triton" force one ("triton" on CPU tensors only under TRITON_INTERPRET=1).
 """
 
 from __future__ import annotations
@@ -27,9 +28,10 @@ def scale_rows_torch(o: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return o.mul_(w[..., None])
 
 
-def row_dots_torch(g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
+def grad_rows_torch(do: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    g = do if do.stride() == o.stride() else torch.empty_like(o).copy_(do)
     acc = torch.promote_types(o.dtype, torch.float32)
-    return (g.to(acc) * o).sum(-1)
+    return g, (g.to(acc) * o).sum(-1)
 
 
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
@@ -61,13 +63,14 @@ def scale_rows(o: torch.Tensor, w: torch.Tensor, backend: str = "auto") -> torch
     return o
 
 
-def row_dots(g: torch.Tensor, o: torch.Tensor, backend: str = "auto") -> torch.Tensor:
-    """rowsum(g ∘ o) [...] in fp32 (in o's dtype where that is wider) for g, o [..., D]."""
-    _check(o, g, False)
-    g3, o3 = _rows(g), _rows(o)
-    if _pick_backend(o, backend) == "torch" or g3 is None or o3 is None or o.numel() == 0 \
-            or o.dtype == torch.float64:
-        return row_dots_torch(g, o)
+def grad_rows(do: torch.Tensor, o: torch.Tensor, backend: str = "auto") -> tuple[torch.Tensor, torch.Tensor]:
+    """(g, D) for the gradient dO and the output o [..., D]: g = dO at o's strides (dO itself where they are
+    already o's), D = rowsum(dO ∘ o) [...] in fp32 (in o's dtype where that is wider)."""
+    _check(o, do, False)
+    g = do if do.stride() == o.stride() else torch.empty_like(o)
+    g3, d3, o3 = _rows(g), _rows(do), _rows(o)
+    if _pick_backend(o, backend) == "torch" or None in (g3, d3, o3) or o.numel() == 0 or o.dtype == torch.float64:
+        return grad_rows_torch(do, o)
     from kernels import sink_merge_triton
 
-    return sink_merge_triton.row_dots(g3, o3).reshape(o.shape[:-1])
+    return g, sink_merge_triton.grad_rows(d3, o3, None if g is do else g3).reshape(o.shape[:-1])

@@ -26,16 +26,18 @@ def _scale_rows_kernel(O, W, R2, os1, os2, D: tl.constexpr, BLOCK_R: tl.constexp
 
 
 @triton.jit
-def _row_dots_kernel(G, O, OUT, R2, gs1, gs2, os1, os2, D: tl.constexpr, BLOCK_R: tl.constexpr,
-                     BLOCK_D: tl.constexpr):
+def _grad_rows_kernel(DO, O, G, OUT, R2, ds1, ds2, os1, os2, gs1, gs2, D: tl.constexpr, COPY: tl.constexpr,
+                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
     i = tl.program_id(0)
     j = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     mj = j < R2
     m = mj[:, None] & (d < D)[None, :]
-    g = tl.load(G + i * gs1 + j[:, None] * gs2 + d[None, :], mask=m, other=0.0).to(tl.float32)
+    g = tl.load(DO + i * ds1 + j[:, None] * ds2 + d[None, :], mask=m, other=0.0)
+    if COPY:  # dO rewritten at o's strides, bit for bit
+        tl.store(G + i * gs1 + j[:, None] * gs2 + d[None, :], g, mask=m)
     o = tl.load(O + i * os1 + j[:, None] * os2 + d[None, :], mask=m, other=0.0).to(tl.float32)
-    tl.store(OUT + i * R2 + j, tl.sum(g * o, axis=1), mask=mj)
+    tl.store(OUT + i * R2 + j, tl.sum(g.to(tl.float32) * o, axis=1), mask=mj)
 
 
 def scale_rows(o: torch.Tensor, w: torch.Tensor) -> None:
@@ -47,11 +49,15 @@ def scale_rows(o: torch.Tensor, w: torch.Tensor) -> None:
                              BLOCK_D=triton.next_power_of_2(D), num_warps=4)
 
 
-def row_dots(g: torch.Tensor, o: torch.Tensor) -> torch.Tensor:
-    """rowsum(g ∘ o) [R1, R2] in fp32 for g, o [R1, R2, D] (rows at any strides, channels contiguous)."""
+def grad_rows(do: torch.Tensor, o: torch.Tensor, g: torch.Tensor | None) -> torch.Tensor:
+    """rowsum(dO ∘ o) [R1, R2] in fp32 for dO, o [R1, R2, D] (rows at any strides, channels contiguous); where g is
+    given, dO is also written to it (o's strides)."""
     R1, R2, D = o.shape
     out = torch.empty((R1, R2), dtype=torch.float32, device=o.device)
+    copy = g is not None
+    g = g if copy else o  # not written without COPY
     grid = (R1, triton.cdiv(R2, BLOCK_ROWS))
-    _row_dots_kernel[grid](g, o, out, R2, g.stride(0), g.stride(1), o.stride(0), o.stride(1), D=D,
-                           BLOCK_R=BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(D), num_warps=4)
+    _grad_rows_kernel[grid](do, o, g, out, R2, do.stride(0), do.stride(1), o.stride(0), o.stride(1), g.stride(0),
+                            g.stride(1), D=D, COPY=copy, BLOCK_R=BLOCK_ROWS, BLOCK_D=triton.next_power_of_2(D),
+                            num_warps=4)
     return out

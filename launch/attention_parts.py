@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.sink_merge import row_dots, scale_rows
+from kernels.sink_merge import grad_rows, scale_rows
 
 aten = torch.ops.aten
 
@@ -109,12 +109,11 @@ def _merge(outs, lses, sink_H):
     return o, lse.to(lses[-1].dtype)
 
 
-def _sink_grad(g: torch.Tensor, o: torch.Tensor, lse: torch.Tensor, sink_H: torch.Tensor) -> torch.Tensor:
-    """∂L/∂σ_h = Σ_i ∂L/∂s_i,sink = −Σ_i p_i,sink · rowsum(dO_i ∘ O_i), the sink's value being 0: from the merged
-    output o, its gradient g and its log-sum-exp (o's elements less its channels, the heads on dim 1)."""
-    acc = torch.promote_types(o.dtype, torch.float32)
-    D = row_dots(g, o)  # in fp32, one pass (kernels/sink_merge.py)
-    p = torch.exp(_per_head(sink_H, D.shape, acc) - lse.reshape(D.shape).to(acc))
+def _sink_grad(D: torch.Tensor, lse: torch.Tensor, sink_H: torch.Tensor) -> torch.Tensor:
+    """∂L/∂σ_h = Σ_i ∂L/∂s_i,sink = −Σ_i p_i,sink · D_i, the sink's value being 0, from D = rowsum(dO ∘ O) of the
+    merged output (`grad_rows`, fp32) and its log-sum-exp (the output's elements less its channels, the heads on
+    dim 1)."""
+    p = torch.exp(_per_head(sink_H, D.shape, D.dtype) - lse.reshape(D.shape).to(D.dtype))
     return (-(p * D).sum(dim=[d for d in range(D.dim()) if d != 1])).to(sink_H.dtype)
 
 
@@ -139,15 +138,19 @@ class _Merged(torch.autograd.Function):
     def backward(ctx, do):
         q, o, lse, sink_H, *kv = ctx.saved_tensors
         _, bwd = _KERNELS[ctx.kernel]
-        g = torch.empty_like(o)  # the output's own layout, which the kernels' backward expects of dO
-        g.copy_(do)
+        # dO in the output's own layout, which the kernels' backward expects of it; with a sink, D in the same pass
+        if ctx.has_sink:
+            g, D = grad_rows(do, o)
+        else:
+            g = torch.empty_like(o)
+            g.copy_(do)
         dq, dkv = None, []
         for i, c in enumerate(ctx.causal):
             dq_i, dk_i, dv_i = bwd(g, q, kv[2 * i], kv[2 * i + 1], o, lse.reshape(ctx.lse_shapes[i]).contiguous(),
                                    ctx.aux[i], c, ctx.scale)
             dq = dq_i if dq is None else dq + dq_i
             dkv += [dk_i, dv_i]
-        d_sink = _sink_grad(g, o, lse, sink_H) if ctx.has_sink else None
+        d_sink = _sink_grad(D, lse, sink_H) if ctx.has_sink else None
         return (dq, d_sink, None, None, None, *dkv)
 
 
@@ -184,11 +187,11 @@ class _FlashWindow(torch.autograd.Function):
     def backward(ctx, do):
         q, k, v, cu, o, lse, rng, unused, sink_H = ctx.saved_tensors
         max_len, window, scale, has_sink = ctx.meta
-        g = do.contiguous()
+        g, D = grad_rows(do, o) if has_sink else (do.contiguous(), None)
         dq, dk, dv = aten._flash_attention_backward(g, q, k, v, o, lse, cu, cu, max_len, max_len, 0.0, True, rng,
                                                     unused, scale=scale, window_size_left=window - 1,
                                                     window_size_right=0)
-        d_sink = _sink_grad(g, o, lse.t(), sink_H) if has_sink else None
+        d_sink = _sink_grad(D, lse.t(), sink_H) if has_sink else None
         return dq, dk, dv, None, None, None, d_sink, None
 
 
