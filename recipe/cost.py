@@ -95,15 +95,15 @@ WINDOW_KEY_TILE = 128
 # each key it scores costs WINDOW_KEY_COST of one (the windowed kernel is the flash kernel, slower per FLOP than the
 # cuDNN kernel full layers run on), and every row WINDOW_ROW_KEYS more whatever its window (loading and writing the
 # row, its softmax bookkeeping, the sink's merge). Fitted by `bench/calibrate.py --fit` to gpt-oss-120b's sliding
-# layers timed alone at windows of 128 to 4096 (hw_profiles/calibration/h200_window.json): within 8.2% of each
-WINDOW_KEY_COST = 1.72
-WINDOW_ROW_KEYS = 1060
+# layers timed alone at windows of 128 to 4096 (hw_profiles/calibration/h200_window.json): within 12.2% of each
+WINDOW_KEY_COST = 1.73
+WINDOW_ROW_KEYS = 670
 # a full-attention layer with sinks (gpt-oss) merges them in by log-sum-exp around its kernel (launch/
 # attention_parts.py): elementwise work over the output, SINK_MERGE_BYTES a value (query head × head width) and pass,
 # charged with the dense rows' bytes. Fitted by `bench/calibrate.py --fit` to gpt-oss-120b's full layers timed
 # alone with and without sinks at 8K to 128K tokens (hw_profiles/calibration/h200_attention.json): the median of the
-# five, which span 15 to 22
-SINK_MERGE_BYTES = 20
+# five, which span 4 to 15
+SINK_MERGE_BYTES = 11
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 

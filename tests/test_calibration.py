@@ -444,14 +444,14 @@ def test_sink_merge_bytes_is_what_the_committed_bench_runs_measure():
 
 def test_window_costs_fit_by_hand(tmp_path):
     """`window_costs` puts each sliding-layer row in keys of the full-attention kernel: gpt-oss-120b at 32K (64
-    heads, width 64) costs a key a query 4 · 32,768 · 2 · 64 · 128 FLOPs at the H200 profile's 0.382 · 989.4
-    TFLOP/s = 5.682 µs. Rows of (2 · 256 + 100) and (2 · 640 + 100) of those (windows 128 and 512) give a key cost of
+    heads, width 64) costs a key a query 4 · 32,768 · 2 · 64 · 128 FLOPs at the H200 profile's 0.381 · 989.4
+    TFLOP/s = 5.697 µs. Rows of (2 · 256 + 100) and (2 · 640 + 100) of those (windows 128 and 512) give a key cost of
     2 and a row of 100 keys exactly; an 8K row (below WINDOW_FIT_MIN_TOKENS) and a full layer's row are left out."""
     sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
     from calibrate import window_costs
 
-    per_key = 4 * 32768 * 2 * 64 * 128 / (0.382 * 989.4e12)
-    assert per_key == pytest.approx(5.682e-6, rel=1e-4)
+    per_key = 4 * 32768 * 2 * 64 * 128 / (0.381 * 989.4e12)
+    assert per_key == pytest.approx(5.697e-6, rel=1e-4)
     base = {"model": "gpt-oss-120b", "heads": 64, "head_dim": 64}
     rows = [{**base, "tokens": 32768, "window": w, "measured_s": (2 * k + 100) * per_key}
             for w, k in ((128, 256), (512, 640))]
@@ -465,7 +465,7 @@ def test_window_costs_fit_by_hand(tmp_path):
 
 def test_window_constants_are_what_the_committed_bench_runs_measure():
     """WINDOW_KEY_COST and WINDOW_ROW_KEYS are the fit of gpt-oss-120b's sliding layers timed alone
-    (hw_profiles/calibration/h200_window.json: windows 128 to 4096 at 32K tokens, 128 at 128K), within 8.2% of
+    (hw_profiles/calibration/h200_window.json: windows 128 to 4096 at 32K tokens, 128 at 128K), within 12.2% of
     each row; the windowed kernel's key costs more than the full kernel's (it is the flash kernel, not cuDNN)."""
     import recipe.cost as cost
 
@@ -474,4 +474,4 @@ def test_window_constants_are_what_the_committed_bench_runs_measure():
 
     got = window_costs(Path(str(resources.files("hw_profiles") / "calibration" / "h200_window.json")))
     assert (got["WINDOW_KEY_COST"], got["WINDOW_ROW_KEYS"]) == (cost.WINDOW_KEY_COST, cost.WINDOW_ROW_KEYS)
-    assert got["window_fit_rows"] == 6 and got["window_fit_error"] < 0.082 and cost.WINDOW_KEY_COST > 1
+    assert got["window_fit_rows"] == 6 and got["window_fit_error"] < 0.123 and cost.WINDOW_KEY_COST > 1

@@ -772,16 +772,16 @@ def test_mla_working_set_is_what_its_forward_saves():
 def test_window_kernel_keys_by_hand():
     """A windowed kernel scores whole 128-key tiles: a 128-query block with a 128-token window reaches back 127 keys
     before its first query, 255 keys over two tiles (256); a 130-token window needs three (384). Each scored key
-    costs 1.72 of the full-attention kernel's and the row 1,060 more: 1.72 · 256 + 1,060 = 1,500.32 for gpt-oss's
+    costs 1.73 of the full-attention kernel's and the row 670 more: 1.73 · 256 + 670 = 1,112.88 for gpt-oss's
     128. gpt-oss-120b at 32K (18 full layers at 16,384 keys a query, 18 sliding at 128): the kernels cost
-    (16,384 + 1,500.32) / (16,384 + 128) of the model's attention FLOPs at the full kernel's rate; a sequence no
+    (16,384 + 1,112.88) / (16,384 + 128) of the model's attention FLOPs at the full kernel's rate; a sequence no
     longer than the window is plain causal (ratio 1)."""
     from recipe.cost import attention_keys, attention_kernel_ratio, window_kernel_keys, window_keys
 
     assert (window_keys(128), window_keys(100), window_keys(129), window_keys(130)) == (256, 256, 256, 384)
-    assert window_kernel_keys(128) == pytest.approx(1500.32) and window_kernel_keys(130) == pytest.approx(1720.48)
+    assert window_kernel_keys(128) == pytest.approx(1112.88) and window_kernel_keys(130) == pytest.approx(1334.32)
     oss = PRESETS["gpt-oss-120b"]
     assert attention_keys(oss, 32768) == (16384, 128)
-    assert attention_keys(oss, 32768, kernel=True) == pytest.approx((16384, 1500.32))
-    assert attention_kernel_ratio(oss, 32768) == pytest.approx((16384 + 1500.32) / (16384 + 128))
+    assert attention_keys(oss, 32768, kernel=True) == pytest.approx((16384, 1112.88))
+    assert attention_kernel_ratio(oss, 32768) == pytest.approx((16384 + 1112.88) / (16384 + 128))
     assert attention_kernel_ratio(oss, 128) == 1.0 and attention_kernel_ratio(PRESETS["qwen3-30b-a3b"], 32768) == 1.0
