@@ -9,7 +9,7 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.gdn_fused_triton import _VENDOR
+from kernels.gdn_fused_triton import _VENDOR, _cast
 
 # (rows, columns, warps). slot_grads: a program owns BLOCK_M whole rows and walks D in BLOCK_D steps, keeping the
 # row dots in fp32 registers; 16 x 256 over 4 warps is 32 values a thread per step (4 x 16-byte loads of each
@@ -17,6 +17,8 @@ from kernels.gdn_fused_triton import _VENDOR
 # shapes cross tile edges on both axes and the D loop runs several steps.
 SLOT_TILE = {"nvidia": (16, 256, 4), "amd": (16, 256, 4), "interpreter": (4, 16, 1)}
 SWIGLU_TILE = {"nvidia": (16, 256, 4), "amd": (16, 256, 4), "interpreter": (4, 16, 1)}
+# add_expert_bias_: 2-D tiles of [rows, columns]; each row finds its expert among the offsets held whole
+BIAS_TILE = {"nvidia": (32, 256, 4), "amd": (32, 256, 4), "interpreter": (4, 16, 1)}
 
 
 @triton.jit
@@ -153,3 +155,31 @@ def glu_forward(h_MF: torch.Tensor, glu) -> torch.Tensor:
             ALPHA=float(glu.alpha), CLAMP=glu.limit is not None, LIMIT=float(glu.limit or 0.0),
             OFFSET=float(glu.up_offset))
     return a
+
+
+@triton.jit
+def _add_expert_bias_kernel(r_ptr, s_r, b_ptr, s_b, offs_ptr, M, N, E, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                            BLOCK_E: tl.constexpr):
+    rows = tl.program_id(0).to(tl.int64) * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    e = tl.arange(0, BLOCK_E)
+    ends = tl.load(offs_ptr + e, mask=e < E, other=0).to(tl.int64)
+    # the expert of row m: how many experts end at or before it (rows are sorted by expert)
+    expert = tl.sum(((ends[None, :] <= rows[:, None]) & (e < E)[None, :]).to(tl.int64), axis=1)
+    ok = ((rows < M) & (expert < E))[:, None] & (cols < N)[None, :]
+    r_row = r_ptr + rows[:, None] * s_r + cols[None, :]
+    x = tl.load(r_row, mask=ok, other=0.0).to(tl.float32)
+    b = tl.load(b_ptr + expert[:, None] * s_b + cols[None, :], mask=ok, other=0.0).to(tl.float32)
+    tl.store(r_row, _cast(x + b, r_ptr.dtype.element_ty), mask=ok)
+
+
+def add_expert_bias_(rows_MN: torch.Tensor, bias_EN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
+    _unit_columns(rows_MN, bias_EN)
+    M, N = rows_MN.shape
+    E = bias_EN.shape[0]
+    if M and N:
+        bm, bn, warps = BIAS_TILE[_VENDOR]
+        _add_expert_bias_kernel[(triton.cdiv(M, bm), triton.cdiv(N, bn))](
+            rows_MN, rows_MN.stride(0), bias_EN, bias_EN.stride(0), offs_E, M, N, E, BLOCK_M=bm, BLOCK_N=bn,
+            BLOCK_E=triton.next_power_of_2(E), num_warps=warps)
+    return rows_MN

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from kernels.expert_grads import GLU, SWIGLU, glu_forward, slot_grads, swiglu_backward
+from kernels.expert_grads import add_expert_bias_ as add_expert_bias
 
 
 # Up to LOOP_EXPERTS local experts of at least LOOP_MIN_WEIGHT elements a matrix, the per-expert loop of cuBLAS
@@ -146,7 +147,7 @@ def grouped_bias_grad(dy_MO, counts: list[int] | None, offs_E) -> torch.Tensor:
 
 def add_expert_bias_(rows_MO, bias_EO, counts: list[int] | None, offs_E) -> torch.Tensor:
     """rows += the bias of each row's expert (rows sorted by expert), in place: one add an expert with host counts,
-    else one gather of each row's bias (the expert of row m: the first offset above m)."""
+    else one kernel that finds each row's expert among the offsets (the expert of row m: the first offset above m)."""
     if counts is not None:
         start = 0
         for e, n in enumerate(counts):
@@ -154,9 +155,7 @@ def add_expert_bias_(rows_MO, bias_EO, counts: list[int] | None, offs_E) -> torc
                 rows_MO[start:start + n] += bias_EO[e]
             start += n
         return rows_MO
-    expert_M = torch.searchsorted(offs_E, torch.arange(rows_MO.shape[0], device=offs_E.device, dtype=offs_E.dtype),
-                                  right=True)
-    return rows_MO.add_(bias_EO.index_select(0, expert_M))
+    return add_expert_bias(rows_MO, bias_EO, offs_E)  # one pass over the rows (kernels/expert_grads.py)
 
 
 class GroupedExperts(nn.Module):

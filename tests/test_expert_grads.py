@@ -9,7 +9,8 @@ fp32: within 1e-6 (relative L2) of the torch reference. bf16: every output eleme
 reference on the same bf16 inputs, and dw within 1e-6 of an fp64 reference. The activation's forward kernel
 gives the backward kernel's activation bitwise. The activation backward also in
 gpt-oss's clamped form (kernels.expert_grads.GPT_OSS_GLU), with gate and up values across and exactly at ±7; its
-torch reference against autograd through the forward's own ops.
+torch reference against autograd through the forward's own ops. The experts' bias add equals the torch path bitwise
+(one rounding of the fp32 sum, as torch's add), idle experts and rows in the middle of a tile included.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ import pytest
 import torch
 
 import interpreter
-from kernels.expert_grads import (GPT_OSS_GLU, GLU, glu_backward_torch, glu_forward, slot_grads, slot_grads_torch,
-                                   swiglu_backward, swiglu_backward_torch)
+from kernels.expert_grads import (GPT_OSS_GLU, GLU, add_expert_bias_, add_expert_bias_torch, glu_backward_torch,
+                                   glu_forward, slot_grads, slot_grads_torch, swiglu_backward, swiglu_backward_torch)
 
 
 def _rel(x, ref) -> float:
@@ -121,10 +122,40 @@ def glu_forward_checks():
     assert glu_forward(torch.empty(0, 6), GPT_OSS_GLU, backend="triton").shape == (0, 3)
 
 
-INTERPRETER_CHECKS = {f.__name__: f for f in (slot_checks, swiglu_checks, glu_checks, glu_forward_checks)}
+def bias_checks():
+    """rows += bias[expert of the row], in place, bitwise the torch path's: 5 experts (not a power of two), two of
+    them idle (an offset repeated), on a column slice of a wider buffer; none of an empty row block."""
+    counts = [3, 0, 7, 0, 4]
+    offs = torch.cumsum(torch.tensor(counts), 0).to(torch.int32)
+    for dtype in (torch.float32, torch.bfloat16):
+        rows = torch.randn(sum(counts), 40).to(dtype)[:, :37]
+        bias = torch.randn(5, 37).to(dtype)
+        want = add_expert_bias_torch(rows.clone(), bias, offs)
+        got = rows.clone()
+        assert add_expert_bias_(got, bias, offs, backend="triton") is got
+        assert torch.equal(got, want), dtype
+        # by hand: rows 0-2 take bias 0, rows 3-9 bias 2, rows 10-13 bias 4
+        assert torch.equal(got[3:10], (rows[3:10].float() + bias[2].float()).to(dtype))
+    assert add_expert_bias_(torch.empty(0, 6), torch.randn(2, 6), torch.zeros(2, dtype=torch.int32),
+                            backend="triton").shape == (0, 6)
+
+
+INTERPRETER_CHECKS = {f.__name__: f for f in (slot_checks, swiglu_checks, glu_checks, glu_forward_checks,
+                                              bias_checks)}
 
 
 interpreter_results, test_triton_kernels_interpreter = interpreter.pytest_cases(__file__, INTERPRETER_CHECKS)
+
+
+def test_expert_bias_by_hand_and_bad_arguments():
+    """Rows sorted by expert: offsets [2, 2, 3] put rows 0-1 on expert 0 and row 2 on expert 2 (expert 1 idle)."""
+    rows = torch.zeros(3, 2)
+    got = add_expert_bias_(rows, torch.tensor([[1.0, 2.0], [5.0, 5.0], [3.0, 4.0]]), torch.tensor([2, 2, 3]))
+    assert got is rows and torch.equal(rows, torch.tensor([[1.0, 2.0], [1.0, 2.0], [3.0, 4.0]]))
+    with pytest.raises(ValueError, match=r"\[M, N\], \[E, N\] and \[E\]"):
+        add_expert_bias_(rows, torch.zeros(3, 5), torch.tensor([2, 2, 3]))
+    with pytest.raises(ValueError, match="share a dtype"):
+        add_expert_bias_(rows, torch.zeros(3, 2, dtype=torch.float64), torch.tensor([2, 2, 3]))
 
 
 def test_swiglu_backward_is_the_gradient_of_swiglu():

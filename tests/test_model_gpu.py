@@ -214,8 +214,8 @@ def test_expert_grads_kernels_match_the_torch_path():
     """kernels/expert_grads.py's Triton kernels against their torch references at the rows of one layer's
     backward (M = tokens × top-k, D = 2048, I = 512, bf16), dout and w column slices of one [M, D + 8] row buffer as
     the EP backward passes them: g equal (the same product rounded once), dw within fp32 summation order, dh and a
-    within a bf16 rounding of the reference on rare elements."""
-    from kernels.expert_grads import slot_grads, swiglu_backward
+    within a bf16 rounding of the reference on rare elements; the experts' bias add equal."""
+    from kernels.expert_grads import add_expert_bias_, slot_grads, swiglu_backward
 
     torch.manual_seed(0)
     M, D, I = 65536 + 37, 2048, 512
@@ -231,6 +231,14 @@ def test_expert_grads_kernels_match_the_torch_path():
     for ours, ref in zip(swiglu_backward(h, da, backend="triton"), swiglu_backward(h, da, backend="torch")):
         assert _rel(ours, ref) < 1e-4
         assert ((ours.float() - ref.float()).abs() <= ref.float().abs() * 2.0 ** -7 + 1e-6).all()
+    # the experts' bias add: bitwise torch's gather and add, 32 experts of uneven counts, three idle
+    counts = torch.randint(0, 4096, (32,), device="cuda")
+    counts[[3, 17, 31]] = 0
+    offs = torch.cumsum(counts, 0).to(torch.int32)
+    rows = torch.randn(int(counts.sum()), 2 * I, device="cuda").bfloat16()
+    bias = torch.randn(32, 2 * I, device="cuda").bfloat16()
+    ours, ref = (add_expert_bias_(rows.clone(), bias, offs, backend=b) for b in ("triton", "torch"))
+    assert torch.equal(ours, ref)
 
 
 def test_ep_chunks_on_the_comm_stream_equal_one_chunk(monkeypatch):
