@@ -34,14 +34,18 @@ def grad_rows_torch(do: torch.Tensor, o: torch.Tensor) -> tuple[torch.Tensor, to
     return g, (g.to(acc) * o).sum(-1)
 
 
+# the kernels' grid takes R2 in blocks of 64 rows on its second axis, which holds at most 65,535 blocks
+MAX_R2 = 64 * 65535
+
+
 def _rows(x: torch.Tensor) -> torch.Tensor | None:
     """x as [R1, R2, D] by a view (leading dims of size 1 dropped, a single row dim given a leading 1), or None
-    where its rows are not two strided dims or its channels are not contiguous."""
+    where its rows are not two strided dims, its channels are not contiguous or R2 exceeds the grid (MAX_R2)."""
     while x.dim() > 3 and x.shape[0] == 1:
         x = x[0]
     if x.dim() == 2:
         x = x[None]
-    return x if x.dim() == 3 and x.stride(-1) == 1 else None
+    return x if x.dim() == 3 and x.stride(-1) == 1 and x.shape[1] <= MAX_R2 else None
 
 
 def _check(o: torch.Tensor, other: torch.Tensor, rows_only: bool) -> None:

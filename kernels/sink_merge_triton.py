@@ -9,7 +9,7 @@ import triton.language as tl
 
 from kernels.gdn_fused_triton import _cast  # fp32 -> 16-bit, round to nearest even (also in the interpreter)
 
-BLOCK_ROWS = 64
+BLOCK_ROWS = 64  # kernels/sink_merge.py MAX_R2 counts on it
 
 
 @triton.jit

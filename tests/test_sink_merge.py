@@ -92,6 +92,17 @@ def test_torch_path_by_hand():
     assert torch.equal(d, torch.tensor([3.0, 8.0]))
 
 
+def test_rows_past_the_grid_are_not_handed_to_the_kernels(monkeypatch):
+    """A row dimension past the kernels' grid (MAX_R2) is not handed to them (the callers then run the torch path);
+    the limit lowered here, so the test needs no 4M-row tensor."""
+    import kernels.sink_merge as sm
+
+    o = torch.randn(2, 9, 8)
+    assert sm._rows(o) is not None and sm._rows(o[None]) is not None
+    monkeypatch.setattr(sm, "MAX_R2", 8)
+    assert sm._rows(o) is None and sm._rows(o[:, :8]) is not None
+
+
 def test_bad_arguments():
     o = torch.randn(4, 2, 8)
     with pytest.raises(ValueError, match="one weight per row"):
