@@ -212,6 +212,8 @@ def trainable(shape: "ModelShape") -> str | None:
         ("chunked attention outside Llama 4", shape.num_chunked_layers > 0 and shape.arch != "llama4"),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
          and shape.softmax_router is None),
+        (f"DeepSeek sparse attention (index_topk {shape.sparse_attention_topk})",
+         shape.sparse_attention_topk is not None),
         (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and (
             sc.kind not in ROPE_SCALINGS or (sc.kind == "dynamic" and sc.alpha is None))))
                    if present]
@@ -270,6 +272,9 @@ class ModelShape(Record):
     llama4: Llama4Attention | None = None  # Llama 4's RoPE-free global layers and q/k scaling (arch llama4)
     granite: GraniteScales | None = None  # Granite's multipliers (arch granitemoe)
     clip_qkv: float | None = None  # OLMoE's clip_qkv: q and k (after their norms) and v clamped to ±this
+    # DeepSeek-V3.2's sparse attention (DSA): an indexer picks this many keys a query. Planned with every causal key
+    # charged (MLA as DeepSeek-V3 runs it, an upper bound past this many keys), not trained
+    sparse_attention_topk: int | None = None
     mla: MLAShape | None = None
     linear_attn: LinearAttnShape | None = None
     # MoE
@@ -324,6 +329,8 @@ class ModelShape(Record):
         if self.num_dense_layers and not self.dense_ffn:
             raise ValueError(f"{self.num_dense_layers} dense layers (first_dense_layers={self.first_dense_layers}, "
                              f"moe_layer_step={self.moe_layer_step}) need dense_ffn > 0")
+        if self.sparse_attention_topk is not None:
+            _positive(self, ("sparse_attention_topk",))
         if self.clip_qkv is not None and not (isinstance(self.clip_qkv, (int, float)) and self.clip_qkv > 0):
             raise ValueError(f"clip_qkv must be a positive number, got {self.clip_qkv!r}")
         if self.first_dense_layers > self.num_layers:
@@ -390,7 +397,8 @@ class ModelShape(Record):
     def fingerprint_dict(self) -> dict:
         # a shape without the routing, RoPE-scaling or pad records keeps the fingerprint it had before they existed
         unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id", "attention_chunk",
-                             "llama4", "hf_model_type", "granite", "clip_qkv") if getattr(self, k) is None}
+                             "llama4", "hf_model_type", "granite", "clip_qkv", "sparse_attention_topk")
+                 if getattr(self, k) is None}
         if self.moe_layer_step == 1:
             unset.add("moe_layer_step")
         out = plain(self, exclude=frozenset({"source"} | unset))
@@ -685,7 +693,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
-    "glm4_moe_lite": "deepseek_v3",
+    "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe",
     "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe", "minimax_m2": "minimax_m2",
     "llama4": "llama4",
@@ -796,7 +804,9 @@ def _from_hf_config(path: Path) -> ModelShape:
         lt = cfg["layer_types"]
         if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
             raise bad("layer_types", "a list of layer type names", lt)
-        layer_types = tuple(lt)[:n_layers]
+        # DeepSeek-V3.2's sparse layers: full attention as planned (the indexer's choice is `sparse_attention_topk`)
+        sparse = "full_attention" if model_type == "deepseek_v32" else None
+        layer_types = tuple(sparse if t == "deepseek_sparse_attention" and sparse else t for t in lt)[:n_layers]
     elif cfg.get("full_attention_interval") is not None:
         interval = count(cfg["full_attention_interval"], "full_attention_interval")
         if not 0 < interval <= max(n_layers, 1):
@@ -885,6 +895,16 @@ def _from_hf_config(path: Path) -> ModelShape:
         )
         if model_type == "glm4_moe_lite":  # GLM-4.7-Flash: DeepSeek-V3's blocks, exported under its own type
             fields["hf_model_type"] = model_type
+        if model_type == "deepseek_v32":  # DeepSeek-V3.2: V3's blocks and an indexer that picks each query's keys
+            topk = req("index_topk")
+            if topk <= 0:
+                raise bad("index_topk", "a positive whole number", cfg["index_topk"])
+            fields.update(hf_model_type=model_type, sparse_attention_topk=topk)
+            import sys
+
+            sys.stderr.write(f"warning: {path}: DeepSeek sparse attention (index_topk {topk}) is planned with every "
+                             f"causal key charged, as DeepSeek-V3's dense MLA (above what it runs past {topk} keys a "
+                             f"query), and not trained by this core\n")
         if cfg.get("rope_interleave") is False:  # RoPE on halves of the rope channels: planned only (arch `moe`)
             fields["arch"] = "moe"
         if model_type == "deepseek_v2":
@@ -945,8 +965,8 @@ def _from_hf_config(path: Path) -> ModelShape:
 
 
 # transformers' defaults where a config leaves the router's fields out: (n_group, topk_group, routed_scaling_factor)
-_SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5), "glm4_moe": (1, 1, 1.0),
-                            "glm4_moe_lite": (1, 1, 1.8)}
+_SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5),
+                            "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8)}
 
 
 def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:

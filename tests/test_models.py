@@ -682,6 +682,32 @@ def test_glm47_flash_reads_as_deepseek_v3_blocks(tmp_path):
     assert halves.arch == "moe" and halves.mla is not None and "planned" in trainable(halves)
 
 
+def test_deepseek_v32_reads_as_deepseek_v3_blocks_planned_only(tmp_path, capsys):
+    """DeepSeek-V3.2 (`deepseek_v32`): DeepSeek-V3's blocks (multi-head latent attention, sigmoid routing in 8 groups,
+    3 dense layers) and its sparse attention's `index_topk`. Planned with every causal key charged, as V3's dense
+    MLA, and not trained, a warning saying both; exported under its own type; the new field leaves other shapes'
+    fingerprints alone. transformers' default config is V3.2's 671B shape."""
+    import transformers
+
+    from recipe.cost import forward_flops_per_token
+
+    transformers.DeepseekV32Config().save_pretrained(tmp_path / "v32")
+    m = from_hf_config(tmp_path / "v32" / "config.json")
+    assert "DeepSeek sparse attention (index_topk 2048) is planned with every causal key" in capsys.readouterr().err
+    v3 = PRESETS["deepseek-v3"]
+    assert (m.arch, m.hf_model_type, m.sparse_attention_topk) == ("deepseek_v3", "deepseek_v32", 2048)
+    assert (m.mla, m.first_dense_layers, m.sigmoid_router, m.num_experts, m.top_k) == (
+        v3.mla, v3.first_dense_layers, v3.sigmoid_router, v3.num_experts, v3.top_k)
+    assert "DeepSeek sparse attention (index_topk 2048)" in trainable(m) and "not trained" in trainable(m)
+    assert "sparse_attention_topk" not in v3.fingerprint_dict() and "sparse_attention_topk" in m.fingerprint_dict()
+    assert forward_flops_per_token(m, 131072)["attention"] == forward_flops_per_token(v3, 131072)["attention"]
+    cfg = json.loads((tmp_path / "v32" / "config.json").read_text())
+    for bad in (0, "2048", None):
+        with pytest.raises(ValueError) as e:
+            from_hf_config(_write(tmp_path, f"bad{bad}", cfg | {"index_topk": bad}))
+        assert "\n" not in str(e.value) and "index_topk" in str(e.value), str(e.value)
+
+
 def test_hunyuan_reads_its_lists_and_its_alpha_rope(tmp_path):
     """Hunyuan-A13B (`hunyuan_v1_moe`): `num_experts` and `moe_topk` given once or once a layer (the same for every
     layer: a list that varies is one line naming the field), experts and shared expert of `intermediate_size`, per-
