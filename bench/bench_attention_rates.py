@@ -103,7 +103,7 @@ def main() -> None:
                 for _ in range(2))
         packing = synthetic_long_batch(seq, m.vocab_size, device).packing
         scale = m.head_dim ** -0.5
-        with_sinks = m.arch == "gpt_oss" and not args.no_sinks
+        with_sinks = m.has_sinks and not args.no_sinks
         sinks = torch.randn(m.num_heads, device=device, generator=gen) if with_sinks else None
 
         def attend(q_, k_, v_):  # a layer as the core runs it: gpt-oss with its sinks

@@ -148,7 +148,6 @@ def swiglu_backward(h_MF: torch.Tensor, da_MI: torch.Tensor, backend: str | None
     return expert_grads_triton.swiglu_backward(h_MF, da_MI, glu)
 
 
-
 def add_expert_bias_torch(rows_MN: torch.Tensor, bias_EN: torch.Tensor, offs_E: torch.Tensor) -> torch.Tensor:
     expert_M = torch.searchsorted(offs_E, torch.arange(rows_MN.shape[0], device=offs_E.device, dtype=offs_E.dtype),
                                   right=True)

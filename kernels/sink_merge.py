@@ -71,10 +71,12 @@ def grad_rows(do: torch.Tensor, o: torch.Tensor, backend: str = "auto") -> tuple
     """(g, D) for the gradient dO and the output o [..., D]: g = dO at o's strides (dO itself where they are
     already o's), D = rowsum(dO ∘ o) [...] in fp32 (in o's dtype where that is wider)."""
     _check(o, do, False)
-    g = do if do.stride() == o.stride() else torch.empty_like(o)
-    g3, d3, o3 = _rows(g), _rows(do), _rows(o)
-    if _pick_backend(o, backend) == "torch" or None in (g3, d3, o3) or o.numel() == 0 or o.dtype == torch.float64:
+    d3, o3 = _rows(do), _rows(o)
+    if _pick_backend(o, backend) == "torch" or None in (d3, o3) or o.numel() == 0 or o.dtype == torch.float64:
         return grad_rows_torch(do, o)
     from kernels import sink_merge_triton
 
-    return g, sink_merge_triton.grad_rows(d3, o3, None if g is do else g3).reshape(o.shape[:-1])
+    if do.stride() == o.stride():
+        return do, sink_merge_triton.grad_rows(d3, o3, None).reshape(o.shape[:-1])
+    g = torch.empty_like(o)  # o's strides, or contiguous where o is not dense: rows as _rows takes them either way
+    return g, sink_merge_triton.grad_rows(d3, o3, _rows(g)).reshape(o.shape[:-1])

@@ -317,7 +317,7 @@ class Attention(nn.Module):
         else:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
-        self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.arch in GPT_OSS_ARCHS else None
+        self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.has_sinks else None
         self.clip_qkv = s.clip_qkv  # OLMoE's: q and k after their norms, and v, clamped to ±clip_qkv (None: not)
         self.qk_norm_after_rope = s.arch in QK_NORM_AFTER_ROPE_ARCHS
         self.rope_interleaved = s.arch in INTERLEAVED_ROPE_ARCHS  # ERNIE-4.5: channel pairs, not halves

@@ -14,6 +14,7 @@ import functools
 
 import json
 import math
+import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Literal
@@ -741,8 +742,6 @@ def _from_hf_config(path: Path) -> ModelShape:
             raise ValueError(f"{path}: model_type {_shown(model_type)} is not supported and lacks the standard fields "
                              f"(supported: {', '.join(sorted(_ARCH_BY_MODEL_TYPE))})")
         arch = "moe" if any(cfg.get(k) is not None for k in _EXPERT_KEYS) else "dense"
-        import sys
-
         sys.stderr.write(f"warning: {path}: model_type {_shown(model_type)} is not known; read by its standard "
                          f"fields as a {'MoE' if arch == 'moe' else 'dense'} model\n")
 
@@ -804,9 +803,9 @@ def _from_hf_config(path: Path) -> ModelShape:
         lt = cfg["layer_types"]
         if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
             raise bad("layer_types", "a list of layer type names", lt)
-        # DeepSeek-V3.2's sparse layers: full attention as planned (the indexer's choice is `sparse_attention_topk`)
-        sparse = "full_attention" if model_type == "deepseek_v32" else None
-        layer_types = tuple(sparse if t == "deepseek_sparse_attention" and sparse else t for t in lt)[:n_layers]
+        if model_type == "deepseek_v32":  # its sparse layers planned as full attention (`sparse_attention_topk`)
+            lt = ["full_attention" if t == "deepseek_sparse_attention" else t for t in lt]
+        layer_types = tuple(lt)[:n_layers]
     elif cfg.get("full_attention_interval") is not None:
         interval = count(cfg["full_attention_interval"], "full_attention_interval")
         if not 0 < interval <= max(n_layers, 1):
@@ -900,8 +899,6 @@ def _from_hf_config(path: Path) -> ModelShape:
             if topk <= 0:
                 raise bad("index_topk", "a positive whole number", cfg["index_topk"])
             fields.update(hf_model_type=model_type, sparse_attention_topk=topk)
-            import sys
-
             sys.stderr.write(f"warning: {path}: DeepSeek sparse attention (index_topk {topk}) is planned with every "
                              f"causal key charged, as DeepSeek-V3's dense MLA (above what it runs past {topk} keys a "
                              f"query), and not trained by this core\n")

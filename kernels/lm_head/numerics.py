@@ -13,7 +13,6 @@ dloss/dlogit is that divided by the temperature. `Coefficients` carries (lse, a,
 from __future__ import annotations
 
 import math
-
 import warnings
 from dataclasses import dataclass
 
