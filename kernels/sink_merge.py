@@ -10,8 +10,9 @@ above hand it) and the channels contiguous.
 
 Why fuse: torch runs the first as a broadcast multiply of a bf16 tensor by an fp32 one, and the second as a strided
 copy, an fp32 copy, a mixed-dtype product and a reduction, all on its generic strided elementwise kernels: on an
-H200 they take ~3.4 ms of a gpt-oss-120b full layer's forward and backward at 32K tokens, where the bytes they must
-move take ~0.3 ms. The kernels read each row once, in fp32 registers, with one rounding (scale_rows) or none.
+H200 the sinks then cost a gpt-oss-120b full layer 7.1 ms of its step at 32K tokens, and 1.6 ms on these kernels
+(docs/BENCHMARKS.md, "Attention at width 64, and the sinks"). The kernels read each row once, in fp32 registers,
+with one rounding (scale_rows) or none.
 Backends as in kernels/gdn_fused.py: "auto" runs Triton on CUDA/ROCm tensors when triton is installed and the torch
 path otherwise; "torch" and "triton" force one ("triton" on CPU tensors only under TRITON_INTERPRET=1).
 """
