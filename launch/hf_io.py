@@ -426,7 +426,9 @@ def hf_config(shape: ModelShape) -> dict:
                    n_group=r.groups, topk_group=r.topk_groups, routed_scaling_factor=r.scaling,
                    norm_topk_prob=shape.norm_topk_prob, first_k_dense_replace=shape.first_dense_layers,
                    intermediate_size=shape.dense_ffn or shape.expert_ffn, num_mtp_layers=0)
-        if shape.arch == "glm4_moe":
+        if shape.hf_model_type == "dots1":  # dots.llm1: GLM-4.5's blocks, per-head q/k norms, full RoPE
+            cfg.update(model_type="dots1", architectures=["Dots1ForCausalLM"], layer_types=list(shape.layer_types))
+        elif shape.arch == "glm4_moe":
             cfg.update(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], use_qk_norm=shape.qk_norm,
                        partial_rotary_factor=shape.partial_rotary_factor)
         else:

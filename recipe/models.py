@@ -694,14 +694,17 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
-    "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3",
-    "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe",
+    "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
+    "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
     "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe", "minimax_m2": "minimax_m2",
     "llama4": "llama4",
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense",
 }
+# state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
+_MAMBA_HYBRIDS = ("jamba", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "mamba", "mamba2", "nemotron_h",
+                  "zamba", "zamba2")
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 
 
@@ -735,6 +738,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         raise ValueError(f"{path}: field 'text_config': expected an object, got {_shown(text_config)}")
     cfg = text_config or raw
     model_type = cfg.get("model_type") or raw.get("model_type") or ""
+    if model_type in _MAMBA_HYBRIDS:
+        raise ValueError(f"{path}: model_type {_shown(model_type)} has Mamba layers, which this tool does not plan")
     arch = _ARCH_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     if arch is None:
         if not isinstance(model_type, str) or not all(
@@ -742,8 +747,7 @@ def _from_hf_config(path: Path) -> ModelShape:
             raise ValueError(f"{path}: model_type {_shown(model_type)} is not supported and lacks the standard fields "
                              f"(supported: {', '.join(sorted(_ARCH_BY_MODEL_TYPE))})")
         arch = "moe" if any(cfg.get(k) is not None for k in _EXPERT_KEYS) else "dense"
-        sys.stderr.write(f"warning: {path}: model_type {_shown(model_type)} is not known; read by its standard "
-                         f"fields as a {'MoE' if arch == 'moe' else 'dense'} model\n")
+    unknown = model_type not in _ARCH_BY_MODEL_TYPE
 
     def bad(key: str, want: str, v) -> ValueError:
         return ValueError(f"{path}: field {key!r}: expected {want}, got {_shown(v)}")
@@ -803,9 +807,13 @@ def _from_hf_config(path: Path) -> ModelShape:
         lt = cfg["layer_types"]
         if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
             raise bad("layer_types", "a list of layer type names", lt)
-        if model_type == "deepseek_v32":  # its sparse layers planned as full attention (`sparse_attention_topk`)
+        if model_type in _DSA_MODEL_TYPES:  # its sparse layers planned as full attention (`sparse_attention_topk`)
             lt = ["full_attention" if t == "deepseek_sparse_attention" else t for t in lt]
         layer_types = tuple(lt)[:n_layers]
+        other = next((t for t in layer_types if t not in LAYER_TYPES), None)
+        if other is not None:
+            raise ValueError(f"{path}: layer type {other!r} (model_type {_shown(model_type)}) is not planned by this "
+                             f"tool; it plans {', '.join(LAYER_TYPES)} layers")
     elif cfg.get("full_attention_interval") is not None:
         interval = count(cfg["full_attention_interval"], "full_attention_interval")
         if not 0 < interval <= max(n_layers, 1):
@@ -859,7 +867,8 @@ def _from_hf_config(path: Path) -> ModelShape:
                       expert_ffn=width, shared_expert_ffn=width, qk_norm=True, norm_topk_prob=True,
                       attn_bias=opt_flag("attention_bias", False), rms_norm_eps=opt_num("rms_norm_eps", 1e-5))
     else:
-        fields.update(num_experts=req(*_EXPERT_KEYS), top_k=req("num_experts_per_tok", "experts_per_token", "moe_k"),
+        fields.update(num_experts=req(*_EXPERT_KEYS),
+                      top_k=req("num_experts_per_tok", "experts_per_token", "num_experts_per_token", "moe_k"),
                       expert_ffn=req("moe_intermediate_size", "intermediate_size"))
     prf = cfg.get("partial_rotary_factor")
     prf_key = "partial_rotary_factor"
@@ -894,7 +903,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         )
         if model_type == "glm4_moe_lite":  # GLM-4.7-Flash: DeepSeek-V3's blocks, exported under its own type
             fields["hf_model_type"] = model_type
-        if model_type == "deepseek_v32":  # DeepSeek-V3.2: V3's blocks and an indexer that picks each query's keys
+        if model_type in _DSA_MODEL_TYPES:  # DeepSeek-V3.2, GLM-5: V3's blocks and an indexer that picks each
+            # query's keys
             topk = req("index_topk")
             if topk <= 0:
                 raise bad("index_topk", "a positive whole number", cfg["index_topk"])
@@ -928,9 +938,12 @@ def _from_hf_config(path: Path) -> ModelShape:
             fields["arch"] = "moe"
     elif arch == "mixtral":
         fields.update(qk_norm=False, expert_ffn=req("intermediate_size"))
-    elif arch == "glm4_moe":
+    elif arch == "glm4_moe":  # GLM-4.5; dots.llm1 (dots1): the same blocks with Qwen3's per-head q/k norms always on
         first = opt("first_k_dense_replace", 0)
-        fields.update(qk_norm=opt_flag("use_qk_norm", False), attn_bias=opt_flag("attention_bias", False),
+        if model_type == "dots1":
+            fields["hf_model_type"] = model_type
+        fields.update(qk_norm=model_type == "dots1" or opt_flag("use_qk_norm", False),
+                      attn_bias=opt_flag("attention_bias", False),
                       shared_expert_ffn=opt("n_shared_experts", 0) * fields["expert_ffn"], router_bias=True,
                       first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0,
                       sigmoid_router=_sigmoid_router(cfg, model_type, opt, number))
@@ -957,21 +970,40 @@ def _from_hf_config(path: Path) -> ModelShape:
                           ("embedding", "embedding_multiplier"), ("attention", "attention_multiplier"),
                           ("residual", "residual_multiplier"), ("logits", "logits_scaling"))})
     elif arch == "moe":
-        _generic_moe(cfg, model_type, fields, n_layers, req, opt, opt_flag, count)
-    return validate(ModelShape, fields, f"{path}: invalid model shape")
+        _generic_moe(cfg, model_type, fields, n_layers, req, opt, opt_flag, count, bad)
+    if model_type == "mistral" and not cfg.get("layer_types"):
+        # transformers' Mistral slides every layer over `sliding_window` keys (4096 where the field is absent; null
+        # turns it off, as in v0.2 and later)
+        window = cfg.get("sliding_window", 4096)
+        if window is not None:
+            fields.update(sliding_window=count(window, "sliding_window"), layer_types=("sliding_attention",) * n_layers)
+    if "sliding_attention" in fields["layer_types"] and fields.get("sliding_window") is None \
+            and cfg.get("sliding_window") is not None:
+        fields["sliding_window"] = count(cfg["sliding_window"], "sliding_window")
+    if "linear_attention" in fields["layer_types"] and fields.get("linear_attn") is None:
+        raise ValueError(f"{path}: the linear_attention layers of model_type {_shown(model_type)} are not planned by "
+                         f"this tool (it plans Qwen3-Next's and Qwen3.5's Gated DeltaNet)")
+    shape = validate(ModelShape, fields, f"{path}: invalid model shape")
+    if unknown:  # said once the config has read: a refusal is the only line
+        sys.stderr.write(f"warning: {path}: model_type {_shown(model_type)} is not known; read by its standard "
+                         f"fields as a {'MoE' if arch == 'moe' else 'dense'} model\n")
+    return shape
 
 
 # transformers' defaults where a config leaves the router's fields out: (n_group, topk_group, routed_scaling_factor)
 _SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5),
-                            "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8)}
+                            "glm_moe_dsa": (1, 1, 2.5), "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8),
+                            "dots1": (1, 1, 1.0)}
+# the MLA families whose attention layers an indexer makes sparse (DeepSeek sparse attention): DeepSeek-V3.2, GLM-5
+_DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
 
 def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
     """The dense layers before the MoE ones: `first_k_dense_replace`, or GLM-4.7-Flash's `mlp_layer_types` ("dense"
     and "sparse" a layer; transformers' default there: one dense layer, then sparse), whose dense layers must lead."""
     types = cfg.get("mlp_layer_types")
-    if types is None:
-        return opt("first_k_dense_replace", 1 if model_type == "glm4_moe_lite" else 0)
+    if types is None:  # transformers' defaults where the field is absent
+        return opt("first_k_dense_replace", {"glm4_moe_lite": 1, **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(model_type, 0))
     if not isinstance(types, list) or any(t not in ("dense", "sparse") for t in types):
         raise bad("mlp_layer_types", 'a list of "dense" and "sparse"', types)
     k = types.index("sparse") if "sparse" in types else len(types)
@@ -1188,10 +1220,32 @@ def _llama4(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, number, 
                               attn_scale=number(cfg.get("attn_scale", 0.1), "attn_scale")))
 
 
-def _generic_moe(cfg: dict, model_type: str, fields: dict, n_layers: int, req, opt, opt_flag, count) -> None:
-    """The standard softmax-routed MoE families (and unknown types), by their field names."""
-    fields.update(qk_norm=False, attn_bias=opt_flag("attention_bias", False))
-    fields.update(shared_expert_ffn=opt("shared_expert_intermediate_size", 0))
+# the names configs give a shared expert's width, and (times the routed experts' width) the number of shared experts
+_SHARED_WIDTH_KEYS = ("shared_expert_intermediate_size", "shared_intermediate_size", "share_expert_dim")
+_SHARED_COUNT_KEYS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
+
+
+def _generic_moe(cfg: dict, model_type: str, fields: dict, n_layers: int, req, opt, opt_flag, count, bad) -> None:
+    """The standard MoE families the core does not train, and unknown types, by the field names most configs share:
+    q/k norms (`use_qk_norm`), attention biases; shared experts by width (`shared_expert_intermediate_size`,
+    `shared_intermediate_size`, `share_expert_dim`) or by count of the routed experts' width (`n_shared_experts`,
+    `num_shared_experts`, `moe_num_shared_experts`); dense layers (`intermediate_size` wide) from
+    `first_k_dense_replace` or `mlp_layer_types` ("dense"/"sparse" a layer; counted as leading ones wherever they
+    sit: the cost does not depend on where); routing is costed the same whatever its scoring."""
+    fields.update(qk_norm=opt_flag("use_qk_norm", False), attn_bias=opt_flag("attention_bias", False))
+    width_key = next((k for k in _SHARED_WIDTH_KEYS if cfg.get(k) is not None), None)
+    count_key = next((k for k in _SHARED_COUNT_KEYS if cfg.get(k) is not None), None)
+    fields["shared_expert_ffn"] = (opt(width_key, 0) if width_key is not None
+                                   else opt(count_key, 0) * fields["expert_ffn"] if count_key is not None else 0)
+    types = cfg.get("mlp_layer_types")
+    if types is not None:
+        if not isinstance(types, list) or any(t not in ("dense", "sparse") for t in types) or len(types) < n_layers:
+            raise bad("mlp_layer_types", f'{n_layers} entries of "dense" and "sparse"', types)
+        n_dense = types[:n_layers].count("dense")
+    else:
+        n_dense = min(opt("first_k_dense_replace", 0), n_layers)
+    if n_dense:
+        fields.update(first_dense_layers=n_dense, dense_ffn=req("intermediate_size"))
 
 
 def _shown(v) -> str:

@@ -93,7 +93,7 @@ QWEN2_SPARSE = dict(decoder_sparse_step=2, num_hidden_layers=4, intermediate_siz
 # the shape's arch where it is not the name
 ARCH = {"moonlight": "deepseek_v3", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE},
         "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3",
-        "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe"}
+        "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe"}
 
 
 def _hf_model(arch: str):
@@ -175,6 +175,12 @@ def _hf_model(arch: str):
                                          first_k_dense_replace=1, intermediate_size=40, num_hidden_layers=3,
                                          attention_bias=True, routed_scaling_factor=1.5, partial_rotary_factor=0.5)
         cls = transformers.Glm4MoeForCausalLM
+    elif arch == "dots1":  # GLM-4.5's block with Qwen3's per-head q/k norms, every channel rotated; 2 groups
+        cfg = transformers.Dots1Config(**{k: v for k, v in COMMON.items() if k != "num_experts"},
+                                       n_routed_experts=6, n_group=2, topk_group=1, n_shared_experts=1,
+                                       first_k_dense_replace=1, intermediate_size=40, num_hidden_layers=3,
+                                       routed_scaling_factor=1.5, norm_topk_prob=True)
+        cls = transformers.Dots1ForCausalLM
     elif arch in DENSE:
         config_cls, cls, extra = DENSE[arch]
         dense = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
@@ -196,7 +202,7 @@ def _hf_model(arch: str):
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
                                   "olmoe_clip",
                                   "ernie4_5_moe", "minimax_m2", "mixtral", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
-                                  "glm4_moe", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared", "hunyuan_v1_moe",
+                                  "glm4_moe", "dots1", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared", "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)

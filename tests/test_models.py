@@ -728,3 +728,126 @@ def test_hunyuan_reads_its_lists_and_its_alpha_rope(tmp_path):
         "rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}}))
     assert "RoPE scaling 'dynamic'" in trainable(plain_dynamic)
     assert "alpha" not in PRESETS["deepseek-v3"].fingerprint_dict()["rope_scaling"]
+
+
+def _meta_params(model_cls, cfg, skip: tuple[str, ...] = (), biases: bool = True) -> int:
+    """transformers' own parameter count for a config (built on the meta device: no memory), the names holding any
+    of `skip` left out; with `biases`, the routers' correction biases, which it keeps as buffers and the shapes
+    count as parameters."""
+    import torch
+
+    with torch.device("meta"):
+        model = model_cls(cfg)
+    bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias")) if biases else 0
+    return bias + sum(p.numel() for n, p in model.named_parameters() if not any(k in n for k in skip))
+
+
+def test_glm5_reads_as_deepseek_v3_blocks_with_sparse_attention_planned_only(tmp_path, capsys):
+    """GLM-5 (`glm_moe_dsa`): DeepSeek-V3.2's blocks (multi-head latent attention with q·k 256 and v 256 wide, DSA's
+    indexer) with one expert group, scaling 2.5 and three dense layers. transformers' default config is GLM-5's
+    shape; cut to five layers its parameters equal transformers' own, the indexer's (~0.1%) left out as for V3.2."""
+    import transformers
+
+    transformers.GlmMoeDsaConfig().save_pretrained(tmp_path / "glm5")
+    m = from_hf_config(tmp_path / "glm5" / "config.json")
+    assert "DeepSeek sparse attention (index_topk 2048)" in capsys.readouterr().err
+    assert (m.arch, m.hf_model_type, m.sparse_attention_topk) == ("deepseek_v3", "glm_moe_dsa", 2048)
+    assert (m.mla.q_lora_rank, m.mla.kv_lora_rank, m.mla.qk_nope_head_dim, m.mla.qk_rope_head_dim,
+            m.mla.v_head_dim) == (2048, 512, 192, 64, 256)
+    assert (m.num_layers, m.first_dense_layers, m.num_experts, m.top_k, m.shared_expert_ffn) == (78, 3, 256, 8, 2048)
+    assert (m.sigmoid_router.groups, m.sigmoid_router.topk_groups, m.sigmoid_router.scaling) == (1, 1, 2.5)
+    assert m.num_full_attn_layers == 78 and "not trained" in trainable(m)
+    assert 740e9 < total_params(m) < 750e9  # GLM-5: 744B
+    cfg = transformers.GlmMoeDsaConfig(num_hidden_layers=5)
+    cfg.save_pretrained(tmp_path / "glm5-5")
+    five = from_hf_config(tmp_path / "glm5-5" / "config.json")
+    assert total_params(five) == _meta_params(transformers.GlmMoeDsaForCausalLM, cfg, skip=("indexer",))
+    cut = json.loads((tmp_path / "glm5-5" / "config.json").read_text())
+    del cut["first_k_dense_replace"], cut["mlp_layer_types"]  # transformers' default: three dense layers
+    assert from_hf_config(_write(tmp_path, "cut", cut)).first_dense_layers == 3
+
+
+@pytest.mark.parametrize("model_type, cls, rel", [
+    ("hy_v3", "HYV3ForCausalLM", 0), ("flex_olmo", "FlexOlmoForCausalLM", 0), ("qwen3_vl_moe", "Qwen3VLMoeTextModel", 0),
+    ("step3p7", "Step3p7TextModel", 2.5e-4), ("mimo_v2_flash", "MiMoV2FlashForCausalLM", 3e-3)])
+def test_unknown_moe_types_read_by_their_standard_fields_as_transformers_counts(tmp_path, capsys, model_type, cls,
+                                                                                 rel):
+    """Types the core does not know read by the fields most MoE configs share: hy_v3's shared expert by count
+    (`num_shared_experts` × the experts' width) and its dense first layer by `mlp_layer_types`, Step-3.5's by width
+    (`share_expert_dim`), MiMo-V2-Flash's sliding window. Their parameters (transformers' default configs cut to four
+    layers; the text model of the multimodal ones) equal transformers' own but for what no standard field names:
+    per-head q/k norm weights and a router's correction bias (hy_v3, Qwen3-VL-MoE: exact without them), Step-3.5's
+    per-head output gate (under 0.02%) and MiMo-V2-Flash's values narrower than its keys (0.2–0.3%)."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type)
+    cfg = getattr(cfg, "text_config", None) or cfg
+    for k in ("layer_types", "mlp_layer_types"):
+        if getattr(cfg, k, None):
+            setattr(cfg, k, getattr(cfg, k)[:4])
+    cfg.num_hidden_layers = 4
+    cfg.save_pretrained(tmp_path / model_type)
+    m = from_hf_config(tmp_path / model_type / "config.json")
+    assert "is not known; read by its standard fields as a MoE model" in capsys.readouterr().err
+    theirs = _meta_params(getattr(transformers, cls), cfg, skip=("q_norm", "k_norm"), biases=False)
+    theirs += param_counts(m)["head"] if cls.endswith("TextModel") else 0  # the text model without its head
+    assert abs(total_params(m) - theirs) <= rel * theirs, (total_params(m), theirs)
+    if model_type == "hy_v3":
+        assert (m.first_dense_layers, m.dense_ffn, m.shared_expert_ffn) == (1, 13312, 1536)
+    if model_type == "mimo_v2_flash":
+        assert (m.sliding_window, m.num_sliding_layers, m.first_dense_layers) == (128, 3, 1)
+
+
+def test_generic_moe_shared_experts_dense_layers_and_windows_by_hand(tmp_path, capsys):
+    """An unknown MoE type: shared experts by width or by count, dense layers by `first_k_dense_replace` or by
+    `mlp_layer_types` (counted wherever they sit), the window of its sliding layers; hand-worked counts."""
+    base = dict(model_type="my_moe", hidden_size=64, num_hidden_layers=4, num_attention_heads=4, vocab_size=100,
+                num_key_value_heads=2, head_dim=16, n_routed_experts=8, num_experts_per_tok=2,
+                moe_intermediate_size=32, intermediate_size=128)
+    by_count = from_hf_config(_write(tmp_path, "a", base | {"n_shared_experts": 2, "first_k_dense_replace": 1}))
+    assert (by_count.shared_expert_ffn, by_count.num_dense_layers, by_count.dense_ffn) == (64, 1, 128)
+    c = param_counts(by_count)
+    assert c["shared_expert"] == 3 * 64 * 64 * 3 and c["dense_ffn"] == 3 * 64 * 128
+    assert c["routed_experts"] == 3 * 8 * 3 * 64 * 32 and c["router"] == 3 * 64 * 8
+    by_width = from_hf_config(_write(tmp_path, "b", base | {"share_expert_dim": 48, "mlp_layer_types": [
+        "sparse", "dense", "sparse", "dense"]}))
+    assert (by_width.shared_expert_ffn, by_width.num_dense_layers) == (48, 2)
+    slid = from_hf_config(_write(tmp_path, "c", base | {"sliding_window": 16, "layer_types": [
+        "sliding_attention", "full_attention"] * 2}))
+    assert (slid.sliding_window, slid.num_sliding_layers) == (16, 2)
+    capsys.readouterr()
+    for bad in (["dense"], ["dense", "moe", "sparse", "sparse"], "dense"):
+        with pytest.raises(ValueError) as e:
+            from_hf_config(_write(tmp_path, f"bad{len(bad)}{bad[0]}", base | {"mlp_layer_types": bad}))
+        assert "\n" not in str(e.value) and "mlp_layer_types" in str(e.value), str(e.value)
+
+
+def test_mistral_slides_every_layer_unless_its_window_is_null(tmp_path):
+    """transformers' Mistral slides every layer over `sliding_window` keys, 4096 where the field is absent (v0.1);
+    v0.2 and later write null. A sliding Mistral is planned with its window and not trained."""
+    cfg = json.loads((FIXTURES / "llama-3-8b.json").read_text()) | {"model_type": "mistral"}
+    cfg.pop("sliding_window", None)
+    v01 = from_hf_config(_write(tmp_path, "v01", cfg))
+    assert (v01.sliding_window, v01.num_sliding_layers) == (4096, v01.num_layers)
+    assert "sliding-window attention" in trainable(v01)
+    v03 = from_hf_config(_write(tmp_path, "v03", cfg | {"sliding_window": None}))
+    assert (v03.sliding_window, v03.num_sliding_layers) == (None, 0) and trainable(v03) is None
+
+
+@pytest.mark.parametrize("cfg, says", [
+    (dict(model_type="deepseek_v4", layer_types=["compressed_sparse_attention"] * 2),
+     "layer type 'compressed_sparse_attention' (model_type 'deepseek_v4') is not planned"),
+    (dict(model_type="kimi_linear", layer_types=["linear_attention", "full_attention"]),
+     "the linear_attention layers of model_type 'kimi_linear' are not planned"),
+    (dict(model_type="jamba"), "model_type 'jamba' has Mamba layers, which this tool does not plan")])
+def test_mixers_the_tool_does_not_plan_are_refused_in_one_line(tmp_path, cfg, says):
+    from typer.testing import CliRunner
+
+    from recipe.cli import app
+
+    base = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, vocab_size=100, num_experts=4,
+                num_experts_per_tok=2, moe_intermediate_size=32, intermediate_size=64)
+    p = _write(tmp_path, cfg["model_type"], base | cfg)
+    r = CliRunner().invoke(app, ["solve", "--model", str(p), "--seq", "8k", "--hw", "h200", "--gpus", "8"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert r.stderr.strip().count("\n") == 0 and says in r.stderr, r.stderr
