@@ -8,7 +8,8 @@ file). Accepted key spellings, all mapped onto our parameter names (which are Hu
 - DeepSeek-V3's and GLM-4.5's `mlp.shared_experts` (ours: `mlp.shared_expert`), and the sigmoid router's
   `mlp.gate.e_score_correction_bias` (a buffer);
 - routed experts one tensor per expert (`mlp.experts.{e}.gate_proj/up_proj/down_proj.weight`, what transformers
-  writes) or fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]); Mixtral's
+  writes) or fused (`mlp.experts.gate_up_proj` [E, 2I, D], `mlp.experts.down_proj` [E, D, I]; Qwen3-VL-MoE's
+  releases with the input dimension first, [E, D, 2I] and [E, I, D]); Mixtral's
   `block_sparse_moe.gate` and `block_sparse_moe.experts.{e}.w1/w3/w2` (gate, up, down), and MiniMax-M2's (the same,
   with the router's correction bias on the block: `block_sparse_moe.e_score_correction_bias`, or `mlp.…`);
 - Qwen3-Next's interleaved `in_proj_qkvz` / `in_proj_ba`, split into Qwen3.5's in_proj_qkv, in_proj_z, in_proj_b,
@@ -275,6 +276,7 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
     sd: dict[str, torch.Tensor] = {}
     gpt_oss, llama4, granite = (model.shape.arch == a for a in ("gpt_oss", "llama4", "granitemoe"))
     hunyuan = model.shape.arch == "hunyuan_moe"
+    vl_moe = model.shape.hf_model_type == "qwen3_vl_moe"
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     mtp = range(model.shape.num_layers, model.shape.num_layers + model.shape.mtp_layers)
     for key, t in raw.items():
@@ -306,6 +308,12 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
             fused = _FUSED_EXPERT.match(key)
             if fused:
                 t = _gpt_oss_experts_to_ours(fused.group(1), t) if gpt_oss else t.transpose(1, 2)
+        elif vl_moe and (fused := _FUSED_EXPERT.match(key)):
+            # Qwen3-VL-MoE's releases keep the input dimension first (gate_up_proj [E, D, 2I], down_proj [E, I, D]);
+            # what transformers itself saves keeps ours: told apart by the rows, as transformers does
+            rows = 2 * model.shape.expert_ffn if fused.group(1) == "gate_up_proj" else model.shape.hidden_size
+            if t.dim() == 3 and t.shape[1] != rows:
+                t = t.transpose(1, 2)
         w = _MIXTRAL_EXPERT.match(key)
         if w:
             key = f"{w.group(1)}.{_MIXTRAL_W[w.group(2)]}.weight"

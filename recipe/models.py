@@ -199,8 +199,9 @@ def trainable(shape: "ModelShape") -> str | None:
     it): `recipe launch` checks it before any worker starts, `recipe models` shows it."""
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
-                f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE, Qwen2-MoE, OLMoE, ERNIE-4.5, "
-                f"MiniMax-M2, Mixtral, DeepSeek-V2 and V3 (Kimi-K2, Moonlight), GLM-4.5, gpt-oss, Llama 4, Granite MoE, "
+                f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
+                f"Qwen2-MoE, OLMoE, ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2 and V3 (Kimi-K2, Moonlight), GLM-4.5 "
+                f"(and dots.llm1), gpt-oss, Llama 4, Granite MoE, "
                 f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
@@ -693,7 +694,8 @@ def _qwen2_moe_preset(name: str, hidden: int, layers: int, heads: int, kv_heads:
 _ARCH_BY_MODEL_TYPE = {
     "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
-    "qwen3_moe": "qwen3_moe", "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
+    "qwen3_moe": "qwen3_moe", "qwen3_vl_moe": "qwen3_moe", "qwen3_vl_moe_text": "qwen3_moe",
+    "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
     "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe", "minimax_m2": "minimax_m2",
@@ -971,6 +973,9 @@ def _from_hf_config(path: Path) -> ModelShape:
                           ("residual", "residual_multiplier"), ("logits", "logits_scaling"))})
     elif arch == "moe":
         _generic_moe(cfg, model_type, fields, n_layers, req, opt, opt_flag, count, bad)
+    if model_type in ("qwen3_vl_moe", "qwen3_vl_moe_text"):  # Qwen3-VL-MoE's text model: Qwen3-MoE's blocks; its
+        # multimodal RoPE rotates a text-only sequence as plain RoPE (the three position ids are equal)
+        fields["hf_model_type"] = "qwen3_vl_moe"
     if model_type == "mistral" and not cfg.get("layer_types"):
         # transformers' Mistral slides every layer over `sliding_window` keys (4096 where the field is absent; null
         # turns it off, as in v0.2 and later)

@@ -3,7 +3,7 @@ Qwen2-MoE (also with dense layers between MoE ones), Llama 4 (Scout's and Maveri
 MoE (with and without its shared expert; its multipliers), Hunyuan-A13B (q/k norms after RoPE, NTK-alpha RoPE), OLMoE
 (q/k norms over all heads; with attention biases; also with clip_qkv acting), ERNIE-4.5 MoE, MiniMax-M2, Mixtral,
 DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), DeepSeek-V2 and
-V2-Lite (softmax routing, group-limited and plain), GLM-4.5, gpt-oss (attention
+V2-Lite (softmax routing, group-limited and plain), GLM-4.5, dots.llm1, Qwen3-VL-MoE's text model, gpt-oss (attention
 sinks, sliding and full layers, YaRN without truncation; packed documents, MXFP4: tests/test_gpt_oss.py), and the
 dense Qwen3.5, Llama (also under llama3 RoPE scaling), Qwen2 and Qwen3 (also under YaRN) built in transformers,
 saved, loaded into ours (logits fp32 atol 1e-4, loss), and exported back."""
@@ -391,3 +391,48 @@ def test_a_llama4_multimodal_checkpoint_loads_its_text_model(layout, tmp_path):
     load_hf_checkpoint(got, tmp_path / "mm")
     sw, sg = want.state_dict(), got.state_dict()
     assert all(torch.equal(sw[k], sg[k]) for k in sw)
+
+
+@pytest.mark.parametrize("layout", ["transformers", "release"])
+def test_a_qwen3_vl_moe_checkpoint_trains_its_text_model(layout, tmp_path):
+    """Qwen3-VL-MoE (`qwen3_vl_moe`): its text model is Qwen3-MoE's blocks under `model.language_model.`, whose
+    multimodal RoPE rotates a text-only sequence as plain RoPE. Ours, loaded from transformers' own save or from the
+    releases' layout (fused experts with the input dimension first, here rewritten so), gives the multimodal model's
+    logits on text; exported, it is a Qwen3-MoE text model with the same logits."""
+    from safetensors.torch import load_file, save_file
+
+    text = {k: v for k, v in COMMON.items() if k != "moe_intermediate_size"} | dict(
+        moe_intermediate_size=8, intermediate_size=24, num_hidden_layers=2, norm_topk_prob=True,
+        rope_parameters=dict(rope_type="default", rope_theta=5e6, mrope_section=[2, 3, 3], mrope_interleaved=True))
+    vision = dict(depth=1, hidden_size=32, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])
+    torch.manual_seed(0)
+    hf = transformers.Qwen3VLMoeForConditionalGeneration(
+        transformers.Qwen3VLMoeConfig(text_config=text, vision_config=vision)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.1))
+    hf.save_pretrained(tmp_path / "hf")
+    if layout == "release":
+        sd = load_file(tmp_path / "hf" / "model.safetensors")
+        sd = {k: v.transpose(1, 2).contiguous() if k.endswith(("experts.gate_up_proj", "experts.down_proj")) else v
+              for k, v in sd.items()}
+        assert sd["model.language_model.layers.0.mlp.experts.gate_up_proj"].shape == (6, 32, 16)
+        save_file(sd, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+    shape = from_hf_config(tmp_path / "hf" / "config.json")
+    assert (shape.arch, shape.hf_model_type, shape.expert_ffn, shape.rope_scaling) == (
+        "qwen3_moe", "qwen3_vl_moe", 8, None)
+    ours = build_model(shape, seed=1)
+    load_hf_checkpoint(ours, tmp_path / "hf")
+    ours.eval()
+    T = 40
+    ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits[0]
+        logits = ours(ids[0], Packing.from_lengths([T])) @ ours.lm_head.weight.T
+    assert (logits - want).abs().max().item() < 1e-4
+    export_hf_checkpoint(ours, tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    assert type(back).__name__ == "Qwen3MoeForCausalLM"
+    with torch.no_grad():
+        assert (back(input_ids=ids).logits[0] - want).abs().max().item() < 1e-5

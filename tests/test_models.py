@@ -770,13 +770,13 @@ def test_glm5_reads_as_deepseek_v3_blocks_with_sparse_attention_planned_only(tmp
 @pytest.mark.parametrize("model_type, cls, rel", [
     ("hy_v3", "HYV3ForCausalLM", 0), ("flex_olmo", "FlexOlmoForCausalLM", 0), ("qwen3_vl_moe", "Qwen3VLMoeTextModel", 0),
     ("step3p7", "Step3p7TextModel", 2.5e-4), ("mimo_v2_flash", "MiMoV2FlashForCausalLM", 3e-3)])
-def test_unknown_moe_types_read_by_their_standard_fields_as_transformers_counts(tmp_path, capsys, model_type, cls,
-                                                                                 rel):
-    """Types the core does not know read by the fields most MoE configs share: hy_v3's shared expert by count
+def test_moe_types_read_by_their_fields_as_transformers_counts(tmp_path, capsys, model_type, cls, rel):
+    """Qwen3-VL-MoE's text model reads as Qwen3-MoE's blocks, exactly. Types the core does not know read by the
+    fields most MoE configs share: hy_v3's shared expert by count
     (`num_shared_experts` × the experts' width) and its dense first layer by `mlp_layer_types`, Step-3.5's by width
     (`share_expert_dim`), MiMo-V2-Flash's sliding window. Their parameters (transformers' default configs cut to four
     layers; the text model of the multimodal ones) equal transformers' own but for what no standard field names:
-    per-head q/k norm weights and a router's correction bias (hy_v3, Qwen3-VL-MoE: exact without them), Step-3.5's
+    per-head q/k norm weights and a router's correction bias (hy_v3: exact without them), Step-3.5's
     per-head output gate (under 0.02%) and MiMo-V2-Flash's values narrower than its keys (0.2–0.3%)."""
     import transformers
 
@@ -788,8 +788,9 @@ def test_unknown_moe_types_read_by_their_standard_fields_as_transformers_counts(
     cfg.num_hidden_layers = 4
     cfg.save_pretrained(tmp_path / model_type)
     m = from_hf_config(tmp_path / model_type / "config.json")
-    assert "is not known; read by its standard fields as a MoE model" in capsys.readouterr().err
-    theirs = _meta_params(getattr(transformers, cls), cfg, skip=("q_norm", "k_norm"), biases=False)
+    known = model_type == "qwen3_vl_moe"  # read as Qwen3-MoE's blocks, q/k norms included
+    assert ("is not known; read by its standard fields as a MoE model" in capsys.readouterr().err) != known
+    theirs = _meta_params(getattr(transformers, cls), cfg, skip=() if known else ("q_norm", "k_norm"), biases=False)
     theirs += param_counts(m)["head"] if cls.endswith("TextModel") else 0  # the text model without its head
     assert abs(total_params(m) - theirs) <= rel * theirs, (total_params(m), theirs)
     if model_type == "hy_v3":
