@@ -1008,7 +1008,8 @@ def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
     and "sparse" a layer; transformers' default there: one dense layer, then sparse), whose dense layers must lead."""
     types = cfg.get("mlp_layer_types")
     if types is None:  # transformers' defaults where the field is absent
-        return opt("first_k_dense_replace", {"glm4_moe_lite": 1, **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(model_type, 0))
+        default = {"glm4_moe_lite": 1, **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(model_type, 0)
+        return opt("first_k_dense_replace", default)
     if not isinstance(types, list) or any(t not in ("dense", "sparse") for t in types):
         raise bad("mlp_layer_types", 'a list of "dense" and "sparse"', types)
     k = types.index("sparse") if "sparse" in types else len(types)

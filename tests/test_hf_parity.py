@@ -202,7 +202,8 @@ def _hf_model(arch: str):
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
                                   "olmoe_clip",
                                   "ernie4_5_moe", "minimax_m2", "mixtral", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
-                                  "glm4_moe", "dots1", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared", "hunyuan_v1_moe",
+                                  "glm4_moe", "dots1", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
+                                  "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)

@@ -768,7 +768,8 @@ def test_glm5_reads_as_deepseek_v3_blocks_with_sparse_attention_planned_only(tmp
 
 
 @pytest.mark.parametrize("model_type, cls, rel", [
-    ("hy_v3", "HYV3ForCausalLM", 0), ("flex_olmo", "FlexOlmoForCausalLM", 0), ("qwen3_vl_moe", "Qwen3VLMoeTextModel", 0),
+    ("hy_v3", "HYV3ForCausalLM", 0), ("flex_olmo", "FlexOlmoForCausalLM", 0),
+    ("qwen3_vl_moe", "Qwen3VLMoeTextModel", 0),
     ("step3p7", "Step3p7TextModel", 2.5e-4), ("mimo_v2_flash", "MiMoV2FlashForCausalLM", 3e-3)])
 def test_moe_types_read_by_their_fields_as_transformers_counts(tmp_path, capsys, model_type, cls, rel):
     """Qwen3-VL-MoE's text model reads as Qwen3-MoE's blocks, exactly. Types the core does not know read by the
