@@ -55,7 +55,7 @@ def model_seconds(m, seq: int, hw: str, window: int | None = None, sinks: bool =
     forward-equivalents of layer_work's attention term for a full layer, or, given a window, for a sliding layer of
     that window (the keys its kernel scores); a full layer with `sinks` adds their merge's bytes (SINK_MERGE_BYTES a
     value and pass, at the dense rows' rate)."""
-    from recipe.cost import SINK_MERGE_BYTES, layer_work, rates
+    from recipe.cost import layer_work, rates, sink_merge_row_bytes
     from recipe.hw import load_profile
 
     kind = "full_attention" if window is None else "sliding_attention"
@@ -65,7 +65,7 @@ def model_seconds(m, seq: int, hw: str, window: int | None = None, sinks: bool =
     flops = 4 * seq * work["attention"]
     # at the rate for the kernel's head width (and, where MLA's v is padded, its extra work), as compute_work
     r = rates(load_profile(hw), m)
-    merge = 4 * seq * SINK_MERGE_BYTES * m.num_heads * m.head_dim / r["dense_rows"] if sinks and not window else 0.0
+    merge = 4 * seq * sink_merge_row_bytes(m, kind) / r["dense_rows"] if sinks else 0.0
     return flops, flops / r["attention"] + merge
 
 

@@ -1104,12 +1104,17 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
     return mixer + [(h, m.num_experts)] + shared + ([(h, 1)] if m.shared_expert_ffn and m.shared_expert_gate else [])
 
 
+def sink_merge_row_bytes(m: ModelShape, kind: str) -> int:
+    """Bytes a token's sink merge moves in one pass of a layer of `kind`: SINK_MERGE_BYTES a value of the output of a
+    full-attention layer with sinks (a sliding layer's merge is in its window fit), else none."""
+    return SINK_MERGE_BYTES * m.num_heads * m.head_dim if kind == "full_attention" and m.has_sinks else 0
+
+
 def dense_row_bytes(m: ModelShape, kind: str, moe: bool) -> int:
     """Bytes a token moves through one layer's dense matmuls in one pass: every one's input and output row in bf16
     (`dense_matmuls`), the scale of the norms, activations and residual adds around them too; and a full-attention
-    layer's sink merge (SINK_MERGE_BYTES a value of its output)."""
-    sinks = SINK_MERGE_BYTES * m.num_heads * m.head_dim if kind == "full_attention" and m.has_sinks else 0
-    return BF16 * sum(k + n for k, n in dense_matmuls(m, kind, moe)) + sinks
+    layer's sink merge (`sink_merge_row_bytes`)."""
+    return BF16 * sum(k + n for k, n in dense_matmuls(m, kind, moe)) + sink_merge_row_bytes(m, kind)
 
 
 @functools.lru_cache(maxsize=1024)

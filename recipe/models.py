@@ -743,13 +743,13 @@ def _from_hf_config(path: Path) -> ModelShape:
     if model_type in _MAMBA_HYBRIDS:
         raise ValueError(f"{path}: model_type {_shown(model_type)} has Mamba layers, which this tool does not plan")
     arch = _ARCH_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
-    if arch is None:
+    unknown = arch is None
+    if unknown:
         if not isinstance(model_type, str) or not all(
                 k in cfg for k in ("hidden_size", "num_hidden_layers", "num_attention_heads", "vocab_size")):
             raise ValueError(f"{path}: model_type {_shown(model_type)} is not supported and lacks the standard fields "
                              f"(supported: {', '.join(sorted(_ARCH_BY_MODEL_TYPE))})")
         arch = "moe" if any(cfg.get(k) is not None for k in _EXPERT_KEYS) else "dense"
-    unknown = model_type not in _ARCH_BY_MODEL_TYPE
 
     def bad(key: str, want: str, v) -> ValueError:
         return ValueError(f"{path}: field {key!r}: expected {want}, got {_shown(v)}")
@@ -972,7 +972,7 @@ def _from_hf_config(path: Path) -> ModelShape:
                           ("embedding", "embedding_multiplier"), ("attention", "attention_multiplier"),
                           ("residual", "residual_multiplier"), ("logits", "logits_scaling"))})
     elif arch == "moe":
-        _generic_moe(cfg, model_type, fields, n_layers, req, opt, opt_flag, count, bad)
+        _generic_moe(cfg, fields, n_layers, req, opt, opt_flag, bad)
     if model_type in ("qwen3_vl_moe", "qwen3_vl_moe_text"):  # Qwen3-VL-MoE's text model: Qwen3-MoE's blocks; its
         # multimodal RoPE rotates a text-only sequence as plain RoPE (the three position ids are equal)
         fields["hf_model_type"] = "qwen3_vl_moe"
@@ -1003,15 +1003,23 @@ _SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "deepseek_v32": (8, 4, 2
 _DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
 
+def _mlp_layer_types(cfg: dict, bad, n_layers: int = 0) -> list[str] | None:
+    """`mlp_layer_types` ("dense" or "sparse" a layer, at least `n_layers` of them), None where absent."""
+    types = cfg.get("mlp_layer_types")
+    if types is not None and (not isinstance(types, list) or any(t not in ("dense", "sparse") for t in types)
+                              or len(types) < n_layers):
+        want = f'{n_layers} entries of "dense" and "sparse"' if n_layers else 'a list of "dense" and "sparse"'
+        raise bad("mlp_layer_types", want, types)
+    return types
+
+
 def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
     """The dense layers before the MoE ones: `first_k_dense_replace`, or GLM-4.7-Flash's `mlp_layer_types` ("dense"
     and "sparse" a layer; transformers' default there: one dense layer, then sparse), whose dense layers must lead."""
-    types = cfg.get("mlp_layer_types")
+    types = _mlp_layer_types(cfg, bad)
     if types is None:  # transformers' defaults where the field is absent
         default = {"glm4_moe_lite": 1, **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(model_type, 0)
         return opt("first_k_dense_replace", default)
-    if not isinstance(types, list) or any(t not in ("dense", "sparse") for t in types):
-        raise bad("mlp_layer_types", 'a list of "dense" and "sparse"', types)
     k = types.index("sparse") if "sparse" in types else len(types)
     if "dense" in types[k:]:
         raise bad("mlp_layer_types", "the dense layers first, then the sparse ones", types)
@@ -1231,7 +1239,7 @@ _SHARED_WIDTH_KEYS = ("shared_expert_intermediate_size", "shared_intermediate_si
 _SHARED_COUNT_KEYS = ("n_shared_experts", "num_shared_experts", "moe_num_shared_experts")
 
 
-def _generic_moe(cfg: dict, model_type: str, fields: dict, n_layers: int, req, opt, opt_flag, count, bad) -> None:
+def _generic_moe(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, bad) -> None:
     """The standard MoE families the core does not train, and unknown types, by the field names most configs share:
     q/k norms (`use_qk_norm`), attention biases; shared experts by width (`shared_expert_intermediate_size`,
     `shared_intermediate_size`, `share_expert_dim`) or by count of the routed experts' width (`n_shared_experts`,
@@ -1243,10 +1251,8 @@ def _generic_moe(cfg: dict, model_type: str, fields: dict, n_layers: int, req, o
     count_key = next((k for k in _SHARED_COUNT_KEYS if cfg.get(k) is not None), None)
     fields["shared_expert_ffn"] = (opt(width_key, 0) if width_key is not None
                                    else opt(count_key, 0) * fields["expert_ffn"] if count_key is not None else 0)
-    types = cfg.get("mlp_layer_types")
+    types = _mlp_layer_types(cfg, bad, n_layers)
     if types is not None:
-        if not isinstance(types, list) or any(t not in ("dense", "sparse") for t in types) or len(types) < n_layers:
-            raise bad("mlp_layer_types", f'{n_layers} entries of "dense" and "sparse"', types)
         n_dense = types[:n_layers].count("dense")
     else:
         n_dense = min(opt("first_k_dense_replace", 0), n_layers)

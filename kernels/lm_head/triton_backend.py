@@ -346,7 +346,8 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
     """One logits GEMM with the statistics in its epilogue: the tile maxima m2 and, merged over the tiles, lse2,
     ent (zeros unless with_entropy) and tz (target_logits); writes the tile weights into e_TV (fp16 or fp32, row
     stride free; [T, >= V], its columns past V written as zeros, within the last tile) when given. parts: a flat
-    fp32 buffer of at least PARTS_PER_TILE T N elements for the per-tile statistics (else allocated). merge=False: the tile maxima only (no lse2, ent, tz)."""
+    fp32 buffer of at least PARTS_PER_TILE T N elements for the per-tile statistics (else allocated). merge=False:
+    the tile maxima only (no lse2, ent, tz)."""
     T, H = hidden_TH.shape
     V = weight_VH.shape[0]
     dot_fp32 = _dot_fp32(hidden_TH)
