@@ -17,7 +17,7 @@ def _rope_kernel(X, COS, SIN, Y, H, xs_t, xs_h, ys_t, ys_h, cs_t,
                  D: tl.constexpr, HALF: tl.constexpr, IN_PAIRS: tl.constexpr, OUT_PAIRS: tl.constexpr,
                  SAME_HALVES: tl.constexpr, BACKWARD: tl.constexpr, BLOCK_H: tl.constexpr, BLOCK_I: tl.constexpr,
                  BLOCK_P: tl.constexpr):
-    t = tl.program_id(0)
+    t = tl.program_id(0).to(tl.int64)  # t · stride passes 2^31 for a view into a wide tensor at long sequences
     h = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)
     i = tl.arange(0, BLOCK_I)
     mh = h < H

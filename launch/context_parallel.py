@@ -162,6 +162,20 @@ class ContextParallel:
         k, v = expand(all_gather(latent_TC, self.group), q_THD)
         return self._attend(q_THD, k, v, packing, scale)
 
+    def gather_in_order(self, packing: Packing, *rows: torch.Tensor):
+        """The whole micro-batch's rows of each per-token tensor [Tl, …] (all-gathered, in global token order; the
+        gradient flows back to each rank's own rows), then each local token's global index and its document's first
+        global index (host lists): what DeepSeek sparse attention's queries select keys among
+        (launch/sparse_attention.py)."""
+        shard = _shard_of(packing)
+        order = torch.argsort(self._key_index(shard, rows[0].device))
+        whole = [all_gather(x.contiguous(), self.group)[order] for x in rows]
+        query_index, doc_start = [0] * shard.index.shape[0], [0] * shard.index.shape[0]
+        for local, n, a, start in shard.pieces:
+            query_index[local:local + n] = range(a, a + n)
+            doc_start[local:local + n] = [start] * n
+        return (*whole, query_index, doc_start)
+
     def sink_attention(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
                        sinks_H: torch.Tensor | None, packing: Packing, scale: float,
                        window: int | None = None) -> torch.Tensor:

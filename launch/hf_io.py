@@ -451,6 +451,19 @@ def hf_config(shape: ModelShape) -> dict:
                            mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first))
                 for k in ("first_k_dense_replace", "num_mtp_layers"):
                     cfg.pop(k)
+            if shape.dsa is not None:  # DeepSeek-V3.2, GLM-5: the indexer's fields, every layer sparse
+                d, first = shape.dsa, shape.first_dense_layers
+                cfg.update(model_type=shape.hf_model_type, index_topk=d.topk, index_n_heads=d.index_heads,
+                           index_head_dim=d.index_head_dim,
+                           mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                           layer_types=["deepseek_sparse_attention"] * shape.num_layers,
+                           architectures=[{"deepseek_v32": "DeepseekV32ForCausalLM",
+                                           "glm_moe_dsa": "GlmMoeDsaForCausalLM"}[shape.hf_model_type]])
+                for k in ("num_mtp_layers", "rope_interleave"):
+                    cfg.pop(k)
+                if shape.hf_model_type == "glm_moe_dsa":
+                    cfg["indexer_types"] = ["shared" if i in d.shared_layers else "full"
+                                            for i in range(shape.num_layers)]
             if shape.softmax_router is not None:  # DeepSeek-V2: softmax routing, no correction bias
                 cfg.update(model_type="deepseek_v2", architectures=["DeepseekV2ForCausalLM"], scoring_func="softmax",
                            topk_method="group_limited_greedy" if r.groups > 1 else "greedy")

@@ -16,6 +16,7 @@ parameter names follow Hugging Face's, so a state dict maps one to one (launch/h
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import zlib
 from dataclasses import dataclass, field, replace
@@ -31,6 +32,7 @@ from kernels.rms_norm import rms_norm
 from launch.gated_delta import gated_delta_rule
 from launch.moe import MoE, SwiGLU
 from launch.sink_attention import sink_attention
+from launch.sparse_attention import index_topk, sparse_latent_attention
 from recipe.models import QKV_ONLY_BIAS_ARCHS, ROPE_SCALINGS, WHOLE_QK_NORM_ARCHS, ModelShape, trainable
 
 # RMSNorm scales by (1 + w) in these (w stored zero-centred), by w elsewhere
@@ -407,19 +409,27 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(a.kv_lora_rank, s.num_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
         self.o_proj = nn.Linear(s.num_heads * a.v_head_dim, s.hidden_size, bias=s.attn_bias)
         self.scale = softmax_scale(s)
+        self.indexer = Indexer(s) if s.dsa is not None else None
         self.rope_backend = "auto"  # as Attention's
         self.context_parallel = None  # as Attention's
 
     def forward(self, x_TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing):
         T = x_TD.shape[0]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x_TD))) if hasattr(self, "q_b_proj") else self.q_proj(x_TD)
+        if hasattr(self, "q_b_proj"):
+            q_latent = self.q_a_layernorm(self.q_a_proj(x_TD))
+            q = self.q_b_proj(q_latent)
+        else:
+            q = self.q_proj(x_TD)
         q = q.view(T, -1, self.qk_dim)  # [T, H, Dn + Dr]: heads from the width (tensor parallelism splits them)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q = torch.cat([q_nope, apply_rope(q_rope, *rope, pairs=True, backend=self.rope_backend)], dim=-1)
+        q_rope = apply_rope(q_rope, *rope, pairs=True, backend=self.rope_backend)
         latent, k_rope = self.kv_a_proj_with_mqa(x_TD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         k_rope = apply_rope(k_rope.view(T, 1, self.rope_dim), *rope, pairs=True,
                             backend=self.rope_backend).view(T, self.rope_dim)
         latent = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)  # [T, C + Dr]: all a key needs
+        if self.indexer is not None:
+            return self.o_proj(self.sparse(x_TD, q_latent, q_nope, q_rope, latent, rope, packing).reshape(T, -1))
+        q = torch.cat([q_nope, q_rope], dim=-1)
         if _context_parallel(self, packing) is not None:  # the latent crosses the cp ranks, not K and V
             o = self.context_parallel.latent_attention(q, latent, self.expand, packing, self.scale)
         else:
@@ -428,6 +438,28 @@ class MLAttention(nn.Module):
             with sdpa_without_flash() if v.shape[-1] < k.shape[-1] else contextlib.nullcontext():
                 o = causal_attention(q, k, v, packing, self.scale)
         return self.o_proj(o[..., : self.v_dim].reshape(T, -1))
+
+    def sparse(self, x_TD, q_latent, q_nope_THN, q_rope_THR, latent_TC, rope, packing: Packing) -> torch.Tensor:
+        """DeepSeek sparse attention (launch/sparse_attention.py): the indexer picks each query's keys, and the heads
+        attend to them in the absorbed form, q_nope through each head's k rows of kv_b_proj into the latent's space
+        and the output back through its v rows. Returns [T, H, Dv]. Under context parallelism the latents and index
+        keys of the whole micro-batch are all-gathered (in global token order) and the local queries select among
+        them."""
+        T, H = q_nope_THN.shape[:2]
+        w = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)  # this rank's heads
+        q_hat = torch.cat([torch.bmm(q_nope_THN.transpose(0, 1), w[:, :self.nope_dim]).transpose(0, 1), q_rope_THR],
+                          dim=-1)  # [T, H, C + Dr]
+        index_q, index_w, index_k = self.indexer(x_TD, q_latent, rope)
+        cp = _context_parallel(self, packing)
+        if cp is not None:
+            latent_TC, index_k, query_index, doc_start = cp.gather_in_order(packing, latent_TC, index_k)
+        else:
+            query_index = list(range(T))
+            doc_start = [s for n, s in zip(packing.doc_lengths, itertools.accumulate(packing.doc_lengths, initial=0))
+                         for s in [s] * n]
+        idx = index_topk(index_q, index_w, index_k, query_index, doc_start, self.indexer.topk, self.indexer.scale)
+        o = sparse_latent_attention(q_hat, latent_TC, idx, self.scale, self.kv_lora_rank)  # [T, H, C]
+        return torch.bmm(o.transpose(0, 1), w[:, self.nope_dim:].transpose(1, 2)).transpose(0, 1)
 
     def expand(self, latent_TC: torch.Tensor, q_THD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [T, H, Dn + Dr] and values [T, H, Dv] of tokens' latents [T, C + Dr], for the queries q_THD:
@@ -440,6 +472,39 @@ class MLAttention(nn.Module):
         if self.v_dim < self.qk_dim and not cudnn_takes(q_THD, k, v):
             v = F.pad(v, (0, self.qk_dim - self.v_dim))
         return k, v
+
+
+class Indexer(nn.Module):
+    """DeepSeek sparse attention's lightning indexer (DeepSeek-V3.2, GLM-5; launch/sparse_attention.py): index
+    queries from MLA's q latent (wq_b, N heads of I), one index key a token (wk, then a LayerNorm), a weight per
+    index head (weights_proj, times N^−½); RoPE on the first qk_rope_head_dim channels of both, in halves
+    (DeepSeek-V3.2) or pairs (GLM-5). Its weights take no gradient (the selection it feeds is discrete): they are
+    loaded, used and exported unchanged."""
+
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        d = s.dsa
+        self.heads, self.dim, self.rope_dim, self.pairs = d.index_heads, d.index_head_dim, s.mla.qk_rope_head_dim, \
+            d.rope_pairs
+        self.topk, self.scale = d.topk, d.index_head_dim ** -0.5
+        self.wq_b = nn.Linear(s.mla.q_lora_rank, d.index_heads * d.index_head_dim, bias=False)
+        self.wk = nn.Linear(s.hidden_size, d.index_head_dim, bias=False)
+        self.k_norm = nn.LayerNorm(d.index_head_dim, eps=1e-6)
+        self.weights_proj = nn.Linear(s.hidden_size, d.index_heads, bias=False)
+        self.requires_grad_(False)
+
+    @torch.no_grad()
+    def forward(self, x_TD: torch.Tensor, q_latent: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
+        """Index queries [T, N, I], head weights [T, N] (fp32) and keys [T, I]."""
+        T = x_TD.shape[0]
+        q = self.wq_b(q_latent).view(T, self.heads, self.dim)
+        k = F.layer_norm(self.wk(x_TD).float(), (self.dim,), self.k_norm.weight.float(), self.k_norm.bias.float(),
+                         self.k_norm.eps).to(x_TD.dtype).view(T, 1, self.dim)
+        r = self.rope_dim
+        q = torch.cat([apply_rope(q[..., :r].contiguous(), *rope, pairs=self.pairs, backend="torch"), q[..., r:]], -1)
+        k = torch.cat([apply_rope(k[..., :r].contiguous(), *rope, pairs=self.pairs, backend="torch"), k[..., r:]], -1)
+        w = self.weights_proj(x_TD).float() * self.heads ** -0.5
+        return q, w, k.view(T, self.dim)
 
 
 def cudnn_takes(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> bool:
@@ -641,7 +706,8 @@ def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = Non
             full = torch.ones(p.shape, device=p.device)
         elif "norm" in name:
             owner = module.get_submodule(name.rsplit(".", 1)[0])
-            full = torch.full(p.shape, 0.0 if isinstance(owner, RMSNorm) and owner.offset else 1.0, device=p.device)
+            zero = leaf == "bias" or (isinstance(owner, RMSNorm) and owner.offset)  # a LayerNorm's bias (DSA's index
+            full = torch.full(p.shape, 0.0 if zero else 1.0, device=p.device)  # keys): 0
         else:
             full = torch.randn(p.shape, generator=gen, device=p.device) * std
             if name.endswith("embed_tokens.weight"):

@@ -218,13 +218,15 @@ def _distribute(model: nn.Module, mesh) -> None:
     for name, kind in kinds.items():
         mod_name, _, leaf = name.rpartition(".")
         module = model.get_submodule(mod_name)
+        frozen = not getattr(module, leaf).requires_grad  # DSA's indexer: it stays frozen
         full = getattr(module, leaf).detach()
         if kind == "rep":
             local, placement = full.clone(), Replicate()
         else:
             dim = 0 if kind == "row" else 1
             local, placement = full.chunk(tp, dim)[rank].clone(), Shard(dim)
-        setattr(module, leaf, nn.Parameter(DTensor.from_local(local, mesh, [placement], run_check=False)))
+        setattr(module, leaf, nn.Parameter(DTensor.from_local(local, mesh, [placement], run_check=False),
+                                           requires_grad=not frozen))
 
 
 def _localize(modules: list[nn.Module], mesh) -> None:

@@ -104,6 +104,18 @@ WINDOW_ROW_KEYS = 670
 # alone with and without sinks at 8K to 128K tokens (hw_profiles/calibration/h200_attention.json): the median of the
 # five, which span 4 to 15
 SINK_MERGE_BYTES = 11
+# DeepSeek sparse attention (launch/sparse_attention.py, docs/cost_model.md "DeepSeek sparse attention"): its Triton
+# kernels (absorbed MLA over each query's selected latents: forward, dq, dlatent) at this share of the bf16 peak in
+# model FLOPs counted three times the forward's (bench/bench_sparse_attention.py on an H200: 0.073 at 8K tokens,
+# 0.068 at 64K); the indexer's scores at INDEX_GEMM_EFFICIENCY (the kernel's 449 TF/s), and its top-k selection
+# INDEX_SELECT_S a score on an H200 (torch.topk and its tie check; the indexer's pass took 242-352 ms at 64K tokens'
+# 2.1G scores and 72-104 ms at 32K's 0.54G over three runs, their means fitted), scaled by HBM bandwidth elsewhere,
+# plus INDEX_PASS_S a pass (its block loop)
+SPARSE_ATTENTION_EFFICIENCY = 0.07
+INDEX_GEMM_EFFICIENCY = 0.45
+INDEX_SELECT_S = 1.2e-10
+INDEX_SELECT_HBM = 4.8e12
+INDEX_PASS_S = 5e-3
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 
@@ -227,6 +239,16 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
     with the output gate, its sigmoid and the gated output. GQA runs inside SDPA, so K/V stay at the KV heads'
     count. MLA's v is at the kernel's width for `vendor` (`mla_widths`)."""
     nh, nkv = m.num_heads / tp, m.num_kv_heads / tp
+    if m.dsa is not None:  # launch/model.py MLAttention.sparse: absorbed, nothing expanded
+        a, d = m.mla, m.dsa
+        lat = a.kv_lora_rank + a.qk_rope_head_dim
+        q = s * (2 * a.q_lora_rank + nh * (a.qk_nope_head_dim + a.qk_rope_head_dim)) * BF16
+        # the absorbed query [H, C + R] the kernels keep; the latent as projected, as kept, and gathered under CP
+        q_hat = s * nh * lat * BF16
+        kv = s * lat * (2 + (cp if cp > 1 else 0)) * BF16
+        # ô [H, C] and its log-sum-exp, the output through W_v (o_proj's input), the selection (int32)
+        out = s * nh * (a.kv_lora_rank * BF16 + FP32 + a.v_head_dim * BF16) + s * d.topk * 4
+        return q + q_hat + kv + out + s * m.hidden_size * BF16
     if m.mla is not None:  # launch/model.py MLAttention
         a = m.mla
         kw, vw = mla_widths(m, vendor)
@@ -348,6 +370,9 @@ def attention_backward_bytes(m: ModelShape, s: float, tp: int, cp: int, vendor: 
     and the fp32 row sums of dO·O. Small beside an MoE block's backward; at DeepSeek-V3's 128 heads of width 192
     (its dense layers) it is the layer's peak: 6.4 GB at 32K tokens."""
     nh = m.num_heads / tp
+    if m.dsa is not None:  # the absorbed query's gradient, dô, Δ, and the fp32 latent gradient the atomics fill
+        lat = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
+        return s * nh * (lat + m.mla.kv_lora_rank) * BF16 + s * nh * FP32 + s * cp * lat * FP32
     nkv = nh if m.mla is not None else m.num_kv_heads / tp
     kw, vw = mla_widths(m, vendor) if m.mla is not None else (m.head_dim, m.head_dim)
     return s * nh * kw * (BF16 + FP32) + s * cp * nkv * (kw + vw) * BF16 + s * nh * FP32
@@ -385,6 +410,10 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
     else:
         qk = vd = m.head_dim
     ctx_full, ctx_sliding = attention_keys(m, seq)
+    if m.dsa is not None:  # absorbed: q·latent over C + R channels, p·latent over C, on the selected keys
+        qk, vd = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim, m.mla.kv_lora_rank
+        ctx_full = sparse_keys(m, seq)
+        out["indexer"] = 2 * m.dsa.index_heads * m.dsa.index_head_dim * indexing_layers(m) * seq / 2
     out["attention"] = 2 * m.num_heads * (qk + vd) * (m.num_full_attn_layers * ctx_full
                                                       + m.num_sliding_layers * ctx_sliding
                                                       + m.num_chunked_layers * chunk_keys(m, seq))
@@ -392,6 +421,29 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
         la = m.linear_attn
         out["linear_attention"] = m.num_linear_attn_layers * la.num_v_heads * delta_rule_flops_per_token_head(la)
     return out
+
+
+def sparse_keys(m: ModelShape, seq: float) -> float:
+    """Keys a query of DeepSeek sparse attention attends on average over a causal sequence of `seq`: min(topk, t + 1)
+    for the query at t."""
+    k = m.dsa.topk
+    if seq <= k:
+        return (seq + 1) / 2
+    return (k * (k + 1) / 2 + (seq - k) * k) / seq
+
+
+def indexing_layers(m: ModelShape) -> int:
+    """Layers that run DeepSeek sparse attention's indexer (every full-attention layer but those sharing an earlier
+    one's selection)."""
+    return m.num_full_attn_layers - len(m.dsa.shared_layers) if m.dsa is not None else 0
+
+
+def index_pair_seconds(m: ModelShape, hw: HwProfile) -> float:
+    """Seconds the indexer spends on one (query, key) pair: its score's FLOPs at INDEX_GEMM_EFFICIENCY of the peak and
+    its share of the top-k selection."""
+    d = m.dsa
+    return (2 * d.index_heads * d.index_head_dim / (hw.peak_bf16_tflops * 1e12 * INDEX_GEMM_EFFICIENCY)
+            + INDEX_SELECT_S * INDEX_SELECT_HBM / (hw.hbm_bw_tb_s * 1e12))
 
 
 def attention_keys(m: ModelShape, seq: float, kernel: bool = False) -> tuple[float, float]:
@@ -739,8 +791,10 @@ def flop_terms(m: ModelShape, opts: TrainOptions, pp: int = 1, hw: HwProfile | N
         per_layer = [sum(x for op, x in w.items() if op not in BYTE_TERMS)
                      for w in layer_work(m, opts.micro_batch_tokens)]
         again = layers_fwd * sum(per_layer[i] for i in recomputed_layers(m, pp, opts, hw)) / sum(per_layer)
-    hw_flops_tok = 3 * layers_fwd + again + gemms * f["head"]
-    return f, 3 * fwd, hw_flops_tok, head_pass_count(opts.lm_head)
+    # DeepSeek sparse attention's indexer runs forward only (no gradient), again where its layer is recomputed
+    idx = f.get("indexer", 0.0)
+    hw_flops_tok = 3 * layers_fwd - 2 * idx + again + gemms * f["head"]
+    return f, 3 * fwd - 2 * idx, hw_flops_tok, head_pass_count(opts.lm_head)
 
 
 def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: bool = False,
@@ -771,6 +825,9 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         "dense_rows": layers * dense_row_bytes_all_layers(m) * mult["dense_rows"],
         "attention": layers * f["attention"] * attention_kernel_ratio(m, opts.micro_batch_tokens) * mult["attention"],
         "delta_rule": layers * f.get("linear_attention", 0.0) * mult["delta_rule"],
+        # DSA's indexer: forward only, every query of the rank against all keys (replicated over tp), once a pass
+        "indexer": s * f.get("indexer", 0.0) * (share["attention"] + share_again["attention"]),
+        "index_passes": (len(stage) + len(again)) * indexing_layers(m) / m.num_layers,
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
         "ep_dispatch": 0.0,
         "ep_passes": 0.0,
@@ -890,6 +947,14 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
     of the bandwidth and no per-layer or EP-copy time (the assumption every profile made before measurement)."""
     peak, hbm = hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
     e = hw.efficiency
+    dsa = {"indexer": float("inf"), "index_passes": 0.0}
+    if m is not None and m.dsa is not None:
+        dsa = {"indexer": 2 * m.dsa.index_heads * m.dsa.index_head_dim / index_pair_seconds(m, hw),
+               "index_passes": INDEX_PASS_S, "attention": peak * SPARSE_ATTENTION_EFFICIENCY}
+    return {**_rates(hw, m, peak, hbm, e), **dsa}
+
+
+def _rates(hw: HwProfile, m: ModelShape | None, peak: float, hbm: float, e) -> dict[str, float]:
     if e is None:
         r = peak * hw.compute_efficiency
         return {"expert_gemm": r, "expert_rows": float("inf"), "expert_weights": float("inf"), "dense_gemm": r,
@@ -908,10 +973,11 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
             "ep_chunks": e.ep_chunk_ms * 1e-3, "layer_passes": e.layer_latency_ms * 1e-3}
 
 
-PASS_TERMS = ("layer_passes", "ep_passes", "ep_chunks")  # counted in passes, charged at a fixed time each
+# counted in passes, charged at a fixed time each
+PASS_TERMS = ("layer_passes", "ep_passes", "ep_chunks", "index_passes")
 
 
-PER_TOKEN_TERMS = ("expert_gemm", "expert_rows", "dense_gemm", "attention", "delta_rule", "lm_head")
+PER_TOKEN_TERMS = ("expert_gemm", "expert_rows", "dense_gemm", "attention", "delta_rule", "lm_head", "indexer")
 
 
 def tokens_per_s_bound(m: ModelShape, hw: HwProfile, opts: TrainOptions) -> float:
@@ -981,8 +1047,10 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
         bw = group_bw(hw, cp, tp, node)
         kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else 2 * m.num_kv_heads * m.head_dim / tp)
         cp_bytes = passes["attention"] * s * (cp - 1) * kv_tok * BF16
+        if m.dsa is not None:  # and the index keys, gathered in each forward pass (no gradient)
+            cp_bytes += (n["attention"] + again["attention"]) * s * (cp - 1) * m.dsa.index_head_dim * BF16
         t_combine = 0.0
-        if m.mla is not None:
+        if m.mla is not None and m.dsa is None:  # DSA attends in the absorbed form: nothing expanded
             # MLA all-gathers the latent, and each rank expands the other ranks' (cp − 1)·s tokens to keys and values
             # too (kv_b_proj: forward, its backward's two GEMMs, and the recomputed forward)
             a = m.mla
@@ -1156,6 +1224,10 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
             qk = (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim) if m.mla else (m.head_dim,) * 2
             w["dense_gemm"] += 2 * _full_attention_params(m)
             ctx = {"full_attention": full_ctx, "chunked_attention": chunk_keys(m, seq)}.get(kind, slide_ctx)
+            if m.dsa is not None:  # absorbed, on the selected keys; the indexer's scores
+                qk, ctx = (2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim,), sparse_keys(m, seq)
+                if i not in m.dsa.shared_layers:
+                    w["indexer"] = 2 * m.dsa.index_heads * m.dsa.index_head_dim * seq / 2
             w["attention"] += 2 * m.num_heads * sum(qk) * ctx
         out.append(w)
     return out
@@ -1177,10 +1249,12 @@ def _stage_costs(m: ModelShape, seq: float, opts: TrainOptions, r: dict[str, flo
     passes = forward_equivalents(opts)
     costs = []
     for w in layer_work(m, seq):
+        n = {op: passes - 2 if op == "indexer" else passes for op in w}  # the indexer: forward passes only
         if r is None:
-            costs.append(passes * sum(x for op, x in w.items() if op not in BYTE_TERMS))
+            costs.append(sum(n[op] * x for op, x in w.items() if op not in BYTE_TERMS))
         else:
-            costs.append(passes * (sum(x / r[op] for op, x in w.items() if x) + r["layer_passes"] / seq))
+            costs.append(sum(n[op] * x / r[op] for op, x in w.items() if x) + passes * r["layer_passes"] / seq
+                         + (passes - 2) * r["index_passes"] / seq * ("indexer" in w))
     head = head_pass_count(opts.lm_head) * forward_flops_per_token(m, seq)["head"]
     return costs, 0.0, head if r is None else head / r["lm_head"]
 

@@ -62,6 +62,27 @@ class MLAShape(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class SparseAttentionShape(Record):
+    """DeepSeek sparse attention (DSA, DeepSeek-V3.2 and GLM-5) on multi-head latent attention: a lightning indexer
+    (`index_heads` ReLU heads of `index_head_dim`, queries from MLA's q latent, one key a token) scores every earlier
+    key of a query's document, and the query attends to the `topk` highest (launch/sparse_attention.py)."""
+
+    topk: Pos
+    index_heads: Pos
+    index_head_dim: Pos
+    rope_pairs: bool = False  # the indexer's RoPE channels rotated in pairs (GLM-5), not in halves (DeepSeek-V3.2)
+    # layers that reuse the previous indexing layer's selection rather than run an indexer (GLM's "shared" layers)
+    shared_layers: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        _positive(self, ("topk", "index_heads", "index_head_dim"))
+        object.__setattr__(self, "shared_layers", tuple(self.shared_layers))
+        if any(isinstance(i, bool) or not isinstance(i, int) or i < 1 for i in self.shared_layers):
+            raise ValueError(f"shared_layers must be layer indices from 1 (layer 0 always indexes), got "
+                             f"{list(self.shared_layers)}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class _GroupedRouting(Record):
     """The experts in `groups` equal groups, the top-k chosen among the `topk_groups` best groups, their weights
     times `scaling`."""
@@ -214,8 +235,8 @@ def trainable(shape: "ModelShape") -> str | None:
         ("chunked attention outside Llama 4", shape.num_chunked_layers > 0 and shape.arch != "llama4"),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
          and shape.softmax_router is None),
-        (f"DeepSeek sparse attention (index_topk {shape.sparse_attention_topk})",
-         shape.sparse_attention_topk is not None),
+        ("DeepSeek sparse attention with layers that share an earlier layer's selection",
+         shape.dsa is not None and bool(shape.dsa.shared_layers)),
         (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and (
             sc.kind not in ROPE_SCALINGS or (sc.kind == "dynamic" and sc.alpha is None))))
                    if present]
@@ -274,9 +295,8 @@ class ModelShape(Record):
     llama4: Llama4Attention | None = None  # Llama 4's RoPE-free global layers and q/k scaling (arch llama4)
     granite: GraniteScales | None = None  # Granite's multipliers (arch granitemoe)
     clip_qkv: float | None = None  # OLMoE's clip_qkv: q and k (after their norms) and v clamped to ±this
-    # DeepSeek-V3.2's sparse attention (DSA): an indexer picks this many keys a query. Planned with every causal key
-    # charged (MLA as DeepSeek-V3 runs it, an upper bound past this many keys), not trained
-    sparse_attention_topk: int | None = None
+    # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): MLA whose queries attend to the keys an indexer picks
+    dsa: SparseAttentionShape | None = None
     mla: MLAShape | None = None
     linear_attn: LinearAttnShape | None = None
     # MoE
@@ -331,8 +351,13 @@ class ModelShape(Record):
         if self.num_dense_layers and not self.dense_ffn:
             raise ValueError(f"{self.num_dense_layers} dense layers (first_dense_layers={self.first_dense_layers}, "
                              f"moe_layer_step={self.moe_layer_step}) need dense_ffn > 0")
-        if self.sparse_attention_topk is not None:
-            _positive(self, ("sparse_attention_topk",))
+        if self.dsa is not None:
+            if self.mla is None or not self.mla.q_lora_rank:
+                raise ValueError("dsa (DeepSeek sparse attention) needs multi-head latent attention with a q_lora_rank "
+                                 "(its indexer's queries come from the q latent)")
+            if any(i >= self.num_layers for i in self.dsa.shared_layers):
+                raise ValueError(f"dsa.shared_layers {list(self.dsa.shared_layers)} names layers past the model's "
+                                 f"{self.num_layers}")
         if self.clip_qkv is not None and not (isinstance(self.clip_qkv, (int, float)) and self.clip_qkv > 0):
             raise ValueError(f"clip_qkv must be a positive number, got {self.clip_qkv!r}")
         if self.first_dense_layers > self.num_layers:
@@ -387,8 +412,12 @@ class ModelShape(Record):
             raise ValueError(f"--layers must be positive, got {num_layers}")
         if num_layers > self.num_layers:
             raise ValueError(f"--layers {num_layers} exceeds the model's {self.num_layers} layers")
+        dsa = self.dsa
+        if dsa is not None and dsa.shared_layers:
+            dsa = dsa.model_copy(update={"shared_layers": tuple(i for i in dsa.shared_layers if i < num_layers)})
         return self.model_copy(
             update={
+                "dsa": dsa,
                 "num_layers": num_layers,
                 "layer_types": self.layer_types[:num_layers],
                 "first_dense_layers": min(self.first_dense_layers, num_layers),
@@ -399,7 +428,7 @@ class ModelShape(Record):
     def fingerprint_dict(self) -> dict:
         # a shape without the routing, RoPE-scaling or pad records keeps the fingerprint it had before they existed
         unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id", "attention_chunk",
-                             "llama4", "hf_model_type", "granite", "clip_qkv", "sparse_attention_topk")
+                             "llama4", "hf_model_type", "granite", "clip_qkv", "dsa")
                  if getattr(self, k) is None}
         if self.moe_layer_step == 1:
             unset.add("moe_layer_step")
@@ -594,7 +623,7 @@ def _full_attention_params(m: ModelShape) -> int:
         kv = (h * (a.kv_lora_rank + a.qk_rope_head_dim) + a.kv_lora_rank
               + a.kv_lora_rank * m.num_heads * (a.qk_nope_head_dim + a.v_head_dim))
         o = m.num_heads * a.v_head_dim * h
-        return q + kv + o
+        return q + kv + o + indexer_params(m)
     q_out = m.num_heads * m.head_dim * (2 if m.attn_output_gate else 1)
     kv_out = 2 * m.num_kv_heads * m.head_dim
     o = m.num_heads * m.head_dim * h
@@ -604,6 +633,16 @@ def _full_attention_params(m: ModelShape) -> int:
         if m.qk_norm else 0
     sinks = m.num_heads if m.has_sinks else 0  # per-head attention sinks
     return h * (q_out + kv_out) + o + bias + norms + sinks
+
+
+def indexer_params(m: ModelShape) -> int:
+    """DeepSeek sparse attention's indexer in one layer (launch/model.py Indexer): wq_b from the q latent, wk and its
+    LayerNorm (weight and bias), weights_proj; 0 without DSA. Stored with the attention, never trained."""
+    if m.dsa is None:
+        return 0
+    d, h = m.dsa, m.hidden_size
+    return m.mla.q_lora_rank * d.index_heads * d.index_head_dim + h * d.index_head_dim + 2 * d.index_head_dim \
+        + h * d.index_heads
 
 
 def _linear_attention_params(m: ModelShape) -> int:
@@ -809,7 +848,7 @@ def _from_hf_config(path: Path) -> ModelShape:
         lt = cfg["layer_types"]
         if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
             raise bad("layer_types", "a list of layer type names", lt)
-        if model_type in _DSA_MODEL_TYPES:  # its sparse layers planned as full attention (`sparse_attention_topk`)
+        if model_type in _DSA_MODEL_TYPES:  # its sparse layers are full attention with an indexer (`dsa`)
             lt = ["full_attention" if t == "deepseek_sparse_attention" else t for t in lt]
         layer_types = tuple(lt)[:n_layers]
         other = next((t for t in layer_types if t not in LAYER_TYPES), None)
@@ -907,13 +946,7 @@ def _from_hf_config(path: Path) -> ModelShape:
             fields["hf_model_type"] = model_type
         if model_type in _DSA_MODEL_TYPES:  # DeepSeek-V3.2, GLM-5: V3's blocks and an indexer that picks each
             # query's keys
-            topk = req("index_topk")
-            if topk <= 0:
-                raise bad("index_topk", "a positive whole number", cfg["index_topk"])
-            fields.update(hf_model_type=model_type, sparse_attention_topk=topk)
-            sys.stderr.write(f"warning: {path}: DeepSeek sparse attention (index_topk {topk}) is planned with every "
-                             f"causal key charged, as DeepSeek-V3's dense MLA (above what it runs past {topk} keys a "
-                             f"query), and not trained by this core\n")
+            fields.update(hf_model_type=model_type, dsa=_sparse_attention(cfg, model_type, n_layers, opt, bad))
         if cfg.get("rope_interleave") is False:  # RoPE on halves of the rope channels: planned only (arch `moe`)
             fields["arch"] = "moe"
         if model_type == "deepseek_v2":
@@ -1011,6 +1044,37 @@ def _mlp_layer_types(cfg: dict, bad, n_layers: int = 0) -> list[str] | None:
         want = f'{n_layers} entries of "dense" and "sparse"' if n_layers else 'a list of "dense" and "sparse"'
         raise bad("mlp_layer_types", want, types)
     return types
+
+
+def _sparse_attention(cfg: dict, model_type: str, n_layers: int, opt, bad) -> dict:
+    """DSA's fields (transformers' defaults where absent: top 2048 keys, 128-wide index heads, 64 of them for
+    DeepSeek-V3.2 and 32 for GLM-5). GLM-5's `indexer_types` ("full" or "shared" a layer), else its
+    `index_topk_pattern` ("F"/"S" a layer) or `index_topk_freq` / `index_skip_topk_offset` schedule, name the
+    layers that reuse the previous indexing layer's selection."""
+    fields = dict(topk=opt("index_topk", 2048), index_heads=opt("index_n_heads", 32 if model_type == "glm_moe_dsa"
+                                                                 else 64),
+                  index_head_dim=opt("index_head_dim", 128), rope_pairs=model_type == "glm_moe_dsa")
+    for k in ("topk", "index_heads", "index_head_dim"):
+        if fields[k] <= 0:
+            key = {"topk": "index_topk", "index_heads": "index_n_heads", "index_head_dim": "index_head_dim"}[k]
+            raise bad(key, "a positive whole number", cfg[key])
+    if model_type != "glm_moe_dsa":
+        return fields
+    types = cfg.get("indexer_types")
+    if types is None and cfg.get("index_topk_pattern") is not None:
+        pattern = cfg["index_topk_pattern"]
+        if isinstance(pattern, str) and set(pattern) <= {"F", "S"}:
+            types = [{"F": "full", "S": "shared"}[c] for c in pattern]
+        else:
+            types = pattern
+    if types is None:
+        freq, offset = max(opt("index_topk_freq", 1), 1), opt("index_skip_topk_offset", 2)
+        types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]
+    if (not isinstance(types, list) or len(types) < n_layers or any(t not in ("full", "shared") for t in types)
+            or (types and types[0] != "full")):
+        raise bad("indexer_types", f"a list of {n_layers} \"full\" or \"shared\" entries, the first \"full\"", types)
+    fields["shared_layers"] = tuple(i for i, t in enumerate(types[:n_layers]) if t == "shared")
+    return fields
 
 
 def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:

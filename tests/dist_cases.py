@@ -47,7 +47,8 @@ CASES = {
         ["ernie_ep2", 2, 2, 2, 1, "ernie"], ["ernie_cp2", 1, 1, 1, 2, "ernie"],
         ["minimax_tp2_ep2", 1, 2, 1, 1, "minimax", "full", 2],
         ["llama4_cp2", 1, 1, 1, 2, "llama4"], ["llama4_tp2_ep2", 1, 2, 1, 1, "llama4", "full", 2],
-        ["granite_tp2_ep2", 1, 2, 1, 1, "granite", "full", 2]],
+        ["granite_tp2_ep2", 1, 2, 1, 1, "granite", "full", 2],
+        ["dsa_cp2", 1, 1, 1, 2, "dsa"], ["dsa_tp2_ep2", 1, 2, 2, 1, "dsa", "full", 2]],
     4: [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
         ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
         ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
@@ -57,6 +58,7 @@ CASES = {
         ["pp4", 1, 1, 1, 1, "cp", "full", 1, 4], ["pp2_cp2", 1, 1, 1, 2, "cp", "full", 1, 2],
         ["dense_tp2_dp2", 2, 1, 1, 1, "dense", "full", 2],
         ["mla_cp2_tp2_ep4", 1, 4, 1, 2, "mla", "full", 2], ["mla_pp2_dp2_ep2", 2, 2, 1, 1, "mla", "full", 1, 2],
+        ["dsa_cp2_tp2_ep4", 1, 4, 1, 2, "dsa", "full", 2],
         # pp × tp: an uneven split with ep=2 over each stage's tp ranks (off-policy, sequence-mean), and interleaved
         # over 2 virtual stages a rank with a dense model's MLPs split over tp
         ["pp2_tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2, 2, [3, 1]],
@@ -93,6 +95,7 @@ VARIANTS = {
     "minimax": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a MiniMax-M2-style model (tiny_minimax), as "mla"
     "llama4": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Llama-4-style model (tiny_llama4), as "mla"
     "granite": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Granite-MoE-style model (tiny_granite), as "mla"
+    "dsa": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # DeepSeek sparse attention (tiny_dsa), as "mla"
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -109,6 +112,15 @@ def tiny_mla():
                       dense_ffn=48, rope_theta=10000.0,
                       rope_scaling=RopeScaling(kind="yarn", factor=4.0, original_max_position=32, mscale=1.0,
                                                mscale_all_dim=1.0))
+
+
+def tiny_dsa():
+    """tiny_mla with DeepSeek sparse attention: an indexer of 2 heads of 8 channels (RoPE on pairs, GLM-5's form)
+    keeping 6 keys a query, so the documents of up to 42 tokens select, across the cp segments too."""
+    from recipe.models import SparseAttentionShape
+
+    return tiny_mla().model_copy(update={"name": "tiny-dsa", "dsa": SparseAttentionShape(
+        topk=6, index_heads=2, index_head_dim=8, rope_pairs=True)})
 
 
 def tiny_oss():
@@ -216,7 +228,7 @@ def tiny_dense():
 
 
 # the model each variant trains (the others train tiny-moe)
-VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "oss": tiny_oss, "olmoe": tiny_olmoe,
+VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "dsa": tiny_dsa, "oss": tiny_oss, "olmoe": tiny_olmoe,
                   "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4,
                   "granite": tiny_granite}
 

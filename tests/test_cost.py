@@ -785,3 +785,47 @@ def test_window_kernel_keys_by_hand():
     assert attention_keys(oss, 32768, kernel=True) == pytest.approx((16384, 1112.88))
     assert attention_kernel_ratio(oss, 32768) == pytest.approx((16384 + 1112.88) / (16384 + 128))
     assert attention_kernel_ratio(oss, 128) == 1.0 and attention_kernel_ratio(PRESETS["qwen3-30b-a3b"], 32768) == 1.0
+
+
+def _dsa_shape():
+    """DeepSeek-V3's preset cut to 4 layers (one dense) with an indexer of 8 heads of 16 keeping 4 keys a query."""
+    from recipe.models import SparseAttentionShape
+
+    return PRESETS["deepseek-v3"].with_layers(4).model_copy(update={"name": "v3-dsa", "dsa": SparseAttentionShape(
+        topk=4, index_heads=8, index_head_dim=16)})
+
+
+def test_deepseek_sparse_attention_is_charged_on_its_selected_keys_and_its_indexer():
+    """Hand-worked: a query at t attends min(K, t + 1) keys, so over 8 tokens at K = 4 the mean is (1+2+3+4·5)/8 =
+    3.25 and over 3 tokens 2; attention's forward FLOPs a token are 2·H·(2C + R)·k̄ a layer (absorbed: q̂·latent
+    over C + R channels, p·latent over C); the indexer's 2·N·I·S/2, forward only: the model FLOPs count it once
+    where they count everything else three times, and the hardware FLOPs once more for the recomputed forward.
+    Under tp the attention's work halves and the indexer's (replicated) does not; its weights count with the
+    attention's parameters; its rate and the kernels' come from the measured constants."""
+    from recipe.cost import (INDEX_PASS_S, SPARSE_ATTENTION_EFFICIENCY, compute_work, flop_terms,
+                             forward_flops_per_token, rates, sparse_keys)
+    from recipe.models import indexer_params
+
+    m = _dsa_shape()
+    assert sparse_keys(m, 8) == 3.25 and sparse_keys(m, 3) == 2.0
+    a = m.mla
+    f = forward_flops_per_token(m, 8)
+    assert f["attention"] == 2 * 128 * (2 * 512 + 64) * 4 * 3.25
+    assert f["indexer"] == 2 * 8 * 16 * 4 * 8 / 2
+    assert indexer_params(m) == a.q_lora_rank * 8 * 16 + 7168 * 16 + 2 * 16 + 7168 * 8
+    assert param_counts(m)["attention"] - param_counts(PRESETS["deepseek-v3"].with_layers(4))["attention"] \
+        == 4 * indexer_params(m)
+    opts = TrainOptions(micro_batch_tokens=4096)
+    f, model, hw_flops, _ = flop_terms(m, opts)
+    fwd = sum(f.values())
+    assert model == 3 * fwd - 2 * f["indexer"]
+    assert hw_flops == 4 * (fwd - f["head"]) - 2 * f["indexer"] + 3 * f["head"]  # full recompute, fused head
+    one, two = compute_work(m, Layout(), opts), compute_work(m, Layout(tp=2), opts)
+    assert two["indexer"] == one["indexer"] == 4096 * f["indexer"] * 2  # forward and recomputed forward
+    assert two["attention"] == pytest.approx(one["attention"] / 2)
+    assert one["index_passes"] == 2 * 4
+    hw = load_profile("h200")
+    r = rates(hw, m)
+    assert r["attention"] == hw.peak_bf16_tflops * 1e12 * SPARSE_ATTENTION_EFFICIENCY
+    assert r["index_passes"] == INDEX_PASS_S and 0 < r["indexer"] < hw.peak_bf16_tflops * 1e12
+    assert rates(hw, PRESETS["deepseek-v3"])["indexer"] == float("inf")

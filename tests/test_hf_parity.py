@@ -56,6 +56,13 @@ MLA_ARCHS = {"deepseek_v3": DEEPSEEK,  # Moonlight: no q LoRA, one expert group,
 GLM_LITE = {k: v for k, v in DEEPSEEK.items() if k != "first_k_dense_replace"} | {
     "n_group": 1, "topk_group": 1, "routed_scaling_factor": 1.8, "mlp_layer_types": ["dense", "sparse", "sparse"],
     "rope_parameters": dict(rope_type="default", rope_theta=1e6)}
+# DeepSeek sparse attention: DeepSeek-V3's test shape with an indexer of 16 heads of 8 channels keeping 8 keys a query
+# (the 75- and 40-token tests select), RoPE on the index channels in halves (V3.2) or pairs (GLM-5). Sixteen heads, so
+# that no two scores tie: equal scores go to the earlier key here and to torch.topk's choice in transformers (with 3
+# heads, 1 key in 8 scores exactly 0, every head's ReLU at zero)
+DSA = dict(DEEPSEEK, index_topk=8, index_n_heads=16, index_head_dim=8)
+DSA_ARCHS = {"deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM, DSA),
+             "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM, DSA)}
 # DeepSeek-V2: softmax routing in 2 groups of 4 experts (each scored by its best), the 2 experts from the best group
 # only (the limit binds: V2's own keeps 3 groups of 8 for 6 experts), weights not renormalized, times 16 (V2's
 # factor); V2-Lite: no q LoRA, plain top-k ("greedy"), plain RoPE
@@ -93,6 +100,7 @@ QWEN2_SPARSE = dict(decoder_sparse_step=2, num_hidden_layers=4, intermediate_siz
 # the shape's arch where it is not the name
 ARCH = {"moonlight": "deepseek_v3", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE},
         "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3",
+        **{a: "deepseek_v3" for a in DSA_ARCHS},
         "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe"}
 
 
@@ -117,6 +125,9 @@ def _hf_model(arch: str):
     elif arch in MLA_ARCHS:
         cfg = transformers.DeepseekV3Config(**MLA_ARCHS[arch])
         cls = transformers.DeepseekV3ForCausalLM
+    elif arch in DSA_ARCHS:
+        config, cls, fields = DSA_ARCHS[arch]
+        cfg = config(**fields)
     elif arch == "glm4_moe_lite":
         cfg = transformers.Glm4MoeLiteConfig(**GLM_LITE)
         cls = transformers.Glm4MoeLiteForCausalLM
@@ -202,7 +213,7 @@ def _hf_model(arch: str):
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
                                   "olmoe_clip",
                                   "ernie4_5_moe", "minimax_m2", "mixtral", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
-                                  "glm4_moe", "dots1", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
+                                  *DSA_ARCHS, "glm4_moe", "dots1", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
                                   "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
@@ -278,8 +289,8 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral",
-                                  "deepseek_v3", "deepseek_v2", "glm4_moe_lite", "glm4_moe", "gpt_oss", *LLAMA4,
-                                  "granitemoeshared", "olmoe_clip", "hunyuan_v1_moe"])
+                                  "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "gpt_oss",
+                                  *LLAMA4, "granitemoeshared", "olmoe_clip", "hunyuan_v1_moe"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.
@@ -299,13 +310,15 @@ def test_gradients_match_transformers(arch, tmp_path):
         ids[0, [3, 17]] = shape.pad_token_id
     hf.zero_grad()
     hf(input_ids=ids, labels=ids).loss.backward()
-    want = hf_to_ours({n: p.grad for n, p in hf.named_parameters() if p.requires_grad}, ours)  # not ERNIE's bias
+    # not ERNIE's bias; nor DSA's indexer, which runs without gradient in both
+    want = hf_to_ours({n: p.grad for n, p in hf.named_parameters() if p.grad is not None}, ours)
     hidden = ours(ids[0], Packing.from_lengths([T]))
     targets = torch.cat([ids[0, 1:], torch.tensor([-1])])
     (-token_logprobs(hidden, ours.lm_head.weight, targets, mode="fused",
                      temperature=logits_divisor(shape))[:-1].mean()).backward()
-    got = {n: p.grad for n, p in ours.named_parameters()}
+    got = {n: p.grad for n, p in ours.named_parameters() if p.requires_grad}
     assert got.keys() == want.keys()
+    assert all(p.grad is None for p in ours.parameters() if not p.requires_grad)
     for n, g in got.items():
         scale = want[n].abs().max().item()
         assert scale > 0 and (g - want[n]).abs().max().item() <= 1e-4 * scale + 1e-7, n

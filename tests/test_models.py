@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from recipe.models import (PRESETS, active_matmul_params, active_params, from_hf_config, param_counts,
-                           resolve_model, total_params, trainable)
+from recipe.models import (PRESETS, SparseAttentionShape, active_matmul_params, active_params, from_hf_config,
+                           param_counts, resolve_model, total_params, trainable)
 
 Q35 = PRESETS["qwen35-35b"]
 
@@ -682,30 +682,28 @@ def test_glm47_flash_reads_as_deepseek_v3_blocks(tmp_path):
     assert halves.arch == "moe" and halves.mla is not None and "planned" in trainable(halves)
 
 
-def test_deepseek_v32_reads_as_deepseek_v3_blocks_planned_only(tmp_path, capsys):
+def test_deepseek_v32_reads_as_deepseek_v3_blocks_with_its_indexer(tmp_path):
     """DeepSeek-V3.2 (`deepseek_v32`): DeepSeek-V3's blocks (multi-head latent attention, sigmoid routing in 8 groups,
-    3 dense layers) and its sparse attention's `index_topk`. Planned with every causal key charged, as V3's dense
-    MLA, and not trained, a warning saying both; exported under its own type; the new field leaves other shapes'
-    fingerprints alone. transformers' default config is V3.2's 671B shape."""
+    3 dense layers) and its sparse attention's indexer (transformers' defaults: 64 heads of 128, the top 2,048
+    keys, RoPE in halves); trained, exported under its own type; the new field leaves other shapes' fingerprints
+    alone. transformers' default config is V3.2's 671B shape. Bad indexer fields are one-line errors."""
     import transformers
-
-    from recipe.cost import forward_flops_per_token
 
     transformers.DeepseekV32Config().save_pretrained(tmp_path / "v32")
     m = from_hf_config(tmp_path / "v32" / "config.json")
-    assert "DeepSeek sparse attention (index_topk 2048) is planned with every causal key" in capsys.readouterr().err
     v3 = PRESETS["deepseek-v3"]
-    assert (m.arch, m.hf_model_type, m.sparse_attention_topk) == ("deepseek_v3", "deepseek_v32", 2048)
+    assert (m.arch, m.hf_model_type) == ("deepseek_v3", "deepseek_v32")
+    assert m.dsa == SparseAttentionShape(topk=2048, index_heads=64, index_head_dim=128, rope_pairs=False)
     assert (m.mla, m.first_dense_layers, m.sigmoid_router, m.num_experts, m.top_k) == (
         v3.mla, v3.first_dense_layers, v3.sigmoid_router, v3.num_experts, v3.top_k)
-    assert "DeepSeek sparse attention (index_topk 2048)" in trainable(m) and "not trained" in trainable(m)
-    assert "sparse_attention_topk" not in v3.fingerprint_dict() and "sparse_attention_topk" in m.fingerprint_dict()
-    assert forward_flops_per_token(m, 131072)["attention"] == forward_flops_per_token(v3, 131072)["attention"]
+    assert trainable(m) is None
+    assert "dsa" not in v3.fingerprint_dict() and "dsa" in m.fingerprint_dict()
     cfg = json.loads((tmp_path / "v32" / "config.json").read_text())
-    for bad in (0, "2048", None):
+    for key, bad in (("index_topk", 0), ("index_topk", "2048"), ("index_n_heads", 0), ("index_head_dim", 1.5)):
         with pytest.raises(ValueError) as e:
-            from_hf_config(_write(tmp_path, f"bad{bad}", cfg | {"index_topk": bad}))
-        assert "\n" not in str(e.value) and "index_topk" in str(e.value), str(e.value)
+            from_hf_config(_write(tmp_path, f"bad{key}{bad}", cfg | {key: bad}))
+        assert "\n" not in str(e.value) and key in str(e.value), str(e.value)
+    assert from_hf_config(_write(tmp_path, "null", cfg | {"index_topk": None})).dsa.topk == 2048  # the default
 
 
 def test_hunyuan_reads_its_lists_and_its_alpha_rope(tmp_path):
@@ -745,23 +743,23 @@ def _meta_params(model_cls, cfg, skip: tuple[str, ...] = (), biases: bool = True
 def test_glm5_reads_as_deepseek_v3_blocks_with_sparse_attention_planned_only(tmp_path, capsys):
     """GLM-5 (`glm_moe_dsa`): DeepSeek-V3.2's blocks (multi-head latent attention with q·k 256 and v 256 wide, DSA's
     indexer) with one expert group, scaling 2.5 and three dense layers. transformers' default config is GLM-5's
-    shape; cut to five layers its parameters equal transformers' own, the indexer's (~0.1%) left out as for V3.2."""
+    shape; cut to five layers its parameters (the indexer's with them) equal transformers' own."""
     import transformers
 
     transformers.GlmMoeDsaConfig().save_pretrained(tmp_path / "glm5")
     m = from_hf_config(tmp_path / "glm5" / "config.json")
-    assert "DeepSeek sparse attention (index_topk 2048)" in capsys.readouterr().err
-    assert (m.arch, m.hf_model_type, m.sparse_attention_topk) == ("deepseek_v3", "glm_moe_dsa", 2048)
+    assert (m.arch, m.hf_model_type) == ("deepseek_v3", "glm_moe_dsa")
+    assert m.dsa == SparseAttentionShape(topk=2048, index_heads=32, index_head_dim=128, rope_pairs=True)
     assert (m.mla.q_lora_rank, m.mla.kv_lora_rank, m.mla.qk_nope_head_dim, m.mla.qk_rope_head_dim,
             m.mla.v_head_dim) == (2048, 512, 192, 64, 256)
     assert (m.num_layers, m.first_dense_layers, m.num_experts, m.top_k, m.shared_expert_ffn) == (78, 3, 256, 8, 2048)
     assert (m.sigmoid_router.groups, m.sigmoid_router.topk_groups, m.sigmoid_router.scaling) == (1, 1, 2.5)
-    assert m.num_full_attn_layers == 78 and "not trained" in trainable(m)
+    assert m.num_full_attn_layers == 78 and trainable(m) is None
     assert 740e9 < total_params(m) < 750e9  # GLM-5: 744B
     cfg = transformers.GlmMoeDsaConfig(num_hidden_layers=5)
     cfg.save_pretrained(tmp_path / "glm5-5")
     five = from_hf_config(tmp_path / "glm5-5" / "config.json")
-    assert total_params(five) == _meta_params(transformers.GlmMoeDsaForCausalLM, cfg, skip=("indexer",))
+    assert total_params(five) == _meta_params(transformers.GlmMoeDsaForCausalLM, cfg)
     cut = json.loads((tmp_path / "glm5-5" / "config.json").read_text())
     del cut["first_k_dense_replace"], cut["mlp_layer_types"]  # transformers' default: three dense layers
     assert from_hf_config(_write(tmp_path, "cut", cut)).first_dense_layers == 3

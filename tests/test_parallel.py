@@ -152,6 +152,24 @@ def test_deepseek_v3_layouts_equal_one_process(world2, world4, world, name):
 
 
 @pytest.mark.dist
+@pytest.mark.parametrize("world, name", [(2, "dsa_cp2"), (2, "dsa_tp2_ep2"), (4, "dsa_cp2_tp2_ep4")])
+def test_deepseek_sparse_attention_layouts_equal_one_process(world2, world4, world, name):
+    """DeepSeek sparse attention (dist_cases.tiny_dsa: tiny_mla's blocks with an indexer keeping 6 keys a query)
+    under cp=2 (each rank's queries select among the whole micro-batch's gathered index keys and latents, the
+    latents' gradients flowing back to their own ranks), tp=2 × ep=2 (the absorbed heads split, the indexer
+    replicated) and cp=2 × tp=2 × ep=4 equals one process; the indexer, frozen, has no gradient anywhere and every
+    other parameter but the routed experts is a tp DTensor."""
+    r = {2: world2, 4: world4}[world][name]
+    _assert_equal_to_one_process(r)
+    if "tp2" in name:
+        import dist_cases
+        from launch.model import build_model
+
+        dense = sum(1 for n, _ in build_model(dist_cases.tiny_dsa()).named_parameters() if ".mlp.experts." not in n)
+        assert r["tensor_parallel_params"] == dense
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("name", ["oss_ep2", "oss_tp2_ep2", "oss_pp2", "oss_cp2"])
 def test_gpt_oss_layouts_equal_one_process(world2, name):
     """The gpt-oss-style tiny model (dist_cases.tiny_oss: attention sinks, sliding and full layers, q/k/v/o biases,

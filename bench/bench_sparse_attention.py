@@ -1,0 +1,185 @@
+"""DeepSeek sparse attention (launch/sparse_attention.py) on one GPU, one attention layer of a DSA model (GLM-5 by
+default: 64 heads, q·k 256 and v 256 wide, a 512 + 64 latent, an indexer of 32 heads of 128 keeping 2,048 keys a
+query) against the same layer's dense MLA (what the model runs without DSA: cuDNN over the expanded keys), on one
+document of T tokens, bf16. Columns: the indexer's selection alone (forward only: it takes no gradient), the sparse
+attention alone (absorbed; the Triton kernels forward and forward + backward, the torch blocks forward + backward),
+the whole DSA layer (projections, indexer, sparse attention; forward + backward) and the dense layer (forward +
+backward), with the ratio of the DSA layer to the dense one (lower is faster). Median ms of --reps after a warm-up;
+the peak memory of each layer's forward + backward above its inputs. Before the table: the kernels' largest
+differences from the torch blocks (output, dq, dlatent; relative to each tensor's largest value); after each row,
+the three kernels' own times (forward, dq, dlatent) at that length.
+
+    python bench/bench_sparse_attention.py --model glm-5.json --tokens 8192,32768,65536     # on the GPU
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=str(Path(__file__).parent / "configs" / "glm-5.json"))
+    p.add_argument("--tokens", default="8192,32768,65536")
+    p.add_argument("--reps", type=int, default=3)
+    args = p.parse_args()
+
+    import torch
+
+    from bench_train_step import _time
+    from launch.model import MLAttention, Packing, rope_cos_sin
+    from launch.sparse_attention import index_topk, sparse_latent_attention
+    from recipe.models import resolve_model
+
+    dev = torch.device("cuda")
+    m = resolve_model(args.model)
+    if m.dsa is None:
+        raise SystemExit(f"{args.model}: not a DeepSeek sparse attention model")
+    torch.manual_seed(0)
+    sparse_layer = MLAttention(m).to(dev, torch.bfloat16)
+    dense_layer = MLAttention(m.model_copy(update={"dsa": None})).to(dev, torch.bfloat16)
+    dense_layer.load_state_dict(sparse_layer.state_dict(), strict=False)
+    a, d = m.mla, m.dsa
+    print(f"{m.name}: {m.num_heads} heads, latent {a.kv_lora_rank} + {a.qk_rope_head_dim}, indexer {d.index_heads} x "
+          f"{d.index_head_dim}, top {d.topk}; one document, bf16, median of {args.reps}")
+    rows = []
+    for T in (int(t) for t in args.tokens.split(",")):
+        packing = Packing.from_lengths([T], device=dev)
+        rope = rope_cos_sin(packing.positions, m, torch.bfloat16)
+        x = (torch.randn(T, m.hidden_size, device=dev) * 0.5).to(torch.bfloat16).requires_grad_()
+        dy = torch.randn(T, m.hidden_size, device=dev, dtype=torch.bfloat16)
+        with torch.no_grad():
+            ql = sparse_layer.q_a_layernorm(sparse_layer.q_a_proj(x))
+            iq, iw, ik = sparse_layer.indexer(x, ql, rope)
+        pos = list(range(T))
+        starts = [0] * T
+
+        def indexer():
+            return index_topk(iq, iw, ik, pos, starts, d.topk, sparse_layer.indexer.scale)
+
+        idx = indexer()
+        H, C = m.num_heads, a.kv_lora_rank + a.qk_rope_head_dim
+        q_hat = (torch.randn(T, H, C, device=dev) * 0.3).to(torch.bfloat16).requires_grad_()
+        latent = torch.randn(T, C, device=dev, dtype=torch.bfloat16).requires_grad_()
+        do = torch.randn(T, H, a.kv_lora_rank, device=dev, dtype=torch.bfloat16)
+
+        def attn_fwd():
+            with torch.no_grad():
+                sparse_latent_attention(q_hat, latent, idx, 0.06, a.kv_lora_rank)
+
+        def attn_fwd_bwd(backend="auto"):
+            sparse_latent_attention(q_hat, latent, idx, 0.06, a.kv_lora_rank, backend=backend).backward(do)
+
+        def attn_torch():
+            attn_fwd_bwd("torch")
+
+        if not rows:  # the kernels against the torch blocks
+            outs = []
+            for backend in ("triton", "torch"):
+                q_hat.grad = latent.grad = None
+                o = sparse_latent_attention(q_hat, latent, idx, 0.06, a.kv_lora_rank, backend=backend)
+                o.backward(do)
+                outs.append((o.float(), q_hat.grad.float(), latent.grad.float()))
+            errs = [((x - y).abs().max() / y.abs().max()).item() for x, y in zip(*outs)]
+            print(f"Triton against the torch blocks at {T:,} tokens: output {errs[0]:.1e}, dq {errs[1]:.1e}, "
+                  f"dlatent {errs[2]:.1e} (largest difference over the largest value)")
+            print("| tokens | indexer fwd ms | sparse attn fwd ms | sparse attn fwd+bwd ms | torch blocks fwd+bwd ms | "
+                  "DSA layer fwd+bwd ms | dense MLA layer fwd+bwd ms | DSA / dense | DSA peak GB | dense peak GB |")
+            print("|---|---|---|---|---|---|---|---|---|---|")
+
+        def layer(mod):
+            def run():
+                mod(x, rope, packing).backward(dy)
+            return run
+
+        from kernels import dsa_index_triton
+
+        span_q, span_s = torch.arange(T, device=dev), torch.zeros(T, dtype=torch.long, device=dev)
+        rows_ = min(T, 4096)
+        for tile in INDEX_TILES:
+            def scores(tile=tile):
+                dsa_index_triton.index_scores(iq[-rows_:], iw[-rows_:], ik, span_q[-rows_:], span_s[-rows_:], 0,
+                                              0.08, tile)
+            scores()
+            t_s = _time(scores, dev, args.reps)
+            flops = 2 * d.index_heads * d.index_head_dim * rows_ * (T - rows_ / 2)
+            print(f"  index scores, last {rows_:,} queries, tile {tile}: {t_s * 1e3:.1f} ms, {flops / t_s / 1e12:.0f} "
+                  f"TF/s")
+        row = [T]
+        for fn in (indexer, attn_fwd, attn_fwd_bwd, attn_torch):
+            fn()
+            row.append(_time(fn, dev, args.reps) * 1e3)
+        peaks = []
+        for mod in (sparse_layer, dense_layer):
+            run = layer(mod)
+            run()
+            torch.cuda.synchronize()
+            torch.cuda.reset_peak_memory_stats()
+            base = torch.cuda.memory_allocated()
+            row.append(_time(run, dev, args.reps) * 1e3)
+            peaks.append((torch.cuda.max_memory_allocated() - base) / 1e9)
+            x.grad = None
+            mod.zero_grad(set_to_none=True)
+        from kernels import sparse_mla_triton as smk
+
+        idx32 = idx.int().contiguous()
+        count = (idx32 >= 0).sum(1, dtype=torch.int32)
+        qd, ld = q_hat.detach(), latent.detach()
+        o, lse = smk.forward(qd, ld, idx32, count, 0.06, a.kv_lora_rank)
+        kt = [_time(lambda: smk.forward(qd, ld, idx32, count, 0.06, a.kv_lora_rank), dev, args.reps)]
+        kt += list(_kernel_times(smk, qd, ld, idx32, count, o, lse, do, a.kv_lora_rank, dev, args.reps))
+        row.append(row[5] / row[6])
+        rows.append(row)
+        print(f"| {T:,} | " + " | ".join(f"{v:.1f}" for v in row[1:7]) + f" | {row[7]:.2f} | "
+              + " | ".join(f"{v:.2f}" for v in peaks) + " |", flush=True)
+        print(f"  kernels at {T:,}: forward {kt[0] * 1e3:.1f} ms, dq {kt[1] * 1e3:.1f} ms, dlatent "
+              f"{kt[2] * 1e3:.1f} ms", flush=True)
+        del q_hat, latent, do, idx, iq, iw, ik, x, dy
+        torch.cuda.empty_cache()
+
+
+def _kernel_times(smk, q, latent, idx, count, o, lse, do, v_dim, dev, reps):
+    """The dq and dlatent kernels of the backward, each alone (dq also writes the Δ that dlatent reads)."""
+    import torch
+    import triton
+
+    from bench_train_step import _time
+
+    T, H, _ = q.shape
+    C, R, RP = smk._dims(q, latent, v_dim)
+    dq, delta = torch.empty_like(q), torch.empty(T, H, dtype=torch.float32, device=q.device)
+    dl = torch.zeros(latent.shape, dtype=torch.float32, device=q.device)
+    a = (H, 0.06, q.stride(0), q.stride(1), latent.stride(0), idx.stride(0), o.stride(0), o.stride(1))
+
+    def dq_kernel():
+        smk._sparse_mla_dq[(T, triton.cdiv(H, smk.BH))](q, latent, idx, count, o, do, lse, delta, dq, *a, C=C, R=R,
+                                                        RP=RP, BH=smk.BH, BK=smk.BK, num_warps=4, num_stages=2)
+
+    def dl_kernel(bh=smk.BH, bk=smk.DLATENT_BK, warps=smk.DLATENT_WARPS):
+        smk._sparse_mla_dlatent[(T,)](q, latent, idx, count, do, lse, delta, dl, *a, dl.stride(0), C=C, R=R, RP=RP,
+                                      BH=bh, BK=bk, num_warps=warps, num_stages=1)
+
+    dq_kernel()
+    out = [_time(dq_kernel, dev, reps), _time(dl_kernel, dev, reps)]
+    if VARIANTS:
+        for bh, bk, w in VARIANTS:
+            try:
+                dl_kernel(bh, bk, w)
+            except Exception as e:  # a variant the GPU cannot hold (shared memory, registers)
+                print(f"  dlatent BH {bh} BK {bk} warps {w}: {type(e).__name__}")
+                continue
+            print(f"  dlatent BH {bh} BK {bk} warps {w}: {_time(lambda: dl_kernel(bh, bk, w), dev, reps) * 1e3:.1f} ms")
+    return out
+
+
+INDEX_TILES = []  # (BM, BN, warps) of the index-score kernel to time, on the last 4,096 queries
+VARIANTS = []  # (BH, BK, warps) of the dlatent kernel to time beside the default
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,86 @@
+"""DeepSeek sparse attention's index scores and top-k selection (launch/sparse_attention.py). Scores, for a block of
+queries and a span of keys,
+
+    score(t, s) = Σ_j w[t, j] · relu(scale · qI[t, j] · kI[s])      where doc_start[t] ≤ s ≤ query_index[t], else −inf
+
+as one [queries, span] fp32 tensor. The torch path forms the [queries, N, span] products of all N index heads and
+sums them; the Triton kernel (kernels/dsa_index_triton.py) keeps one [BM, BN] fp32 tile of the sum in registers and
+runs the N heads' products into it one after another (tensor-core dots of bf16 inputs into fp32), so no per-head
+tensor is ever written, and tiles with no visible key are not computed.
+
+Selection: each query's K highest scores, equal scores at the K-th going to the earlier key, so that the selection is
+the same whatever span of keys a block is scored against (one process or a context-parallel rank), where
+torch.topk's own choice among ties is not (ReLU makes exact ties common: a key no index head responds to scores 0).
+The torch path runs topk and re-selects the rows whose K-th score also sits outside the selection on int64 ranks
+(`_ranked`); the Triton kernel is a radix select on the scores' ordered bits over the query's own keys (four
+histogram passes of 8 bits, one writing pass), about a tenth of topk's time on long rows.
+
+Backends as in kernels/gdn_fused.py: "auto" runs Triton on CUDA/ROCm tensors when triton is installed and the torch
+path otherwise.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kernels.gdn_fused import _pick_backend
+
+
+def index_scores_torch(q_TNI: torch.Tensor, w_TN: torch.Tensor, k_SI: torch.Tensor, query_index: torch.Tensor,
+                       doc_start: torch.Tensor, lo: int, scale: float) -> torch.Tensor:
+    """The torch path (the CPU path, and the reference the kernel is tested against). k_SI holds the span's keys,
+    the first being key `lo`; query_index and doc_start are the queries' [T] int64 key indices."""
+    T, N, I = q_TNI.shape
+    s = torch.relu(q_TNI.float().reshape(T * N, I) @ k_SI.float().T * scale).view(T, N, -1)
+    score = torch.bmm(w_TN.float().unsqueeze(1), s).squeeze(1)
+    keys = torch.arange(lo, lo + k_SI.shape[0], device=q_TNI.device)
+    visible = (keys[None, :] >= doc_start[:, None]) & (keys[None, :] <= query_index[:, None])
+    return score.masked_fill(~visible, float("-inf"))
+
+
+def index_scores(q_TNI: torch.Tensor, w_TN: torch.Tensor, k_SI: torch.Tensor, query_index: torch.Tensor,
+                 doc_start: torch.Tensor, lo: int, scale: float, backend: str | None = "auto") -> torch.Tensor:
+    """[T, S] fp32 index scores of T queries (qI [T, N, I], head weights w [T, N]) against the span's S keys
+    (kI [S, I], key `lo` first), −inf outside each query's document or after it (module docstring)."""
+    if _pick_backend(q_TNI, backend) == "torch":
+        return index_scores_torch(q_TNI, w_TN, k_SI, query_index, doc_start, lo, scale)
+    from kernels import dsa_index_triton  # lazy: the CPU path never imports triton
+
+    return dsa_index_triton.index_scores(q_TNI.contiguous(), w_TN.float().contiguous(), k_SI.contiguous(),
+                                         query_index, doc_start, lo, scale)
+
+
+def topk_select_torch(score: torch.Tensor, k: int, lo: int) -> torch.Tensor:
+    """The torch path of `topk_select` (the rows' own windows are already −inf in `score`)."""
+    val, idx = score.topk(k, dim=-1)
+    kth = val[:, -1:]
+    tied = torch.isfinite(kth[:, 0]) & ((score == kth).sum(-1) > (val == kth).sum(-1))
+    if bool(tied.any()):
+        rows = tied.nonzero().squeeze(1)
+        keys = torch.arange(lo, lo + score.shape[1], device=score.device)
+        idx[rows] = _ranked(score[rows], keys).topk(k, dim=-1).indices
+    val = score.gather(1, idx)
+    # the selected keys a query sees first (valid entries lead, as the attention kernels need), −1 after them
+    order = torch.argsort(torch.isinf(val).to(torch.int8), dim=1, stable=True)
+    idx, val = idx.gather(1, order), val.gather(1, order)
+    return torch.where(torch.isfinite(val), idx + lo, torch.full_like(idx, -1)).int()
+
+
+def _ranked(score: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:
+    """int64 ranks that order as the fp32 scores do, equal scores broken by the earlier key. The float's bits are made
+    order-preserving as integers (negative ones reflected), −0 counted as +0."""
+    bits = (score + 0.0).view(torch.int32)
+    ordered = bits ^ ((bits >> 31) & 0x7FFFFFFF)
+    return (ordered.to(torch.int64) << 32) | ((1 << 32) - 1 - keys)
+
+
+def topk_select(score: torch.Tensor, k: int, lo: int, start: torch.Tensor, end: torch.Tensor,
+                backend: str | None = "auto") -> torch.Tensor:
+    """[n, k] int32: each row's k highest scores' keys (column + lo), ties at the k-th to the earlier key, the keys a
+    query sees first and −1 after them; `start`/`end` [n]: the columns [start, end) a row's query sees (the rest
+    −inf in `score`). Any order within the selected keys."""
+    if _pick_backend(score, backend) == "torch":
+        return topk_select_torch(score, k, lo)
+    from kernels import dsa_index_triton  # lazy: the CPU path never imports triton
+
+    return dsa_index_triton.topk_select(score.contiguous(), k, lo, start.contiguous(), end.contiguous())
