@@ -23,6 +23,36 @@ import triton.language as tl
 
 
 @triton.jit
+def _query(Q, t, h, mh, qs_t, qs_h, c, r, mr, C: tl.constexpr):
+    """A query's rows for heads h: its C latent channels and its R RoPE channels (padded to RP)."""
+    q_row = Q + t * qs_t + h[:, None] * qs_h
+    qc = tl.load(q_row + c[None, :], mask=mh[:, None], other=0.0)
+    qr = tl.load(q_row + C + r[None, :], mask=mh[:, None] & mr[None, :], other=0.0)
+    return qc, qr
+
+
+@triton.jit
+def _program_query(Q, H, qs_t, qs_h, C: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr):
+    """A (query, block of heads) program's query t (int64: t · stride passes 2^31 at long sequences), heads, channel
+    ranges and q rows."""
+    t = tl.program_id(0).to(tl.int64)
+    h = tl.program_id(1) * BH + tl.arange(0, BH)
+    mh = h < H
+    c, r = tl.arange(0, C), tl.arange(0, RP)
+    mr = r < R
+    qc, qr = _query(Q, t, h, mh, qs_t, qs_h, c, r, mr, C)
+    return t, h, mh, c, r, mr, qc, qr
+
+
+@triton.jit
+def _tile(IDX, t, is_t, k0, n, BK: tl.constexpr):
+    """Slots k0 … k0 + BK of a query's selection: which are among its n valid ones, and their latent rows."""
+    kk = k0 + tl.arange(0, BK)
+    valid = kk < n
+    return valid, tl.load(IDX + t * is_t + kk, mask=valid, other=0).to(tl.int64)
+
+
+@triton.jit
 def _scores(qc, qr, L, row, valid, ls_s, c, r, mr, scale, C: tl.constexpr):
     gc = tl.load(L + row[:, None] * ls_s + c[None, :], mask=valid[:, None], other=0.0)  # [BK, C]
     gr = tl.load(L + row[:, None] * ls_s + C + r[None, :], mask=valid[:, None] & mr[None, :], other=0.0)  # [BK, RP]
@@ -33,22 +63,13 @@ def _scores(qc, qr, L, row, valid, ls_s, c, r, mr, scale, C: tl.constexpr):
 @triton.jit
 def _sparse_mla_fwd(Q, L, IDX, CNT, O, LSE, H, scale, qs_t, qs_h, ls_s, is_t, os_t, os_h,
                     C: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)  # t · stride passes 2^31 at long sequences
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    mh = h < H
-    c, r = tl.arange(0, C), tl.arange(0, RP)
-    mr = r < R
-    q_row = Q + t * qs_t + h[:, None] * qs_h
-    qc = tl.load(q_row + c[None, :], mask=mh[:, None], other=0.0)
-    qr = tl.load(q_row + C + r[None, :], mask=mh[:, None] & mr[None, :], other=0.0)
+    t, h, mh, c, r, mr, qc, qr = _program_query(Q, H, qs_t, qs_h, C, R, RP, BH)
     n = tl.load(CNT + t)
     m_i = tl.full((BH,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BH,), dtype=tl.float32)
     acc = tl.zeros((BH, C), dtype=tl.float32)
     for k0 in range(0, n, BK):
-        kk = k0 + tl.arange(0, BK)
-        valid = kk < n
-        row = tl.load(IDX + t * is_t + kk, mask=valid, other=0).to(tl.int64)
+        valid, row = _tile(IDX, t, is_t, k0, n, BK)
         gc, gr, s = _scores(qc, qr, L, row, valid, ls_s, c, r, mr, scale, C)
         s = tl.where(valid[None, :], s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, 1))
@@ -65,14 +86,7 @@ def _sparse_mla_fwd(Q, L, IDX, CNT, O, LSE, H, scale, qs_t, qs_h, ls_s, is_t, os
 @triton.jit
 def _sparse_mla_dq(Q, L, IDX, CNT, O, DO, LSE, DELTA, DQ, H, scale, qs_t, qs_h, ls_s, is_t, os_t, os_h,
                    C: tl.constexpr, R: tl.constexpr, RP: tl.constexpr, BH: tl.constexpr, BK: tl.constexpr):
-    t = tl.program_id(0).to(tl.int64)  # t · stride passes 2^31 at long sequences
-    h = tl.program_id(1) * BH + tl.arange(0, BH)
-    mh = h < H
-    c, r = tl.arange(0, C), tl.arange(0, RP)
-    mr = r < R
-    q_row = Q + t * qs_t + h[:, None] * qs_h
-    qc = tl.load(q_row + c[None, :], mask=mh[:, None], other=0.0)
-    qr = tl.load(q_row + C + r[None, :], mask=mh[:, None] & mr[None, :], other=0.0)
+    t, h, mh, c, r, mr, qc, qr = _program_query(Q, H, qs_t, qs_h, C, R, RP, BH)
     o_row = t * os_t + h[:, None] * os_h + c[None, :]
     do = tl.load(DO + o_row, mask=mh[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * tl.load(O + o_row, mask=mh[:, None], other=0.0).to(tl.float32), 1)
@@ -82,9 +96,7 @@ def _sparse_mla_dq(Q, L, IDX, CNT, O, DO, LSE, DELTA, DQ, H, scale, qs_t, qs_h, 
     dqc = tl.zeros((BH, C), dtype=tl.float32)
     dqr = tl.zeros((BH, RP), dtype=tl.float32)
     for k0 in range(0, n, BK):
-        kk = k0 + tl.arange(0, BK)
-        valid = kk < n
-        row = tl.load(IDX + t * is_t + kk, mask=valid, other=0).to(tl.int64)
+        valid, row = _tile(IDX, t, is_t, k0, n, BK)
         gc, gr, s = _scores(qc, qr, L, row, valid, ls_s, c, r, mr, scale, C)
         p = tl.where(valid[None, :], tl.exp(s - lse[:, None]), 0.0)
         dp = tl.dot(do, tl.trans(gc))
@@ -104,9 +116,7 @@ def _sparse_mla_dlatent(Q, L, IDX, CNT, DO, LSE, DELTA, DL, H, scale, qs_t, qs_h
     mr = r < R
     n = tl.load(CNT + t)
     for k0 in range(0, n, BK):
-        kk = k0 + tl.arange(0, BK)
-        valid = kk < n
-        row = tl.load(IDX + t * is_t + kk, mask=valid, other=0).to(tl.int64)
+        valid, row = _tile(IDX, t, is_t, k0, n, BK)
         gc = tl.load(L + row[:, None] * ls_s + c[None, :], mask=valid[:, None], other=0.0)
         gr = tl.load(L + row[:, None] * ls_s + C + r[None, :], mask=valid[:, None] & mr[None, :], other=0.0)
         dgc = tl.zeros((BK, C), dtype=tl.float32)
@@ -114,9 +124,7 @@ def _sparse_mla_dlatent(Q, L, IDX, CNT, DO, LSE, DELTA, DL, H, scale, qs_t, qs_h
         for h0 in range(0, H, BH):
             h = h0 + tl.arange(0, BH)
             mh = h < H
-            q_row = Q + t * qs_t + h[:, None] * qs_h
-            qc = tl.load(q_row + c[None, :], mask=mh[:, None], other=0.0)
-            qr = tl.load(q_row + C + r[None, :], mask=mh[:, None] & mr[None, :], other=0.0)
+            qc, qr = _query(Q, t, h, mh, qs_t, qs_h, c, r, mr, C)
             do = tl.load(DO + t * os_t + h[:, None] * os_h + c[None, :], mask=mh[:, None], other=0.0)
             lse = tl.load(LSE + t * H + h, mask=mh, other=0.0)
             delta = tl.load(DELTA + t * H + h, mask=mh, other=0.0)

@@ -24,10 +24,12 @@ Every head of a query reads the same K latents (C values each), not K expanded k
 K·C values where the expanded form's would be K·H·(q·k + v width), 57 times more for GLM-5's 64 heads. The
 attention is a batched product per query: its H heads × its K gathered latents.
 
-`sparse_latent_attention` runs that over blocks of queries, flash-style: the forward keeps each query's output and
-log-sum-exp per head; the backward recomputes the block's probabilities from them, so no [T, H, K] tensor outlives
-its block. Scores and softmax in fp32 (on a GPU, bf16 products with fp32 results); the latent's gradient is summed
-into [S, C] fp32 rows with `index_add_`.
+`sparse_latent_attention` runs that flash-style: the forward keeps each query's output and log-sum-exp per head,
+the backward recomputes the probabilities from them. On a GPU, Triton kernels (kernels/sparse_mla_triton.py: one
+program per query and block of heads, the latent gradient added with atomics); elsewhere, torch over blocks of
+queries (`_SparseLatentAttention`, the reference the kernels are tested against), no [T, H, K] tensor outliving its
+block, the latent's gradient summed into [S, C] fp32 rows with `index_add_`. Scores and softmax in fp32. The
+derivation and the costs: docs/sparse_attention.md.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from kernels.dsa_index import index_scores, topk_select
 from kernels.gdn_fused import _pick_backend
 
 BLOCK_BYTES = 1 << 28  # a block's working set: its gathered latents and its fp32 [block, H, K] scores and gradients
+INDEX_BLOCK_BYTES = 1 << 30  # the indexer's: a block of queries' fp32 scores over their span and the selection's work
 
 
 def _f32_bmm(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
@@ -71,15 +74,17 @@ def index_topk(qI_TNI: torch.Tensor, w_TN: torch.Tensor, kI_SI: torch.Tensor, qu
     qi_all = torch.tensor(query_index, device=qI_TNI.device)
     st_all = torch.tensor(doc_start, device=qI_TNI.device)
     span = max(query_index) + 1 - min(doc_start)
-    # a block's bytes a query: its fp32 scores and topk's work on them, and on the torch path its N heads' products
-    per_row = 4 * span * (6 if _pick_backend(qI_TNI, "auto") == "triton" else qI_TNI.shape[1] + 6)
-    step = _block(per_row, T)
+    # a block's bytes a query: its fp32 scores and the selection's work on them (topk's, the tie check's), and on the
+    # torch path its N heads' products; blocks of up to INDEX_BLOCK_BYTES (fewer, larger blocks: the scores kernel
+    # and topk run at their rate from about a thousand queries a block)
+    per_row = 4 * span * (4 if _pick_backend(qI_TNI, "auto") == "triton" else qI_TNI.shape[1] + 6)
+    step = max(1, min(T, INDEX_BLOCK_BYTES // per_row))
     for a in range(0, T, step):
         b = min(T, a + step)
         lo, hi = min(doc_start[a:b]), max(query_index[a:b]) + 1
         score = index_scores(qI_TNI[a:b], w_TN[a:b], kI_SI[lo:hi], qi_all[a:b], st_all[a:b], lo, scale)
         k = min(topk, hi - lo)
-        out[a:b, :k] = topk_select(score, k, lo, st_all[a:b] - lo, qi_all[a:b] + 1 - lo)
+        out[a:b, :k] = topk_select(score, k, lo)
     return out
 
 

@@ -104,18 +104,17 @@ WINDOW_ROW_KEYS = 670
 # alone with and without sinks at 8K to 128K tokens (hw_profiles/calibration/h200_attention.json): the median of the
 # five, which span 4 to 15
 SINK_MERGE_BYTES = 11
-# DeepSeek sparse attention (launch/sparse_attention.py, docs/cost_model.md "DeepSeek sparse attention"): its Triton
-# kernels (absorbed MLA over each query's selected latents: forward, dq, dlatent) at this share of the bf16 peak in
-# model FLOPs counted three times the forward's (bench/bench_sparse_attention.py on an H200: 0.073 at 8K tokens,
-# 0.068 at 64K); the indexer's scores at INDEX_GEMM_EFFICIENCY (the kernel's 449 TF/s), and its top-k selection
-# INDEX_SELECT_S a score on an H200 (torch.topk and its tie check; the indexer's pass took 242-352 ms at 64K tokens'
-# 2.1G scores and 72-104 ms at 32K's 0.54G over three runs, their means fitted), scaled by HBM bandwidth elsewhere,
-# plus INDEX_PASS_S a pass (its block loop)
+# DeepSeek sparse attention (launch/sparse_attention.py, docs/sparse_attention.md "Cost"): its Triton kernels
+# (absorbed MLA over each query's selected latents: forward, dq, dlatent) at this share of the bf16 peak in model
+# FLOPs counted three times the forward's (bench/bench_sparse_attention.py on an H200: 0.072 at 8K tokens, 0.067 at
+# 64K); the indexer's scores at INDEX_GEMM_EFFICIENCY (its kernel's 449 TF/s), its top-k selection INDEX_SELECT_S a
+# score on an H200 (torch.topk and the tie check), scaled by HBM bandwidth elsewhere, and INDEX_PASS_S a pass (its
+# block loop): the line through the indexer's 44.6 ms at 32K tokens and 154.0 ms at 64K (8.3 ms at 8K, 10.4 on it)
 SPARSE_ATTENTION_EFFICIENCY = 0.07
 INDEX_GEMM_EFFICIENCY = 0.45
-INDEX_SELECT_S = 1.2e-10
+INDEX_SELECT_S = 5.0e-11
 INDEX_SELECT_HBM = 4.8e12
-INDEX_PASS_S = 5e-3
+INDEX_PASS_S = 8e-3
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 

@@ -194,7 +194,8 @@ class RopeScaling(Record):
 # what the training core (launch/) builds: the Qwen3.5 / Qwen3-Next hybrids (MoE and dense), Qwen3-MoE, Mixtral
 # (Qwen3-MoE's block without q/k norms, top-k weights renormalized), Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B: q/k/v
 # biases, a gated shared expert, softmax routing without renormalization), DeepSeek-V3 (multi-head latent
-# attention, sigmoid routing; Kimi-K2 and Moonlight share it) and DeepSeek-V2 (its softmax routing), GLM-4.5
+# attention, sigmoid routing; Kimi-K2 and Moonlight share it; DeepSeek-V3.2 and GLM-5 with DeepSeek sparse attention)
+# and DeepSeek-V2 (its softmax routing), GLM-4.5
 # (sigmoid routing, q/k/v biases, partial RoPE), gpt-oss (attention sinks, sliding-window layers, biased router and
 # experts, clamped GLU) and dense Llama-family stacks (Llama, Qwen2, Qwen3, Mistral without a sliding window), OLMoE
 # (q/k norms over all heads together, softmax routing without renormalization), ERNIE-4.5 MoE (softmax scores
@@ -221,7 +222,8 @@ def trainable(shape: "ModelShape") -> str | None:
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
-                f"Qwen2-MoE, OLMoE, ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2 and V3 (Kimi-K2, Moonlight), GLM-4.5 "
+                f"Qwen2-MoE, OLMoE, ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, Moonlight) and V3.2, GLM-5, "
+                f"GLM-4.5 "
                 f"(and dots.llm1), gpt-oss, Llama 4, Granite MoE, "
                 f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "

@@ -740,10 +740,10 @@ def _meta_params(model_cls, cfg, skip: tuple[str, ...] = (), biases: bool = True
     return bias + sum(p.numel() for n, p in model.named_parameters() if not any(k in n for k in skip))
 
 
-def test_glm5_reads_as_deepseek_v3_blocks_with_sparse_attention_planned_only(tmp_path, capsys):
+def test_glm5_reads_as_deepseek_v3_blocks_with_its_indexer(tmp_path):
     """GLM-5 (`glm_moe_dsa`): DeepSeek-V3.2's blocks (multi-head latent attention with q·k 256 and v 256 wide, DSA's
-    indexer) with one expert group, scaling 2.5 and three dense layers. transformers' default config is GLM-5's
-    shape; cut to five layers its parameters (the indexer's with them) equal transformers' own."""
+    indexer: 32 heads, RoPE in pairs) with one expert group, scaling 2.5 and three dense layers. transformers' default
+    config is GLM-5's shape; cut to five layers its parameters (the indexer's with them) equal transformers' own."""
     import transformers
 
     transformers.GlmMoeDsaConfig().save_pretrained(tmp_path / "glm5")
@@ -763,6 +763,22 @@ def test_glm5_reads_as_deepseek_v3_blocks_with_sparse_attention_planned_only(tmp
     cut = json.loads((tmp_path / "glm5-5" / "config.json").read_text())
     del cut["first_k_dense_replace"], cut["mlp_layer_types"]  # transformers' default: three dense layers
     assert from_hf_config(_write(tmp_path, "cut", cut)).first_dense_layers == 3
+    # layers sharing an earlier layer's selection: by list, by pattern, or by transformers' freq/offset schedule
+    # (the same layers transformers' config derives); planned, refused by the core; malformed lists in one line
+    del cut["indexer_types"]
+    for i, extra in enumerate(({"indexer_types": ["full", "shared", "full", "shared", "shared"]},
+                               {"index_topk_pattern": "FSFSS"})):
+        assert from_hf_config(_write(tmp_path, f"shared{i}", cut | extra)).dsa.shared_layers == (1, 3, 4)
+    sched = transformers.GlmMoeDsaConfig(num_hidden_layers=5, index_topk_freq=2, index_skip_topk_offset=1)
+    want = tuple(i for i, t in enumerate(sched.indexer_types) if t == "shared")
+    shared = from_hf_config(_write(tmp_path, "sched", cut | {"index_topk_freq": 2, "index_skip_topk_offset": 1}))
+    assert want and shared.dsa.shared_layers == want
+    assert "share an earlier layer's selection" in trainable(shared)
+    assert shared.with_layers(2).dsa.shared_layers == tuple(i for i in want if i < 2)
+    for i, bad in enumerate((["shared"] * 5, ["full"] * 4, ["full", "sparse", "full", "full", "full"], "FSFSS")):
+        with pytest.raises(ValueError) as e:
+            from_hf_config(_write(tmp_path, f"badtypes{i}", cut | {"indexer_types": bad}))
+        assert "\n" not in str(e.value) and "indexer_types" in str(e.value), str(e.value)
 
 
 @pytest.mark.parametrize("model_type, cls, rel", [
