@@ -14,7 +14,7 @@ BLOCK_ROWS = 64  # kernels/sink_merge.py MAX_R2 counts on it
 
 @triton.jit
 def _scale_rows_kernel(O, W, R2, os1, os2, D: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    i = tl.program_id(0)
+    i = tl.program_id(0).to(tl.int64)  # i · os1 passes 2^31 past 512K tokens of 64 heads
     j = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     mj = j < R2
@@ -28,7 +28,7 @@ def _scale_rows_kernel(O, W, R2, os1, os2, D: tl.constexpr, BLOCK_R: tl.constexp
 @triton.jit
 def _grad_rows_kernel(DO, O, G, OUT, R2, ds1, ds2, os1, os2, gs1, gs2, D: tl.constexpr, COPY: tl.constexpr,
                       BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
-    i = tl.program_id(0)
+    i = tl.program_id(0).to(tl.int64)  # i · os1 passes 2^31 past 512K tokens of 64 heads
     j = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
     d = tl.arange(0, BLOCK_D)
     mj = j < R2

@@ -111,6 +111,7 @@ SINK_MERGE_BYTES = 11
 # score on an H200 (torch.topk and the tie check), scaled by HBM bandwidth elsewhere, and INDEX_PASS_S a pass (its
 # block loop): the line through the indexer's 44.6 ms at 32K tokens and 154.0 ms at 64K (8.3 ms at 8K, 10.4 on it)
 SPARSE_ATTENTION_EFFICIENCY = 0.07
+SPARSE_HEAD_BLOCK = 16  # heads a program of those kernels holds (kernels/sparse_mla_triton.py BH): fewer run it part-empty
 INDEX_GEMM_EFFICIENCY = 0.45
 INDEX_SELECT_S = 5.0e-11
 INDEX_SELECT_HBM = 4.8e12
@@ -822,7 +823,8 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         **experts,
         "dense_gemm": layers * (f["matmul_layers"] - routed) * mult["dense_gemm"],
         "dense_rows": layers * dense_row_bytes_all_layers(m) * mult["dense_rows"],
-        "attention": layers * f["attention"] * attention_kernel_ratio(m, opts.micro_batch_tokens) * mult["attention"],
+        "attention": layers * f["attention"] * attention_kernel_ratio(m, opts.micro_batch_tokens) * mult["attention"]
+        * (max(1.0, SPARSE_HEAD_BLOCK * tp / m.num_heads) if m.dsa is not None else 1.0),
         "delta_rule": layers * f.get("linear_attention", 0.0) * mult["delta_rule"],
         # DSA's indexer: forward only, every query of the rank against all keys (replicated over tp), once a pass
         "indexer": s * f.get("indexer", 0.0) * (share["attention"] + share_again["attention"]),

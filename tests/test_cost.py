@@ -823,6 +823,8 @@ def test_deepseek_sparse_attention_is_charged_on_its_selected_keys_and_its_index
     one, two = compute_work(m, Layout(), opts), compute_work(m, Layout(tp=2), opts)
     assert two["indexer"] == one["indexer"] == 4096 * f["indexer"] * 2  # forward and recomputed forward
     assert two["attention"] == pytest.approx(one["attention"] / 2)
+    # 128 heads over tp = 16: 8 a rank run the kernels' 16-head blocks half empty, the time of 16 heads' work
+    assert compute_work(m, Layout(tp=16), opts)["attention"] == pytest.approx(one["attention"] / 8)
     assert one["index_passes"] == 2 * 4
     hw = load_profile("h200")
     r = rates(hw, m)
