@@ -455,8 +455,8 @@ class MLAttention(nn.Module):
             latent_TC, index_k, query_index, doc_start = cp.gather_in_order(packing, latent_TC, index_k)
         else:
             query_index = list(range(T))
-            doc_start = [s for n, s in zip(packing.doc_lengths, itertools.accumulate(packing.doc_lengths, initial=0))
-                         for s in [s] * n]
+            starts = itertools.accumulate(packing.doc_lengths, initial=0)
+            doc_start = [start for n, start in zip(packing.doc_lengths, starts) for _ in range(n)]
         idx = index_topk(index_q, index_w, index_k, query_index, doc_start, self.indexer.topk, self.indexer.scale)
         o = sparse_latent_attention(q_hat, latent_TC, idx, self.scale, self.kv_lora_rank)  # [T, H, C]
         return torch.bmm(o.transpose(0, 1), w[:, self.nope_dim:].transpose(1, 2)).transpose(0, 1)
@@ -694,8 +694,8 @@ def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = Non
     parameter names stay the whole model's). Each parameter is drawn from a generator of its own, seeded by `seed`
     and its name, at its full (global) shape on its device, and each rank keeps its shard: so a model built whole
     and one built on the meta device and sharded hold the same weights, whatever the layout. A_log ~ log U(1, 16),
-    dt_bias 1, norm weights 1 (0 for offset norms), the rest N(0, std) but the embedding's pad row (0, as
-    transformers initializes it); the sigmoid router's correction bias (a buffer) 0."""
+    dt_bias 1, norm weights 1 (0 for offset norms; a LayerNorm's bias 0), the rest N(0, std) but the embedding's pad
+    row (0, as transformers initializes it); the sigmoid router's correction bias (a buffer) 0."""
     for name, p in module.named_parameters():
         gen = torch.Generator(device=p.device)
         gen.manual_seed(_parameter_seed(0 if seed is None else seed, whole_model_name(name)))
@@ -706,8 +706,9 @@ def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = Non
             full = torch.ones(p.shape, device=p.device)
         elif "norm" in name:
             owner = module.get_submodule(name.rsplit(".", 1)[0])
-            zero = leaf == "bias" or (isinstance(owner, RMSNorm) and owner.offset)  # a LayerNorm's bias (DSA's index
-            full = torch.full(p.shape, 0.0 if zero else 1.0, device=p.device)  # keys): 0
+            # 0 for offset RMSNorms and a LayerNorm's bias (DSA's index keys), 1 for the other norm weights
+            zero = leaf == "bias" or (isinstance(owner, RMSNorm) and owner.offset)
+            full = torch.full(p.shape, 0.0 if zero else 1.0, device=p.device)
         else:
             full = torch.randn(p.shape, generator=gen, device=p.device) * std
             if name.endswith("embed_tokens.weight"):

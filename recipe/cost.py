@@ -111,7 +111,8 @@ SINK_MERGE_BYTES = 11
 # score on an H200 (torch.topk and the tie check), scaled by HBM bandwidth elsewhere, and INDEX_PASS_S a pass (its
 # block loop): the line through the indexer's 44.6 ms at 32K tokens and 154.0 ms at 64K (8.3 ms at 8K, 10.4 on it)
 SPARSE_ATTENTION_EFFICIENCY = 0.07
-SPARSE_HEAD_BLOCK = 16  # heads a program of those kernels holds (kernels/sparse_mla_triton.py BH): fewer run it part-empty
+# heads a program of those kernels holds (kernels/sparse_mla_triton.py BH): a rank with fewer runs it part-empty
+SPARSE_HEAD_BLOCK = 16
 INDEX_GEMM_EFFICIENCY = 0.45
 INDEX_SELECT_S = 5.0e-11
 INDEX_SELECT_HBM = 4.8e12

@@ -222,8 +222,8 @@ def trainable(shape: "ModelShape") -> str | None:
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
-                f"Qwen2-MoE, OLMoE, ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, Moonlight) and V3.2, GLM-5, "
-                f"GLM-4.5 "
+                f"Qwen2-MoE, OLMoE, ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, Moonlight) and "
+                f"V3.2, GLM-5, GLM-4.5 "
                 f"(and dots.llm1), gpt-oss, Llama 4, Granite MoE, "
                 f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
