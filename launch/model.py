@@ -51,6 +51,15 @@ SOFTMAX_SCORE_ARCHS = ("ernie4_5_moe",)
 INTERLEAVED_ROPE_ARCHS = ("ernie4_5_moe", "llama4")
 
 
+class Handoff:
+    """What one layer leaves for a later one within a micro-batch (DeepSeek sparse attention's selections, by layer):
+    a plain object, so that FSDP2's casting of the layers' inputs, which rebuilds dataclasses and dicts, hands this
+    very instance to every layer."""
+
+    def __init__(self):
+        self.values: dict = {}
+
+
 @dataclass(frozen=True)
 class Packing:
     """Document layout of one packed sequence."""
@@ -62,6 +71,7 @@ class Packing:
     # segments of a longer micro-batch, `doc_lengths` their runs of one document; None: the whole micro-batch
     cp: object | None = None
     _derived: dict = field(default_factory=dict, compare=False, repr=False)  # `chunked`'s, made once a batch
+    handoff: Handoff = field(default_factory=Handoff, compare=False, repr=False)
 
     @staticmethod
     def from_lengths(doc_lengths: list[int] | tuple[int, ...], device: torch.device | str = "cpu") -> "Packing":
@@ -392,7 +402,7 @@ class MLAttention(nn.Module):
     parallelism the cp ranks exchange the latent (normed latent and RoPE'd shared key), and each expands the whole
     micro-batch's keys and values from it (`expand`)."""
 
-    def __init__(self, s: ModelShape):
+    def __init__(self, s: ModelShape, layer: int = 0):
         super().__init__()
         a = s.mla
         self.num_heads, self.num_kv_heads = s.num_heads, s.num_heads
@@ -409,7 +419,16 @@ class MLAttention(nn.Module):
         self.kv_b_proj = nn.Linear(a.kv_lora_rank, s.num_heads * (a.qk_nope_head_dim + a.v_head_dim), bias=False)
         self.o_proj = nn.Linear(s.num_heads * a.v_head_dim, s.hidden_size, bias=s.attn_bias)
         self.scale = softmax_scale(s)
-        self.indexer = Indexer(s) if s.dsa is not None else None
+        # DeepSeek sparse attention: this layer's indexer, or (GLM's "shared" layers) the earlier layer whose
+        # selection it reuses; `keeps_selection`: a later layer reuses this one's
+        self.sparse, self.layer, self.indexer, self.selection_of, self.keeps_selection = s.dsa is not None, layer, \
+            None, None, False
+        if s.dsa is not None:
+            if layer in s.dsa.shared_layers:
+                self.selection_of = s.dsa.selection_source(layer)
+            else:
+                self.indexer = Indexer(s)
+                self.keeps_selection = any(s.dsa.selection_source(i) == layer for i in s.dsa.shared_layers)
         self.rope_backend = "auto"  # as Attention's
         self.context_parallel = None  # as Attention's
 
@@ -427,8 +446,9 @@ class MLAttention(nn.Module):
         k_rope = apply_rope(k_rope.view(T, 1, self.rope_dim), *rope, pairs=True,
                             backend=self.rope_backend).view(T, self.rope_dim)
         latent = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)  # [T, C + Dr]: all a key needs
-        if self.indexer is not None:
-            return self.o_proj(self.sparse(x_TD, q_latent, q_nope, q_rope, latent, rope, packing).reshape(T, -1))
+        if self.sparse:
+            return self.o_proj(self.sparse_attention(x_TD, q_latent, q_nope, q_rope, latent, rope, packing)
+                               .reshape(T, -1))
         q = torch.cat([q_nope, q_rope], dim=-1)
         if _context_parallel(self, packing) is not None:  # the latent crosses the cp ranks, not K and V
             o = self.context_parallel.latent_attention(q, latent, self.expand, packing, self.scale)
@@ -439,25 +459,38 @@ class MLAttention(nn.Module):
                 o = causal_attention(q, k, v, packing, self.scale)
         return self.o_proj(o[..., : self.v_dim].reshape(T, -1))
 
-    def sparse(self, x_TD, q_latent, q_nope_THN, q_rope_THR, latent_TC, rope, packing: Packing) -> torch.Tensor:
+    def sparse_attention(self, x_TD, q_latent, q_nope_THN, q_rope_THR, latent_TC, rope, packing: Packing
+                         ) -> torch.Tensor:
         """DeepSeek sparse attention (launch/sparse_attention.py): the indexer picks each query's keys, and the heads
         attend to them in the absorbed form, q_nope through each head's k rows of kv_b_proj into the latent's space
         and the output back through its v rows. Returns [T, H, Dv]. Under context parallelism the latents and index
         keys of the whole micro-batch are all-gathered (in global token order) and the local queries select among
-        them."""
+        them. A layer without an indexer reuses the selection its source layer left on the micro-batch's packing
+        (`Packing.handoff`, kept for the step: the recomputed forward finds it too)."""
         T, H = q_nope_THN.shape[:2]
         w = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)  # this rank's heads
         q_hat = torch.cat([torch.bmm(q_nope_THN.transpose(0, 1), w[:, :self.nope_dim]).transpose(0, 1), q_rope_THR],
                           dim=-1)  # [T, H, C + Dr]
-        index_q, index_w, index_k = self.indexer(x_TD, q_latent, rope)
         cp = _context_parallel(self, packing)
-        if cp is not None:
-            latent_TC, index_k, query_index, doc_start = cp.gather_in_order(packing, latent_TC, index_k)
+        if self.indexer is None:
+            idx = packing.handoff.values.get(("sparse_selection", self.selection_of))
+            if idx is None:
+                raise ValueError(f"layer {self.layer} reuses layer {self.selection_of}'s sparse-attention selection, "
+                                 f"which this process did not compute (a pipeline stage must hold both)")
+            if cp is not None:
+                latent_TC = cp.gather_in_order(packing, latent_TC)[0]
         else:
-            query_index = list(range(T))
-            starts = itertools.accumulate(packing.doc_lengths, initial=0)
-            doc_start = [start for n, start in zip(packing.doc_lengths, starts) for _ in range(n)]
-        idx = index_topk(index_q, index_w, index_k, query_index, doc_start, self.indexer.topk, self.indexer.scale)
+            index_q, index_w, index_k = self.indexer(x_TD, q_latent, rope)
+            if cp is not None:
+                latent_TC, index_k, query_index, doc_start = cp.gather_in_order(packing, latent_TC, index_k)
+            else:
+                query_index = list(range(T))
+                starts = itertools.accumulate(packing.doc_lengths, initial=0)
+                doc_start = [start for n, start in zip(packing.doc_lengths, starts) for _ in range(n)]
+            idx = index_topk(index_q, index_w, index_k, query_index, doc_start, self.indexer.topk,
+                             self.indexer.scale)
+            if self.keeps_selection:
+                packing.handoff.values[("sparse_selection", self.layer)] = idx
         o = sparse_latent_attention(q_hat, latent_TC, idx, self.scale, self.kv_lora_rank)  # [T, H, C]
         return torch.bmm(o.transpose(0, 1), w[:, self.nope_dim:].transpose(1, 2)).transpose(0, 1)
 
@@ -609,11 +642,11 @@ class DecoderLayer(nn.Module):
     """`x + mixer(norm(x))`, then `x + ffn(norm(x))`: the FFN is the MoE, or a dense SwiGLU MLP (`dense`: the
     model's dense layers, `ModelShape.is_dense_layer`, which are all of a dense model's)."""
 
-    def __init__(self, s: ModelShape, layer_type: str, norm_offset: float, dense: bool = False):
+    def __init__(self, s: ModelShape, layer_type: str, norm_offset: float, dense: bool = False, index: int = 0):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "full_attention":
-            self.self_attn = MLAttention(s) if s.mla is not None else Attention(s, norm_offset)
+            self.self_attn = MLAttention(s, index) if s.mla is not None else Attention(s, norm_offset)
         elif layer_type == "sliding_attention" and s.mla is None and s.sliding_window:
             self.self_attn = Attention(s, norm_offset, window=s.sliding_window)
         elif layer_type == "chunked_attention" and s.mla is None and s.attention_chunk:
@@ -663,7 +696,7 @@ class Transformer(nn.Module):
         self.embed_tokens = ScaledEmbedding(shape.vocab_size, shape.hidden_size, padding_idx=shape.pad_token_id,
                                             scale=shape.granite.embedding if shape.granite is not None else 1.0)
         self.embed_tokens.pad_row = shape.pad_token_id
-        self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset, dense=shape.is_dense_layer(i))
+        self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset, dense=shape.is_dense_layer(i), index=i)
                                     for i, t in enumerate(shape.layer_types))
         self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, norm_offset)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)

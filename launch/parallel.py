@@ -59,6 +59,15 @@ def check_plan_shape(plan, shape) -> None:
     if plan.layout.pp > 1 and shape.tie_embeddings:
         raise LayoutError(f"pp={plan.layout.pp}: pipeline parallel puts the embedding and the LM head on different "
                           f"stages, and {shape.name} ties them: re-solve with --pp 1")
+    if plan.layout.pp > 1 and shape.dsa is not None and shape.dsa.shared_layers:
+        from launch.pipeline import split_selection, stage_sizes
+
+        sizes = stage_sizes(plan, shape)
+        apart = split_selection(shape, sizes)
+        if apart is not None:
+            raise LayoutError(f"pp={plan.layout.pp}: the stages {sizes} put layer {apart[0]} apart from layer "
+                              f"{apart[1]}, whose sparse-attention selection it reuses: give both to one stage "
+                              f"(train.pp_stages)")
 
 
 @dataclass

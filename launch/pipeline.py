@@ -55,6 +55,17 @@ def stage_sizes(plan, shape) -> list[int]:
     return pipeline_split(shape, plan.layout.pp, opts, plan.hw_profile())
 
 
+def split_selection(shape, sizes: list[int]) -> tuple[int, int] | None:
+    """(layer, source) of a DeepSeek sparse attention layer that a split of `sizes` layers a stage puts on another
+    stage than the layer whose selection it reuses; None when every such pair shares a stage."""
+    dsa = shape.dsa
+    stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
+    for i in dsa.shared_layers if dsa is not None else ():
+        if i < len(stage_of) and stage_of[i] != stage_of[dsa.selection_source(i)]:
+            return i, dsa.selection_source(i)
+    return None
+
+
 class StageModule(nn.Module):
     """One pipeline stage of a Transformer: layers [first, first + count) held in a ModuleDict under their global
     index, the embedding on the first stage, the final norm and LM head on the last; attribute names as the

@@ -704,6 +704,10 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
         else:
             first = recomputed_inputs + kept * (in_flight - 1) * (mixer + ffn) + working + unsharded - emb_grad
         acts = max(last, first, 0.0)
+    # DeepSeek sparse attention's layers whose selection a later layer reuses keep it (int32, s × topk) for the step
+    if m.dsa is not None and m.dsa.shared_layers:
+        sources = len({m.dsa.selection_source(i) for i in m.dsa.shared_layers})
+        acts += sources * L / m.num_layers * in_flight * s * m.dsa.topk * 4
     if in_head or kept:
         # the fused and lean heads run (forward and their gradients) at the end of the forward, when the
         # checkpoints and the kept layers' saved sets are live and no layer's gradient exists yet: they raise the

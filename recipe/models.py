@@ -74,6 +74,10 @@ class SparseAttentionShape(Record):
     # layers that reuse the previous indexing layer's selection rather than run an indexer (GLM's "shared" layers)
     shared_layers: tuple[int, ...] = ()
 
+    def selection_source(self, layer: int) -> int:
+        """The layer whose selection a shared layer reuses: the last one before it that runs its indexer."""
+        return max(j for j in range(layer) if j not in self.shared_layers)
+
     def __post_init__(self) -> None:
         _positive(self, ("topk", "index_heads", "index_head_dim"))
         object.__setattr__(self, "shared_layers", tuple(self.shared_layers))
@@ -237,8 +241,6 @@ def trainable(shape: "ModelShape") -> str | None:
         ("chunked attention outside Llama 4", shape.num_chunked_layers > 0 and shape.arch != "llama4"),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
          and shape.softmax_router is None),
-        ("DeepSeek sparse attention with layers that share an earlier layer's selection",
-         shape.dsa is not None and bool(shape.dsa.shared_layers)),
         (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and (
             sc.kind not in ROPE_SCALINGS or (sc.kind == "dynamic" and sc.alpha is None))))
                    if present]

@@ -117,11 +117,12 @@ def tiny_mla():
 
 def tiny_dsa():
     """tiny_mla with DeepSeek sparse attention: an indexer of 2 heads of 8 channels (RoPE on pairs, GLM-5's form)
-    keeping 6 keys a query, so the documents of up to 42 tokens select, across the cp segments too."""
+    keeping 6 keys a query, so the documents of up to 42 tokens select, across the cp segments too; the last layer
+    reuses the third's selection (GLM's "shared" layers)."""
     from recipe.models import SparseAttentionShape
 
     return tiny_mla().model_copy(update={"name": "tiny-dsa", "dsa": SparseAttentionShape(
-        topk=6, index_heads=2, index_head_dim=8, rope_pairs=True)})
+        topk=6, index_heads=2, index_head_dim=8, rope_pairs=True, shared_layers=(3,))})
 
 
 def tiny_oss():

@@ -831,3 +831,10 @@ def test_deepseek_sparse_attention_is_charged_on_its_selected_keys_and_its_index
     assert r["attention"] == hw.peak_bf16_tflops * 1e12 * SPARSE_ATTENTION_EFFICIENCY
     assert r["index_passes"] == INDEX_PASS_S and 0 < r["indexer"] < hw.peak_bf16_tflops * 1e12
     assert rates(hw, PRESETS["deepseek-v3"])["indexer"] == float("inf")
+    # a layer reusing an earlier one's selection: one indexer pass fewer, the selection (int32, s × K) kept
+    from recipe.cost import memory_terms
+
+    shared = m.model_copy(update={"dsa": m.dsa.model_copy(update={"shared_layers": (3,)})})
+    assert compute_work(shared, Layout(), opts)["index_passes"] == 2 * 3
+    acts = [memory_terms(x, hw, 1, Layout(), opts)[0]["activations"] for x in (m, shared)]
+    assert acts[1] - acts[0] == pytest.approx(4096 * 4 * 4)

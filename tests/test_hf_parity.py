@@ -62,7 +62,10 @@ GLM_LITE = {k: v for k, v in DEEPSEEK.items() if k != "first_k_dense_replace"} |
 # heads, 1 key in 8 scores exactly 0, every head's ReLU at zero)
 DSA = dict(DEEPSEEK, index_topk=8, index_n_heads=16, index_head_dim=8)
 DSA_ARCHS = {"deepseek_v32": (transformers.DeepseekV32Config, transformers.DeepseekV32ForCausalLM, DSA),
-             "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM, DSA)}
+             "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM, DSA),
+             # its third layer reuses the second's selection (GLM's "shared" indexer layers: no indexer of its own)
+             "glm_moe_dsa_shared": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM,
+                                    dict(DSA, indexer_types=["full", "full", "shared"]))}
 # DeepSeek-V2: softmax routing in 2 groups of 4 experts (each scored by its best), the 2 experts from the best group
 # only (the limit binds: V2's own keeps 3 groups of 8 for 6 experts), weights not renormalized, times 16 (V2's
 # factor); V2-Lite: no q LoRA, plain top-k ("greedy"), plain RoPE

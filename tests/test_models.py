@@ -764,7 +764,8 @@ def test_glm5_reads_as_deepseek_v3_blocks_with_its_indexer(tmp_path):
     del cut["first_k_dense_replace"], cut["mlp_layer_types"]  # transformers' default: three dense layers
     assert from_hf_config(_write(tmp_path, "cut", cut)).first_dense_layers == 3
     # layers sharing an earlier layer's selection: by list, by pattern, or by transformers' freq/offset schedule
-    # (the same layers transformers' config derives); planned, refused by the core; malformed lists in one line
+    # (the same layers transformers' config derives), each reusing the last indexing layer before it; malformed lists
+    # in one line
     del cut["indexer_types"]
     for i, extra in enumerate(({"indexer_types": ["full", "shared", "full", "shared", "shared"]},
                                {"index_topk_pattern": "FSFSS"})):
@@ -773,7 +774,8 @@ def test_glm5_reads_as_deepseek_v3_blocks_with_its_indexer(tmp_path):
     want = tuple(i for i, t in enumerate(sched.indexer_types) if t == "shared")
     shared = from_hf_config(_write(tmp_path, "sched", cut | {"index_topk_freq": 2, "index_skip_topk_offset": 1}))
     assert want and shared.dsa.shared_layers == want
-    assert "share an earlier layer's selection" in trainable(shared)
+    assert trainable(shared) is None
+    assert [shared.dsa.selection_source(i) for i in want] == [max(j for j in range(i) if j not in want) for i in want]
     assert shared.with_layers(2).dsa.shared_layers == tuple(i for i in want if i < 2)
     for i, bad in enumerate((["shared"] * 5, ["full"] * 4, ["full", "sparse", "full", "full", "full"], "FSFSS")):
         with pytest.raises(ValueError) as e:

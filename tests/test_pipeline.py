@@ -258,6 +258,26 @@ def test_tied_embeddings_are_refused_under_pp_before_any_group():
     check_plan_shape(plan, PRESETS["tiny-moe"])
 
 
+def test_a_split_between_a_sparse_attention_layer_and_its_selection_source_is_refused_before_any_group():
+    """GLM's shared sparse-attention layers reuse the selection of the last indexing layer before them, handed over
+    inside the process: a pipeline split between the two is refused in one line; one that keeps them together runs."""
+    import types
+
+    import dist_cases
+    from launch.parallel import LayoutError, check_plan_shape
+    from recipe.plan import LayoutSpec
+
+    shape = dist_cases.tiny_dsa()  # layer 3 reuses layer 2's selection
+
+    def plan(stages):
+        return types.SimpleNamespace(layout=LayoutSpec(pp=2, tp=1, cp=1, ep=1, dp=1, etp=1, edp=1),
+                                     train=types.SimpleNamespace(micro_batch_tokens=64, pp_stages=stages))
+    with pytest.raises(LayoutError, match=r"pp=2: the stages \[3, 1\] put layer 3 apart from layer 2, whose "
+                                          r"sparse-attention selection it reuses"):
+        check_plan_shape(plan([3, 1]), shape)
+    check_plan_shape(plan([2, 2]), shape)
+
+
 def test_recipe_check_names_a_split_that_misses_layers(tmp_path):
     r = subprocess.run([sys.executable, "-m", "recipe", "check", str(_tiny_plan(tmp_path, 2, [1, 2]))],
                        capture_output=True, text=True, cwd=ROOT)
