@@ -54,4 +54,3 @@ def index_scores(q_TNI: torch.Tensor, w_TN: torch.Tensor, k_SI: torch.Tensor, qu
                                I=I, BM=BM, BN=BN, num_warps=warps, num_stages=2,
                                PRECISION="ieee" if q_TNI.dtype == torch.float32 else "tf32")
     return out
-

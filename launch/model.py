@@ -421,8 +421,8 @@ class MLAttention(nn.Module):
         self.scale = softmax_scale(s)
         # DeepSeek sparse attention: this layer's indexer, or (GLM's "shared" layers) the earlier layer whose
         # selection it reuses; `keeps_selection`: a later layer reuses this one's
-        self.sparse, self.layer, self.indexer, self.selection_of, self.keeps_selection = s.dsa is not None, layer, \
-            None, None, False
+        self.sparse, self.layer = s.dsa is not None, layer
+        self.indexer, self.selection_of, self.keeps_selection = None, None, False
         if s.dsa is not None:
             if layer in s.dsa.shared_layers:
                 self.selection_of = s.dsa.selection_source(layer)

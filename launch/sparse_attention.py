@@ -109,6 +109,16 @@ class _SparseLatentAttentionTriton(torch.autograd.Function):
         return dq, dlatent.to(latent.dtype), None, None, None
 
 
+def _block_scores(q_nHC, latent_SC, idx_nK, scale: float):
+    """A block of queries' selected keys: which slots are valid [n, K], their latent rows [n, K] and latents
+    [n, K, C], and the scaled fp32 scores [n, H, K] (−inf at the invalid slots)."""
+    valid = idx_nK >= 0
+    rows = idx_nK.clamp(min=0).long()
+    g = latent_SC[rows]
+    s = _f32_bmm(q_nHC, g.transpose(1, 2)) * scale
+    return valid, rows, g, s.masked_fill(~valid[:, None, :], float("-inf"))
+
+
 class _SparseLatentAttention(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q_THC, latent_SC, idx_TK, scale: float, v_dim: int):
@@ -119,11 +129,7 @@ class _SparseLatentAttention(torch.autograd.Function):
         step = _block(K * C * latent_SC.element_size() + 4 * H * K * 2, T)
         for a in range(0, T, step):
             b = min(T, a + step)
-            idx = idx_TK[a:b]
-            valid = idx >= 0
-            g = latent_SC[idx.clamp(min=0).long()]  # [n, K, C]
-            s = _f32_bmm(q_THC[a:b], g.transpose(1, 2)) * scale  # [n, H, K]
-            s = s.masked_fill(~valid[:, None, :], float("-inf"))
+            _, _, g, s = _block_scores(q_THC[a:b], latent_SC, idx_TK[a:b], scale)  # [n, K, C], [n, H, K]
             m = s.amax(-1, keepdim=True)
             p = torch.exp(s - m)
             denom = p.sum(-1, keepdim=True)
@@ -132,10 +138,10 @@ class _SparseLatentAttention(torch.autograd.Function):
             o[a:b] = ov.to(o.dtype)
         ctx.save_for_backward(q_THC, latent_SC, idx_TK, o, lse)
         ctx.scale, ctx.v_dim = scale, v_dim
-        return o, lse
+        return o
 
     @staticmethod
-    def backward(ctx, do_THV, _dlse):
+    def backward(ctx, do_THV):
         q_THC, latent_SC, idx_TK, o, lse = ctx.saved_tensors
         scale, v_dim = ctx.scale, ctx.v_dim
         T, H, C = q_THC.shape
@@ -146,12 +152,7 @@ class _SparseLatentAttention(torch.autograd.Function):
         step = _block(K * C * (latent_SC.element_size() + 4) + 4 * H * K * 3, T)
         for a in range(0, T, step):
             b = min(T, a + step)
-            idx = idx_TK[a:b]
-            valid = idx >= 0
-            rows = idx.clamp(min=0).long()
-            g = latent_SC[rows]  # [n, K, C]
-            s = _f32_bmm(q_THC[a:b], g.transpose(1, 2)) * scale
-            s = s.masked_fill(~valid[:, None, :], float("-inf"))
+            valid, rows, g, s = _block_scores(q_THC[a:b], latent_SC, idx_TK[a:b], scale)
             p = torch.exp(s - lse[a:b, :, None])  # [n, H, K]
             do = do_THV[a:b]
             dp = _f32_bmm(do, g[..., :v_dim].transpose(1, 2))  # [n, H, K]
@@ -174,5 +175,4 @@ def sparse_latent_attention(q_THC: torch.Tensor, latent_SC: torch.Tensor, idx_TK
     installed, the torch blocks here otherwise; "torch" and "triton" force one."""
     if _pick_backend(q_THC, backend) == "triton":
         return _SparseLatentAttentionTriton.apply(q_THC, latent_SC, idx_TK, scale, v_dim)
-    o, _ = _SparseLatentAttention.apply(q_THC, latent_SC, idx_TK, scale, v_dim)
-    return o
+    return _SparseLatentAttention.apply(q_THC, latent_SC, idx_TK, scale, v_dim)

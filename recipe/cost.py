@@ -240,29 +240,26 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
     with the output gate, its sigmoid and the gated output. GQA runs inside SDPA, so K/V stay at the KV heads'
     count. MLA's v is at the kernel's width for `vendor` (`mla_widths`)."""
     nh, nkv = m.num_heads / tp, m.num_kv_heads / tp
-    if m.dsa is not None:  # launch/model.py MLAttention.sparse: absorbed, nothing expanded
-        a, d = m.mla, m.dsa
-        lat = a.kv_lora_rank + a.qk_rope_head_dim
-        q = s * (2 * a.q_lora_rank + nh * (a.qk_nope_head_dim + a.qk_rope_head_dim)) * BF16
-        # the absorbed query [H, C + R] the kernels keep; the latent as projected, as kept, and gathered under CP
-        q_hat = s * nh * lat * BF16
-        kv = s * lat * (2 + (cp if cp > 1 else 0)) * BF16
-        # ô [H, C] and its log-sum-exp, the output through W_v (o_proj's input), the selection (int32)
-        out = s * nh * (a.kv_lora_rank * BF16 + FP32 + a.v_head_dim * BF16) + s * d.topk * 4
-        return q + q_hat + kv + out + s * m.hidden_size * BF16
     if m.mla is not None:  # launch/model.py MLAttention
         a = m.mla
-        kw, vw = mla_widths(m, vendor)
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
         # the q LoRA's projection (kept by its norm) and its normed copy (by q_b_proj); q as SDPA takes it (RoPE's
-        # products keep only the constant cos and sin)
-        q = s * (2 * a.q_lora_rank + nh * qk) * BF16
-        # the latent [c | k_rope] as projected and as kept for the expansion; under CP the whole micro-batch's
-        # latent is all-gathered and every rank expands all of its keys and values, at the kernel's widths
+        # products keep only the constant cos and sin); the latent [c | k_rope] as projected and as kept (for the
+        # expansion or the sparse kernels), all-gathered under CP; the normed input
         lat = a.kv_lora_rank + a.qk_rope_head_dim
-        kv = (s * lat * (2 + (cp if cp > 1 else 0)) + s * cp * nh * (kw + vw)) * BF16
+        common = (s * (2 * a.q_lora_rank + nh * qk) + s * lat * (2 + (cp if cp > 1 else 0))
+                  + s * m.hidden_size) * BF16
+        if m.dsa is not None:  # MLAttention.sparse_attention: absorbed, nothing expanded
+            # the absorbed query [H, C + R] the kernels keep; ô [H, C] and its log-sum-exp, the output through W_v
+            # (o_proj's input), the selection (int32)
+            q_hat = s * nh * lat * BF16
+            out = s * nh * (a.kv_lora_rank * BF16 + FP32 + a.v_head_dim * BF16) + s * m.dsa.topk * 4
+            return common + q_hat + out
+        # every rank expands all of the micro-batch's keys and values, at the kernel's widths
+        kw, vw = mla_widths(m, vendor)
+        kv = s * cp * nh * (kw + vw) * BF16
         out = s * nh * (vw + a.v_head_dim) * BF16  # SDPA's output; its first v_head_dim channels as o_proj's input
-        return q + kv + out + s * nh * FP32 + s * m.hidden_size * BF16
+        return common + kv + out + s * nh * FP32
     qw, kw = s * nh * m.head_dim * BF16, s * nkv * m.head_dim * BF16  # one q-sized, one k-sized tensor
     normed_in = s * m.hidden_size * BF16
     qk_norms = qw + kw + s * (nh + nkv) * FP32 if m.qk_norm else 0.0
@@ -414,7 +411,7 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
     if m.dsa is not None:  # absorbed: q·latent over C + R channels, p·latent over C, on the selected keys
         qk, vd = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim, m.mla.kv_lora_rank
         ctx_full = sparse_keys(m, seq)
-        out["indexer"] = 2 * m.dsa.index_heads * m.dsa.index_head_dim * indexing_layers(m) * seq / 2
+        out["indexer"] = index_pair_flops(m) * indexing_layers(m) * seq / 2
     out["attention"] = 2 * m.num_heads * (qk + vd) * (m.num_full_attn_layers * ctx_full
                                                       + m.num_sliding_layers * ctx_sliding
                                                       + m.num_chunked_layers * chunk_keys(m, seq))
@@ -433,6 +430,12 @@ def sparse_keys(m: ModelShape, seq: float) -> float:
     return (k * (k + 1) / 2 + (seq - k) * k) / seq
 
 
+def index_pair_flops(m: ModelShape) -> int:
+    """Forward FLOPs of one DeepSeek sparse attention index score (a query against a key): every index head's
+    product of width I."""
+    return 2 * m.dsa.index_heads * m.dsa.index_head_dim
+
+
 def indexing_layers(m: ModelShape) -> int:
     """Layers that run DeepSeek sparse attention's indexer (every full-attention layer but those sharing an earlier
     one's selection)."""
@@ -442,8 +445,7 @@ def indexing_layers(m: ModelShape) -> int:
 def index_pair_seconds(m: ModelShape, hw: HwProfile) -> float:
     """Seconds the indexer spends on one (query, key) pair: its score's FLOPs at INDEX_GEMM_EFFICIENCY of the peak and
     its share of the top-k selection."""
-    d = m.dsa
-    return (2 * d.index_heads * d.index_head_dim / (hw.peak_bf16_tflops * 1e12 * INDEX_GEMM_EFFICIENCY)
+    return (index_pair_flops(m) / (hw.peak_bf16_tflops * 1e12 * INDEX_GEMM_EFFICIENCY)
             + INDEX_SELECT_S * INDEX_SELECT_HBM / (hw.hbm_bw_tb_s * 1e12))
 
 
@@ -955,7 +957,7 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
     e = hw.efficiency
     dsa = {"indexer": float("inf"), "index_passes": 0.0}
     if m is not None and m.dsa is not None:
-        dsa = {"indexer": 2 * m.dsa.index_heads * m.dsa.index_head_dim / index_pair_seconds(m, hw),
+        dsa = {"indexer": index_pair_flops(m) / index_pair_seconds(m, hw),
                "index_passes": INDEX_PASS_S, "attention": peak * SPARSE_ATTENTION_EFFICIENCY}
     return {**_rates(hw, m, peak, hbm, e), **dsa}
 
@@ -1233,7 +1235,7 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
             if m.dsa is not None:  # absorbed, on the selected keys; the indexer's scores
                 qk, ctx = (2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim,), sparse_keys(m, seq)
                 if i not in m.dsa.shared_layers:
-                    w["indexer"] = 2 * m.dsa.index_heads * m.dsa.index_head_dim * seq / 2
+                    w["indexer"] = index_pair_flops(m) * seq / 2
             w["attention"] += 2 * m.num_heads * sum(qk) * ctx
         out.append(w)
     return out

@@ -1055,22 +1055,21 @@ def _sparse_attention(cfg: dict, model_type: str, n_layers: int, opt, bad) -> di
     DeepSeek-V3.2 and 32 for GLM-5). GLM-5's `indexer_types` ("full" or "shared" a layer), else its
     `index_topk_pattern` ("F"/"S" a layer) or `index_topk_freq` / `index_skip_topk_offset` schedule, name the
     layers that reuse the previous indexing layer's selection."""
-    fields = dict(topk=opt("index_topk", 2048), index_heads=opt("index_n_heads", 32 if model_type == "glm_moe_dsa"
-                                                                 else 64),
-                  index_head_dim=opt("index_head_dim", 128), rope_pairs=model_type == "glm_moe_dsa")
-    for k in ("topk", "index_heads", "index_head_dim"):
-        if fields[k] <= 0:
-            key = {"topk": "index_topk", "index_heads": "index_n_heads", "index_head_dim": "index_head_dim"}[k]
+    glm = model_type == "glm_moe_dsa"
+    fields: dict = {"rope_pairs": glm}
+    for name, key, default in (("topk", "index_topk", 2048), ("index_heads", "index_n_heads", 32 if glm else 64),
+                               ("index_head_dim", "index_head_dim", 128)):
+        fields[name] = opt(key, default)
+        if fields[name] <= 0:
             raise bad(key, "a positive whole number", cfg[key])
-    if model_type != "glm_moe_dsa":
+    if not glm:
         return fields
     types = cfg.get("indexer_types")
     if types is None and cfg.get("index_topk_pattern") is not None:
         pattern = cfg["index_topk_pattern"]
-        if isinstance(pattern, str) and set(pattern) <= {"F", "S"}:
-            types = [{"F": "full", "S": "shared"}[c] for c in pattern]
-        else:
-            types = pattern
+        if not isinstance(pattern, str) or not set(pattern) <= {"F", "S"}:
+            raise bad("index_topk_pattern", 'a string of "F" (full) and "S" (shared), one a layer', pattern)
+        types = [{"F": "full", "S": "shared"}[c] for c in pattern]
     if types is None:
         freq, offset = max(opt("index_topk_freq", 1), 1), opt("index_skip_topk_offset", 2)
         types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(n_layers)]

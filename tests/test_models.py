@@ -781,6 +781,8 @@ def test_glm5_reads_as_deepseek_v3_blocks_with_its_indexer(tmp_path):
         with pytest.raises(ValueError) as e:
             from_hf_config(_write(tmp_path, f"badtypes{i}", cut | {"indexer_types": bad}))
         assert "\n" not in str(e.value) and "indexer_types" in str(e.value), str(e.value)
+    with pytest.raises(ValueError, match="field 'index_topk_pattern'"):
+        from_hf_config(_write(tmp_path, "badpattern", cut | {"index_topk_pattern": "FXS"}))
 
 
 @pytest.mark.parametrize("model_type, cls, rel", [

@@ -150,7 +150,7 @@ def sparse_mla_kernel_checks():
     for t, n in enumerate((1, 7, 33, 40, 12)):
         idx[t, :n] = torch.randperm(S, generator=g)[:n].int()
     do = torch.randn(T, H, C, generator=g)
-    want_o, _ = _SparseLatentAttention.apply(q, latent, idx, 0.3, C)
+    want_o = _SparseLatentAttention.apply(q, latent, idx, 0.3, C)
     want = torch.autograd.grad((want_o * do).sum(), (q, latent))
     got_o = _SparseLatentAttentionTriton.apply(q, latent, idx, 0.3, C)
     got = torch.autograd.grad((got_o * do).sum(), (q, latent))
