@@ -7,7 +7,9 @@ the whole DSA layer (projections, indexer, sparse attention; forward + backward)
 backward), with the ratio of the DSA layer to the dense one (lower is faster). Median ms of --reps after a warm-up;
 the peak memory of each layer's forward + backward above its inputs. Before the table: the kernels' largest
 differences from the torch blocks (output, dq, dlatent; relative to each tensor's largest value); after each row,
-the three kernels' own times (forward, dq, dlatent) at that length.
+the two kernels' own times (forward, backward) at that length and their rate in model FLOPs (2·H·(2C + R) a
+selected key forward, three times that forward + backward), then any configurations in FORWARD_CONFIGS and
+BACKWARD_CONFIGS beside the defaults.
 
     python bench/bench_sparse_attention.py --model glm-5.json --tokens 8192,32768,65536     # on the GPU
 """
@@ -129,56 +131,51 @@ def main() -> None:
 
         idx32 = idx.int().contiguous()
         count = (idx32 >= 0).sum(1, dtype=torch.int32)
-        qd, ld = q_hat.detach(), latent.detach()
-        o, lse = smk.forward(qd, ld, idx32, count, 0.06, a.kv_lora_rank)
-        kt = [_time(lambda: smk.forward(qd, ld, idx32, count, 0.06, a.kv_lora_rank), dev, args.reps)]
-        kt += list(_kernel_times(smk, qd, ld, idx32, count, o, lse, do, a.kv_lora_rank, dev, args.reps))
+        kt = _kernel_times(smk, q_hat.detach(), latent.detach(), idx32, count, do, a.kv_lora_rank, dev, args.reps)
         row.append(row[5] / row[6])
         rows.append(row)
         print(f"| {T:,} | " + " | ".join(f"{v:.1f}" for v in row[1:7]) + f" | {row[7]:.2f} | "
               + " | ".join(f"{v:.2f}" for v in peaks) + " |", flush=True)
-        print(f"  kernels at {T:,}: forward {kt[0] * 1e3:.1f} ms, dq {kt[1] * 1e3:.1f} ms, dlatent "
-              f"{kt[2] * 1e3:.1f} ms", flush=True)
+        flops = 2 * H * (2 * a.kv_lora_rank + a.qk_rope_head_dim) * count.double().sum().item()
+        print(f"  kernels at {T:,}: forward {kt[0] * 1e3:.1f} ms, backward {kt[1] * 1e3:.1f} ms; "
+              f"{3 * flops / sum(kt) / 1e12:.0f} TF/s in model FLOPs", flush=True)
         del q_hat, latent, do, idx, iq, iw, ik, x, dy
         torch.cuda.empty_cache()
 
 
-def _kernel_times(smk, q, latent, idx, count, o, lse, do, v_dim, dev, reps):
-    """The dq and dlatent kernels of the backward, each alone (dq also writes the Δ that dlatent reads)."""
-    import torch
-    import triton
-
+def _kernel_times(smk, q, latent, idx, count, do, v_dim, dev, reps):
+    """The forward and backward kernels each alone, with their default configurations, then each configuration of
+    FORWARD_CONFIGS and BACKWARD_CONFIGS (its time and its largest difference from the default's output)."""
     from bench_train_step import _time
 
-    T, H, _ = q.shape
-    C, R, RP = smk._dims(q, latent, v_dim)
-    dq, delta = torch.empty_like(q), torch.empty(T, H, dtype=torch.float32, device=q.device)
-    dl = torch.zeros(latent.shape, dtype=torch.float32, device=q.device)
-    a = (H, 0.06, q.stride(0), q.stride(1), latent.stride(0), idx.stride(0), o.stride(0), o.stride(1))
-
-    def dq_kernel():
-        smk._sparse_mla_dq[(T, triton.cdiv(H, smk.BH))](q, latent, idx, count, o, do, lse, delta, dq, *a, C=C, R=R,
-                                                        RP=RP, BH=smk.BH, BK=smk.BK, num_warps=4, num_stages=2)
-
-    def dl_kernel(bh=smk.BH, bk=smk.DLATENT_BK, warps=smk.DLATENT_WARPS):
-        smk._sparse_mla_dlatent[(T,)](q, latent, idx, count, do, lse, delta, dl, *a, dl.stride(0), C=C, R=R, RP=RP,
-                                      BH=bh, BK=bk, num_warps=warps, num_stages=1)
-
-    dq_kernel()
-    out = [_time(dq_kernel, dev, reps), _time(dl_kernel, dev, reps)]
-    if VARIANTS:
-        for bh, bk, w in VARIANTS:
+    o, lse = smk.forward(q, latent, idx, count, 0.06, v_dim)
+    dq, dl = smk.backward(q, latent, idx, count, o, lse, do, 0.06, v_dim)
+    out = [_time(lambda: smk.forward(q, latent, idx, count, 0.06, v_dim), dev, reps),
+           _time(lambda: smk.backward(q, latent, idx, count, o, lse, do, 0.06, v_dim), dev, reps)]
+    err = lambda x, y: ((x.float() - y.float()).abs().max() / y.float().abs().max()).item()  # noqa: E731
+    for kind, configs in (("forward", FORWARD_CONFIGS), ("backward", BACKWARD_CONFIGS)):
+        for cfg in configs:
+            if kind == "forward":
+                run = lambda cfg=cfg: smk.forward(q, latent, idx, count, 0.06, v_dim, config=cfg)  # noqa: E731
+            else:
+                run = lambda cfg=cfg: smk.backward(q, latent, idx, count, o, lse, do, 0.06, v_dim,  # noqa: E731
+                                                   config=cfg)
             try:
-                dl_kernel(bh, bk, w)
-            except Exception as e:  # a variant the GPU cannot hold (shared memory, registers)
-                print(f"  dlatent BH {bh} BK {bk} warps {w}: {type(e).__name__}")
+                got = run()
+            except Exception as e:  # a configuration the GPU cannot hold (shared memory, registers)
+                print(f"  {kind} {cfg}: {type(e).__name__}")
                 continue
-            print(f"  dlatent BH {bh} BK {bk} warps {w}: {_time(lambda: dl_kernel(bh, bk, w), dev, reps) * 1e3:.1f} ms")
+            want = (o,) if kind == "forward" else (dq, dl)
+            errs = ", ".join(f"{err(x, y):.1e}" for x, y in zip(got, want))
+            print(f"  {kind} {cfg}: {_time(run, dev, reps) * 1e3:.1f} ms (against the default: {errs})")
     return out
 
 
 INDEX_TILES = []  # (BM, BN, warps) of the index-score kernel to time, on the last 4,096 queries
-VARIANTS = []  # (BH, BK, warps) of the dlatent kernel to time beside the default
+# kernels/sparse_mla_triton.py configurations to time beside the defaults: the ones a head count that is not a
+# multiple of 64 (forward) or at most 16 (backward) runs
+FORWARD_CONFIGS: list[dict] = [dict(BH=16, BK=32, num_warps=4, num_stages=2, Q_PER_TILE=False)]
+BACKWARD_CONFIGS: list[dict] = [dict(BH=16, BK=16, num_warps=4, num_stages=2)]
 
 
 if __name__ == "__main__":

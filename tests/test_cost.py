@@ -839,8 +839,8 @@ def test_deepseek_sparse_attention_is_charged_on_its_selected_keys_and_its_index
     acts = [memory_terms(x, hw, 1, Layout(), opts)[0]["activations"] for x in (m, shared)]
     assert acts[1] - acts[0] == pytest.approx(4096 * 4 * 4)
     # the pipeline split keeps a shared layer on its source's stage: where the balanced split would part layers 2
-    # and 3 ([3, 1], [2, 1, 1]), the shared model's keeps them together
+    # and 3 ([3, 1], [1, 2, 1]), the shared model's keeps them together
     from recipe.cost import pipeline_split
 
-    assert (pipeline_split(m, 2, opts, hw), pipeline_split(m, 3, opts, hw)) == ([3, 1], [2, 1, 1])
+    assert (pipeline_split(m, 2, opts, hw), pipeline_split(m, 3, opts, hw)) == ([3, 1], [1, 2, 1])
     assert (pipeline_split(shared, 2, opts, hw), pipeline_split(shared, 3, opts, hw)) == ([2, 2], [1, 1, 2])

@@ -136,10 +136,14 @@ def index_kernel_checks():
 
 
 def sparse_mla_kernel_checks():
-    """The Triton forward, dq and dlatent kernels equal the torch blocks (fp32; the kernels' products in the
-    interpreter's fp32) on 5 queries × 20 heads (two head blocks, the second partial) with a 16 + 4 latent (RoPE
-    channels padded to 16 in the kernel) and 40 slots (two key tiles): counts 1, 7, 33, 40 and 12, the rest −1,
-    some keys selected by several queries (their dlatent rows summed by the atomics)."""
+    """The Triton forward and backward kernels equal the torch blocks (fp32; the kernels' products in the
+    interpreter's fp32) on 5 queries × 20 heads with a 16 + 4 latent (RoPE channels padded to 16 in the kernel) and
+    40 slots (two or three key tiles): counts 1, 7, 33, 40 and 12, the rest −1, some keys selected by several
+    queries (their dlatent rows summed by the atomics). Through the autograd function with the configurations the
+    20 heads pick, then each configuration directly: the forward's 64-head block (one partial block, q re-read per
+    tile) and 16-head blocks (the second partial); the backward's 32-head block (partial) and 16-head blocks of 16
+    keys (its atomics from two head blocks a query)."""
+    from kernels import sparse_mla_triton as k
     from launch.sparse_attention import _SparseLatentAttention, _SparseLatentAttentionTriton
 
     g = torch.Generator().manual_seed(6)
@@ -157,6 +161,15 @@ def sparse_mla_kernel_checks():
     assert (got_o - want_o).abs().max() < 1e-5
     for a, b in zip(got, want):
         assert (a - b).abs().max() < 1e-4 * max(1.0, b.abs().max().item())
+    count = (idx >= 0).sum(1, dtype=torch.int32)
+    qd, ld = q.detach(), latent.detach()
+    for cfg in (dict(BH=64, BK=32, Q_PER_TILE=True), dict(BH=16, BK=32, Q_PER_TILE=False)):
+        o, lse = k.forward(qd, ld, idx, count, 0.3, C, config=cfg)
+        assert (o - want_o).abs().max() < 1e-5, cfg
+    for cfg in (dict(BH=32, BK=32), dict(BH=16, BK=16)):
+        dq, dl = k.backward(qd, ld, idx, count, o, lse, do, 0.3, C, config=cfg)
+        for a, b in zip((dq, dl), want):
+            assert (a - b).abs().max() < 1e-4 * max(1.0, b.abs().max().item()), cfg
 
 
 INTERPRETER_CHECKS = {f.__name__: f for f in (index_kernel_checks, sparse_mla_kernel_checks)}
