@@ -29,7 +29,13 @@ def main() -> None:
     p.add_argument("--model", default=str(Path(__file__).parent / "configs" / "glm-5.json"))
     p.add_argument("--tokens", default="8192,32768,65536")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--variants", action="store_true",
+                   help="also time the kernels' other configurations (VARIANT_FORWARD_CONFIGS, "
+                        "VARIANT_BACKWARD_CONFIGS)")
     args = p.parse_args()
+    if args.variants:
+        FORWARD_CONFIGS.extend(VARIANT_FORWARD_CONFIGS)
+        BACKWARD_CONFIGS.extend(VARIANT_BACKWARD_CONFIGS)
 
     import torch
 
@@ -176,6 +182,15 @@ INDEX_TILES = []  # (BM, BN, warps) of the index-score kernel to time, on the la
 # multiple of 64 (forward) or at most 16 (backward) runs
 FORWARD_CONFIGS: list[dict] = [dict(BH=16, BK=32, num_warps=4, num_stages=2, Q_PER_TILE=False)]
 BACKWARD_CONFIGS: list[dict] = [dict(BH=16, BK=16, num_warps=4, num_stages=2)]
+# with --variants: the others the defaults were chosen over (64 heads with q held across the loop, fewer pipeline
+# stages, 32-head forward programs; backward tiles of 16 keys, one stage, 16 heads of 32 keys)
+VARIANT_FORWARD_CONFIGS = [dict(BH=64, BK=32, num_warps=8, num_stages=2, Q_PER_TILE=False),
+                           dict(BH=64, BK=32, num_warps=8, num_stages=2, Q_PER_TILE=True),
+                           dict(BH=64, BK=32, num_warps=8, num_stages=1, Q_PER_TILE=True),
+                           dict(BH=32, BK=32, num_warps=8, num_stages=2, Q_PER_TILE=False)]
+VARIANT_BACKWARD_CONFIGS = [dict(BH=32, BK=16, num_warps=8, num_stages=2),
+                            dict(BH=32, BK=32, num_warps=8, num_stages=1),
+                            dict(BH=16, BK=32, num_warps=8, num_stages=2)]
 
 
 if __name__ == "__main__":
