@@ -68,7 +68,7 @@ def _time(fn, device, reps: int) -> float:
 
 
 def run_ours(shape, T: int, device, steps: int, profile: bool, norm_backend: str = "auto",
-             rope_backend: str = "auto") -> dict:
+             rope_backend: str = "auto", keep_selections: bool = False) -> dict:
     from launch.data import synthetic_long_batch
     from launch.model import ATTENTION_MIXERS, HeadsRMSNorm, RMSNorm, build_model
     from launch.train import TrainConfig, Trainer
@@ -82,7 +82,8 @@ def run_ours(shape, T: int, device, steps: int, profile: bool, norm_backend: str
         if isinstance(m, ATTENTION_MIXERS):
             m.rope_backend = rope_backend
             m.norm_backend = norm_backend  # Llama 4's unit-RMS q/k norm (unused elsewhere)
-    trainer = Trainer(model, TrainConfig(lr=1e-6), recompute="full", lm_head="fused")
+    trainer = Trainer(model, TrainConfig(lr=1e-6), recompute="full", keep_selections=keep_selections,
+                      lm_head="fused")
     batch = synthetic_long_batch(T, shape.vocab_size, device)
     trainer.step(batch)  # warm-up: Triton compilation and autotuning, allocator growth
     if device.type == "cuda":
@@ -91,7 +92,8 @@ def run_ours(shape, T: int, device, steps: int, profile: bool, norm_backend: str
     times = _times(lambda: last.update(trainer.step(batch)), device, steps)
     metrics = last
     torch_paths = [f"{b} {what}" for b, what in ((norm_backend, "norms"), (rope_backend, "RoPE")) if b != "auto"]
-    out = {"impl": ", ".join(["ours", *torch_paths]), "tokens": T,
+    kept = ["selections kept"] if keep_selections else []
+    out = {"impl": ", ".join(["ours", *torch_paths, *kept]), "tokens": T,
            "step_s": statistics.median(times), "step_s_all": times,
            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
     if device.type == "cuda":
@@ -258,7 +260,7 @@ def child(args) -> None:
     try:
         if args.child == "ours":
             res = run_ours(shape, args.child_seq, device, args.steps, args.profile, args.norm_backend,
-                           args.rope_backend)
+                           args.rope_backend, args.keep_selections)
         else:
             res = run_hf(shape, args.child_seq, device, args.steps)
     except torch.OutOfMemoryError as e:
@@ -285,6 +287,9 @@ def main() -> None:
     p.add_argument("--rope-backends", default="auto",
                    help="ours: RoPE's path for each run, comma-separated: auto (the fused kernel on GPU) and/or torch")
     p.add_argument("--rope-backend", default="auto", help=argparse.SUPPRESS)
+    p.add_argument("--keep-selections", action="store_true",
+                   help="ours: DeepSeek sparse attention's recomputed forward reuses the forward's index selections "
+                        "(the plan's train.keep_selections)")
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -299,6 +304,8 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--child", impl, "--child-seq", str(T), "--model", args.model,
                "--layers", str(args.layers), "--steps", str(args.steps), "--device", args.device,
                "--norm-backend", norms, "--rope-backend", ropes]
+        if args.keep_selections:
+            cmd.append("--keep-selections")
         if impl == "ours" and T == args.profile_seq and norms == ropes == "auto":
             cmd.append("--profile")
         env = os.environ.copy()

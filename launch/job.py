@@ -159,7 +159,7 @@ def run(args, cfg, trainer_cls) -> int:
 
         load_hf_checkpoint(model, args.hf_checkpoint)
     trainer = trainer_cls(model, cfg, recompute=plan.train.recompute, keep_layers=plan.train.keep_layers,
-                          lm_head=plan.train.lm_head,
+                          keep_selections=plan.train.keep_selections, lm_head=plan.train.lm_head,
                           dp_rank=meshes.dp_rank if meshes else 0, dp_size=meshes.dp_size if meshes else 1,
                           dp_group=meshes.dp_group if meshes else None,
                           metrics_group=meshes.data_group if meshes else None)

@@ -420,9 +420,12 @@ class MLAttention(nn.Module):
         self.o_proj = nn.Linear(s.num_heads * a.v_head_dim, s.hidden_size, bias=s.attn_bias)
         self.scale = softmax_scale(s)
         # DeepSeek sparse attention: this layer's indexer, or (GLM's "shared" layers) the earlier layer whose
-        # selection it reuses; `keeps_selection`: a later layer reuses this one's
+        # selection it reuses; `keeps_selection`: a later layer reuses this one's; `keeps_for_recompute` (set by
+        # launch/recompute.py: the plan's train.keep_selections on a recomputed layer): its recomputed forward reuses
+        # the forward's selection instead of running the indexer again
         self.sparse, self.layer = s.dsa is not None, layer
         self.indexer, self.selection_of, self.keeps_selection = None, None, False
+        self.keeps_for_recompute = False
         if s.dsa is not None:
             if layer in s.dsa.shared_layers:
                 self.selection_of = s.dsa.selection_source(layer)
@@ -466,7 +469,9 @@ class MLAttention(nn.Module):
         and the output back through its v rows. Returns [T, H, Dv]. Under context parallelism the latents and index
         keys of the whole micro-batch are all-gathered (in global token order) and the local queries select among
         them. A layer without an indexer reuses the selection its source layer left on the micro-batch's packing
-        (`Packing.handoff`, kept for the step: the recomputed forward finds it too)."""
+        (`Packing.handoff`, kept for the step: the recomputed forward finds it too); with `keeps_for_recompute` a
+        layer leaves its own there in the forward (with grad enabled: a training forward) and its recomputed forward
+        takes it back instead of running the indexer again."""
         T, H = q_nope_THN.shape[:2]
         w = self.kv_b_proj.weight.view(H, self.nope_dim + self.v_dim, self.kv_lora_rank)  # this rank's heads
         q_hat = torch.cat([torch.bmm(q_nope_THN.transpose(0, 1), w[:, :self.nope_dim]).transpose(0, 1), q_rope_THR],
@@ -477,6 +482,9 @@ class MLAttention(nn.Module):
             if idx is None:
                 raise ValueError(f"layer {self.layer} reuses layer {self.selection_of}'s sparse-attention selection, "
                                  f"which this process did not compute (a pipeline stage must hold both)")
+            if cp is not None:
+                latent_TC = cp.gather_in_order(packing, latent_TC)[0]
+        elif (idx := self._kept_selection(packing)) is not None:  # the recomputed forward: the forward's selection
             if cp is not None:
                 latent_TC = cp.gather_in_order(packing, latent_TC)[0]
         else:
@@ -491,8 +499,17 @@ class MLAttention(nn.Module):
                              self.indexer.scale)
             if self.keeps_selection:
                 packing.handoff.values[("sparse_selection", self.layer)] = idx
+            if self.keeps_for_recompute and torch.is_grad_enabled():
+                packing.handoff.values[("recompute_selection", self.layer)] = idx
         o = sparse_latent_attention(q_hat, latent_TC, idx, self.scale, self.kv_lora_rank)  # [T, H, C]
         return torch.bmm(o.transpose(0, 1), w[:, self.nope_dim:].transpose(1, 2)).transpose(0, 1)
+
+    def _kept_selection(self, packing: Packing) -> torch.Tensor | None:
+        """The selection this layer's forward left for its recomputed forward (`keeps_for_recompute`), taken off the
+        packing there (its one use: a packing reused for another step finds none); None where there is none."""
+        if not self.keeps_for_recompute:
+            return None
+        return packing.handoff.values.pop(("recompute_selection", self.layer), None)
 
     def expand(self, latent_TC: torch.Tensor, q_THD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [T, H, Dn + Dr] and values [T, H, Dv] of tokens' latents [T, C + Dr], for the queries q_THD:

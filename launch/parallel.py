@@ -232,7 +232,8 @@ def _parallelize_unit(model: nn.Module, plan, meshes: Meshes | None, param_dtype
             raise LayoutError("the expert-parallel path needs a process group (run under torchrun)")
         _apply_expert_parallel(model, meshes, plan.train.ep_overlap_chunks)
     # 4: activation recompute
-    apply_recompute(model, plan.train.recompute, getattr(plan.train, "keep_layers", 0))
+    apply_recompute(model, plan.train.recompute, getattr(plan.train, "keep_layers", 0),
+                    getattr(plan.train, "keep_selections", False))
     # 5: FSDP2
     if meshes is not None and meshes.world > 1:
         _apply_fsdp(model, meshes, param_dtype)

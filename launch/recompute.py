@@ -18,9 +18,12 @@ from torch.distributed.algorithms._checkpoint.checkpoint_wrapper import Checkpoi
 RECOMPUTE_MODES = ("full", "none")
 
 
-def apply_recompute(model: nn.Module, mode: str, keep_layers: int = 0) -> nn.Module:
+def apply_recompute(model: nn.Module, mode: str, keep_layers: int = 0, keep_selections: bool = False) -> nn.Module:
     """`full`: checkpoint every decoder layer but the last `keep_layers` of each pipeline stage (of the model without
     a pipeline), which keep their activations (partial recompute); `none`: leave the model as is. Idempotent.
+    `keep_selections` (DeepSeek sparse attention, under `full`): each checkpointed layer's indexer runs in its
+    forward only, its selection kept on the micro-batch's packing for the recomputed forward (launch/model.py,
+    MLAttention.keeps_for_recompute).
 
     A pipeline rank's StageGroup (launch/pipeline.py) is taken stage by stage, so with v stages a rank each keeps
     its own last layers."""
@@ -30,6 +33,8 @@ def apply_recompute(model: nn.Module, mode: str, keep_layers: int = 0) -> nn.Mod
         raise ValueError(f"keep_layers must be a non-negative integer, got {keep_layers!r}")
     if keep_layers and mode != "full":
         raise ValueError(f"keep_layers = {keep_layers} needs recompute 'full'")
+    if keep_selections and mode != "full":
+        raise ValueError("keep_selections needs recompute 'full'")
     if mode == "none":
         return model
     stages = getattr(model, "stages", None)
@@ -42,6 +47,9 @@ def apply_recompute(model: nn.Module, mode: str, keep_layers: int = 0) -> nn.Mod
                 # costs a device sync per layer
                 unit.layers[i] = checkpoint_wrapper(layer, checkpoint_impl=CheckpointImpl.NO_REENTRANT,
                                                     preserve_rng_state=False)
+            for mod in unit.layers[i].modules():
+                if getattr(mod, "indexer", None) is not None:
+                    mod.keeps_for_recompute = keep_selections
     if stages:
         model.sync()  # the group's view of its stages' layers
     return model

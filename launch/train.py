@@ -61,10 +61,11 @@ class Trainer:
     each micro-batch."""
 
     def __init__(self, model: Transformer, cfg: TrainConfig, *, recompute: str = "full", keep_layers: int = 0,
-                 lm_head: str = "fused", dp_rank: int = 0, dp_size: int = 1, dp_group=None, metrics_group=None):
+                 keep_selections: bool = False, lm_head: str = "fused", dp_rank: int = 0, dp_size: int = 1,
+                 dp_group=None, metrics_group=None):
         if lm_head not in ("fused", "lean", "naive"):
             raise ValueError(f"lm_head must be fused, lean or naive, got {lm_head!r}")
-        self.model = apply_recompute(model, recompute, keep_layers)
+        self.model = apply_recompute(model, recompute, keep_layers, keep_selections)
         self.cfg, self.lm_head = cfg, lm_head
         self.dp_rank, self.dp_size, self.dp_group = dp_rank, dp_size, dp_group
         self.metrics_group = metrics_group if metrics_group is not None else dp_group

@@ -132,6 +132,9 @@ class TrainOptions(Record):
     # under full recompute, the decoder layers at the end of each pipeline stage that keep their activations and run
     # no recomputed forward (0: every layer is recomputed); docs/cost_model.md, "Partial recompute"
     keep_layers: int = 0
+    # DeepSeek sparse attention under full recompute: each recomputed layer keeps its indexer's selection from the
+    # forward (int32, topk a token) for its recomputed forward instead of running the indexer again
+    keep_selections: bool = False
 
     def __post_init__(self) -> None:
         for n in ("micro_batch_tokens", "ep_overlap_chunks", "micro_batches"):
@@ -145,6 +148,10 @@ class TrainOptions(Record):
             raise ValueError(f"keep_layers must be a non-negative integer, got {k!r}")
         if k and self.recompute != "full":
             raise ValueError(f"keep_layers = {k} needs recompute 'full' (it names the layers exempt from it)")
+        if not isinstance(self.keep_selections, bool):
+            raise ValueError(f"keep_selections must be true or false, got {self.keep_selections!r}")
+        if self.keep_selections and self.recompute != "full":
+            raise ValueError("keep_selections needs recompute 'full' (it spares the recomputed forward's indexer)")
         if self.lm_head not in HEAD_MODES:
             raise ValueError(f"lm_head must be one of {', '.join(HEAD_MODES)}, got {self.lm_head!r}")
 
@@ -708,10 +715,13 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
         else:
             first = recomputed_inputs + kept * (in_flight - 1) * (mixer + ffn) + working + unsharded - emb_grad
         acts = max(last, first, 0.0)
-    # DeepSeek sparse attention's layers whose selection a later layer reuses keep it (int32, s × topk) for the step
-    if m.dsa is not None and m.dsa.shared_layers:
-        sources = len({m.dsa.selection_source(i) for i in m.dsa.shared_layers})
-        acts += sources * L / m.num_layers * in_flight * s * m.dsa.topk * 4
+    # DeepSeek sparse attention's layers whose selection a later layer reuses keep it (int32, s × topk) for the step,
+    # and with keep_selections so does every recomputed layer with an indexer
+    if m.dsa is not None:
+        sources = len({m.dsa.selection_source(i) for i in m.dsa.shared_layers}) * L / m.num_layers
+        if opts.keep_selections:
+            sources = max(sources, indexing_layers(m) * (L - kept) / m.num_layers)
+        acts += sources * in_flight * s * m.dsa.topk * 4
     if in_head or kept:
         # the fused and lean heads run (forward and their gradients) at the end of the forward, when the
         # checkpoints and the kept layers' saved sets are live and no layer's gradient exists yet: they raise the
@@ -800,8 +810,11 @@ def flop_terms(m: ModelShape, opts: TrainOptions, pp: int = 1, hw: HwProfile | N
         per_layer = [sum(x for op, x in w.items() if op not in BYTE_TERMS)
                      for w in layer_work(m, opts.micro_batch_tokens)]
         again = layers_fwd * sum(per_layer[i] for i in recomputed_layers(m, pp, opts, hw)) / sum(per_layer)
-    # DeepSeek sparse attention's indexer runs forward only (no gradient), again where its layer is recomputed
+    # DeepSeek sparse attention's indexer runs forward only (no gradient), again where its layer is recomputed unless
+    # the layer keeps its selection
     idx = f.get("indexer", 0.0)
+    if opts.keep_selections and layers_fwd:
+        again -= idx * again / layers_fwd
     hw_flops_tok = 3 * layers_fwd - 2 * idx + again + gemms * f["head"]
     return f, 3 * fwd - 2 * idx, hw_flops_tok, head_pass_count(opts.lm_head)
 
@@ -825,6 +838,7 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
     # of the stage, one more for those recomputed
     share, share_again = _stage_share(m, opts, stage), _stage_share(m, opts, again)
     mult = {op: 3 * share[op] + share_again[op] for op in share}
+    index_again = 0 if opts.keep_selections else 1
     layers = s / tp
     # every MoE layer's experts do the same work, so the stage's share of their FLOPs is its share of each term
     experts = {k: mult["expert_gemm"] * m.num_moe_layers * w for k, w in expert_pass_work(m, s, layout).items()}
@@ -836,8 +850,9 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         * (max(1.0, SPARSE_HEAD_BLOCK * tp / m.num_heads) if m.dsa is not None else 1.0),
         "delta_rule": layers * f.get("linear_attention", 0.0) * mult["delta_rule"],
         # DSA's indexer: forward only, every query of the rank against all keys (replicated over tp), once a pass
-        "indexer": s * f.get("indexer", 0.0) * (share["attention"] + share_again["attention"]),
-        "index_passes": (len(stage) + len(again)) * indexing_layers(m) / m.num_layers,
+        # (the recomputed forward's not where the layers keep their selections)
+        "indexer": s * f.get("indexer", 0.0) * (share["attention"] + index_again * share_again["attention"]),
+        "index_passes": (len(stage) + index_again * len(again)) * indexing_layers(m) / m.num_layers,
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
         "ep_dispatch": 0.0,
         "ep_passes": 0.0,
@@ -1257,14 +1272,15 @@ def stage_costs(m: ModelShape, seq: float, opts: TrainOptions, hw: HwProfile | N
 def _stage_costs(m: ModelShape, seq: float, opts: TrainOptions, r: dict[str, float] | None
                  ) -> tuple[list[float], float, float]:
     passes = forward_equivalents(opts)
+    index_passes = 1 if opts.keep_selections else passes - 2  # the indexer: forward passes only
     costs = []
     for w in layer_work(m, seq):
-        n = {op: passes - 2 if op == "indexer" else passes for op in w}  # the indexer: forward passes only
+        n = {op: index_passes if op == "indexer" else passes for op in w}
         if r is None:
             costs.append(sum(n[op] * x for op, x in w.items() if op not in BYTE_TERMS))
         else:
             costs.append(sum(n[op] * x / r[op] for op, x in w.items() if x) + passes * r["layer_passes"] / seq
-                         + (passes - 2) * r["index_passes"] / seq * ("indexer" in w))
+                         + index_passes * r["index_passes"] / seq * ("indexer" in w))
     head = head_pass_count(opts.lm_head) * forward_flops_per_token(m, seq)["head"]
     return costs, 0.0, head if r is None else head / r["lm_head"]
 

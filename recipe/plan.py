@@ -108,6 +108,9 @@ class TrainSpec(_Strict):
     # under full recompute, the decoder layers at the end of each pipeline stage that keep their activations (the
     # solver's partial recompute, `--recompute auto`); written when not 0
     keep_layers: int = Field(0, ge=0, le=100_000)
+    # DeepSeek sparse attention under full recompute: the recomputed layers keep their indexer's selection from the
+    # forward instead of running the indexer again (the solver's choice where it fits); written when true
+    keep_selections: bool = False
     lm_head: Literal["fused", "lean", "naive"]
     ep_overlap_chunks: int = Field(gt=0, le=4096)
     micro_batch_tokens: int = Field(gt=0, le=MAX_INT)
@@ -122,6 +125,9 @@ class TrainSpec(_Strict):
         if self.keep_layers and self.recompute != "full":
             raise ValueError(f"train.keep_layers = {self.keep_layers} needs train.recompute: full (it names the "
                              f"layers exempt from it)")
+        if self.keep_selections and self.recompute != "full":
+            raise ValueError("train.keep_selections needs train.recompute: full (it spares the recomputed forward's "
+                             "indexer)")
         return self
 
 
@@ -245,7 +251,7 @@ class Plan(_Strict):
 
     def train_options(self) -> TrainOptions:
         return TrainOptions(recompute=self.train.recompute, keep_layers=self.train.keep_layers,
-                            lm_head=self.train.lm_head,
+                            keep_selections=self.train.keep_selections, lm_head=self.train.lm_head,
                             ep_overlap_chunks=self.train.ep_overlap_chunks,
                             micro_batch_tokens=self.train.micro_batch_tokens,
                             micro_batches=self.train.micro_batches)
@@ -256,6 +262,8 @@ class Plan(_Strict):
             data["train"].pop("pp_stages", None)
         if not data["train"].get("keep_layers"):  # every layer recomputed, or none: no field
             data["train"].pop("keep_layers", None)
+        if not data["train"].get("keep_selections"):
+            data["train"].pop("keep_selections", None)
         data["inputs"] = _inputs_block(self.inputs)  # `pins` only when some degree is pinned
         for block in ("prediction", "reasons"):  # optional fields a plan does not carry stay out of it
             data[block] = {k: v for k, v in data[block].items() if v is not None}

@@ -230,9 +230,15 @@ def _ep_cands(m: ModelShape, ranks: int, pins: dict[str, int]) -> list[int]:
 # ---- one rule per dimension ----------------------------------------------------------------------------------
 def _opts_for(m: ModelShape, hw: HwProfile, world: int, layout: Layout, base: TrainOptions,
               auto_chunks: bool) -> TrainOptions:
-    if not auto_chunks:
-        return base
-    return with_default_chunks(m, hw, world, layout, base)
+    """The options a layout is estimated with: its default EP chunk count (unless the user set one), and for
+    DeepSeek sparse attention under full recompute the indexer's selections kept for the recomputed forward where the
+    layout fits with them (they cost 4·topk bytes a token a layer and spare the indexer's second pass)."""
+    o = with_default_chunks(m, hw, world, layout, base) if auto_chunks else base
+    if m.dsa is not None and o.recompute == "full" and not o.keep_selections:
+        kept = o.model_copy(update={"keep_selections": True})
+        if estimate(m, hw, world, layout, kept).fits:
+            return kept
+    return o
 
 
 def _ep_numbers(m: ModelShape, ranks: int, ep: int) -> dict:

@@ -18,8 +18,10 @@ def one_line(text, limit: int = 300) -> str:
 
 
 def recompute_words(opts) -> str:
-    """'full recompute' / 'no recompute' (never 'none recompute') / 'recompute, last 12 layers kept'."""
+    """'full recompute' / 'no recompute' (never 'none recompute') / 'recompute, last 12 layers kept', with ', index
+    selections kept' where DeepSeek sparse attention's recomputed forward reuses the forward's selections."""
     if opts.recompute == "none":
         return "no recompute"
     k = opts.keep_layers
-    return "full recompute" if not k else f"recompute, last {'layer' if k == 1 else f'{k} layers'} kept"
+    words = "full recompute" if not k else f"recompute, last {'layer' if k == 1 else f'{k} layers'} kept"
+    return words + (", index selections kept" if getattr(opts, "keep_selections", False) else "")

@@ -28,7 +28,8 @@ import torch.nn as nn
 
 
 # The cases of each world size: [name, dp, ep, ep_overlap_chunks[, cp, variant[, recompute[, tp[, pp[, pp_stages]]]]]]
-# or [name, "pieces", cp]; recompute "full", "none" or "keepN" (full, the last N layers of each stage kept). Worlds 2
+# or [name, "pieces", cp]; recompute "full", "none", "keepN" (full, the last N layers of each stage kept) or "keepsel"
+# (full, DeepSeek sparse attention's selections kept for the recomputed forward). Worlds 2
 # and 4 are tests/test_parallel.py's; 1 and 8 are for bench/bench_parity_nccl.py.
 CASES = {
     1: [["one_rank", 1, 1, 1], ["one_rank_cp_data", 1, 1, 1, 1, "cp_off"], ["one_rank_dense", 1, 1, 1, 1, "dense"]],
@@ -48,8 +49,8 @@ CASES = {
         ["minimax_tp2_ep2", 1, 2, 1, 1, "minimax", "full", 2],
         ["llama4_cp2", 1, 1, 1, 2, "llama4"], ["llama4_tp2_ep2", 1, 2, 1, 1, "llama4", "full", 2],
         ["granite_tp2_ep2", 1, 2, 1, 1, "granite", "full", 2],
-        ["dsa_cp2", 1, 1, 1, 2, "dsa"], ["dsa_tp2_ep2", 1, 2, 2, 1, "dsa", "full", 2],
-        ["dsa_pp2", 1, 1, 1, 1, "dsa", "full", 1, 2]],
+        ["dsa_cp2_keepsel", 1, 1, 1, 2, "dsa", "keepsel"], ["dsa_tp2_ep2", 1, 2, 2, 1, "dsa", "full", 2],
+        ["dsa_pp2_keepsel", 1, 1, 1, 1, "dsa", "keepsel", 1, 2]],
     4: [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
         ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
         ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
@@ -273,15 +274,18 @@ def _plan(dp: int, ep: int, chunks: int, recompute: str = "full", cp: int = 1, t
 
     world = dp * cp * tp * pp
     layout = LayoutSpec(pp=pp, tp=tp, cp=cp, ep=ep, dp=dp, etp=1, edp=world // (pp * ep))
-    recompute, keep = _recompute(recompute)
+    recompute, keep, keep_sel = _recompute(recompute)
     return types.SimpleNamespace(layout=layout, hw_profile=lambda: load_profile("cpu"), train=types.SimpleNamespace(
-        recompute=recompute, keep_layers=keep, ep_overlap_chunks=chunks, micro_batch_tokens=tokens, lm_head="fused",
-        pp_stages=pp_stages))
+        recompute=recompute, keep_layers=keep, keep_selections=keep_sel, ep_overlap_chunks=chunks,
+        micro_batch_tokens=tokens, lm_head="fused", pp_stages=pp_stages))
 
 
-def _recompute(name: str) -> tuple[str, int]:
-    """A case's recompute field as (recompute, keep_layers): "keepN" is full recompute with N layers kept."""
-    return ("full", int(name[4:])) if name.startswith("keep") else (name, 0)
+def _recompute(name: str) -> tuple[str, int, bool]:
+    """A case's recompute field as (recompute, keep_layers, keep_selections): "keepN" is full recompute with N layers
+    kept, "keepsel" full recompute with DeepSeek sparse attention's selections kept."""
+    if name == "keepsel":
+        return "full", 0, True
+    return ("full", int(name[4:]), False) if name.startswith("keep") else (name, 0, False)
 
 
 def _steps_data(vocab: int, tokens: int = 64, fields: tuple[str, ...] = (), offset: float = 0.0):
@@ -346,7 +350,7 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
     meshes = build_meshes(plan.layout, _RUN["device"].type)
     model = parallelize(_model(shape, variant), plan, meshes, param_dtype=_RUN["dtype"])
     trainer = Trainer(model, _config(variant), recompute=plan.train.recompute, keep_layers=plan.train.keep_layers,
-                      lm_head="fused", dp_rank=meshes.dp_rank,
+                      keep_selections=plan.train.keep_selections, lm_head="fused", dp_rank=meshes.dp_rank,
                       dp_size=meshes.dp_size, dp_group=meshes.dp_group, metrics_group=meshes.data_group)
     shards = []
     if trainer.context_parallel is not None:
@@ -374,6 +378,13 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
                 return orig_a2a(*a, **kw)
             dispatch.route, dispatch.all_to_all = route, all_to_all
     stage_calls = _count_stage_forwards(model)
+    indexers = [mod for mod in model.modules() if type(mod).__name__ == "Indexer"]
+    index_calls = [0]
+    for mod in indexers:
+        def count_index(*a, orig=mod.forward, **kw):
+            index_calls[0] += 1
+            return orig(*a, **kw)
+        mod.forward = count_index
     exported = None
     if pp > 1:  # what an export writes (before the steps: the weights every rank built), gathered to rank 0
         from launch.pipeline import gathered_state_dict
@@ -407,6 +418,9 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
             # with a document across the edge between two tp ranks' sequence-parallel rows
             "tp_padded": tp > 1 and any(b.packing.num_tokens % tp for s in steps for b in s),
             "tp_docs_cross_shard_edges": tp > 1 and any(_crosses_tp_edge(b.packing, tp) for s in steps for b in s),
+            # DeepSeek sparse attention: indexer passes per indexing layer of this rank and micro-batch (2 under full
+            # recompute, 1 where the selections are kept for the recomputed forward)
+            "indexer_passes": index_calls[0] / (len(indexers) * forwards) if indexers else None,
             "tensor_parallel_params": sum(1 for p in model.parameters() if getattr(p, "device_mesh", None) is not None
                                           and "tp" in (p.device_mesh.mesh_dim_names or ())),
             # PP: per stage (index, its layers, holds the embedding, holds the head, forwards it ran)

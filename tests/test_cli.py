@@ -126,6 +126,31 @@ def test_recompute_auto_keeps_layers_and_the_plan_runs_them(tmp_path):
     assert "keep_layers" not in full.read_text()
 
 
+def test_a_sparse_attention_plan_keeps_its_selections_where_they_fit(tmp_path):
+    """GLM-5's first three layers at 64K on one H200 have room for DeepSeek sparse attention's kept selections: the
+    plan says train.keep_selections (the header too), `recipe check` re-solves it the same, and a plan keeping them
+    without recompute is refused in one line; GLM-5 at 128K on 128 H200s has no room (CP16 is the smallest that fits
+    at all) and its plan has no such field."""
+    from pathlib import Path
+
+    glm5 = str(Path(__file__).resolve().parents[1] / "bench" / "configs" / "glm-5.json")
+    out = tmp_path / "g.yaml"
+    r = run("solve", "--model", glm5, "--layers", "3", "--seq", "64k", "--hw", "h200", "--gpus", "1", "-o", str(out))
+    assert r.exit_code == 0, r.output
+    assert "(full recompute, index selections kept, fused LM head" in r.stdout
+    plan = load_plan(out)
+    assert plan.train.keep_selections and plan.train_options().keep_selections
+    assert run("check", str(out)).exit_code == 0
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(out.read_text().replace("  recompute: full\n", "  recompute: none\n"))
+    r = run("check", str(bad))
+    assert r.exit_code != 0 and "train.keep_selections needs train.recompute: full" in r.output
+    tight = tmp_path / "t.yaml"
+    r = run("solve", "--model", glm5, "--seq", "128k", "--hw", "h200", "-o", str(tight))
+    assert r.exit_code == 0, r.output
+    assert "keep_selections" not in tight.read_text() and "index selections" not in r.stdout
+
+
 def test_gpus_that_cost_far_more_a_token_get_a_note():
     """--gpus 32 for gpt-oss-120b at 128K on H100s fits only at tp=2: the count the default rule takes, 40 (tp=1),
     runs 1.5x or more the tokens/s per GPU, and one line on stderr says so; 16 H100s for qwen35-35b, within the rule,

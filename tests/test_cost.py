@@ -844,3 +844,32 @@ def test_deepseek_sparse_attention_is_charged_on_its_selected_keys_and_its_index
 
     assert (pipeline_split(m, 2, opts, hw), pipeline_split(m, 3, opts, hw)) == ([3, 1], [1, 2, 1])
     assert (pipeline_split(shared, 2, opts, hw), pipeline_split(shared, 3, opts, hw)) == ([2, 2], [1, 1, 2])
+
+
+def test_kept_selections_spare_the_recomputed_indexer_and_cost_their_bytes():
+    """train.keep_selections: the recomputed forward takes the forward's selection instead of running the indexer,
+    so the indexer's work and passes are the forward's alone (half of full recompute's) and its FLOPs leave the
+    recomputed forward's hardware FLOPs once; every recomputed indexing layer's selection (int32, topk a token) is
+    kept for the step (with a shared layer, its source's selection is kept either way: not counted twice). Without
+    DSA the option changes nothing; it needs full recompute."""
+    from recipe.cost import compute_work, estimate, flop_terms, memory_terms
+
+    m, hw = _dsa_shape(), load_profile("h200")
+    opts = TrainOptions(micro_batch_tokens=4096)
+    keep = opts.model_copy(update={"keep_selections": True})
+    a, b = compute_work(m, Layout(), opts), compute_work(m, Layout(), keep)
+    assert b["indexer"] == a["indexer"] / 2 and b["index_passes"] == a["index_passes"] / 2 == 4
+    assert {k: v for k, v in a.items() if k not in ("indexer", "index_passes")} == \
+        {k: v for k, v in b.items() if k not in ("indexer", "index_passes")}
+    f, _, hw_a, _ = flop_terms(m, opts)
+    assert flop_terms(m, keep)[2] == pytest.approx(hw_a - f["indexer"])
+    acts = [memory_terms(m, hw, 1, Layout(), o)[0]["activations"] for o in (opts, keep)]
+    assert acts[1] - acts[0] == pytest.approx(4 * 4096 * 4 * 4)  # 4 layers, 4096 tokens, 4 keys, int32
+    shared = m.model_copy(update={"dsa": m.dsa.model_copy(update={"shared_layers": (3,)})})
+    acts = [memory_terms(shared, hw, 1, Layout(), o)[0]["activations"] for o in (opts, keep)]
+    assert acts[1] - acts[0] == pytest.approx((3 - 1) * 4096 * 4 * 4)  # 3 indexing layers, one kept already
+    assert estimate(m, hw, 1, Layout(), keep).step_time_s < estimate(m, hw, 1, Layout(), opts).step_time_s
+    v3 = PRESETS["deepseek-v3"].with_layers(4)
+    assert compute_work(v3, Layout(), keep) == compute_work(v3, Layout(), opts)
+    with pytest.raises(ValueError, match="keep_selections needs recompute 'full'"):
+        TrainOptions(micro_batch_tokens=4096, recompute="none", keep_selections=True)

@@ -119,6 +119,48 @@ def test_a_top_k_past_every_document_is_dense_mla_and_a_small_one_is_not():
             assert (err < 1e-5) == same, (topk, err)
 
 
+def test_kept_selections_spare_the_recomputed_indexer_and_change_nothing(monkeypatch):
+    """Under full recompute with keep_selections each layer's indexer runs in its forward only: its recomputed
+    forward takes the selection the forward left on the packing (and takes it off: nothing is left for a later step
+    on the same packing), so the indexer runs 3 times a step on 4 layers where the last shares the third's selection,
+    not 6, and the loss and every gradient are the same bit for bit. A forward without grad leaves nothing; the
+    option needs full recompute."""
+    from launch.model import Indexer
+    from launch.recompute import apply_recompute
+
+    dense, dsa = _shapes(3)
+    shape = dsa.model_copy(update={"num_layers": 4, "layer_types": ("full_attention",) * 4,
+                                   "dsa": dsa.dsa.model_copy(update={"shared_layers": (3,)})})
+    ids = torch.randint(0, 64, (33,), generator=torch.Generator().manual_seed(4))
+    calls = [0]
+    forward = Indexer.forward
+
+    def counted(self, *a, **kw):
+        calls[0] += 1
+        return forward(self, *a, **kw)
+    monkeypatch.setattr(Indexer, "forward", counted)
+    runs = []
+    for keep in (False, True):
+        model = apply_recompute(build_model(shape, seed=3), "full", keep_selections=keep)
+        calls[0] = 0
+        packing = Packing.from_lengths([20, 13])
+        for _ in range(2):  # the same packing twice: the second step selects afresh
+            loss = model(ids, packing).float().square().mean()
+            loss.backward()
+            assert not [k for k in packing.handoff.values if k[0] == "recompute_selection"]
+        runs.append((calls[0], loss.item(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}))
+        with torch.no_grad():
+            idle = Packing.from_lengths([20, 13])
+            model(ids, idle)
+            assert not [k for k in idle.handoff.values if k[0] == "recompute_selection"]
+    (full_calls, full_loss, full_grads), (kept_calls, kept_loss, kept_grads) = runs
+    assert (full_calls, kept_calls) == (2 * 2 * 3, 2 * 3)
+    assert kept_loss == full_loss and kept_grads.keys() == full_grads.keys()
+    assert all(torch.equal(kept_grads[n], full_grads[n]) for n in full_grads)
+    with pytest.raises(ValueError, match="keep_selections needs recompute 'full'"):
+        apply_recompute(build_model(shape, seed=3), "none", keep_selections=True)
+
+
 def index_kernel_checks():
     """The Triton index scores equal the torch path's (fp32, products in IEEE fp32) on 70 queries (two row tiles)
     against a span of 150 keys starting at key 20 (two column tiles), three documents, one whole key tile invisible
