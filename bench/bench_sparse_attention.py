@@ -29,6 +29,9 @@ def main() -> None:
     p.add_argument("--model", default=str(Path(__file__).parent / "configs" / "glm-5.json"))
     p.add_argument("--tokens", default="8192,32768,65536")
     p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--check-heads", default="",
+                   help="before the table, the kernels against the torch blocks at these head counts (e.g. "
+                        "8,16,32,48,64,128: every configuration the kernels pick), on random selections")
     p.add_argument("--variants", action="store_true",
                    help="also time the kernels' other configurations (VARIANT_FORWARD_CONFIGS, "
                         "VARIANT_BACKWARD_CONFIGS)")
@@ -55,6 +58,8 @@ def main() -> None:
     a, d = m.mla, m.dsa
     print(f"{m.name}: {m.num_heads} heads, latent {a.kv_lora_rank} + {a.qk_rope_head_dim}, indexer {d.index_heads} x "
           f"{d.index_head_dim}, top {d.topk}; one document, bf16, median of {args.reps}")
+    if args.check_heads:
+        _check_heads([int(h) for h in args.check_heads.split(",")], a.kv_lora_rank, a.qk_rope_head_dim, dev)
     rows = []
     for T in (int(t) for t in args.tokens.split(",")):
         packing = Packing.from_lengths([T], device=dev)
@@ -147,6 +152,33 @@ def main() -> None:
               f"{3 * flops / sum(kt) / 1e12:.0f} TF/s in model FLOPs", flush=True)
         del q_hat, latent, do, idx, iq, iw, ik, x, dy
         torch.cuda.empty_cache()
+
+
+def _check_heads(heads, C, R, dev, T=3000, K=256):
+    """The kernels' output, dq and dlatent against the torch blocks' (bf16 inputs; relative to each tensor's largest
+    value) at each head count, T queries each selecting min(K, t + 1) random causal keys."""
+    import torch
+
+    from launch.sparse_attention import _SparseLatentAttention, _SparseLatentAttentionTriton
+
+    g = torch.Generator().manual_seed(0)
+    idx = torch.full((T, K), -1, dtype=torch.int32)
+    for t in range(T):
+        idx[t, :min(K, t + 1)] = torch.randperm(t + 1, generator=g)[:K].int()
+    idx = idx.to(dev)
+    for H in heads:
+        q = (torch.randn(T, H, C + R, generator=g) * 0.3).to(dev, torch.bfloat16).requires_grad_()
+        latent = torch.randn(T, C + R, generator=g).to(dev, torch.bfloat16).requires_grad_()
+        do = torch.randn(T, H, C, generator=g).to(dev, torch.bfloat16)
+        outs = []
+        for fn in (_SparseLatentAttentionTriton, _SparseLatentAttention):
+            q.grad = latent.grad = None
+            o = fn.apply(q, latent, idx, 0.06, C)
+            o.backward(do)
+            outs.append((o.float(), q.grad.float(), latent.grad.float()))
+        errs = [((x - y).abs().max() / y.abs().max()).item() for x, y in zip(*outs)]
+        print(f"{H} heads, Triton against the torch blocks: output {errs[0]:.1e}, dq {errs[1]:.1e}, dlatent "
+              f"{errs[2]:.1e}", flush=True)
 
 
 def _kernel_times(smk, q, latent, idx, count, do, v_dim, dev, reps):
