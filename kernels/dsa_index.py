@@ -12,8 +12,9 @@ Selection (`topk_select`, torch on every device): each query's K highest scores,
 the earlier key, so that the selection is the same whatever span of keys a block is scored against (one process or a
 context-parallel rank), where torch.topk's own choice among ties is not (ReLU makes exact ties common: a key no index
 head responds to scores 0). topk runs on the fp32 scores, and only the rows whose K-th score also sits outside the
-selection are selected again on int64 ranks (`_ranked`). On an H200, torch.topk keeps 2,048 of 2,048 rows × 65,536
-scores in 3.2 ms where a Triton radix select (8 histogram passes of 4 bits) took 4.5.
+selection are selected again on int64 ranks (`_ranked`); topk's descending order leaves a query's visible keys
+first. On an H200, torch.topk keeps 2,048 of 2,048 rows × 65,536 scores in 3.2 ms where a Triton radix select (8
+histogram passes of 4 bits) took 4.5.
 
 Backends as in kernels/gdn_fused.py: "auto" runs Triton on CUDA/ROCm tensors when triton is installed and the torch
 path otherwise.
@@ -52,18 +53,18 @@ def index_scores(q_TNI: torch.Tensor, w_TN: torch.Tensor, k_SI: torch.Tensor, qu
 
 def topk_select(score: torch.Tensor, k: int, lo: int) -> torch.Tensor:
     """[n, k] int32: each row's k highest scores' keys (column + lo), ties at the k-th to the earlier key, the keys a
-    query sees first and −1 after them (a −inf score: a key its query does not see)."""
+    query sees first and −1 after them (a −inf score: a key its query does not see). torch.topk's sorted output
+    puts a row's −inf scores last already; a row has a tie at its k-th score left out exactly when more than k of
+    its scores are at least the k-th (every higher one is selected), and only those rows are selected again on int64
+    ranks, which sort the same way."""
     val, idx = score.topk(k, dim=-1)
     kth = val[:, -1:]
-    tied = torch.isfinite(kth[:, 0]) & ((score == kth).sum(-1) > (val == kth).sum(-1))
+    tied = torch.isfinite(kth[:, 0]) & ((score >= kth).sum(-1) > k)
     if bool(tied.any()):
         rows = tied.nonzero().squeeze(1)
         keys = torch.arange(lo, lo + score.shape[1], device=score.device)
         idx[rows] = _ranked(score[rows], keys).topk(k, dim=-1).indices
-    val = score.gather(1, idx)
-    # the selected keys a query sees first (valid entries lead, as the attention kernels need), −1 after them
-    order = torch.argsort(torch.isinf(val).to(torch.int8), dim=1, stable=True)
-    idx, val = idx.gather(1, order), val.gather(1, order)
+        val = score.gather(1, idx)
     return torch.where(torch.isfinite(val), idx + lo, torch.full_like(idx, -1)).int()
 
 

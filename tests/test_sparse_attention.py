@@ -87,6 +87,7 @@ def test_the_indexer_keeps_each_querys_top_scores_inside_its_document(monkeypatc
         monkeypatch.setattr(sa, "INDEX_BLOCK_BYTES", block)
         got = index_topk(q, w, k, list(range(T)), starts, K, 0.5)
         assert torch.equal(got.long().sort(-1).values, want.sort(-1).values), block
+        assert ((got >= 0).int().diff(dim=1) <= 0).all()  # a query's keys first, −1 after them
     assert (want[7] == torch.tensor([7, -1, -1, -1])).all()  # the one-token document
     assert (want[0] == torch.tensor([0, -1, -1, -1])).all() and (want[9][:2] == torch.tensor([8, 9])).all()
 
