@@ -213,17 +213,23 @@ INDEX_TILES = []  # (BM, BN, warps) of the index-score kernel to time, on the la
 # kernels/sparse_mla_triton.py configurations to time beside the defaults: the ones a head count that is not a
 # multiple of 64 (forward) or at most 16 (backward) runs
 FORWARD_CONFIGS: list[dict] = [dict(BH=16, BK=32, num_warps=4, num_stages=2, Q_PER_TILE=False)]
-BACKWARD_CONFIGS: list[dict] = [dict(BH=16, BK=16, num_warps=4, num_stages=2)]
-# with --variants: the others the defaults were chosen over (64 heads with q held across the loop, fewer pipeline
-# stages, 32-head forward programs; backward tiles of 16 keys, one stage, 16 heads of 32 keys)
-VARIANT_FORWARD_CONFIGS = [dict(BH=64, BK=32, num_warps=8, num_stages=2, Q_PER_TILE=False),
-                           dict(BH=64, BK=32, num_warps=8, num_stages=2, Q_PER_TILE=True),
-                           dict(BH=64, BK=32, num_warps=8, num_stages=1, Q_PER_TILE=True),
-                           dict(BH=32, BK=32, num_warps=8, num_stages=2, Q_PER_TILE=False)]
-VARIANT_BACKWARD_CONFIGS = [dict(BH=32, BK=16, num_warps=8, num_stages=2),
-                            dict(BH=32, BK=32, num_warps=8, num_stages=1),
-                            dict(BH=16, BK=32, num_warps=8, num_stages=2)]
-
+BACKWARD_CONFIGS: list[dict] = [dict(BH=16, BK=16, num_warps=4, num_stages=3)]
+# with --variants: the others the defaults were chosen over (64 heads with tiles of 32 keys, fewer or more pipeline
+# stages, q held across the loop; 32-head and 16-head forward programs of other shapes; backward with fewer stages,
+# tiles of 16 keys, 16 heads of 32 keys, 16 warps)
+VARIANT_FORWARD_CONFIGS = [dict(BH=64, BK=32, num_warps=8, num_stages=3, Q_PER_TILE=True),
+                           dict(BH=64, BK=64, num_warps=8, num_stages=2, Q_PER_TILE=True),
+                           dict(BH=64, BK=64, num_warps=8, num_stages=4, Q_PER_TILE=True),
+                           dict(BH=64, BK=32, num_warps=8, num_stages=2, Q_PER_TILE=False),
+                           dict(BH=32, BK=32, num_warps=8, num_stages=2, Q_PER_TILE=False),
+                           dict(BH=16, BK=32, num_warps=4, num_stages=3, Q_PER_TILE=False),
+                           dict(BH=16, BK=64, num_warps=4, num_stages=3, Q_PER_TILE=False)]
+VARIANT_BACKWARD_CONFIGS = [dict(BH=32, BK=32, num_warps=8, num_stages=2),
+                            dict(BH=32, BK=32, num_warps=8, num_stages=4),
+                            dict(BH=32, BK=16, num_warps=8, num_stages=2),
+                            dict(BH=16, BK=32, num_warps=8, num_stages=2),
+                            dict(BH=32, BK=32, num_warps=16, num_stages=2),
+                            dict(BH=16, BK=16, num_warps=4, num_stages=2)]
 
 if __name__ == "__main__":
     main()

@@ -14,9 +14,9 @@ valid entries first (−1 after them) and count [T] of them.
 
 Programs are numbered query-major, a query's head blocks adjacent, so they run together and gather the same rows
 from L2. The block sizes (`_forward_config`, `_backward_config`) are the fastest measured on an H200
-(bench/bench_sparse_attention.py, docs/BENCHMARKS.md): 64 heads a program for the forward where the head count
-is a multiple of 64 (its q re-read per tile: held across the loop, the registers spill), 16 otherwise; 32 heads
-and 32 keys a program for the backward (16 and 16 at 16 heads or fewer). The loops run to each query's own count
+(bench/bench_sparse_attention.py, docs/BENCHMARKS.md): 64 heads and 64 keys a program for the forward where the head
+count is a multiple of 64 (its q re-read per tile: held across the loop, the registers spill), 16 heads and 32 keys
+otherwise; 32 heads and 32 keys a program for the backward (16 and 16 at 16 heads or fewer), three pipeline stages. The loops run to each query's own count
 of valid entries, so a query early in its document (fewer keys than K) costs its keys only. Imported lazily (the
 CPU path never imports triton)."""
 
@@ -135,14 +135,14 @@ def _dims(q: torch.Tensor, latent: torch.Tensor, v_dim: int) -> tuple[int, int, 
 def _forward_config(H: int) -> dict:
     """Heads and keys a forward program holds, its warps and pipeline stages, and whether q is re-read per tile."""
     if H % 64 == 0:
-        return dict(BH=64, BK=32, num_warps=8, num_stages=3, Q_PER_TILE=True)
+        return dict(BH=64, BK=64, num_warps=8, num_stages=3, Q_PER_TILE=True)
     return dict(BH=16, BK=32, num_warps=4, num_stages=2, Q_PER_TILE=False)
 
 
 def _backward_config(H: int) -> dict:
     if H <= 16:
-        return dict(BH=16, BK=16, num_warps=4, num_stages=2)
-    return dict(BH=32, BK=32, num_warps=8, num_stages=2)
+        return dict(BH=16, BK=16, num_warps=4, num_stages=3)
+    return dict(BH=32, BK=32, num_warps=8, num_stages=3)
 
 
 def forward(q: torch.Tensor, latent: torch.Tensor, idx: torch.Tensor, count: torch.Tensor, scale: float,

@@ -206,7 +206,7 @@ def sparse_mla_kernel_checks():
         assert (a - b).abs().max() < 1e-4 * max(1.0, b.abs().max().item())
     count = (idx >= 0).sum(1, dtype=torch.int32)
     qd, ld = q.detach(), latent.detach()
-    for cfg in (dict(BH=64, BK=32, Q_PER_TILE=True), dict(BH=16, BK=32, Q_PER_TILE=False)):
+    for cfg in (dict(BH=64, BK=64, Q_PER_TILE=True), dict(BH=16, BK=32, Q_PER_TILE=False)):
         o, lse = k.forward(qd, ld, idx, count, 0.3, C, config=cfg)
         assert (o - want_o).abs().max() < 1e-5, cfg
     for cfg in (dict(BH=32, BK=32), dict(BH=16, BK=16)):
