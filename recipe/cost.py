@@ -106,12 +106,12 @@ WINDOW_ROW_KEYS = 670
 SINK_MERGE_BYTES = 11
 # DeepSeek sparse attention (launch/sparse_attention.py, docs/sparse_attention.md "Cost"): its Triton kernels
 # (absorbed MLA over each query's selected latents: forward, backward) at this share of the bf16 peak in model
-# FLOPs counted three times the forward's (bench/bench_sparse_attention.py on an H200 at 64 heads: 0.097 at 8K
-# tokens, 0.089 at 32K, 0.083 at 64K); the indexer's scores at INDEX_GEMM_EFFICIENCY (its kernel's 449 TF/s), its
+# FLOPs counted three times the forward's (bench/bench_sparse_attention.py on an H200 at 64 heads: 0.100 at 8K
+# tokens, 0.102 at 32K, 0.099 at 64K); the indexer's scores at INDEX_GEMM_EFFICIENCY (its kernel's 449 TF/s), its
 # top-k selection INDEX_SELECT_S a score on an H200 (torch.topk and the tie check), scaled by HBM bandwidth
 # elsewhere, and INDEX_PASS_S a pass (its block loop): the line through the indexer's 44.6 ms at 32K tokens and
 # 154.0 ms at 64K (8.3 ms at 8K, 10.4 on it)
-SPARSE_ATTENTION_EFFICIENCY = 0.086
+SPARSE_ATTENTION_EFFICIENCY = 0.10
 # the fewest heads a program of those kernels holds (kernels/sparse_mla_triton.py): a rank with fewer runs it
 # part-empty
 SPARSE_HEAD_BLOCK = 16
