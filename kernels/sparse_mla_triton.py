@@ -16,9 +16,9 @@ Programs are numbered query-major, a query's head blocks adjacent, so they run t
 from L2. The block sizes (`_forward_config`, `_backward_config`) are the fastest measured on an H200
 (bench/bench_sparse_attention.py, docs/BENCHMARKS.md): 64 heads and 64 keys a program for the forward where the head
 count is a multiple of 64 (its q re-read per tile: held across the loop, the registers spill), 16 heads and 32 keys
-otherwise; 32 heads and 32 keys a program for the backward (16 and 16 at 16 heads or fewer), three pipeline stages. The loops run to each query's own count
-of valid entries, so a query early in its document (fewer keys than K) costs its keys only. Imported lazily (the
-CPU path never imports triton)."""
+otherwise; 32 heads and 32 keys a program for the backward (16 and 16 at 16 heads or fewer), three pipeline stages.
+The loops run to each query's own count of valid entries, so a query early in its document (fewer keys than K) costs
+its keys only. Imported lazily (the CPU path never imports triton)."""
 
 from __future__ import annotations
 

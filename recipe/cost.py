@@ -105,13 +105,16 @@ WINDOW_ROW_KEYS = 670
 # five, which span 4 to 15
 SINK_MERGE_BYTES = 11
 # DeepSeek sparse attention (launch/sparse_attention.py, docs/sparse_attention.md "Cost"): its Triton kernels
-# (absorbed MLA over each query's selected latents: forward, backward) at this share of the bf16 peak in model
-# FLOPs counted three times the forward's (bench/bench_sparse_attention.py on an H200 at 64 heads: 0.100 at 8K
-# tokens, 0.102 at 32K, 0.099 at 64K); the indexer's scores at INDEX_GEMM_EFFICIENCY (its kernel's 449 TF/s), its
-# top-k selection INDEX_SELECT_S a score on an H200 (torch.topk and the tie check), scaled by HBM bandwidth
-# elsewhere, and INDEX_PASS_S a pass (its block loop): the line through the indexer's 44.6 ms at 32K tokens and
-# 154.0 ms at 64K (8.3 ms at 8K, 10.4 on it)
-SPARSE_ATTENTION_EFFICIENCY = 0.10
+# (absorbed MLA over each query's selected latents) at these shares of the bf16 peak in model FLOPs, the forward's
+# 2·H·(2C + R) a selected key and the backward's twice that (bench/bench_sparse_attention.py on an H200 at 64 heads:
+# forward 0.226 / 0.248 / 0.246 at 8K / 32K / 64K tokens, backward 0.078 / 0.079 / 0.076; the forward in 16-head
+# programs, where a rank's heads are not a multiple of 64, 0.138 / 0.145 / 0.144); the indexer's scores at
+# INDEX_GEMM_EFFICIENCY (its kernel's 449 TF/s), its top-k selection INDEX_SELECT_S a score on an H200 (torch.topk
+# and the tie check), scaled by HBM bandwidth elsewhere, and INDEX_PASS_S a pass (its block loop): the line through
+# the indexer's 44.6 ms at 32K tokens and 154.0 ms at 64K (8.3 ms at 8K, 10.4 on it)
+SPARSE_FORWARD_EFFICIENCY = 0.245
+SPARSE_NARROW_FORWARD_EFFICIENCY = 0.144
+SPARSE_BACKWARD_EFFICIENCY = 0.078
 # the fewest heads a program of those kernels holds (kernels/sparse_mla_triton.py): a rank with fewer runs it
 # part-empty
 SPARSE_HEAD_BLOCK = 16
@@ -456,6 +459,17 @@ def index_pair_seconds(m: ModelShape, hw: HwProfile) -> float:
     its share of the top-k selection."""
     return (index_pair_flops(m) / (hw.peak_bf16_tflops * 1e12 * INDEX_GEMM_EFFICIENCY)
             + INDEX_SELECT_S * INDEX_SELECT_HBM / (hw.hbm_bw_tb_s * 1e12))
+
+
+def sparse_attention_passes(m: ModelShape, tp: int, passes: float, recomputed: float = 0.0) -> float:
+    """DeepSeek sparse attention's work a forward's FLOPs buys, in forward FLOPs at the backward kernel's rate
+    (rates()["attention"]): `passes` forward and backward passes (the backward two forwards' FLOPs), and
+    `recomputed` forwards more; the forward at its own rate (SPARSE_NARROW_FORWARD_EFFICIENCY where a rank's heads
+    are not a multiple of 64: the kernels' 16-head programs), a rank with fewer heads than SPARSE_HEAD_BLOCK charged
+    the block's time."""
+    heads = m.num_heads / tp
+    fwd = SPARSE_FORWARD_EFFICIENCY if heads % 64 == 0 else SPARSE_NARROW_FORWARD_EFFICIENCY
+    return ((passes + recomputed) * SPARSE_BACKWARD_EFFICIENCY / fwd + 2 * passes) * max(1.0, SPARSE_HEAD_BLOCK / heads)
 
 
 def attention_keys(m: ModelShape, seq: float, kernel: bool = False) -> tuple[float, float]:
@@ -846,8 +860,9 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         **experts,
         "dense_gemm": layers * (f["matmul_layers"] - routed) * mult["dense_gemm"],
         "dense_rows": layers * dense_row_bytes_all_layers(m) * mult["dense_rows"],
-        "attention": layers * f["attention"] * attention_kernel_ratio(m, opts.micro_batch_tokens) * mult["attention"]
-        * (max(1.0, SPARSE_HEAD_BLOCK * tp / m.num_heads) if m.dsa is not None else 1.0),
+        "attention": layers * f["attention"] * attention_kernel_ratio(m, opts.micro_batch_tokens)
+        * (sparse_attention_passes(m, tp, share["attention"], share_again["attention"]) if m.dsa is not None
+           else mult["attention"]),
         "delta_rule": layers * f.get("linear_attention", 0.0) * mult["delta_rule"],
         # DSA's indexer: forward only, every query of the rank against all keys (replicated over tp), once a pass
         # (the recomputed forward's not where the layers keep their selections)
@@ -975,7 +990,7 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
     dsa = {"indexer": float("inf"), "index_passes": 0.0}
     if m is not None and m.dsa is not None:
         dsa = {"indexer": index_pair_flops(m) / index_pair_seconds(m, hw),
-               "index_passes": INDEX_PASS_S, "attention": peak * SPARSE_ATTENTION_EFFICIENCY}
+               "index_passes": INDEX_PASS_S, "attention": peak * SPARSE_BACKWARD_EFFICIENCY}
     return {**_rates(hw, m, peak, hbm, e), **dsa}
 
 
@@ -1276,6 +1291,8 @@ def _stage_costs(m: ModelShape, seq: float, opts: TrainOptions, r: dict[str, flo
     costs = []
     for w in layer_work(m, seq):
         n = {op: index_passes if op == "indexer" else passes for op in w}
+        if m.dsa is not None and r is not None:  # its forward and backward at their own rates
+            n["attention"] = sparse_attention_passes(m, 1, 1, passes - 3)
         if r is None:
             costs.append(sum(n[op] * x for op, x in w.items() if op not in BYTE_TERMS))
         else:
