@@ -12,9 +12,9 @@ Selection (`topk_select`, torch on every device): each query's K highest scores,
 the earlier key, so that the selection is the same whatever span of keys a block is scored against (one process or a
 context-parallel rank), where torch.topk's own choice among ties is not (ReLU makes exact ties common: a key no index
 head responds to scores 0). topk runs on the fp32 scores, and only the rows whose K-th score also sits outside the
-selection are selected again on int64 ranks (`_ranked`); topk's descending order leaves a query's visible keys
-first. On an H200, torch.topk keeps 2,048 of 2,048 rows × 65,536 scores in 3.2 ms where a Triton radix select (8
-histogram passes of 4 bits) took 4.5.
+selection are selected again on int64 ranks (`_ranked`); each row's keys are then sorted ascending, −1 after them.
+On an H200, torch.topk keeps 2,048 of 2,048 rows × 65,536 scores in 3.2 ms where a Triton radix select (8 histogram
+passes of 4 bits) took 4.5.
 
 Backends as in kernels/gdn_fused.py: "auto" runs Triton on CUDA/ROCm tensors when triton is installed and the torch
 path otherwise.
@@ -53,19 +53,22 @@ def index_scores(q_TNI: torch.Tensor, w_TN: torch.Tensor, k_SI: torch.Tensor, qu
 
 def topk_select(score: torch.Tensor, k: int, lo: int) -> torch.Tensor:
     """[n, k] int32: each row's k highest scores' keys (column + lo), ties at the k-th to the earlier key, the keys a
-    query sees first and −1 after them (a −inf score: a key its query does not see). torch.topk's sorted output
-    puts a row's −inf scores last already; a row has a tie at its k-th score left out exactly when more than k of
-    its scores are at least the k-th (every higher one is selected), and only those rows are selected again on int64
-    ranks, which sort the same way."""
-    val, idx = score.topk(k, dim=-1)
-    kth = val[:, -1:]
+    query sees in ascending order and −1 after them (a −inf score: a key its query does not see). A row has a tie at
+    its k-th score left out exactly when more than k of its scores are at least the k-th (every higher one is
+    selected), and only those rows are selected again on int64 ranks. Ascending keys make the selection's order, and
+    so the attention's order of summation, the same whatever block or rank selects it (topk's order among equal
+    scores is not)."""
+    val, idx = score.topk(k, dim=-1, sorted=False)
+    kth = val.amin(-1, keepdim=True)
     tied = torch.isfinite(kth[:, 0]) & ((score >= kth).sum(-1) > k)
     if bool(tied.any()):
         rows = tied.nonzero().squeeze(1)
         keys = torch.arange(lo, lo + score.shape[1], device=score.device)
-        idx[rows] = _ranked(score[rows], keys).topk(k, dim=-1).indices
+        idx[rows] = _ranked(score[rows], keys).topk(k, dim=-1, sorted=False).indices
         val = score.gather(1, idx)
-    return torch.where(torch.isfinite(val), idx + lo, torch.full_like(idx, -1)).int()
+    last = torch.iinfo(torch.int32).max  # the unseen keys sort after the seen ones, then read −1
+    idx = torch.where(torch.isfinite(val), idx.int() + lo, last).sort(dim=-1).values
+    return torch.where(idx == last, -1, idx)
 
 
 def _ranked(score: torch.Tensor, keys: torch.Tensor) -> torch.Tensor:

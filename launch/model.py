@@ -426,6 +426,9 @@ class MLAttention(nn.Module):
         self.sparse, self.layer = s.dsa is not None, layer
         self.indexer, self.selection_of, self.keeps_selection = None, None, False
         self.keeps_for_recompute = False
+        # tensor parallelism's split of the selection work (launch/tensor_parallel.py: each rank selects for its
+        # share of the queries, the selections all-gathered); None: this rank selects for every query
+        self.selection_split = None
         if s.dsa is not None:
             if layer in s.dsa.shared_layers:
                 self.selection_of = s.dsa.selection_source(layer)
@@ -495,8 +498,12 @@ class MLAttention(nn.Module):
                 query_index = list(range(T))
                 starts = itertools.accumulate(packing.doc_lengths, initial=0)
                 doc_start = [start for n, start in zip(packing.doc_lengths, starts) for _ in range(n)]
-            idx = index_topk(index_q, index_w, index_k, query_index, doc_start, self.indexer.topk,
-                             self.indexer.scale)
+            split = self.selection_split
+            a, b = split.row_share(T) if split is not None else (0, T)
+            idx = index_topk(index_q[a:b], index_w[a:b], index_k, query_index[a:b], doc_start[a:b],
+                             self.indexer.topk, self.indexer.scale)
+            if split is not None:
+                idx = split.gather_rows(idx, T)
             if self.keeps_selection:
                 packing.handoff.values[("sparse_selection", self.layer)] = idx
             if self.keeps_for_recompute and torch.is_grad_enabled():

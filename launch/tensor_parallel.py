@@ -20,6 +20,10 @@ then shards each over dp, so checkpoints hold the whole tensors under the same n
                 `Attention.o_proj_bias_share`: the reduce-scatter adds it up to one bias, and each rank's gradient,
                 1/tp of the bias's, sums to it)
 
+DeepSeek sparse attention's indexer (frozen, replicated) runs on every rank for all T tokens, but each rank selects
+the keys (index scores and top-k, the indexer's cost) for its `row_share` of the queries only, and the selections are
+all-gathered (`gather_rows`, 4·topk bytes a query).
+
 The residual stream between mixers is sequence-parallel: each tp rank holds Tl of the micro-batch's tokens (the
 sequence zero-padded to tp·Tl). Per decoder layer:
 
@@ -128,6 +132,23 @@ class TensorParallel:
         from torch.distributed.nn.functional import all_reduce
 
         return all_reduce(x, group=self.group)
+
+    def row_share(self, num_rows: int) -> tuple[int, int]:
+        """This rank's rows [a, b) of `num_rows`, split as the sequence-parallel tokens are (Tl a rank, the last
+        ranks' fewer or none)."""
+        n = self.local_len(num_rows)
+        a = min(num_rows, self.rank * n)
+        return a, min(num_rows, a + n)
+
+    @torch.no_grad()
+    def gather_rows(self, x_local: torch.Tensor, num_rows: int) -> torch.Tensor:
+        """Every rank's `row_share` of a tensor without gradient → its [num_rows, …] on every rank (DeepSeek sparse
+        attention's selections: each rank selects the keys of its share of the queries)."""
+        n = self.local_len(num_rows)
+        x = F.pad(x_local, (0, 0) * (x_local.dim() - 1) + (0, n - x_local.shape[0]))
+        out = x.new_empty(self.size * n, *x.shape[1:])
+        _all_gather_single(out, x.contiguous(), group=self.group)
+        return out[:num_rows]
 
     def head_weight(self, weight_VD: torch.Tensor) -> torch.Tensor:
         """This rank's vocabulary rows of the LM head (for kernels' vocab-parallel head, with `group`)."""
@@ -282,6 +303,8 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
         for norm in (getattr(mixer, "q_norm", None), getattr(mixer, "k_norm", None)):
             if hasattr(norm, "sum_over_ranks"):  # a norm over all heads: this rank's heads are some of them
                 norm.sum_over_ranks = tp.all_reduce
+        if getattr(mixer, "indexer", None) is not None:  # DSA: each rank selects for its share of the queries
+            mixer.selection_split = tp
 
     def model_pre(module, args):  # Transformer.forward(input_ids_T, packing)
         tp.num_tokens = args[1].num_tokens

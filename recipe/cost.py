@@ -864,9 +864,9 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         * (sparse_attention_passes(m, tp, share["attention"], share_again["attention"]) if m.dsa is not None
            else mult["attention"]),
         "delta_rule": layers * f.get("linear_attention", 0.0) * mult["delta_rule"],
-        # DSA's indexer: forward only, every query of the rank against all keys (replicated over tp), once a pass
-        # (the recomputed forward's not where the layers keep their selections)
-        "indexer": s * f.get("indexer", 0.0) * (share["attention"] + index_again * share_again["attention"]),
+        # DSA's indexer: forward only, each tp rank's share of the queries against all keys, once a pass (the
+        # recomputed forward's not where the layers keep their selections)
+        "indexer": layers * f.get("indexer", 0.0) * (share["attention"] + index_again * share_again["attention"]),
         "index_passes": (len(stage) + index_again * len(again)) * indexing_layers(m) / m.num_layers,
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
         "ep_dispatch": 0.0,
@@ -1118,6 +1118,10 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     if tp > 1:
         split_passes = passes["moe"] + 2 * passes["dense"]  # a mixer each layer, and a dense FFN's
         tp_bytes = split_passes * 2 * s * m.hidden_size * BF16 * (tp - 1) / tp
+        if m.dsa is not None:  # each DSA indexer pass all-gathers the ranks' selections (int32, topk a query)
+            selecting = n["attention"] + (0 if opts.keep_selections else again["attention"])
+            tp_bytes += (selecting * indexing_layers(m) / m.num_full_attn_layers * s * m.dsa.topk * 4
+                         * (tp - 1) / tp)
         comm["tp"] = tp_bytes
         t["tp"] = tp_bytes / group_bw(hw, tp, 1, node)
     # FSDP2: all-gather bf16 params in forward and again in backward, reduce-scatter fp32 grads; overlapped

@@ -385,6 +385,14 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
             index_calls[0] += 1
             return orig(*a, **kw)
         mod.forward = count_index
+    selection_rows = [0, 0]  # DSA under tp: the queries this rank selected for, of the queries its mixers saw
+    tp_state = getattr(model, "tensor_parallel", None)
+    if indexers and tp_state is not None:
+        def gather_rows(x_local, num_rows, orig=tp_state.gather_rows):
+            selection_rows[0] += x_local.shape[0]
+            selection_rows[1] += num_rows
+            return orig(x_local, num_rows)
+        tp_state.gather_rows = gather_rows
     exported = None
     if pp > 1:  # what an export writes (before the steps: the weights every rank built), gathered to rank 0
         from launch.pipeline import gathered_state_dict
@@ -421,6 +429,9 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
             # DeepSeek sparse attention: indexer passes per indexing layer of this rank and micro-batch (2 under full
             # recompute, 1 where the selections are kept for the recomputed forward)
             "indexer_passes": index_calls[0] / (len(indexers) * forwards) if indexers else None,
+            # and under tp the share of the queries this rank selected keys for (each rank its sequence-parallel
+            # share, the selections all-gathered)
+            "selection_rows_share": selection_rows[0] / selection_rows[1] if selection_rows[1] else None,
             "tensor_parallel_params": sum(1 for p in model.parameters() if getattr(p, "device_mesh", None) is not None
                                           and "tp" in (p.device_mesh.mesh_dim_names or ())),
             # PP: per stage (index, its layers, holds the embedding, holds the head, forwards it ran)

@@ -800,7 +800,8 @@ def test_deepseek_sparse_attention_is_charged_on_its_selected_keys_and_its_index
     3.25 and over 3 tokens 2; attention's forward FLOPs a token are 2·H·(2C + R)·k̄ a layer (absorbed: q̂·latent
     over C + R channels, p·latent over C); the indexer's 2·N·I·S/2, forward only: the model FLOPs count it once
     where they count everything else three times, and the hardware FLOPs once more for the recomputed forward.
-    Under tp the attention's work halves and the indexer's (replicated) does not; its weights count with the
+    Under tp the attention's work halves and so does the indexer's (each rank selects for half the queries, the
+    selections all-gathered); its weights count with the
     attention's parameters; its rate and the kernels' come from the measured constants. The attention's time is its
     forward passes at the forward kernel's rate and its backward (twice the forward's FLOPs) at the backward
     kernel's: 128 heads over tp = 16 leave 8 a rank, whose forward runs 16-head programs half empty at the narrow
@@ -825,8 +826,15 @@ def test_deepseek_sparse_attention_is_charged_on_its_selected_keys_and_its_index
     assert model == 3 * fwd - 2 * f["indexer"]
     assert hw_flops == 4 * (fwd - f["head"]) - 2 * f["indexer"] + 3 * f["head"]  # full recompute, fused head
     one, two = compute_work(m, Layout(), opts), compute_work(m, Layout(tp=2), opts)
-    assert two["indexer"] == one["indexer"] == 4096 * f["indexer"] * 2  # forward and recomputed forward
-    assert two["attention"] == pytest.approx(one["attention"] / 2)
+    assert one["indexer"] == 4096 * f["indexer"] * 2  # forward and recomputed forward
+    assert two["attention"] == pytest.approx(one["attention"] / 2) and two["indexer"] == one["indexer"] / 2
+    # under tp each rank selects for its share of the queries and all-gathers the selections: 8 passes (4 layers,
+    # forward and recomputed forward) of 4096 queries × 4 keys, int32, half from the other rank
+    from recipe.cost import communication_terms
+
+    gathered = [communication_terms(x, load_profile("h200"), 2, Layout(tp=2), opts)[0]["tp"]
+                for x in (m, m.model_copy(update={"dsa": None}))]
+    assert gathered[0] - gathered[1] == 8 * 4096 * 4 * 4 / 2
     hw = load_profile("h200")
     r = rates(hw, m)
     peak = hw.peak_bf16_tflops * 1e12
