@@ -32,6 +32,14 @@ def technique_effects(m: ModelShape, hw: HwProfile, sol: Solution) -> dict[str, 
             out["recompute"] += (f"; {'the last layer' if k == 1 else f'the last {k} layers'} could keep "
                                  f"{'its' if k == 1 else 'their'} activations: "
                                  f"{100 * (1 - part.estimate.step_time_s / e.step_time_s):.0f}% less step time")
+    if m.dsa is not None and o.recompute == "full":
+        # DeepSeek sparse attention: the recomputed forward reusing the forward's index selections, or not
+        other = estimate(m, hw, w, lay, o.model_copy(update={"keep_selections": not o.keep_selections}))
+        kept, recomputed = (e, other) if o.keep_selections else (other, e)
+        gain = f"{100 * (1 - kept.step_time_s / recomputed.step_time_s):.0f}% of the step"
+        extra = f"{kept.total_gb - recomputed.total_gb:.1f} GB"
+        out["selections"] = (f"kept: saves {gain} for {extra}" if o.keep_selections else
+                             f"recomputed: keeping them would save {gain} but needs {extra} more, past the margin")
     naive = estimate(m, hw, w, lay, o.model_copy(update={"lm_head": "naive"}))
     out["fused_head"] = (f"saves {e.lm_head_unfused_gb:.1f} GB of logits ({100 * e.lm_head_unfused_gb / usable:.0f}% "
                          f"of usable){'; needed' if not naive.fits else ''}")

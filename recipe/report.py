@@ -242,10 +242,12 @@ def techniques_table(rows: list[tuple[HwProfile, dict | None]]) -> Table:
     t.add_column("technique")
     for hw, _ in rows:
         t.add_column(hw.name)
-    labels = {"recompute": "full recompute", "fused_head": "fused LM head", "cp": "context parallel",
-              "fsdp": "FSDP2 sharding", "ep_overlap": "chunked EP overlap"}
+    labels = {"recompute": "full recompute", "selections": "kept index selections", "fused_head": "fused LM head",
+              "cp": "context parallel", "fsdp": "FSDP2 sharding", "ep_overlap": "chunked EP overlap"}
     for key, label in labels.items():
-        t.add_row(label, *[info[key] if info is not None else "—" for _, info in rows])
+        if not any(info is not None and key in info for _, info in rows):  # DSA's row, for a DSA model only
+            continue
+        t.add_row(label, *[info.get(key, "—") if info is not None else "—" for _, info in rows])
     return t
 
 

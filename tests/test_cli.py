@@ -130,7 +130,8 @@ def test_a_sparse_attention_plan_keeps_its_selections_where_they_fit(tmp_path):
     """GLM-5's first three layers at 64K on one H200 have room for DeepSeek sparse attention's kept selections: the
     plan says train.keep_selections (the header too), `recipe check` re-solves it the same, and a plan keeping them
     without recompute is refused in one line; GLM-5 at 128K on 128 H200s has no room (CP16 is the smallest that fits
-    at all) and its plan has no such field."""
+    at all) and its plan has no such field. `recipe compare` gives what they buy; a plan without recompute (what
+    --recompute auto picks here) carries none."""
     from pathlib import Path
 
     glm5 = str(Path(__file__).resolve().parents[1] / "bench" / "configs" / "glm-5.json")
@@ -149,6 +150,14 @@ def test_a_sparse_attention_plan_keeps_its_selections_where_they_fit(tmp_path):
     r = run("solve", "--model", glm5, "--seq", "128k", "--hw", "h200", "-o", str(tight))
     assert r.exit_code == 0, r.output
     assert "keep_selections" not in tight.read_text() and "index selections" not in r.stdout
+    # `recipe compare` says what they buy; with --recompute auto choosing no recompute, there is nothing to keep
+    r = run("compare", "--model", glm5, "--layers", "3", "--seq", "64k", "--hw", "h200", "--gpus", "1")
+    assert r.exit_code == 0 and re.search(r"kept index selections +│ kept: saves \d+% of the step for 1\.6 GB", r.stdout)
+    auto = tmp_path / "a.yaml"
+    r = run("solve", "--model", glm5, "--layers", "3", "--seq", "64k", "--hw", "h200", "--gpus", "1", "--recompute",
+            "auto", "-o", str(auto))
+    assert r.exit_code == 0 and load_plan(auto).train.recompute == "none" and "keep_selections" not in auto.read_text()
+    assert run("check", str(auto)).exit_code == 0
 
 
 def test_gpus_that_cost_far_more_a_token_get_a_note():
