@@ -480,14 +480,8 @@ class MLAttention(nn.Module):
         q_hat = torch.cat([torch.bmm(q_nope_THN.transpose(0, 1), w[:, :self.nope_dim]).transpose(0, 1), q_rope_THR],
                           dim=-1)  # [T, H, C + Dr]
         cp = _context_parallel(self, packing)
-        if self.indexer is None:
-            idx = packing.handoff.values.get(("sparse_selection", self.selection_of))
-            if idx is None:
-                raise ValueError(f"layer {self.layer} reuses layer {self.selection_of}'s sparse-attention selection, "
-                                 f"which this process did not compute (a pipeline stage must hold both)")
-            if cp is not None:
-                latent_TC = cp.gather_in_order(packing, latent_TC)[0]
-        elif (idx := self._kept_selection(packing)) is not None:  # the recomputed forward: the forward's selection
+        idx = self._given_selection(packing)
+        if idx is not None:  # an earlier layer's, or the forward's for the recomputed forward: no indexer to run
             if cp is not None:
                 latent_TC = cp.gather_in_order(packing, latent_TC)[0]
         else:
@@ -511,12 +505,18 @@ class MLAttention(nn.Module):
         o = sparse_latent_attention(q_hat, latent_TC, idx, self.scale, self.kv_lora_rank)  # [T, H, C]
         return torch.bmm(o.transpose(0, 1), w[:, self.nope_dim:].transpose(1, 2)).transpose(0, 1)
 
-    def _kept_selection(self, packing: Packing) -> torch.Tensor | None:
-        """The selection this layer's forward left for its recomputed forward (`keeps_for_recompute`), taken off the
-        packing there (its one use: a packing reused for another step finds none); None where there is none."""
-        if not self.keeps_for_recompute:
-            return None
-        return packing.handoff.values.pop(("recompute_selection", self.layer), None)
+    def _given_selection(self, packing: Packing) -> torch.Tensor | None:
+        """The selection this layer attends with without running an indexer: a shared layer's source's, or (with
+        `keeps_for_recompute`) the one its forward left for its recomputed forward, taken off the packing there (its
+        one use: a packing reused for another step finds none); None where the layer selects for itself."""
+        values = packing.handoff.values
+        if self.indexer is None:
+            idx = values.get(("sparse_selection", self.selection_of))
+            if idx is None:
+                raise ValueError(f"layer {self.layer} reuses layer {self.selection_of}'s sparse-attention selection, "
+                                 f"which this process did not compute (a pipeline stage must hold both)")
+            return idx
+        return values.pop(("recompute_selection", self.layer), None) if self.keeps_for_recompute else None
 
     def expand(self, latent_TC: torch.Tensor, q_THD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys [T, H, Dn + Dr] and values [T, H, Dv] of tokens' latents [T, C + Dr], for the queries q_THD:

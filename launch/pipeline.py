@@ -58,11 +58,13 @@ def stage_sizes(plan, shape) -> list[int]:
 def split_selection(shape, sizes: list[int]) -> tuple[int, int] | None:
     """(layer, source) of a DeepSeek sparse attention layer that a split of `sizes` layers a stage puts on another
     stage than the layer whose selection it reuses; None when every such pair shares a stage."""
-    dsa = shape.dsa
+    if shape.dsa is None:
+        return None
     stage_of = [s for s, size in enumerate(sizes) for _ in range(size)]
-    for i in dsa.shared_layers if dsa is not None else ():
-        if i < len(stage_of) and stage_of[i] != stage_of[dsa.selection_source(i)]:
-            return i, dsa.selection_source(i)
+    for source, *shared in shape.dsa.selection_groups(len(stage_of)):
+        apart = next((i for i in shared if stage_of[i] != stage_of[source]), None)
+        if apart is not None:
+            return apart, source
     return None
 
 

@@ -1428,17 +1428,11 @@ def _rate_key(hw: HwProfile | None, m: ModelShape):
 def _pipeline_split(m: ModelShape, stages: int, opts: TrainOptions, rate_key) -> tuple[int, ...]:
     # the solver asks for the same split for every layout it weighs (memory_terms, stage_layers): remember it
     costs, first, last = _stage_costs(m, opts.micro_batch_tokens, opts, None if rate_key is None else dict(rate_key))
-    shared = m.dsa.shared_layers if m.dsa is not None else ()
-    if not shared:
+    if m.dsa is None or not m.dsa.shared_layers:
         return tuple(split_stages(costs, stages, first, last))
     # DeepSeek sparse attention's shared layers stay on their source's stage (launch/model.py hands the selection
     # over in-process): split whole groups, an indexing layer and the shared layers after it
-    groups: list[list[int]] = []
-    for i in range(m.num_layers):
-        if i in shared:
-            groups[-1].append(i)
-        else:
-            groups.append([i])
+    groups = m.dsa.selection_groups(m.num_layers)
     if len(groups) < stages:
         return tuple(split_stages(costs, stages, first, last))
     counts = split_stages([sum(costs[i] for i in g) for g in groups], stages, first, last)

@@ -78,6 +78,17 @@ class SparseAttentionShape(Record):
         """The layer whose selection a shared layer reuses: the last one before it that runs its indexer."""
         return max(j for j in range(layer) if j not in self.shared_layers)
 
+    def selection_groups(self, num_layers: int) -> list[list[int]]:
+        """The model's layers in groups that must share a pipeline stage: each indexing layer with the shared layers
+        after it (which reuse its selection)."""
+        groups: list[list[int]] = []
+        for i in range(num_layers):
+            if i in self.shared_layers:
+                groups[-1].append(i)
+            else:
+                groups.append([i])
+        return groups
+
     def __post_init__(self) -> None:
         _positive(self, ("topk", "index_heads", "index_head_dim"))
         object.__setattr__(self, "shared_layers", tuple(self.shared_layers))

@@ -228,17 +228,19 @@ def _ep_cands(m: ModelShape, ranks: int, pins: dict[str, int]) -> list[int]:
 
 
 # ---- one rule per dimension ----------------------------------------------------------------------------------
-def layout_options(m: ModelShape, hw: HwProfile, world: int, layout: Layout, base: TrainOptions,
-              auto_chunks: bool) -> TrainOptions:
-    """The options a layout is estimated with: its default EP chunk count (unless the user set one), and for
-    DeepSeek sparse attention under full recompute the indexer's selections kept for the recomputed forward where the
-    layout fits with them (they cost 4·topk bytes a token a layer and spare the indexer's second pass)."""
+def layout_estimate(m: ModelShape, hw: HwProfile, world: int, layout: Layout, base: TrainOptions,
+                    auto_chunks: bool) -> tuple[TrainOptions, Estimate]:
+    """The options a layout is estimated with, and its estimate: its default EP chunk count (unless the user set
+    one), and for DeepSeek sparse attention under full recompute the indexer's selections kept for the recomputed
+    forward where the layout fits with them (they cost 4·topk bytes a token a layer and spare the indexer's second
+    pass)."""
     o = with_default_chunks(m, hw, world, layout, base) if auto_chunks else base
     if m.dsa is not None and o.recompute == "full" and not o.keep_selections:
         kept = o.model_copy(update={"keep_selections": True})
-        if estimate(m, hw, world, layout, kept).fits:
-            return kept
-    return o
+        est = estimate(m, hw, world, layout, kept)
+        if est.fits:
+            return kept, est
+    return o, estimate(m, hw, world, layout, o)
 
 
 def _ep_numbers(m: ModelShape, ranks: int, ep: int) -> dict:
@@ -292,13 +294,13 @@ def solve_ep(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, cp: int
     scored = {}
     for e in _ep_cands(m, ranks, pins or {}):
         lay = Layout(pp=pp, tp=tp, cp=cp, ep=e)
-        est = estimate(m, hw, world, lay, layout_options(m, hw, world, lay, opts, auto_chunks))
+        est = layout_estimate(m, hw, world, lay, opts, auto_chunks)[1]
         if est.fits:
             scored[e] = est
     if not scored:
         e = default_ep(m, hw, ranks, pins, world)
         lay = Layout(pp=pp, tp=tp, cp=cp, ep=e)
-        est = estimate(m, hw, world, lay, layout_options(m, hw, world, lay, opts, auto_chunks))
+        est = layout_estimate(m, hw, world, lay, opts, auto_chunks)[1]
         return Decision(e, "expert memory and traffic", "no ep fits at this cp", _ep_numbers(m, ranks, e)), est
     best_t = min(x.step_time_s for x in scored.values())
     near = [e for e, x in scored.items() if x.step_time_s <= best_t * 1.01]
@@ -334,7 +336,7 @@ def solve_cp(m: ModelShape, hw: HwProfile, world: int, pp: int, tp: int, ep: int
     tried = {}
     for c in _cp_cands(m, opts.micro_batch_tokens, ranks, tp, pins or {}):
         lay = Layout(pp=pp, tp=tp, cp=c, ep=ep)
-        est = estimate(m, hw, world, lay, layout_options(m, hw, world, lay, opts, auto_chunks))
+        est = layout_estimate(m, hw, world, lay, opts, auto_chunks)[1]
         tried[c] = est
         if est.fits:
             smaller = max((k for k in tried if k < c), default=0)  # none when cp is pinned
@@ -518,8 +520,7 @@ def solve(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions, auto_chu
                         {"bubble": round((p - 1) / (opts.micro_batches + p - 1), 3)},
                         rejected=f"pp={base[0]}: {base[4].step_time_s:.2f} s/step")
     layout = Layout(pp=p, tp=tp_d.value, cp=cp_d.value, ep=ep_d.value)
-    o = layout_options(m, hw, world, layout, opts, auto_chunks)
-    est = estimate(m, hw, world, layout, o)
+    o, est = layout_estimate(m, hw, world, layout, opts, auto_chunks)
     assert est.fits, f"solver chose a layout that does not fit: {layout}"
     decisions = {"tp": tp_d, "ep": ep_d, "cp": cp_d, "pp": pp_d}
     for k in pins:
@@ -547,7 +548,7 @@ def _rule_choice(dim: str, m: ModelShape, hw: HwProfile, world: int, lay: Layout
                  and (world // p) % lay.ep == 0]
         layouts = [Layout(pp=p, tp=lay.tp, cp=lay.cp, ep=lay.ep) for p in cands]
     for cand in layouts:
-        e = estimate(m, hw, world, cand, layout_options(m, hw, world, cand, opts, auto_chunks))
+        e = layout_estimate(m, hw, world, cand, opts, auto_chunks)[1]
         if e.fits:
             return getattr(cand, dim), e
     return None

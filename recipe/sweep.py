@@ -10,10 +10,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from .cost import Estimate, Layout, TrainOptions
-from .margin import estimate_with_margin as estimate  # "fits" as the solver means it: peak + margin ≤ usable
 from .hw import HwProfile
 from .models import ModelShape
-from .solver import cp_candidates, ep_candidates, layout_options, pp_candidates, tp_candidates
+from .solver import cp_candidates, ep_candidates, layout_estimate, pp_candidates, tp_candidates
 
 
 @dataclass
@@ -28,15 +27,15 @@ class GridPoint:
 
 def grid(m: ModelShape, hw: HwProfile, world: int, opts: TrainOptions, auto_chunks: bool = True) -> list[GridPoint]:
     """Every layout the divisibility rules allow for `world` GPUs, feasible or not, each with the options the solver
-    estimates it with (`layout_options`: its EP chunk count, DSA's kept selections where they fit)."""
+    estimates it with (`layout_estimate`: its EP chunk count, DSA's kept selections where they fit; "fits" as the
+    solver means it: peak + margin ≤ usable)."""
     out = []
     for pp in pp_candidates(m, world):
         for tp in tp_candidates(m, hw, world // pp):
             for ep in ep_candidates(m, world // pp):
                 for cp in cp_candidates(m, opts.micro_batch_tokens, world // (pp * tp), tp):
                     lay = Layout(pp=pp, tp=tp, cp=cp, ep=ep)
-                    o = layout_options(m, hw, world, lay, opts, auto_chunks)
-                    out.append(GridPoint(lay, estimate(m, hw, world, lay, o)))
+                    out.append(GridPoint(lay, layout_estimate(m, hw, world, lay, opts, auto_chunks)[1]))
     return out
 
 
