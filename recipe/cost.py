@@ -136,8 +136,8 @@ class TrainOptions(Record):
     # no recomputed forward (0: every layer is recomputed); docs/cost_model.md, "Partial recompute"
     keep_layers: int = 0
     # DeepSeek sparse attention under full recompute: each recomputed layer keeps its indexer's selection from the
-    # forward (int32, topk a token) for its recomputed forward instead of running the indexer again (with no layer
-    # recomputed it changes nothing)
+    # forward (int32, topk a token) for its recomputed forward instead of running the indexer again (false whenever
+    # recompute is not "full": nothing is recomputed)
     keep_selections: bool = False
 
     def __post_init__(self) -> None:
@@ -154,6 +154,8 @@ class TrainOptions(Record):
             raise ValueError(f"keep_layers = {k} needs recompute 'full' (it names the layers exempt from it)")
         if not isinstance(self.keep_selections, bool):
             raise ValueError(f"keep_selections must be true or false, got {self.keep_selections!r}")
+        if self.recompute != "full":  # nothing recomputed, nothing to keep: one way to say so
+            object.__setattr__(self, "keep_selections", False)
         if self.lm_head not in HEAD_MODES:
             raise ValueError(f"lm_head must be one of {', '.join(HEAD_MODES)}, got {self.lm_head!r}")
 

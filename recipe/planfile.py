@@ -143,8 +143,7 @@ def plan_dict(inputs, m: ModelShape, hw: HwProfile, sol) -> dict:
         "layout": dict(sol.degrees),
         "train": {"recompute": sol.opts.recompute,
                   **({"keep_layers": sol.opts.keep_layers} if sol.opts.keep_layers else {}),
-                  # (kept selections mean nothing without recompute: a no-recompute plan does not carry them)
-                  **({"keep_selections": True} if sol.opts.keep_selections and sol.opts.recompute == "full" else {}),
+                  **({"keep_selections": True} if sol.opts.keep_selections else {}),
                   "lm_head": sol.opts.lm_head,
                   "ep_overlap_chunks": sol.opts.ep_overlap_chunks, "micro_batch_tokens": sol.opts.micro_batch_tokens,
                   "micro_batches": sol.opts.micro_batches, **_pp_stages(m, hw, sol),
