@@ -1,12 +1,15 @@
 """DeepSeek sparse attention (launch/sparse_attention.py) on one GPU, one attention layer of a DSA model (GLM-5 by
 default: 64 heads, q·k 256 and v 256 wide, a 512 + 64 latent, an indexer of 32 heads of 128 keeping 2,048 keys a
 query) against the same layer's dense MLA (what the model runs without DSA: cuDNN over the expanded keys), on one
-document of T tokens, bf16. Columns: the indexer's selection alone (forward only: it takes no gradient), the sparse
+document of T tokens, bf16. Columns: the indexer's selection alone (forward only: it takes no gradient; then the
+same with torch.topk selecting on the kernel's scores, the peer of the selection kernel), the sparse
 attention alone (absorbed; the Triton kernels forward and forward + backward, the torch blocks forward + backward),
 the whole DSA layer (projections, indexer, sparse attention; forward + backward) and the dense layer (forward +
 backward), with the ratio of the DSA layer to the dense one (lower is faster). Median ms of --reps after a warm-up;
 the peak memory of each layer's forward + backward above its inputs. Before the table: the kernels' largest
-differences from the torch blocks (output, dq, dlatent; relative to each tensor's largest value); after each row,
+differences from the torch blocks (output, dq, dlatent; relative to each tensor's largest value); before each row,
+the selection kernel against torch.topk on one block of scores (times, the same keys, the rows its sample missed);
+after each row,
 the two kernels' own times (forward, backward) at that length and their rate in model FLOPs (2·H·(2C + R) a
 selected key forward, three times that forward + backward), then any configurations in FORWARD_CONFIGS and
 BACKWARD_CONFIGS beside the defaults.
@@ -17,6 +20,7 @@ BACKWARD_CONFIGS beside the defaults.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import sys
 from pathlib import Path
 
@@ -34,11 +38,12 @@ def main() -> None:
                         "8,16,32,48,64,128: every configuration the kernels pick), on random selections")
     p.add_argument("--variants", action="store_true",
                    help="also time the kernels' other configurations (VARIANT_FORWARD_CONFIGS, "
-                        "VARIANT_BACKWARD_CONFIGS)")
+                        "VARIANT_BACKWARD_CONFIGS, VARIANT_SELECT_CONFIGS)")
     args = p.parse_args()
     if args.variants:
         FORWARD_CONFIGS.extend(VARIANT_FORWARD_CONFIGS)
         BACKWARD_CONFIGS.extend(VARIANT_BACKWARD_CONFIGS)
+        SELECT_CONFIGS.extend(VARIANT_SELECT_CONFIGS)
 
     import torch
 
@@ -75,7 +80,18 @@ def main() -> None:
         def indexer():
             return index_topk(iq, iw, ik, pos, starts, d.topk, sparse_layer.indexer.scale)
 
+        def indexer_topk():  # the peer: torch.topk (the torch path's selection) on the same Triton scores
+            from kernels import dsa_index
+            from launch import sparse_attention
+
+            def torch_select(score, query_index, doc_start, lo, k, out, backend=None):
+                return dsa_index.select_keys(score, query_index, doc_start, lo, k, out, backend="torch")
+
+            with _patched(sparse_attention, "select_keys", torch_select):
+                return index_topk(iq, iw, ik, pos, starts, d.topk, sparse_layer.indexer.scale)
+
         idx = indexer()
+        _compare_selection(iq, iw, ik, T, d.topk, sparse_layer.indexer.scale, dev, args.reps, _time)
         H, C = m.num_heads, a.kv_lora_rank + a.qk_rope_head_dim
         q_hat = (torch.randn(T, H, C, device=dev) * 0.3).to(torch.bfloat16).requires_grad_()
         latent = torch.randn(T, C, device=dev, dtype=torch.bfloat16).requires_grad_()
@@ -101,9 +117,9 @@ def main() -> None:
             errs = [((x - y).abs().max() / y.abs().max()).item() for x, y in zip(*outs)]
             print(f"Triton against the torch blocks at {T:,} tokens: output {errs[0]:.1e}, dq {errs[1]:.1e}, "
                   f"dlatent {errs[2]:.1e} (largest difference over the largest value)")
-            print("| tokens | indexer fwd ms | sparse attn fwd ms | sparse attn fwd+bwd ms | torch blocks fwd+bwd ms | "
+            print("| tokens | indexer fwd ms | indexer with torch.topk ms | sparse attn fwd ms | sparse attn fwd+bwd ms | torch blocks fwd+bwd ms | "
                   "DSA layer fwd+bwd ms | dense MLA layer fwd+bwd ms | DSA / dense | DSA peak GB | dense peak GB |")
-            print("|---|---|---|---|---|---|---|---|---|---|")
+            print("|---|---|---|---|---|---|---|---|---|---|---|")
 
         def layer(mod):
             def run():
@@ -124,7 +140,7 @@ def main() -> None:
             print(f"  index scores, last {rows_:,} queries, tile {tile}: {t_s * 1e3:.1f} ms, {flops / t_s / 1e12:.0f} "
                   f"TF/s")
         row = [T]
-        for fn in (indexer, attn_fwd, attn_fwd_bwd, attn_torch):
+        for fn in (indexer, indexer_topk, attn_fwd, attn_fwd_bwd, attn_torch):
             fn()
             row.append(_time(fn, dev, args.reps) * 1e3)
         peaks = []
@@ -143,15 +159,53 @@ def main() -> None:
         idx32 = idx.int().contiguous()
         count = (idx32 >= 0).sum(1, dtype=torch.int32)
         kt = _kernel_times(smk, q_hat.detach(), latent.detach(), idx32, count, do, a.kv_lora_rank, dev, args.reps)
-        row.append(row[5] / row[6])
+        row.append(row[6] / row[7])
         rows.append(row)
-        print(f"| {T:,} | " + " | ".join(f"{v:.1f}" for v in row[1:7]) + f" | {row[7]:.2f} | "
+        print(f"| {T:,} | " + " | ".join(f"{v:.1f}" for v in row[1:8]) + f" | {row[8]:.2f} | "
               + " | ".join(f"{v:.2f}" for v in peaks) + " |", flush=True)
         flops = 2 * H * (2 * a.kv_lora_rank + a.qk_rope_head_dim) * count.double().sum().item()
         print(f"  kernels at {T:,}: forward {kt[0] * 1e3:.1f} ms, backward {kt[1] * 1e3:.1f} ms; "
               f"{3 * flops / sum(kt) / 1e12:.0f} TF/s in model FLOPs", flush=True)
         del q_hat, latent, do, idx, iq, iw, ik, x, dy
         torch.cuda.empty_cache()
+
+
+@contextlib.contextmanager
+def _patched(module, name, value):
+    old = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, old)
+
+
+def _compare_selection(iq, iw, ik, T, K, scale, dev, reps, _time):
+    """The selection kernel against the torch path's topk on the scores of the last 2,048 queries (one of the
+    indexer's blocks): times, equality, and how many rows the sample missed."""
+    import torch
+
+    from kernels import dsa_index, dsa_index_triton
+
+    n = min(T, 2048)
+    qi = torch.arange(T - n, T, device=dev)
+    st = torch.zeros_like(qi)
+    score = dsa_index.index_scores(iq[-n:], iw[-n:], ik, qi, st, 0, scale)
+    k = min(K, T)
+    out = torch.full((n, K), -1, dtype=torch.int32, device=dev)
+    slow = dsa_index_triton.select(score, qi, st, 0, k, out)
+    want = dsa_index.topk_select(score, k, 0)
+    t_kernel = _time(lambda: dsa_index_triton.select(score, qi, st, 0, k, out), dev, reps)
+    for cfg in SELECT_CONFIGS:
+        other = torch.full_like(out, -1)
+        dsa_index_triton.select(score, qi, st, 0, k, other, cfg)
+        t = _time(lambda cfg=cfg: dsa_index_triton.select(score, qi, st, 0, k, other, cfg), dev, reps)
+        print(f"  selection {cfg}: {t * 1e3:.2f} ms (the same keys: {torch.equal(other, out)})", flush=True)
+    t_torch = _time(lambda: dsa_index.topk_select(score, k, 0), dev, reps)
+    t_scores = _time(lambda: dsa_index.index_scores(iq[-n:], iw[-n:], ik, qi, st, 0, scale), dev, reps)
+    print(f"  selection of the last {n:,} queries at {T:,} tokens: kernel {t_kernel * 1e3:.2f} ms, torch topk "
+          f"{t_torch * 1e3:.2f} ms ({t_torch / t_kernel:.1f}x); the same keys: {torch.equal(out[:, :k], want)}; "
+          f"rows the sample missed: {int(slow.sum())}; their scores {t_scores * 1e3:.2f} ms", flush=True)
 
 
 def _check_heads(heads, C, R, dev, T=3000, K=256):
@@ -209,6 +263,9 @@ def _kernel_times(smk, q, latent, idx, count, do, v_dim, dev, reps):
     return out
 
 
+SELECT_CONFIGS = []  # selection kernel configurations to time beside the default (--variants)
+VARIANT_SELECT_CONFIGS = [dict(BLOCK=b, num_warps=w) for b, w in ((1024, 4), (2048, 4), (4096, 4), (4096, 8),
+                                                                  (8192, 8), (8192, 16))]
 INDEX_TILES = []  # (BM, BN, warps) of the index-score kernel to time, on the last 4,096 queries
 # kernels/sparse_mla_triton.py configurations to time beside the defaults: the ones a head count that is not a
 # multiple of 64 (forward) or at most 16 (backward) runs

@@ -8,13 +8,26 @@ sums them; the Triton kernel (kernels/dsa_index_triton.py) keeps one [BM, BN] fp
 runs the N heads' products into it one after another (tensor-core dots of bf16 inputs into fp32), so no per-head
 tensor is ever written, and tiles with no visible key are not computed.
 
-Selection (`topk_select`, torch on every device): each query's K highest scores, equal scores at the K-th going to
-the earlier key, so that the selection is the same whatever span of keys a block is scored against (one process or a
-context-parallel rank), where torch.topk's own choice among ties is not (ReLU makes exact ties common: a key no index
-head responds to scores 0). topk runs on the fp32 scores, and only the rows whose K-th score also sits outside the
-selection are selected again on int64 ranks (`_ranked`); each row's keys are then sorted ascending, −1 after them.
-On an H200, torch.topk keeps 2,048 of 2,048 rows × 65,536 scores in 3.2 ms where a Triton radix select (8 histogram
-passes of 4 bits) took 4.5.
+Selection (`select_keys`): each query's K highest scores, equal scores at the K-th going to the earlier key, so
+that the selection is the same whatever span of keys a block is scored against (one process or a context-parallel
+rank), where torch.topk's own choice among ties is not (ReLU makes exact ties common: a key no index head responds
+to scores 0); the keys come out in ascending order, −1 after them (a query that sees fewer than K). Ascending keys
+make the attention's order of summation the same whatever block or rank selects them.
+
+The Triton kernel (kernels/dsa_index_triton.py) selects one row a program, reading only the row's visible columns.
+Scores compare as order-preserving uint32 keys. It finds the K-th highest key t exactly, then writes, in one pass in
+key order, every key above t and the first K − #(above t) keys equal to it (a running count: the earlier keys). A row
+of at most 8,192 visible keys is held in registers and t found by a bitwise search (32 masked counts, from the top
+bit: the largest t with at least K keys ≥ t). A longer row of n keys is bracketed first: an evenly spaced sample of
+4,096 of its scores, whose count above the K-th is about 4,096·K/n with a standard deviation σ of
+√(4,096·f(1 − f)), f = K/n, gives two of its order statistics, 5σ + 1 either side of that count; one pass counts
+the keys above the bracket and at its two ends and gathers those strictly inside it (about 10σ/4,096 of the row:
+≤ 4,000 of 131,072 at K = 2,048), and the bitwise search over the gathered ones places t. Where the sample missed
+(the K-th outside the bracket) or more than 8,192 keys fall inside it, the row takes the same bitwise search over
+the whole row, a pass a bit (`bench/bench_sparse_attention.py` counts those rows). So a row is read three times
+(bracket, then write), not sorted, and the result never depends on the sample. The torch path (`topk_select`, the
+reference) runs topk on the fp32 scores, selects again on int64 ranks (`_ranked`) the rows whose K-th score also
+sits outside the selection, and sorts each row's keys.
 
 Backends as in kernels/gdn_fused.py: "auto" runs Triton on CUDA/ROCm tensors when triton is installed and the torch
 path otherwise.
@@ -49,6 +62,20 @@ def index_scores(q_TNI: torch.Tensor, w_TN: torch.Tensor, k_SI: torch.Tensor, qu
 
     return dsa_index_triton.index_scores(q_TNI.contiguous(), w_TN.float().contiguous(), k_SI.contiguous(),
                                          query_index, doc_start, lo, scale)
+
+
+def select_keys(score: torch.Tensor, query_index: torch.Tensor, doc_start: torch.Tensor, lo: int, k: int,
+                out: torch.Tensor, backend: str | None = "auto") -> None:
+    """Writes each row's k highest-scoring keys (module docstring, "Selection") into out[:, :k] (int32, −1 past a
+    query's visible keys), for a block of queries' [n, S] scores over the keys lo..lo + S − 1 (`index_scores`: −inf
+    outside each query's doc_start..query_index)."""
+    if _pick_backend(score, backend) == "torch":
+        out[:, :k] = topk_select(score, k, lo)
+        return
+    from kernels import dsa_index_triton  # lazy: the CPU path never imports triton
+
+    out[:, :k] = -1
+    dsa_index_triton.select(score, query_index, doc_start, lo, k, out)
 
 
 def topk_select(score: torch.Tensor, k: int, lo: int) -> torch.Tensor:

@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dsa_index import index_scores, topk_select
+from kernels.dsa_index import index_scores, select_keys
 from kernels.gdn_fused import _pick_backend
 
 BLOCK_BYTES = 1 << 28  # a block's working set: its gathered latents and its fp32 [block, H, K] scores and gradients
@@ -60,13 +60,13 @@ def _block(rows_per_query_bytes: int, total: int) -> int:
 
 @torch.no_grad()
 def index_topk(qI_TNI: torch.Tensor, w_TN: torch.Tensor, kI_SI: torch.Tensor, query_index: list[int],
-               doc_start: list[int], topk: int, scale: float) -> torch.Tensor:
+               doc_start: list[int], topk: int, scale: float, backend: str | None = "auto") -> torch.Tensor:
     """Each query's selected keys [T, topk] (int32 indices into the S keys, −1 past the query's own count).
 
     qI_TNI: index queries [T, N, I]; w_TN: their head weights [T, N]; kI_SI: index keys [S, I] in key order;
     query_index[t]: the query's own key index; doc_start[t]: the key index of its document's first token. Valid keys
     are doc_start[t] ≤ s ≤ query_index[t]. Queries go in blocks of consecutive rows, each block scored against the
-    key span its queries can see (kernels/dsa_index.py)."""
+    key span its queries can see (kernels/dsa_index.py); `backend` as there (the scores' and the selection's)."""
     T = qI_TNI.shape[0]
     out = torch.full((T, topk), -1, dtype=torch.int32, device=qI_TNI.device)
     if T == 0:
@@ -77,14 +77,13 @@ def index_topk(qI_TNI: torch.Tensor, w_TN: torch.Tensor, kI_SI: torch.Tensor, qu
     # a block's bytes a query: its fp32 scores and the selection's work on them (topk's, the tie check's), and on the
     # torch path its N heads' products; blocks of up to INDEX_BLOCK_BYTES (fewer, larger blocks: the scores kernel
     # and topk run at their rate from about a thousand queries a block)
-    per_row = 4 * span * (4 if _pick_backend(qI_TNI, "auto") == "triton" else qI_TNI.shape[1] + 6)
+    per_row = 4 * span * (4 if _pick_backend(qI_TNI, backend) == "triton" else qI_TNI.shape[1] + 6)
     step = max(1, min(T, INDEX_BLOCK_BYTES // per_row))
     for a in range(0, T, step):
         b = min(T, a + step)
         lo, hi = min(doc_start[a:b]), max(query_index[a:b]) + 1
-        score = index_scores(qI_TNI[a:b], w_TN[a:b], kI_SI[lo:hi], qi_all[a:b], st_all[a:b], lo, scale)
-        k = min(topk, hi - lo)
-        out[a:b, :k] = topk_select(score, k, lo)
+        score = index_scores(qI_TNI[a:b], w_TN[a:b], kI_SI[lo:hi], qi_all[a:b], st_all[a:b], lo, scale, backend)
+        select_keys(score, qi_all[a:b], st_all[a:b], lo, min(topk, hi - lo), out[a:b], backend)
     return out
 
 

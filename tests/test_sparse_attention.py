@@ -215,7 +215,49 @@ def sparse_mla_kernel_checks():
             assert (a - b).abs().max() < 1e-4 * max(1.0, b.abs().max().item()), cfg
 
 
-INTERPRETER_CHECKS = {f.__name__: f for f in (index_kernel_checks, sparse_mla_kernel_checks)}
+def select_kernel_checks():
+    """The selection kernel equals the torch path (topk on fp32, ties at the k-th to the earlier key, keys ascending,
+    −1 after) row for row, its sizes shrunk (blocks of 16 scores, 64 candidates, samples of 32) so that 40 rows of
+    up to 300 keys take every path: rows that see no more than k = 20 keys, rows held whole (≤ 64 visible), sampled
+    rows bracketed, and sampled rows the sample missed or whose bracket held more than 64 keys (the whole-row
+    search). Scores with exact ties (ReLU zeros, small integers), negative scores with −0 among them, a heavy tail;
+    the span starts at key 7, two documents."""
+    from kernels import dsa_index_triton as kt
+    from kernels.dsa_index import select_keys, topk_select
+
+    g = torch.Generator().manual_seed(7)
+    n, S, lo, k = 40, 300, 7, 20
+    query_index = lo + torch.linspace(3, S - 1, n).long()
+    doc_start = torch.where(torch.arange(n) % 3 == 0, torch.tensor(lo + 30), torch.tensor(lo))
+    doc_start = torch.minimum(doc_start, query_index)
+    score = torch.randn(n, S, generator=g)
+    score[0::4] = torch.relu(score[0::4])
+    score[1::4] = torch.randint(0, 4, (len(range(1, n, 4)), S), generator=g).float()
+    score[2::4] = score[2::4] * -1e-3
+    score[2::4, ::5] = -0.0
+    score[3::4] = score[3::4].exp()
+    keys = torch.arange(lo, lo + S)
+    visible = (keys[None] >= doc_start[:, None]) & (keys[None] <= query_index[:, None])
+    score = score.masked_fill(~visible, float("-inf"))
+    want = topk_select(score, k, lo)
+    saved = kt.SELECT_CONFIG, kt.SELECT_CAP, kt.SELECT_SAMPLE, kt.select
+    flags = []
+    kt.SELECT_CONFIG, kt.SELECT_CAP, kt.SELECT_SAMPLE = dict(BLOCK=16, num_warps=1), 64, 32
+    kt.select = lambda *a: flags.append(saved[3](*a)) or flags[-1]
+    try:
+        got = torch.full((n, k + 3), 5, dtype=torch.int32)
+        select_keys(score, query_index, doc_start, lo, k, got, backend="triton")
+    finally:
+        kt.SELECT_CONFIG, kt.SELECT_CAP, kt.SELECT_SAMPLE, kt.select = saved
+    slow = flags[0]
+    assert torch.equal(got[:, :k], want) and bool((got[:, k:] == 5).all())
+    n_vis = visible.sum(1)
+    sampled = n_vis > 64
+    assert bool((n_vis <= k).any()) and bool(((n_vis > k) & ~sampled).any())
+    assert bool(slow[sampled].any()) and not bool(slow[sampled].all()) and not bool(slow[~sampled].any())
+
+
+INTERPRETER_CHECKS = {f.__name__: f for f in (index_kernel_checks, sparse_mla_kernel_checks, select_kernel_checks)}
 interpreter_results, test_triton_kernels_interpreter = interpreter.pytest_cases(__file__, INTERPRETER_CHECKS)
 
 
