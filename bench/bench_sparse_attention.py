@@ -264,8 +264,8 @@ def _kernel_times(smk, q, latent, idx, count, do, v_dim, dev, reps):
 
 
 SELECT_CONFIGS = []  # selection kernel configurations to time beside the default (--variants)
-VARIANT_SELECT_CONFIGS = [dict(BLOCK=b, num_warps=w) for b, w in ((1024, 4), (2048, 4), (4096, 4), (4096, 8),
-                                                                  (8192, 8), (8192, 16))]
+VARIANT_SELECT_CONFIGS = [dict(BLOCK=b, num_warps=w) for b, w in ((512, 4), (1024, 8), (2048, 4), (2048, 8),
+                                                                  (4096, 8), (8192, 16))]
 INDEX_TILES = []  # (BM, BN, warps) of the index-score kernel to time, on the last 4,096 queries
 # kernels/sparse_mla_triton.py configurations to time beside the defaults: the ones a head count that is not a
 # multiple of 64 (forward) or at most 16 (backward) runs

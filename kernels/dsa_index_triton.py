@@ -60,7 +60,7 @@ def index_scores(q_TNI: torch.Tensor, w_TN: torch.Tensor, k_SI: torch.Tensor, qu
 # Top-k selection: one program a row (kernels/dsa_index.py, "Selection"). Scores are compared as order-preserving
 # uint32 keys (a float's bits, negative ones inverted, the sign bit set on the others; −0 as +0).
 
-SELECT_CONFIG = dict(BLOCK=2048, num_warps=8)  # scores a program reads at a time (< 2^16), and its warps
+SELECT_CONFIG = dict(BLOCK=1024, num_warps=4)  # scores a program reads at a time (< 2^16), and its warps
 SELECT_CAP = 8192  # candidates a program holds in registers for the exact search (a power of two)
 SELECT_SAMPLE = 4096  # scores sampled (evenly spaced) to bracket the k-th (a power of two, at most SELECT_CAP)
 SELECT_Z = 5.0  # the bracket's half width, in standard deviations of the sample's count above the k-th

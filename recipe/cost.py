@@ -109,9 +109,10 @@ SINK_MERGE_BYTES = 11
 # 2·H·(2C + R) a selected key and the backward's twice that (bench/bench_sparse_attention.py on an H200 at 64 heads:
 # forward 0.226 / 0.248 / 0.246 at 8K / 32K / 64K tokens, backward 0.078 / 0.079 / 0.076; the forward in 16-head
 # programs, where a rank's heads are not a multiple of 64, 0.138 / 0.145 / 0.144); the indexer's scores at
-# INDEX_GEMM_EFFICIENCY (its kernel's 449 TF/s), its top-k selection INDEX_SELECT_S a score on an H200 (torch.topk
-# and the tie check), scaled by HBM bandwidth elsewhere, and INDEX_PASS_S a pass (its block loop): the line through
-# the indexer's 44.6 ms at 32K tokens and 154.0 ms at 64K (8.3 ms at 8K, 10.4 on it)
+# INDEX_GEMM_EFFICIENCY (its kernel's 449 TF/s), its top-k selection (the selection kernels,
+# kernels/dsa_index_triton.py) INDEX_SELECT_S a score on an H200, scaled by HBM bandwidth elsewhere, and INDEX_PASS_S a
+# pass (its block loop): the line through the indexer's 31.0 ms at 32K tokens and 109.1 ms at 64K (6.5 ms at 8K, 6.6
+# on it; 374.4 ms at 128K, 421.6 on it)
 SPARSE_FORWARD_EFFICIENCY = 0.245
 SPARSE_NARROW_FORWARD_EFFICIENCY = 0.144
 SPARSE_BACKWARD_EFFICIENCY = 0.078
@@ -119,9 +120,9 @@ SPARSE_BACKWARD_EFFICIENCY = 0.078
 # part-empty
 SPARSE_HEAD_BLOCK = 16
 INDEX_GEMM_EFFICIENCY = 0.45
-INDEX_SELECT_S = 5.0e-11
+INDEX_SELECT_S = 3.0e-11
 INDEX_SELECT_HBM = 4.8e12
-INDEX_PASS_S = 8e-3
+INDEX_PASS_S = 5e-3
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 
