@@ -22,10 +22,11 @@ bit: the largest t with at least K keys ≥ t). A longer row of n keys is bracke
 4,096 of its scores, whose count above the K-th is about 4,096·K/n with a standard deviation σ of
 √(4,096·f(1 − f)), f = K/n, gives two of its order statistics, 5σ + 1 either side of that count; one pass counts
 the keys above the bracket and at its two ends and gathers those strictly inside it (about 10σ/4,096 of the row:
-≤ 4,000 of 131,072 at K = 2,048), and the bitwise search over the gathered ones places t. Where the sample missed
+~2,700 of 131,072 at K = 2,048), and the bitwise search over the gathered ones places t. Where the sample missed
 (the K-th outside the bracket) or more than 8,192 keys fall inside it, the row takes the same bitwise search over
-the whole row, a pass a bit (`bench/bench_sparse_attention.py` counts those rows). So a row is read three times
-(bracket, then write), not sorted, and the result never depends on the sample. The torch path (`topk_select`, the
+the whole row, a pass a bit (`bench/bench_sparse_attention.py` counts those rows). So a long row is read twice (the
+bracket's pass, the write) plus the sample, never sorted, and the result never depends on the sample; the kernels'
+derivation is in docs/sparse_attention.md. The torch path (`topk_select`, the
 reference) runs topk on the fp32 scores, selects again on int64 ranks (`_ranked`) the rows whose K-th score also
 sits outside the selection, and sorts each row's keys.
 
