@@ -40,6 +40,8 @@ import torch
 
 from kernels.gdn_fused import _pick_backend
 
+SELECT_CAP = 8192  # keys the selection kernel holds in registers for its exact search (a power of two)
+
 
 def index_scores_torch(q_TNI: torch.Tensor, w_TN: torch.Tensor, k_SI: torch.Tensor, query_index: torch.Tensor,
                        doc_start: torch.Tensor, lo: int, scale: float) -> torch.Tensor:
@@ -54,15 +56,17 @@ def index_scores_torch(q_TNI: torch.Tensor, w_TN: torch.Tensor, k_SI: torch.Tens
 
 
 def index_scores(q_TNI: torch.Tensor, w_TN: torch.Tensor, k_SI: torch.Tensor, query_index: torch.Tensor,
-                 doc_start: torch.Tensor, lo: int, scale: float, backend: str | None = "auto") -> torch.Tensor:
+                 doc_start: torch.Tensor, lo: int, scale: float, backend: str | None = "auto",
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     """[T, S] fp32 index scores of T queries (qI [T, N, I], head weights w [T, N]) against the span's S keys
-    (kI [S, I], key `lo` first), −inf outside each query's document or after it (module docstring)."""
+    (kI [S, I], key `lo` first), −inf outside each query's document or after it (module docstring). The Triton
+    path writes them into `out` ([T, S] fp32, rows contiguous) where given: a buffer reused across blocks."""
     if _pick_backend(q_TNI, backend) == "torch":
         return index_scores_torch(q_TNI, w_TN, k_SI, query_index, doc_start, lo, scale)
     from kernels import dsa_index_triton  # lazy: the CPU path never imports triton
 
     return dsa_index_triton.index_scores(q_TNI.contiguous(), w_TN.float().contiguous(), k_SI.contiguous(),
-                                         query_index, doc_start, lo, scale)
+                                         query_index, doc_start, lo, scale, out=out)
 
 
 def select_keys(score: torch.Tensor, query_index: torch.Tensor, doc_start: torch.Tensor, lo: int, k: int,

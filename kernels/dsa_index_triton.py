@@ -10,6 +10,8 @@ import torch
 import triton
 import triton.language as tl
 
+from kernels import dsa_index
+
 
 @triton.jit
 def _index_scores_kernel(Q, W, K, OUT, QIDX, QSTART, T, S, N, lo, scale, qs_t, qs_n, ks_s, os_t,
@@ -38,13 +40,14 @@ TILE = (64, 128, 4)  # queries and keys a program scores, and its warps
 
 
 def index_scores(q_TNI: torch.Tensor, w_TN: torch.Tensor, k_SI: torch.Tensor, query_index: torch.Tensor,
-                 doc_start: torch.Tensor, lo: int, scale: float, tile: tuple[int, int, int] | None = None
-                 ) -> torch.Tensor:
+                 doc_start: torch.Tensor, lo: int, scale: float, tile: tuple[int, int, int] | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
     T, N, I = q_TNI.shape
     S = k_SI.shape[0]
     if I & (I - 1) or I < 16:
         raise ValueError(f"the index kernel takes a power-of-two index head width of at least 16, got {I}")
-    out = torch.empty(T, S, dtype=torch.float32, device=q_TNI.device)
+    if out is None:
+        out = torch.empty(T, S, dtype=torch.float32, device=q_TNI.device)
     if T == 0 or S == 0:
         return out
     BM, BN, warps = tile or TILE
@@ -61,7 +64,7 @@ def index_scores(q_TNI: torch.Tensor, w_TN: torch.Tensor, k_SI: torch.Tensor, qu
 # uint32 keys (a float's bits, negative ones inverted, the sign bit set on the others; −0 as +0).
 
 SELECT_CONFIG = dict(BLOCK=1024, num_warps=4)  # scores a program reads at a time (< 2^16), and its warps
-SELECT_CAP = 8192  # candidates a program holds in registers for the exact search (a power of two)
+SELECT_CAP = dsa_index.SELECT_CAP
 SELECT_SAMPLE = 4096  # scores sampled (evenly spaced) to bracket the k-th (a power of two, at most SELECT_CAP)
 SELECT_Z = 5.0  # the bracket's half width, in standard deviations of the sample's count above the k-th
 

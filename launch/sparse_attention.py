@@ -36,7 +36,7 @@ from __future__ import annotations
 
 import torch
 
-from kernels.dsa_index import index_scores, select_keys
+from kernels.dsa_index import SELECT_CAP, index_scores, select_keys
 from kernels.gdn_fused import _pick_backend
 
 BLOCK_BYTES = 1 << 28  # a block's working set: its gathered latents and its fp32 [block, H, K] scores and gradients
@@ -74,15 +74,21 @@ def index_topk(qI_TNI: torch.Tensor, w_TN: torch.Tensor, kI_SI: torch.Tensor, qu
     qi_all = torch.tensor(query_index, device=qI_TNI.device)
     st_all = torch.tensor(doc_start, device=qI_TNI.device)
     span = max(query_index) + 1 - min(doc_start)
-    # a block's bytes a query: its fp32 scores and the selection's work on them (topk's, the tie check's), and on the
-    # torch path its N heads' products; blocks of up to INDEX_BLOCK_BYTES (fewer, larger blocks: the scores kernel
-    # and topk run at their rate from about a thousand queries a block)
-    per_row = 4 * span * (4 if _pick_backend(qI_TNI, backend) == "triton" else qI_TNI.shape[1] + 6)
+    # a block's bytes a query: its fp32 scores, and the selection kernel's gathered keys (on the torch path, its N
+    # heads' products and topk's work); blocks of up to INDEX_BLOCK_BYTES (fewer, larger blocks: the kernels run at
+    # their rate from about a thousand queries a block, and each block costs the host its launches)
+    on_triton = _pick_backend(qI_TNI, backend) == "triton"
+    per_row = 4 * span + 4 * SELECT_CAP if on_triton else 4 * span * (qI_TNI.shape[1] + 6)
     step = max(1, min(T, INDEX_BLOCK_BYTES // per_row))
+    # one buffer for every block's scores (their spans grow with the block: a tensor a block would have the
+    # allocator reserve a new, larger segment each time)
+    buf = torch.empty(step * span, dtype=torch.float32, device=qI_TNI.device) if on_triton and T > step else None
     for a in range(0, T, step):
         b = min(T, a + step)
         lo, hi = min(doc_start[a:b]), max(query_index[a:b]) + 1
-        score = index_scores(qI_TNI[a:b], w_TN[a:b], kI_SI[lo:hi], qi_all[a:b], st_all[a:b], lo, scale, backend)
+        view = buf[:(b - a) * (hi - lo)].view(b - a, hi - lo) if buf is not None else None
+        score = index_scores(qI_TNI[a:b], w_TN[a:b], kI_SI[lo:hi], qi_all[a:b], st_all[a:b], lo, scale, backend,
+                             out=view)
         select_keys(score, qi_all[a:b], st_all[a:b], lo, min(topk, hi - lo), out[a:b], backend)
     return out
 
