@@ -110,9 +110,9 @@ SINK_MERGE_BYTES = 11
 # forward 0.226 / 0.248 / 0.246 at 8K / 32K / 64K tokens, backward 0.078 / 0.079 / 0.076; the forward in 16-head
 # programs, where a rank's heads are not a multiple of 64, 0.138 / 0.145 / 0.144); the indexer's scores at
 # INDEX_GEMM_EFFICIENCY (its kernel's 449 TF/s), its top-k selection (the selection kernels,
-# kernels/dsa_index_triton.py) INDEX_SELECT_S a score on an H200, scaled by HBM bandwidth elsewhere, and INDEX_PASS_S a
-# pass (its block loop): the line through the indexer's 31.0 ms at 32K tokens and 109.1 ms at 64K (6.5 ms at 8K, 6.6
-# on it; 374.4 ms at 128K, 421.6 on it)
+# kernels/dsa_index_triton.py) INDEX_SELECT_S a score on an H200, scaled by HBM bandwidth elsewhere, and INDEX_ROW_S a
+# query a pass (the selection's per-row search and the host's per-row work): the fit a·T + b·T²/2 through the
+# indexer's 32.1 ms at 32K tokens and 307.8 ms at 128K (8K: 5.2 on it, 5.5 measured; 64K: 94.1 on it, 95.0)
 SPARSE_FORWARD_EFFICIENCY = 0.245
 SPARSE_NARROW_FORWARD_EFFICIENCY = 0.144
 SPARSE_BACKWARD_EFFICIENCY = 0.078
@@ -120,9 +120,9 @@ SPARSE_BACKWARD_EFFICIENCY = 0.078
 # part-empty
 SPARSE_HEAD_BLOCK = 16
 INDEX_GEMM_EFFICIENCY = 0.45
-INDEX_SELECT_S = 3.0e-11
+INDEX_SELECT_S = 9.5e-12
 INDEX_SELECT_HBM = 4.8e12
-INDEX_PASS_S = 5e-3
+INDEX_ROW_S = 5.2e-7
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 
@@ -869,7 +869,7 @@ def compute_work(m: ModelShape, layout: Layout, opts: TrainOptions, ep_path: boo
         # DSA's indexer: forward only, each tp rank's share of the queries against all keys, once a pass (the
         # recomputed forward's not where the layers keep their selections)
         "indexer": layers * f.get("indexer", 0.0) * (share["attention"] + index_again * share_again["attention"]),
-        "index_passes": (len(stage) + index_again * len(again)) * indexing_layers(m) / m.num_layers,
+        "index_rows": layers * (len(stage) + index_again * len(again)) * indexing_layers(m) / m.num_layers,
         "lm_head": s * head_passes * f["head"] / tp if has_head else 0.0,
         "ep_dispatch": 0.0,
         "ep_passes": 0.0,
@@ -989,10 +989,10 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
     of the bandwidth and no per-layer or EP-copy time (the assumption every profile made before measurement)."""
     peak, hbm = hw.peak_bf16_tflops * 1e12, hw.hbm_bw_tb_s * 1e12
     e = hw.efficiency
-    dsa = {"indexer": float("inf"), "index_passes": 0.0}
+    dsa = {"indexer": float("inf"), "index_rows": 0.0}
     if m is not None and m.dsa is not None:
         dsa = {"indexer": index_pair_flops(m) / index_pair_seconds(m, hw),
-               "index_passes": INDEX_PASS_S, "attention": peak * SPARSE_BACKWARD_EFFICIENCY}
+               "index_rows": INDEX_ROW_S, "attention": peak * SPARSE_BACKWARD_EFFICIENCY}
     return {**_rates(hw, m, peak, hbm, e), **dsa}
 
 
@@ -1015,8 +1015,8 @@ def _rates(hw: HwProfile, m: ModelShape | None, peak: float, hbm: float, e) -> d
             "ep_chunks": e.ep_chunk_ms * 1e-3, "layer_passes": e.layer_latency_ms * 1e-3}
 
 
-# counted in passes, charged at a fixed time each
-PASS_TERMS = ("layer_passes", "ep_passes", "ep_chunks", "index_passes")
+# counted in passes (the indexer: in query rows, each pass), charged a fixed time each
+PASS_TERMS = ("layer_passes", "ep_passes", "ep_chunks", "index_rows")
 
 
 PER_TOKEN_TERMS = ("expert_gemm", "expert_rows", "dense_gemm", "attention", "delta_rule", "lm_head", "indexer")
@@ -1303,7 +1303,7 @@ def _stage_costs(m: ModelShape, seq: float, opts: TrainOptions, r: dict[str, flo
             costs.append(sum(n[op] * x for op, x in w.items() if op not in BYTE_TERMS))
         else:
             costs.append(sum(n[op] * x / r[op] for op, x in w.items() if x) + passes * r["layer_passes"] / seq
-                         + index_passes * r["index_passes"] / seq * ("indexer" in w))
+                         + index_passes * r["index_rows"] * ("indexer" in w))
     head = head_pass_count(opts.lm_head) * forward_flops_per_token(m, seq)["head"]
     return costs, 0.0, head if r is None else head / r["lm_head"]
 

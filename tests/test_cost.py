@@ -806,7 +806,7 @@ def test_deepseek_sparse_attention_is_charged_on_its_selected_keys_and_its_index
     forward passes at the forward kernel's rate and its backward (twice the forward's FLOPs) at the backward
     kernel's: 128 heads over tp = 16 leave 8 a rank, whose forward runs 16-head programs half empty at the narrow
     forward rate."""
-    from recipe.cost import (INDEX_PASS_S, SPARSE_BACKWARD_EFFICIENCY, SPARSE_FORWARD_EFFICIENCY,
+    from recipe.cost import (INDEX_ROW_S, SPARSE_BACKWARD_EFFICIENCY, SPARSE_FORWARD_EFFICIENCY,
                              SPARSE_NARROW_FORWARD_EFFICIENCY, compute_work, flop_terms, forward_flops_per_token,
                              rates, sparse_keys)
     from recipe.models import indexer_params
@@ -846,14 +846,14 @@ def test_deepseek_sparse_attention_is_charged_on_its_selected_keys_and_its_index
     narrow = 4096 / 16 * f["attention"] * 2 * (2 / (peak * SPARSE_NARROW_FORWARD_EFFICIENCY)
                                                 + 2 / (peak * SPARSE_BACKWARD_EFFICIENCY))
     assert compute_work(m, Layout(tp=16), opts)["attention"] / r["attention"] == pytest.approx(narrow)
-    assert one["index_passes"] == 2 * 4
-    assert r["index_passes"] == INDEX_PASS_S and 0 < r["indexer"] < hw.peak_bf16_tflops * 1e12
+    assert one["index_rows"] == 4096 * 2 * 4 and two["index_rows"] == 2048 * 2 * 4  # a rank's query rows, 8 passes
+    assert r["index_rows"] == INDEX_ROW_S and 0 < r["indexer"] < hw.peak_bf16_tflops * 1e12
     assert rates(hw, PRESETS["deepseek-v3"])["indexer"] == float("inf")
     # a layer reusing an earlier one's selection: one indexer pass fewer, the selection (int32, s × K) kept
     from recipe.cost import memory_terms
 
     shared = m.model_copy(update={"dsa": m.dsa.model_copy(update={"shared_layers": (3,)})})
-    assert compute_work(shared, Layout(), opts)["index_passes"] == 2 * 3
+    assert compute_work(shared, Layout(), opts)["index_rows"] == 4096 * 2 * 3
     acts = [memory_terms(x, hw, 1, Layout(), opts)[0]["activations"] for x in (m, shared)]
     assert acts[1] - acts[0] == pytest.approx(4096 * 4 * 4)
     # the pipeline split keeps a shared layer on its source's stage: where the balanced split would part layers 2
@@ -876,9 +876,9 @@ def test_kept_selections_spare_the_recomputed_indexer_and_cost_their_bytes():
     opts = TrainOptions(micro_batch_tokens=4096)
     keep = opts.model_copy(update={"keep_selections": True})
     a, b = compute_work(m, Layout(), opts), compute_work(m, Layout(), keep)
-    assert b["indexer"] == a["indexer"] / 2 and b["index_passes"] == a["index_passes"] / 2 == 4
-    assert {k: v for k, v in a.items() if k not in ("indexer", "index_passes")} == \
-        {k: v for k, v in b.items() if k not in ("indexer", "index_passes")}
+    assert b["indexer"] == a["indexer"] / 2 and b["index_rows"] == a["index_rows"] / 2 == 4096 * 4
+    assert {k: v for k, v in a.items() if k not in ("indexer", "index_rows")} == \
+        {k: v for k, v in b.items() if k not in ("indexer", "index_rows")}
     f, _, hw_a, _ = flop_terms(m, opts)
     assert flop_terms(m, keep)[2] == pytest.approx(hw_a - f["indexer"])
     acts = [memory_terms(m, hw, 1, Layout(), o)[0]["activations"] for o in (opts, keep)]
