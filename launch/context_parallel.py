@@ -165,15 +165,16 @@ class ContextParallel:
     def gather_in_order(self, packing: Packing, *rows: torch.Tensor):
         """The whole micro-batch's rows of each per-token tensor [Tl, …] (all-gathered, in global token order; the
         gradient flows back to each rank's own rows), then each local token's global index and its document's first
-        global index (host lists): what DeepSeek sparse attention's queries select keys among
+        global index (int64 CPU tensors): what DeepSeek sparse attention's queries select keys among
         (launch/sparse_attention.py)."""
         shard = _shard_of(packing)
         order = torch.argsort(self._key_index(shard, rows[0].device))
         whole = [all_gather(x.contiguous(), self.group)[order] for x in rows]
-        query_index, doc_start = [0] * shard.index.shape[0], [0] * shard.index.shape[0]
+        query_index = torch.empty(shard.index.shape[0], dtype=torch.int64)
+        doc_start = torch.empty_like(query_index)
         for local, n, a, start in shard.pieces:
-            query_index[local:local + n] = range(a, a + n)
-            doc_start[local:local + n] = [start] * n
+            query_index[local:local + n] = torch.arange(a, a + n)
+            doc_start[local:local + n] = start
         return (*whole, query_index, doc_start)
 
     def sink_attention(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,

@@ -16,7 +16,6 @@ parameter names follow Hugging Face's, so a state dict maps one to one (launch/h
 from __future__ import annotations
 
 import contextlib
-import itertools
 import math
 import zlib
 from dataclasses import dataclass, field, replace
@@ -489,9 +488,9 @@ class MLAttention(nn.Module):
             if cp is not None:
                 latent_TC, index_k, query_index, doc_start = cp.gather_in_order(packing, latent_TC, index_k)
             else:
-                query_index = list(range(T))
-                starts = itertools.accumulate(packing.doc_lengths, initial=0)
-                doc_start = [start for n, start in zip(packing.doc_lengths, starts) for _ in range(n)]
+                lengths = torch.tensor(packing.doc_lengths)
+                query_index = torch.arange(T)
+                doc_start = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
             split = self.selection_split
             a, b = split.row_share(T) if split is not None else (0, T)
             idx = index_topk(index_q[a:b], index_w[a:b], index_k, query_index[a:b], doc_start[a:b],

@@ -59,21 +59,24 @@ def _block(rows_per_query_bytes: int, total: int) -> int:
 
 
 @torch.no_grad()
-def index_topk(qI_TNI: torch.Tensor, w_TN: torch.Tensor, kI_SI: torch.Tensor, query_index: list[int],
-               doc_start: list[int], topk: int, scale: float, backend: str | None = "auto") -> torch.Tensor:
+def index_topk(qI_TNI: torch.Tensor, w_TN: torch.Tensor, kI_SI: torch.Tensor, query_index: torch.Tensor,
+               doc_start: torch.Tensor, topk: int, scale: float, backend: str | None = "auto") -> torch.Tensor:
     """Each query's selected keys [T, topk] (int32 indices into the S keys, −1 past the query's own count).
 
     qI_TNI: index queries [T, N, I]; w_TN: their head weights [T, N]; kI_SI: index keys [S, I] in key order;
-    query_index[t]: the query's own key index; doc_start[t]: the key index of its document's first token. Valid keys
-    are doc_start[t] ≤ s ≤ query_index[t]. Queries go in blocks of consecutive rows, each block scored against the
-    key span its queries can see (kernels/dsa_index.py); `backend` as there (the scores' and the selection's)."""
+    query_index[t]: the query's own key index; doc_start[t]: the key index of its document's first token (int64 CPU
+    tensors [T], or sequences of ints: the blocks' spans are read on the host, with no device sync). Valid keys are
+    doc_start[t] ≤ s ≤ query_index[t]. Queries go in blocks of consecutive rows, each block scored against the key
+    span its queries can see (kernels/dsa_index.py); `backend` as there (the scores' and the selection's)."""
     T = qI_TNI.shape[0]
     out = torch.full((T, topk), -1, dtype=torch.int32, device=qI_TNI.device)
     if T == 0:
         return out
-    qi_all = torch.tensor(query_index, device=qI_TNI.device)
-    st_all = torch.tensor(doc_start, device=qI_TNI.device)
-    span = max(query_index) + 1 - min(doc_start)
+    qi_host = torch.as_tensor(query_index, dtype=torch.int64)
+    st_host = torch.as_tensor(doc_start, dtype=torch.int64)
+    qi_all = qi_host.to(qI_TNI.device, non_blocking=True)
+    st_all = st_host.to(qI_TNI.device, non_blocking=True)
+    span = int(qi_host.max()) + 1 - int(st_host.min())
     # a block's bytes a query: its fp32 scores, and the selection kernel's gathered keys (on the torch path, its N
     # heads' products and topk's work); blocks of up to INDEX_BLOCK_BYTES (fewer, larger blocks: the kernels run at
     # their rate from about a thousand queries a block, and each block costs the host its launches)
@@ -85,7 +88,7 @@ def index_topk(qI_TNI: torch.Tensor, w_TN: torch.Tensor, kI_SI: torch.Tensor, qu
     buf = torch.empty(step * span, dtype=torch.float32, device=qI_TNI.device) if on_triton and T > step else None
     for a in range(0, T, step):
         b = min(T, a + step)
-        lo, hi = min(doc_start[a:b]), max(query_index[a:b]) + 1
+        lo, hi = int(st_host[a:b].min()), int(qi_host[a:b].max()) + 1
         view = buf[:(b - a) * (hi - lo)].view(b - a, hi - lo) if buf is not None else None
         score = index_scores(qI_TNI[a:b], w_TN[a:b], kI_SI[lo:hi], qi_all[a:b], st_all[a:b], lo, scale, backend,
                              out=view)
