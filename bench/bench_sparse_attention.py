@@ -74,8 +74,8 @@ def main() -> None:
         with torch.no_grad():
             ql = sparse_layer.q_a_layernorm(sparse_layer.q_a_proj(x))
             iq, iw, ik = sparse_layer.indexer(x, ql, rope)
-        pos = list(range(T))
-        starts = [0] * T
+        pos = torch.arange(T)
+        starts = torch.zeros(T, dtype=torch.long)
 
         def indexer():
             return index_topk(iq, iw, ik, pos, starts, d.topk, sparse_layer.indexer.scale)

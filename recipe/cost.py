@@ -111,8 +111,8 @@ SINK_MERGE_BYTES = 11
 # programs, where a rank's heads are not a multiple of 64, 0.138 / 0.145 / 0.144); the indexer's scores at
 # INDEX_GEMM_EFFICIENCY (its kernel's 449 TF/s), its top-k selection (the selection kernels,
 # kernels/dsa_index_triton.py) INDEX_SELECT_S a score on an H200, scaled by HBM bandwidth elsewhere, and INDEX_ROW_S a
-# query a pass (the selection's per-row search and the host's per-row work): the fit a·T + b·T²/2 through the
-# indexer's 32.1 ms at 32K tokens and 307.8 ms at 128K (8K: 5.2 on it, 5.5 measured; 64K: 94.1 on it, 95.0)
+# query a pass (the selection's per-row bracket and search): the fit a·T + b·T²/2 through the indexer's 21.0 ms at 32K
+# tokens and 272.4 ms at 128K (8K: 2.3 on it, 1.8 measured; 64K: 73.2 on it, 73.7)
 SPARSE_FORWARD_EFFICIENCY = 0.245
 SPARSE_NARROW_FORWARD_EFFICIENCY = 0.144
 SPARSE_BACKWARD_EFFICIENCY = 0.078
@@ -120,9 +120,9 @@ SPARSE_BACKWARD_EFFICIENCY = 0.078
 # part-empty
 SPARSE_HEAD_BLOCK = 16
 INDEX_GEMM_EFFICIENCY = 0.45
-INDEX_SELECT_S = 9.5e-12
+INDEX_SELECT_S = 1.08e-11
 INDEX_SELECT_HBM = 4.8e12
-INDEX_ROW_S = 5.2e-7
+INDEX_ROW_S = 1.6e-7
 HBM_EFFICIENCY = 0.9  # of the datasheet bandwidth, for streaming kernels (measured ~4.3 of 4.8 TB/s on an H200)
 
 
