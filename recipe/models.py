@@ -212,7 +212,7 @@ class RopeScaling(Record):
 # attention, sigmoid routing; Kimi-K2 and Moonlight share it; DeepSeek-V3.2 and GLM-5 with DeepSeek sparse attention)
 # and DeepSeek-V2 (its softmax routing), GLM-4.5
 # (sigmoid routing, q/k/v biases, partial RoPE), gpt-oss (attention sinks, sliding-window layers, biased router and
-# experts, clamped GLU) and dense Llama-family stacks (Llama, Qwen2, Qwen3, Mistral without a sliding window), OLMoE
+# experts, clamped GLU) and dense Llama-family stacks (Llama, Qwen2, Qwen3, Mistral; their sliding windows too), OLMoE
 # (q/k norms over all heads together, softmax routing without renormalization), ERNIE-4.5 MoE (softmax scores
 # steered by a correction bias, shared experts, a dense first layer, interleaved RoPE, tied embeddings), MiniMax-M2
 # (q/k norms over all heads together, partial RoPE, sigmoid routing steered by a correction bias, no shared
@@ -244,9 +244,9 @@ def trainable(shape: "ModelShape") -> str | None:
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
     sc = shape.rope_scaling
-    gpt_oss = shape.arch == "gpt_oss"
     unsupported = [what for what, present in (
-        ("sliding-window attention", bool(shape.sliding_window) and not gpt_oss),
+        ("sliding-window attention with MLA", bool(shape.sliding_window) and shape.mla is not None),
+        ("a sliding_window on no sliding_attention layer", bool(shape.sliding_window) and shape.num_sliding_layers == 0),
         ("sliding_attention layers without a sliding_window",
          shape.num_sliding_layers > 0 and not shape.sliding_window),
         ("chunked attention outside Llama 4", shape.num_chunked_layers > 0 and shape.arch != "llama4"),
@@ -1024,10 +1024,10 @@ def _from_hf_config(path: Path) -> ModelShape:
     if model_type in ("qwen3_vl_moe", "qwen3_vl_moe_text"):  # Qwen3-VL-MoE's text model: Qwen3-MoE's blocks; its
         # multimodal RoPE rotates a text-only sequence as plain RoPE (the three position ids are equal)
         fields["hf_model_type"] = "qwen3_vl_moe"
-    if model_type == "mistral" and not cfg.get("layer_types"):
-        # transformers' Mistral slides every layer over `sliding_window` keys (4096 where the field is absent; null
-        # turns it off, as in v0.2 and later)
-        window = cfg.get("sliding_window", 4096)
+    if model_type in ("mistral", "mixtral") and not cfg.get("layer_types"):
+        # transformers' Mistral and Mixtral slide every layer over `sliding_window` keys (Mistral: 4096 where the
+        # field is absent; null turns it off, as in Mistral v0.2 and later and every Mixtral release)
+        window = cfg.get("sliding_window", 4096 if model_type == "mistral" else None)
         if window is not None:
             fields.update(sliding_window=count(window, "sliding_window"), layer_types=("sliding_attention",) * n_layers)
     if "sliding_attention" in fields["layer_types"] and fields.get("sliding_window") is None \
@@ -1211,8 +1211,7 @@ def _qwen2_moe(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag, count
     (i + 1) is a multiple of `decoder_sparse_step` and i is not in `mlp_only_layers`, dense (`intermediate_size`)
     elsewhere: the step is the shape's `moe_layer_step`; with `mlp_only_layers` the shape counts the dense layers as
     leading ones (the cost does not depend on where they sit) and is planned only (arch `moe`).
-    `use_sliding_window` slides the layers from `max_window_layers` on (transformers' rule), which the core does not
-    train."""
+    `use_sliding_window` slides the layers from `max_window_layers` on (transformers' rule)."""
     shared = opt("shared_expert_intermediate_size", 0)
     fields.update(qk_norm=False, attn_bias=opt_flag("qkv_bias", opt_flag("attention_bias", True)),
                   shared_expert_ffn=shared, shared_expert_gate=bool(shared))

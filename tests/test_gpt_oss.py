@@ -357,12 +357,15 @@ def test_the_router_takes_the_top_logits_and_softmaxes_them():
 
 
 def test_what_trains_and_what_is_refused():
-    """gpt-oss trains (sliding windows included, at any cp: launch/context_parallel.py runs its attention); sliding
-    windows of other families stay refused."""
+    """gpt-oss trains (sliding windows included, at any cp: launch/context_parallel.py runs its attention), as do
+    other families' sliding layers (tests/test_hf_parity.py: Mistral, Mixtral, Qwen2); a window that no layer
+    applies is refused rather than trained as full attention."""
     oss = PRESETS["gpt-oss-120b"]
     assert trainable(oss) is None
-    mixtral = PRESETS["mixtral-8x7b"].model_copy(update={"sliding_window": 4096})
-    assert "sliding-window attention is planned" in trainable(mixtral)
+    mixtral = PRESETS["mixtral-8x7b"]
+    assert "a sliding_window on no sliding_attention layer" in trainable(mixtral.model_copy(update={"sliding_window": 4096}))
+    sliding = mixtral.model_copy(update={"sliding_window": 4096, "layer_types": ("sliding_attention",) * 32})
+    assert trainable(sliding) is None
     assert "without a sliding_window" in trainable(oss.model_copy(update={"sliding_window": None}))
     meta = build_model(oss.with_layers(2), device="meta")
     a0, a1 = meta.layers[0].self_attn, meta.layers[1].self_attn

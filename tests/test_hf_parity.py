@@ -32,6 +32,12 @@ DENSE = {  # model_type: (config, model, what sets it apart)
     "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_theta=500000.0)),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(rope_theta=1e6)),  # q/k/v biases
     "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_theta=1e6)),  # q/k norms
+    # sliding windows of 8 keys (the 75- and 40-token tests reach well past them): Mistral's on every layer, Qwen2's
+    # from max_window_layers on (its first layer full)
+    "mistral_swa": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=8,
+                                                                                      rope_theta=1e6)),
+    "qwen2_swa": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        rope_theta=1e6, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     # RoPE scalings, stretched from 16 positions so the 75-token test reaches past the original context
     "llama31": (transformers.LlamaConfig, transformers.LlamaForCausalLM, dict(rope_parameters=dict(
         rope_type="llama3", rope_theta=500000.0, factor=8.0, low_freq_factor=1.0, high_freq_factor=4.0,
@@ -101,7 +107,7 @@ HUNYUAN = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_val
 # Qwen2-MoE with a dense layer between MoE ones (decoder_sparse_step 2)
 QWEN2_SPARSE = dict(decoder_sparse_step=2, num_hidden_layers=4, intermediate_size=40)
 # the shape's arch where it is not the name
-ARCH = {"moonlight": "deepseek_v3", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE},
+ARCH = {"moonlight": "deepseek_v3", "mixtral_swa": "mixtral", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE},
         "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3",
         **{a: "deepseek_v3" for a in DSA_ARCHS},
         "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe"}
@@ -120,10 +126,12 @@ def _hf_model(arch: str):
         linear = {k: v for k, v in LINEAR.items() if not k.startswith("shared_")}
         cfg = transformers.Qwen3_5TextConfig(**dense, **linear, intermediate_size=40)
         cls = transformers.Qwen3_5ForCausalLM
-    elif arch == "mixtral":  # Mixtral's own names: num_local_experts, intermediate_size the experts' width
+    elif arch in ("mixtral", "mixtral_swa"):  # Mixtral's own names: num_local_experts, intermediate_size the experts'
+        # width; with a sliding window of 8 keys on every layer
         moe = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
         cfg = transformers.MixtralConfig(**moe, num_local_experts=6, num_experts_per_tok=2, intermediate_size=16,
-                                         num_hidden_layers=2, rope_theta=1e6)
+                                         num_hidden_layers=2, rope_theta=1e6,
+                                         sliding_window=8 if arch == "mixtral_swa" else None)
         cls = transformers.MixtralForCausalLM
     elif arch in MLA_ARCHS:
         cfg = transformers.DeepseekV3Config(**MLA_ARCHS[arch])
@@ -215,7 +223,7 @@ def _hf_model(arch: str):
 
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
                                   "olmoe_clip",
-                                  "ernie4_5_moe", "minimax_m2", "mixtral", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
+                                  "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
                                   *DSA_ARCHS, "glm4_moe", "dots1", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
                                   "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
@@ -291,9 +299,9 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral",
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "gpt_oss",
-                                  *LLAMA4, "granitemoeshared", "olmoe_clip", "hunyuan_v1_moe"])
+                                  *LLAMA4, "granitemoeshared", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.

@@ -534,7 +534,7 @@ def test_qwen2_moe_and_ernie_dense_layers_and_windows_by_hand(tmp_path):
     assert (only.arch, only.first_dense_layers) == ("moe", 2)
     window = rd("window", use_sliding_window=True, sliding_window=4096, max_window_layers=6)
     assert window.layer_types == ("full_attention",) * 6 + ("sliding_attention",) * 2 and window.sliding_window == 4096
-    assert "sliding-window attention" in trainable(window)
+    assert trainable(window) is None  # its last two layers slide (Attention's window)
     ernie = json.loads((FIXTURES / "ernie-4.5-21b-a3b.json").read_text()) | {"num_hidden_layers": 8}
     rd = lambda name, **over: from_hf_config(_write(tmp_path, name, ernie | over))  # noqa: E731
     whole = rd("e")
@@ -844,12 +844,17 @@ def test_generic_moe_shared_experts_dense_layers_and_windows_by_hand(tmp_path, c
 
 def test_mistral_slides_every_layer_unless_its_window_is_null(tmp_path):
     """transformers' Mistral slides every layer over `sliding_window` keys, 4096 where the field is absent (v0.1);
-    v0.2 and later write null. A sliding Mistral is planned with its window and not trained."""
+    v0.2 and later write null. A sliding Mistral is planned and trained with its window (tests/test_hf_parity.py);
+    Mixtral slides every layer the same way where its config sets a window (every release writes null)."""
     cfg = json.loads((FIXTURES / "llama-3-8b.json").read_text()) | {"model_type": "mistral"}
     cfg.pop("sliding_window", None)
     v01 = from_hf_config(_write(tmp_path, "v01", cfg))
     assert (v01.sliding_window, v01.num_sliding_layers) == (4096, v01.num_layers)
-    assert "sliding-window attention" in trainable(v01)
+    assert trainable(v01) is None
+    mixtral = json.loads((FIXTURES / "mixtral-8x7b.json").read_text())
+    assert from_hf_config(_write(tmp_path, "mixtral", mixtral)).num_sliding_layers == 0
+    windowed = from_hf_config(_write(tmp_path, "mixtral_w", mixtral | {"sliding_window": 4096}))
+    assert (windowed.sliding_window, windowed.num_sliding_layers) == (4096, windowed.num_layers)
     v03 = from_hf_config(_write(tmp_path, "v03", cfg | {"sliding_window": None}))
     assert (v03.sliding_window, v03.num_sliding_layers) == (None, 0) and trainable(v03) is None
 
