@@ -162,20 +162,24 @@ class ContextParallel:
         k, v = expand(all_gather(latent_TC, self.group), q_THD)
         return self._attend(q_THD, k, v, packing, scale)
 
-    def gather_in_order(self, packing: Packing, *rows: torch.Tensor):
-        """The whole micro-batch's rows of each per-token tensor [Tl, …] (all-gathered, in global token order; the
-        gradient flows back to each rank's own rows), then each local token's global index and its document's first
-        global index (int64 CPU tensors): what DeepSeek sparse attention's queries select keys among
+    def gather_in_order(self, packing: Packing, *rows: torch.Tensor) -> list[torch.Tensor]:
+        """The whole micro-batch's rows of each per-token tensor [Tl, …]: all-gathered, in global token order (the
+        gradient flows back to each rank's own rows). DeepSeek sparse attention's keys and latents
         (launch/sparse_attention.py)."""
+        order = torch.argsort(self._key_index(_shard_of(packing), rows[0].device))
+        return [all_gather(x.contiguous(), self.group)[order] for x in rows]
+
+    @staticmethod
+    def key_positions(packing: Packing) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each local token's global index and its document's first global index (int64 CPU tensors [Tl]): where
+        DeepSeek sparse attention's local queries sit among the gathered keys."""
         shard = _shard_of(packing)
-        order = torch.argsort(self._key_index(shard, rows[0].device))
-        whole = [all_gather(x.contiguous(), self.group)[order] for x in rows]
         query_index = torch.empty(shard.index.shape[0], dtype=torch.int64)
         doc_start = torch.empty_like(query_index)
         for local, n, a, start in shard.pieces:
             query_index[local:local + n] = torch.arange(a, a + n)
             doc_start[local:local + n] = start
-        return (*whole, query_index, doc_start)
+        return query_index, doc_start
 
     def sink_attention(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor,
                        sinks_H: torch.Tensor | None, packing: Packing, scale: float,

@@ -482,11 +482,12 @@ class MLAttention(nn.Module):
         idx = self._given_selection(packing)
         if idx is not None:  # an earlier layer's, or the forward's for the recomputed forward: no indexer to run
             if cp is not None:
-                latent_TC = cp.gather_in_order(packing, latent_TC)[0]
+                (latent_TC,) = cp.gather_in_order(packing, latent_TC)
         else:
             index_q, index_w, index_k = self.indexer(x_TD, q_latent, rope)
             if cp is not None:
-                latent_TC, index_k, query_index, doc_start = cp.gather_in_order(packing, latent_TC, index_k)
+                latent_TC, index_k = cp.gather_in_order(packing, latent_TC, index_k)
+                query_index, doc_start = cp.key_positions(packing)
             else:
                 lengths = torch.tensor(packing.doc_lengths)
                 query_index = torch.arange(T)
