@@ -503,6 +503,23 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
                                      beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0),
             source="deepseek-ai/DeepSeek-V3 config.json",
         ),
+    # DeepSeek-V3.2: DeepSeek-V3's stack with DeepSeek sparse attention (its indexer's 64 heads of 128 keep 2,048
+    # keys a query)
+    "deepseek-v32": lambda: _PRESET_FACTORIES["deepseek-v3"]().model_copy(update=dict(
+            name="deepseek-v32", hf_model_type="deepseek_v32",
+            dsa=SparseAttentionShape(topk=2048, index_heads=64, index_head_dim=128),
+            source="deepseek-ai/DeepSeek-V3.2 config.json (DeepSeek-V3's and the index_* fields)")),
+    # GLM-5 (744B, 40B active): DSA on MLA, every layer indexing, its indexer's RoPE in pairs
+    "glm5": lambda: ModelShape(
+            name="glm5", arch="deepseek_v3", hidden_size=6144, num_layers=78, vocab_size=154880,
+            layer_types=("full_attention",) * 78, num_heads=64, num_kv_heads=64, head_dim=256, qk_norm=False,
+            mla=MLAShape(q_lora_rank=2048, kv_lora_rank=512, qk_nope_head_dim=192, qk_rope_head_dim=64,
+                         v_head_dim=256),
+            dsa=SparseAttentionShape(topk=2048, index_heads=32, index_head_dim=128, rope_pairs=True),
+            num_experts=256, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, router_bias=True,
+            sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=2.5), first_dense_layers=3,
+            dense_ffn=12288, rope_theta=10000.0, rms_norm_eps=1e-5, max_position=202752,
+            hf_model_type="glm_moe_dsa", source="zai-org/GLM-5 config.json (transformers' GlmMoeDsaConfig defaults)"),
     "moonlight-16b": lambda: ModelShape(
             name="moonlight-16b", arch="deepseek_v3", hidden_size=2048, num_layers=27, vocab_size=163840,
             layer_types=("full_attention",) * 27, num_heads=16, num_kv_heads=16, head_dim=192, qk_norm=False,

@@ -79,6 +79,8 @@ def test_with_layers_rejects_out_of_range(n):
     ("qwen3-next-80b", 80.0, 0.01),
     ("qwen35-122b", 122.0, 0.01),
     ("qwen35-397b", 397.0, 0.01),
+    ("deepseek-v32", 671.0, 0.005),  # DeepSeek-V3's 671B; its indexer adds 0.85B (0.13%)
+    ("glm5", 744.0, 0.005),  # zai-org/GLM-5 model card: 744B (40B active)
 ])
 def test_presets_against_published_totals(name, published_b, rel):
     total = _b(total_params(PRESETS[name]))
@@ -163,6 +165,19 @@ def test_hf_qwen3_moe_equals_preset(tmp_path):
            "tie_word_embeddings": False, "decoder_sparse_step": 1, "mlp_only_layers": []}
     m = from_hf_config(_write(tmp_path, "Qwen3-30B-A3B", cfg))
     assert _same_shape(m, PRESETS["qwen3-30b-a3b"])
+
+
+def test_dsa_presets_are_their_configs():
+    """GLM-5's preset is what its config (transformers' GlmMoeDsaConfig defaults, bench/configs/glm-5.json) reads
+    to; DeepSeek-V3.2's is DeepSeek-V3's with the indexer (64 heads of 128 keeping 2,048 keys, RoPE in halves) and
+    its own model type: nothing else differs."""
+    glm = from_hf_config(Path(__file__).parents[1] / "bench" / "configs" / "glm-5.json")
+    assert _same_shape(glm, PRESETS["glm5"]) and glm.dsa.rope_pairs and not glm.dsa.shared_layers
+    v32, v3 = PRESETS["deepseek-v32"], PRESETS["deepseek-v3"]
+    assert v32.dsa == SparseAttentionShape(topk=2048, index_heads=64, index_head_dim=128, rope_pairs=False)
+    skip = {"name", "source", "dsa", "hf_model_type"}
+    assert v32.model_dump(exclude=skip) == v3.model_dump(exclude=skip) and v32.hf_model_type == "deepseek_v32"
+    assert trainable(v32) is None and trainable(PRESETS["glm5"]) is None
 
 
 def test_hf_deepseek_v3_equals_preset(tmp_path):
