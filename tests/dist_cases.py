@@ -50,7 +50,7 @@ CASES = {
         ["llama4_cp2", 1, 1, 1, 2, "llama4"], ["llama4_tp2_ep2", 1, 2, 1, 1, "llama4", "full", 2],
         ["granite_tp2_ep2", 1, 2, 1, 1, "granite", "full", 2],
         ["dsa_cp2_keepsel", 1, 1, 1, 2, "dsa", "keepsel"], ["dsa_tp2_ep2", 1, 2, 2, 1, "dsa", "full", 2],
-        ["dsa_pp2_keepsel", 1, 1, 1, 1, "dsa", "keepsel", 1, 2]],
+        ["dsa_pp2_keepsel", 1, 1, 1, 1, "dsa", "keepsel", 1, 2], ["swa_cp2", 1, 1, 1, 2, "swa"]],
     4: [["dp4_ep2_k1", 4, 2, 1], ["dp4_ep2_k2", 4, 2, 2], ["dp4_ep4_k1", 4, 4, 1],
         ["cp4", 1, 1, 1, 4, "cp"], ["cp2_ep2", 2, 2, 1, 2, "cp_off"], ["pieces_cp4", "pieces", 4],
         ["tp2_dp2", 2, 1, 1, 1, "base", "full", 2], ["tp2_dp2_ep4", 2, 4, 2, 1, "cp_off", "none", 2],
@@ -98,6 +98,7 @@ VARIANTS = {
     "llama4": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Llama-4-style model (tiny_llama4), as "mla"
     "granite": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Granite-MoE-style model (tiny_granite), as "mla"
     "dsa": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # DeepSeek sparse attention (tiny_dsa), as "mla"
+    "swa": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # sliding windows without sinks (tiny_swa), as "mla"
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -139,6 +140,18 @@ def tiny_oss():
                       expert_ffn=32, router_bias=True, rope_theta=150000.0, rms_norm_eps=1e-5,
                       rope_scaling=RopeScaling(kind="yarn", factor=32.0, original_max_position=16, beta_fast=32.0,
                                                beta_slow=1.0, truncate=False))
+
+
+def tiny_swa():
+    """Mixtral's blocks at tiny widths with sliding windows and no sinks (Mistral's and Mixtral's attention where
+    their configs set a window): windows of 8 keys on layers 0-2 (the documents run to 42 tokens), a full layer
+    last, 4 query heads over 2 KV heads, 8 experts (top-2, renormalized)."""
+    from recipe.models import ModelShape
+
+    return ModelShape(name="tiny-swa", arch="mixtral", hidden_size=64, num_layers=4, vocab_size=512,
+                      layer_types=("sliding_attention",) * 3 + ("full_attention",), num_heads=4, num_kv_heads=2,
+                      head_dim=16, qk_norm=False, sliding_window=8, num_experts=8, top_k=2, expert_ffn=32,
+                      norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-5)
 
 
 def tiny_olmoe():
@@ -233,7 +246,7 @@ def tiny_dense():
 # the model each variant trains (the others train tiny-moe)
 VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "dsa": tiny_dsa, "oss": tiny_oss, "olmoe": tiny_olmoe,
                   "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4,
-                  "granite": tiny_granite}
+                  "granite": tiny_granite, "swa": tiny_swa}
 
 
 def _shape(variant: str):

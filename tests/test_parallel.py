@@ -197,6 +197,16 @@ def test_gpt_oss_layouts_equal_one_process(world2, name):
 
 
 @pytest.mark.dist
+def test_sliding_windows_without_sinks_under_context_parallelism_equal_one_process(world2):
+    """The Mixtral-style tiny model with sliding windows and no sinks (dist_cases.tiny_swa: windows of 8 keys on
+    three layers, a full one last) under cp=2 (each piece's window reaching back over the gathered keys, documents
+    across segment edges) equals one process."""
+    r = world2["swa_cp2"]
+    _assert_equal_to_one_process(r)
+    assert r["cp_docs_cross_segments"]
+
+
+@pytest.mark.dist
 @pytest.mark.parametrize("name, shape", [("olmoe_tp2_ep2", "tiny_olmoe"), ("qwen2moe_tp2", "tiny_qwen2_moe")])
 def test_olmoe_and_qwen2_moe_under_tensor_parallelism_equal_one_process(world2, name, shape):
     """The OLMoE-style tiny model (dist_cases.tiny_olmoe: q/k norms over all heads, each tp rank holding half of
