@@ -26,9 +26,9 @@ the keys above the bracket and at its two ends and gathers those strictly inside
 (the K-th outside the bracket) or more than 8,192 keys fall inside it, the row takes the same bitwise search over
 the whole row, a pass a bit (`bench/bench_sparse_attention.py` counts those rows). So a long row is read twice (the
 bracket's pass, the write) plus the sample, never sorted, and the result never depends on the sample; the kernels'
-derivation is in docs/sparse_attention.md. The torch path (`topk_select`, the
-reference) runs topk on the fp32 scores, selects again on int64 ranks (`_ranked`) the rows whose K-th score also
-sits outside the selection, and sorts each row's keys.
+derivation is in docs/sparse_attention.md. The torch path (`topk_select`, the reference) runs topk on the fp32
+scores, selects again on int64 ranks (`_ranked`) the rows whose K-th score also sits outside the selection, and
+sorts each row's keys.
 
 Backends as in kernels/gdn_fused.py: "auto" runs Triton on CUDA/ROCm tensors when triton is installed and the torch
 path otherwise.

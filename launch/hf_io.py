@@ -396,17 +396,16 @@ def hf_config(shape: ModelShape) -> dict:
     if shape.arch == "dense":  # Llama-family: Qwen3 has q/k norms, Qwen2 q/k/v biases, Llama neither
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             cfg.pop(k)
-        # (Mistral: Llama's blocks with a sliding window on every layer)
+        # Llama's blocks with a sliding window: Mistral's type where every layer slides, Ministral's (its
+        # layer_types) where some do
         sliding = shape.num_sliding_layers > 0
-        model_type = "qwen3" if shape.qk_norm else "qwen2" if shape.attn_bias else "mistral" if sliding else "llama"
+        windowed = "mistral" if shape.num_sliding_layers == shape.num_layers else "ministral"
+        model_type = "qwen3" if shape.qk_norm else "qwen2" if shape.attn_bias else windowed if sliding else "llama"
         arch_name = {"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                     "mistral": "MistralForCausalLM"}
+                     "mistral": "MistralForCausalLM", "ministral": "MinistralForCausalLM"}
         cfg.update(model_type=model_type, architectures=[arch_name[model_type]], intermediate_size=shape.dense_ffn,
                    rope_theta=shape.rope_theta, layer_types=list(shape.layer_types))
-        if model_type == "mistral" and shape.num_sliding_layers != shape.num_layers:
-            raise ValueError(f"{shape.name}: a Mistral export slides every layer; this model slides "
-                             f"{shape.num_sliding_layers} of {shape.num_layers}")
-        if sliding:  # Qwen2/Qwen3 slide the layers their layer_types name
+        if sliding:  # Qwen2/Qwen3 and Ministral slide the layers their layer_types name
             cfg.update(sliding_window=shape.sliding_window, use_sliding_window=True)
         if model_type == "llama":
             cfg.update(attention_bias=False, mlp_bias=False)

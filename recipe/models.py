@@ -773,7 +773,7 @@ _ARCH_BY_MODEL_TYPE = {
     "llama4": "llama4",
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe",
-    "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense",
+    "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
 _MAMBA_HYBRIDS = ("jamba", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "mamba", "mamba2", "nemotron_h",
