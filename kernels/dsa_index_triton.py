@@ -1,7 +1,15 @@
-"""Triton kernel of kernels/dsa_index.py: one program per [BM queries × BN keys] tile of the index scores. It loads
-the tile's keys once, then for each index head j its queries' [BM, I] rows and w[:, j], and adds
-w[:, j] · relu(scale · q_j kᵀ) to an fp32 accumulator; invisible keys (another document, or after the query) get
-−inf. A tile whose keys are all after its last query, or all before its first query's document, skips the products.
+"""Triton kernels of kernels/dsa_index.py.
+
+Index scores: one program per [BM queries × BN keys] tile. It loads the tile's keys once, then for each index head j
+its queries' [BM, I] rows and w[:, j], and adds w[:, j] · relu(scale · q_j kᵀ) to an fp32 accumulator; invisible keys
+(another document, or after the query) get −inf. A tile whose keys are all after its last query, or all before its
+first query's document, skips the products.
+
+Top-k selection (`select`): four kernels a block of queries, one program a row each, passing a row's state through a
+small int32 array: the bracket (`_select_bracket`: a short row's threshold, a long row's sample), the gather
+(`_select_gather`), the search (`_select_search`) and the write in key order (`_select_write`); kernels/dsa_index.py
+and docs/sparse_attention.md derive them.
+
 Imported lazily (the CPU path never imports triton)."""
 
 from __future__ import annotations
