@@ -1047,6 +1047,10 @@ def _from_hf_config(path: Path) -> ModelShape:
         window = cfg.get("sliding_window", 4096 if model_type == "mistral" else None)
         if window is not None:
             fields.update(sliding_window=count(window, "sliding_window"), layer_types=("sliding_attention",) * n_layers)
+    if model_type in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and cfg.get("sliding_window") \
+            and not cfg.get("layer_types"):  # transformers' rule: the layers from max_window_layers on slide
+        first = opt("max_window_layers", n_layers)
+        fields["layer_types"] = tuple("sliding_attention" if i >= first else "full_attention" for i in range(n_layers))
     if "sliding_attention" in fields["layer_types"] and fields.get("sliding_window") is None \
             and cfg.get("sliding_window") is not None:
         fields["sliding_window"] = count(cfg["sliding_window"], "sliding_window")

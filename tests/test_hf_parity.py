@@ -275,6 +275,23 @@ def test_logits_and_loss_match_transformers(arch, tmp_path):
     assert err_back < 1e-5, f"{arch}: re-imported transformers model differs by {err_back:.3e}"
 
 
+@pytest.mark.parametrize("config_cls", [transformers.Qwen2Config, transformers.Qwen3Config])
+def test_a_qwen_window_without_layer_types_slides_what_transformers_slides(config_cls, tmp_path):
+    """A Qwen2/Qwen3 config.json with use_sliding_window and no layer_types (the older releases write none) slides
+    the layers transformers derives: from max_window_layers on."""
+    import json
+
+    cfg = config_cls(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                     num_hidden_layers=4, intermediate_size=40, use_sliding_window=True, sliding_window=8,
+                     max_window_layers=1)
+    d = cfg.to_dict()
+    d.pop("layer_types")
+    (tmp_path / "config.json").write_text(json.dumps(d))
+    shape = from_hf_config(tmp_path / "config.json")
+    assert shape.layer_types == tuple(cfg.layer_types) == ("full_attention",) + ("sliding_attention",) * 3
+    assert shape.sliding_window == 8
+
+
 def test_load_errors_name_the_tensors(tmp_path):
     hf = _hf_model("qwen3_5_moe")
     hf.save_pretrained(tmp_path / "hf")
