@@ -74,7 +74,9 @@ def select_keys(score: torch.Tensor, query_index: torch.Tensor, doc_start: torch
     """Writes each row's k highest-scoring keys (module docstring, "Selection") into out[:, :k] (int32, −1 past a
     query's visible keys), for a block of queries' [n, S] scores over the keys lo..lo + S − 1 (`index_scores`: −inf
     outside each query's doc_start..query_index)."""
-    if _pick_backend(score, backend) == "torch":
+    # the kernels' gathered keys hold a bracket around the k-th only while k is well inside SELECT_CAP (DSA's 2,048
+    # is a quarter of it); a larger k selects by topk
+    if _pick_backend(score, backend) == "torch" or k > SELECT_CAP // 2:
         out[:, :k] = topk_select(score, k, lo)
         return
     from kernels import dsa_index_triton  # lazy: the CPU path never imports triton
