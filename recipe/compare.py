@@ -37,6 +37,9 @@ def technique_effects(m: ModelShape, hw: HwProfile, sol: Solution) -> dict[str, 
         other = estimate(m, hw, w, lay, o.model_copy(update={"keep_selections": not o.keep_selections}))
         kept, recomputed = (e, other) if o.keep_selections else (other, e)
         gain = f"{100 * (1 - kept.step_time_s / recomputed.step_time_s):.0f}% of the step"
+        compute = recomputed.time_s["compute"] - kept.time_s["compute"]
+        if recomputed.step_time_s - kept.step_time_s < compute / 2:  # the step is bound by exchanges, not compute
+            gain += f" ({compute:.1f} s of compute, behind the exchanges that bound the step)"
         extra = f"{kept.total_gb - recomputed.total_gb:.1f} GB"
         out["selections"] = (f"kept: saves {gain} for {extra}" if o.keep_selections else
                              f"recomputed: keeping them would save {gain} but needs {extra} more, past the margin")

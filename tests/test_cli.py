@@ -129,9 +129,10 @@ def test_recompute_auto_keeps_layers_and_the_plan_runs_them(tmp_path):
 def test_a_sparse_attention_plan_keeps_its_selections_where_they_fit(tmp_path):
     """GLM-5's first three layers at 64K on one H200 have room for DeepSeek sparse attention's kept selections: the
     plan says train.keep_selections (the header too), `recipe check` re-solves it the same, and a plan keeping them
-    without recompute is refused in one line; GLM-5 at 128K on 128 H200s has no room (CP16 is the smallest that fits
-    at all) and its plan has no such field. `recipe compare` gives what they buy; a plan without recompute (what
-    --recompute auto picks here) carries none."""
+    without recompute is refused in one line; GLM-5 at 128K on 128 H200s has no room and its plan has no such field
+    (and there the indexer's compute they would save hides behind the exchanges that bound the step: `recipe
+    compare` says so). `recipe compare` gives what they buy; a plan without recompute (what --recompute auto picks
+    here) carries none."""
     from pathlib import Path
 
     glm5 = str(Path(__file__).resolve().parents[1] / "bench" / "configs" / "glm-5.json")
@@ -150,6 +151,10 @@ def test_a_sparse_attention_plan_keeps_its_selections_where_they_fit(tmp_path):
     r = run("solve", "--model", glm5, "--seq", "128k", "--hw", "h200", "-o", str(tight))
     assert r.exit_code == 0, r.output
     assert "keep_selections" not in tight.read_text() and "index selections" not in r.stdout
+    r = run("compare", "--model", "glm5", "--seq", "128k", "--hw", "h200")
+    flat = re.sub(r"[\s│]+", " ", r.stdout)  # the table's cells wrapped or not
+    assert re.search(r"keeping them would save 0% of the step \([\d.]+ s of compute, behind the exchanges that bound "
+                     r"the step\)", flat), r.stdout
     # `recipe compare` says what they buy; with --recompute auto choosing no recompute, there is nothing to keep
     r = run("compare", "--model", glm5, "--layers", "3", "--seq", "64k", "--hw", "h200", "--gpus", "1")
     assert r.exit_code == 0
