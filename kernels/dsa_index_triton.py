@@ -281,7 +281,8 @@ def select(score: torch.Tensor, query_index: torch.Tensor, doc_start: torch.Tens
         return slow
     cfg = config or SELECT_CONFIG
     state = torch.empty(n, STATE_WIDTH.value, dtype=torch.int32, device=score.device)
-    scratch = torch.empty(n, SELECT_CAP, dtype=torch.int32, device=score.device)
+    # the gathered keys of the rows longer than SELECT_CAP (none where the span is not)
+    scratch = torch.empty(n if S > SELECT_CAP else 1, SELECT_CAP, dtype=torch.int32, device=score.device)
     args = (query_index, doc_start, state)
     _select_bracket[(n,)](score, *args, S, lo, k, SELECT_Z, score.stride(0), CAP=SELECT_CAP, SAMPLE=SELECT_SAMPLE,
                           num_warps=8)

@@ -81,7 +81,7 @@ def index_topk(qI_TNI: torch.Tensor, w_TN: torch.Tensor, kI_SI: torch.Tensor, qu
     # heads' products and topk's work); blocks of up to INDEX_BLOCK_BYTES (fewer, larger blocks: the kernels run at
     # their rate from about a thousand queries a block, and each block costs the host its launches)
     on_triton = _pick_backend(qI_TNI, backend) == "triton"
-    per_row = 4 * span + 4 * SELECT_CAP if on_triton else 4 * span * (qI_TNI.shape[1] + 6)
+    per_row = 4 * span + 4 * SELECT_CAP * (span > SELECT_CAP) if on_triton else 4 * span * (qI_TNI.shape[1] + 6)
     step = max(1, min(T, INDEX_BLOCK_BYTES // per_row))
     # one buffer for every block's scores (their spans grow with the block: a tensor a block would have the
     # allocator reserve a new, larger segment each time)

@@ -247,6 +247,11 @@ def select_kernel_checks():
     try:
         got = torch.full((n, k + 3), 5, dtype=torch.int32)
         select_keys(score, query_index, doc_start, lo, k, got, backend="triton")
+        # a span no longer than the candidates (no gathering, no scratch rows): the first 50 keys
+        short = torch.full((n, k), 5, dtype=torch.int32)
+        qi_short = torch.minimum(query_index, torch.tensor(lo + 49))
+        select_keys(score[:, :50].contiguous(), qi_short, doc_start, lo, k, short, backend="triton")
+        assert torch.equal(short, topk_select(score[:, :50], k, lo)[:, :k])
     finally:
         kt.SELECT_CONFIG, kt.SELECT_CAP, kt.SELECT_SAMPLE, kt.select = saved
     slow = flags[0]
