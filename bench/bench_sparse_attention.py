@@ -1,18 +1,17 @@
 """DeepSeek sparse attention (launch/sparse_attention.py) on one GPU, one attention layer of a DSA model (GLM-5 by
 default: 64 heads, q·k 256 and v 256 wide, a 512 + 64 latent, an indexer of 32 heads of 128 keeping 2,048 keys a
 query) against the same layer's dense MLA (what the model runs without DSA: cuDNN over the expanded keys), on one
-document of T tokens, bf16. Columns: the indexer's selection alone (forward only: it takes no gradient; then the
-same with torch.topk selecting on the kernel's scores, the peer of the selection kernel), the sparse
-attention alone (absorbed; the Triton kernels forward and forward + backward, the torch blocks forward + backward),
-the whole DSA layer (projections, indexer, sparse attention; forward + backward) and the dense layer (forward +
-backward), with the ratio of the DSA layer to the dense one (lower is faster). Median ms of --reps after a warm-up;
-the peak memory of each layer's forward + backward above its inputs. Before the table: the kernels' largest
-differences from the torch blocks (output, dq, dlatent; relative to each tensor's largest value); before each row,
-the selection kernel against torch.topk on one block of scores (times, the same keys, the rows its sample missed);
-after each row,
-the two kernels' own times (forward, backward) at that length and their rate in model FLOPs (2·H·(2C + R) a
-selected key forward, three times that forward + backward), then any configurations in FORWARD_CONFIGS and
-BACKWARD_CONFIGS beside the defaults.
+document of T tokens, bf16. Columns: the indexer's selection alone (forward only: it takes no gradient), then the
+same with torch.topk selecting on the kernel's scores (the selection kernels' peer), the sparse attention alone
+(absorbed; the Triton kernels forward and forward + backward, the torch blocks forward + backward), the whole DSA
+layer (projections, indexer, sparse attention; forward + backward) and the dense layer (forward + backward), with
+the ratio of the DSA layer to the dense one (lower is faster). Median ms of --reps after a warm-up; the peak memory
+of each layer's forward + backward above its inputs. Before the table: the kernels' largest differences from the
+torch blocks (output, dq, dlatent; relative to each tensor's largest value). Before each row: the selection kernels
+against torch.topk on one block of scores (times, the same keys, the rows their sample missed), and with --variants
+the selection configurations in VARIANT_SELECT_CONFIGS. After each row: the two attention kernels' own times
+(forward, backward) at that length and their rate in model FLOPs (2·H·(2C + R) a selected key forward, three times
+that forward + backward), then any configurations in FORWARD_CONFIGS and BACKWARD_CONFIGS beside the defaults.
 
     python bench/bench_sparse_attention.py --model glm-5.json --tokens 8192,32768,65536     # on the GPU
 """
