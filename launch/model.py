@@ -484,7 +484,9 @@ class MLAttention(nn.Module):
             if cp is not None:
                 (latent_TC,) = cp.gather_in_order(packing, latent_TC)
         else:
-            index_q, index_w, index_k = self.indexer(x_TD, q_latent, rope)
+            split = self.selection_split
+            a, b = split.row_share(T) if split is not None else (0, T)
+            index_q, index_w, index_k = self.indexer(x_TD, q_latent, rope, (a, b))
             if cp is not None:
                 latent_TC, index_k = cp.gather_in_order(packing, latent_TC, index_k)
                 query_index, doc_start = cp.key_positions(packing)
@@ -492,9 +494,7 @@ class MLAttention(nn.Module):
                 lengths = torch.tensor(packing.doc_lengths)
                 query_index = torch.arange(T)
                 doc_start = torch.repeat_interleave(torch.cumsum(lengths, 0) - lengths, lengths)
-            split = self.selection_split
-            a, b = split.row_share(T) if split is not None else (0, T)
-            idx = index_topk(index_q[a:b], index_w[a:b], index_k, query_index[a:b], doc_start[a:b],
+            idx = index_topk(index_q, index_w, index_k, query_index[a:b], doc_start[a:b],
                              self.indexer.topk, self.indexer.scale)
             if split is not None:
                 idx = split.gather_rows(idx, T)
@@ -551,16 +551,21 @@ class Indexer(nn.Module):
         self.requires_grad_(False)
 
     @torch.no_grad()
-    def forward(self, x_TD: torch.Tensor, q_latent: torch.Tensor, rope) -> tuple[torch.Tensor, ...]:
-        """Index queries [T, N, I], head weights [T, N] (fp32) and keys [T, I]."""
+    def forward(self, x_TD: torch.Tensor, q_latent: torch.Tensor, rope, rows: tuple[int, int] | None = None
+                ) -> tuple[torch.Tensor, ...]:
+        """Index queries [n, N, I] and head weights [n, N] (fp32) of the tokens rows[0]..rows[1] − 1 (all T where
+        None: under TP each rank selects for its share), and every token's key [T, I]."""
         T = x_TD.shape[0]
-        q = self.wq_b(q_latent).view(T, self.heads, self.dim)
+        a, b = rows if rows is not None else (0, T)
+        r = self.rope_dim
+        q = self.wq_b(q_latent[a:b]).view(b - a, self.heads, self.dim)
+        rope_q = tuple(c[a:b] for c in rope)
+        q = torch.cat([apply_rope(q[..., :r].contiguous(), *rope_q, pairs=self.pairs, backend="torch"), q[..., r:]],
+                      -1)
         k = F.layer_norm(self.wk(x_TD).float(), (self.dim,), self.k_norm.weight.float(), self.k_norm.bias.float(),
                          self.k_norm.eps).to(x_TD.dtype).view(T, 1, self.dim)
-        r = self.rope_dim
-        q = torch.cat([apply_rope(q[..., :r].contiguous(), *rope, pairs=self.pairs, backend="torch"), q[..., r:]], -1)
         k = torch.cat([apply_rope(k[..., :r].contiguous(), *rope, pairs=self.pairs, backend="torch"), k[..., r:]], -1)
-        w = self.weights_proj(x_TD).float() * self.heads ** -0.5
+        w = self.weights_proj(x_TD[a:b]).float() * self.heads ** -0.5
         return q, w, k.view(T, self.dim)
 
 

@@ -393,10 +393,14 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
     stage_calls = _count_stage_forwards(model)
     indexers = [mod for mod in model.modules() if type(mod).__name__ == "Indexer"]
     index_calls = [0]
+    index_rows = [0, 0]  # the index queries the indexers projected, of the tokens they projected keys for
     for mod in indexers:
         def count_index(*a, orig=mod.forward, **kw):
             index_calls[0] += 1
-            return orig(*a, **kw)
+            q, w, k = orig(*a, **kw)
+            index_rows[0] += q.shape[0]
+            index_rows[1] += k.shape[0]
+            return q, w, k
         mod.forward = count_index
     selection_rows = [0, 0]  # DSA under tp: the queries this rank selected for, of the queries its mixers saw
     tp_state = getattr(model, "tensor_parallel", None)
@@ -445,6 +449,8 @@ def run_case(name: str, dp: int, ep: int, chunks: int, cp: int = 1, variant: str
             # and under tp the share of the queries this rank selected keys for (each rank its sequence-parallel
             # share, the selections all-gathered)
             "selection_rows_share": selection_rows[0] / selection_rows[1] if selection_rows[1] else None,
+            # and the share of the tokens it projected index queries for (its own share only)
+            "index_query_share": index_rows[0] / index_rows[1] if index_rows[1] else None,
             "tensor_parallel_params": sum(1 for p in model.parameters() if getattr(p, "device_mesh", None) is not None
                                           and "tp" in (p.device_mesh.mesh_dim_names or ())),
             # PP: per stage (index, its layers, holds the embedding, holds the head, forwards it ran)

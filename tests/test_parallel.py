@@ -157,8 +157,9 @@ def test_deepseek_v3_layouts_equal_one_process(world2, world4, world, name):
 def test_deepseek_sparse_attention_layouts_equal_one_process(world2, world4, world, name):
     """DeepSeek sparse attention (dist_cases.tiny_dsa: tiny_mla's blocks with an indexer keeping 6 keys a query)
     under cp=2 (each rank's queries select among the whole micro-batch's gathered index keys and latents, the
-    latents' gradients flowing back to their own ranks), tp=2 × ep=2 (the absorbed heads split, the indexer
-    replicated, each rank selecting keys for half the queries and the selections all-gathered), pp=2 and cp=2 ×
+    latents' gradients flowing back to their own ranks), tp=2 × ep=2 (the absorbed heads split, the indexer's
+    weights replicated, each rank projecting index queries and selecting keys for half the queries, the selections
+    all-gathered), pp=2 and cp=2 ×
     tp=2 × ep=4 equals one process; the indexer, frozen, has no gradient anywhere and every other parameter but the
     routed experts is a tp DTensor. Under cp=2 and pp=2 the recomputed layers keep
     their selections (train.keep_selections): the indexer runs once a layer and micro-batch, not twice, and the
@@ -166,10 +167,12 @@ def test_deepseek_sparse_attention_layouts_equal_one_process(world2, world4, wor
     r = {2: world2, 4: world4}[world][name]
     _assert_equal_to_one_process(r)
     assert r["indexer_passes"] == (1 if name.endswith("keepsel") else 2)
-    if "tp2" in name:  # rank 0 selects for its ⌈T/2⌉ of each micro-batch's queries, the other rank for the rest
+    if "tp2" in name:  # rank 0 selects for its ⌈T/2⌉ of each micro-batch's queries, the other rank for the rest,
+        # and projects index queries for those only
         assert 0.5 <= r["selection_rows_share"] < 0.55
+        assert r["index_query_share"] == pytest.approx(r["selection_rows_share"])
     else:
-        assert r["selection_rows_share"] is None
+        assert r["selection_rows_share"] is None and r["index_query_share"] == 1.0
     if "tp2" in name:
         import dist_cases
         from launch.model import build_model
