@@ -6,7 +6,7 @@ DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), Dee
 V2-Lite (softmax routing, group-limited and plain), GLM-4.5, dots.llm1, Qwen3-VL-MoE's text model, gpt-oss (attention
 sinks, sliding and full layers, YaRN without truncation; packed documents, MXFP4: tests/test_gpt_oss.py), and the
 dense Qwen3.5, Llama (also under llama3 RoPE scaling), Qwen2 and Qwen3 (also under YaRN), and sliding windows (Mistral,
-Ministral, Qwen2, Mixtral) built in transformers,
+Ministral, Qwen2, Qwen3, Mixtral) built in transformers,
 saved, loaded into ours (logits fp32 atol 1e-4, loss), and exported back."""
 
 import pytest
@@ -38,6 +38,8 @@ DENSE = {  # model_type: (config, model, what sets it apart)
     "mistral_swa": (transformers.MistralConfig, transformers.MistralForCausalLM, dict(sliding_window=8,
                                                                                       rope_theta=1e6)),
     "qwen2_swa": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, dict(
+        rope_theta=1e6, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
+    "qwen3_swa": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(
         rope_theta=1e6, use_sliding_window=True, sliding_window=8, max_window_layers=1)),
     # Ministral: Mistral's blocks, sliding and full layers by layer_types
     "ministral": (transformers.MinistralConfig, transformers.MinistralForCausalLM, dict(
@@ -322,7 +324,7 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "gpt_oss",
-                                  *LLAMA4, "granitemoeshared", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "ministral"])
+                                  *LLAMA4, "granitemoeshared", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.
