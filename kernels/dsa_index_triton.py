@@ -98,15 +98,22 @@ def _kth_largest(u, valid, need):
 
 
 @triton.jit
+def _keys_at(src, start, offs, last):
+    """Columns start + offs of a row, which of them are at most `last`, and their scores' keys (0 past `last`)."""
+    cols = start + offs
+    inside = cols <= last
+    return cols, inside, _ordered(tl.load(src + cols, mask=inside, other=0.0))
+
+
+@triton.jit
 def _count_from(src, a, b, t, strict: tl.constexpr, BLOCK: tl.constexpr):
     """How many of the keys in columns a..b are above t (strict) or at least t."""
     offs = tl.arange(0, BLOCK)
     n = 0
     for start in range(a, b + 1, BLOCK):
-        cols = start + offs
-        u = _ordered(tl.load(src + cols, mask=cols <= b, other=0.0))
+        cols, inside, u = _keys_at(src, start, offs, b)
         hit = (u > t) if strict else (u >= t)
-        n += tl.sum(((cols <= b) & hit).to(tl.int32), axis=0)
+        n += tl.sum((inside & hit).to(tl.int32), axis=0)
     return n
 
 
@@ -173,9 +180,7 @@ def _select_gather(SCORE, QIDX, QSTART, STATE, SCRATCH, S, lo, ss_r, CAP: tl.con
         m = 0
         dst = SCRATCH + row * CAP
         for start in range(a, b + 1, BLOCK):
-            cols = start + offs
-            inside = cols <= b
-            u = _ordered(tl.load(src + cols, mask=inside, other=0.0))
+            cols, inside, u = _keys_at(src, start, offs, b)
             above += (inside & (u > hi_t)).to(tl.int32)
             at_hi += (inside & (u == hi_t)).to(tl.int32)
             at_lo += (inside & (u == lo_t) & (lo_t < hi_t)).to(tl.int32)
@@ -253,9 +258,7 @@ def _select_write(SCORE, OUT, QIDX, QSTART, STATE, S, lo, k, ss_r, os_r, BLOCK: 
     n_eq = 0
     dst = OUT + row * os_r
     for start in range(a, b + 1, BLOCK):
-        cols = start + offs
-        inside = cols <= b
-        u = _ordered(tl.load(src + cols, mask=inside, other=0.0))
+        cols, inside, u = _keys_at(src, start, offs, b)
         above = (inside & (u > t)).to(tl.int32)
         eq = (inside & (u == t)).to(tl.int32)
         both = above + (eq << 16)  # one scan for both running counts (BLOCK < 2^16)

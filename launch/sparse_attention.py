@@ -69,7 +69,7 @@ def index_topk(qI_TNI: torch.Tensor, w_TN: torch.Tensor, kI_SI: torch.Tensor, qu
     doc_start[t] ≤ s ≤ query_index[t]. Queries go in blocks of consecutive rows, each block scored against the key
     span its queries can see (kernels/dsa_index.py); `backend` as there (the scores' and the selection's)."""
     T = qI_TNI.shape[0]
-    out = torch.full((T, topk), -1, dtype=torch.int32, device=qI_TNI.device)
+    out = torch.empty(T, topk, dtype=torch.int32, device=qI_TNI.device)  # each block's rows written whole below
     if T == 0:
         return out
     qi_host = torch.as_tensor(query_index, dtype=torch.int64)
@@ -92,7 +92,10 @@ def index_topk(qI_TNI: torch.Tensor, w_TN: torch.Tensor, kI_SI: torch.Tensor, qu
         view = buf[:(b - a) * (hi - lo)].view(b - a, hi - lo) if buf is not None else None
         score = index_scores(qI_TNI[a:b], w_TN[a:b], kI_SI[lo:hi], qi_all[a:b], st_all[a:b], lo, scale, backend,
                              out=view)
-        select_keys(score, qi_all[a:b], st_all[a:b], lo, min(topk, hi - lo), out[a:b], backend)
+        k = min(topk, hi - lo)
+        select_keys(score, qi_all[a:b], st_all[a:b], lo, k, out[a:b], backend)
+        if k < topk:  # a span shorter than topk: the slots no key can fill
+            out[a:b, k:] = -1
     return out
 
 

@@ -20,9 +20,9 @@ then shards each over dp, so checkpoints hold the whole tensors under the same n
                 `Attention.o_proj_bias_share`: the reduce-scatter adds it up to one bias, and each rank's gradient,
                 1/tp of the bias's, sums to it)
 
-DeepSeek sparse attention's indexer (frozen, replicated) runs on every rank for all T tokens, but each rank selects
-the keys (index scores and top-k, the indexer's cost) for its `row_share` of the queries only, and the selections are
-all-gathered (`gather_rows`, 4·topk bytes a query).
+DeepSeek sparse attention's indexer (frozen, replicated) projects every token's index key on every rank, but each
+rank projects the index queries, scores and selects keys (the indexer's cost) for its `row_share` of the queries
+only, and the selections are all-gathered (`gather_rows`, 4·topk bytes a query).
 
 The residual stream between mixers is sequence-parallel: each tp rank holds Tl of the micro-batch's tokens (the
 sequence zero-padded to tp·Tl). Per decoder layer:
