@@ -443,6 +443,11 @@ def hf_config(shape: ModelShape) -> dict:
                    intermediate_size=shape.dense_ffn or shape.expert_ffn, num_mtp_layers=0)
         if shape.hf_model_type == "dots1":  # dots.llm1: GLM-4.5's blocks, per-head q/k norms, full RoPE
             cfg.update(model_type="dots1", architectures=["Dots1ForCausalLM"], layer_types=list(shape.layer_types))
+        elif shape.hf_model_type == "solar_open":  # Solar Open: GLM-4.5's MoE, Llama's attention, every layer MoE
+            cfg.update(model_type="solar_open", architectures=["SolarOpenForCausalLM"],
+                       partial_rotary_factor=shape.partial_rotary_factor)
+            for k in ("first_k_dense_replace", "intermediate_size", "num_mtp_layers"):
+                cfg.pop(k)
         elif shape.arch == "glm4_moe":
             cfg.update(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], use_qk_norm=shape.qk_norm,
                        partial_rotary_factor=shape.partial_rotary_factor)

@@ -239,7 +239,7 @@ def trainable(shape: "ModelShape") -> str | None:
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
                 f"Qwen2-MoE, OLMoE, ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, Moonlight) and "
                 f"V3.2, GLM-5, GLM-4.5 "
-                f"(and dots.llm1), gpt-oss, Llama 4, Granite MoE, "
+                f"(and dots.llm1, Solar Open), gpt-oss, Llama 4, Granite MoE, "
                 f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
@@ -769,7 +769,8 @@ _ARCH_BY_MODEL_TYPE = {
     "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
-    "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe", "minimax_m2": "minimax_m2",
+    "solar_open": "glm4_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe",
+    "minimax_m2": "minimax_m2",
     "llama4": "llama4",
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe",
@@ -1005,11 +1006,17 @@ def _from_hf_config(path: Path) -> ModelShape:
             fields["arch"] = "moe"
     elif arch == "mixtral":
         fields.update(qk_norm=False, expert_ffn=req("intermediate_size"))
-    elif arch == "glm4_moe":  # GLM-4.5; dots.llm1 (dots1): the same blocks with Qwen3's per-head q/k norms always on
-        first = opt("first_k_dense_replace", 0)
-        if model_type == "dots1":
+    elif arch == "glm4_moe":  # GLM-4.5; dots.llm1 (dots1): the same blocks with Qwen3's per-head q/k norms always on;
+        # Solar Open (solar_open): GLM-4.5's MoE under Llama's attention (no q/k norms, every channel rotated), every
+        # layer MoE. transformers' GLM-4.5 defaults where a config leaves them out: one dense layer, half of each head
+        # rotated
+        glm = model_type == "glm4_moe"
+        first = 0 if model_type == "solar_open" else opt("first_k_dense_replace", 1 if glm else 0)
+        if model_type in ("dots1", "solar_open"):
             fields["hf_model_type"] = model_type
-        fields.update(qk_norm=model_type == "dots1" or opt_flag("use_qk_norm", False),
+        if glm and prf is None:
+            fields["partial_rotary_factor"] = 0.5
+        fields.update(qk_norm=model_type == "dots1" or (glm and opt_flag("use_qk_norm", False)),
                       attn_bias=opt_flag("attention_bias", False),
                       shared_expert_ffn=opt("n_shared_experts", 0) * fields["expert_ffn"], router_bias=True,
                       first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0,
@@ -1067,7 +1074,7 @@ def _from_hf_config(path: Path) -> ModelShape:
 # transformers' defaults where a config leaves the router's fields out: (n_group, topk_group, routed_scaling_factor)
 _SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5),
                             "glm_moe_dsa": (1, 1, 2.5), "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8),
-                            "dots1": (1, 1, 1.0)}
+                            "dots1": (1, 1, 1.0), "solar_open": (1, 1, 1.0)}
 # the MLA families whose attention layers an indexer makes sparse (DeepSeek sparse attention): DeepSeek-V3.2, GLM-5
 _DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 

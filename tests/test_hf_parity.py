@@ -116,7 +116,8 @@ QWEN2_SPARSE = dict(decoder_sparse_step=2, num_hidden_layers=4, intermediate_siz
 ARCH = {"moonlight": "deepseek_v3", "mixtral_swa": "mixtral", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE},
         "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3",
         **{a: "deepseek_v3" for a in DSA_ARCHS},
-        "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe"}
+        "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe",
+        "solar_open": "glm4_moe"}
 
 
 def _hf_model(arch: str):
@@ -209,6 +210,11 @@ def _hf_model(arch: str):
                                        first_k_dense_replace=1, intermediate_size=40, num_hidden_layers=3,
                                        routed_scaling_factor=1.5, norm_topk_prob=True)
         cls = transformers.Dots1ForCausalLM
+    elif arch == "solar_open":  # GLM-4.5's MoE (2 groups) under Llama's attention with q/k/v biases; no dense layer
+        cfg = transformers.SolarOpenConfig(**{k: v for k, v in COMMON.items() if k != "num_experts"},
+                                           n_routed_experts=6, n_group=2, topk_group=1, n_shared_experts=1,
+                                           num_hidden_layers=2, attention_bias=True, routed_scaling_factor=1.5)
+        cls = transformers.SolarOpenForCausalLM
     elif arch in DENSE:
         config_cls, cls, extra = DENSE[arch]
         dense = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
@@ -230,7 +236,7 @@ def _hf_model(arch: str):
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
                                   "olmoe_clip",
                                   "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
-                                  *DSA_ARCHS, "glm4_moe", "dots1", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
+                                  *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
                                   "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
@@ -292,6 +298,25 @@ def test_a_qwen_window_without_layer_types_slides_what_transformers_slides(confi
     shape = from_hf_config(tmp_path / "config.json")
     assert shape.layer_types == tuple(cfg.layer_types) == ("full_attention",) + ("sliding_attention",) * 3
     assert shape.sliding_window == 8
+
+
+def test_a_glm45_config_without_its_defaults_reads_as_transformers_builds_it(tmp_path):
+    """A GLM-4.5 config.json without partial_rotary_factor or first_k_dense_replace: transformers rotates half of
+    each head and keeps one dense layer; Solar Open (GLM-4.5's MoE) rotates every channel and has none."""
+    import json
+
+    for config_cls, prf, first in ((transformers.Glm4MoeConfig, 0.5, 1), (transformers.SolarOpenConfig, 1.0, 0)):
+        cfg = config_cls(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                         n_routed_experts=6, num_experts_per_tok=2, moe_intermediate_size=16, num_hidden_layers=3)
+        d = cfg.to_dict()
+        for k in ("partial_rotary_factor", "first_k_dense_replace"):
+            d.pop(k, None)
+        d["rope_parameters"].pop("partial_rotary_factor", None)
+        (tmp_path / "config.json").write_text(json.dumps(d))
+        shape = from_hf_config(tmp_path / "config.json")
+        model = config_cls(**d)
+        assert shape.partial_rotary_factor == prf == getattr(model, "partial_rotary_factor", 1.0)
+        assert shape.first_dense_layers == first == getattr(model, "first_k_dense_replace", 0)
 
 
 def test_load_errors_name_the_tensors(tmp_path):
