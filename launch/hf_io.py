@@ -277,6 +277,7 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
     gpt_oss, llama4, granite = (model.shape.arch == a for a in ("gpt_oss", "llama4", "granitemoe"))
     hunyuan = model.shape.arch == "hunyuan_moe"
     vl_moe = model.shape.hf_model_type == "qwen3_vl_moe"
+    mimo = model.shape.hf_model_type == "mimo_v2_flash"  # its sinks are `self_attn.attention_sink_bias`
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     mtp = range(model.shape.num_layers, model.shape.num_layers + model.shape.mtp_layers)
     for key, t in raw.items():
@@ -295,6 +296,8 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         if hunyuan:
             for theirs, ours in _HUNYUAN_IN:
                 key = key.replace(theirs, ours)
+        if mimo:
+            key = key.replace(".self_attn.attention_sink_bias", ".self_attn.sinks")
         if granite and (parts := _LAYER_REST.match(key)):
             layer, rest = parts.groups()
             if rest == "shared_mlp.input_linear.weight":  # [gate | up] rows of the shared expert
@@ -443,6 +446,18 @@ def hf_config(shape: ModelShape) -> dict:
                    intermediate_size=shape.dense_ffn or shape.expert_ffn, num_mtp_layers=0)
         if shape.hf_model_type == "dots1":  # dots.llm1: GLM-4.5's blocks, per-head q/k norms, full RoPE
             cfg.update(model_type="dots1", architectures=["Dots1ForCausalLM"], layer_types=list(shape.layer_types))
+        elif shape.hf_model_type == "mimo_v2_flash":  # MiMo-V2-Flash: its attention's fields and RoPE by layer type
+            first = shape.first_dense_layers
+            main = {"rope_type": "default", "rope_theta": shape.rope_theta,
+                    "partial_rotary_factor": shape.partial_rotary_factor}
+            cfg.update(model_type="mimo_v2_flash", architectures=["MiMoV2FlashForCausalLM"],
+                       v_head_dim=shape.value_width, attention_value_scale=shape.value_scale,
+                       sliding_window=shape.sliding_window, layer_types=list(shape.layer_types),
+                       mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                       rope_parameters={"full_attention": main, "sliding_attention": {
+                           **main, "rope_theta": shape.rope_theta_at("sliding_attention")}})
+            for k in ("first_k_dense_replace", "n_shared_experts", "num_mtp_layers"):
+                cfg.pop(k)
         elif shape.hf_model_type == "solar_open":  # Solar Open: GLM-4.5's MoE, Llama's attention, every layer MoE
             cfg.update(model_type="solar_open", architectures=["SolarOpenForCausalLM"],
                        partial_rotary_factor=shape.partial_rotary_factor)
@@ -633,6 +648,8 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
                 out[key] = t
         else:
             out["model." + block(key)] = t
+    if model.shape.hf_model_type == "mimo_v2_flash":
+        out = {k.replace(".self_attn.sinks", ".self_attn.attention_sink_bias"): v for k, v in out.items()}
     if hunyuan:
         renamed = {}
         for k, v in out.items():

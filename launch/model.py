@@ -163,18 +163,20 @@ def _mscale(factor: float, m: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
-def rope_frequencies(s: ModelShape, device=None) -> tuple[torch.Tensor, float]:
+def rope_frequencies(s: ModelShape, device=None, theta: float | None = None) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies [R/2] and the factor cos/sin are scaled by, for the shape's RoPE scaling (none,
-    linear, llama3 or YaRN; docs/training.md "RoPE scaling" derives the YaRN and llama3 bands)."""
+    linear, llama3 or YaRN; docs/training.md "RoPE scaling" derives the YaRN and llama3 bands), at the base `theta`
+    (None: the shape's rope_theta)."""
     dim = rotary_dim(s)
-    inv = 1.0 / (s.rope_theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
+    theta = s.rope_theta if theta is None else theta
+    inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     sc = s.rope_scaling
     if sc is None:
         return inv, 1.0
     if sc.kind == "linear":
         return inv / sc.factor, 1.0
     if sc.kind == "dynamic" and sc.alpha is not None:  # Hunyuan's NTK-alpha: the base stretched, at every length
-        base = s.rope_theta * sc.alpha ** (dim / (dim - 2))
+        base = theta * sc.alpha ** (dim / (dim - 2))
         return 1.0 / (base ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim)), 1.0
     if sc.kind == "llama3":
         low, high = sc.low_freq_factor or 1.0, sc.high_freq_factor or 4.0
@@ -196,7 +198,7 @@ def rope_frequencies(s: ModelShape, device=None) -> tuple[torch.Tensor, float]:
             attn = _mscale(f)
 
         def channel(rotations: float) -> float:  # the pair index whose wavelength fits `rotations` times in ctx
-            return dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(s.rope_theta))
+            return dim * math.log(ctx / (rotations * 2 * math.pi)) / (2 * math.log(theta))
 
         lo, hi = channel(sc.beta_fast or 32.0), channel(sc.beta_slow or 1.0)
         if sc.truncate:
@@ -241,12 +243,22 @@ class ScaledEmbedding(nn.Embedding):
         return out if self.scale == 1.0 else out * self.scale
 
 
-def rope_cos_sin(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype):
-    """cos and sin [T, R] of each token's position (R = rotary_dim(s), the pair angles repeated twice)."""
-    inv_freq, attn = rope_frequencies(s, positions_T.device)
+def rope_cos_sin(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype, kind: str = "full_attention"):
+    """cos and sin [T, R] of each token's position (R = rotary_dim(s), the pair angles repeated twice) for a `kind`
+    layer (its RoPE base: `ModelShape.rope_theta_at`)."""
+    inv_freq, attn = rope_frequencies(s, positions_T.device, s.rope_theta_at(kind))
     freqs_TR2 = positions_T.float()[:, None] * inv_freq[None]
     emb_TR = torch.cat([freqs_TR2, freqs_TR2], dim=-1)
     return (emb_TR.cos() * attn).to(dtype), (emb_TR.sin() * attn).to(dtype)
+
+
+def layer_ropes(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype) -> dict[str, tuple]:
+    """The decoder layers' cos and sin: "main" for every layer, and "sliding_attention" for the sliding layers where
+    they rotate at a base of their own (MiMo-V2-Flash); `DecoderLayer.forward` takes its layer's."""
+    ropes = {"main": rope_cos_sin(positions_T, s, dtype)}
+    if s.sliding_rope_theta and s.num_sliding_layers:
+        ropes["sliding_attention"] = rope_cos_sin(positions_T, s, dtype, "sliding_attention")
+    return ropes
 
 
 def sdpa_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, bool]:
@@ -313,22 +325,27 @@ class Attention(nn.Module):
 
     def __init__(self, s: ModelShape, norm_offset: float, window: int | None = None, chunk: int | None = None):
         super().__init__()
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.num_kv_heads, s.head_dim
+        kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None \
+            else "full_attention"
+        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.kv_heads_at(kind), s.head_dim
+        # MiMo-V2-Flash: value heads narrower than the query/key heads, zero-padded to them for the attention kernels
+        # (which take one head size) and cut back after; the values scaled before attention
+        self.value_dim, self.value_scale = s.value_width, s.value_scale
         self.output_gate = s.attn_output_gate
         q_out = s.num_heads * s.head_dim * (2 if s.attn_output_gate else 1)
         self.q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attn_bias)
-        self.k_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attn_bias)
-        self.v_proj = nn.Linear(s.hidden_size, s.num_kv_heads * s.head_dim, bias=s.attn_bias)
-        self.o_proj = nn.Linear(s.num_heads * s.head_dim, s.hidden_size,
+        self.k_proj = nn.Linear(s.hidden_size, self.num_kv_heads * s.head_dim, bias=s.attn_bias)
+        self.v_proj = nn.Linear(s.hidden_size, self.num_kv_heads * self.value_dim, bias=s.attn_bias)
+        self.o_proj = nn.Linear(s.num_heads * self.value_dim, s.hidden_size,
                                 bias=s.attn_bias and s.arch not in QKV_ONLY_BIAS_ARCHS)
         self.scale = softmax_scale(s)
         if s.qk_norm and s.arch in WHOLE_QK_NORM_ARCHS:  # OLMoE: over all heads of the projection together
             self.q_norm = HeadsRMSNorm(s.num_heads * s.head_dim, s.rms_norm_eps)
-            self.k_norm = HeadsRMSNorm(s.num_kv_heads * s.head_dim, s.rms_norm_eps)
+            self.k_norm = HeadsRMSNorm(self.num_kv_heads * s.head_dim, s.rms_norm_eps)
         else:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
-        self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.has_sinks else None
+        self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.sinks_at(kind) else None
         self.clip_qkv = s.clip_qkv  # OLMoE's: q and k after their norms, and v, clamped to ±clip_qkv (None: not)
         self.qk_norm_after_rope = s.arch in QK_NORM_AFTER_ROPE_ARCHS
         self.rope_interleaved = s.arch in INTERLEAVED_ROPE_ARCHS  # ERNIE-4.5: channel pairs, not halves
@@ -356,7 +373,9 @@ class Attention(nn.Module):
         # head counts from the projections' widths: under tensor parallelism each rank holds whole heads of them
         q = q.reshape(T, -1, self.head_dim)
         k = self.k_proj(x_TD).view(T, -1, self.head_dim)
-        v = self.v_proj(x_TD).view(T, -1, self.head_dim)
+        v = self.v_proj(x_TD).view(T, -1, self.value_dim)
+        if self.value_scale != 1.0:
+            v = v * self.value_scale
         if self.q_norm is not None and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -371,16 +390,18 @@ class Attention(nn.Module):
             q = (q * query_temperature(packing.positions, *self.temperature)).to(q.dtype)
         if self.chunk is not None:
             packing = packing.chunked(self.chunk)
+        if self.value_dim != self.head_dim:
+            v = F.pad(v, (0, self.head_dim - self.value_dim))
         if self.sinks is not None or self.window is not None:
             if _context_parallel(self, packing) is not None:
                 o = self.context_parallel.sink_attention(q, k, v, self.sinks, packing, self.scale, self.window)
             else:
                 o = sink_attention(q, k, v, self.sinks, packing, self.scale, self.window)
-            o = o.reshape(T, -1)
         elif _context_parallel(self, packing) is not None:
-            o = self.context_parallel.attention(q, k, v, packing, self.scale).reshape(T, -1)
+            o = self.context_parallel.attention(q, k, v, packing, self.scale)
         else:
-            o = causal_attention(q, k, v, packing, self.scale).reshape(T, -1)
+            o = causal_attention(q, k, v, packing, self.scale)
+        o = o.reshape(T, -1, self.head_dim)[..., :self.value_dim].reshape(T, -1)
         if self.output_gate:
             o = o * torch.sigmoid(gate)
         if self.o_proj.bias is not None and self.o_proj_bias_share != 1.0:
@@ -700,8 +721,10 @@ class DecoderLayer(nn.Module):
                            softmax_scores=s.arch in SOFTMAX_SCORE_ARCHS, softmax_router=s.softmax_router,
                            weights_on_input=s.arch in INPUT_WEIGHTED_ARCHS)
 
-    def forward(self, x_TD: torch.Tensor, rope, packing: Packing) -> torch.Tensor:
+    def forward(self, x_TD: torch.Tensor, ropes: dict[str, tuple], packing: Packing) -> torch.Tensor:
+        """`ropes`: `layer_ropes`'s cos and sin, this layer's by its type (else the "main" pair)."""
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        rope = ropes.get(self.layer_type, ropes["main"])
         if self.residual_scale != 1.0:
             x_TD = x_TD + mixer(self.input_layernorm(x_TD), rope, packing) * self.residual_scale
             return x_TD + self.mlp(self.post_attention_layernorm(x_TD)) * self.residual_scale
@@ -740,9 +763,9 @@ class Transformer(nn.Module):
         if input_ids_T.shape[0] != packing.num_tokens:
             raise ValueError(f"{input_ids_T.shape[0]} tokens but the packing holds {packing.num_tokens}")
         h_TD = self.embed_tokens(input_ids_T)
-        rope = rope_cos_sin(packing.positions, self.shape, h_TD.dtype)
+        ropes = layer_ropes(packing.positions, self.shape, h_TD.dtype)
         for layer in self.layers:
-            h_TD = layer(h_TD, rope, packing)
+            h_TD = layer(h_TD, ropes, packing)
         return self.norm(h_TD)
 
     def init_weights(self, std: float = 0.02, seed: int | None = None) -> None:

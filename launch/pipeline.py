@@ -39,7 +39,7 @@ import torch.distributed as dist
 import torch.nn as nn
 
 from launch.data import Batch
-from launch.model import Packing, Transformer, rope_cos_sin
+from launch.model import Packing, Transformer, layer_ropes
 
 
 def stage_sizes(plan, shape) -> list[int]:
@@ -93,9 +93,9 @@ class StageModule(nn.Module):
         if self.tensor_parallel is not None:  # what the dense MLPs and the final norm gather to
             self.tensor_parallel.num_tokens = packing.num_tokens
         h_TD = self.embed_tokens(x.reshape(-1)) if self.is_first else x
-        rope = rope_cos_sin(packing.positions, self.shape, h_TD.dtype)
+        ropes = layer_ropes(packing.positions, self.shape, h_TD.dtype)
         for layer in self.layers.values():
-            h_TD = layer(h_TD, rope, packing)
+            h_TD = layer(h_TD, ropes, packing)
         if not self.is_last:
             return h_TD
         loss, metrics = self.pipeline.trainer.loss_terms(batch, hidden_TD=self.norm(h_TD))

@@ -177,6 +177,9 @@ def divisibility(m, lay, seq: int, stages: list[int] | None = None) -> list[tupl
         out.append(("tp", tp, f"{m.num_heads} attention heads of {m.name} are not divisible by tp={tp}"))
     if m.num_kv_heads % tp:
         out.append(("tp", tp, f"{m.num_kv_heads} KV heads of {m.name} are not divisible by tp={tp}"))
+    if m.sliding_kv_heads is not None and m.sliding_kv_heads % tp:
+        out.append(("tp", tp, f"{m.sliding_kv_heads} KV heads of {m.name}'s sliding layers are not divisible by "
+                              f"tp={tp}"))
     if m.vocab_size % tp:
         out.append(("tp", tp, f"vocab {m.vocab_size} of {m.name} is not divisible by tp={tp}"))
     if tp > 1 and m.tie_embeddings:

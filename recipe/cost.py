@@ -252,8 +252,9 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
     norms); q after RoPE, k after RoPE and v (kept by SDPA; with CP the K/V of the whole sequence is all-gathered,
     exact CP, so k and v count at s·cp); SDPA's output and log-sum-exp; the output as o_proj's contiguous input;
     with the output gate, its sigmoid and the gated output. GQA runs inside SDPA, so K/V stay at the KV heads'
-    count. MLA's v is at the kernel's width for `vendor` (`mla_widths`)."""
-    nh, nkv = m.num_heads / tp, m.num_kv_heads / tp
+    count (the most any layer has). MLA's v is at the kernel's width for `vendor` (`mla_widths`); values narrower than
+    the heads (v_head_dim) are padded to them for the kernel (launch/model.py Attention)."""
+    nh, nkv = m.num_heads / tp, m.max_kv_heads / tp
     if m.mla is not None:  # launch/model.py MLAttention
         a = m.mla
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
@@ -385,7 +386,7 @@ def attention_backward_bytes(m: ModelShape, s: float, tp: int, cp: int, vendor: 
     if m.dsa is not None:  # the absorbed query's gradient, dô, Δ, and the fp32 latent gradient the atomics fill
         lat = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
         return s * nh * (lat + m.mla.kv_lora_rank) * BF16 + s * nh * FP32 + s * cp * lat * FP32
-    nkv = nh if m.mla is not None else m.num_kv_heads / tp
+    nkv = nh if m.mla is not None else m.max_kv_heads / tp
     kw, vw = mla_widths(m, vendor) if m.mla is not None else (m.head_dim, m.head_dim)
     return s * nh * kw * (BF16 + FP32) + s * cp * nkv * (kw + vw) * BF16 + s * nh * FP32
 
@@ -1087,7 +1088,7 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     t["cp"] = 0.0
     if cp > 1:
         bw = group_bw(hw, cp, tp, node)
-        kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else 2 * m.num_kv_heads * m.head_dim / tp)
+        kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else 2 * m.mean_kv_heads * m.head_dim / tp)
         cp_bytes = passes["attention"] * s * (cp - 1) * kv_tok * BF16
         if m.dsa is not None:  # and the index keys, gathered in each forward pass (no gradient)
             cp_bytes += (n["attention"] + again["attention"]) * s * (cp - 1) * m.dsa.index_head_dim * BF16
@@ -1210,8 +1211,9 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
                      (m.num_heads * a.v_head_dim, h)]
     else:
         q_out = m.num_heads * m.head_dim * (2 if m.attn_output_gate else 1)
-        kv = m.num_kv_heads * m.head_dim
-        mixer = [(h, q_out), (h, kv), (h, kv), (m.num_heads * m.head_dim, h)]
+        kv_heads = m.kv_heads_at(kind)
+        mixer = [(h, q_out), (h, kv_heads * m.head_dim), (h, kv_heads * m.value_width),
+                 (m.num_heads * m.value_width, h)]
     if not moe:
         return mixer + [(h, m.dense_ffn), (h, m.dense_ffn), (m.dense_ffn, h)]
     shared = [(h, m.shared_expert_ffn)] * 2 + [(m.shared_expert_ffn, h)] if m.shared_expert_ffn else []
@@ -1221,7 +1223,7 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
 def sink_merge_row_bytes(m: ModelShape, kind: str) -> int:
     """Bytes a token's sink merge moves in one pass of a layer of `kind`: SINK_MERGE_BYTES a value of the output of a
     full-attention layer with sinks (a sliding layer's merge is in its window fit), else none."""
-    return SINK_MERGE_BYTES * m.num_heads * m.head_dim if kind == "full_attention" and m.has_sinks else 0
+    return SINK_MERGE_BYTES * m.num_heads * m.head_dim if kind == "full_attention" and m.sinks_at(kind) else 0
 
 
 def dense_row_bytes(m: ModelShape, kind: str, moe: bool) -> int:
@@ -1268,7 +1270,7 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
             w["delta_rule"] += f["linear_attention"] / m.num_linear_attn_layers
         else:
             qk = (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim) if m.mla else (m.head_dim,) * 2
-            w["dense_gemm"] += 2 * _full_attention_params(m)
+            w["dense_gemm"] += 2 * _full_attention_params(m, kind)
             ctx = {"full_attention": full_ctx, "chunked_attention": chunk_keys(m, seq)}.get(kind, slide_ctx)
             if m.dsa is not None:  # absorbed, on the selected keys; the indexer's scores
                 qk, ctx = (2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim,), sparse_keys(m, seq)

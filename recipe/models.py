@@ -239,7 +239,7 @@ def trainable(shape: "ModelShape") -> str | None:
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
                 f"Qwen2-MoE, OLMoE, ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, Moonlight) and "
                 f"V3.2, GLM-5, GLM-4.5 "
-                f"(and dots.llm1, Solar Open), gpt-oss, Llama 4, Granite MoE, "
+                f"(and dots.llm1, Solar Open, MiMo-V2-Flash), gpt-oss, Llama 4, Granite MoE, "
                 f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
@@ -250,6 +250,12 @@ def trainable(shape: "ModelShape") -> str | None:
         ("sliding_attention layers without a sliding_window",
          shape.num_sliding_layers > 0 and not shape.sliding_window),
         ("chunked attention outside Llama 4", shape.num_chunked_layers > 0 and shape.arch != "llama4"),
+        ("MiMo-V2-Flash's attention (sliding_kv_heads, sliding_rope_theta, sliding_sinks, v_head_dim, value_scale) "
+         "outside MiMo-V2-Flash", shape.hf_model_type != "mimo_v2_flash" and (
+             shape.sliding_kv_heads is not None or shape.sliding_rope_theta is not None or shape.sliding_sinks
+             or shape.v_head_dim is not None or shape.value_scale != 1.0)),
+        ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
+         and shape.rope_scaling is not None),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
          and shape.softmax_router is None),
         (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and (
@@ -335,6 +341,14 @@ class ModelShape(Record):
     rms_norm_eps: float = 1e-6
     max_position: int = 262144
     mtp_layers: NonNeg = 0  # multi-token-prediction layers (counted apart from the text stack)
+    # attention that differs by layer (MiMo-V2-Flash): the sliding layers' own key/value heads and RoPE base (None: the
+    # full layers'), a sink logit per head on the sliding layers only (gpt-oss has them on every layer), value heads
+    # narrower than the query/key heads (None: head_dim), and the values scaled by `value_scale` before attention
+    sliding_kv_heads: int | None = None
+    sliding_rope_theta: float | None = None
+    sliding_sinks: bool = False
+    v_head_dim: int | None = None
+    value_scale: float = 1.0
     # the Hugging Face model_type an export writes where the arch's blocks serve several (glm4_moe_lite: GLM-4.7-Flash
     # on DeepSeek-V3's); None: the arch's own
     hf_model_type: str | None = None
@@ -359,6 +373,19 @@ class ModelShape(Record):
             raise ValueError(f"layer_types has {len(self.layer_types)} entries but num_layers={self.num_layers}")
         if self.num_heads % self.num_kv_heads:
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
+        if self.sliding_kv_heads is not None:
+            _positive(self, ("sliding_kv_heads",))
+            if self.num_heads % self.sliding_kv_heads:
+                raise ValueError(f"num_heads={self.num_heads} is not a multiple of sliding_kv_heads="
+                                 f"{self.sliding_kv_heads}")
+        if self.v_head_dim is not None:
+            _positive(self, ("v_head_dim",))
+            if self.v_head_dim > self.head_dim:
+                raise ValueError(f"v_head_dim={self.v_head_dim} is wider than head_dim={self.head_dim}")
+        for name in ("sliding_rope_theta", "value_scale"):
+            v = getattr(self, name)
+            if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
+                raise ValueError(f"{name} must be a positive number, got {v!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} > num_experts={self.num_experts}")
         if "linear_attention" in self.layer_types and self.linear_attn is None:
@@ -385,8 +412,37 @@ class ModelShape(Record):
     # ---- derived shape facts -------------------------------------------------------------------------------
     @property
     def has_sinks(self) -> bool:
-        """Whether attention has a sink logit per query head (gpt-oss)."""
-        return self.arch == "gpt_oss"
+        """Whether attention has a sink logit per query head on some layers (gpt-oss: all; MiMo-V2-Flash: the
+        sliding ones)."""
+        return self.arch == "gpt_oss" or self.sliding_sinks
+
+    def sinks_at(self, kind: str) -> bool:
+        """Whether a `kind` attention layer has the sink logits."""
+        return self.arch == "gpt_oss" or (self.sliding_sinks and kind == "sliding_attention")
+
+    def kv_heads_at(self, kind: str) -> int:
+        """The key/value heads of a `kind` attention layer."""
+        return self.sliding_kv_heads if kind == "sliding_attention" and self.sliding_kv_heads else self.num_kv_heads
+
+    def rope_theta_at(self, kind: str) -> float:
+        """The RoPE base of a `kind` attention layer."""
+        return self.sliding_rope_theta if kind == "sliding_attention" and self.sliding_rope_theta else self.rope_theta
+
+    @functools.cached_property
+    def max_kv_heads(self) -> int:
+        """The most key/value heads any attention layer has."""
+        return max(self.num_kv_heads, self.sliding_kv_heads or 0)
+
+    @functools.cached_property
+    def mean_kv_heads(self) -> float:
+        """Key/value heads an attention layer has on average."""
+        n = self.num_attention_layers
+        return sum(self.kv_heads_at(t) for t in self.layer_types if t != "linear_attention") / n if n else 0.0
+
+    @property
+    def value_width(self) -> int:
+        """A value head's channels (outside MLA): v_head_dim where set, else head_dim."""
+        return self.v_head_dim or self.head_dim
 
     @functools.cached_property
     def num_full_attn_layers(self) -> int:
@@ -443,10 +499,11 @@ class ModelShape(Record):
     def fingerprint_dict(self) -> dict:
         # a shape without the routing, RoPE-scaling or pad records keeps the fingerprint it had before they existed
         unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id", "attention_chunk",
-                             "llama4", "hf_model_type", "granite", "clip_qkv", "dsa")
+                             "llama4", "hf_model_type", "granite", "clip_qkv", "dsa", "sliding_kv_heads",
+                             "sliding_rope_theta", "v_head_dim")
                  if getattr(self, k) is None}
-        if self.moe_layer_step == 1:
-            unset.add("moe_layer_step")
+        unset |= {k for k, default in (("moe_layer_step", 1), ("sliding_sinks", False), ("value_scale", 1.0))
+                  if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
             del out["rope_scaling"]["alpha"]
@@ -539,6 +596,26 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             first_dense_layers=1, dense_ffn=10944, rope_theta=1e6, rms_norm_eps=1e-5, max_position=131072,
             mtp_layers=1, source="zai-org/GLM-4.5-Air config.json",
         ),
+    # MiMo-V2-Flash (309B, 15B active): 39 sliding layers (window 128, twice the KV heads, sinks, RoPE base 1e4)
+    # among 9 full ones, values 128 wide beside q·k's 192
+    "mimo-v2-flash": lambda: ModelShape(
+            name="mimo-v2-flash", arch="glm4_moe", hidden_size=4096, num_layers=48, vocab_size=152576,
+            layer_types=tuple("full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
+                              for i in range(48)),
+            num_heads=64, num_kv_heads=4, sliding_kv_heads=8, head_dim=192, v_head_dim=128, value_scale=0.707,
+            sliding_sinks=True, sliding_window=128, qk_norm=False, partial_rotary_factor=0.334, rope_theta=5e6,
+            sliding_rope_theta=1e4, num_experts=256, top_k=8, expert_ffn=2048, router_bias=True,
+            sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.0), first_dense_layers=1,
+            dense_ffn=16384, rms_norm_eps=1e-5, max_position=131072, hf_model_type="mimo_v2_flash",
+            source="XiaomiMiMo/MiMo-V2-Flash config.json (transformers' MiMoV2FlashConfig defaults)"),
+    # Solar Open (102.6B, 12B active): GLM-4.5's MoE in every layer under Llama's attention
+    "solar-open-100b": lambda: ModelShape(
+            name="solar-open-100b", arch="glm4_moe", hidden_size=4096, num_layers=48, vocab_size=196608,
+            layer_types=("full_attention",) * 48, num_heads=64, num_kv_heads=8, head_dim=128, qk_norm=False,
+            num_experts=128, top_k=8, expert_ffn=1280, shared_expert_ffn=1280, router_bias=True,
+            sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.0), rope_theta=1e6, rms_norm_eps=1e-5,
+            max_position=131072, hf_model_type="solar_open",
+            source="upstage/Solar-Open-100B config.json (transformers' SolarOpenConfig defaults)"),
     "gpt-oss-120b": lambda: _gpt_oss("gpt-oss-120b", layers=36, experts=128),
     "gpt-oss-20b": lambda: _gpt_oss("gpt-oss-20b", layers=24, experts=32),
     "qwen15-moe-a27b": lambda: _qwen2_moe_preset("qwen15-moe-a27b", 2048, 24, 16, 16, 60, 4, 1408, 5632, 8192,
@@ -643,7 +720,8 @@ PARAM_GROUPS = ("embedding", "head", "attention", "linear_attention", "router", 
                 "routed_experts", "norms")
 
 
-def _full_attention_params(m: ModelShape) -> int:
+def _full_attention_params(m: ModelShape, kind: str = "full_attention") -> int:
+    """One `kind` attention layer's parameters."""
     h = m.hidden_size
     if m.mla is not None:
         a = m.mla
@@ -657,13 +735,14 @@ def _full_attention_params(m: ModelShape) -> int:
         o = m.num_heads * a.v_head_dim * h
         return q + kv + o + indexer_params(m)
     q_out = m.num_heads * m.head_dim * (2 if m.attn_output_gate else 1)
-    kv_out = 2 * m.num_kv_heads * m.head_dim
-    o = m.num_heads * m.head_dim * h
+    kv_heads = m.kv_heads_at(kind)
+    kv_out = kv_heads * (m.head_dim + m.value_width)
+    o = m.num_heads * m.value_width * h
     # q/k/v biases, and o_proj's where the arch has one (launch/model.py: Attention)
     bias = (q_out + kv_out + (0 if m.arch in QKV_ONLY_BIAS_ARCHS else h)) if m.attn_bias else 0
-    norms = (kv_out // 2 + m.num_heads * m.head_dim if m.arch in WHOLE_QK_NORM_ARCHS else 2 * m.head_dim) \
-        if m.qk_norm else 0
-    sinks = m.num_heads if m.has_sinks else 0  # per-head attention sinks
+    norms = (kv_heads * m.head_dim + m.num_heads * m.head_dim if m.arch in WHOLE_QK_NORM_ARCHS
+             else 2 * m.head_dim) if m.qk_norm else 0
+    sinks = m.num_heads if m.sinks_at(kind) else 0  # per-head attention sinks
     return h * (q_out + kv_out) + o + bias + norms + sinks
 
 
@@ -703,7 +782,9 @@ def _param_counts(m: ModelShape) -> tuple[tuple[str, int], ...]:
     counts = dict.fromkeys(PARAM_GROUPS, 0)
     counts["embedding"] = m.vocab_size * h
     counts["head"] = 0 if m.tie_embeddings else m.vocab_size * h
-    counts["attention"] = m.num_attention_layers * _full_attention_params(m)
+    counts["attention"] = sum(n * _full_attention_params(m, kind) for kind, n in (
+        ("full_attention", m.num_full_attn_layers), ("sliding_attention", m.num_sliding_layers),
+        ("chunked_attention", m.num_chunked_layers)) if n)
     if m.linear_attn is not None:
         counts["linear_attention"] = m.num_linear_attn_layers * _linear_attention_params(m)
     counts["router"] = moe_layers * (h * m.num_experts + (m.num_experts if m.router_bias else 0))
@@ -769,7 +850,7 @@ _ARCH_BY_MODEL_TYPE = {
     "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
-    "solar_open": "glm4_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe",
+    "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe",
     "minimax_m2": "minimax_m2",
     "llama4": "llama4",
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
@@ -875,8 +956,19 @@ def _from_hf_config(path: Path) -> ModelShape:
     if rope is not None and not isinstance(rope, dict):
         raise bad("rope_parameters", "an object", rope)
     rope = rope or {}
+    # RoPE by layer type (MiMo-V2-Flash: {"full_attention": {…}, "sliding_attention": {…}}): the full layers' is the
+    # model's; `rope_by_type` keeps them all
+    rope_by_type = None
+    if rope and all(k in LAYER_TYPES and isinstance(v, dict) for k, v in rope.items()):
+        rope_by_type = rope
+        rope = rope.get("full_attention") or next(iter(rope.values()))
 
     n_layers = req("num_hidden_layers")
+    if model_type == "mimo_v2_flash":  # transformers' defaults where its config leaves them out
+        if not cfg.get("layer_types") and 0 < n_layers <= 100_000:
+            cfg = {**cfg, "layer_types": ["full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
+                                          for i in range(n_layers)]}
+        cfg = {"head_dim": 192, "sliding_window": 128, **cfg}
     if cfg.get("layer_types"):
         lt = cfg["layer_types"]
         if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
@@ -1010,10 +1102,16 @@ def _from_hf_config(path: Path) -> ModelShape:
         # Solar Open (solar_open): GLM-4.5's MoE under Llama's attention (no q/k norms, every channel rotated), every
         # layer MoE. transformers' GLM-4.5 defaults where a config leaves them out: one dense layer, half of each head
         # rotated
-        glm = model_type == "glm4_moe"
-        first = 0 if model_type == "solar_open" else opt("first_k_dense_replace", 1 if glm else 0)
-        if model_type in ("dots1", "solar_open"):
+        # MiMo-V2-Flash (mimo_v2_flash): the same MoE without shared experts, its dense layers by `mlp_layer_types`;
+        # attention whose sliding layers have twice the key/value heads, sink logits and a RoPE base of their own,
+        # value heads narrower than the query/key heads, the values scaled by `attention_value_scale`
+        glm, mimo = model_type == "glm4_moe", model_type == "mimo_v2_flash"
+        first = 0 if model_type == "solar_open" else _leading_dense(cfg, model_type, opt, bad) if mimo \
+            else opt("first_k_dense_replace", 1 if glm else 0)
+        if model_type in ("dots1", "solar_open", "mimo_v2_flash"):
             fields["hf_model_type"] = model_type
+        if mimo:
+            _mimo_attention(cfg, fields, rope, rope_by_type, opt, number, bad)
         if glm and prf is None:
             fields["partial_rotary_factor"] = 0.5
         fields.update(qk_norm=model_type == "dots1" or (glm and opt_flag("use_qk_norm", False)),
@@ -1074,7 +1172,7 @@ def _from_hf_config(path: Path) -> ModelShape:
 # transformers' defaults where a config leaves the router's fields out: (n_group, topk_group, routed_scaling_factor)
 _SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5),
                             "glm_moe_dsa": (1, 1, 2.5), "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8),
-                            "dots1": (1, 1, 1.0), "solar_open": (1, 1, 1.0)}
+                            "dots1": (1, 1, 1.0), "solar_open": (1, 1, 1.0), "mimo_v2_flash": (1, 1, 1.0)}
 # the MLA families whose attention layers an indexer makes sparse (DeepSeek sparse attention): DeepSeek-V3.2, GLM-5
 _DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
@@ -1124,7 +1222,7 @@ def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
     and "sparse" a layer; transformers' default there: one dense layer, then sparse), whose dense layers must lead."""
     types = _mlp_layer_types(cfg, bad)
     if types is None:  # transformers' defaults where the field is absent
-        default = {"glm4_moe_lite": 1, **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(model_type, 0)
+        default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(model_type, 0)
         return opt("first_k_dense_replace", default)
     k = types.index("sparse") if "sparse" in types else len(types)
     if "dense" in types[k:]:
@@ -1181,6 +1279,28 @@ def _rope_scaling(cfg: dict, rope: dict, bad, number, count) -> dict | None:
     if isinstance(src.get("truncate"), bool):
         out["truncate"] = src["truncate"]
     return out
+
+
+def _mimo_attention(cfg: dict, fields: dict, rope: dict, rope_by_type: dict | None, opt, number, bad) -> None:
+    """MiMo-V2-Flash's attention (transformers' MiMoV2FlashAttention): twice the key/value heads on the sliding layers,
+    a sink logit per head there only, values of `v_head_dim` channels (128 beside q·k's 192) scaled by
+    `attention_value_scale` (null: 1), RoPE by layer type (the same rotated share; bases 5e6 and 1e4)."""
+    kv = opt("num_key_value_heads", fields["num_heads"])
+    scale = cfg.get("attention_value_scale", 0.707)
+    fields.update(sliding_kv_heads=2 * kv, sliding_sinks=True, v_head_dim=opt("v_head_dim", 128),
+                  value_scale=1.0 if scale is None else number(scale, "attention_value_scale"))
+    sliding = (rope_by_type or {}).get("sliding_attention")
+    if sliding is None:
+        return
+    for name in ("rope_type", "type"):
+        if sliding.get(name, "default") != "default":
+            raise bad(f"rope_parameters.sliding_attention.{name}", '"default" (plain RoPE)', sliding[name])
+    prf = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor"))
+    if sliding.get("partial_rotary_factor", prf) != prf:
+        raise bad("rope_parameters.sliding_attention.partial_rotary_factor", f"the full layers' {prf}",
+                  sliding["partial_rotary_factor"])
+    if sliding.get("rope_theta") is not None:
+        fields["sliding_rope_theta"] = number(sliding["rope_theta"], "rope_parameters.sliding_attention.rope_theta")
 
 
 def _ernie(cfg: dict, fields: dict, n_layers: int, req, opt, opt_flag) -> None:

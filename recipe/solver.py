@@ -167,6 +167,8 @@ def pin_violations(m: ModelShape, hw: HwProfile, seq: int, pins: dict[str, int],
         out.append(f"pp={pp} must leave each pipeline stage at least one of the {m.num_layers} layers")
     if tp is not None:
         split = [(m.num_heads, "attention heads"), (m.num_kv_heads, "KV heads"), (m.vocab_size, "vocab entries")]
+        if m.sliding_kv_heads is not None:
+            split.append((m.sliding_kv_heads, "sliding layers' KV heads"))
         if m.linear_attn is not None:
             split.append((m.linear_attn.num_k_heads, "linear-attention key heads"))
         bad = [f"{n:,} {what}" for n, what in split if n % tp]

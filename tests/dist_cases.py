@@ -60,7 +60,7 @@ CASES = {
         ["pp4", 1, 1, 1, 1, "cp", "full", 1, 4], ["pp2_cp2", 1, 1, 1, 2, "cp", "full", 1, 2],
         ["dense_tp2_dp2", 2, 1, 1, 1, "dense", "full", 2],
         ["mla_cp2_tp2_ep4", 1, 4, 1, 2, "mla", "full", 2], ["mla_pp2_dp2_ep2", 2, 2, 1, 1, "mla", "full", 1, 2],
-        ["dsa_cp2_tp2_ep4", 1, 4, 1, 2, "dsa", "full", 2],
+        ["dsa_cp2_tp2_ep4", 1, 4, 1, 2, "dsa", "full", 2], ["mimo_cp2_tp2_ep2", 1, 2, 1, 2, "mimo", "full", 2],
         # pp × tp: an uneven split with ep=2 over each stage's tp ranks (off-policy, sequence-mean), and interleaved
         # over 2 virtual stages a rank with a dense model's MLPs split over tp
         ["pp2_tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2, 2, [3, 1]],
@@ -99,6 +99,7 @@ VARIANTS = {
     "granite": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Granite-MoE-style model (tiny_granite), as "mla"
     "dsa": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # DeepSeek sparse attention (tiny_dsa), as "mla"
     "swa": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # sliding windows without sinks (tiny_swa), as "mla"
+    "mimo": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a MiMo-V2-Flash-style model (tiny_mimo), as "mla"
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -152,6 +153,21 @@ def tiny_swa():
                       layer_types=("sliding_attention",) * 3 + ("full_attention",), num_heads=4, num_kv_heads=2,
                       head_dim=16, qk_norm=False, sliding_window=8, num_experts=8, top_k=2, expert_ffn=32,
                       norm_topk_prob=True, rope_theta=10000.0, rms_norm_eps=1e-5)
+
+
+def tiny_mimo():
+    """MiMo-V2-Flash's blocks at tiny widths: a dense first layer (full attention, 2 KV heads), then sliding layers
+    (windows of 8 keys) with twice the KV heads, a sink logit per head and a RoPE base of their own, a full layer
+    last; q·k heads of 12 channels, values of 8 scaled by 0.6; sigmoid routing over 8 experts in 2 groups."""
+    from recipe.models import ModelShape, SigmoidRouter
+
+    return ModelShape(name="tiny-mimo", arch="glm4_moe", hf_model_type="mimo_v2_flash", hidden_size=64, num_layers=4,
+                      vocab_size=512, layer_types=("full_attention",) + ("sliding_attention",) * 2 + ("full_attention",),
+                      num_heads=4, num_kv_heads=2, sliding_kv_heads=4, head_dim=12, v_head_dim=8, value_scale=0.6,
+                      sliding_sinks=True, sliding_window=8, partial_rotary_factor=0.5, rope_theta=5e6,
+                      sliding_rope_theta=1e4, qk_norm=False, num_experts=8, top_k=2, expert_ffn=32, router_bias=True,
+                      sigmoid_router=SigmoidRouter(groups=2, topk_groups=1, scaling=1.5), first_dense_layers=1,
+                      dense_ffn=48, rms_norm_eps=1e-5)
 
 
 def tiny_olmoe():
@@ -246,7 +262,7 @@ def tiny_dense():
 # the model each variant trains (the others train tiny-moe)
 VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "dsa": tiny_dsa, "oss": tiny_oss, "olmoe": tiny_olmoe,
                   "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4,
-                  "granite": tiny_granite, "swa": tiny_swa}
+                  "granite": tiny_granite, "swa": tiny_swa, "mimo": tiny_mimo}
 
 
 def _shape(variant: str):

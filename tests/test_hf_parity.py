@@ -117,7 +117,7 @@ ARCH = {"moonlight": "deepseek_v3", "mixtral_swa": "mixtral", **{a: "deepseek_v3
         "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3",
         **{a: "deepseek_v3" for a in DSA_ARCHS},
         "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe",
-        "solar_open": "glm4_moe"}
+        "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe"}
 
 
 def _hf_model(arch: str):
@@ -215,6 +215,17 @@ def _hf_model(arch: str):
                                            n_routed_experts=6, n_group=2, topk_group=1, n_shared_experts=1,
                                            num_hidden_layers=2, attention_bias=True, routed_scaling_factor=1.5)
         cls = transformers.SolarOpenForCausalLM
+    elif arch == "mimo_v2_flash":  # sliding layers (window 8) with twice the KV heads, sinks and their own RoPE base;
+        # v narrower than q·k (8 of 12), the values scaled; a dense first layer; 2 groups of routed experts
+        cfg = transformers.MiMoV2FlashConfig(
+            **{k: v for k, v in COMMON.items() if k not in ("num_experts", "head_dim")}, head_dim=12, v_head_dim=8,
+            n_routed_experts=6, n_group=2, topk_group=1, intermediate_size=40, num_hidden_layers=3,
+            routed_scaling_factor=1.5, sliding_window=8, attention_value_scale=0.6,
+            layer_types=["full_attention", "sliding_attention", "sliding_attention"],
+            rope_parameters={"full_attention": dict(rope_type="default", rope_theta=5e6, partial_rotary_factor=0.5),
+                             "sliding_attention": dict(rope_type="default", rope_theta=1e4,
+                                                       partial_rotary_factor=0.5)})
+        cls = transformers.MiMoV2FlashForCausalLM
     elif arch in DENSE:
         config_cls, cls, extra = DENSE[arch]
         dense = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
@@ -236,7 +247,7 @@ def _hf_model(arch: str):
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
                                   "olmoe_clip",
                                   "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
-                                  *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
+                                  *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "mimo_v2_flash", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
                                   "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
@@ -348,7 +359,8 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
 
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
-                                  "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "gpt_oss",
+                                  "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "solar_open",
+                                  "mimo_v2_flash", "gpt_oss",
                                   *LLAMA4, "granitemoeshared", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals

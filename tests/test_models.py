@@ -180,6 +180,22 @@ def test_dsa_presets_are_their_configs():
     assert trainable(v32) is None and trainable(PRESETS["glm5"]) is None
 
 
+@pytest.mark.parametrize("preset, model_type", [("mimo-v2-flash", "mimo_v2_flash"),
+                                                ("solar-open-100b", "solar_open")])
+def test_presets_are_transformers_default_configs(tmp_path, preset, model_type):
+    """MiMo-V2-Flash's and Solar Open's presets are what transformers' default configs (their releases' shapes) read
+    to, and the core trains them; their parameters equal transformers' own (308.8B and 102.7B, beside the published
+    309B and 102.6B)."""
+    import transformers
+
+    cfg = transformers.AutoConfig.for_model(model_type)
+    cfg.save_pretrained(tmp_path / preset)
+    m = from_hf_config(tmp_path / preset / "config.json")
+    assert _same_shape(m, PRESETS[preset]) and trainable(PRESETS[preset]) is None
+    cls = {"mimo_v2_flash": "MiMoV2FlashForCausalLM", "solar_open": "SolarOpenForCausalLM"}[model_type]
+    assert total_params(m) == _meta_params(getattr(transformers, cls), cfg)
+
+
 def test_hf_deepseek_v3_equals_preset(tmp_path):
     cfg = {"model_type": "deepseek_v3", "hidden_size": 7168, "num_hidden_layers": 61, "vocab_size": 129280,
            "num_attention_heads": 128, "num_key_value_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512,
@@ -803,15 +819,16 @@ def test_glm5_reads_as_deepseek_v3_blocks_with_its_indexer(tmp_path):
 @pytest.mark.parametrize("model_type, cls, rel", [
     ("hy_v3", "HYV3ForCausalLM", 0), ("flex_olmo", "FlexOlmoForCausalLM", 0),
     ("qwen3_vl_moe", "Qwen3VLMoeTextModel", 0),
-    ("step3p7", "Step3p7TextModel", 2.5e-4), ("mimo_v2_flash", "MiMoV2FlashForCausalLM", 3e-3)])
+    ("step3p7", "Step3p7TextModel", 2.5e-4), ("mimo_v2_flash", "MiMoV2FlashForCausalLM", 0)])
 def test_moe_types_read_by_their_fields_as_transformers_counts(tmp_path, capsys, model_type, cls, rel):
-    """Qwen3-VL-MoE's text model reads as Qwen3-MoE's blocks, exactly. Types the core does not know read by the
+    """Qwen3-VL-MoE's text model reads as Qwen3-MoE's blocks, and MiMo-V2-Flash as its own (its sliding layers'
+    doubled KV heads and sinks, values narrower than its keys), exactly. Types the core does not know read by the
     fields most MoE configs share: hy_v3's shared expert by count
     (`num_shared_experts` × the experts' width) and its dense first layer by `mlp_layer_types`, Step-3.5's by width
-    (`share_expert_dim`), MiMo-V2-Flash's sliding window. Their parameters (transformers' default configs cut to four
+    (`share_expert_dim`). Their parameters (transformers' default configs cut to four
     layers; the text model of the multimodal ones) equal transformers' own but for what no standard field names:
-    per-head q/k norm weights and a router's correction bias (hy_v3: exact without them), Step-3.5's
-    per-head output gate (under 0.02%) and MiMo-V2-Flash's values narrower than its keys (0.2–0.3%)."""
+    per-head q/k norm weights and a router's correction bias (hy_v3: exact without them) and Step-3.5's
+    per-head output gate (under 0.02%)."""
     import transformers
 
     cfg = transformers.AutoConfig.for_model(model_type)
@@ -822,15 +839,19 @@ def test_moe_types_read_by_their_fields_as_transformers_counts(tmp_path, capsys,
     cfg.num_hidden_layers = 4
     cfg.save_pretrained(tmp_path / model_type)
     m = from_hf_config(tmp_path / model_type / "config.json")
-    known = model_type == "qwen3_vl_moe"  # read as Qwen3-MoE's blocks, q/k norms included
+    known = model_type in ("qwen3_vl_moe", "mimo_v2_flash")  # read as Qwen3-MoE's blocks, MiMo's own
     assert ("is not known; read by its standard fields as a MoE model" in capsys.readouterr().err) != known
-    theirs = _meta_params(getattr(transformers, cls), cfg, skip=() if known else ("q_norm", "k_norm"), biases=False)
+    theirs = _meta_params(getattr(transformers, cls), cfg, skip=() if known else ("q_norm", "k_norm"),
+                          biases=model_type == "mimo_v2_flash")
     theirs += param_counts(m)["head"] if cls.endswith("TextModel") else 0  # the text model without its head
     assert abs(total_params(m) - theirs) <= rel * theirs, (total_params(m), theirs)
     if model_type == "hy_v3":
         assert (m.first_dense_layers, m.dense_ffn, m.shared_expert_ffn) == (1, 13312, 1536)
     if model_type == "mimo_v2_flash":
         assert (m.sliding_window, m.num_sliding_layers, m.first_dense_layers) == (128, 3, 1)
+        assert (m.sliding_kv_heads, m.v_head_dim, m.value_scale, m.sliding_rope_theta, m.rope_theta) == (
+            8, 128, 0.707, 1e4, 5e6)
+        assert trainable(m) is None
 
 
 def test_generic_moe_shared_experts_dense_layers_and_windows_by_hand(tmp_path, capsys):
