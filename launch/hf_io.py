@@ -85,6 +85,12 @@ _GRANITE_OUT = {"mlp.experts.gate_up_proj": "block_sparse_moe.input_linear.weigh
                 "mlp.gate.weight": "block_sparse_moe.router.layer.weight",
                 "mlp.shared_expert.down_proj.weight": "shared_mlp.output_linear.weight"}
 _LAYER_REST = re.compile(r"^(layers\.\d+)\.(.*)$")
+# Hunyuan-V3's names (ours on the right): the correction bias on the block, the router, the shared experts
+_HY_V3_IN = ((".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"), (".mlp.router.gate.", ".mlp.gate."),
+             (".mlp.shared_mlp.", ".mlp.shared_expert."))
+# and what an export renames to them (ours as the export first names them on the left)
+_HY_V3_OUT = ((".mlp.e_score_correction_bias", ".mlp.expert_bias"), (".mlp.gate.weight", ".mlp.router.gate.weight"),
+              (".mlp.shared_experts.", ".mlp.shared_mlp."))
 # Hunyuan-A13B's names (ours on the right): q/k norms, the router's `wg`, the shared expert
 _HUNYUAN_IN = (("self_attn.query_layernorm.", "self_attn.q_norm."), ("self_attn.key_layernorm.", "self_attn.k_norm."),
                ("mlp.gate.wg.", "mlp.gate."), ("mlp.shared_mlp.", "mlp.shared_expert."))
@@ -278,6 +284,7 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
     hunyuan = model.shape.arch == "hunyuan_moe"
     vl_moe = model.shape.hf_model_type == "qwen3_vl_moe"
     mimo = model.shape.hf_model_type == "mimo_v2_flash"  # its sinks are `self_attn.attention_sink_bias`
+    hy_v3 = model.shape.hf_model_type == "hy_v3"
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     mtp = range(model.shape.num_layers, model.shape.num_layers + model.shape.mtp_layers)
     for key, t in raw.items():
@@ -298,6 +305,9 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
                 key = key.replace(theirs, ours)
         if mimo:
             key = key.replace(".self_attn.attention_sink_bias", ".self_attn.sinks")
+        if hy_v3:
+            for theirs, ours in _HY_V3_IN:
+                key = key.replace(theirs, ours)
         if granite and (parts := _LAYER_REST.match(key)):
             layer, rest = parts.groups()
             if rest == "shared_mlp.input_linear.weight":  # [gate | up] rows of the shared expert
@@ -458,6 +468,15 @@ def hf_config(shape: ModelShape) -> dict:
                            **main, "rope_theta": shape.rope_theta_at("sliding_attention")}})
             for k in ("first_k_dense_replace", "n_shared_experts", "num_mtp_layers"):
                 cfg.pop(k)
+        elif shape.hf_model_type == "hy_v3":  # Hunyuan-V3: its own names for the shared experts' count and scaling
+            first = shape.first_dense_layers
+            cfg.update(model_type="hy_v3", architectures=["HYV3ForCausalLM"], num_experts=shape.num_experts,
+                       num_shared_experts=shape.shared_expert_ffn // shape.expert_ffn, router_scaling_factor=r.scaling,
+                       mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                       intermediate_size=shape.dense_ffn or shape.expert_ffn, output_router_logits=False)
+            for k in ("n_routed_experts", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+                      "first_k_dense_replace", "num_mtp_layers"):
+                cfg.pop(k)
         elif shape.hf_model_type == "solar_open":  # Solar Open: GLM-4.5's MoE, Llama's attention, every layer MoE
             cfg.update(model_type="solar_open", architectures=["SolarOpenForCausalLM"],
                        partial_rotary_factor=shape.partial_rotary_factor)
@@ -605,6 +624,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
     gpt_oss, ernie = model.shape.arch == "gpt_oss", model.shape.arch == "ernie4_5_moe"
     llama4, granite = model.shape.arch == "llama4", model.shape.arch == "granitemoe"
     hunyuan = model.shape.arch == "hunyuan_moe"
+    hy_v3 = model.shape.hf_model_type == "hy_v3"
 
     def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`; DeepSeek's shared expert plural
         if plural:
@@ -631,7 +651,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
             out["model." + _OUR_ROUTER.sub(r"\1.router.", key)] = t
         elif ernie and _OUR_BIAS.match(key):
             out["model." + _OUR_BIAS.sub(r"\1.moe_statics.e_score_correction_bias", key)] = t[None]
-        elif mixtral and _OUR_BIAS.match(key):  # MiniMax-M2: on the block
+        elif (mixtral or hy_v3) and _OUR_BIAS.match(key):  # MiniMax-M2, Hunyuan-V3: on the block
             out["model." + block(key).replace(".gate.e_score_correction_bias", ".e_score_correction_bias")] = t
         elif key.endswith("mlp.experts.gate_up_proj"):
             base = "model." + block(key[: -len(".gate_up_proj")])
@@ -650,6 +670,13 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
             out["model." + block(key)] = t
     if model.shape.hf_model_type == "mimo_v2_flash":
         out = {k.replace(".self_attn.sinks", ".self_attn.attention_sink_bias"): v for k, v in out.items()}
+    if hy_v3:
+        renamed = {}
+        for k, v in out.items():
+            for ours, theirs in _HY_V3_OUT:
+                k = k.replace(ours, theirs)
+            renamed[k] = v
+        out = renamed
     if hunyuan:
         renamed = {}
         for k, v in out.items():
@@ -669,8 +696,10 @@ def export_hf_checkpoint(model: Transformer, out_dir: str | Path, dtype: torch.d
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     tensors = ours_to_hf(model, state_dict)
-    if dtype is not None:  # the sigmoid router's correction bias stays fp32, as transformers keeps it
-        tensors = {k: v if k.endswith("e_score_correction_bias") else v.to(dtype) for k, v in tensors.items()}
+    if dtype is not None:  # the sigmoid router's correction bias stays fp32, as transformers keeps it (Hunyuan-V3's
+        # checkpoints name it `expert_bias`)
+        tensors = {k: v if k.endswith(("e_score_correction_bias", ".mlp.expert_bias")) else v.to(dtype)
+                   for k, v in tensors.items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     cfg = hf_config(model.shape)
     cfg["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")

@@ -239,7 +239,7 @@ def trainable(shape: "ModelShape") -> str | None:
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
                 f"Qwen2-MoE, OLMoE, ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, Moonlight) and "
                 f"V3.2, GLM-5, GLM-4.5 "
-                f"(and dots.llm1, Solar Open, MiMo-V2-Flash), gpt-oss, Llama 4, Granite MoE, "
+                f"(and dots.llm1, Solar Open, MiMo-V2-Flash, Hunyuan-V3), gpt-oss, Llama 4, Granite MoE, "
                 f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
@@ -850,7 +850,7 @@ _ARCH_BY_MODEL_TYPE = {
     "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
-    "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe",
+    "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe",
     "minimax_m2": "minimax_m2",
     "llama4": "llama4",
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
@@ -1105,20 +1105,26 @@ def _from_hf_config(path: Path) -> ModelShape:
         # MiMo-V2-Flash (mimo_v2_flash): the same MoE without shared experts, its dense layers by `mlp_layer_types`;
         # attention whose sliding layers have twice the key/value heads, sink logits and a RoPE base of their own,
         # value heads narrower than the query/key heads, the values scaled by `attention_value_scale`
-        glm, mimo = model_type == "glm4_moe", model_type == "mimo_v2_flash"
-        first = 0 if model_type == "solar_open" else _leading_dense(cfg, model_type, opt, bad) if mimo \
+        # Hunyuan-V3 (hy_v3): per-head q/k norms before RoPE (Qwen3's), plain shared experts of the experts' width
+        # (`num_shared_experts`), the top-k sigmoid weights renormalized and scaled by `router_scaling_factor`, the
+        # correction bias on the MoE block, its dense layers by `mlp_layer_types`
+        glm, mimo, hy = model_type == "glm4_moe", model_type == "mimo_v2_flash", model_type == "hy_v3"
+        first = 0 if model_type == "solar_open" else _leading_dense(cfg, model_type, opt, bad) if mimo or hy \
             else opt("first_k_dense_replace", 1 if glm else 0)
-        if model_type in ("dots1", "solar_open", "mimo_v2_flash"):
+        if model_type in ("dots1", "solar_open", "mimo_v2_flash", "hy_v3"):
             fields["hf_model_type"] = model_type
         if mimo:
             _mimo_attention(cfg, fields, rope, rope_by_type, opt, number, bad)
         if glm and prf is None:
             fields["partial_rotary_factor"] = 0.5
-        fields.update(qk_norm=model_type == "dots1" or (glm and opt_flag("use_qk_norm", False)),
+        fields.update(qk_norm=model_type in ("dots1", "hy_v3") or (glm and opt_flag("use_qk_norm", False)),
                       attn_bias=opt_flag("attention_bias", False),
-                      shared_expert_ffn=opt("n_shared_experts", 0) * fields["expert_ffn"], router_bias=True,
+                      shared_expert_ffn=(opt("num_shared_experts", 1) if hy else opt("n_shared_experts", 0))
+                      * fields["expert_ffn"], router_bias=True,
                       first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0,
                       sigmoid_router=_sigmoid_router(cfg, model_type, opt, number))
+        if hy and fields["attn_bias"]:  # Hunyuan-V3's biases include o_proj's, which GLM-4.5's blocks lack
+            fields["arch"] = "moe"
     elif arch == "qwen2_moe":
         _qwen2_moe(cfg, fields, n_layers, req, opt, opt_flag, count)
     elif arch == "ernie4_5_moe":
@@ -1172,7 +1178,8 @@ def _from_hf_config(path: Path) -> ModelShape:
 # transformers' defaults where a config leaves the router's fields out: (n_group, topk_group, routed_scaling_factor)
 _SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5),
                             "glm_moe_dsa": (1, 1, 2.5), "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8),
-                            "dots1": (1, 1, 1.0), "solar_open": (1, 1, 1.0), "mimo_v2_flash": (1, 1, 1.0)}
+                            "dots1": (1, 1, 1.0), "solar_open": (1, 1, 1.0), "mimo_v2_flash": (1, 1, 1.0),
+                            "hy_v3": (1, 1, 2.826)}
 # the MLA families whose attention layers an indexer makes sparse (DeepSeek sparse attention): DeepSeek-V3.2, GLM-5
 _DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
@@ -1222,7 +1229,8 @@ def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
     and "sparse" a layer; transformers' default there: one dense layer, then sparse), whose dense layers must lead."""
     types = _mlp_layer_types(cfg, bad)
     if types is None:  # transformers' defaults where the field is absent
-        default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(model_type, 0)
+        default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, "hy_v3": 1, **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(
+            model_type, 0)
         return opt("first_k_dense_replace", default)
     k = types.index("sparse") if "sparse" in types else len(types)
     if "dense" in types[k:]:
@@ -1234,9 +1242,10 @@ def _sigmoid_router(cfg: dict, model_type: str, opt, number) -> dict:
     """DeepSeek-V3 / GLM-4.5 router fields (n_group, topk_group, routed_scaling_factor; absent ones at transformers'
     defaults for the model type)."""
     groups, topk_groups, scaling = _SIGMOID_ROUTER_DEFAULTS.get(model_type, (1, 1, 1.0))
-    given = cfg.get("routed_scaling_factor")
+    key = "router_scaling_factor" if model_type == "hy_v3" else "routed_scaling_factor"
+    given = cfg.get(key)
     return dict(groups=opt("n_group", groups), topk_groups=opt("topk_group", topk_groups),
-                scaling=scaling if given is None else number(given, "routed_scaling_factor"))
+                scaling=scaling if given is None else number(given, key))
 
 
 def _softmax_router(cfg: dict, opt, number, bad) -> dict:

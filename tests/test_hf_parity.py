@@ -117,7 +117,7 @@ ARCH = {"moonlight": "deepseek_v3", "mixtral_swa": "mixtral", **{a: "deepseek_v3
         "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3",
         **{a: "deepseek_v3" for a in DSA_ARCHS},
         "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe",
-        "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe"}
+        "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe"}
 
 
 def _hf_model(arch: str):
@@ -226,6 +226,10 @@ def _hf_model(arch: str):
                              "sliding_attention": dict(rope_type="default", rope_theta=1e4,
                                                        partial_rotary_factor=0.5)})
         cls = transformers.MiMoV2FlashForCausalLM
+    elif arch == "hy_v3":  # per-head q/k norms, a shared expert, a dense first layer, the weights scaled by 1.5
+        cfg = transformers.HYV3Config(**COMMON, intermediate_size=40, num_hidden_layers=3, num_shared_experts=1,
+                                      router_scaling_factor=1.5)
+        cls = transformers.HYV3ForCausalLM
     elif arch in DENSE:
         config_cls, cls, extra = DENSE[arch]
         dense = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
@@ -247,7 +251,7 @@ def _hf_model(arch: str):
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
                                   "olmoe_clip",
                                   "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
-                                  *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "mimo_v2_flash", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
+                                  *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "mimo_v2_flash", "hy_v3", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
                                   "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
@@ -283,11 +287,12 @@ def test_logits_and_loss_match_transformers(arch, tmp_path):
         export_hf_checkpoint(ours, tmp_path / "bf16", dtype=torch.bfloat16)
         f = safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt")
         # ERNIE's [1, E] beside the router; MiniMax-M2's on its block
-        where = {"ernie4_5_moe": "mlp.moe_statics.", "minimax_m2": "block_sparse_moe."}.get(arch, "mlp.gate.")
-        bias = f.get_tensor(f"model.layers.1.{where}e_score_correction_bias").reshape(-1)
+        where = {"ernie4_5_moe": "mlp.moe_statics.e_score_correction_bias", "hy_v3": "mlp.expert_bias",
+                 "minimax_m2": "block_sparse_moe.e_score_correction_bias"}.get(arch, "mlp.gate.e_score_correction_bias")
+        bias = f.get_tensor(f"model.layers.1.{where}").reshape(-1)
         assert bias.dtype == torch.float32 and torch.equal(bias, ours.layers[1].mlp.gate.e_score_correction_bias)
-        block = "block_sparse_moe" if arch == "minimax_m2" else "mlp"
-        assert f.get_tensor(f"model.layers.1.{block}.gate.weight").dtype == torch.bfloat16
+        router = {"minimax_m2": "block_sparse_moe.gate", "hy_v3": "mlp.router.gate"}.get(arch, "mlp.gate")
+        assert f.get_tensor(f"model.layers.1.{router}.weight").dtype == torch.bfloat16
     back = type(hf).from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
     with torch.no_grad():
         err_back = (back(input_ids=ids).logits - out.logits).abs().max().item()
@@ -360,7 +365,7 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "solar_open",
-                                  "mimo_v2_flash", "gpt_oss",
+                                  "mimo_v2_flash", "hy_v3", "gpt_oss",
                                   *LLAMA4, "granitemoeshared", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
