@@ -21,7 +21,11 @@ file). Accepted key spellings, all mapped onto our parameter names (which are Hu
   ones), `gate_up_proj_bias` [E, 2I] likewise, `down_proj` [E, I, D], `down_proj_bias` [E, D] (ours: [E, 2I, D]
   rows [gate | up], [E, D, I]), `self_attn.sinks`; and its MXFP4 release, whose expert matrices are `*_blocks`
   (uint8 [E, rows, cols/32, 16]: two e2m1 fp4 values a byte, low nibble first) and `*_scales` (uint8 e8m0
-  [E, rows, cols/32]: 2^(s − 127) for each run of 32 values), dequantized to bf16 as each layer is read.
+  [E, rows, cols/32]: 2^(s − 127) for each run of 32 values), dequantized to bf16 as each layer is read;
+- compressed-tensors' pack-quantized integer weights (Kimi-K2-Thinking's and Kimi-K2.5's int4 releases:
+  `weight_packed` int32 words of 8 codes, the first in the lowest bits, each 4-bit value stored + 8; `weight_scale`
+  one scale per 32 inputs of a row; `weight_shape`), dequantized to bf16 as they are read; Kimi-K2.5's text model
+  under `language_model.` with its vision tower and projector skipped.
 
 Our Gated DeltaNet keeps in_proj_qkv's rows and conv1d's channels grouped per key head ([q | k | r value heads] × G,
 launch/model.py: a tensor-parallel shard is whole heads); both Hugging Face layouts keep [all q | all k | all v]
@@ -47,8 +51,9 @@ from launch.model import GatedDeltaNet, Transformer, assign_full, whole_model_na
 from recipe.models import ModelShape
 
 # MTP (DeepSeek's `mtp.`, MiniMax-M2's `mtp_modules.`), vision (Qwen3.5's `visual.`, Llama 4's `vision_model.` and
-# `multi_modal_projector.`)
-_SKIP = re.compile(r"^(model\.)?(mtp[._]|visual\.|vision_model\.|multi_modal_projector\.)")
+# `multi_modal_projector.`, Kimi-K2.5's `vision_tower.` and `mm_projector.`)
+_SKIP = re.compile(r"^(model\.)?(mtp[._]|visual\.|vision_model\.|vision_tower\.|multi_modal_projector\.|"
+                   r"mm_projector\.)")
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # Mixtral's names for the MoE block and its experts' three matrices (ours: `mlp`, gate_proj/up_proj/down_proj)
 _MIXTRAL_BLOCK = re.compile(r"^(layers\.\d+)\.block_sparse_moe\.")
@@ -112,17 +117,69 @@ _FP8 = (torch.float8_e4m3fn, torch.float8_e5m2)
 _SCALE = ".weight_scale_inv"  # an fp8 weight's per-block scales (DeepSeek-V3's, Kimi-K2's, MiniMax-M2's releases)
 
 
-def fp8_block_size(path: str | Path) -> tuple[int, int]:
-    """The [rows, columns] of one scale block of a block-quantized fp8 checkpoint: `quantization_config.
-    weight_block_size` of its config.json, 128 × 128 (every published fp8 release's) without one."""
+def _quantization_config(path: str | Path) -> dict:
+    """The `quantization_config` of the checkpoint's config.json ({} without one, or without a readable config)."""
     path = Path(path)
     cfg = (path if path.is_dir() else path.parent) / "config.json"
     try:
-        q = json.loads(cfg.read_text()).get("quantization_config") or {}
-        block = q.get("weight_block_size") or (128, 128)
+        raw = json.loads(cfg.read_text())
+        q = raw.get("quantization_config") or (raw.get("text_config") or {}).get("quantization_config") or {}
+    except (OSError, ValueError, AttributeError):
+        return {}
+    return q if isinstance(q, dict) else {}
+
+
+def fp8_block_size(path: str | Path) -> tuple[int, int]:
+    """The [rows, columns] of one scale block of a block-quantized fp8 checkpoint: `quantization_config.
+    weight_block_size` of its config.json, 128 × 128 (every published fp8 release's) without one."""
+    try:
+        block = _quantization_config(path).get("weight_block_size") or (128, 128)
         return int(block[0]), int(block[1])
-    except (OSError, ValueError, TypeError, IndexError, AttributeError):
+    except (ValueError, TypeError, IndexError, AttributeError):
         return 128, 128
+
+
+_PACKED, _PACKED_SCALE, _PACKED_SHAPE = ".weight_packed", ".weight_scale", ".weight_shape"
+
+
+def packed_int_format(path: str | Path) -> tuple[int, int] | None:
+    """(bits, group size) of a compressed-tensors "pack-quantized" checkpoint (Kimi-K2-Thinking's and Kimi-K2.5's
+    int4 releases: symmetric integers of `num_bits` packed into int32 words, a scale per `group_size` inputs of each
+    row), None for any other checkpoint; a form this reader does not dequantize (asymmetric, another strategy or
+    width) is refused in one line."""
+    q = _quantization_config(path)
+    if q.get("quant_method") != "compressed-tensors" or q.get("format") != "pack-quantized":
+        return None
+    groups = [g.get("weights") or {} for g in (q.get("config_groups") or {}).values() if isinstance(g, dict)]
+    forms = {(w.get("num_bits"), w.get("group_size"), w.get("symmetric", True), w.get("strategy", "group"),
+              w.get("type", "int")) for w in groups}
+    if len(forms) != 1:
+        raise ValueError(f"{path}: a pack-quantized checkpoint with {len(forms)} weight formats (this reader takes "
+                         f"one)")
+    bits, group, symmetric, strategy, kind = forms.pop()
+    if kind != "int" or strategy != "group" or not symmetric or bits not in (4, 8) or not isinstance(group, int) \
+            or group <= 0:
+        raise ValueError(f"{path}: pack-quantized weights of {bits}-bit {kind}, strategy {strategy!r}, symmetric "
+                         f"{symmetric}, group {group} are not read (only symmetric 4- or 8-bit integers by group)")
+    return bits, group
+
+
+def unpack_int32(packed: torch.Tensor, bits: int, columns: int) -> torch.Tensor:
+    """Signed integers [..., columns] from int32 words [..., ⌈columns·bits/32⌉]: 32/bits values a word, the first in
+    its lowest bits, each stored as value + 2^(bits − 1) (so 4-bit codes 0..15 are −8..7)."""
+    per_word = 32 // bits
+    shifts = torch.arange(0, 32, bits, dtype=torch.int32, device=packed.device)
+    codes = (packed.to(torch.int32)[..., None] >> shifts) & ((1 << bits) - 1)  # the arithmetic shift's sign bits masked
+    codes = codes.reshape(*packed.shape[:-1], packed.shape[-1] * per_word)[..., :columns]
+    return (codes - (1 << (bits - 1))).to(torch.int8)
+
+
+def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, bits: int, group: int, columns: int
+                      ) -> torch.Tensor:
+    """A pack-quantized weight [..., O, I] in bf16: each integer times its group's scale (scale [..., O, ⌈I/group⌉])."""
+    q = unpack_int32(packed, bits, columns).float()
+    s = scale.float().repeat_interleave(group, dim=-1)[..., :columns]
+    return (q * s).to(torch.bfloat16)
 
 
 def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
@@ -161,12 +218,29 @@ def dequantize_mxfp4(blocks: torch.Tensor, scales: torch.Tensor) -> torch.Tensor
     return out.view(*lead, R, G * 32).transpose(-1, -2)
 
 
-def _dequantized(raw: dict[str, torch.Tensor], block: tuple[int, int]) -> dict[str, torch.Tensor]:
-    """`raw` with every block-quantized fp8 weight and every MXFP4 tensor replaced by its bf16 value and its scales
-    dropped (on the meta device: the shape)."""
+def _dequantized(raw: dict[str, torch.Tensor], block: tuple[int, int], packed: tuple[int, int] | None = None
+                 ) -> dict[str, torch.Tensor]:
+    """`raw` with every block-quantized fp8 weight, every MXFP4 tensor and (with `packed`: bits, group size) every
+    pack-quantized integer weight replaced by its bf16 value and its scales dropped (on the meta device: the
+    shape)."""
     out = {}
     for key, t in raw.items():
         if key.endswith(_SCALE) or (key.endswith(_SCALES) and key[:-len(_SCALES)] + _BLOCKS in raw):
+            continue
+        if packed is not None and key.endswith((_PACKED_SCALE, _PACKED_SHAPE)) \
+                and key.rsplit(".", 1)[0] + _PACKED in raw:
+            continue
+        if packed is not None and key.endswith(_PACKED):
+            base = key[:-len(_PACKED)]
+            bits, group = packed
+            scale, shape = raw.get(base + _PACKED_SCALE), raw.get(base + _PACKED_SHAPE)
+            if scale is None:
+                raise ValueError(f"{key}: packed integers without their {_PACKED_SCALE[1:]}")
+            columns = t.shape[-1] * (32 // bits)
+            if shape is not None and not shape.is_meta:
+                columns = int(shape.reshape(-1)[-1])
+            out[base + ".weight"] = (torch.empty(*t.shape[:-1], columns, dtype=torch.bfloat16, device="meta")
+                                     if t.is_meta else dequantize_packed(t, scale, bits, group, columns))
             continue
         if key.endswith(_BLOCKS):
             base = key[:-len(_BLOCKS)]
@@ -364,11 +438,11 @@ def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) 
     if model.shape.tie_embeddings:
         ours.pop("lm_head.weight", None)
 
-    block = fp8_block_size(path)
+    block, packed = fp8_block_size(path), packed_int_format(path)
 
     def converted(meta: bool):
         for raw in _tensor_groups(path, meta):
-            sd = hf_to_ours(_dequantized(raw, block), whole)
+            sd = hf_to_ours(_dequantized(raw, block, packed), whole)
             if model.shape.tie_embeddings:
                 sd.pop("lm_head.weight", None)
             yield sd

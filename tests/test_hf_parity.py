@@ -363,6 +363,77 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
     assert all(torch.equal(sa[k], sb[k]) for k in sa)
 
 
+def _pack_int4_reference(q: torch.Tensor) -> torch.Tensor:
+    """int4 values [O, I] (I a multiple of 8) packed as compressed-tensors writes them, by plain integer arithmetic:
+    word j of a row holds values 8j..8j+7, value i of the word (stored + 8) at bits 4i..4i+3."""
+    rows = []
+    for row in q.tolist():
+        words = []
+        for j in range(0, len(row), 8):
+            v = sum((row[j + i] + 8) << (4 * i) for i in range(8))
+            words.append(v - (1 << 32) if v >= 1 << 31 else v)  # the word's bits as a signed int32
+        rows.append(words)
+    return torch.tensor(rows, dtype=torch.int32)
+
+
+def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
+    """Kimi-K2.5's int4 release in miniature: a DeepSeek-V3 text model under `language_model.` beside a vision
+    tower and projector (skipped), its routed experts compressed-tensors pack-quantized (4-bit symmetric integers, a
+    scale per group of 8 inputs here, 32 in the release; `weight_packed`, `weight_scale`, `weight_shape`), the rest
+    bf16 as the release's ignore list keeps them. It loads to exactly each integer times its group's scale (checked
+    against weights written unquantized); scales missing, or an asymmetric form, are refused in one line."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    hf = _hf_model("deepseek_v3")
+    hf.save_pretrained(tmp_path / "hf")
+    sd = load_file(str(tmp_path / "hf" / "model.safetensors"))
+    gen = torch.Generator().manual_seed(4)
+    packed, want = {}, {}
+    for k, w in sd.items():
+        name = "language_model." + k  # model.layers… → language_model.model.layers…, lm_head → language_model.lm_head
+        if ".mlp.experts." not in k:
+            packed[name] = want[k] = w
+            continue
+        o, i = w.shape
+        scale = (w.float().view(o, i // 8, 8).abs().amax(-1) / 7 + 1e-4).to(torch.bfloat16)  # [O, I/8]
+        q = torch.randint(-8, 8, (o, i), generator=gen, dtype=torch.int32)  # every code, both extremes
+        base = name[: -len(".weight")]
+        packed[base + ".weight_packed"] = _pack_int4_reference(q)
+        packed[base + ".weight_scale"] = scale
+        packed[base + ".weight_shape"] = torch.tensor([o, i], dtype=torch.int32)
+        want[k] = (q.float() * scale.float().repeat_interleave(8, 1)).to(torch.bfloat16)
+    packed["vision_tower.encoder.blocks.0.wqkv.weight"] = torch.ones(4, 4)
+    packed["mm_projector.proj.0.weight"] = torch.ones(4, 4)
+    (tmp_path / "int4").mkdir()
+    save_file(packed, str(tmp_path / "int4" / "model.safetensors"))
+    text = json.loads((tmp_path / "hf" / "config.json").read_text())
+    quant = {"quant_method": "compressed-tensors", "format": "pack-quantized",
+             "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                 "num_bits": 4, "type": "int", "symmetric": True, "group_size": 8, "strategy": "group"}}}}
+    cfg = {"model_type": "kimi_k25", "architectures": ["KimiK25ForConditionalGeneration"], "text_config": text,
+           "quantization_config": quant}
+    (tmp_path / "int4" / "config.json").write_text(json.dumps(cfg))
+    (tmp_path / "want").mkdir()
+    save_file(want, str(tmp_path / "want" / "model.safetensors"))
+    shape = from_hf_config(tmp_path / "int4" / "config.json")
+    a, b = build_model(shape, seed=1), build_model(shape, seed=2)
+    load_hf_checkpoint(a, tmp_path / "int4")
+    load_hf_checkpoint(b, tmp_path / "want")
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert sa["layers.1.mlp.experts.gate_up_proj"].abs().max() > 0
+    del packed["language_model.model.layers.2.mlp.experts.1.up_proj.weight_scale"]
+    save_file(packed, str(tmp_path / "int4" / "model.safetensors"))
+    with pytest.raises(ValueError, match="up_proj.weight_packed: packed integers without their weight_scale"):
+        load_hf_checkpoint(a, tmp_path / "int4")
+    quant["config_groups"]["group_0"]["weights"]["symmetric"] = False
+    (tmp_path / "int4" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match="symmetric False, group 8 are not read"):
+        load_hf_checkpoint(a, tmp_path / "int4")
+
+
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "solar_open",
                                   "mimo_v2_flash", "hy_v3", "gpt_oss",
