@@ -551,6 +551,15 @@ def hf_config(shape: ModelShape) -> dict:
             for k in ("n_routed_experts", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
                       "first_k_dense_replace", "num_mtp_layers"):
                 cfg.pop(k)
+        elif shape.hf_model_type == "exaone_moe":  # K-EXAONE: its own names for the counts, its layer types
+            first = shape.first_dense_layers
+            cfg.update(model_type="exaone_moe", architectures=["ExaoneMoeForCausalLM"], num_experts=shape.num_experts,
+                       num_shared_experts=shape.shared_expert_ffn // shape.expert_ffn,
+                       mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                       layer_types=list(shape.layer_types), sliding_window=shape.sliding_window)
+            for k in ("n_routed_experts", "n_shared_experts", "first_k_dense_replace", "num_mtp_layers",
+                      "attention_bias"):
+                cfg.pop(k)
         elif shape.hf_model_type == "solar_open":  # Solar Open: GLM-4.5's MoE, Llama's attention, every layer MoE
             cfg.update(model_type="solar_open", architectures=["SolarOpenForCausalLM"],
                        partial_rotary_factor=shape.partial_rotary_factor)
@@ -699,6 +708,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
     llama4, granite = model.shape.arch == "llama4", model.shape.arch == "granitemoe"
     hunyuan = model.shape.arch == "hunyuan_moe"
     hy_v3 = model.shape.hf_model_type == "hy_v3"
+    bias_on_block = mixtral or model.shape.hf_model_type in ("hy_v3", "exaone_moe")
 
     def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`; DeepSeek's shared expert plural
         if plural:
@@ -725,7 +735,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
             out["model." + _OUR_ROUTER.sub(r"\1.router.", key)] = t
         elif ernie and _OUR_BIAS.match(key):
             out["model." + _OUR_BIAS.sub(r"\1.moe_statics.e_score_correction_bias", key)] = t[None]
-        elif (mixtral or hy_v3) and _OUR_BIAS.match(key):  # MiniMax-M2, Hunyuan-V3: on the block
+        elif bias_on_block and _OUR_BIAS.match(key):  # MiniMax-M2, Hunyuan-V3, K-EXAONE: on the block
             out["model." + block(key).replace(".gate.e_score_correction_bias", ".e_score_correction_bias")] = t
         elif key.endswith("mlp.experts.gate_up_proj"):
             base = "model." + block(key[: -len(".gate_up_proj")])

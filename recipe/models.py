@@ -239,7 +239,7 @@ def trainable(shape: "ModelShape") -> str | None:
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
                 f"Qwen2-MoE, OLMoE, ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, Moonlight) and "
                 f"V3.2, GLM-5, GLM-4.5 "
-                f"(and dots.llm1, Solar Open, MiMo-V2-Flash, Hunyuan-V3), gpt-oss, Llama 4, Granite MoE, "
+                f"(and dots.llm1, Solar Open, MiMo-V2-Flash, Hunyuan-V3, K-EXAONE), gpt-oss, Llama 4, Granite MoE, "
                 f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
@@ -254,6 +254,8 @@ def trainable(shape: "ModelShape") -> str | None:
          "outside MiMo-V2-Flash", shape.hf_model_type != "mimo_v2_flash" and (
              shape.sliding_kv_heads is not None or shape.sliding_rope_theta is not None or shape.sliding_sinks
              or shape.v_head_dim is not None or shape.value_scale != 1.0)),
+        ("full layers without RoPE (nope_full_layers) outside K-EXAONE", shape.nope_full_layers
+         and shape.hf_model_type != "exaone_moe"),
         ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
          and shape.rope_scaling is not None),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
@@ -349,6 +351,8 @@ class ModelShape(Record):
     sliding_sinks: bool = False
     v_head_dim: int | None = None
     value_scale: float = 1.0
+    # the full-attention layers take no RoPE where the sliding layers do (K-EXAONE's global layers)
+    nope_full_layers: bool = False
     # the Hugging Face model_type an export writes where the arch's blocks serve several (glm4_moe_lite: GLM-4.7-Flash
     # on DeepSeek-V3's); None: the arch's own
     hf_model_type: str | None = None
@@ -502,8 +506,8 @@ class ModelShape(Record):
                              "llama4", "hf_model_type", "granite", "clip_qkv", "dsa", "sliding_kv_heads",
                              "sliding_rope_theta", "v_head_dim")
                  if getattr(self, k) is None}
-        unset |= {k for k, default in (("moe_layer_step", 1), ("sliding_sinks", False), ("value_scale", 1.0))
-                  if getattr(self, k) == default}
+        unset |= {k for k, default in (("moe_layer_step", 1), ("sliding_sinks", False), ("value_scale", 1.0),
+                                       ("nope_full_layers", False)) if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
             del out["rope_scaling"]["alpha"]
@@ -850,7 +854,8 @@ _ARCH_BY_MODEL_TYPE = {
     "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
-    "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe", "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe",
+    "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe", "exaone_moe": "glm4_moe",
+    "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe",
     "minimax_m2": "minimax_m2",
     "llama4": "llama4",
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
@@ -1108,18 +1113,24 @@ def _from_hf_config(path: Path) -> ModelShape:
         # Hunyuan-V3 (hy_v3): per-head q/k norms before RoPE (Qwen3's), plain shared experts of the experts' width
         # (`num_shared_experts`), the top-k sigmoid weights renormalized and scaled by `router_scaling_factor`, the
         # correction bias on the MoE block, its dense layers by `mlp_layer_types`
+        # K-EXAONE (exaone_moe): per-head q/k norms, sliding layers (`sliding_window_pattern`: every n-th layer full)
+        # rotated, the full ones without RoPE, shared experts by count (`num_shared_experts`)
         glm, mimo, hy = model_type == "glm4_moe", model_type == "mimo_v2_flash", model_type == "hy_v3"
+        exaone = model_type == "exaone_moe"
         first = 0 if model_type == "solar_open" else _leading_dense(cfg, model_type, opt, bad) if mimo or hy \
-            else opt("first_k_dense_replace", 1 if glm else 0)
-        if model_type in ("dots1", "solar_open", "mimo_v2_flash", "hy_v3"):
+            or exaone else opt("first_k_dense_replace", 1 if glm else 0)
+        if model_type in ("dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe"):
             fields["hf_model_type"] = model_type
+        if exaone:
+            _exaone_layers(cfg, fields, n_layers, opt, count, bad)
         if mimo:
             _mimo_attention(cfg, fields, rope, rope_by_type, opt, number, bad)
         if glm and prf is None:
             fields["partial_rotary_factor"] = 0.5
-        fields.update(qk_norm=model_type in ("dots1", "hy_v3") or (glm and opt_flag("use_qk_norm", False)),
+        fields.update(qk_norm=model_type in ("dots1", "hy_v3", "exaone_moe")
+                      or (glm and opt_flag("use_qk_norm", False)),
                       attn_bias=opt_flag("attention_bias", False),
-                      shared_expert_ffn=(opt("num_shared_experts", 1) if hy else opt("n_shared_experts", 0))
+                      shared_expert_ffn=(opt("num_shared_experts", 1) if hy or exaone else opt("n_shared_experts", 0))
                       * fields["expert_ffn"], router_bias=True,
                       first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0,
                       sigmoid_router=_sigmoid_router(cfg, model_type, opt, number))
@@ -1179,7 +1190,7 @@ def _from_hf_config(path: Path) -> ModelShape:
 _SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5),
                             "glm_moe_dsa": (1, 1, 2.5), "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8),
                             "dots1": (1, 1, 1.0), "solar_open": (1, 1, 1.0), "mimo_v2_flash": (1, 1, 1.0),
-                            "hy_v3": (1, 1, 2.826)}
+                            "hy_v3": (1, 1, 2.826), "exaone_moe": (1, 1, 2.5)}
 # the MLA families whose attention layers an indexer makes sparse (DeepSeek sparse attention): DeepSeek-V3.2, GLM-5
 _DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 
@@ -1231,6 +1242,8 @@ def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
     if types is None:  # transformers' defaults where the field is absent
         default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, "hy_v3": 1, **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(
             model_type, 0)
+        if model_type == "exaone_moe":
+            default = 1
         return opt("first_k_dense_replace", default)
     k = types.index("sparse") if "sparse" in types else len(types)
     if "dense" in types[k:]:
@@ -1288,6 +1301,24 @@ def _rope_scaling(cfg: dict, rope: dict, bad, number, count) -> dict | None:
     if isinstance(src.get("truncate"), bool):
         out["truncate"] = src["truncate"]
     return out
+
+
+def _exaone_layers(cfg: dict, fields: dict, n_layers: int, opt, count, bad) -> None:
+    """K-EXAONE's attention layers as transformers derives them where `layer_types` is absent: every
+    `sliding_window_pattern`-th layer full, the rest sliding over `sliding_window` keys (4096 where absent; null: all
+    full); its full layers take no RoPE where any layer slides."""
+    window = cfg.get("sliding_window", 4096)
+    if window is None:
+        fields["layer_types"] = ("full_attention",) * n_layers
+        return
+    if not cfg.get("layer_types"):
+        pattern = opt("sliding_window_pattern", 4)
+        if pattern <= 0:
+            raise bad("sliding_window_pattern", "a positive whole number", pattern)
+        fields["layer_types"] = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
+                                      for i in range(n_layers))
+    fields.update(sliding_window=count(window, "sliding_window"),
+                  nope_full_layers="sliding_attention" in fields["layer_types"])
 
 
 def _mimo_attention(cfg: dict, fields: dict, rope: dict, rope_by_type: dict | None, opt, number, bad) -> None:

@@ -117,7 +117,8 @@ ARCH = {"moonlight": "deepseek_v3", "mixtral_swa": "mixtral", **{a: "deepseek_v3
         "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3",
         **{a: "deepseek_v3" for a in DSA_ARCHS},
         "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe",
-        "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe"}
+        "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe",
+        "exaone_moe": "glm4_moe"}
 
 
 def _hf_model(arch: str):
@@ -230,6 +231,11 @@ def _hf_model(arch: str):
         cfg = transformers.HYV3Config(**COMMON, intermediate_size=40, num_hidden_layers=3, num_shared_experts=1,
                                       router_scaling_factor=1.5)
         cls = transformers.HYV3ForCausalLM
+    elif arch == "exaone_moe":  # K-EXAONE: sliding layers (window 8) rotated, every 2nd layer full and without RoPE,
+        # per-head q/k norms, a dense first layer, a shared expert, 2 groups of routed experts
+        cfg = transformers.ExaoneMoeConfig(**COMMON, intermediate_size=40, num_hidden_layers=4, sliding_window=8,
+                                           sliding_window_pattern=2, n_group=2, topk_group=1, routed_scaling_factor=1.5)
+        cls = transformers.ExaoneMoeForCausalLM
     elif arch in DENSE:
         config_cls, cls, extra = DENSE[arch]
         dense = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
@@ -251,7 +257,8 @@ def _hf_model(arch: str):
 @pytest.mark.parametrize("arch", ["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "qwen2_moe_sparse", "olmoe",
                                   "olmoe_clip",
                                   "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
-                                  *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "mimo_v2_flash", "hy_v3", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
+                                  *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe",
+                                  "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
                                   "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
@@ -288,6 +295,7 @@ def test_logits_and_loss_match_transformers(arch, tmp_path):
         f = safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt")
         # ERNIE's [1, E] beside the router; MiniMax-M2's on its block
         where = {"ernie4_5_moe": "mlp.moe_statics.e_score_correction_bias", "hy_v3": "mlp.expert_bias",
+                 "exaone_moe": "mlp.e_score_correction_bias",
                  "minimax_m2": "block_sparse_moe.e_score_correction_bias"}.get(arch, "mlp.gate.e_score_correction_bias")
         bias = f.get_tensor(f"model.layers.1.{where}").reshape(-1)
         assert bias.dtype == torch.float32 and torch.equal(bias, ours.layers[1].mlp.gate.e_score_correction_bias)
@@ -436,7 +444,7 @@ def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "solar_open",
-                                  "mimo_v2_flash", "hy_v3", "gpt_oss",
+                                  "mimo_v2_flash", "hy_v3", "exaone_moe", "gpt_oss",
                                   *LLAMA4, "granitemoeshared", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
@@ -452,7 +460,8 @@ def test_gradients_match_transformers(arch, tmp_path):
     load_hf_checkpoint(ours, tmp_path / "hf")
     T = 40
     ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
-    assert shape.pad_token_id == {"olmoe": 1, "olmoe_clip": 1, "ernie4_5_moe": 0, "hunyuan_v1_moe": 0}.get(arch)
+    assert shape.pad_token_id == {"olmoe": 1, "olmoe_clip": 1, "ernie4_5_moe": 0, "hunyuan_v1_moe": 0,
+                                  "exaone_moe": 0}.get(arch)
     if shape.pad_token_id is not None:
         ids[0, [3, 17]] = shape.pad_token_id
     hf.zero_grad()
