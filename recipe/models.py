@@ -855,6 +855,7 @@ _ARCH_BY_MODEL_TYPE = {
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
     "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe", "exaone_moe": "glm4_moe",
+    "glm4v_moe": "glm4_moe", "glm4v_moe_text": "glm4_moe",
     "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe",
     "minimax_m2": "minimax_m2",
     "llama4": "llama4",
@@ -1115,12 +1116,16 @@ def _from_hf_config(path: Path) -> ModelShape:
         # correction bias on the MoE block, its dense layers by `mlp_layer_types`
         # K-EXAONE (exaone_moe): per-head q/k norms, sliding layers (`sliding_window_pattern`: every n-th layer full)
         # rotated, the full ones without RoPE, shared experts by count (`num_shared_experts`)
-        glm, mimo, hy = model_type == "glm4_moe", model_type == "mimo_v2_flash", model_type == "hy_v3"
+        # GLM-4.5V/4.6V (glm4v_moe): GLM-4.5's text model, its multimodal RoPE plain RoPE on text
+        glm = model_type in ("glm4_moe", "glm4v_moe", "glm4v_moe_text")
+        mimo, hy = model_type == "mimo_v2_flash", model_type == "hy_v3"
         exaone = model_type == "exaone_moe"
         first = 0 if model_type == "solar_open" else _leading_dense(cfg, model_type, opt, bad) if mimo or hy \
             or exaone else opt("first_k_dense_replace", 1 if glm else 0)
         if model_type in ("dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe"):
             fields["hf_model_type"] = model_type
+        if model_type in ("glm4v_moe", "glm4v_moe_text"):  # exported as GLM-4.5's text model
+            fields["hf_model_type"] = "glm4v_moe"
         if exaone:
             _exaone_layers(cfg, fields, n_layers, opt, count, bad)
         if mimo:
@@ -1190,7 +1195,8 @@ def _from_hf_config(path: Path) -> ModelShape:
 _SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5),
                             "glm_moe_dsa": (1, 1, 2.5), "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8),
                             "dots1": (1, 1, 1.0), "solar_open": (1, 1, 1.0), "mimo_v2_flash": (1, 1, 1.0),
-                            "hy_v3": (1, 1, 2.826), "exaone_moe": (1, 1, 2.5)}
+                            "hy_v3": (1, 1, 2.826), "exaone_moe": (1, 1, 2.5),
+                            "glm4v_moe": (1, 1, 1.0), "glm4v_moe_text": (1, 1, 1.0)}
 # the MLA families whose attention layers an indexer makes sparse (DeepSeek sparse attention): DeepSeek-V3.2, GLM-5
 _DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
 

@@ -563,6 +563,46 @@ def test_a_llama4_multimodal_checkpoint_loads_its_text_model(layout, tmp_path):
     assert all(torch.equal(sw[k], sg[k]) for k in sw)
 
 
+def test_a_glm45v_checkpoint_trains_its_text_model(tmp_path):
+    """GLM-4.5V (`glm4v_moe`): GLM-4.5's blocks (q/k/v biases, half of each head rotated, sigmoid routing in 2
+    groups, a shared expert, a dense first layer) under `model.language_model.`, its multimodal RoPE plain RoPE on
+    text, the vision tower (`model.visual.`) skipped. Ours gives the multimodal model's logits on text; exported, it
+    is a GLM-4.5 text model with the same logits."""
+    text = {k: v for k, v in COMMON.items() if k != "num_experts"} | dict(
+        n_routed_experts=6, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+        intermediate_size=40, num_hidden_layers=3, attention_bias=True, routed_scaling_factor=1.5,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                             mrope_section=[2, 1, 1]))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+    torch.manual_seed(0)
+    hf = transformers.Glm4vMoeForConditionalGeneration(
+        transformers.Glm4vMoeConfig(text_config=text, vision_config=vision)).float().eval()
+    with torch.no_grad():
+        for name, p in hf.named_parameters():
+            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.1))
+        for name, b in hf.named_buffers():
+            if name.endswith("e_score_correction_bias"):
+                b.copy_(torch.randn_like(b) * 0.1)
+    hf.save_pretrained(tmp_path / "hf")
+    shape = from_hf_config(tmp_path / "hf" / "config.json")
+    assert (shape.arch, shape.hf_model_type, shape.partial_rotary_factor, shape.first_dense_layers) == (
+        "glm4_moe", "glm4v_moe", 0.5, 1)
+    ours = build_model(shape, seed=1)
+    load_hf_checkpoint(ours, tmp_path / "hf")
+    ours.eval()
+    T = 40
+    ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(2))
+    with torch.no_grad():
+        want = hf(input_ids=ids).logits[0]
+        logits = ours(ids[0], Packing.from_lengths([T])) @ ours.lm_head.weight.T
+    assert (logits - want).abs().max().item() < 1e-4
+    export_hf_checkpoint(ours, tmp_path / "ours")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
+    assert type(back).__name__ == "Glm4MoeForCausalLM"
+    with torch.no_grad():
+        assert (back(input_ids=ids).logits[0] - want).abs().max().item() < 1e-5
+
+
 @pytest.mark.parametrize("layout", ["transformers", "release"])
 def test_a_qwen3_vl_moe_checkpoint_trains_its_text_model(layout, tmp_path):
     """Qwen3-VL-MoE (`qwen3_vl_moe`): its text model is Qwen3-MoE's blocks under `model.language_model.`, whose
