@@ -175,7 +175,11 @@ def divisibility(m, lay, seq: int, stages: list[int] | None = None) -> list[tupl
     tp, cp = lay.tp, lay.cp
     if m.num_heads % tp:
         out.append(("tp", tp, f"{m.num_heads} attention heads of {m.name} are not divisible by tp={tp}"))
-    if m.num_kv_heads % tp:
+    if m.compressed is not None:  # DeepSeek-V4: its one K = V head whole on every rank, its output groups split
+        if m.compressed.o_groups % tp:
+            out.append(("tp", tp, f"{m.compressed.o_groups} output projection groups of {m.name} are not divisible "
+                                  f"by tp={tp}"))
+    elif m.num_kv_heads % tp:
         out.append(("tp", tp, f"{m.num_kv_heads} KV heads of {m.name} are not divisible by tp={tp}"))
     if m.sliding_kv_heads is not None and m.sliding_kv_heads % tp:
         out.append(("tp", tp, f"{m.sliding_kv_heads} KV heads of {m.name}'s sliding layers are not divisible by "

@@ -255,6 +255,8 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
     count (the most any layer has). MLA's v is at the kernel's width for `vendor` (`mla_widths`); values narrower than
     the heads (v_head_dim) are padded to them for the kernel (launch/model.py Attention)."""
     nh, nkv = m.num_heads / tp, m.max_kv_heads / tp
+    if m.compressed is not None:
+        return compressed_attention_working_set(m, s, tp, cp)
     if m.mla is not None:  # launch/model.py MLAttention
         a = m.mla
         qk = a.qk_nope_head_dim + a.qk_rope_head_dim
@@ -377,6 +379,30 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: fl
     return max(mixer + ffn, attention)
 
 
+def compressed_attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
+    """Bytes a DeepSeek-V4 layer's forward saves for its backward (docs/deepseek_v4.md), for an implementation with
+    this core's habits (norms keeping their input and a row scale, RoPE keeping nothing but cos and sin, the frozen
+    indexer keeping only its selection): the normed input; the q LoRA's projection and its normed copy; q_b's
+    output (kept by its norm) and q after RoPE; the K = V head as projected and as attended (its rows all-gathered
+    under CP); the compressor's kv and gate series and its entries; the attention output and its log-sum-exp, the
+    output with its RoPE undone (o_a's input) and o_a's (o_b's input); a sparse layer's selection (int32); and the
+    hyper-connections: the FFN site's input streams (the attention site's are the layer's input) and the two
+    collapsed inputs, with their row scales. The heads, q_b and o_a split over tp; the K = V head and the
+    compressors do not. The largest layer kind: a compressed_sparse_attention layer where the model has one."""
+    c, h, hd = m.compressed, m.hidden_size, m.head_dim
+    nh = m.num_heads / tp
+    q = s * (2 * c.q_lora_rank + 2 * nh * hd) * BF16 + s * nh * FP32
+    kv = s * hd * BF16 + s * max(cp, 1) * hd * BF16
+    out = s * (2 * nh * hd + c.o_groups * c.o_lora_rank / tp) * BF16 + s * nh * FP32
+    sparse = "compressed_sparse_attention" in m.layer_types
+    rate = c.csa_rate if sparse else c.hca_rate
+    series = 2 if sparse else 1  # a sparse layer's compressor pools two overlapping series
+    compressor = s * 2 * series * hd * BF16 + s / rate * hd * BF16
+    selection = s * c.index_topk * 4 if sparse else 0.0
+    streams = s * (c.hc_mult * h + 2 * h) * BF16 + 2 * s * FP32
+    return s * h * BF16 + q + kv + out + compressor + selection + streams
+
+
 def attention_backward_bytes(m: ModelShape, s: float, tp: int, cp: int, vendor: str = "nvidia") -> float:
     """What the flash kernel's backward adds to attention's saved set: dq, and dk and dv of every key it attended
     (s·cp of them under CP, at the KV heads' count), in bf16 at the kernel's head width; its fp32 accumulator of dq
@@ -386,7 +412,7 @@ def attention_backward_bytes(m: ModelShape, s: float, tp: int, cp: int, vendor: 
     if m.dsa is not None:  # the absorbed query's gradient, dô, Δ, and the fp32 latent gradient the atomics fill
         lat = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
         return s * nh * (lat + m.mla.kv_lora_rank) * BF16 + s * nh * FP32 + s * cp * lat * FP32
-    nkv = nh if m.mla is not None else m.max_kv_heads / tp
+    nkv = nh if m.mla is not None else 1 if m.compressed is not None else m.max_kv_heads / tp
     kw, vw = mla_widths(m, vendor) if m.mla is not None else (m.head_dim, m.head_dim)
     return s * nh * kw * (BF16 + FP32) + s * cp * nkv * (kw + vw) * BF16 + s * nh * FP32
 
@@ -422,6 +448,10 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
         qk, vd = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
     else:
         qk = vd = m.head_dim
+    if m.compressed is not None:  # DeepSeek-V4: K = V, one head of head_dim, on the window and compressed entries
+        out["attention"] = 2 * m.num_heads * 2 * m.head_dim * sum(compressed_keys(m, seq, k) for k in m.layer_types)
+        out["indexer"] = index_pair_flops(m) * indexing_layers(m) * compressed_entries(m.compressed.csa_rate, seq)
+        return out
     ctx_full, ctx_sliding = attention_keys(m, seq)
     if m.dsa is not None:  # absorbed: q·latent over C + R channels, p·latent over C, on the selected keys
         qk, vd = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim, m.mla.kv_lora_rank
@@ -436,24 +466,62 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
     return out
 
 
+def capped_mean(cap: float, n: float) -> float:
+    """The mean of min(cap, t + 1) over t = 0 … n − 1: what a causal query sees on average of at most `cap` of the
+    keys before it, over n queries."""
+    if n <= cap:
+        return (n + 1) / 2
+    return (cap * (cap + 1) / 2 + (n - cap) * cap) / n
+
+
 def sparse_keys(m: ModelShape, seq: float) -> float:
     """Keys a query of DeepSeek sparse attention attends on average over a causal sequence of `seq`: min(topk, t + 1)
     for the query at t."""
-    k = m.dsa.topk
-    if seq <= k:
-        return (seq + 1) / 2
-    return (k * (k + 1) / 2 + (seq - k) * k) / seq
+    return capped_mean(m.dsa.topk, seq)
+
+
+def compressed_entries(rate: int, seq: float, cap: float = math.inf) -> float:
+    """The mean over t = 0 … seq − 1 of min(cap, ⌊(t + 1)/rate⌋): the compressed entries a causal query at t may see
+    (an entry stands for `rate` tokens and is seen once all of them are earlier), at most `cap` of them. With
+    u = t + 1 and q = ⌊seq/rate⌋, entry count j ≥ 1 holds for `rate` values of u below q·rate and the last
+    seq − q·rate + 1 values of u have q."""
+    q = math.floor(seq / rate)
+    if q < 1:
+        return 0.0
+
+    def capped_sum(n: int) -> float:  # Σ_{j=1..n} min(cap, j)
+        return n * (n + 1) / 2 if n <= cap else cap * (cap + 1) / 2 + (n - cap) * cap
+
+    return (rate * capped_sum(q - 1) + (seq - q * rate + 1) * min(cap, q)) / seq
+
+
+def compressed_keys(m: ModelShape, seq: float, kind: str) -> float:
+    """Keys a DeepSeek-V4 query of a `kind` layer attends on average over a causal sequence of `seq`: its window of
+    raw keys (min(window, t + 1)), and beside them the compressed entries it may see (`compressed_entries`): a
+    compressed_sparse_attention layer the index_topk of them its indexer picks, a heavily_compressed_attention layer
+    all."""
+    c = m.compressed
+    keys = capped_mean(m.sliding_window, seq)
+    if kind == "compressed_sparse_attention":
+        keys += compressed_entries(c.csa_rate, seq, c.index_topk)
+    elif kind == "heavily_compressed_attention":
+        keys += compressed_entries(c.hca_rate, seq)
+    return keys
 
 
 def index_pair_flops(m: ModelShape) -> int:
-    """Forward FLOPs of one DeepSeek sparse attention index score (a query against a key): every index head's
-    product of width I."""
+    """Forward FLOPs of one index score (a query against a key; DeepSeek-V4's: against a compressed key): every
+    index head's product of width I."""
+    if m.compressed is not None:
+        return 2 * m.compressed.index_heads * m.compressed.index_head_dim
     return 2 * m.dsa.index_heads * m.dsa.index_head_dim
 
 
 def indexing_layers(m: ModelShape) -> int:
-    """Layers that run DeepSeek sparse attention's indexer (every full-attention layer but those sharing an earlier
-    one's selection)."""
+    """Layers that run an indexer: DeepSeek sparse attention's (every full-attention layer but those sharing an
+    earlier one's selection) or DeepSeek-V4's (its compressed_sparse_attention layers)."""
+    if m.compressed is not None:
+        return sum(t == "compressed_sparse_attention" for t in m.layer_types)
     return m.num_full_attn_layers - len(m.dsa.shared_layers) if m.dsa is not None else 0
 
 
@@ -480,9 +548,24 @@ def attention_keys(m: ModelShape, seq: float, kernel: bool = False) -> tuple[flo
     the sequence, the window. `kernel`: what the kernels cost a query, in keys of the full-attention kernel
     (`window_kernel_keys` for a sliding layer)."""
     w = m.sliding_window or seq
-    if w >= seq:
+    if w >= seq or m.compressed is not None:  # (DeepSeek-V4's keys: compressed_keys)
         return seq / 2, seq / 2
     return seq / 2, (window_kernel_keys(w) if kernel else w)
+
+
+def residual_width(m: ModelShape) -> int:
+    """Values a token's residual holds between layers: the hidden size, DeepSeek-V4's hc_mult streams of it."""
+    return m.hidden_size * (m.compressed.hc_mult if m.compressed is not None else 1)
+
+
+def compressed_cp_row(m: ModelShape, s: float) -> float:
+    """Values a token sends under CP per DeepSeek-V4 attention pass, on average over its layers: what a rank needs
+    of the earlier segments are their compressed entries (one head_dim entry per rate tokens; a sparse layer's with
+    its index keys) and the window's raw K = V rows at a segment's edge (window · head_dim over the s tokens)."""
+    c, hd = m.compressed, m.head_dim
+    entries = [(hd + c.index_head_dim) / c.csa_rate if t == "compressed_sparse_attention" else hd / c.hca_rate
+               if t == "heavily_compressed_attention" else 0.0 for t in m.layer_types]
+    return sum(entries) / len(entries) + m.sliding_window * hd / s
 
 
 def chunk_keys(m: ModelShape, seq: float) -> float:
@@ -511,7 +594,10 @@ def window_kernel_keys(window: int) -> float:
 
 
 def attention_kernel_ratio(m: ModelShape, seq: float) -> float:
-    """The attention kernels' work over the model's attention FLOPs at `seq` (1 without windows shorter than seq)."""
+    """The attention kernels' work over the model's attention FLOPs at `seq` (1 without windows shorter than seq;
+    DeepSeek-V4's window and compressed entries counted as the model's keys)."""
+    if m.compressed is not None:
+        return 1.0
     full, slide = attention_keys(m, seq)
     _, slide_k = attention_keys(m, seq, kernel=True)
     chunked = m.num_chunked_layers * chunk_keys(m, seq)
@@ -700,7 +786,8 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
     head_grad = min(ends, m.vocab_size * m.hidden_size) / (tp * dp * cp) * BYTES_GRADS
     emb_grad = ends / (tp * dp * cp) * BYTES_GRADS - head_grad  # an untied embedding's: the backward's last
     mixer, ffn = layer_saved(m, s, tp, cp, hw.vendor)
-    layer_input = s * m.hidden_size * BF16 / tp  # kept by its input norm (under recompute: the checkpoint)
+    # kept by its input norm (under recompute: the checkpoint); DeepSeek-V4's: its hc_mult residual streams
+    layer_input = s * residual_width(m) * BF16 / tp
     checkpoints = (L - kept) * in_flight * layer_input
     saved = kept * in_flight * (mixer + ffn + layer_input)
     grads = mem["grads"]
@@ -769,10 +856,16 @@ def local_param_count(m: ModelShape, world: int, layout: Layout, layers: float |
 def tp_replicated_params(m: ModelShape, pp: int, layers: float | None = None) -> float:
     """Dense parameters of the largest stage that tensor parallelism keeps whole on every tp rank (launch/
     tensor_parallel.py): the router, the shared expert and its gate, and the norms — they run on the
-    sequence-parallel tokens; attention, Gated DeltaNet, dense FFNs, the embedding and the head are split."""
+    sequence-parallel tokens; attention, Gated DeltaNet, dense FFNs, the embedding and the head are split (of
+    DeepSeek-V4's attention only what is per head: q_b, o_a, o_b and the sinks)."""
     c = param_counts(m)
     per_stage = m.num_layers / pp if layers is None else layers
-    return (c["router"] + c["shared_expert"] + c["norms"]) / m.num_layers * per_stage
+    whole = c["router"] + c["shared_expert"] + c["norms"]
+    if m.compressed is not None:  # DeepSeek-V4: all of its attention but q_b, o_a, o_b and the sinks (split by head)
+        cm, nh, hd = m.compressed, m.num_heads, m.head_dim
+        split = nh * hd * (cm.q_lora_rank + cm.o_lora_rank) + cm.o_groups * cm.o_lora_rank * m.hidden_size + nh
+        whole += c["attention"] - m.num_layers * split
+    return whole / m.num_layers * per_stage
 
 
 def forward_equivalents(opts: TrainOptions) -> int:
@@ -994,6 +1087,8 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
     if m is not None and m.dsa is not None:
         dsa = {"indexer": index_pair_flops(m) / index_pair_seconds(m, hw),
                "index_rows": INDEX_ROW_S, "attention": peak * SPARSE_BACKWARD_EFFICIENCY}
+    elif m is not None and m.compressed is not None:  # DeepSeek-V4's indexer: DSA's kernels on compressed keys
+        dsa = {"indexer": index_pair_flops(m) / index_pair_seconds(m, hw), "index_rows": INDEX_ROW_S}
     return {**_rates(hw, m, peak, hbm, e), **dsa}
 
 
@@ -1088,7 +1183,8 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     t["cp"] = 0.0
     if cp > 1:
         bw = group_bw(hw, cp, tp, node)
-        kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else 2 * m.mean_kv_heads * m.head_dim / tp)
+        kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else compressed_cp_row(m, s)
+                  if m.compressed is not None else 2 * m.mean_kv_heads * m.head_dim / tp)
         cp_bytes = passes["attention"] * s * (cp - 1) * kv_tok * BF16
         if m.dsa is not None:  # and the index keys, gathered in each forward pass (no gradient)
             cp_bytes += (n["attention"] + again["attention"]) * s * (cp - 1) * m.dsa.index_head_dim * BF16
@@ -1136,7 +1232,7 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     # PP: activations to the next stage and gradients back
     t["pp"] = 0.0
     if pp > 1:
-        pp_bytes = 2 * s * m.hidden_size * BF16 / tp
+        pp_bytes = 2 * s * residual_width(m) * BF16 / tp
         comm["pp"] = pp_bytes
         t["pp"] = pp_bytes / group_bw(hw, pp, world // pp, node)
     return comm, t
@@ -1202,6 +1298,16 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
         la = m.linear_attn
         kd, vd = la.num_k_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
         mixer = [(h, 2 * kd + vd), (h, vd), (h, la.num_v_heads), (h, la.num_v_heads), (vd, h)]
+    elif m.compressed is not None:  # DeepSeek-V4 (recipe.models._compressed_attention_params)
+        c, hd = m.compressed, m.head_dim
+        mixer = [(h, c.q_lora_rank), (c.q_lora_rank, m.num_heads * hd), (h, hd),
+                 (m.num_heads * hd, c.o_groups * c.o_lora_rank), (c.o_groups * c.o_lora_rank, h)]
+        if kind == "compressed_sparse_attention":
+            ihd = c.index_head_dim
+            mixer += [(h, 2 * hd)] * 2 + [(h, 2 * ihd)] * 2 + [(c.q_lora_rank, c.index_heads * ihd),
+                                                               (h, c.index_heads)]
+        elif kind == "heavily_compressed_attention":
+            mixer += [(h, hd)] * 2
     elif m.mla is not None:
         a = m.mla
         qk = m.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
@@ -1268,6 +1374,11 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
         if kind == "linear_attention":
             w["dense_gemm"] += 2 * _linear_attention_params(m)
             w["delta_rule"] += f["linear_attention"] / m.num_linear_attn_layers
+        elif m.compressed is not None:  # DeepSeek-V4: K = V on the window and the compressed entries
+            w["dense_gemm"] += 2 * _full_attention_params(m, kind)
+            w["attention"] += 2 * m.num_heads * 2 * m.head_dim * compressed_keys(m, seq, kind)
+            if kind == "compressed_sparse_attention":
+                w["indexer"] = index_pair_flops(m) * compressed_entries(m.compressed.csa_rate, seq)
         else:
             qk = (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim) if m.mla else (m.head_dim,) * 2
             w["dense_gemm"] += 2 * _full_attention_params(m, kind)

@@ -25,8 +25,12 @@ from ._data import Record, plain, validate
 Pos = int  # > 0, checked in __post_init__ (which pydantic also runs when it validates untrusted data)
 NonNeg = int  # >= 0, likewise
 
-LayerType = Literal["full_attention", "linear_attention", "sliding_attention", "chunked_attention"]
-LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention", "chunked_attention")
+LayerType = Literal["full_attention", "linear_attention", "sliding_attention", "chunked_attention",
+                    "compressed_sparse_attention", "heavily_compressed_attention"]
+LAYER_TYPES = ("full_attention", "linear_attention", "sliding_attention", "chunked_attention",
+               "compressed_sparse_attention", "heavily_compressed_attention")
+# DeepSeek-V4's: a sliding window over the raw keys and, beside it, keys compressed m to one
+COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_attention")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -95,6 +99,37 @@ class SparseAttentionShape(Record):
         if any(isinstance(i, bool) or not isinstance(i, int) or i < 1 for i in self.shared_layers):
             raise ValueError(f"shared_layers must be layer indices from 1 (layer 0 always indexes), got "
                              f"{list(self.shared_layers)}")
+
+
+@dataclass(frozen=True, kw_only=True)
+class CompressedAttentionShape(Record):
+    """DeepSeek-V4's attention (docs/deepseek_v4.md). Every layer: queries from a q LoRA, one key/value head of
+    `head_dim` (K = V) over a sliding window of raw keys, a sink logit per head, and a grouped low-rank output
+    projection (`o_groups` groups of heads, each to `o_lora_rank`, then to the hidden size). Beside the window, a
+    compressed_sparse_attention layer attends to the `index_topk` of its keys compressed `csa_rate` to one (windows
+    of 2·rate tokens at a stride of rate) that a lightning indexer (`index_heads` × `index_head_dim`, on keys
+    compressed the same way) picks; a heavily_compressed_attention layer to all its keys compressed `hca_rate` to
+    one. The residual is `hc_mult` streams mixed by hyper-connections; the first `hash_layers` MoE layers route by a
+    fixed table of token ids; experts are scored by `scoring` and their gate and up values clamped at
+    `swiglu_limit`."""
+
+    q_lora_rank: Pos
+    o_groups: Pos
+    o_lora_rank: Pos
+    csa_rate: Pos = 4
+    hca_rate: Pos = 128
+    index_heads: Pos
+    index_head_dim: Pos
+    index_topk: Pos
+    hc_mult: Pos = 4
+    hash_layers: NonNeg = 0
+    scoring: str = "sqrtsoftplus"
+    swiglu_limit: float = 10.0
+
+    def __post_init__(self) -> None:
+        _positive(self, ("q_lora_rank", "o_groups", "o_lora_rank", "csa_rate", "hca_rate", "index_heads",
+                         "index_head_dim", "index_topk", "hc_mult"))
+        _positive(self, ("hash_layers",), strict=False)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -297,7 +332,7 @@ class ModelShape(Record):
     # hunyuan_moe: Hunyuan-A13B (per-head q/k norms after RoPE, a plain shared expert, NTK-alpha RoPE)
     arch: Literal["qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2",
                   "deepseek_v3", "gpt_oss", "mixtral", "glm4_moe", "llama4", "granitemoe", "hunyuan_moe", "dense",
-                  "moe", "qwen3_5"]
+                  "moe", "qwen3_5", "deepseek_v4"]
     hidden_size: Pos
     num_layers: Pos
     vocab_size: Pos
@@ -320,6 +355,8 @@ class ModelShape(Record):
     clip_qkv: float | None = None  # OLMoE's clip_qkv: q and k (after their norms) and v clamped to ±this
     # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): MLA whose queries attend to the keys an indexer picks
     dsa: SparseAttentionShape | None = None
+    # DeepSeek-V4's compressed attention, hyper-connections and hash routing (arch deepseek_v4: planned, not trained)
+    compressed: CompressedAttentionShape | None = None
     mla: MLAShape | None = None
     linear_attn: LinearAttnShape | None = None
     # MoE
@@ -392,6 +429,17 @@ class ModelShape(Record):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
         if self.top_k > self.num_experts:
             raise ValueError(f"top_k={self.top_k} > num_experts={self.num_experts}")
+        if self.num_compressed_layers and self.compressed is None:
+            raise ValueError("layer_types has compressed attention layers but no compressed shape (DeepSeek-V4's)")
+        if self.compressed is not None:
+            if self.num_full_attn_layers or self.num_linear_attn_layers or self.num_chunked_layers:
+                raise ValueError("a DeepSeek-V4 shape's layers are sliding_attention, compressed_sparse_attention and "
+                                 "heavily_compressed_attention")
+            if not self.sliding_window or self.num_kv_heads != 1 or self.num_heads % self.compressed.o_groups:
+                raise ValueError("DeepSeek-V4's attention has a sliding_window, one key/value head and o_groups "
+                                 "dividing its heads")
+            if self.compressed.hash_layers > self.num_moe_layers:
+                raise ValueError(f"hash_layers={self.compressed.hash_layers} > the {self.num_moe_layers} MoE layers")
         if "linear_attention" in self.layer_types and self.linear_attn is None:
             raise ValueError("layer_types has linear_attention layers but no linear_attn shape")
         if self.num_dense_layers and not self.dense_ffn:
@@ -464,10 +512,16 @@ class ModelShape(Record):
     def num_chunked_layers(self) -> int:
         return sum(t == "chunked_attention" for t in self.layer_types)
 
+    @functools.cached_property
+    def num_compressed_layers(self) -> int:
+        """DeepSeek-V4's compressed attention layers (sparse and heavy)."""
+        return sum(t in COMPRESSED_LAYER_TYPES for t in self.layer_types)
+
     @property
     def num_attention_layers(self) -> int:
-        """Layers whose mixer is softmax attention: full, sliding and chunked."""
-        return self.num_full_attn_layers + self.num_sliding_layers + self.num_chunked_layers
+        """Layers whose mixer is softmax attention: full, sliding, chunked and compressed."""
+        return (self.num_full_attn_layers + self.num_sliding_layers + self.num_chunked_layers
+                + self.num_compressed_layers)
 
     def is_dense_layer(self, i: int) -> bool:
         """Whether layer i has the dense FFN (one of the first_dense_layers, or off the moe_layer_step)."""
@@ -490,9 +544,13 @@ class ModelShape(Record):
         dsa = self.dsa
         if dsa is not None and dsa.shared_layers:
             dsa = dsa.model_copy(update={"shared_layers": tuple(i for i in dsa.shared_layers if i < num_layers)})
+        compressed = self.compressed
+        if compressed is not None:  # the hash-routed layers lead: as many of them as the cut keeps
+            compressed = compressed.model_copy(update={"hash_layers": min(compressed.hash_layers, num_layers)})
         return self.model_copy(
             update={
                 "dsa": dsa,
+                "compressed": compressed,
                 "num_layers": num_layers,
                 "layer_types": self.layer_types[:num_layers],
                 "first_dense_layers": min(self.first_dense_layers, num_layers),
@@ -504,7 +562,7 @@ class ModelShape(Record):
         # a shape without the routing, RoPE-scaling or pad records keeps the fingerprint it had before they existed
         unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id", "attention_chunk",
                              "llama4", "hf_model_type", "granite", "clip_qkv", "dsa", "sliding_kv_heads",
-                             "sliding_rope_theta", "v_head_dim")
+                             "sliding_rope_theta", "v_head_dim", "compressed")
                  if getattr(self, k) is None}
         unset |= {k for k, default in (("moe_layer_step", 1), ("sliding_sinks", False), ("value_scale", 1.0),
                                        ("nope_full_layers", False)) if getattr(self, k) == default}
@@ -600,6 +658,19 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             first_dense_layers=1, dense_ffn=10944, rope_theta=1e6, rms_norm_eps=1e-5, max_position=131072,
             mtp_layers=1, source="zai-org/GLM-4.5-Air config.json",
         ),
+    # DeepSeek-V4-Flash (284B, 13B active): compressed attention, hyper-connections, hash routing (planned, not
+    # trained; docs/deepseek_v4.md)
+    "deepseek-v4-flash": lambda: ModelShape(
+            name="deepseek-v4-flash", arch="deepseek_v4", hidden_size=4096, num_layers=43, vocab_size=129280,
+            layer_types=("heavily_compressed_attention",) * 2 + tuple(
+                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention" for i in range(41)),
+            num_heads=64, num_kv_heads=1, head_dim=512, qk_norm=False, partial_rotary_factor=0.125,
+            rope_theta=10000.0, sliding_window=128,
+            compressed=CompressedAttentionShape(q_lora_rank=1024, o_groups=8, o_lora_rank=1024, index_heads=64,
+                                                index_head_dim=128, index_topk=512, hash_layers=3),
+            num_experts=256, top_k=6, expert_ffn=2048, shared_expert_ffn=2048, router_bias=True,
+            sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.5), max_position=1048576,
+            mtp_layers=1, source="deepseek-ai/DeepSeek-V4-Flash config.json (transformers' DeepseekV4Config defaults)"),
     # MiMo-V2-Flash (309B, 15B active): 39 sliding layers (window 128, twice the KV heads, sinks, RoPE base 1e4)
     # among 9 full ones, values 128 wide beside q·k's 192
     "mimo-v2-flash": lambda: ModelShape(
@@ -727,6 +798,8 @@ PARAM_GROUPS = ("embedding", "head", "attention", "linear_attention", "router", 
 def _full_attention_params(m: ModelShape, kind: str = "full_attention") -> int:
     """One `kind` attention layer's parameters."""
     h = m.hidden_size
+    if m.compressed is not None:
+        return _compressed_attention_params(m, kind)
     if m.mla is not None:
         a = m.mla
         qk_head = a.qk_nope_head_dim + a.qk_rope_head_dim
@@ -748,6 +821,35 @@ def _full_attention_params(m: ModelShape, kind: str = "full_attention") -> int:
              else 2 * m.head_dim) if m.qk_norm else 0
     sinks = m.num_heads if m.sinks_at(kind) else 0  # per-head attention sinks
     return h * (q_out + kv_out) + o + bias + norms + sinks
+
+
+def _compressed_attention_params(m: ModelShape, kind: str) -> int:
+    """One DeepSeek-V4 attention layer (transformers' DeepseekV4Attention): q_a, its norm, q_b; the one K = V head's
+    projection and norm; the grouped o_a (each group's heads to o_lora_rank) and o_b; the sinks. A
+    compressed_sparse_attention layer adds its compressor (kv and gate to two overlapping series of head_dim, a
+    position bias per slot of the window, the entries' norm) and its indexer (the same compressor at
+    index_head_dim, queries from the q latent, a weight per index head); a heavily_compressed_attention layer a
+    compressor of one series."""
+    c, h, hd, nh = m.compressed, m.hidden_size, m.head_dim, m.num_heads
+    out = (h * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * nh * hd + h * hd + hd
+           + nh * hd * c.o_lora_rank + c.o_groups * c.o_lora_rank * h + nh)
+    if kind == "compressed_sparse_attention":
+        ihd = c.index_head_dim
+        out += 2 * h * 2 * hd + c.csa_rate * 2 * hd + hd
+        out += 2 * h * 2 * ihd + c.csa_rate * 2 * ihd + ihd + c.q_lora_rank * c.index_heads * ihd + h * c.index_heads
+    elif kind == "heavily_compressed_attention":
+        out += 2 * h * hd + c.hca_rate * hd + hd
+    return out
+
+
+def hyper_connection_params(m: ModelShape) -> int:
+    """DeepSeek-V4's hyper-connections: two mixers a layer (each a [(2 + n)·n, n·h] map of the n streams, a bias
+    per output and three scales) and the head's (an [n, n·h] map, n biases, one scale); 0 elsewhere."""
+    if m.compressed is None:
+        return 0
+    n, h = m.compressed.hc_mult, m.hidden_size
+    mix = (2 + n) * n
+    return m.num_layers * 2 * (mix * n * h + mix + 3) + n * n * h + n + 1
 
 
 def indexer_params(m: ModelShape) -> int:
@@ -788,10 +890,13 @@ def _param_counts(m: ModelShape) -> tuple[tuple[str, int], ...]:
     counts["head"] = 0 if m.tie_embeddings else m.vocab_size * h
     counts["attention"] = sum(n * _full_attention_params(m, kind) for kind, n in (
         ("full_attention", m.num_full_attn_layers), ("sliding_attention", m.num_sliding_layers),
-        ("chunked_attention", m.num_chunked_layers)) if n)
+        ("chunked_attention", m.num_chunked_layers)) if n) + sum(
+        _full_attention_params(m, kind) for kind in m.layer_types if kind in COMPRESSED_LAYER_TYPES)
     if m.linear_attn is not None:
         counts["linear_attention"] = m.num_linear_attn_layers * _linear_attention_params(m)
     counts["router"] = moe_layers * (h * m.num_experts + (m.num_experts if m.router_bias else 0))
+    if m.compressed is not None:  # DeepSeek-V4's hash-routed layers: the weight, no correction bias
+        counts["router"] -= m.compressed.hash_layers * m.num_experts
     shared = swiglu * m.shared_expert_ffn + (h if m.shared_expert_gate else 0) if m.shared_expert_ffn else 0
     counts["shared_expert"] = moe_layers * shared
     counts["dense_ffn"] = m.num_dense_layers * swiglu * m.dense_ffn
@@ -799,7 +904,8 @@ def _param_counts(m: ModelShape) -> tuple[tuple[str, int], ...]:
     if m.arch == "gpt_oss":
         per_expert += 2 * m.expert_ffn + h  # gate_up and down biases
     counts["routed_experts"] = moe_layers * m.num_experts * per_expert
-    counts["norms"] = m.num_layers * 2 * h + h
+    # with DeepSeek-V4's hyper-connection mixers: small maps of the residual streams beside the norms
+    counts["norms"] = m.num_layers * 2 * h + h + hyper_connection_params(m)
     return tuple(counts.items())
 
 
@@ -830,8 +936,10 @@ def mtp_params(m: ModelShape) -> int:
     if not m.mtp_layers:
         return 0
     h = m.hidden_size
-    c = param_counts(m.model_copy(update={"num_layers": 1, "layer_types": ("full_attention",),
-                                           "first_dense_layers": 0, "moe_layer_step": 1}))
+    one = {"num_layers": 1, "layer_types": ("full_attention",), "first_dense_layers": 0, "moe_layer_step": 1}
+    if m.compressed is not None:  # DeepSeek-V4's: a layer of its first layer's kind, routed by score
+        one.update(layer_types=m.layer_types[:1], compressed=m.compressed.model_copy(update={"hash_layers": 0}))
+    c = param_counts(m.model_copy(update=one))
     layer = c["attention"] + c["router"] + c["shared_expert"] + c["routed_experts"] + 2 * h
     return m.mtp_layers * (layer + 2 * h * h + 3 * h)  # + eh_proj [2h → h] and its enorm/hnorm/final norm
 
@@ -855,7 +963,7 @@ _ARCH_BY_MODEL_TYPE = {
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
     "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe", "exaone_moe": "glm4_moe",
-    "glm4v_moe": "glm4_moe", "glm4v_moe_text": "glm4_moe",
+    "glm4v_moe": "glm4_moe", "glm4v_moe_text": "glm4_moe", "deepseek_v4": "deepseek_v4",
     "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe",
     "minimax_m2": "minimax_m2",
     "llama4": "llama4",
@@ -982,7 +1090,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         if model_type in _DSA_MODEL_TYPES:  # its sparse layers are full attention with an indexer (`dsa`)
             lt = ["full_attention" if t == "deepseek_sparse_attention" else t for t in lt]
         layer_types = tuple(lt)[:n_layers]
-        other = next((t for t in layer_types if t not in LAYER_TYPES), None)
+        other = next((t for t in layer_types if t not in LAYER_TYPES
+                      or (t in COMPRESSED_LAYER_TYPES and model_type != "deepseek_v4")), None)
         if other is not None:
             raise ValueError(f"{path}: layer type {other!r} (model_type {_shown(model_type)}) is not planned by this "
                              f"tool; it plans {', '.join(LAYER_TYPES)} layers")
@@ -1141,6 +1250,8 @@ def _from_hf_config(path: Path) -> ModelShape:
                       sigmoid_router=_sigmoid_router(cfg, model_type, opt, number))
         if hy and fields["attn_bias"]:  # Hunyuan-V3's biases include o_proj's, which GLM-4.5's blocks lack
             fields["arch"] = "moe"
+    elif arch == "deepseek_v4":
+        _deepseek_v4(cfg, fields, n_layers, req, opt, number, count, bad)
     elif arch == "qwen2_moe":
         _qwen2_moe(cfg, fields, n_layers, req, opt, opt_flag, count)
     elif arch == "ernie4_5_moe":
@@ -1307,6 +1418,64 @@ def _rope_scaling(cfg: dict, rope: dict, bad, number, count) -> dict | None:
     if isinstance(src.get("truncate"), bool):
         out["truncate"] = src["truncate"]
     return out
+
+
+def _deepseek_v4(cfg: dict, fields: dict, n_layers: int, req, opt, number, count, bad) -> None:
+    """DeepSeek-V4 (transformers' DeepseekV4Config; absent fields at its defaults): the layer types (or the older
+    `compress_ratios`, 0 / 4 / 128 a layer; else two heavily compressed layers, then sparse and heavy alternating),
+    the compression rates (`compress_rates`, or `compress_rate_csa` / `compress_rate_hca`), the hash-routed layers
+    (`mlp_layer_types`' "hash_moe", or `num_hash_layers`; 3), one shared expert of the experts' width, sqrtsoftplus
+    scores with a correction bias, their weights renormalized and scaled."""
+    if not cfg.get("layer_types"):
+        ratios = cfg.get("compress_ratios")
+        by_ratio = {0: "sliding_attention", 4: "compressed_sparse_attention", 128: "heavily_compressed_attention"}
+        if ratios is not None:
+            if not isinstance(ratios, list) or any(r not in by_ratio for r in ratios) or len(ratios) < n_layers:
+                raise bad("compress_ratios", f"{n_layers} entries of 0, 4 and 128", ratios)
+            types = [by_ratio[r] for r in ratios]
+        else:
+            types = ["heavily_compressed_attention"] * min(n_layers, 2) + [
+                "compressed_sparse_attention" if i % 2 else "heavily_compressed_attention"
+                for i in range(max(n_layers - 2, 0))]
+        fields["layer_types"] = tuple(types[:n_layers])
+    rates = cfg.get("compress_rates") or {}
+    if not isinstance(rates, dict):
+        raise bad("compress_rates", "an object", rates)
+    csa = rates.get("compressed_sparse_attention", cfg.get("compress_rate_csa", 4))
+    hca = rates.get("heavily_compressed_attention", cfg.get("compress_rate_hca", 128))
+    types = cfg.get("mlp_layer_types")
+    if types is not None:
+        if not isinstance(types, list) or any(t not in ("hash_moe", "moe") for t in types) or len(types) < n_layers:
+            raise bad("mlp_layer_types", f'{n_layers} entries of "hash_moe" and "moe"', types)
+        k = types.index("moe") if "moe" in types else len(types)
+        if "hash_moe" in types[k:n_layers]:
+            raise bad("mlp_layer_types", 'the "hash_moe" layers first, then the "moe" ones', types)
+        hash_layers = min(k, n_layers)
+    else:
+        hash_layers = min(opt("num_hash_layers", 3), n_layers)
+    width = fields["expert_ffn"]
+    prf = cfg.get("partial_rotary_factor")
+    head_dim = opt("head_dim", 512)
+    if prf is None:
+        prf = opt("qk_rope_head_dim", 64) / head_dim
+    scoring = cfg.get("scoring_func", "sqrtsoftplus")
+    if not isinstance(scoring, str):
+        raise bad("scoring_func", "a name", scoring)
+    scale = cfg.get("routed_scaling_factor", 1.5)
+    window = cfg.get("sliding_window", 128)
+    fields.update(
+        head_dim=head_dim, num_kv_heads=opt("num_key_value_heads", 1), qk_norm=False,
+        partial_rotary_factor=number(prf, "partial_rotary_factor"), sliding_window=count(window, "sliding_window"),
+        shared_expert_ffn=opt("n_shared_experts", 1) * width, router_bias=True,
+        sigmoid_router=dict(groups=1, topk_groups=1, scaling=1.0 if scale is None else number(
+            scale, "routed_scaling_factor")),
+        compressed=dict(
+            q_lora_rank=opt("q_lora_rank", 1024), o_groups=opt("o_groups", 8), o_lora_rank=opt("o_lora_rank", 1024),
+            csa_rate=count(csa, "compress_rates.compressed_sparse_attention"),
+            hca_rate=count(hca, "compress_rates.heavily_compressed_attention"),
+            index_heads=opt("index_n_heads", 64), index_head_dim=opt("index_head_dim", 128),
+            index_topk=opt("index_topk", 512), hc_mult=opt("hc_mult", 4), hash_layers=hash_layers, scoring=scoring,
+            swiglu_limit=number(cfg.get("swiglu_limit", 10.0), "swiglu_limit")))
 
 
 def _exaone_layers(cfg: dict, fields: dict, n_layers: int, opt, count, bad) -> None:

@@ -166,7 +166,10 @@ def pin_violations(m: ModelShape, hw: HwProfile, seq: int, pins: dict[str, int],
     if pp is not None and pp > m.num_layers:
         out.append(f"pp={pp} must leave each pipeline stage at least one of the {m.num_layers} layers")
     if tp is not None:
-        split = [(m.num_heads, "attention heads"), (m.num_kv_heads, "KV heads"), (m.vocab_size, "vocab entries")]
+        # DeepSeek-V4's one K = V head is whole on every tp rank; its grouped output projection splits by group
+        kv = (m.compressed.o_groups, "output projection groups") if m.compressed is not None \
+            else (m.num_kv_heads, "KV heads")
+        split = [(m.num_heads, "attention heads"), kv, (m.vocab_size, "vocab entries")]
         if m.sliding_kv_heads is not None:
             split.append((m.sliding_kv_heads, "sliding layers' KV heads"))
         if m.linear_attn is not None:

@@ -892,3 +892,68 @@ def test_kept_selections_spare_the_recomputed_indexer_and_cost_their_bytes():
     none = TrainOptions(micro_batch_tokens=4096, recompute="none")
     assert estimate(m, hw, 1, Layout(), none.model_copy(update={"keep_selections": True})) == \
         estimate(m, hw, 1, Layout(), none)  # nothing is recomputed: nothing to keep
+
+
+def _v4_shape():
+    """DeepSeek-V4-Flash cut to 4 layers (three heavily compressed, one sparse), with a 4-key window, 8 tokens an
+    entry in the heavy layers and the indexer keeping 2 entries."""
+    m = PRESETS["deepseek-v4-flash"].with_layers(4)
+    return m.model_copy(update={"sliding_window": 4, "compressed": m.compressed.model_copy(
+        update={"hca_rate": 8, "index_topk": 2})})
+
+
+def test_deepseek_v4_is_charged_on_its_window_and_compressed_entries():
+    """Hand-worked: a query at t sees min(w, t + 1) raw keys and the entries compressed `rate` to one whose tokens
+    are all earlier, ⌊(t + 1)/rate⌋ of them (a sparse layer at most index_topk): over 16 tokens, a window of 4 is
+    (1+2+3+4·13)/16 = 58/16, sparse entries at rate 4 capped at 2 are (0·3 + 1·4 + 2·9)/16 = 22/16, heavy ones at
+    rate 8 (8·1 + 1·2)/16 = 10/16 (checked against a count by enumeration at other lengths too). Attention's forward
+    FLOPs a token are 2·H·(2·512)·k̄ a layer (K = V, one head of 512), the indexer's 2·N·I a score on the sparse
+    layer's entries; the per-layer split sums to the model's. Under CP a rank receives the earlier segments'
+    compressed entries (a sparse layer's with its index keys) and the window's edge, not the raw K = V rows; a pipeline
+    stage sends its 4 residual streams; tp splits the output groups (8), not the one K = V head."""
+    from recipe.cost import (communication_terms, compressed_cp_row, compressed_entries, compressed_keys,
+                             forward_flops_per_token, layer_work, residual_width)
+    from recipe.solver import pin_violations
+
+    def counted(rate, seq, cap=10**9):
+        return sum(min(cap, (t + 1) // rate) for t in range(seq)) / seq
+
+    assert compressed_entries(4, 16, 2) == 22 / 16 and compressed_entries(8, 16) == 10 / 16
+    for rate, seq, cap in ((4, 7, 2), (4, 37, 3), (8, 100, 10**9), (128, 1000, 10**9), (4, 3, 2)):
+        assert compressed_entries(rate, seq, cap) == pytest.approx(counted(rate, seq, cap)), (rate, seq, cap)
+    m = _v4_shape()
+    assert m.layer_types == ("heavily_compressed_attention",) * 3 + ("compressed_sparse_attention",)
+    assert compressed_keys(m, 16, "compressed_sparse_attention") == (58 + 22) / 16
+    assert compressed_keys(m, 16, "heavily_compressed_attention") == (58 + 10) / 16
+    f = forward_flops_per_token(m, 16)
+    assert f["attention"] == 2 * 64 * 2 * 512 * (3 * 68 + 80) / 16
+    assert f["indexer"] == 2 * 64 * 128 * counted(4, 16)
+    lw = layer_work(m, 16)
+    assert sum(w["attention"] for w in lw) == pytest.approx(f["attention"])
+    assert sum(w.get("indexer", 0.0) for w in lw) == pytest.approx(f["indexer"])
+    assert compressed_cp_row(m, 1024) == ((512 + 128) / 4 + 3 * 512 / 8) / 4 + 4 * 512 / 1024
+    hw, opts = load_profile("h200"), TrainOptions(micro_batch_tokens=4096)
+    assert residual_width(m) == 4 * 4096 and residual_width(PRESETS["deepseek-v3"]) == 7168
+    comm = communication_terms(m, hw, 2, Layout(pp=2), opts)[0]
+    assert comm["pp"] == 2 * 4096 * 4 * 4096 * BF16
+    assert pin_violations(m, hw, 4096, {"tp": 8}) == []
+    assert "output projection groups" in pin_violations(m, hw, 4096, {"tp": 16})[0]
+
+
+def test_deepseek_v4_saves_its_streams_compressors_and_selection():
+    """A DeepSeek-V4 layer's saved set (compressed_attention_working_set): with a sparse layer in the model, the
+    largest kind is the sparse one, which beside a heavy one adds its selection (s · topk int32), a second series of
+    the compressor (s · 2 · 512 bf16) and its entries at rate 4 instead of 8 (s/4 − s/8 rows of 512); the residual
+    streams count 4 · h a token where another model's count h; tp halves what is per head (q_b's output and q, the
+    outputs: 4 · 64 · 512 values a token, and o_a's 8 · 1024) and not the K = V head or the compressors."""
+    from recipe.cost import compressed_attention_working_set
+
+    m = _v4_shape()
+    heavy = m.model_copy(update={"layer_types": ("heavily_compressed_attention",) * 4})
+    s = 1024
+    assert compressed_attention_working_set(m, s, 1, 1) - compressed_attention_working_set(heavy, s, 1, 1) == \
+        s * 2 * 4 + s * 2 * 512 * BF16 + (s / 4 - s / 8) * 512 * BF16
+    one, two = (compressed_attention_working_set(m, s, tp, 1) for tp in (1, 2))
+    assert one - two == s * (4 * 64 * 512 + 8 * 1024) / 2 * BF16 + s * 2 * 64 / 2 * FP32
+    # CP gathers the K = V rows of the whole micro-batch: one more head_dim row per rank per token
+    assert compressed_attention_working_set(m, s, 1, 2) - one == s * 512 * BF16

@@ -181,18 +181,22 @@ def test_dsa_presets_are_their_configs():
 
 
 @pytest.mark.parametrize("preset, model_type", [("mimo-v2-flash", "mimo_v2_flash"),
-                                                ("solar-open-100b", "solar_open")])
+                                                ("solar-open-100b", "solar_open"),
+                                                ("deepseek-v4-flash", "deepseek_v4")])
 def test_presets_are_transformers_default_configs(tmp_path, preset, model_type):
-    """MiMo-V2-Flash's and Solar Open's presets are what transformers' default configs (their releases' shapes) read
-    to, and the core trains them; their parameters equal transformers' own (308.8B and 102.7B, beside the published
-    309B and 102.6B)."""
+    """MiMo-V2-Flash's, Solar Open's and DeepSeek-V4-Flash's presets are what transformers' default configs (their
+    releases' shapes) read to, and the core trains the first two; their parameters equal transformers' own (308.8B,
+    102.7B and 284.3B, beside the published 309B, 102.6B and 284B; DeepSeek-V4's hash-routed layers have no
+    correction bias, its hyper-connections and compressors count too)."""
     import transformers
 
     cfg = transformers.AutoConfig.for_model(model_type)
     cfg.save_pretrained(tmp_path / preset)
     m = from_hf_config(tmp_path / preset / "config.json")
-    assert _same_shape(m, PRESETS[preset]) and trainable(PRESETS[preset]) is None
-    cls = {"mimo_v2_flash": "MiMoV2FlashForCausalLM", "solar_open": "SolarOpenForCausalLM"}[model_type]
+    assert _same_shape(m, PRESETS[preset])
+    assert (trainable(PRESETS[preset]) is None) == (model_type != "deepseek_v4")
+    cls = {"mimo_v2_flash": "MiMoV2FlashForCausalLM", "solar_open": "SolarOpenForCausalLM",
+           "deepseek_v4": "DeepseekV4ForCausalLM"}[model_type]
     assert total_params(m) == _meta_params(getattr(transformers, cls), cfg)
 
 
@@ -771,6 +775,40 @@ def _meta_params(model_cls, cfg, skip: tuple[str, ...] = (), biases: bool = True
     return bias + sum(p.numel() for n, p in model.named_parameters() if not any(k in n for k in skip))
 
 
+def test_deepseek_v4_reads_its_layer_kinds_rates_and_hash_layers(tmp_path):
+    """DeepSeek-V4 (`deepseek_v4`): its layer kinds from `layer_types`, or from the older `compress_ratios` (0, 4,
+    128 a layer), its rates from `compress_rates` or the older scalars, its hash-routed layers from
+    `mlp_layer_types` or `num_hash_layers`; planned, not trained (one line says so). The compressed kinds are refused
+    for any other model type, and a cut keeps as many hash-routed layers as it has layers."""
+    import transformers
+
+    cfg = transformers.DeepseekV4Config(num_hidden_layers=5).to_dict()
+    m = from_hf_config(_write(tmp_path, "v4", cfg))
+    assert m.layer_types == ("heavily_compressed_attention",) * 3 + (
+        "compressed_sparse_attention", "heavily_compressed_attention")
+    assert (m.arch, m.num_kv_heads, m.head_dim, m.sliding_window, m.compressed.hash_layers) == (
+        "deepseek_v4", 1, 512, 128, 3)
+    assert "not trained" in trainable(m) and "\n" not in trainable(m)
+    legacy = {k: v for k, v in cfg.items() if k not in ("layer_types", "mlp_layer_types", "compress_rates")} | {
+        "compress_ratios": [0, 4, 128, 4, 0], "num_hash_layers": 2, "compress_rate_csa": 8}
+    old = from_hf_config(_write(tmp_path, "legacy", legacy))
+    assert old.layer_types == ("sliding_attention", "compressed_sparse_attention", "heavily_compressed_attention",
+                               "compressed_sparse_attention", "sliding_attention")
+    assert (old.compressed.hash_layers, old.compressed.csa_rate, old.compressed.hca_rate) == (2, 8, 128)
+    assert m.with_layers(2).compressed.hash_layers == 2 and m.with_layers(4).compressed.hash_layers == 3
+    for i, (key, bad) in enumerate((("mlp_layer_types", ["moe", "hash_moe", "moe", "moe", "moe"]),
+                                    ("compress_ratios", [0, 4, 64, 4, 0]))):
+        broken = (legacy if key == "compress_ratios" else cfg) | {key: bad}
+        with pytest.raises(ValueError, match=f"field '{key}'") as e:
+            from_hf_config(_write(tmp_path, f"bad{i}", broken))
+        assert "\n" not in str(e.value)
+    other = {"model_type": "qwen3_moe", "hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+             "vocab_size": 100, "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+             "layer_types": ["compressed_sparse_attention", "full_attention"]}
+    with pytest.raises(ValueError, match="layer type 'compressed_sparse_attention'"):
+        from_hf_config(_write(tmp_path, "other", other))
+
+
 def test_glm5_reads_as_deepseek_v3_blocks_with_its_indexer(tmp_path):
     """GLM-5 (`glm_moe_dsa`): DeepSeek-V3.2's blocks (multi-head latent attention with q·k 256 and v 256 wide, DSA's
     indexer: 32 heads, RoPE in pairs) with one expert group, scaling 2.5 and three dense layers. transformers' default
@@ -901,8 +939,8 @@ def test_mistral_slides_every_layer_unless_its_window_is_null(tmp_path):
 
 
 @pytest.mark.parametrize("cfg, says", [
-    (dict(model_type="deepseek_v4", layer_types=["compressed_sparse_attention"] * 2),
-     "layer type 'compressed_sparse_attention' (model_type 'deepseek_v4') is not planned"),
+    (dict(model_type="qwen4_exp_text", layer_types=["qwen_sparse_attention", "full_attention"]),
+     "layer type 'qwen_sparse_attention' (model_type 'qwen4_exp_text') is not planned"),
     (dict(model_type="kimi_linear", layer_types=["linear_attention", "full_attention"]),
      "the linear_attention layers of model_type 'kimi_linear' are not planned"),
     (dict(model_type="jamba"), "model_type 'jamba' has Mamba layers, which this tool does not plan")])
