@@ -93,9 +93,25 @@ _LAYER_REST = re.compile(r"^(layers\.\d+)\.(.*)$")
 # Hunyuan-V3's names (ours on the right): the correction bias on the block, the router, the shared experts
 _HY_V3_IN = ((".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"), (".mlp.router.gate.", ".mlp.gate."),
              (".mlp.shared_mlp.", ".mlp.shared_expert."))
-# and what an export renames to them (ours as the export first names them on the left)
-_HY_V3_OUT = ((".mlp.e_score_correction_bias", ".mlp.expert_bias"), (".mlp.gate.weight", ".mlp.router.gate.weight"),
-              (".mlp.shared_experts.", ".mlp.shared_mlp."))
+# MiMo-V2-Flash's: the sinks
+_MIMO_IN = ((".self_attn.attention_sink_bias", ".self_attn.sinks"),)
+
+
+def _names_in(shape: ModelShape) -> tuple[tuple[str, str], ...]:
+    """(a checkpoint's name part, ours) for the families whose checkpoints name some tensors their own way."""
+    if shape.arch == "hunyuan_moe":
+        return _HUNYUAN_IN
+    return {"hy_v3": _HY_V3_IN, "mimo_v2_flash": _MIMO_IN}.get(shape.hf_model_type, ())
+
+
+def _names_out(shape: ModelShape) -> tuple[tuple[str, str], ...]:
+    """(the export's first name part, the checkpoint's) for the same families: `_names_in` reversed, but for
+    Hunyuan-V3, whose bias the export first puts on the block and whose shared experts it first names as
+    DeepSeek's."""
+    if shape.hf_model_type == "hy_v3":
+        return ((".mlp.e_score_correction_bias", ".mlp.expert_bias"), (".mlp.gate.weight", ".mlp.router.gate.weight"),
+                (".mlp.shared_experts.", ".mlp.shared_mlp."))
+    return tuple((ours, theirs) for theirs, ours in _names_in(shape))
 # Hunyuan-A13B's names (ours on the right): q/k norms, the router's `wg`, the shared expert
 _HUNYUAN_IN = (("self_attn.query_layernorm.", "self_attn.q_norm."), ("self_attn.key_layernorm.", "self_attn.k_norm."),
                ("mlp.gate.wg.", "mlp.gate."), ("mlp.shared_mlp.", "mlp.shared_expert."))
@@ -355,10 +371,8 @@ def _gpt_oss_experts_to_hf(name: str, t: torch.Tensor) -> torch.Tensor:
 def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     gpt_oss, llama4, granite = (model.shape.arch == a for a in ("gpt_oss", "llama4", "granitemoe"))
-    hunyuan = model.shape.arch == "hunyuan_moe"
     vl_moe = model.shape.hf_model_type == "qwen3_vl_moe"
-    mimo = model.shape.hf_model_type == "mimo_v2_flash"  # its sinks are `self_attn.attention_sink_bias`
-    hy_v3 = model.shape.hf_model_type == "hy_v3"
+    names = _names_in(model.shape)
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     mtp = range(model.shape.num_layers, model.shape.num_layers + model.shape.mtp_layers)
     for key, t in raw.items():
@@ -374,14 +388,8 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         key = _BLOCK_BIAS.sub(r"\1.gate.e_score_correction_bias", key)
         if llama4:
             key = _FEED_FORWARD.sub(r"\1.mlp.", key)
-        if hunyuan:
-            for theirs, ours in _HUNYUAN_IN:
-                key = key.replace(theirs, ours)
-        if mimo:
-            key = key.replace(".self_attn.attention_sink_bias", ".self_attn.sinks")
-        if hy_v3:
-            for theirs, ours in _HY_V3_IN:
-                key = key.replace(theirs, ours)
+        for theirs, ours in names:
+            key = key.replace(theirs, ours)
         if granite and (parts := _LAYER_REST.match(key)):
             layer, rest = parts.groups()
             if rest == "shared_mlp.input_linear.weight":  # [gate | up] rows of the shared expert
@@ -706,8 +714,6 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
     plural = model.shape.arch in _PLURAL_SHARED_ARCHS
     gpt_oss, ernie = model.shape.arch == "gpt_oss", model.shape.arch == "ernie4_5_moe"
     llama4, granite = model.shape.arch == "llama4", model.shape.arch == "granitemoe"
-    hunyuan = model.shape.arch == "hunyuan_moe"
-    hy_v3 = model.shape.hf_model_type == "hy_v3"
     bias_on_block = mixtral or model.shape.hf_model_type in ("hy_v3", "exaone_moe")
 
     def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`; DeepSeek's shared expert plural
@@ -752,23 +758,12 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
                 out[key] = t
         else:
             out["model." + block(key)] = t
-    if model.shape.hf_model_type == "mimo_v2_flash":
-        out = {k.replace(".self_attn.sinks", ".self_attn.attention_sink_bias"): v for k, v in out.items()}
-    if hy_v3:
-        renamed = {}
-        for k, v in out.items():
-            for ours, theirs in _HY_V3_OUT:
-                k = k.replace(ours, theirs)
-            renamed[k] = v
-        out = renamed
-    if hunyuan:
-        renamed = {}
-        for k, v in out.items():
-            for theirs, ours in _HUNYUAN_IN:
-                k = k.replace(ours, theirs)
-            renamed[k] = v
-        out = renamed
-    return {k: v.contiguous().cpu() for k, v in out.items()}
+    renamed = {}
+    for k, v in out.items():
+        for ours, theirs in _names_out(model.shape):
+            k = k.replace(ours, theirs)
+        renamed[k] = v
+    return {k: v.contiguous().cpu() for k, v in renamed.items()}
 
 
 def export_hf_checkpoint(model: Transformer, out_dir: str | Path, dtype: torch.dtype | None = None,

@@ -243,9 +243,15 @@ def _hf_model(arch: str):
     else:
         cfg = transformers.Qwen3MoeConfig(**COMMON, num_hidden_layers=2, norm_topk_prob=True, intermediate_size=24)
         cls = transformers.Qwen3MoeForCausalLM
+    return _built(cls, cfg)
+
+
+def _built(cls, cfg):
+    """transformers' `cls` of `cfg`, fp32, in eval mode, seeded, with every parameter moved off its init (norm
+    weights 0/1, zero routers) so that all of it counts."""
     torch.manual_seed(0)
     model = cls(cfg).float().eval()
-    with torch.no_grad():  # move every parameter off its init (norm weights 0/1, zero routers) so all of it counts
+    with torch.no_grad():
         for name, p in model.named_parameters():
             p.add_(torch.randn_like(p) * (0.3 if "norm" in name or "A_log" in name or "dt_bias" in name else 0.1))
         for name, b in model.named_buffers():
@@ -364,11 +370,7 @@ def test_a_sharded_checkpoint_loads_layer_by_layer(tmp_path):
     hf.save_pretrained(tmp_path / "many", max_shard_size="100KB")
     assert (tmp_path / "many" / "model.safetensors.index.json").exists()
     shape = from_hf_config(tmp_path / "one" / "config.json")
-    a, b = build_model(shape, seed=1), build_model(shape, seed=2)
-    load_hf_checkpoint(a, tmp_path / "one")
-    load_hf_checkpoint(b, tmp_path / "many")
-    sa, sb = a.state_dict(), b.state_dict()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    _load_the_same(shape, tmp_path / "one", tmp_path / "many")
 
 
 def _pack_int4_reference(q: torch.Tensor) -> torch.Tensor:
@@ -382,6 +384,17 @@ def _pack_int4_reference(q: torch.Tensor) -> torch.Tensor:
             words.append(v - (1 << 32) if v >= 1 << 31 else v)  # the word's bits as a signed int32
         rows.append(words)
     return torch.tensor(rows, dtype=torch.int32)
+
+
+def _load_the_same(shape, one, other):
+    """Models of `shape` built from different seeds and loaded from the checkpoints `one` and `other` hold the same
+    weights, bit for bit; returns the first."""
+    a, b = build_model(shape, seed=1), build_model(shape, seed=2)
+    load_hf_checkpoint(a, one)
+    load_hf_checkpoint(b, other)
+    sa, sb = a.state_dict(), b.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    return a
 
 
 def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
@@ -426,12 +439,8 @@ def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
     (tmp_path / "want").mkdir()
     save_file(want, str(tmp_path / "want" / "model.safetensors"))
     shape = from_hf_config(tmp_path / "int4" / "config.json")
-    a, b = build_model(shape, seed=1), build_model(shape, seed=2)
-    load_hf_checkpoint(a, tmp_path / "int4")
-    load_hf_checkpoint(b, tmp_path / "want")
-    sa, sb = a.state_dict(), b.state_dict()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
-    assert sa["layers.1.mlp.experts.gate_up_proj"].abs().max() > 0
+    a = _load_the_same(shape, tmp_path / "int4", tmp_path / "want")
+    assert a.state_dict()["layers.1.mlp.experts.gate_up_proj"].abs().max() > 0
     del packed["language_model.model.layers.2.mlp.experts.1.up_proj.weight_scale"]
     save_file(packed, str(tmp_path / "int4" / "model.safetensors"))
     with pytest.raises(ValueError, match="up_proj.weight_packed: packed integers without their weight_scale"):
@@ -517,12 +526,9 @@ def test_a_block_quantized_fp8_checkpoint_loads_dequantized(tmp_path):
     (tmp_path / "want").mkdir()
     save_file(want, str(tmp_path / "want" / "model.safetensors"))
     shape = from_hf_config(tmp_path / "fp8" / "config.json")
-    a, b, orig = build_model(shape, seed=1), build_model(shape, seed=2), build_model(shape, seed=3)  # distinct
-    load_hf_checkpoint(a, tmp_path / "fp8")
-    load_hf_checkpoint(b, tmp_path / "want")
+    a, orig = _load_the_same(shape, tmp_path / "fp8", tmp_path / "want"), build_model(shape, seed=3)
     load_hf_checkpoint(orig, tmp_path / "hf")
-    sa, sb = a.state_dict(), b.state_dict()
-    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    sa = a.state_dict()
     so = orig.state_dict()
     for k in ("layers.1.self_attn.kv_b_proj.weight", "layers.2.mlp.experts.gate_up_proj",
               "layers.0.mlp.down_proj.weight"):
@@ -563,30 +569,9 @@ def test_a_llama4_multimodal_checkpoint_loads_its_text_model(layout, tmp_path):
     assert all(torch.equal(sw[k], sg[k]) for k in sw)
 
 
-def test_a_glm45v_checkpoint_trains_its_text_model(tmp_path):
-    """GLM-4.5V (`glm4v_moe`): GLM-4.5's blocks (q/k/v biases, half of each head rotated, sigmoid routing in 2
-    groups, a shared expert, a dense first layer) under `model.language_model.`, its multimodal RoPE plain RoPE on
-    text, the vision tower (`model.visual.`) skipped. Ours gives the multimodal model's logits on text; exported, it
-    is a GLM-4.5 text model with the same logits."""
-    text = {k: v for k, v in COMMON.items() if k != "num_experts"} | dict(
-        n_routed_experts=6, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
-        intermediate_size=40, num_hidden_layers=3, attention_bias=True, routed_scaling_factor=1.5,
-        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
-                             mrope_section=[2, 1, 1]))
-    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
-    torch.manual_seed(0)
-    hf = transformers.Glm4vMoeForConditionalGeneration(
-        transformers.Glm4vMoeConfig(text_config=text, vision_config=vision)).float().eval()
-    with torch.no_grad():
-        for name, p in hf.named_parameters():
-            p.add_(torch.randn_like(p) * (0.3 if "norm" in name else 0.1))
-        for name, b in hf.named_buffers():
-            if name.endswith("e_score_correction_bias"):
-                b.copy_(torch.randn_like(b) * 0.1)
-    hf.save_pretrained(tmp_path / "hf")
-    shape = from_hf_config(tmp_path / "hf" / "config.json")
-    assert (shape.arch, shape.hf_model_type, shape.partial_rotary_factor, shape.first_dense_layers) == (
-        "glm4_moe", "glm4v_moe", 0.5, 1)
+def _text_model_equals_the_multimodal_model(hf, shape, tmp_path, exported_as: str) -> None:
+    """Ours, loaded from the multimodal checkpoint in tmp_path/hf, gives `hf`'s logits on text; exported, it is the
+    text model `exported_as`, whose logits are the same."""
     ours = build_model(shape, seed=1)
     load_hf_checkpoint(ours, tmp_path / "hf")
     ours.eval()
@@ -598,9 +583,29 @@ def test_a_glm45v_checkpoint_trains_its_text_model(tmp_path):
     assert (logits - want).abs().max().item() < 1e-4
     export_hf_checkpoint(ours, tmp_path / "ours")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    assert type(back).__name__ == "Glm4MoeForCausalLM"
+    assert type(back).__name__ == exported_as
     with torch.no_grad():
         assert (back(input_ids=ids).logits[0] - want).abs().max().item() < 1e-5
+
+
+def test_a_glm45v_checkpoint_trains_its_text_model(tmp_path):
+    """GLM-4.5V (`glm4v_moe`): GLM-4.5's blocks (q/k/v biases, half of each head rotated, sigmoid routing in 2
+    groups, a shared expert, a dense first layer) under `model.language_model.`, its multimodal RoPE plain RoPE on
+    text, the vision tower (`model.visual.`) skipped. Ours gives the multimodal model's logits on text; exported, it
+    is a GLM-4.5 text model with the same logits."""
+    text = {k: v for k, v in COMMON.items() if k != "num_experts"} | dict(
+        n_routed_experts=6, n_group=2, topk_group=1, n_shared_experts=1, first_k_dense_replace=1,
+        intermediate_size=40, num_hidden_layers=3, attention_bias=True, routed_scaling_factor=1.5,
+        rope_parameters=dict(rope_type="default", rope_theta=10000.0, partial_rotary_factor=0.5,
+                             mrope_section=[2, 1, 1]))
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32)
+    hf = _built(transformers.Glm4vMoeForConditionalGeneration,
+                transformers.Glm4vMoeConfig(text_config=text, vision_config=vision))
+    hf.save_pretrained(tmp_path / "hf")
+    shape = from_hf_config(tmp_path / "hf" / "config.json")
+    assert (shape.arch, shape.hf_model_type, shape.partial_rotary_factor, shape.first_dense_layers) == (
+        "glm4_moe", "glm4v_moe", 0.5, 1)
+    _text_model_equals_the_multimodal_model(hf, shape, tmp_path, "Glm4MoeForCausalLM")
 
 
 @pytest.mark.parametrize("layout", ["transformers", "release"])
@@ -632,17 +637,4 @@ def test_a_qwen3_vl_moe_checkpoint_trains_its_text_model(layout, tmp_path):
     shape = from_hf_config(tmp_path / "hf" / "config.json")
     assert (shape.arch, shape.hf_model_type, shape.expert_ffn, shape.rope_scaling) == (
         "qwen3_moe", "qwen3_vl_moe", 8, None)
-    ours = build_model(shape, seed=1)
-    load_hf_checkpoint(ours, tmp_path / "hf")
-    ours.eval()
-    T = 40
-    ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(2))
-    with torch.no_grad():
-        want = hf(input_ids=ids).logits[0]
-        logits = ours(ids[0], Packing.from_lengths([T])) @ ours.lm_head.weight.T
-    assert (logits - want).abs().max().item() < 1e-4
-    export_hf_checkpoint(ours, tmp_path / "ours")
-    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
-    assert type(back).__name__ == "Qwen3MoeForCausalLM"
-    with torch.no_grad():
-        assert (back(input_ids=ids).logits[0] - want).abs().max().item() < 1e-5
+    _text_model_equals_the_multimodal_model(hf, shape, tmp_path, "Qwen3MoeForCausalLM")
