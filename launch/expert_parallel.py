@@ -105,7 +105,8 @@ class ExpertParallel:
             raise ValueError(f"expert weights hold {w1.shape[0]} experts on this rank; ep={self.num_ranks} over "
                              f"{self.num_experts} experts needs {self.num_experts // self.num_ranks}")
         b1, b2 = (None if b is None else _local(b) for b in (experts.gate_up_proj_bias, experts.down_proj_bias))
-        return _DispatchExpertsCombine.apply(x_TD, top_w_TK, top_e_TK, w1, w2, b1, b2, experts.activation, self)
+        return _DispatchExpertsCombine.apply(x_TD, top_w_TK, top_e_TK, w1, w2, b1, b2, experts.activation, self,
+                                             experts.output_read)
 
     # ---- communication -------------------------------------------------------------------------------------
     def all_to_all(self, x, out_splits: list[int], in_splits: list[int]):
@@ -198,9 +199,11 @@ _EXTRA = 8
 
 class _DispatchExpertsCombine(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x_TD, top_w_TK, top_e_TK, w1_EFD, w2_EDI, b1_EF, b2_ED, glu, ep: ExpertParallel):
-        # inside the backward pass (graph task running): this is the recompute of a checkpointed layer
-        recompute = torch._C._current_graph_task_id() != -1
+    def forward(ctx, x_TD, top_w_TK, top_e_TK, w1_EFD, w2_EDI, b1_EF, b2_ED, glu, ep: ExpertParallel,
+                output_read: bool = False):
+        # inside the backward pass (graph task running): this is the recompute of a checkpointed layer, which skips
+        # the combine unless the backward reads the output (GroupedExperts.output_read): then it runs as a forward
+        recompute = torch._C._current_graph_task_id() != -1 and not output_read
         rt = ep.route(top_e_TK)
         C = len(rt.bounds)
         # each chunk's send rows ([M_c, D], sorted by global expert) are gathered just before their transfer is
@@ -320,7 +323,7 @@ class _DispatchExpertsCombine(torch.autograd.Function):
             free_at_last_use(xs)
         del dhs, xs
         _scatter_back(dx_TD, dw_TK, ep.wait(returned.pop(C - 1)), orders[C - 1], bounds[C - 1], D)
-        return dx_TD.to(dout_TD.dtype), dw_TK, None, dw1.to(w1.dtype), dw2.to(w2.dtype), db1, db2, None, None
+        return dx_TD.to(dout_TD.dtype), dw_TK, None, dw1.to(w1.dtype), dw2.to(w2.dtype), db1, db2, None, None, None
 
 
 def _scatter_back(dx_TD, dw_TK, rows_M, order_M, bounds, D: int) -> None:

@@ -95,22 +95,24 @@ _HY_V3_IN = ((".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"), (".mlp.r
              (".mlp.shared_mlp.", ".mlp.shared_expert."))
 # MiMo-V2-Flash's: the sinks
 _MIMO_IN = ((".self_attn.attention_sink_bias", ".self_attn.sinks"),)
+# AFMoE's: the router and its correction bias (the output gate's projection: `_fuse_output_gate`)
+_AFMOE_IN = ((".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"), (".mlp.router.gate.", ".mlp.gate."))
 
 
 def _names_in(shape: ModelShape) -> tuple[tuple[str, str], ...]:
     """(a checkpoint's name part, ours) for the families whose checkpoints name some tensors their own way."""
     if shape.arch == "hunyuan_moe":
         return _HUNYUAN_IN
-    return {"hy_v3": _HY_V3_IN, "mimo_v2_flash": _MIMO_IN}.get(shape.hf_model_type, ())
+    return {"hy_v3": _HY_V3_IN, "mimo_v2_flash": _MIMO_IN, "afmoe": _AFMOE_IN}.get(shape.hf_model_type, ())
 
 
 def _names_out(shape: ModelShape) -> tuple[tuple[str, str], ...]:
     """(the export's first name part, the checkpoint's) for the same families: `_names_in` reversed, but for
-    Hunyuan-V3, whose bias the export first puts on the block and whose shared experts it first names as
-    DeepSeek's."""
-    if shape.hf_model_type == "hy_v3":
-        return ((".mlp.e_score_correction_bias", ".mlp.expert_bias"), (".mlp.gate.weight", ".mlp.router.gate.weight"),
-                (".mlp.shared_experts.", ".mlp.shared_mlp."))
+    Hunyuan-V3 and AFMoE, whose bias the export first puts on the block (and Hunyuan-V3's shared experts it first
+    names as DeepSeek's)."""
+    if shape.hf_model_type in ("hy_v3", "afmoe"):
+        out = ((".mlp.e_score_correction_bias", ".mlp.expert_bias"), (".mlp.gate.weight", ".mlp.router.gate.weight"))
+        return out + (((".mlp.shared_experts.", ".mlp.shared_mlp."),) if shape.hf_model_type == "hy_v3" else ())
     return tuple((ours, theirs) for theirs, ours in _names_in(shape))
 # Hunyuan-A13B's names (ours on the right): q/k norms, the router's `wg`, the shared expert
 _HUNYUAN_IN = (("self_attn.query_layernorm.", "self_attn.q_norm."), ("self_attn.key_layernorm.", "self_attn.k_norm."),
@@ -429,7 +431,29 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
             if f"{name}.in_proj_qkvz.weight" in sd:
                 _deinterleave_qwen3_next(sd, name + ".", m)
             _regroup_gdn(sd, name + ".", m, to_ours=True)
+    if model.shape.hf_model_type == "afmoe":
+        _fuse_output_gate(sd, model.shape.head_dim, to_ours=True)
     return sd
+
+
+_GATE_PROJ = re.compile(r"^(.*self_attn)\.gate_proj\.weight$")
+
+
+def _fuse_output_gate(sd: dict[str, torch.Tensor], head_dim: int, to_ours: bool) -> None:
+    """AFMoE's attention output gate: its own projection in its checkpoints (`self_attn.gate_proj` [heads · d, h]),
+    ours the second half of each head's rows of q_proj ([q_h | gate_h] a head, Qwen3.5's layout), in place."""
+    if to_ours:
+        for key in [k for k in sd if _GATE_PROJ.match(k)]:
+            q_key = _GATE_PROJ.match(key).group(1) + ".q_proj.weight"
+            g, q = sd.pop(key), sd[q_key]
+            h = q.shape[-1]
+            sd[q_key] = torch.stack([q.reshape(-1, head_dim, h), g.reshape(-1, head_dim, h)], dim=1).reshape(-1, h)
+        return
+    for key in [k for k in sd if k.endswith("self_attn.q_proj.weight")]:
+        h = sd[key].shape[-1]
+        both = sd[key].reshape(-1, 2, head_dim, h)
+        sd[key], sd[key[: -len("q_proj.weight")] + "gate_proj.weight"] = (
+            both[:, 0].reshape(-1, h), both[:, 1].reshape(-1, h))
 
 
 def load_hf_checkpoint(model: nn.Module, path: str | Path, strict: bool = True) -> None:
@@ -520,6 +544,9 @@ def hf_config(shape: ModelShape) -> dict:
     if shape.arch == "olmoe":
         cfg.update(model_type="olmoe", architectures=["OlmoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.expert_ffn, clip_qkv=shape.clip_qkv, layer_types=list(shape.layer_types))
+        if shape.hf_model_type == "flex_olmo":  # FlexOlmo: OLMoE's blocks, OLMo-2's norms after each sublayer
+            cfg.update(model_type="flex_olmo", architectures=["FlexOlmoForCausalLM"])
+            cfg.pop("clip_qkv")
         return cfg
     if shape.arch == "qwen2_moe":
         cfg.pop("attention_bias")
@@ -556,6 +583,15 @@ def hf_config(shape: ModelShape) -> dict:
                        num_shared_experts=shape.shared_expert_ffn // shape.expert_ffn, router_scaling_factor=r.scaling,
                        mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
                        intermediate_size=shape.dense_ffn or shape.expert_ffn, output_router_logits=False)
+            for k in ("n_routed_experts", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+                      "first_k_dense_replace", "num_mtp_layers"):
+                cfg.pop(k)
+        elif shape.hf_model_type == "afmoe":  # AFMoE: its own names for the counts and the scale, its layer types
+            cfg.update(model_type="afmoe", architectures=["AfmoeForCausalLM"], num_experts=shape.num_experts,
+                       num_shared_experts=shape.shared_expert_ffn // shape.expert_ffn, route_scale=r.scaling,
+                       num_dense_layers=shape.first_dense_layers, intermediate_size=shape.dense_ffn or shape.expert_ffn,
+                       layer_types=list(shape.layer_types), sliding_window=shape.sliding_window,
+                       mup_enabled=shape.embedding_scale != 1.0, output_router_logits=False)
             for k in ("n_routed_experts", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
                       "first_k_dense_replace", "num_mtp_layers"):
                 cfg.pop(k)
@@ -706,6 +742,8 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
             _regroup_gdn(sd, prefix, m, to_ours=False)
             if model.shape.arch == "qwen3_next":
                 _interleave_qwen3_next(sd, prefix, m)
+    if model.shape.hf_model_type == "afmoe":
+        _fuse_output_gate(sd, model.shape.head_dim, to_ours=False)
     out: dict[str, torch.Tensor] = {}
     mixtral = model.shape.arch in ("mixtral", "minimax_m2")  # MiniMax-M2's releases keep Mixtral's names
     ours = {v: k for k, v in _MIXTRAL_W.items()} if mixtral else {}
@@ -714,7 +752,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
     plural = model.shape.arch in _PLURAL_SHARED_ARCHS
     gpt_oss, ernie = model.shape.arch == "gpt_oss", model.shape.arch == "ernie4_5_moe"
     llama4, granite = model.shape.arch == "llama4", model.shape.arch == "granitemoe"
-    bias_on_block = mixtral or model.shape.hf_model_type in ("hy_v3", "exaone_moe")
+    bias_on_block = mixtral or model.shape.hf_model_type in ("hy_v3", "exaone_moe", "afmoe")
 
     def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`; DeepSeek's shared expert plural
         if plural:

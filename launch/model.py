@@ -690,7 +690,8 @@ def _context_parallel(mixer: nn.Module, packing: Packing):
 
 
 class DecoderLayer(nn.Module):
-    """`x + mixer(norm(x))`, then `x + ffn(norm(x))`: the FFN is the MoE, or a dense SwiGLU MLP (`dense`: the
+    """`x + mixer(norm(x))`, then `x + ffn(norm(x))` (the shape's norm_placement "sandwich": `x + norm(mixer(norm(x)))`
+    and likewise the FFN; "post": `x + norm(mixer(x))`): the FFN is the MoE, or a dense SwiGLU MLP (`dense`: the
     model's dense layers, `ModelShape.is_dense_layer`, which are all of a dense model's)."""
 
     def __init__(self, s: ModelShape, layer_type: str, norm_offset: float, dense: bool = False, index: int = 0):
@@ -708,8 +709,16 @@ class DecoderLayer(nn.Module):
             raise ValueError(f"layer type {layer_type!r} is not supported by this model (full_attention, "
                              f"sliding_attention with a sliding_window, chunked_attention with an attention_chunk, "
                              f"linear_attention)")
-        self.input_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
-        self.post_attention_layernorm = RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
+        # the norms where the shape puts them, under transformers' names: "pre" input_layernorm before the mixer and
+        # post_attention_layernorm before the FFN; "sandwich" (AFMoE) input_layernorm and post_attention_layernorm
+        # around the mixer, pre_mlp_layernorm and post_mlp_layernorm around the FFN; "post" (FlexOlmo)
+        # post_attention_layernorm after the mixer and post_feedforward_layernorm after the FFN
+        self.norm_placement = s.norm_placement
+        names = {"pre": ("input_layernorm", "post_attention_layernorm"),
+                 "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm"),
+                 "post": ("post_attention_layernorm", "post_feedforward_layernorm")}[s.norm_placement]
+        for name in names:
+            setattr(self, name, RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset))
         # Granite: each branch's output times its residual multiplier before the add (1 elsewhere)
         self.residual_scale = s.granite.residual if s.granite is not None else 1.0
         if dense:
@@ -721,11 +730,19 @@ class DecoderLayer(nn.Module):
                            activation=GPT_OSS_GLU if gpt_oss else SWIGLU, expert_bias=gpt_oss,
                            softmax_scores=s.arch in SOFTMAX_SCORE_ARCHS, softmax_router=s.softmax_router,
                            weights_on_input=s.arch in INPUT_WEIGHTED_ARCHS)
+            # a norm after the MoE block keeps its output for the backward: a recomputed forward must produce it
+            self.mlp.experts.output_read = s.moe_output_saved
 
     def forward(self, x_TD: torch.Tensor, ropes: dict[str, tuple], packing: Packing) -> torch.Tensor:
         """`ropes`: `layer_ropes`'s cos and sin, this layer's by its type (else the "main" pair)."""
         mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
         rope = ropes.get(self.layer_type, ropes["main"])
+        if self.norm_placement == "sandwich":
+            x_TD = x_TD + self.post_attention_layernorm(mixer(self.input_layernorm(x_TD), rope, packing))
+            return x_TD + self.post_mlp_layernorm(self.mlp(self.pre_mlp_layernorm(x_TD)))
+        if self.norm_placement == "post":
+            x_TD = x_TD + self.post_attention_layernorm(mixer(x_TD, rope, packing))
+            return x_TD + self.post_feedforward_layernorm(self.mlp(x_TD))
         if self.residual_scale != 1.0:
             x_TD = x_TD + mixer(self.input_layernorm(x_TD), rope, packing) * self.residual_scale
             return x_TD + self.mlp(self.post_attention_layernorm(x_TD)) * self.residual_scale
@@ -747,7 +764,8 @@ class Transformer(nn.Module):
         # transformers' embedding never updates its pad row (padding_idx): nor does ours; `pad_row` keeps the
         # vocabulary's id where tensor parallelism makes padding_idx this rank's
         self.embed_tokens = ScaledEmbedding(shape.vocab_size, shape.hidden_size, padding_idx=shape.pad_token_id,
-                                            scale=shape.granite.embedding if shape.granite is not None else 1.0)
+                                            scale=(shape.granite.embedding if shape.granite is not None else 1.0)
+                                            * shape.embedding_scale)
         self.embed_tokens.pad_row = shape.pad_token_id
         self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset, dense=shape.is_dense_layer(i), index=i)
                                     for i, t in enumerate(shape.layer_types))

@@ -176,13 +176,16 @@ class GroupedExperts(nn.Module):
             self.register_parameter("down_proj_bias", None)
         # (module, x_TD, top_w_TK, top_e_TK) -> out_TD; None: all experts are local (launch/expert_parallel.py)
         self.token_dispatch = None
+        # whether the backward reads the experts' output (a norm after the MoE block saves it: the decoder layer sets
+        # this), so a recomputed forward must combine it too
+        self.output_read = False
 
     def forward(self, x_TD: torch.Tensor, top_w_TK: torch.Tensor, top_e_TK: torch.Tensor) -> torch.Tensor:
         """Σ_k top_w_TK[t, k] · expert_{top_e_TK[t, k]}(x_TD[t]) for every token t."""
         if self.token_dispatch is not None:
             return self.token_dispatch(self, x_TD, top_w_TK, top_e_TK)
         return _RoutedExperts.apply(x_TD, top_w_TK, top_e_TK, self.gate_up_proj, self.down_proj,
-                                    self.gate_up_proj_bias, self.down_proj_bias, self.activation)
+                                    self.gate_up_proj_bias, self.down_proj_bias, self.activation, self.output_read)
 
 
 def topk_in_best_groups(choice_TE: torch.Tensor, top_k: int, groups: int, topk_groups: int,
@@ -379,12 +382,14 @@ class _RoutedExperts(torch.autograd.Function):
     the same forward keeps the activation and silu(gate) as well, and its backward forms the routing weights'
     gradient and the slot gradients as batched products of one-row matrices. Under full recompute the recomputed
     forward skips the combine: nothing in the backward reads the layer's output (the expert-parallel path,
-    launch/expert_parallel.py, does the same)."""
+    launch/expert_parallel.py, does the same) — unless `output_read` says something after the block saves it (a
+    norm on the MoE's output: ModelShape.norm_placement "sandwich" or "post")."""
 
     @staticmethod
-    def forward(ctx, x_TD, top_w_TK, top_e_TK, w1_EFD, w2_EDI, b1_EF=None, b2_ED=None, glu: GLU = SWIGLU):
+    def forward(ctx, x_TD, top_w_TK, top_e_TK, w1_EFD, w2_EDI, b1_EF=None, b2_ED=None, glu: GLU = SWIGLU,
+                output_read: bool = False):
         # inside the backward pass (graph task running): this is the recompute of a checkpointed layer
-        recompute = torch._C._current_graph_task_id() != -1
+        recompute = torch._C._current_graph_task_id() != -1 and not output_read
         order_M, token_M, counts_E = permute(top_e_TK, w1_EFD.shape[0])
         offs_E = torch.cumsum(counts_E, 0, dtype=torch.int32)
         # the loop needs them on the host
@@ -425,7 +430,7 @@ class _RoutedExperts(torch.autograd.Function):
         dx_TD = unpermute(dx_MD, order_M).view(T, K, -1).sum(1)
         dw_TK = dw_M.new_empty(T * K).index_copy_(0, order_M, dw_M).view(T, K)
         return (dx_TD.to(dout_TD.dtype), dw_TK.to(top_w_TK.dtype), None, dw1.to(w1.dtype), dw2.to(w2.dtype), db1,
-                db2, None)
+                db2, None, None)
 
 
 class MoE(nn.Module):

@@ -652,7 +652,7 @@ def default_ep_chunks(m: ModelShape, hw: HwProfile, world: int, layout: Layout, 
     # the slowest stage's MoE layers, recomputed (5 transfers over 3 passes) and kept (4 over 2)
     stage, _ = slowest_stage(m, layout.pp, opts, hw)
     moe, again = _stage_counts(m, stage)["moe"], _stage_counts(m, recomputed_part(opts, stage))["moe"]
-    kinds = [(again, ep_transfers(True)), (moe - again, ep_transfers(False))]
+    kinds = [(again, ep_transfers(True, m.moe_output_saved)), (moe - again, ep_transfers(False))]
 
     def cost(k: int) -> float:
         return sum(n * (ep_exposed_time(t_a2a, t_gemm, x, k) + len(x) * (k - 1) * per_chunk) for n, x in kinds)
@@ -708,12 +708,14 @@ def ep_layer_times(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opt
     s = opts.micro_batch_tokens / layout.cp
     t_a2a = ep_transfer_bytes(m, s, ep) / group_bw(hw, ep, 1, gpus_per_node_used(hw, world)) if ep > 1 else 0.0
     t_gemm = expert_pass_seconds(m, s, layout, hw)
-    return t_a2a, t_gemm, ep_transfers(opts.recompute == "full")
+    return t_a2a, t_gemm, ep_transfers(opts.recompute == "full", m.moe_output_saved)
 
 
-def ep_transfers(recompute: bool) -> list[int]:
-    """An MoE layer's all-to-all transfers per pass: forward, (recomputed forward,) backward."""
-    return [2, 1, 2] if recompute else [2, 2]
+def ep_transfers(recompute: bool, combines: bool = False) -> list[int]:
+    """An MoE layer's all-to-all transfers per pass: forward, (recomputed forward,) backward. The recomputed forward
+    only dispatches, but `combines` (a norm after the block keeps its output: ModelShape.moe_output_saved) where it
+    must return the output too."""
+    return [2, 2 if combines else 1, 2] if recompute else [2, 2]
 
 
 def ep_exposed_time(t_a2a: float, t_gemm: float, transfers: list[int], chunks: int) -> float:
@@ -739,13 +741,14 @@ def ep_copy_bytes(m: ModelShape, s: float, recompute: bool, ep: int = 1) -> floa
     of h + 8 bf16 values, each read and written once. On the compute stream, four regroups: in the forward the rows
     into expert order and the outputs back to source order, in the backward the same for the gradients (the
     recomputed forward's regroup stands in for the local path's combine, which it skips: nothing goes back). Then
-    the exchanges: two in the forward, two in the backward, one in the recomputed forward; of each, the 1/ep of
-    the rows a rank sends itself is a local copy, the rest is the all-to-all, charged as communication
-    (section 4)."""
+    the exchanges: two in the forward, two in the backward, one in the recomputed forward (two, and a fifth regroup,
+    where a norm after the block keeps its output: ModelShape.moe_output_saved); of each, the 1/ep of the rows a
+    rank sends itself is a local copy, the rest is the all-to-all, charged as communication (section 4)."""
     if not m.num_moe_layers:
         return 0.0
-    exchanges = 4 + (1 if recompute else 0)
-    return s * m.top_k * (m.hidden_size + 8) * BF16 * 2 * (4 + exchanges / max(ep, 1))
+    again = (2 if m.moe_output_saved else 1) if recompute else 0
+    regroups = 4 + (1 if recompute and m.moe_output_saved else 0)
+    return s * m.top_k * (m.hidden_size + 8) * BF16 * 2 * (regroups + (4 + again) / max(ep, 1))
 
 
 def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions,
@@ -1175,7 +1178,7 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     # overlap hides under the expert GEMMs
     t_a2a, t_gemm, _ = ep_layer_times(m, hw, world, layout, opts)
     chunks = opts.ep_overlap_chunks if ep > 1 else 1
-    kinds = [(again["moe"], ep_transfers(True)), (n["moe"] - again["moe"], ep_transfers(False))]
+    kinds = [(again["moe"], ep_transfers(True, m.moe_output_saved)), (n["moe"] - again["moe"], ep_transfers(False))]
     t["ep_exposed"] = sum(k * ep_exposed_time(t_a2a, t_gemm, x, chunks) for k, x in kinds)
     comm["ep_all_to_all"] = sum(k * sum(x) for k, x in kinds) * ep_transfer_bytes(m, s, ep)
     # CP: full attention all-gathers K/V (MLA its latent) and reduce-scatters their gradients; Gated DeltaNet passes

@@ -272,9 +272,9 @@ def trainable(shape: "ModelShape") -> str | None:
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
-                f"Qwen2-MoE, OLMoE, ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, Moonlight) and "
+                f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, Moonlight) and "
                 f"V3.2, GLM-5, GLM-4.5 "
-                f"(and dots.llm1, Solar Open, MiMo-V2-Flash, Hunyuan-V3, K-EXAONE), gpt-oss, Llama 4, Granite MoE, "
+                f"(and dots.llm1, Solar Open, MiMo-V2-Flash, Hunyuan-V3, K-EXAONE, AFMoE), gpt-oss, Llama 4, Granite MoE, "
                 f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
@@ -289,8 +289,11 @@ def trainable(shape: "ModelShape") -> str | None:
          "outside MiMo-V2-Flash", shape.hf_model_type != "mimo_v2_flash" and (
              shape.sliding_kv_heads is not None or shape.sliding_rope_theta is not None or shape.sliding_sinks
              or shape.v_head_dim is not None or shape.value_scale != 1.0)),
-        ("full layers without RoPE (nope_full_layers) outside K-EXAONE", shape.nope_full_layers
-         and shape.hf_model_type != "exaone_moe"),
+        ("full layers without RoPE (nope_full_layers) outside K-EXAONE and AFMoE", shape.nope_full_layers
+         and shape.hf_model_type not in ("exaone_moe", "afmoe")),
+        ("sandwich or post norms, or a scaled embedding, outside AFMoE and FlexOlmo",
+         (shape.norm_placement != "pre" or shape.embedding_scale != 1.0)
+         and shape.hf_model_type not in ("afmoe", "flex_olmo")),
         ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
          and shape.rope_scaling is not None),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
@@ -388,8 +391,12 @@ class ModelShape(Record):
     sliding_sinks: bool = False
     v_head_dim: int | None = None
     value_scale: float = 1.0
-    # the full-attention layers take no RoPE where the sliding layers do (K-EXAONE's global layers)
+    # the full-attention layers take no RoPE where the sliding layers do (K-EXAONE's, AFMoE's global layers)
     nope_full_layers: bool = False
+    # where a block's RMSNorms sit: before each sublayer ("pre"), before and after it ("sandwich": AFMoE), or after
+    # it only ("post": FlexOlmo, OLMo-2's blocks)
+    norm_placement: Literal["pre", "sandwich", "post"] = "pre"
+    embedding_scale: float = 1.0  # the input embedding's rows times this (AFMoE's muP: √hidden_size)
     # the Hugging Face model_type an export writes where the arch's blocks serve several (glm4_moe_lite: GLM-4.7-Flash
     # on DeepSeek-V3's); None: the arch's own
     hf_model_type: str | None = None
@@ -423,7 +430,9 @@ class ModelShape(Record):
             _positive(self, ("v_head_dim",))
             if self.v_head_dim > self.head_dim:
                 raise ValueError(f"v_head_dim={self.v_head_dim} is wider than head_dim={self.head_dim}")
-        for name in ("sliding_rope_theta", "value_scale"):
+        if self.norm_placement not in ("pre", "sandwich", "post"):
+            raise ValueError(f"norm_placement must be pre, sandwich or post, got {self.norm_placement!r}")
+        for name in ("sliding_rope_theta", "value_scale", "embedding_scale"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
@@ -490,6 +499,12 @@ class ModelShape(Record):
         """Key/value heads an attention layer has on average."""
         n = self.num_attention_layers
         return sum(self.kv_heads_at(t) for t in self.layer_types if t != "linear_attention") / n if n else 0.0
+
+    @property
+    def moe_output_saved(self) -> bool:
+        """Whether a norm after the MoE block keeps its output for the backward (norm_placement "sandwich" or
+        "post"): a recomputed forward must then return the experts' output, where otherwise it skips that."""
+        return self.norm_placement != "pre"
 
     @property
     def value_width(self) -> int:
@@ -565,7 +580,8 @@ class ModelShape(Record):
                              "sliding_rope_theta", "v_head_dim", "compressed")
                  if getattr(self, k) is None}
         unset |= {k for k, default in (("moe_layer_step", 1), ("sliding_sinks", False), ("value_scale", 1.0),
-                                       ("nope_full_layers", False)) if getattr(self, k) == default}
+                                       ("nope_full_layers", False), ("norm_placement", "pre"),
+                                       ("embedding_scale", 1.0)) if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
             del out["rope_scaling"]["alpha"]
@@ -905,7 +921,8 @@ def _param_counts(m: ModelShape) -> tuple[tuple[str, int], ...]:
         per_expert += 2 * m.expert_ffn + h  # gate_up and down biases
     counts["routed_experts"] = moe_layers * m.num_experts * per_expert
     # with DeepSeek-V4's hyper-connection mixers: small maps of the residual streams beside the norms
-    counts["norms"] = m.num_layers * 2 * h + h + hyper_connection_params(m)
+    norms = 4 if m.norm_placement == "sandwich" else 2  # a layer's: two a sublayer in the sandwich
+    counts["norms"] = m.num_layers * norms * h + h + hyper_connection_params(m)
     return tuple(counts.items())
 
 
@@ -963,7 +980,8 @@ _ARCH_BY_MODEL_TYPE = {
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
     "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe", "exaone_moe": "glm4_moe",
-    "glm4v_moe": "glm4_moe", "glm4v_moe_text": "glm4_moe", "deepseek_v4": "deepseek_v4",
+    "glm4v_moe": "glm4_moe", "glm4v_moe_text": "glm4_moe", "deepseek_v4": "deepseek_v4", "afmoe": "glm4_moe",
+    "flex_olmo": "olmoe",
     "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe",
     "minimax_m2": "minimax_m2",
     "llama4": "llama4",
@@ -1226,13 +1244,18 @@ def _from_hf_config(path: Path) -> ModelShape:
         # K-EXAONE (exaone_moe): per-head q/k norms, sliding layers (`sliding_window_pattern`: every n-th layer full)
         # rotated, the full ones without RoPE, shared experts by count (`num_shared_experts`)
         # GLM-4.5V/4.6V (glm4v_moe): GLM-4.5's text model, its multimodal RoPE plain RoPE on text
+        # AFMoE (afmoe: Arcee's Trinity): per-head q/k norms, a sigmoid gate on the attention output, RoPE on the
+        # sliding layers only, norms before and after each sublayer, shared experts by count, its dense layers
+        # first (`num_dense_layers`), the embedding times √h under `mup_enabled`
         glm = model_type in ("glm4_moe", "glm4v_moe", "glm4v_moe_text")
         mimo, hy = model_type == "mimo_v2_flash", model_type == "hy_v3"
-        exaone = model_type == "exaone_moe"
+        exaone, afmoe = model_type == "exaone_moe", model_type == "afmoe"
         first = 0 if model_type == "solar_open" else _leading_dense(cfg, model_type, opt, bad) if mimo or hy \
-            or exaone else opt("first_k_dense_replace", 1 if glm else 0)
-        if model_type in ("dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe"):
+            or exaone else opt("num_dense_layers", 1) if afmoe else opt("first_k_dense_replace", 1 if glm else 0)
+        if model_type in ("dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe"):
             fields["hf_model_type"] = model_type
+        if afmoe:
+            _afmoe(cfg, fields, n_layers, opt, opt_flag, count, bad)
         if model_type in ("glm4v_moe", "glm4v_moe_text"):  # exported as GLM-4.5's text model
             fields["hf_model_type"] = "glm4v_moe"
         if exaone:
@@ -1241,14 +1264,15 @@ def _from_hf_config(path: Path) -> ModelShape:
             _mimo_attention(cfg, fields, rope, rope_by_type, opt, number, bad)
         if glm and prf is None:
             fields["partial_rotary_factor"] = 0.5
-        fields.update(qk_norm=model_type in ("dots1", "hy_v3", "exaone_moe")
+        fields.update(qk_norm=model_type in ("dots1", "hy_v3", "exaone_moe", "afmoe")
                       or (glm and opt_flag("use_qk_norm", False)),
                       attn_bias=opt_flag("attention_bias", False),
-                      shared_expert_ffn=(opt("num_shared_experts", 1) if hy or exaone else opt("n_shared_experts", 0))
+                      shared_expert_ffn=(opt("num_shared_experts", 2 if afmoe else 1) if hy or exaone or afmoe
+                                         else opt("n_shared_experts", 0))
                       * fields["expert_ffn"], router_bias=True,
                       first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0,
                       sigmoid_router=_sigmoid_router(cfg, model_type, opt, number))
-        if hy and fields["attn_bias"]:  # Hunyuan-V3's biases include o_proj's, which GLM-4.5's blocks lack
+        if (hy or afmoe) and fields["attn_bias"]:  # their biases include o_proj's, which GLM-4.5's blocks lack
             fields["arch"] = "moe"
     elif arch == "deepseek_v4":
         _deepseek_v4(cfg, fields, n_layers, req, opt, number, count, bad)
@@ -1259,9 +1283,12 @@ def _from_hf_config(path: Path) -> ModelShape:
     elif arch == "minimax_m2":
         _minimax_m2(cfg, fields, opt, opt_flag, number, count)
     elif arch == "olmoe":
-        # q/k norms over all heads together; clip_qkv clamps q and k (after their norms) and v
+        # q/k norms over all heads together; clip_qkv clamps q and k (after their norms) and v. FlexOlmo
+        # (flex_olmo): OLMoE's blocks with OLMo-2's norms, after each sublayer and none before
         fields.update(qk_norm=True, attn_bias=opt_flag("attention_bias", False),
                       shared_expert_ffn=opt("shared_expert_intermediate_size", 0))
+        if model_type == "flex_olmo":
+            fields.update(hf_model_type=model_type, norm_placement="post")
         if cfg.get("clip_qkv") is not None:
             fields["clip_qkv"] = number(cfg["clip_qkv"], "clip_qkv")
     elif arch == "llama4":
@@ -1306,7 +1333,7 @@ def _from_hf_config(path: Path) -> ModelShape:
 _SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5),
                             "glm_moe_dsa": (1, 1, 2.5), "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8),
                             "dots1": (1, 1, 1.0), "solar_open": (1, 1, 1.0), "mimo_v2_flash": (1, 1, 1.0),
-                            "hy_v3": (1, 1, 2.826), "exaone_moe": (1, 1, 2.5),
+                            "hy_v3": (1, 1, 2.826), "exaone_moe": (1, 1, 2.5), "afmoe": (1, 1, 1.0),
                             "glm4v_moe": (1, 1, 1.0), "glm4v_moe_text": (1, 1, 1.0)}
 # the MLA families whose attention layers an indexer makes sparse (DeepSeek sparse attention): DeepSeek-V3.2, GLM-5
 _DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
@@ -1372,7 +1399,7 @@ def _sigmoid_router(cfg: dict, model_type: str, opt, number) -> dict:
     """DeepSeek-V3 / GLM-4.5 router fields (n_group, topk_group, routed_scaling_factor; absent ones at transformers'
     defaults for the model type)."""
     groups, topk_groups, scaling = _SIGMOID_ROUTER_DEFAULTS.get(model_type, (1, 1, 1.0))
-    key = "router_scaling_factor" if model_type == "hy_v3" else "routed_scaling_factor"
+    key = {"hy_v3": "router_scaling_factor", "afmoe": "route_scale"}.get(model_type, "routed_scaling_factor")
     given = cfg.get(key)
     return dict(groups=opt("n_group", groups), topk_groups=opt("topk_group", topk_groups),
                 scaling=scaling if given is None else number(given, key))
@@ -1476,6 +1503,23 @@ def _deepseek_v4(cfg: dict, fields: dict, n_layers: int, req, opt, number, count
             index_heads=opt("index_n_heads", 64), index_head_dim=opt("index_head_dim", 128),
             index_topk=opt("index_topk", 512), hc_mult=opt("hc_mult", 4), hash_layers=hash_layers, scoring=scoring,
             swiglu_limit=number(cfg.get("swiglu_limit", 10.0), "swiglu_limit")))
+
+
+def _afmoe(cfg: dict, fields: dict, n_layers: int, opt, opt_flag, count, bad) -> None:
+    """AFMoE's attention and blocks (transformers' AfmoeConfig defaults where absent): layer types by
+    `global_attn_every_n_layers` (every n-th full) where `layer_types` is absent, the sliding ones over
+    `sliding_window` (1024) keys and rotated, the full ones not; the output gate; sandwich norms; the embedding
+    scaled by √h under `mup_enabled`."""
+    if not cfg.get("layer_types"):
+        n = opt("global_attn_every_n_layers", 4)
+        if n <= 0:
+            raise bad("global_attn_every_n_layers", "a positive whole number", n)
+        fields["layer_types"] = tuple("full_attention" if (i + 1) % n == 0 else "sliding_attention"
+                                      for i in range(n_layers))
+    window = cfg.get("sliding_window", 1024)
+    fields.update(attn_output_gate=True, nope_full_layers=True, norm_placement="sandwich",
+                  sliding_window=None if window is None else count(window, "sliding_window"),
+                  embedding_scale=fields["hidden_size"] ** 0.5 if opt_flag("mup_enabled", False) else 1.0)
 
 
 def _exaone_layers(cfg: dict, fields: dict, n_layers: int, opt, count, bad) -> None:

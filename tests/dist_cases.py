@@ -61,6 +61,7 @@ CASES = {
         ["dense_tp2_dp2", 2, 1, 1, 1, "dense", "full", 2],
         ["mla_cp2_tp2_ep4", 1, 4, 1, 2, "mla", "full", 2], ["mla_pp2_dp2_ep2", 2, 2, 1, 1, "mla", "full", 1, 2],
         ["dsa_cp2_tp2_ep4", 1, 4, 1, 2, "dsa", "full", 2], ["mimo_cp2_tp2_ep2", 1, 2, 1, 2, "mimo", "full", 2],
+        ["afmoe_cp2_tp2_ep2", 1, 2, 1, 2, "afmoe", "full", 2],
         # pp × tp: an uneven split with ep=2 over each stage's tp ranks (off-policy, sequence-mean), and interleaved
         # over 2 virtual stages a rank with a dense model's MLPs split over tp
         ["pp2_tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2, 2, [3, 1]],
@@ -100,6 +101,7 @@ VARIANTS = {
     "dsa": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # DeepSeek sparse attention (tiny_dsa), as "mla"
     "swa": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # sliding windows without sinks (tiny_swa), as "mla"
     "mimo": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a MiMo-V2-Flash-style model (tiny_mimo), as "mla"
+    "afmoe": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an AFMoE-style model (tiny_afmoe), as "mla"
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -168,6 +170,21 @@ def tiny_mimo():
                       sliding_sinks=True, sliding_window=8, partial_rotary_factor=0.5, rope_theta=5e6,
                       sliding_rope_theta=1e4, qk_norm=False, num_experts=8, top_k=2, expert_ffn=32, router_bias=True,
                       sigmoid_router=SigmoidRouter(groups=2, topk_groups=1, scaling=1.5), first_dense_layers=1,
+                      dense_ffn=48, rms_norm_eps=1e-5)
+
+
+def tiny_afmoe():
+    """AFMoE's blocks at tiny widths: norms before and after each sublayer, a sigmoid gate on the attention output,
+    per-head q/k norms, sliding layers (windows of 8) rotated and full ones without RoPE, a dense first layer, a
+    shared expert, sigmoid routing with a correction bias, the embedding times √64."""
+    from recipe.models import ModelShape, SigmoidRouter
+
+    return ModelShape(name="tiny-afmoe", arch="glm4_moe", hf_model_type="afmoe", hidden_size=64, num_layers=4,
+                      vocab_size=512, layer_types=("sliding_attention", "full_attention") * 2, num_heads=4,
+                      num_kv_heads=2, head_dim=16, qk_norm=True, attn_output_gate=True, nope_full_layers=True,
+                      norm_placement="sandwich", embedding_scale=8.0, sliding_window=8, num_experts=8, top_k=2,
+                      expert_ffn=32, shared_expert_ffn=32, router_bias=True,
+                      sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.5), first_dense_layers=1,
                       dense_ffn=48, rms_norm_eps=1e-5)
 
 
@@ -263,7 +280,7 @@ def tiny_dense():
 # the model each variant trains (the others train tiny-moe)
 VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "dsa": tiny_dsa, "oss": tiny_oss, "olmoe": tiny_olmoe,
                   "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4,
-                  "granite": tiny_granite, "swa": tiny_swa, "mimo": tiny_mimo}
+                  "granite": tiny_granite, "swa": tiny_swa, "mimo": tiny_mimo, "afmoe": tiny_afmoe}
 
 
 def _shape(variant: str):

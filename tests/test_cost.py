@@ -957,3 +957,20 @@ def test_deepseek_v4_saves_its_streams_compressors_and_selection():
     assert one - two == s * (4 * 64 * 512 + 8 * 1024) / 2 * BF16 + s * 2 * 64 / 2 * FP32
     # CP gathers the K = V rows of the whole micro-batch: one more head_dim row per rank per token
     assert compressed_attention_working_set(m, s, 1, 2) - one == s * 512 * BF16
+
+
+def test_a_norm_after_the_moe_makes_the_recomputed_forward_combine():
+    """Where a norm after the MoE block keeps its output (AFMoE's sandwich norms, FlexOlmo's post norms), the
+    recomputed forward returns the experts' rows as a forward does: three passes of two transfers each, where a
+    pre-norm model's recomputed forward only dispatches (one); and the EP path moves one more exchange and one more
+    regroup of s·k rows of h + 8 bf16 values."""
+    from recipe.cost import ep_copy_bytes, ep_transfers
+
+    pre = PRESETS["qwen3-30b-a3b"]
+    sandwich = pre.model_copy(update={"norm_placement": "sandwich", "hf_model_type": "afmoe"})
+    assert (pre.moe_output_saved, sandwich.moe_output_saved) == (False, True)
+    assert ep_transfers(True, False) == [2, 1, 2] and ep_transfers(True, True) == [2, 2, 2]
+    assert ep_transfers(False, True) == [2, 2]
+    row = 4096 * 8 * (2048 + 8) * BF16 * 2
+    assert ep_copy_bytes(sandwich, 4096, True, 4) - ep_copy_bytes(pre, 4096, True, 4) == pytest.approx(row * (1 + 1 / 4))
+    assert ep_copy_bytes(sandwich, 4096, False, 4) == ep_copy_bytes(pre, 4096, False, 4)

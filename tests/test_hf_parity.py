@@ -118,7 +118,7 @@ ARCH = {"moonlight": "deepseek_v3", "mixtral_swa": "mixtral", **{a: "deepseek_v3
         **{a: "deepseek_v3" for a in DSA_ARCHS},
         "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe",
         "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe",
-        "exaone_moe": "glm4_moe"}
+        "exaone_moe": "glm4_moe", "afmoe": "glm4_moe", "flex_olmo": "olmoe"}
 
 
 def _hf_model(arch: str):
@@ -236,6 +236,16 @@ def _hf_model(arch: str):
         cfg = transformers.ExaoneMoeConfig(**COMMON, intermediate_size=40, num_hidden_layers=4, sliding_window=8,
                                            sliding_window_pattern=2, n_group=2, topk_group=1, routed_scaling_factor=1.5)
         cls = transformers.ExaoneMoeForCausalLM
+    elif arch == "afmoe":  # Arcee's Trinity: sandwich norms, the output gate, RoPE on the sliding layers (window 8)
+        # only, per-head q/k norms, a dense first layer, a shared expert, muP's √h on the embedding
+        cfg = transformers.AfmoeConfig(**COMMON, intermediate_size=40, num_hidden_layers=4, num_dense_layers=1,
+                                       num_shared_experts=1, sliding_window=8, global_attn_every_n_layers=2,
+                                       route_scale=1.5, mup_enabled=True)
+        cls = transformers.AfmoeForCausalLM
+    elif arch == "flex_olmo":  # OLMoE's blocks with OLMo-2's norms after each sublayer
+        cfg = transformers.FlexOlmoConfig(**{k: v for k, v in COMMON.items() if k != "moe_intermediate_size"},
+                                          intermediate_size=16, num_hidden_layers=2, pad_token_id=1, eos_token_id=2)
+        cls = transformers.FlexOlmoForCausalLM
     elif arch in DENSE:
         config_cls, cls, extra = DENSE[arch]
         dense = {k: v for k, v in COMMON.items() if not k.startswith(("num_experts", "moe_"))}
@@ -264,7 +274,7 @@ def _built(cls, cfg):
                                   "olmoe_clip",
                                   "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
                                   *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe",
-                                  "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
+                                  "afmoe", "flex_olmo", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
                                   "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
@@ -300,12 +310,13 @@ def test_logits_and_loss_match_transformers(arch, tmp_path):
         export_hf_checkpoint(ours, tmp_path / "bf16", dtype=torch.bfloat16)
         f = safe_open(str(tmp_path / "bf16" / "model.safetensors"), "pt")
         # ERNIE's [1, E] beside the router; MiniMax-M2's on its block
-        where = {"ernie4_5_moe": "mlp.moe_statics.e_score_correction_bias", "hy_v3": "mlp.expert_bias",
+        where = {"ernie4_5_moe": "mlp.moe_statics.e_score_correction_bias", "hy_v3": "mlp.expert_bias", "afmoe": "mlp.expert_bias",
                  "exaone_moe": "mlp.e_score_correction_bias",
                  "minimax_m2": "block_sparse_moe.e_score_correction_bias"}.get(arch, "mlp.gate.e_score_correction_bias")
         bias = f.get_tensor(f"model.layers.1.{where}").reshape(-1)
         assert bias.dtype == torch.float32 and torch.equal(bias, ours.layers[1].mlp.gate.e_score_correction_bias)
-        router = {"minimax_m2": "block_sparse_moe.gate", "hy_v3": "mlp.router.gate"}.get(arch, "mlp.gate")
+        router = {"minimax_m2": "block_sparse_moe.gate", "hy_v3": "mlp.router.gate", "afmoe": "mlp.router.gate"}.get(
+            arch, "mlp.gate")
         assert f.get_tensor(f"model.layers.1.{router}.weight").dtype == torch.bfloat16
     back = type(hf).from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
     with torch.no_grad():
@@ -453,7 +464,7 @@ def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "solar_open",
-                                  "mimo_v2_flash", "hy_v3", "exaone_moe", "gpt_oss",
+                                  "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo", "gpt_oss",
                                   *LLAMA4, "granitemoeshared", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
@@ -470,7 +481,7 @@ def test_gradients_match_transformers(arch, tmp_path):
     T = 40
     ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
     assert shape.pad_token_id == {"olmoe": 1, "olmoe_clip": 1, "ernie4_5_moe": 0, "hunyuan_v1_moe": 0,
-                                  "exaone_moe": 0}.get(arch)
+                                  "exaone_moe": 0, "flex_olmo": 1}.get(arch)
     if shape.pad_token_id is not None:
         ids[0, [3, 17]] = shape.pad_token_id
     hf.zero_grad()

@@ -307,6 +307,23 @@ def test_recompute_on_and_off_give_equal_gradients():
             apply_recompute(*bad)
 
 
+@pytest.mark.parametrize("placement", ["sandwich", "post"])
+def test_recompute_equals_no_recompute_with_norms_after_the_moe(placement):
+    """Norms after the sublayers (AFMoE's sandwich, FlexOlmo's post) keep the MoE block's output for their backward,
+    so a recomputed forward must combine the experts' rows where under "pre" it skips that (nothing reads it): the
+    gradients with recompute equal those without, bit for bit (the combine skipped, they were off everywhere)."""
+    shape = TINY.model_copy(update={"norm_placement": placement, "hf_model_type": "afmoe"})
+    ids = torch.randint(0, shape.vocab_size, (40,), generator=torch.Generator().manual_seed(2))
+    packing = Packing.from_lengths([25, 15])
+    model = build_model(shape, seed=3)
+    assert all(layer.mlp.experts.output_read for layer in model.layers if isinstance(layer.mlp, MoE))
+    h0, g0 = _loss_and_grads(model, ids, packing)
+    h1, g1 = _loss_and_grads(apply_recompute(build_model(shape, seed=3), "full"), ids, packing)
+    assert torch.equal(h0, h1) and g0.keys() == g1.keys()
+    for n in g0:
+        assert torch.allclose(g0[n], g1[n], rtol=0, atol=1e-7), n
+
+
 def test_unsupported_shapes_fail_loudly():
     from recipe.models import trainable
 

@@ -858,12 +858,13 @@ def test_glm5_reads_as_deepseek_v3_blocks_with_its_indexer(tmp_path):
     ("hy_v3", "HYV3ForCausalLM", 0), ("flex_olmo", "FlexOlmoForCausalLM", 0),
     ("qwen3_vl_moe", "Qwen3VLMoeTextModel", 0),
     ("step3p7", "Step3p7TextModel", 2.5e-4), ("mimo_v2_flash", "MiMoV2FlashForCausalLM", 0),
-    ("exaone_moe", "ExaoneMoeForCausalLM", 0)])
+    ("exaone_moe", "ExaoneMoeForCausalLM", 0), ("afmoe", "AfmoeForCausalLM", 0)])
 def test_moe_types_read_by_their_fields_as_transformers_counts(tmp_path, capsys, model_type, cls, rel):
     """Qwen3-VL-MoE's text model reads as Qwen3-MoE's blocks, MiMo-V2-Flash as its own (its sliding layers'
     doubled KV heads and sinks, values narrower than its keys), Hunyuan-V3 (hy_v3) and K-EXAONE (exaone_moe) as
     GLM-4.5's blocks (a shared expert by count, `num_shared_experts` × the experts' width, the dense first layer by
     `mlp_layer_types`; K-EXAONE's full layers without RoPE), exactly.
+    AFMoE (four norms a layer, the output gate) and FlexOlmo (OLMoE's blocks, two norms after the sublayers) too.
     Types the core does not know read by the fields most MoE configs share: Step-3.5's shared expert by width
     (`share_expert_dim`). Their parameters (transformers' default configs cut to four
     layers; the text model of the multimodal ones) equal transformers' own but for what no standard field names:
@@ -878,10 +879,10 @@ def test_moe_types_read_by_their_fields_as_transformers_counts(tmp_path, capsys,
     cfg.num_hidden_layers = 4
     cfg.save_pretrained(tmp_path / model_type)
     m = from_hf_config(tmp_path / model_type / "config.json")
-    known = model_type in ("qwen3_vl_moe", "mimo_v2_flash", "hy_v3", "exaone_moe")  # blocks the core trains
+    known = model_type in ("qwen3_vl_moe", "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo")  # trained
     assert ("is not known; read by its standard fields as a MoE model" in capsys.readouterr().err) != known
     theirs = _meta_params(getattr(transformers, cls), cfg, skip=() if known else ("q_norm", "k_norm"),
-                          biases=model_type in ("mimo_v2_flash", "hy_v3", "exaone_moe"))
+                          biases=model_type in ("mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe"))
     theirs += param_counts(m)["head"] if cls.endswith("TextModel") else 0  # the text model without its head
     assert abs(total_params(m) - theirs) <= rel * theirs, (total_params(m), theirs)
     if model_type == "hy_v3":
