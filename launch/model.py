@@ -353,7 +353,7 @@ class Attention(nn.Module):
         self.window = window  # keys fewer than `window` positions back (None: every earlier key of the document)
         self.chunk = chunk  # keys of the query's own run of `chunk` positions of the document (None: no chunks)
         l4 = s.llama4
-        # Llama 4's global layers take no RoPE, nor K-EXAONE's full layers
+        # Llama 4's global layers take no RoPE, nor K-EXAONE's and AFMoE's full layers
         self.rotary = (l4 is None or chunk is not None) and not (s.nope_full_layers and kind == "full_attention")
         self.unit_rms_eps = s.rms_norm_eps if l4 is not None and l4.qk_norm and chunk is not None else None
         self.norm_backend = "auto"  # the unit-RMS q/k norm's: auto | torch | triton (kernels/rms_norm.py)

@@ -349,13 +349,18 @@ def dense_ffn_moments(m: ModelShape, s: float, tp: int) -> tuple[float, float]:
 
 def layer_saved(m: ModelShape, s: float, tp: int, cp: int, vendor: str = "nvidia") -> tuple[float, float]:
     """(mixer, FFN) bytes one decoder layer's forward saves for its backward: the largest mixer and FFN kinds. The
-    FFN side (its norm, router, experts) runs on the s/tp sequence-parallel tokens (launch/tensor_parallel.py)."""
+    FFN side (its norm, router, experts) runs on the s/tp sequence-parallel tokens (launch/tensor_parallel.py). With
+    norms after the sublayers (norm_placement "sandwich" or "post") each side adds the norm's saved input: the
+    sublayer's output, on the s/tp tokens it is reduce-scattered to."""
     mixers = []
     if m.num_attention_layers:
         mixers.append(attention_working_set(m, s, tp, cp, vendor))
     if m.num_linear_attn_layers:
         mixers.append(linear_attention_working_set(m, s, tp, cp))
     ffn = max(moe_moments(m, s / tp)[0] if m.num_moe_layers else 0.0, dense_ffn_moments(m, s, tp)[0])
+    if m.norm_placement != "pre":  # a norm after each sublayer keeps the sublayer's output (s/tp rows) and its scale
+        after = s / tp * norm_saved(m.hidden_size)
+        return max(mixers) + s / tp * FP32 + after, ffn + after
     return max(mixers) + s / tp * FP32, ffn  # + the input norm's row scale (its input is the layer's)
 
 

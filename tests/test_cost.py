@@ -974,3 +974,8 @@ def test_a_norm_after_the_moe_makes_the_recomputed_forward_combine():
     row = 4096 * 8 * (2048 + 8) * BF16 * 2
     assert ep_copy_bytes(sandwich, 4096, True, 4) - ep_copy_bytes(pre, 4096, True, 4) == pytest.approx(row * (1 + 1 / 4))
     assert ep_copy_bytes(sandwich, 4096, False, 4) == ep_copy_bytes(pre, 4096, False, 4)
+    # and each norm after a sublayer keeps that sublayer's output (bf16) and its row scale (fp32), s/tp rows
+    from recipe.cost import layer_saved
+
+    (m0, f0), (m1, f1) = (layer_saved(x, 4096, 2, 1) for x in (pre, sandwich))
+    assert m1 - m0 == f1 - f0 == 2048 * (2048 * BF16 + FP32)
