@@ -51,9 +51,10 @@ from launch.model import GatedDeltaNet, Transformer, assign_full, whole_model_na
 from recipe.models import ModelShape
 
 # MTP (DeepSeek's `mtp.`, MiniMax-M2's `mtp_modules.`), vision (Qwen3.5's `visual.`, Llama 4's `vision_model.` and
-# `multi_modal_projector.`, Kimi-K2.5's `vision_tower.` and `mm_projector.`)
-_SKIP = re.compile(r"^(model\.)?(mtp[._]|visual\.|vision_model\.|vision_tower\.|multi_modal_projector\.|"
-                   r"mm_projector\.)")
+# `multi_modal_projector.`, Kimi-K2.5's `vision_tower.` and `mm_projector.`), Qwen3-Omni's audio tower, talker and
+# code-to-wave model (its thinker's text model is read, under `thinker.`)
+_SKIP = re.compile(r"^(model\.|thinker\.)?(mtp[._]|visual\.|vision_model\.|vision_tower\.|multi_modal_projector\.|"
+                   r"mm_projector\.|audio_tower\.)|^(talker|code2wav)\.")
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # Mixtral's names for the MoE block and its experts' three matrices (ours: `mlp`, gate_proj/up_proj/down_proj)
 _MIXTRAL_BLOCK = re.compile(r"^(layers\.\d+)\.block_sparse_moe\.")
@@ -121,7 +122,9 @@ _HUNYUAN_IN = (("self_attn.query_layernorm.", "self_attn.q_norm."), ("self_attn.
 
 def _strip(key: str) -> str:
     # Llama 4's multimodal releases: `language_model.model.` and `language_model.lm_head`
-    for prefix in ("model.language_model.", "language_model.model.", "language_model.", "model."):
+    # Qwen3-Omni's: `thinker.model.` and `thinker.lm_head`
+    for prefix in ("model.language_model.", "language_model.model.", "language_model.", "thinker.model.", "thinker.",
+                   "model."):
         if key.startswith(prefix):
             return key[len(prefix):]
     return key
@@ -373,7 +376,7 @@ def _gpt_oss_experts_to_hf(name: str, t: torch.Tensor) -> torch.Tensor:
 def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, torch.Tensor]:
     sd: dict[str, torch.Tensor] = {}
     gpt_oss, llama4, granite = (model.shape.arch == a for a in ("gpt_oss", "llama4", "granitemoe"))
-    vl_moe = model.shape.hf_model_type == "qwen3_vl_moe"
+    vl_moe = model.shape.hf_model_type in ("qwen3_vl_moe", "qwen3_omni_moe")
     names = _names_in(model.shape)
     per_expert: dict[str, dict[int, dict[str, torch.Tensor]]] = {}
     mtp = range(model.shape.num_layers, model.shape.num_layers + model.shape.mtp_layers)

@@ -272,10 +272,10 @@ def trainable(shape: "ModelShape") -> str | None:
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
-                f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, Moonlight) and "
-                f"V3.2, GLM-5, GLM-4.5 "
-                f"(and dots.llm1, Solar Open, MiMo-V2-Flash, Hunyuan-V3, K-EXAONE, AFMoE), gpt-oss, Llama 4, Granite MoE, "
-                f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; not ERNIE-4.5 with biases or "
+                f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, "
+                f"Moonlight) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, MiMo-V2-Flash, Hunyuan-V3, "
+                f"K-EXAONE, AFMoE), gpt-oss, Llama 4, Granite MoE, Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; "
+                f"not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
     sc = shape.rope_scaling
@@ -976,6 +976,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_5_moe": "qwen3_5_moe", "qwen3_5_moe_text": "qwen3_5_moe", "qwen3_next": "qwen3_next",
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe", "qwen3_vl_moe": "qwen3_moe", "qwen3_vl_moe_text": "qwen3_moe",
+    "qwen3_omni_moe": "qwen3_moe", "qwen3_omni_moe_thinker": "qwen3_moe", "qwen3_omni_moe_text": "qwen3_moe",
     "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
@@ -1021,6 +1022,9 @@ def _from_hf_config(path: Path) -> ModelShape:
     if not isinstance(raw, dict):
         raise ValueError(f"{path}: expected a JSON object")
     text_config = raw.get("text_config")
+    thinker = raw.get("thinker_config")
+    if text_config is None and isinstance(thinker, dict):  # Qwen3-Omni: its thinker's text model
+        text_config = thinker.get("text_config")
     if text_config is not None and not isinstance(text_config, dict):
         raise ValueError(f"{path}: field 'text_config': expected an object, got {_shown(text_config)}")
     cfg = text_config or raw
@@ -1306,6 +1310,9 @@ def _from_hf_config(path: Path) -> ModelShape:
     if model_type in ("qwen3_vl_moe", "qwen3_vl_moe_text"):  # Qwen3-VL-MoE's text model: Qwen3-MoE's blocks; its
         # multimodal RoPE rotates a text-only sequence as plain RoPE (the three position ids are equal)
         fields["hf_model_type"] = "qwen3_vl_moe"
+    if model_type in ("qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text"):  # Qwen3-Omni's thinker:
+        # Qwen3-VL-MoE's text model
+        fields["hf_model_type"] = "qwen3_omni_moe"
     if model_type in ("mistral", "mixtral") and not cfg.get("layer_types"):
         # transformers' Mistral and Mixtral slide every layer over `sliding_window` keys (Mistral: 4096 where the
         # field is absent; null turns it off, as in Mistral v0.2 and later and every Mixtral release)

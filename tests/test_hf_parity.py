@@ -619,6 +619,42 @@ def test_a_glm45v_checkpoint_trains_its_text_model(tmp_path):
     _text_model_equals_the_multimodal_model(hf, shape, tmp_path, "Glm4MoeForCausalLM")
 
 
+@pytest.mark.parametrize("layout", ["thinker", "release"])
+def test_a_qwen3_omni_checkpoint_trains_its_thinkers_text_model(layout, tmp_path):
+    """Qwen3-Omni (`qwen3_omni_moe`): its thinker's text model is Qwen3-VL-MoE's (Qwen3-MoE's blocks, multimodal
+    RoPE plain on text), read from transformers' thinker save (`model.`, beside `audio_tower.` and `visual.`) or from
+    the release's layout (all of it under `thinker.`, beside the talker and the code-to-wave model; the config's text
+    model under `thinker_config`), the rest skipped. Ours gives the thinker's logits on text; exported, it is a
+    Qwen3-MoE text model with the same logits."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    text = {k: v for k, v in COMMON.items() if k != "moe_intermediate_size"} | dict(
+        moe_intermediate_size=8, intermediate_size=24, num_hidden_layers=2, norm_topk_prob=True,
+        rope_parameters=dict(rope_type="default", rope_theta=1e6, mrope_section=[2, 3, 3], mrope_interleaved=True))
+    audio = dict(num_mel_bins=8, encoder_layers=1, encoder_attention_heads=2, encoder_ffn_dim=16, d_model=16,
+                 output_dim=32, downsample_hidden_size=8, max_source_positions=20, n_window=4)
+    vision = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, out_hidden_size=32,
+                  num_position_embeddings=16, deepstack_visual_indexes=[0])
+    hf = _built(transformers.Qwen3OmniMoeThinkerForConditionalGeneration,
+                transformers.Qwen3OmniMoeThinkerConfig(text_config=text, audio_config=audio, vision_config=vision))
+    hf.save_pretrained(tmp_path / "hf")
+    if layout == "release":
+        sd = load_file(tmp_path / "hf" / "model.safetensors")
+        sd = {"thinker." + k: v for k, v in sd.items()} | {"talker.model.layers.0.mlp.gate.weight": torch.ones(2, 2),
+                                                          "code2wav.decoder.0.weight": torch.ones(2)}
+        save_file(sd, tmp_path / "hf" / "model.safetensors", metadata={"format": "pt"})
+        thinker = json.loads((tmp_path / "hf" / "config.json").read_text())
+        (tmp_path / "hf" / "config.json").write_text(json.dumps(
+            {"model_type": "qwen3_omni_moe", "architectures": ["Qwen3OmniMoeForConditionalGeneration"],
+             "thinker_config": thinker, "talker_config": {"model_type": "qwen3_omni_moe_talker"}}))
+    shape = from_hf_config(tmp_path / "hf" / "config.json")
+    assert (shape.arch, shape.hf_model_type, shape.expert_ffn, shape.rope_scaling) == (
+        "qwen3_moe", "qwen3_omni_moe", 8, None)
+    _text_model_equals_the_multimodal_model(hf, shape, tmp_path, "Qwen3MoeForCausalLM")
+
+
 @pytest.mark.parametrize("layout", ["transformers", "release"])
 def test_a_qwen3_vl_moe_checkpoint_trains_its_text_model(layout, tmp_path):
     """Qwen3-VL-MoE (`qwen3_vl_moe`): its text model is Qwen3-MoE's blocks under `model.language_model.`, whose
