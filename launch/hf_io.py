@@ -90,6 +90,10 @@ _GRANITE_OUT = {"mlp.experts.gate_up_proj": "block_sparse_moe.input_linear.weigh
                 "mlp.experts.down_proj": "block_sparse_moe.output_linear.weight",
                 "mlp.gate.weight": "block_sparse_moe.router.layer.weight",
                 "mlp.shared_expert.down_proj.weight": "shared_mlp.output_linear.weight"}
+# Granite-SWA's (what transformers writes for it): the experts fused, the router without `layer`
+_GRANITE_SWA_OUT = {**_GRANITE_OUT, "mlp.experts.gate_up_proj": "block_sparse_moe.experts.gate_up_proj",
+                    "mlp.experts.down_proj": "block_sparse_moe.experts.down_proj",
+                    "mlp.gate.weight": "block_sparse_moe.router.weight"}
 _LAYER_REST = re.compile(r"^(layers\.\d+)\.(.*)$")
 # Hunyuan-V3's names (ours on the right): the correction bias on the block, the router, the shared experts
 _HY_V3_IN = ((".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"), (".mlp.router.gate.", ".mlp.gate."),
@@ -669,6 +673,12 @@ def hf_config(shape: ModelShape) -> dict:
                    residual_multiplier=g.residual, logits_scaling=g.logits, output_router_logits=False)
         if shared:
             cfg["shared_intermediate_size"] = shared
+        if shape.hf_model_type == "granitemoe_swa":  # its sinks, windows and RoPE base a layer (0: none)
+            thetas = [0.0 if kind == "full_attention" and shape.nope_full_layers else shape.rope_theta_at(kind)
+                      for kind in shape.layer_types]
+            cfg.update(model_type="granitemoe_swa", architectures=["GraniteMoeSWAForCausalLM"],
+                       shared_intermediate_size=shared, layer_types=list(shape.layer_types),
+                       sliding_window=shape.sliding_window, layer_rope_theta=thetas)
         return cfg
     if shape.arch == "llama4":
         for k in ("num_experts", "moe_intermediate_size"):
@@ -772,7 +782,8 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
                     up = sd[f"{layer}.mlp.shared_expert.up_proj.weight"]
                     out[f"model.{layer}.shared_mlp.input_linear.weight"] = torch.cat([t, up])
                 continue
-            out[f"model.{layer}.{_GRANITE_OUT.get(rest, rest)}"] = t
+            names = _GRANITE_SWA_OUT if model.shape.hf_model_type == "granitemoe_swa" else _GRANITE_OUT
+            out[f"model.{layer}.{names.get(rest, rest)}"] = t
         elif llama4:  # its own names and fused layout, input dimension first
             key = _OUR_FFN.sub(r"\1.feed_forward.", _OUR_ROUTER.sub(r"\1.router.", key))
             out[key if key == "lm_head.weight" else "model." + key] = t.transpose(1, 2) if fused else t

@@ -285,12 +285,14 @@ def trainable(shape: "ModelShape") -> str | None:
         ("sliding_attention layers without a sliding_window",
          shape.num_sliding_layers > 0 and not shape.sliding_window),
         ("chunked attention outside Llama 4", shape.num_chunked_layers > 0 and shape.arch != "llama4"),
-        ("MiMo-V2-Flash's attention (sliding_kv_heads, sliding_rope_theta, sliding_sinks, v_head_dim, value_scale) "
-         "outside MiMo-V2-Flash", shape.hf_model_type != "mimo_v2_flash" and (
-             shape.sliding_kv_heads is not None or shape.sliding_rope_theta is not None or shape.sliding_sinks
-             or shape.v_head_dim is not None or shape.value_scale != 1.0)),
-        ("full layers without RoPE (nope_full_layers) outside K-EXAONE and AFMoE", shape.nope_full_layers
-         and shape.hf_model_type not in ("exaone_moe", "afmoe")),
+        ("MiMo-V2-Flash's attention (sliding_kv_heads, v_head_dim, value_scale) outside MiMo-V2-Flash",
+         shape.hf_model_type != "mimo_v2_flash" and (
+             shape.sliding_kv_heads is not None or shape.v_head_dim is not None or shape.value_scale != 1.0)),
+        ("sink logits or a sliding layers' RoPE base outside gpt-oss, MiMo-V2-Flash and Granite-SWA",
+         (shape.sinks != "none" or shape.sliding_rope_theta is not None)
+         and shape.hf_model_type not in ("mimo_v2_flash", "granitemoe_swa")),
+        ("full layers without RoPE (nope_full_layers) outside K-EXAONE, AFMoE and Granite-SWA", shape.nope_full_layers
+         and shape.hf_model_type not in ("exaone_moe", "afmoe", "granitemoe_swa")),
         ("sandwich or post norms, or a scaled embedding, outside AFMoE and FlexOlmo",
          (shape.norm_placement != "pre" or shape.embedding_scale != 1.0)
          and shape.hf_model_type not in ("afmoe", "flex_olmo")),
@@ -384,11 +386,12 @@ class ModelShape(Record):
     max_position: int = 262144
     mtp_layers: NonNeg = 0  # multi-token-prediction layers (counted apart from the text stack)
     # attention that differs by layer (MiMo-V2-Flash): the sliding layers' own key/value heads and RoPE base (None: the
-    # full layers'), a sink logit per head on the sliding layers only (gpt-oss has them on every layer), value heads
-    # narrower than the query/key heads (None: head_dim), and the values scaled by `value_scale` before attention
+    # full layers'), a sink logit per head on the sliding layers only or on all (`sinks`; Granite-SWA: all), value
+    # heads narrower than the query/key heads (None: head_dim), and the values scaled by `value_scale` before
+    # attention
     sliding_kv_heads: int | None = None
     sliding_rope_theta: float | None = None
-    sliding_sinks: bool = False
+    sinks: Literal["none", "sliding", "all"] = "none"  # (gpt-oss has them on every layer by its arch)
     v_head_dim: int | None = None
     value_scale: float = 1.0
     # the full-attention layers take no RoPE where the sliding layers do (K-EXAONE's, AFMoE's global layers)
@@ -432,6 +435,8 @@ class ModelShape(Record):
                 raise ValueError(f"v_head_dim={self.v_head_dim} is wider than head_dim={self.head_dim}")
         if self.norm_placement not in ("pre", "sandwich", "post"):
             raise ValueError(f"norm_placement must be pre, sandwich or post, got {self.norm_placement!r}")
+        if self.sinks not in ("none", "sliding", "all"):
+            raise ValueError(f"sinks must be none, sliding or all, got {self.sinks!r}")
         for name in ("sliding_rope_theta", "value_scale", "embedding_scale"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
@@ -475,11 +480,12 @@ class ModelShape(Record):
     def has_sinks(self) -> bool:
         """Whether attention has a sink logit per query head on some layers (gpt-oss: all; MiMo-V2-Flash: the
         sliding ones)."""
-        return self.arch == "gpt_oss" or self.sliding_sinks
+        return self.arch == "gpt_oss" or self.sinks != "none"
 
     def sinks_at(self, kind: str) -> bool:
         """Whether a `kind` attention layer has the sink logits."""
-        return self.arch == "gpt_oss" or (self.sliding_sinks and kind == "sliding_attention")
+        return self.arch == "gpt_oss" or self.sinks == "all" or (
+            self.sinks == "sliding" and kind == "sliding_attention")
 
     def kv_heads_at(self, kind: str) -> int:
         """The key/value heads of a `kind` attention layer."""
@@ -579,7 +585,7 @@ class ModelShape(Record):
                              "llama4", "hf_model_type", "granite", "clip_qkv", "dsa", "sliding_kv_heads",
                              "sliding_rope_theta", "v_head_dim", "compressed")
                  if getattr(self, k) is None}
-        unset |= {k for k, default in (("moe_layer_step", 1), ("sliding_sinks", False), ("value_scale", 1.0),
+        unset |= {k for k, default in (("moe_layer_step", 1), ("sinks", "none"), ("value_scale", 1.0),
                                        ("nope_full_layers", False), ("norm_placement", "pre"),
                                        ("embedding_scale", 1.0)) if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
@@ -694,7 +700,7 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             layer_types=tuple("full_attention" if i == 0 or (i + 1) % 6 == 0 else "sliding_attention"
                               for i in range(48)),
             num_heads=64, num_kv_heads=4, sliding_kv_heads=8, head_dim=192, v_head_dim=128, value_scale=0.707,
-            sliding_sinks=True, sliding_window=128, qk_norm=False, partial_rotary_factor=0.334, rope_theta=5e6,
+            sinks="sliding", sliding_window=128, qk_norm=False, partial_rotary_factor=0.334, rope_theta=5e6,
             sliding_rope_theta=1e4, num_experts=256, top_k=8, expert_ffn=2048, router_bias=True,
             sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.0), first_dense_layers=1,
             dense_ffn=16384, rms_norm_eps=1e-5, max_position=131072, hf_model_type="mimo_v2_flash",
@@ -987,6 +993,7 @@ _ARCH_BY_MODEL_TYPE = {
     "minimax_m2": "minimax_m2",
     "llama4": "llama4",
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
+    "granitemoe_swa": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
@@ -1305,6 +1312,8 @@ def _from_hf_config(path: Path) -> ModelShape:
                       granite={k: 1.0 if cfg.get(f) is None else number(cfg[f], f) for k, f in (
                           ("embedding", "embedding_multiplier"), ("attention", "attention_multiplier"),
                           ("residual", "residual_multiplier"), ("logits", "logits_scaling"))})
+        if model_type == "granitemoe_swa":
+            _granite_swa(cfg, fields, n_layers, number, count, bad)
     elif arch == "moe":
         _generic_moe(cfg, fields, n_layers, req, opt, opt_flag, bad)
     if model_type in ("qwen3_vl_moe", "qwen3_vl_moe_text"):  # Qwen3-VL-MoE's text model: Qwen3-MoE's blocks; its
@@ -1512,6 +1521,41 @@ def _deepseek_v4(cfg: dict, fields: dict, n_layers: int, req, opt, number, count
             swiglu_limit=number(cfg.get("swiglu_limit", 10.0), "swiglu_limit")))
 
 
+def _granite_swa(cfg: dict, fields: dict, n_layers: int, number, count, bad) -> None:
+    """Granite-SWA MoE (granitemoe_swa): a sink logit per head on every layer, the sliding layers (every layer but
+    each 4th from the first where `layer_types` is absent) over `sliding_window` (128) keys, and a RoPE base per layer
+    (`layer_rope_theta`, 0 for no RoPE): trained where the bases follow the layer kinds — one for the full layers (or
+    none), one for the sliding ones — and planned only otherwise."""
+    if not cfg.get("layer_types"):
+        fields["layer_types"] = tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(n_layers))
+    window = cfg.get("sliding_window", 128)
+    fields.update(hf_model_type="granitemoe_swa", sinks="all",
+                  sliding_window=None if window is None else count(window, "sliding_window"))
+    thetas = cfg.get("layer_rope_theta")
+    if thetas is None:
+        return
+    if not isinstance(thetas, list) or len(thetas) < n_layers:
+        raise bad("layer_rope_theta", f"{n_layers} RoPE bases (0: none)", thetas)
+    by_kind: dict[str, set] = {}
+    for kind, t in zip(fields["layer_types"], thetas):
+        by_kind.setdefault(kind, set()).add(0.0 if t is None else number(t, "layer_rope_theta"))
+    full, sliding = by_kind.get("full_attention", set()), by_kind.get("sliding_attention", set())
+    if len(full) > 1 or len(sliding) > 1 or 0.0 in sliding:  # bases that do not follow the kinds: planned only
+        fields["arch"] = "moe"
+        return
+    rotated_full = bool(full) and full != {0.0}
+    if full == {0.0}:
+        fields["nope_full_layers"] = True
+    elif full:
+        fields["rope_theta"] = full.pop()
+    if sliding:  # the sliding layers' base: the model's where no full layer rotates, else their own where it differs
+        base = sliding.pop()
+        if not rotated_full:
+            fields["rope_theta"] = base
+        elif base != fields["rope_theta"]:
+            fields["sliding_rope_theta"] = base
+
+
 def _afmoe(cfg: dict, fields: dict, n_layers: int, opt, opt_flag, count, bad) -> None:
     """AFMoE's attention and blocks (transformers' AfmoeConfig defaults where absent): layer types by
     `global_attn_every_n_layers` (every n-th full) where `layer_types` is absent, the sliding ones over
@@ -1553,7 +1597,7 @@ def _mimo_attention(cfg: dict, fields: dict, rope: dict, rope_by_type: dict | No
     `attention_value_scale` (null: 1), RoPE by layer type (the same rotated share; bases 5e6 and 1e4)."""
     kv = opt("num_key_value_heads", fields["num_heads"])
     scale = cfg.get("attention_value_scale", 0.707)
-    fields.update(sliding_kv_heads=2 * kv, sliding_sinks=True, v_head_dim=opt("v_head_dim", 128),
+    fields.update(sliding_kv_heads=2 * kv, sinks="sliding", v_head_dim=opt("v_head_dim", 128),
                   value_scale=1.0 if scale is None else number(scale, "attention_value_scale"))
     sliding = (rope_by_type or {}).get("sliding_attention")
     if sliding is None:

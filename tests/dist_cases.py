@@ -167,7 +167,7 @@ def tiny_mimo():
                       vocab_size=512,
                       layer_types=("full_attention",) + ("sliding_attention",) * 2 + ("full_attention",),
                       num_heads=4, num_kv_heads=2, sliding_kv_heads=4, head_dim=12, v_head_dim=8, value_scale=0.6,
-                      sliding_sinks=True, sliding_window=8, partial_rotary_factor=0.5, rope_theta=5e6,
+                      sinks="sliding", sliding_window=8, partial_rotary_factor=0.5, rope_theta=5e6,
                       sliding_rope_theta=1e4, qk_norm=False, num_experts=8, top_k=2, expert_ffn=32, router_bias=True,
                       sigmoid_router=SigmoidRouter(groups=2, topk_groups=1, scaling=1.5), first_dense_layers=1,
                       dense_ffn=48, rms_norm_eps=1e-5)

@@ -116,7 +116,7 @@ QWEN2_SPARSE = dict(decoder_sparse_step=2, num_hidden_layers=4, intermediate_siz
 ARCH = {"moonlight": "deepseek_v3", "mixtral_swa": "mixtral", **{a: "deepseek_v3" for a in DEEPSEEK_V2}, **{a: "dense" for a in DENSE},
         "llama4_maverick": "llama4", "qwen2_moe_sparse": "qwen2_moe", "glm4_moe_lite": "deepseek_v3",
         **{a: "deepseek_v3" for a in DSA_ARCHS},
-        "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe",
+        "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe", "granitemoe_swa": "granitemoe",
         "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe",
         "exaone_moe": "glm4_moe", "afmoe": "glm4_moe", "flex_olmo": "olmoe"}
 
@@ -193,6 +193,12 @@ def _hf_model(arch: str):
         cfg, cls = transformers.HunYuanMoEV1Config(**HUNYUAN), transformers.HunYuanMoEV1ForCausalLM
     elif arch == "granitemoe":
         cfg, cls = transformers.GraniteMoeConfig(**GRANITE), transformers.GraniteMoeForCausalLM
+    elif arch == "granitemoe_swa":  # Granite's multipliers, a sink logit per head on every layer, windows of 8 on the
+        # sliding layers (each 2nd from the first full), the full layers without RoPE, the sliding ones at base 1e4
+        cfg = transformers.GraniteMoeSWAConfig(**GRANITE, shared_intermediate_size=24, sliding_window=8,
+                                               layer_types=["full_attention", "sliding_attention"],
+                                               layer_rope_theta=[0, 10000.0])
+        cls = transformers.GraniteMoeSWAForCausalLM
     elif arch == "granitemoeshared":
         cfg = transformers.GraniteMoeSharedConfig(**GRANITE, shared_intermediate_size=24)
         cls = transformers.GraniteMoeSharedForCausalLM
@@ -275,7 +281,7 @@ def _built(cls, cfg):
                                   "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
                                   *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe",
                                   "afmoe", "flex_olmo", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
-                                  "hunyuan_v1_moe",
+                                  "granitemoe_swa", "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
     hf = _hf_model(arch)
@@ -465,7 +471,7 @@ def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "solar_open",
                                   "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo", "gpt_oss",
-                                  *LLAMA4, "granitemoeshared", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
+                                  *LLAMA4, "granitemoeshared", "granitemoe_swa", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.

@@ -775,6 +775,29 @@ def _meta_params(model_cls, cfg, skip: tuple[str, ...] = (), biases: bool = True
     return bias + sum(p.numel() for n, p in model.named_parameters() if not any(k in n for k in skip))
 
 
+def test_granite_swa_rope_bases_by_layer_read_as_the_layer_kinds_take_them(tmp_path):
+    """Granite-SWA's `layer_rope_theta` (a base a layer, 0: no RoPE) trains where the bases follow the layer kinds:
+    one for all, none for the full layers (nope_full_layers), or the sliding layers' own (sliding_rope_theta); bases
+    that differ within a kind, or sliding layers without RoPE, are planned only. Every layer has sinks."""
+    import transformers
+
+    kinds = ["full_attention", "sliding_attention"] * 2
+    base = transformers.GraniteMoeSWAConfig(num_hidden_layers=4, layer_types=kinds).to_dict()
+    cases = {"plain": ([1e4] * 4, (1e4, None, False, "granitemoe")),
+             "nope": ([0, 1e4, 0, 1e4], (1e4, None, True, "granitemoe")),
+             "own": ([5e5, 1e4, 5e5, 1e4], (5e5, 1e4, False, "granitemoe")),
+             "mixed": ([1e4, 1e4, 1e4, 2e4], (None, None, None, "moe")),
+             "sliding_nope": ([1e4, 0, 1e4, 0], (None, None, None, "moe"))}
+    for name, (thetas, (theta, sliding, nope, arch)) in cases.items():
+        m = from_hf_config(_write(tmp_path, name, base | {"layer_rope_theta": thetas}))
+        assert m.arch == arch, name
+        if arch == "granitemoe":
+            assert (m.rope_theta, m.sliding_rope_theta, m.nope_full_layers, m.sinks) == (theta, sliding, nope, "all")
+            assert trainable(m) is None, name
+        else:
+            assert "not trained" in trainable(m), name
+
+
 def test_deepseek_v4_reads_its_layer_kinds_rates_and_hash_layers(tmp_path):
     """DeepSeek-V4 (`deepseek_v4`): its layer kinds from `layer_types`, or from the older `compress_ratios` (0, 4,
     128 a layer), its rates from `compress_rates` or the older scalars, its hash-routed layers from
