@@ -114,9 +114,10 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
     T, D = batch.num_tokens, model.shape.hidden_size
     dtype = next(model.parameters()).dtype
     x = torch.randn(T, D, device=device, dtype=dtype) * 0.5
-    from launch.model import rope_cos_sin
+    from launch.model import layer_ropes
 
-    rope = rope_cos_sin(batch.packing.positions, model.shape, dtype)
+    ropes = layer_ropes(batch.packing.positions, model.shape, dtype)
+    rope = ropes["main"]
     results = {}
 
     def measure(name, fn, count):
@@ -140,7 +141,8 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
                        ("chunked_attention", "chunked attention (block)")):
         attn = [layer for layer in layers if layer.layer_type == kind]
         if attn:
-            measure(name, wrap(lambda xin, a=attn[0]: a.self_attn(xin, rope, batch.packing)), len(attn))
+            measure(name, wrap(lambda xin, a=attn[0], r=ropes.get(kind, rope): a.self_attn(xin, r, batch.packing)),
+                    len(attn))
     lin = [layer for layer in layers if layer.layer_type == "linear_attention"]
     if lin:
         gdn = lin[0].linear_attn
