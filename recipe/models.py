@@ -1000,6 +1000,17 @@ _ARCH_BY_MODEL_TYPE = {
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
 _MAMBA_HYBRIDS = ("jamba", "bamba", "falcon_h1", "falcon_mamba", "granitemoehybrid", "mamba", "mamba2", "nemotron_h",
                   "zamba", "zamba2")
+# families whose standard fields would read as blocks they do not have: what they have instead
+_UNPLANNED_TYPES = {
+    "jetmoe": "mixture-of-attention experts",
+    "lfm2_moe": "short-convolution layers (LFM2's)", "lfm2": "short-convolution layers (LFM2's)",
+    "longcat_flash": "zero-computation experts and two attention blocks a layer",
+    "ernie4_5_vl_moe": "experts split between text and vision",
+    "ernie4_5_vl_moe_text": "experts split between text and vision",
+    "apertus": "an MLP without a gate (up and down projections)",
+    "arcee": "an MLP without a gate (up and down projections)",
+    "youtu": "multi-head latent attention in a dense model",
+}
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 
 
@@ -1038,6 +1049,9 @@ def _from_hf_config(path: Path) -> ModelShape:
     model_type = cfg.get("model_type") or raw.get("model_type") or ""
     if model_type in _MAMBA_HYBRIDS:
         raise ValueError(f"{path}: model_type {_shown(model_type)} has Mamba layers, which this tool does not plan")
+    if model_type in _UNPLANNED_TYPES:
+        raise ValueError(f"{path}: model_type {_shown(model_type)} has {_UNPLANNED_TYPES[model_type]}, which this "
+                         f"tool does not plan")
     arch = _ARCH_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
     unknown = arch is None
     if unknown:
@@ -1160,7 +1174,9 @@ def _from_hf_config(path: Path) -> ModelShape:
         head_dim=opt("head_dim", hidden // num_heads),
         rope_theta=1e6 if rope_theta is None else number(rope_theta, rope_key),
         tie_embeddings=opt_flag("tie_word_embeddings", opt_flag("tie_word_embeddings", False), raw),
-        rms_norm_eps=opt_num("rms_norm_eps", 1e-6),
+        # (a LayerNorm's epsilon where a config has one instead, as Cohere's and LFM2's: the cost is the same)
+        rms_norm_eps=opt_num("rms_norm_eps", 1e-6) if cfg.get("rms_norm_eps") is not None
+        else opt_num("layer_norm_eps", opt_num("norm_eps", 1e-6)),
         max_position=opt("max_position_embeddings", 32768),
         mtp_layers=opt("mtp_num_hidden_layers", opt("num_nextn_predict_layers", opt("num_mtp_layers", 0))),
         norm_topk_prob=opt_flag("norm_topk_prob", arch not in ("moe", "qwen2_moe", "olmoe")),

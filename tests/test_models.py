@@ -881,7 +881,8 @@ def test_glm5_reads_as_deepseek_v3_blocks_with_its_indexer(tmp_path):
     ("hy_v3", "HYV3ForCausalLM", 0), ("flex_olmo", "FlexOlmoForCausalLM", 0),
     ("qwen3_vl_moe", "Qwen3VLMoeTextModel", 0),
     ("step3p7", "Step3p7TextModel", 2.5e-4), ("mimo_v2_flash", "MiMoV2FlashForCausalLM", 0),
-    ("exaone_moe", "ExaoneMoeForCausalLM", 0), ("afmoe", "AfmoeForCausalLM", 0)])
+    ("exaone_moe", "ExaoneMoeForCausalLM", 0), ("afmoe", "AfmoeForCausalLM", 0),
+    ("cohere2_moe", "Cohere2MoeForCausalLM", 2e-6)])
 def test_moe_types_read_by_their_fields_as_transformers_counts(tmp_path, capsys, model_type, cls, rel):
     """Qwen3-VL-MoE's text model reads as Qwen3-MoE's blocks, MiMo-V2-Flash as its own (its sliding layers'
     doubled KV heads and sinks, values narrower than its keys), Hunyuan-V3 (hy_v3) and K-EXAONE (exaone_moe) as
@@ -891,7 +892,8 @@ def test_moe_types_read_by_their_fields_as_transformers_counts(tmp_path, capsys,
     Types the core does not know read by the fields most MoE configs share: Step-3.5's shared expert by width
     (`share_expert_dim`). Their parameters (transformers' default configs cut to four
     layers; the text model of the multimodal ones) equal transformers' own but for what no standard field names:
-    per-head q/k norm weights and a router's correction bias, and Step-3.5's per-head output gate (under 0.02%)."""
+    per-head q/k norm weights and a router's correction bias, Step-3.5's per-head output gate (under 0.02%) and
+    Cohere2-MoE's one norm a layer (its parallel block; its LayerNorm's epsilon read for the RMSNorm's)."""
     import transformers
 
     cfg = transformers.AutoConfig.for_model(model_type)
@@ -967,7 +969,12 @@ def test_mistral_slides_every_layer_unless_its_window_is_null(tmp_path):
      "layer type 'qwen_sparse_attention' (model_type 'qwen4_exp_text') is not planned"),
     (dict(model_type="kimi_linear", layer_types=["linear_attention", "full_attention"]),
      "the linear_attention layers of model_type 'kimi_linear' are not planned"),
-    (dict(model_type="jamba"), "model_type 'jamba' has Mamba layers, which this tool does not plan")])
+    (dict(model_type="jamba"), "model_type 'jamba' has Mamba layers, which this tool does not plan"),
+    # families whose standard fields would read as blocks they do not have
+    (dict(model_type="jetmoe"), "model_type 'jetmoe' has mixture-of-attention experts"),
+    (dict(model_type="longcat_flash"), "model_type 'longcat_flash' has zero-computation experts"),
+    (dict(model_type="lfm2_moe"), "model_type 'lfm2_moe' has short-convolution layers"),
+    (dict(model_type="arcee"), "model_type 'arcee' has an MLP without a gate")])
 def test_mixers_the_tool_does_not_plan_are_refused_in_one_line(tmp_path, cfg, says):
     from typer.testing import CliRunner
 
