@@ -609,3 +609,36 @@ def test_gpt_oss_attention_runs_on_cudnn_with_its_sink_merged(before, window):
     for name, r, a, b in zip(("o", "dq", "dk", "dv", "dsinks"), ref, one_call, merged):
         err_one, err_ours = (((x - r).norm() / r.norm()).item() for x in (a, b))
         assert err_ours < max(1.5 * err_one, 1e-2), (name, err_ours, err_one)
+
+
+@pytest.mark.parametrize("family", ["mimo", "afmoe"])
+def test_per_layer_attention_families_in_bf16_run_on_the_gpu_and_follow_fp32(family):
+    """The attention forms the CPU checks hold to transformers, on the GPU's kernels: MiMo-V2-Flash's (sliding layers
+    with twice the KV heads, sinks and their own RoPE base; q·k heads of 192 with values of 128, zero-padded for the
+    kernels: the windowed flash path and cuDNN's full layers at head size 192) and AFMoE's (norms before and after
+    each sublayer, the output gate, the full layers without RoPE). bf16 follows fp32 in the hidden states and in
+    every parameter's gradient; top-4 of 4 experts, so no routing choice can flip between the dtypes."""
+    from recipe.models import ModelShape, SigmoidRouter
+
+    common = dict(hidden_size=256, num_layers=4, vocab_size=512, num_experts=4, top_k=4, expert_ffn=128,
+                  router_bias=True, sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.0),
+                  first_dense_layers=1, dense_ffn=192, rms_norm_eps=1e-5, arch="glm4_moe", qk_norm=False)
+    if family == "mimo":
+        shape = ModelShape(name="tiny-mimo", hf_model_type="mimo_v2_flash",
+                           layer_types=("full_attention",) + ("sliding_attention",) * 2 + ("full_attention",),
+                           num_heads=8, num_kv_heads=2, sliding_kv_heads=4, head_dim=192, v_head_dim=128,
+                           value_scale=0.707, sinks="sliding", sliding_window=128, partial_rotary_factor=0.334,
+                           rope_theta=5e6, sliding_rope_theta=1e4, **common)
+    else:
+        shape = ModelShape(name="tiny-afmoe", hf_model_type="afmoe",
+                           layer_types=("sliding_attention", "full_attention") * 2, num_heads=8, num_kv_heads=2,
+                           head_dim=64, sliding_window=128, attn_output_gate=True, nope_full_layers=True,
+                           norm_placement="sandwich", embedding_scale=16.0, shared_expert_ffn=128,
+                           **{**common, "qk_norm": True})
+    out, _ = _fp32_and_bf16(shape)
+    (h32, g32), (h16, g16) = out[torch.float32], out[torch.bfloat16]
+    assert _rel(h16, h32) < 2e-2
+    for n, g in g32.items():
+        if n != "lm_head.weight" and g is not None and g.norm() > 0:
+            assert g16[n] is not None and torch.isfinite(g16[n]).all(), n
+            assert _rel(g16[n], g) < 3e-2, (n, _rel(g16[n], g))
