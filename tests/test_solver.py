@@ -381,3 +381,27 @@ def test_tokens_per_s_bound_bounds_every_layout():
                     for p in grid(PRESETS[model], hw, world, opts):
                         assert p.estimate.tokens_per_s_per_gpu <= bound * (1 + 1e-9), (model, hw_name, seq, world,
                                                                                        p.layout)
+
+
+def test_the_gpu_count_rules_share_of_committed_plans_is_what_the_docs_say():
+    """docs/solver.md gives how many committed plans the 1.5x rule moves past the smallest count that fits, and the
+    range of GPU-hours a token the smaller count would have cost: the plans' own reasons say so (a stale figure fails
+    here when plans are regenerated)."""
+    import re
+    from pathlib import Path
+
+    root = Path(__file__).parents[1]
+    plans = sorted((root / "plans").glob("*.yaml"))
+    ratios = []
+    for p in plans:
+        text = p.read_text().replace("\n", " ")
+        hit = re.search(r"rejected (\d+) GPUs fit only with .*?: ([0-9.]+)x the GPU-hours", text)
+        if hit:
+            assert int(hit.group(1)) > 8, p.name  # past one node
+            ratios.append(float(hit.group(2)))
+    doc = (root / "docs" / "solver.md").read_text().replace("\n", " ")
+    said = re.search(r"(\d+) of the (\d+) committed plans, all past one node at 32K and 128K, at ([0-9.]+)x to "
+                     r"([0-9.]+)x the GPU-hours", doc)
+    assert said, "docs/solver.md no longer states the share"
+    assert (int(said.group(1)), int(said.group(2))) == (len(ratios), len(plans))
+    assert (float(said.group(3)), float(said.group(4))) == (min(ratios), max(ratios))
