@@ -1049,7 +1049,7 @@ def _from_hf_config(path: Path) -> ModelShape:
     model_type = cfg.get("model_type") or raw.get("model_type") or ""
     if model_type in _MAMBA_HYBRIDS:
         raise ValueError(f"{path}: model_type {_shown(model_type)} has Mamba layers, which this tool does not plan")
-    if model_type in _UNPLANNED_TYPES:
+    if isinstance(model_type, str) and model_type in _UNPLANNED_TYPES:
         raise ValueError(f"{path}: model_type {_shown(model_type)} has {_UNPLANNED_TYPES[model_type]}, which this "
                          f"tool does not plan")
     arch = _ARCH_BY_MODEL_TYPE.get(model_type) if isinstance(model_type, str) else None
