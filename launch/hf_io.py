@@ -100,6 +100,8 @@ _HY_V3_IN = ((".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"), (".mlp.r
              (".mlp.shared_mlp.", ".mlp.shared_expert."))
 # MiMo-V2-Flash's: the sinks
 _MIMO_IN = ((".self_attn.attention_sink_bias", ".self_attn.sinks"),)
+# Cohere2-MoE's: the shared experts, plural (the loader's DeepSeek rule makes them singular first)
+_COHERE2_IN = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
 # AFMoE's: the router and its correction bias (the output gate's projection: `_fuse_output_gate`)
 _AFMOE_IN = ((".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"), (".mlp.router.gate.", ".mlp.gate."))
 
@@ -108,7 +110,8 @@ def _names_in(shape: ModelShape) -> tuple[tuple[str, str], ...]:
     """(a checkpoint's name part, ours) for the families whose checkpoints name some tensors their own way."""
     if shape.arch == "hunyuan_moe":
         return _HUNYUAN_IN
-    return {"hy_v3": _HY_V3_IN, "mimo_v2_flash": _MIMO_IN, "afmoe": _AFMOE_IN}.get(shape.hf_model_type, ())
+    return {"hy_v3": _HY_V3_IN, "mimo_v2_flash": _MIMO_IN, "afmoe": _AFMOE_IN,
+            "cohere2_moe": _COHERE2_IN}.get(shape.hf_model_type, ())
 
 
 def _names_out(shape: ModelShape) -> tuple[tuple[str, str], ...]:
@@ -535,6 +538,18 @@ def hf_config(shape: ModelShape) -> dict:
             cfg.update(sliding_window=shape.sliding_window, use_sliding_window=True)
         if model_type == "llama":
             cfg.update(attention_bias=False, mlp_bias=False)
+        return cfg
+    if shape.hf_model_type == "cohere2_moe":  # Cohere2-MoE: its norms, logit scale, shared experts, layer types
+        layer_norm = shape.norm_kind == "layer"
+        cfg.update(model_type="cohere2_moe", architectures=["Cohere2MoeForCausalLM"],
+                   intermediate_size=shape.expert_ffn,
+                   num_shared_experts=shape.shared_expert_ffn // shape.expert_ffn, logit_scale=shape.logit_scale,
+                   shared_expert_combination_strategy="average" if shape.shared_expert_mean else "sum",
+                   expert_selection_fn="softmax", norm_topk_prob=True, layer_types=list(shape.layer_types),
+                   mlp_layer_types=["sparse"] * shape.num_layers, sliding_window=shape.sliding_window,
+                   rms_norm_eps=None if layer_norm else shape.rms_norm_eps,
+                   layer_norm_eps=shape.rms_norm_eps if layer_norm else 1e-5, rope_theta=shape.rope_theta)
+        cfg.pop("moe_intermediate_size")
         return cfg
     if shape.arch == "qwen3_moe":
         cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,

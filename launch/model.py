@@ -117,6 +117,25 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, self.offset, backend=self.backend)
 
 
+class LayerNorm(nn.Module):
+    """Cohere's LayerNorm: each row centred and scaled to unit variance in fp32, times a weight (no bias)."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
+
+
+def block_norm(s: ModelShape, norm_offset: float) -> nn.Module:
+    """A norm of the decoder blocks (and the final one): the shape's norm_kind."""
+    if s.norm_kind == "layer":
+        return LayerNorm(s.hidden_size, s.rms_norm_eps)
+    return RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
+
+
 class HeadsRMSNorm(nn.Module):
     """RMSNorm over all heads' channels of a token together (OLMoE's q/k norms: one weight per channel of the
     projection, the mean square taken over its whole width `dim`), in OLMoE's order: fp32 inside, then the weight
@@ -225,9 +244,10 @@ def softmax_scale(s: ModelShape) -> float:
 
 
 def logits_divisor(s: ModelShape) -> float:
-    """What the model divides its logits by before the softmax (Granite's `logits` scaling; 1 elsewhere): the trainer
-    folds it into the head's temperature (launch/train.py), so the fused head applies it inside its kernels."""
-    return s.granite.logits if s.granite is not None else 1.0
+    """What the model divides its logits by before the softmax (Granite's `logits` scaling, Cohere's 1/logit_scale;
+    1 elsewhere): the trainer folds it into the head's temperature (launch/train.py), so the fused head applies it
+    inside its kernels."""
+    return (s.granite.logits if s.granite is not None else 1.0) / s.logit_scale
 
 
 class ScaledEmbedding(nn.Embedding):
@@ -348,7 +368,8 @@ class Attention(nn.Module):
         self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.sinks_at(kind) else None
         self.clip_qkv = s.clip_qkv  # OLMoE's: q and k after their norms, and v, clamped to ±clip_qkv (None: not)
         self.qk_norm_after_rope = s.arch in QK_NORM_AFTER_ROPE_ARCHS
-        self.rope_interleaved = s.arch in INTERLEAVED_ROPE_ARCHS  # ERNIE-4.5: channel pairs, not halves
+        # ERNIE-4.5, Llama 4, Cohere: channel pairs, not halves
+        self.rope_interleaved = s.arch in INTERLEAVED_ROPE_ARCHS or s.rope_pairs
         self.rope_backend = "auto"  # auto | torch | triton (kernels/rope.py: one fused kernel on GPU)
         self.window = window  # keys fewer than `window` positions back (None: every earlier key of the document)
         self.chunk = chunk  # keys of the query's own run of `chunk` positions of the document (None: no chunks)
@@ -716,9 +737,10 @@ class DecoderLayer(nn.Module):
         self.norm_placement = s.norm_placement
         names = {"pre": ("input_layernorm", "post_attention_layernorm"),
                  "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm"),
-                 "post": ("post_attention_layernorm", "post_feedforward_layernorm")}[s.norm_placement]
+                 "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
+                 "parallel": ("input_layernorm",)}[s.norm_placement]
         for name in names:
-            setattr(self, name, RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset))
+            setattr(self, name, block_norm(s, norm_offset))
         # Granite: each branch's output times its residual multiplier before the add (1 elsewhere)
         self.residual_scale = s.granite.residual if s.granite is not None else 1.0
         if dense:
@@ -729,7 +751,7 @@ class DecoderLayer(nn.Module):
                            s.shared_expert_gate, s.norm_topk_prob, s.sigmoid_router, router_bias=gpt_oss,
                            activation=GPT_OSS_GLU if gpt_oss else SWIGLU, expert_bias=gpt_oss,
                            softmax_scores=s.arch in SOFTMAX_SCORE_ARCHS, softmax_router=s.softmax_router,
-                           weights_on_input=s.arch in INPUT_WEIGHTED_ARCHS)
+                           weights_on_input=s.arch in INPUT_WEIGHTED_ARCHS, shared_mean=s.shared_expert_mean)
             # a norm after the MoE block keeps its output for the backward: a recomputed forward must produce it
             self.mlp.experts.output_read = s.moe_output_saved
 
@@ -743,6 +765,9 @@ class DecoderLayer(nn.Module):
         if self.norm_placement == "post":
             x_TD = x_TD + self.post_attention_layernorm(mixer(x_TD, rope, packing))
             return x_TD + self.post_feedforward_layernorm(self.mlp(x_TD))
+        if self.norm_placement == "parallel":
+            n_TD = self.input_layernorm(x_TD)
+            return x_TD + mixer(n_TD, rope, packing) + self.mlp(n_TD)
         if self.residual_scale != 1.0:
             x_TD = x_TD + mixer(self.input_layernorm(x_TD), rope, packing) * self.residual_scale
             return x_TD + self.mlp(self.post_attention_layernorm(x_TD)) * self.residual_scale
@@ -769,7 +794,7 @@ class Transformer(nn.Module):
         self.embed_tokens.pad_row = shape.pad_token_id
         self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset, dense=shape.is_dense_layer(i), index=i)
                                     for i, t in enumerate(shape.layer_types))
-        self.norm = RMSNorm(shape.hidden_size, shape.rms_norm_eps, norm_offset)
+        self.norm = block_norm(shape, norm_offset)
         self.lm_head = nn.Linear(shape.hidden_size, shape.vocab_size, bias=False)
         # None: one micro-batch is one sequence on this rank; launch/context_parallel.py installs its
         # ContextParallel here (the trainer shards each micro-batch with it) and on every mixer

@@ -443,9 +443,11 @@ class MoE(nn.Module):
     def __init__(self, dim: int, num_experts: int, top_k: int, ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, norm_topk_prob: bool = True, sigmoid_router=None,
                  router_bias: bool = False, activation: GLU = SWIGLU, expert_bias: bool = False,
-                 softmax_scores: bool = False, softmax_router=None, weights_on_input: bool = False):
+                 softmax_scores: bool = False, softmax_router=None, weights_on_input: bool = False,
+                 shared_mean: bool = False):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
+        self.shared_mean = shared_mean  # Cohere's "average": the mean of the routed and shared experts' outputs
         self.weights_on_input = weights_on_input
         if sigmoid_router is None:
             grouped = {} if softmax_router is None else dict(  # a recipe.models.SoftmaxRouter (DeepSeek-V2)
@@ -475,4 +477,6 @@ class MoE(nn.Module):
             if self.shared_expert_gate is not None:
                 shared_TD = torch.sigmoid(self.shared_expert_gate(x_TD)) * shared_TD
             out_TD = out_TD + shared_TD
+            if self.shared_mean:
+                out_TD = out_TD * 0.5
         return out_TD

@@ -274,7 +274,8 @@ def trainable(shape: "ModelShape") -> str | None:
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
                 f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, "
                 f"Moonlight) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, MiMo-V2-Flash, Hunyuan-V3, "
-                f"K-EXAONE, AFMoE), gpt-oss, Llama 4, Granite MoE, Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; "
+                f"K-EXAONE, AFMoE), Cohere2-MoE, gpt-oss, Llama 4, Granite MoE, Hunyuan-A13B and dense "
+                f"Llama/Qwen/Mistral stacks; "
                 f"not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
@@ -291,11 +292,16 @@ def trainable(shape: "ModelShape") -> str | None:
         ("sink logits or a sliding layers' RoPE base outside gpt-oss, MiMo-V2-Flash and Granite-SWA",
          (shape.sinks != "none" or shape.sliding_rope_theta is not None)
          and shape.hf_model_type not in ("mimo_v2_flash", "granitemoe_swa")),
-        ("full layers without RoPE (nope_full_layers) outside K-EXAONE, AFMoE and Granite-SWA", shape.nope_full_layers
-         and shape.hf_model_type not in ("exaone_moe", "afmoe", "granitemoe_swa")),
+        ("full layers without RoPE (nope_full_layers) outside K-EXAONE, AFMoE, Granite-SWA and Cohere2-MoE",
+         shape.nope_full_layers and shape.hf_model_type not in ("exaone_moe", "afmoe", "granitemoe_swa",
+                                                                 "cohere2_moe")),
         ("sandwich or post norms, or a scaled embedding, outside AFMoE and FlexOlmo",
-         (shape.norm_placement != "pre" or shape.embedding_scale != 1.0)
+         (shape.norm_placement in ("sandwich", "post") or shape.embedding_scale != 1.0)
          and shape.hf_model_type not in ("afmoe", "flex_olmo")),
+        ("Cohere's blocks (a parallel block, LayerNorms, RoPE on pairs, a logit scale, the experts' mean) outside "
+         "Cohere2-MoE", (shape.norm_placement == "parallel" or shape.norm_kind != "rms" or shape.rope_pairs
+                         or shape.logit_scale != 1.0 or shape.shared_expert_mean)
+         and shape.hf_model_type != "cohere2_moe"),
         ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
          and shape.rope_scaling is not None),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
@@ -398,8 +404,13 @@ class ModelShape(Record):
     nope_full_layers: bool = False
     # where a block's RMSNorms sit: before each sublayer ("pre"), before and after it ("sandwich": AFMoE), or after
     # it only ("post": FlexOlmo, OLMo-2's blocks)
-    norm_placement: Literal["pre", "sandwich", "post"] = "pre"
+    # ("parallel": one norm, whose output both sublayers take, their outputs added to the residual together: Cohere's)
+    norm_placement: Literal["pre", "sandwich", "post", "parallel"] = "pre"
+    norm_kind: Literal["rms", "layer"] = "rms"  # the blocks' norms: RMSNorm, or Cohere's LayerNorm (centred, no bias)
     embedding_scale: float = 1.0  # the input embedding's rows times this (AFMoE's muP: √hidden_size)
+    logit_scale: float = 1.0  # the logits times this (Cohere's logit_scale)
+    rope_pairs: bool = False  # RoPE on channel pairs (0, 1), (2, 3), … rather than halves (Cohere's)
+    shared_expert_mean: bool = False  # the MoE's output the mean of the routed and shared experts' (Cohere's "average")
     # the Hugging Face model_type an export writes where the arch's blocks serve several (glm4_moe_lite: GLM-4.7-Flash
     # on DeepSeek-V3's); None: the arch's own
     hf_model_type: str | None = None
@@ -433,11 +444,13 @@ class ModelShape(Record):
             _positive(self, ("v_head_dim",))
             if self.v_head_dim > self.head_dim:
                 raise ValueError(f"v_head_dim={self.v_head_dim} is wider than head_dim={self.head_dim}")
-        if self.norm_placement not in ("pre", "sandwich", "post"):
-            raise ValueError(f"norm_placement must be pre, sandwich or post, got {self.norm_placement!r}")
+        if self.norm_placement not in ("pre", "sandwich", "post", "parallel"):
+            raise ValueError(f"norm_placement must be pre, sandwich, post or parallel, got {self.norm_placement!r}")
+        if self.norm_kind not in ("rms", "layer"):
+            raise ValueError(f"norm_kind must be rms or layer, got {self.norm_kind!r}")
         if self.sinks not in ("none", "sliding", "all"):
             raise ValueError(f"sinks must be none, sliding or all, got {self.sinks!r}")
-        for name in ("sliding_rope_theta", "value_scale", "embedding_scale"):
+        for name in ("sliding_rope_theta", "value_scale", "embedding_scale", "logit_scale"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
@@ -510,7 +523,7 @@ class ModelShape(Record):
     def moe_output_saved(self) -> bool:
         """Whether a norm after the MoE block keeps its output for the backward (norm_placement "sandwich" or
         "post"): a recomputed forward must then return the experts' output, where otherwise it skips that."""
-        return self.norm_placement != "pre"
+        return self.norm_placement in ("sandwich", "post")
 
     @property
     def value_width(self) -> int:
@@ -587,7 +600,9 @@ class ModelShape(Record):
                  if getattr(self, k) is None}
         unset |= {k for k, default in (("moe_layer_step", 1), ("sinks", "none"), ("value_scale", 1.0),
                                        ("nope_full_layers", False), ("norm_placement", "pre"),
-                                       ("embedding_scale", 1.0)) if getattr(self, k) == default}
+                                       ("embedding_scale", 1.0), ("norm_kind", "rms"), ("logit_scale", 1.0),
+                                       ("rope_pairs", False), ("shared_expert_mean", False))
+                  if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
             del out["rope_scaling"]["alpha"]
@@ -927,7 +942,7 @@ def _param_counts(m: ModelShape) -> tuple[tuple[str, int], ...]:
         per_expert += 2 * m.expert_ffn + h  # gate_up and down biases
     counts["routed_experts"] = moe_layers * m.num_experts * per_expert
     # with DeepSeek-V4's hyper-connection mixers: small maps of the residual streams beside the norms
-    norms = 4 if m.norm_placement == "sandwich" else 2  # a layer's: two a sublayer in the sandwich
+    norms = {"sandwich": 4, "parallel": 1}.get(m.norm_placement, 2)  # a layer's: two a sublayer in the sandwich
     counts["norms"] = m.num_layers * norms * h + h + hyper_connection_params(m)
     return tuple(counts.items())
 
@@ -983,6 +998,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe", "qwen3_vl_moe": "qwen3_moe", "qwen3_vl_moe_text": "qwen3_moe",
     "qwen3_omni_moe": "qwen3_moe", "qwen3_omni_moe_thinker": "qwen3_moe", "qwen3_omni_moe_text": "qwen3_moe",
+    "cohere2_moe": "qwen3_moe",
     "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
@@ -1335,6 +1351,8 @@ def _from_hf_config(path: Path) -> ModelShape:
     if model_type in ("qwen3_vl_moe", "qwen3_vl_moe_text"):  # Qwen3-VL-MoE's text model: Qwen3-MoE's blocks; its
         # multimodal RoPE rotates a text-only sequence as plain RoPE (the three position ids are equal)
         fields["hf_model_type"] = "qwen3_vl_moe"
+    if model_type == "cohere2_moe":
+        _cohere2_moe(cfg, fields, n_layers, opt, number, bad)
     if model_type in ("qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text"):  # Qwen3-Omni's thinker:
         # Qwen3-VL-MoE's text model
         fields["hf_model_type"] = "qwen3_omni_moe"
@@ -1535,6 +1553,36 @@ def _deepseek_v4(cfg: dict, fields: dict, n_layers: int, req, opt, number, count
             index_heads=opt("index_n_heads", 64), index_head_dim=opt("index_head_dim", 128),
             index_topk=opt("index_topk", 512), hc_mult=opt("hc_mult", 4), hash_layers=hash_layers, scoring=scoring,
             swiglu_limit=number(cfg.get("swiglu_limit", 10.0), "swiglu_limit")))
+
+
+def _cohere2_moe(cfg: dict, fields: dict, n_layers: int, opt, number, bad) -> None:
+    """Cohere2-MoE (transformers' Cohere2MoeConfig): one norm a layer whose output the attention and the MoE block
+    both take, added to the residual together; LayerNorm (centred, a weight, no bias) unless the config gives
+    `rms_norm_eps`; RoPE on channel pairs, on the sliding layers only; the logits times `logit_scale`; experts of
+    `intermediate_size` under a softmax over the top-k logits, `num_shared_experts` shared ones of the same width
+    added, or averaged (`shared_expert_combination_strategy`). Sigmoid selection or dense prefix layers are planned
+    only."""
+    width = fields["expert_ffn"] = opt("intermediate_size", 22528)
+    shared = opt("num_shared_experts", 0) * width
+    strategy = cfg.get("shared_expert_combination_strategy", "average")
+    if strategy not in ("sum", "average"):
+        raise bad("shared_expert_combination_strategy", '"sum" or "average"', strategy)
+    scale = cfg.get("logit_scale", 0.0625)
+    fields.update(hf_model_type="cohere2_moe", qk_norm=False, attn_bias=bool(cfg.get("attention_bias", False)),
+                  norm_placement="parallel",
+                  norm_kind="rms" if cfg.get("rms_norm_eps") is not None else "layer", rope_pairs=True,
+                  nope_full_layers=True, logit_scale=1.0 if scale is None else number(scale, "logit_scale"),
+                  shared_expert_ffn=shared, shared_expert_mean=bool(shared) and strategy == "average",
+                  norm_topk_prob=True, tie_embeddings=cfg.get("tie_word_embeddings", True) is not False)
+    if not cfg.get("layer_types"):  # transformers' rule: every `sliding_window_pattern`-th layer full
+        pattern = opt("sliding_window_pattern", 4)
+        fields["layer_types"] = tuple("full_attention" if (i + 1) % max(pattern, 1) == 0 else "sliding_attention"
+                                      for i in range(n_layers))
+    if cfg.get("sliding_window", 4096) is not None and "sliding_attention" in fields["layer_types"]:
+        fields["sliding_window"] = opt("sliding_window", 4096)
+    dense = "dense" in (cfg.get("mlp_layer_types") or [])
+    if cfg.get("expert_selection_fn", "softmax") != "softmax" or dense:
+        fields["arch"] = "moe"
 
 
 def _granite_swa(cfg: dict, fields: dict, n_layers: int, number, count, bad) -> None:

@@ -61,7 +61,7 @@ CASES = {
         ["dense_tp2_dp2", 2, 1, 1, 1, "dense", "full", 2],
         ["mla_cp2_tp2_ep4", 1, 4, 1, 2, "mla", "full", 2], ["mla_pp2_dp2_ep2", 2, 2, 1, 1, "mla", "full", 1, 2],
         ["dsa_cp2_tp2_ep4", 1, 4, 1, 2, "dsa", "full", 2], ["mimo_cp2_tp2_ep2", 1, 2, 1, 2, "mimo", "full", 2],
-        ["afmoe_cp2_tp2_ep2", 1, 2, 1, 2, "afmoe", "full", 2],
+        ["afmoe_cp2_tp2_ep2", 1, 2, 1, 2, "afmoe", "full", 2], ["cohere_cp2_dp2_ep2", 2, 2, 1, 2, "cohere"],
         # pp × tp: an uneven split with ep=2 over each stage's tp ranks (off-policy, sequence-mean), and interleaved
         # over 2 virtual stages a rank with a dense model's MLPs split over tp
         ["pp2_tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2, 2, [3, 1]],
@@ -102,6 +102,7 @@ VARIANTS = {
     "swa": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # sliding windows without sinks (tiny_swa), as "mla"
     "mimo": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a MiMo-V2-Flash-style model (tiny_mimo), as "mla"
     "afmoe": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an AFMoE-style model (tiny_afmoe), as "mla"
+    "cohere": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Cohere2-MoE-style model (tiny_cohere), as "mla"
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -186,6 +187,20 @@ def tiny_afmoe():
                       expert_ffn=32, shared_expert_ffn=32, router_bias=True,
                       sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.5), first_dense_layers=1,
                       dense_ffn=48, rms_norm_eps=1e-5)
+
+
+def tiny_cohere():
+    """Cohere2-MoE's blocks at tiny widths: one LayerNorm a layer feeding attention and the MoE block in parallel,
+    RoPE on channel pairs on the sliding layers (windows of 8) only, a shared expert averaged with the routed ones,
+    the logits times 0.25, tied embeddings (so tp = 1)."""
+    from recipe.models import ModelShape
+
+    return ModelShape(name="tiny-cohere", arch="qwen3_moe", hf_model_type="cohere2_moe", hidden_size=64,
+                      num_layers=4, vocab_size=512, layer_types=("sliding_attention", "full_attention") * 2,
+                      num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=False, sliding_window=8,
+                      nope_full_layers=True, norm_placement="parallel", norm_kind="layer", rope_pairs=True,
+                      logit_scale=0.25, num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=32,
+                      shared_expert_mean=True, tie_embeddings=True, rms_norm_eps=1e-5)
 
 
 def tiny_olmoe():
@@ -280,7 +295,7 @@ def tiny_dense():
 # the model each variant trains (the others train tiny-moe)
 VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "dsa": tiny_dsa, "oss": tiny_oss, "olmoe": tiny_olmoe,
                   "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4,
-                  "granite": tiny_granite, "swa": tiny_swa, "mimo": tiny_mimo, "afmoe": tiny_afmoe}
+                  "granite": tiny_granite, "swa": tiny_swa, "mimo": tiny_mimo, "afmoe": tiny_afmoe, "cohere": tiny_cohere}
 
 
 def _shape(variant: str):
