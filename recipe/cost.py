@@ -358,7 +358,7 @@ def layer_saved(m: ModelShape, s: float, tp: int, cp: int, vendor: str = "nvidia
     if m.num_linear_attn_layers:
         mixers.append(linear_attention_working_set(m, s, tp, cp))
     ffn = max(moe_moments(m, s / tp)[0] if m.num_moe_layers else 0.0, dense_ffn_moments(m, s, tp)[0])
-    if m.norm_placement != "pre":  # a norm after each sublayer keeps the sublayer's output (s/tp rows) and its scale
+    if m.moe_output_saved:  # a norm after each sublayer (sandwich, post) keeps its output (s/tp rows) and scale
         after = s / tp * norm_saved(m.hidden_size)
         return max(mixers) + s / tp * FP32 + after, ffn + after
     return max(mixers) + s / tp * FP32, ffn  # + the input norm's row scale (its input is the layer's)

@@ -979,3 +979,6 @@ def test_a_norm_after_the_moe_makes_the_recomputed_forward_combine():
 
     (m0, f0), (m1, f1) = (layer_saved(x, 4096, 2, 1) for x in (pre, sandwich))
     assert m1 - m0 == f1 - f0 == 2048 * (2048 * BF16 + FP32)
+    # Cohere's parallel block has its one norm before both sublayers: nothing after them, as "pre"
+    parallel = pre.model_copy(update={"norm_placement": "parallel", "hf_model_type": "cohere2_moe"})
+    assert not parallel.moe_output_saved and layer_saved(parallel, 4096, 2, 1) == (m0, f0)
