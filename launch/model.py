@@ -712,8 +712,9 @@ def _context_parallel(mixer: nn.Module, packing: Packing):
 
 class DecoderLayer(nn.Module):
     """`x + mixer(norm(x))`, then `x + ffn(norm(x))` (the shape's norm_placement "sandwich": `x + norm(mixer(norm(x)))`
-    and likewise the FFN; "post": `x + norm(mixer(x))`): the FFN is the MoE, or a dense SwiGLU MLP (`dense`: the
-    model's dense layers, `ModelShape.is_dense_layer`, which are all of a dense model's)."""
+    and likewise the FFN; "post": `x + norm(mixer(x))`; "parallel": `x + mixer(n) + ffn(n)` with n = norm(x)): the
+    FFN is the MoE, or a dense SwiGLU MLP (`dense`: the model's dense layers, `ModelShape.is_dense_layer`, which are
+    all of a dense model's)."""
 
     def __init__(self, s: ModelShape, layer_type: str, norm_offset: float, dense: bool = False, index: int = 0):
         super().__init__()
@@ -733,7 +734,8 @@ class DecoderLayer(nn.Module):
         # the norms where the shape puts them, under transformers' names: "pre" input_layernorm before the mixer and
         # post_attention_layernorm before the FFN; "sandwich" (AFMoE) input_layernorm and post_attention_layernorm
         # around the mixer, pre_mlp_layernorm and post_mlp_layernorm around the FFN; "post" (FlexOlmo)
-        # post_attention_layernorm after the mixer and post_feedforward_layernorm after the FFN
+        # post_attention_layernorm after the mixer and post_feedforward_layernorm after the FFN; "parallel" (Cohere)
+        # input_layernorm alone, before both
         self.norm_placement = s.norm_placement
         names = {"pre": ("input_layernorm", "post_attention_layernorm"),
                  "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm"),
