@@ -173,19 +173,7 @@ def divisibility(m, lay, seq: int, stages: list[int] | None = None) -> list[tupl
     plan's train.pp_stages, layers per pipeline stage) must cover the model's layers."""
     out = []
     tp, cp = lay.tp, lay.cp
-    if m.num_heads % tp:
-        out.append(("tp", tp, f"{m.num_heads} attention heads of {m.name} are not divisible by tp={tp}"))
-    if m.compressed is not None:  # DeepSeek-V4: its one K = V head whole on every rank, its output groups split
-        if m.compressed.o_groups % tp:
-            out.append(("tp", tp, f"{m.compressed.o_groups} output projection groups of {m.name} are not divisible "
-                                  f"by tp={tp}"))
-    elif m.num_kv_heads % tp:
-        out.append(("tp", tp, f"{m.num_kv_heads} KV heads of {m.name} are not divisible by tp={tp}"))
-    if m.sliding_kv_heads is not None and m.sliding_kv_heads % tp:
-        out.append(("tp", tp, f"{m.sliding_kv_heads} KV heads of {m.name}'s sliding layers are not divisible by "
-                              f"tp={tp}"))
-    if m.vocab_size % tp:
-        out.append(("tp", tp, f"vocab {m.vocab_size} of {m.name} is not divisible by tp={tp}"))
+    out += [("tp", tp, f"{n} {what} of {m.name} are not divisible by tp={tp}") for n, what in m.tp_splits() if n % tp]
     if tp > 1 and m.tie_embeddings:
         out.append(("tp", tp, f"{m.name} ties its embedding to the LM head, which tensor parallelism does not split "
                               f"(tp=1)"))
@@ -197,9 +185,6 @@ def divisibility(m, lay, seq: int, stages: list[int] | None = None) -> list[tupl
     if stages is not None and sum(stages) != m.num_layers:
         out.append(("pp", lay.pp, f"train.pp_stages {list(stages)} holds {sum(stages)} layers but {m.name} has "
                                   f"{m.num_layers}"))
-    if m.linear_attn is not None and m.linear_attn.num_k_heads % tp:
-        out.append(("tp", tp, f"{m.linear_attn.num_k_heads} linear-attention key heads of {m.name} are not "
-                              f"divisible by tp={tp}"))
     from .solver import cp_violations
 
     out += [("cp", cp, why) for why in cp_violations(m, seq, cp)]

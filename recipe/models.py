@@ -519,6 +519,19 @@ class ModelShape(Record):
         n = self.num_attention_layers
         return sum(self.kv_heads_at(t) for t in self.layer_types if t != "linear_attention") / n if n else 0.0
 
+    def tp_splits(self) -> list[tuple[int, str]]:
+        """(count, what) of each thing tensor parallelism splits by whole units, so tp must divide it: the query
+        heads, the KV heads (DeepSeek-V4's one K = V head stays whole on every rank; its output groups split),
+        the sliding layers' KV heads, Gated DeltaNet's key heads, the vocabulary."""
+        out = [(self.num_heads, "attention heads")]
+        out.append((self.compressed.o_groups, "output projection groups") if self.compressed is not None
+                   else (self.num_kv_heads, "KV heads"))
+        if self.sliding_kv_heads is not None:
+            out.append((self.sliding_kv_heads, "sliding layers' KV heads"))
+        if self.linear_attn is not None:
+            out.append((self.linear_attn.num_k_heads, "linear-attention key heads"))
+        return out + [(self.vocab_size, "vocab entries")]
+
     @property
     def moe_output_saved(self) -> bool:
         """Whether a norm after the MoE block keeps its output for the backward (norm_placement "sandwich" or
@@ -609,9 +622,10 @@ class ModelShape(Record):
         return out
 
 
-def _rounded_layer_types(num_layers: int, interval: int) -> tuple[LayerType, ...]:
-    """Qwen3-Next/Qwen3.5 style: every `interval`-th layer is full attention, the rest linear."""
-    return tuple("full_attention" if (i + 1) % interval == 0 else "linear_attention" for i in range(num_layers))
+def _rounded_layer_types(num_layers: int, interval: int, other: str = "linear_attention") -> tuple[LayerType, ...]:
+    """Every `interval`-th layer full attention, the rest `other`: Qwen3-Next/Qwen3.5's linear layers; K-EXAONE's,
+    AFMoE's and Cohere2-MoE's sliding ones."""
+    return tuple("full_attention" if (i + 1) % interval == 0 else other for i in range(num_layers))
 
 
 def _qwen35(name: str, hidden: int, layers: int, heads: int, experts: int, top_k: int, ffn: int, v_heads: int,
@@ -1434,10 +1448,8 @@ def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
     and "sparse" a layer; transformers' default there: one dense layer, then sparse), whose dense layers must lead."""
     types = _mlp_layer_types(cfg, bad)
     if types is None:  # transformers' defaults where the field is absent
-        default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, "hy_v3": 1, **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(
-            model_type, 0)
-        if model_type == "exaone_moe":
-            default = 1
+        default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, "hy_v3": 1, "exaone_moe": 1,
+                   **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(model_type, 0)
         return opt("first_k_dense_replace", default)
     k = types.index("sparse") if "sparse" in types else len(types)
     if "dense" in types[k:]:
@@ -1562,8 +1574,7 @@ def _cohere2_moe(cfg: dict, fields: dict, n_layers: int, opt, number, bad) -> No
     `intermediate_size` under a softmax over the top-k logits, `num_shared_experts` shared ones of the same width
     added, or averaged (`shared_expert_combination_strategy`). Sigmoid selection or dense prefix layers are planned
     only."""
-    width = fields["expert_ffn"] = opt("intermediate_size", 22528)
-    shared = opt("num_shared_experts", 0) * width
+    shared = opt("num_shared_experts", 0) * fields["expert_ffn"]  # the experts' width: `intermediate_size`
     strategy = cfg.get("shared_expert_combination_strategy", "average")
     if strategy not in ("sum", "average"):
         raise bad("shared_expert_combination_strategy", '"sum" or "average"', strategy)
@@ -1575,9 +1586,8 @@ def _cohere2_moe(cfg: dict, fields: dict, n_layers: int, opt, number, bad) -> No
                   shared_expert_ffn=shared, shared_expert_mean=bool(shared) and strategy == "average",
                   norm_topk_prob=True, tie_embeddings=cfg.get("tie_word_embeddings", True) is not False)
     if not cfg.get("layer_types"):  # transformers' rule: every `sliding_window_pattern`-th layer full
-        pattern = opt("sliding_window_pattern", 4)
-        fields["layer_types"] = tuple("full_attention" if (i + 1) % max(pattern, 1) == 0 else "sliding_attention"
-                                      for i in range(n_layers))
+        fields["layer_types"] = _rounded_layer_types(n_layers, max(opt("sliding_window_pattern", 4), 1),
+                                                     "sliding_attention")
     if cfg.get("sliding_window", 4096) is not None and "sliding_attention" in fields["layer_types"]:
         fields["sliding_window"] = opt("sliding_window", 4096)
     dense = "dense" in (cfg.get("mlp_layer_types") or [])
@@ -1629,8 +1639,7 @@ def _afmoe(cfg: dict, fields: dict, n_layers: int, opt, opt_flag, count, bad) ->
         n = opt("global_attn_every_n_layers", 4)
         if n <= 0:
             raise bad("global_attn_every_n_layers", "a positive whole number", n)
-        fields["layer_types"] = tuple("full_attention" if (i + 1) % n == 0 else "sliding_attention"
-                                      for i in range(n_layers))
+        fields["layer_types"] = _rounded_layer_types(n_layers, n, "sliding_attention")
     window = cfg.get("sliding_window", 1024)
     fields.update(attn_output_gate=True, nope_full_layers=True, norm_placement="sandwich",
                   sliding_window=None if window is None else count(window, "sliding_window"),
@@ -1649,8 +1658,7 @@ def _exaone_layers(cfg: dict, fields: dict, n_layers: int, opt, count, bad) -> N
         pattern = opt("sliding_window_pattern", 4)
         if pattern <= 0:
             raise bad("sliding_window_pattern", "a positive whole number", pattern)
-        fields["layer_types"] = tuple("sliding_attention" if (i + 1) % pattern else "full_attention"
-                                      for i in range(n_layers))
+        fields["layer_types"] = _rounded_layer_types(n_layers, pattern, "sliding_attention")
     fields.update(sliding_window=count(window, "sliding_window"),
                   nope_full_layers="sliding_attention" in fields["layer_types"])
 

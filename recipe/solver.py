@@ -166,15 +166,7 @@ def pin_violations(m: ModelShape, hw: HwProfile, seq: int, pins: dict[str, int],
     if pp is not None and pp > m.num_layers:
         out.append(f"pp={pp} must leave each pipeline stage at least one of the {m.num_layers} layers")
     if tp is not None:
-        # DeepSeek-V4's one K = V head is whole on every tp rank; its grouped output projection splits by group
-        kv = (m.compressed.o_groups, "output projection groups") if m.compressed is not None \
-            else (m.num_kv_heads, "KV heads")
-        split = [(m.num_heads, "attention heads"), kv, (m.vocab_size, "vocab entries")]
-        if m.sliding_kv_heads is not None:
-            split.append((m.sliding_kv_heads, "sliding layers' KV heads"))
-        if m.linear_attn is not None:
-            split.append((m.linear_attn.num_k_heads, "linear-attention key heads"))
-        bad = [f"{n:,} {what}" for n, what in split if n % tp]
+        bad = [f"{n:,} {what}" for n, what in m.tp_splits() if n % tp]
         if bad:
             out.append(f"tp={tp} must divide the {', the '.join(bad)}")
         if tp > hw.gpus_per_node:
