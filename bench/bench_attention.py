@@ -1,8 +1,8 @@
 """One layer's causal attention on one GPU, kernel by kernel: what SDPA picks by itself, its flash kernel, cuDNN's
 and the memory-efficient kernel, for a model's attention shapes. GQA models take K/V at their own head count
 (`enable_gqa`; a kernel that refuses it gets K/V repeated to the query heads, said in the row); multi-head latent
-attention (DeepSeek-V3) has keys wider than its values, so the flash kernel takes v zero-padded to the q·k width and
-the others take it at its own width. Forward and forward + backward ms on random bf16 [1, H, T, D] tensors and one
+attention (DeepSeek-V3) and MiMo-V2-Flash have keys wider than their values, so the flash kernel takes v zero-padded to
+the q·k width and the others take it at its own width. Forward and forward + backward ms on random bf16 [1, H, T, D] tensors and one
 document, the ratio of each to the flash row (lower is faster), and
 the largest difference from the flash row's output and query gradient. `--lower-right` also times the context-parallel
 path's piece (queries the last 1/cp of the keys, lower-right causal mask). A kernel the platform refuses prints its
@@ -34,7 +34,7 @@ def shapes(model: str) -> tuple[int, int, int, int]:
     if m.mla is not None:
         a = m.mla
         return m.num_heads, m.num_heads, a.qk_nope_head_dim + a.qk_rope_head_dim, a.v_head_dim
-    return m.num_heads, m.num_kv_heads, m.head_dim, m.head_dim
+    return m.num_heads, m.num_kv_heads, m.head_dim, m.value_width
 
 
 def main() -> None:

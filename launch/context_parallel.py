@@ -147,9 +147,10 @@ class ContextParallel:
     def attention(self, q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor, packing: Packing,
                   scale: float) -> torch.Tensor:
         """Local queries [Tl, H, Dh] against the keys and values of the whole micro-batch (all-gathered), causal
-        inside each document on global token indices. Returns [Tl, H, Dh]."""
-        kv = all_gather(torch.stack([k_THD, v_THD], 1), self.group)
-        return self._attend(q_THD, kv[:, 0], kv[:, 1], packing, scale)
+        inside each document on global token indices; v may be narrower than q·k (one gather of k and v side by side
+        on the channels). Returns [Tl, H, Dv]."""
+        k, v = all_gather(torch.cat([k_THD, v_THD], -1), self.group).split([k_THD.shape[-1], v_THD.shape[-1]], -1)
+        return self._attend(q_THD, k, v, packing, scale)
 
     def latent_attention(self, q_THD: torch.Tensor, latent_TC: torch.Tensor, expand, packing: Packing,
                          scale: float) -> torch.Tensor:

@@ -285,15 +285,17 @@ def sdpa_kv(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Te
     """K/V as SDPA should take them for queries q ([1, Hq, Tq, Dh]; K/V [1, Hkv, Tk, Dh]), and whether to pass
     `enable_gqa`. GQA inside SDPA (each K/V head serves its group of query heads) keeps no K/V copied to the query
     heads' count for the backward: on CPU (the math path) and where SDPA's flash kernel takes the shapes as they are
-    (checked with `torch.backends.cuda.can_use_flash_attention`). Elsewhere on a GPU (no flash kernel for the dtype,
-    head size or platform) K/V are repeated to the query heads, so the memory-efficient kernel can run instead of
-    the math path, which would materialize the [Tq, Tk] scores."""
+    (checked with `torch.backends.cuda.can_use_flash_attention`), or, for values narrower than q·k (which the flash
+    kernel never takes), cuDNN's. Elsewhere on a GPU (no such kernel for the dtype, head size or platform) K/V are
+    repeated to the query heads, so the memory-efficient kernel can run instead of the math path, which would
+    materialize the [Tq, Tk] scores."""
     if q.shape[1] == k.shape[1]:
         return k, v, False
     # asked without the causal flag: the kernel takes lower-right causal masks (`causal_lower_right`, the CP path's
     # pieces) where the flag would refuse queries shorter than the keys
-    if not q.is_cuda or torch.backends.cuda.can_use_flash_attention(
-            torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, True)):
+    params = torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, False, True) if q.is_cuda else None
+    if not q.is_cuda or torch.backends.cuda.can_use_flash_attention(params) or (
+            v.shape[-1] < q.shape[-1] and torch.backends.cuda.can_use_cudnn_attention(params)):
         return k, v, True
     rep = q.shape[1] // k.shape[1]
     return k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1), False
@@ -348,8 +350,9 @@ class Attention(nn.Module):
         kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None \
             else "full_attention"
         self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.kv_heads_at(kind), s.head_dim
-        # MiMo-V2-Flash: value heads narrower than the query/key heads, zero-padded to them for the attention kernels
-        # (which take one head size) and cut back after; the values scaled before attention
+        # MiMo-V2-Flash: value heads narrower than the query/key heads, at their own width where cuDNN's kernel takes
+        # the layer (full attention without sinks), else zero-padded to the q·k head size for the kernels (which take
+        # one head size) and cut back after; the values scaled before attention
         self.value_dim, self.value_scale = s.value_width, s.value_scale
         self.output_gate = s.attn_output_gate
         q_out = s.num_heads * s.head_dim * (2 if s.attn_output_gate else 1)
@@ -412,18 +415,22 @@ class Attention(nn.Module):
             q = (q * query_temperature(packing.positions, *self.temperature)).to(q.dtype)
         if self.chunk is not None:
             packing = packing.chunked(self.chunk)
-        if self.value_dim != self.head_dim:
+        own_width = (self.value_dim == self.head_dim
+                     or self.sinks is None and self.window is None and cudnn_takes(q, k, v))
+        if not own_width:
             v = F.pad(v, (0, self.head_dim - self.value_dim))
         if self.sinks is not None or self.window is not None:
             if _context_parallel(self, packing) is not None:
                 o = self.context_parallel.sink_attention(q, k, v, self.sinks, packing, self.scale, self.window)
             else:
                 o = sink_attention(q, k, v, self.sinks, packing, self.scale, self.window)
-        elif _context_parallel(self, packing) is not None:
-            o = self.context_parallel.attention(q, k, v, packing, self.scale)
         else:
-            o = causal_attention(q, k, v, packing, self.scale)
-        o = o.reshape(T, -1, self.head_dim)[..., :self.value_dim].reshape(T, -1)
+            with contextlib.nullcontext() if v.shape[-1] == self.head_dim else sdpa_without_flash():
+                if _context_parallel(self, packing) is not None:
+                    o = self.context_parallel.attention(q, k, v, packing, self.scale)
+                else:
+                    o = causal_attention(q, k, v, packing, self.scale)
+        o = o[..., :self.value_dim].reshape(T, -1)
         if self.output_gate:
             o = o * torch.sigmoid(gate)
         if self.o_proj.bias is not None and self.o_proj_bias_share != 1.0:
@@ -620,7 +627,7 @@ def cudnn_takes(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_THD, v_THD))
     try:
         return torch.backends.cuda.can_use_cudnn_attention(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True,
-                                                                                           False))
+                                                                                           k.shape[1] != q.shape[1]))
     except (AttributeError, RuntimeError, TypeError):
         return False
 

@@ -252,8 +252,8 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
     norms); q after RoPE, k after RoPE and v (kept by SDPA; with CP the K/V of the whole sequence is all-gathered,
     exact CP, so k and v count at s·cp); SDPA's output and log-sum-exp; the output as o_proj's contiguous input;
     with the output gate, its sigmoid and the gated output. GQA runs inside SDPA, so K/V stay at the KV heads'
-    count (the most any layer has). MLA's v is at the kernel's width for `vendor` (`mla_widths`); values narrower than
-    the heads (v_head_dim) are padded to them for the kernel (launch/model.py Attention)."""
+    count (the most any layer has). Values narrower than the q·k heads (MLA's, MiMo-V2-Flash's) are at the kernel's
+    width for `vendor` (`attention_widths`)."""
     nh, nkv = m.num_heads / tp, m.max_kv_heads / tp
     if m.compressed is not None:
         return compressed_attention_working_set(m, s, tp, cp)
@@ -273,15 +273,16 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
             out = s * nh * (a.kv_lora_rank * BF16 + FP32 + a.v_head_dim * BF16) + s * m.dsa.topk * 4
             return common + q_hat + out
         # every rank expands all of the micro-batch's keys and values, at the kernel's widths
-        kw, vw = mla_widths(m, vendor)
+        kw, vw = attention_widths(m, vendor)
         kv = s * cp * nh * (kw + vw) * BF16
         out = s * nh * (vw + a.v_head_dim) * BF16  # SDPA's output; its first v_head_dim channels as o_proj's input
         return common + kv + out + s * nh * FP32
     qw, kw = s * nh * m.head_dim * BF16, s * nkv * m.head_dim * BF16  # one q-sized, one k-sized tensor
+    vw = attention_widths(m, vendor)[1]
     normed_in = s * m.hidden_size * BF16
     qk_norms = qw + kw + s * (nh + nkv) * FP32 if m.qk_norm else 0.0
-    rope_q_kv = qw + 2 * kw * cp
-    out = qw + s * nh * FP32 + qw  # SDPA's output and lse, o_proj's contiguous input
+    rope_q_kv = qw + (kw + s * nkv * vw * BF16) * cp
+    out = s * nh * (vw + m.value_width) * BF16 + s * nh * FP32  # SDPA's output and lse, o_proj's contiguous input
     gate = 2 * qw if m.attn_output_gate else 0.0
     return normed_in + qk_norms + rope_q_kv + out + gate
 
@@ -418,7 +419,7 @@ def attention_backward_bytes(m: ModelShape, s: float, tp: int, cp: int, vendor: 
         lat = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
         return s * nh * (lat + m.mla.kv_lora_rank) * BF16 + s * nh * FP32 + s * cp * lat * FP32
     nkv = nh if m.mla is not None else 1 if m.compressed is not None else m.max_kv_heads / tp
-    kw, vw = mla_widths(m, vendor) if m.mla is not None else (m.head_dim, m.head_dim)
+    kw, vw = attention_widths(m, vendor)
     return s * nh * kw * (BF16 + FP32) + s * cp * nkv * (kw + vw) * BF16 + s * nh * FP32
 
 
@@ -449,10 +450,7 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
     dense = c["attention"] + c["linear_attention"] + c["router"] + c["shared_expert"] + c["dense_ffn"]
     head = c["embedding"] if m.tie_embeddings else c["head"]
     out = {"matmul_layers": 2 * (dense + routed), "head": 2 * head}
-    if m.mla is not None:
-        qk, vd = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
-    else:
-        qk = vd = m.head_dim
+    qk, vd = model_widths(m)
     if m.compressed is not None:  # DeepSeek-V4: K = V, one head of head_dim, on the window and compressed entries
         out["attention"] = 2 * m.num_heads * 2 * m.head_dim * sum(compressed_keys(m, seq, k) for k in m.layer_types)
         out["indexer"] = index_pair_flops(m) * indexing_layers(m) * compressed_entries(m.compressed.csa_rate, seq)
@@ -1021,45 +1019,47 @@ def _stage_counts(m: ModelShape, stage: range) -> dict[str, int]:
             "attention": len(kinds) - kinds.count("linear_attention")}
 
 
-def mla_v_padded(vendor: str) -> bool:
-    """Whether MLA's attention kernel takes v zero-padded to the q·k width (launch/model.py MLAttention): on NVIDIA
-    GPUs cuDNN's kernel takes v at its own width; the flash kernels elsewhere take one head size."""
+def values_padded(vendor: str) -> bool:
+    """Whether full attention's kernel takes values narrower than q·k (MLA's; MiMo-V2-Flash's) zero-padded to the
+    q·k width (launch/model.py): on NVIDIA GPUs cuDNN's kernel takes v at its own width; the flash kernels elsewhere
+    take one head size."""
     return vendor != "nvidia"
 
 
-def mla_widths(m: ModelShape, vendor: str = "nvidia") -> tuple[int, int]:
-    """(key, value) head widths MLA's attention kernel holds: the q·k width and v's own, or both at the wider one
-    where the kernel pads v (`mla_v_padded`)."""
-    qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
-    if mla_v_padded(vendor):
+def model_widths(m: ModelShape) -> tuple[int, int]:
+    """(q·k, value) head widths of the model's full attention: MLA's d_nope + d_rope and d_v; else the head size
+    and the value width (narrower under MiMo-V2-Flash)."""
+    if m.mla is not None:
+        return m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
+    return m.head_dim, m.value_width
+
+
+def attention_widths(m: ModelShape, vendor: str = "nvidia") -> tuple[int, int]:
+    """(key, value) head widths full attention's kernel holds: the model's, or both at the wider one where the
+    kernel pads v (`values_padded`). MiMo-V2-Flash's sliding layers (sinks, a window of 128) always pad; they are
+    counted at the full layers' widths."""
+    qk, vd = model_widths(m)
+    if vd != qk and values_padded(vendor):
         return (attention_width(m),) * 2
-    return qk, m.mla.v_head_dim
+    return qk, vd
 
 
 def attention_kernel_work(m: ModelShape, vendor: str = "nvidia") -> float:
-    """The attention kernel's work over the model's attention FLOPs: 1, or under MLA with v zero-padded to the q·k
-    width, P·V at Q·Kᵀ's cost (DeepSeek-V3: 384 / 320)."""
-    if m.mla is None or not mla_v_padded(vendor):
-        return 1.0
-    qk = m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim
-    return 2 * attention_width(m) / (qk + m.mla.v_head_dim)
+    """The attention kernel's work over the model's attention FLOPs: 1, or with v zero-padded to the q·k width,
+    P·V at Q·Kᵀ's cost (DeepSeek-V3: 384 / 320)."""
+    return sum(attention_widths(m, vendor)) / sum(model_widths(m))
 
 
 def attention_width(m: ModelShape) -> int:
-    """The widest head full attention keeps: the head size, or under MLA the wider of the query-key and value widths
-    (what memory is counted at: v padded to it where the kernel needs one head size)."""
-    if m.mla is not None:
-        return max(m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim)
-    return m.head_dim
+    """The widest head full attention keeps: the wider of the query-key and value widths (what memory is counted
+    at where the kernel pads v to it)."""
+    return max(model_widths(m))
 
 
 def kernel_width(m: ModelShape, vendor: str = "nvidia") -> float:
-    """The head width whose measured efficiency the attention kernel runs at: the head size; under MLA with v at
-    its own width the mean of the q·k and v widths (Q·Kᵀ and P·V each take their share of the kernel's FLOPs),
-    padded the wider one."""
-    if m.mla is not None and not mla_v_padded(vendor):
-        return (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim + m.mla.v_head_dim) / 2
-    return attention_width(m)
+    """The head width whose measured efficiency the attention kernel runs at: the head size; with v at its own
+    width the mean of the q·k and v widths (Q·Kᵀ and P·V each take their share of the kernel's FLOPs)."""
+    return sum(attention_widths(m, vendor)) / 2
 
 
 def attention_efficiency(eff: float | dict[int, float], width: int | None) -> float:
@@ -1388,7 +1388,7 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
             if kind == "compressed_sparse_attention":
                 w["indexer"] = index_pair_flops(m) * compressed_entries(m.compressed.csa_rate, seq)
         else:
-            qk = (m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim) if m.mla else (m.head_dim,) * 2
+            qk = model_widths(m)
             w["dense_gemm"] += 2 * _full_attention_params(m, kind)
             ctx = {"full_attention": full_ctx, "chunked_attention": chunk_keys(m, seq)}.get(kind, slide_ctx)
             if m.dsa is not None:  # absorbed, on the selected keys; the indexer's scores

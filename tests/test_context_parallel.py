@@ -348,3 +348,23 @@ def test_chunked_attention_by_piece_equals_the_whole_sequence(cp):
             scale=0.3)[0].transpose(0, 1)
         torch.testing.assert_close(dense, want[qi], atol=1e-5, rtol=1e-5)
     assert crossing > 0
+
+
+def test_values_narrower_than_the_heads_by_piece_equal_the_whole_sequence():
+    """MiMo-V2-Flash's values (narrower than q·k) at their own width under CP: each rank's queries against the whole
+    micro-batch's keys piece by piece, GQA inside the kernel, equal the whole sequence's attention at the rank's
+    tokens, outputs at the values' width."""
+    from launch.context_parallel import _attention_by_piece
+    from launch.model import causal_attention
+
+    lengths = [9, 30, 4, 21]
+    batch = _batch(lengths)
+    gen = torch.Generator().manual_seed(5)
+    q, k, v = torch.randn(64, 4, 12, generator=gen), torch.randn(64, 2, 12, generator=gen), torch.randn(
+        64, 2, 8, generator=gen)
+    want = causal_attention(q, k, v, Packing.from_lengths(lengths), 0.3)
+    assert want.shape == (64, 4, 8)
+    for rank in range(2):
+        shard = shard_batch(batch, rank, 2).packing.cp
+        got = _attention_by_piece(q[shard.index], k, v, shard, 0.3)
+        torch.testing.assert_close(got, want[shard.index], atol=1e-5, rtol=1e-5)

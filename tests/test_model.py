@@ -439,6 +439,41 @@ def test_attention_gqa_inside_sdpa_equals_repeated_heads():
             torch.testing.assert_close(a, b)
 
 
+def test_values_at_their_own_width_equal_the_padded_path(monkeypatch):
+    """MiMo-V2-Flash's values are narrower than its q·k heads: where cuDNN takes a full-attention layer they go to
+    the kernel at their own width, elsewhere zero-padded and cut after. Both give the same outputs and gradients
+    (whole model, packed documents; here `cudnn_takes` is made to say yes so the CPU runs the unpadded path); the
+    sliding layers with sinks keep their padded path either way."""
+    import launch.model as lm
+    from dist_cases import tiny_mimo
+
+    shape = tiny_mimo()
+    pack = Packing.from_lengths([20, 12], "cpu")
+    ids = torch.randint(0, shape.vocab_size, (32,), generator=torch.Generator().manual_seed(3))
+    widths = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def sdpa(q, k, v, *a, **kw):
+        widths.append((q.shape[-1], v.shape[-1]))
+        return real(q, k, v, *a, **kw)
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", sdpa)
+    runs = []
+    for own in (False, True):
+        monkeypatch.setattr(lm, "cudnn_takes", lambda q, k, v, own=own: own)
+        widths.clear()
+        model = build_model(shape, device="cpu", dtype=torch.float32, seed=0)
+        model(ids, pack).float().pow(2).mean().backward()
+        runs.append(({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None},
+                     sorted(set(widths))))
+    (g_pad, w_pad), (g_own, w_own) = runs
+    # full layers: q·k 12 wide, v 8 or padded to 12; the sliding layers' sink channels (16) either way
+    assert w_pad == [(12, 12), (16, 16)] and w_own == [(12, 8), (16, 16)], (w_pad, w_own)
+    assert g_pad.keys() == g_own.keys()
+    for n in g_pad:
+        torch.testing.assert_close(g_own[n], g_pad[n], rtol=1e-5, atol=1e-6, msg=n)
+
+
 def test_sdpa_without_flash_leaves_the_priority_order_alone():
     """MLA's attention runs SDPA without the flash kernel; the context restores the enabled backends exactly (also
     where one was disabled before it) and never sets the priority order (torch's GPU-dependent default, filled in at
