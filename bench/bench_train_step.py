@@ -36,10 +36,12 @@ H200_DENSE_BF16_TFLOPS = 989.0
 
 def flops_per_step(shape, T: int) -> dict[str, float]:
     """Model FLOPs = 3 × forward (6N); hardware FLOPs with full recompute = 4 × forward. Forward: 2·N_active per
-    token plus causal attention's 2·T²·Hq·Dh per full-attention layer (QKᵀ and PV, half the square)."""
+    token plus causal attention's T²·Hq·(Dqk + Dv) per full-attention layer (QKᵀ and PV, half the square)."""
+    from recipe.cost import model_widths
+
     n_active = active_matmul_params(shape)
     head = shape.vocab_size * shape.hidden_size
-    attn_fwd = shape.num_full_attn_layers * 2.0 * T * T * shape.num_heads * shape.head_dim
+    attn_fwd = shape.num_full_attn_layers * T * T * shape.num_heads * sum(model_widths(shape))
     fwd = 2.0 * n_active * T + attn_fwd
     head_fwd = 2.0 * head * T
     return {"model": 3 * fwd, "hardware": 3 * fwd + (fwd - head_fwd),  # recompute re-runs the layers, not the head

@@ -407,17 +407,22 @@ def test_gqa_runs_inside_flash_attention_and_equals_repeated_heads(head_dim):
     assert not gqa and kk.shape[1] == Hq and torch.equal(kk[:, 1], k32[:, 0])
 
 
-def _fp32_and_bf16(shape):
+def _fp32_and_bf16(shape, backend: str = "auto"):
     """The model of `shape` on the GPU in fp32 and in bf16 (the same seed) over two packed documents: per dtype its
     hidden states and every parameter's gradient against a fixed random direction (h² would be about constant after
-    the final norm); and the bf16 model."""
-    from launch.model import Packing, build_model
+    the final norm); and the bf16 model. `backend`: the RMSNorms' and RoPE's (auto: the fused kernels; torch)."""
+    from launch.model import ATTENTION_MIXERS, HeadsRMSNorm, Packing, RMSNorm, build_model
 
     ids = torch.randint(0, 512, (2048,), device="cuda", generator=torch.Generator("cuda").manual_seed(0))
     packing = Packing.from_lengths([700, 1348], device="cuda")
     out = {}
     for dtype in (torch.float32, torch.bfloat16):
         model = build_model(shape, device="cuda", dtype=dtype, seed=1)
+        for m in model.modules():
+            if isinstance(m, (RMSNorm, HeadsRMSNorm)):
+                m.backend = backend
+            if isinstance(m, ATTENTION_MIXERS):
+                m.rope_backend = backend
         h = model(ids, packing)
         r = torch.randn(h.shape, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
         (h.float() * r).sum().backward()
@@ -617,7 +622,9 @@ def test_per_layer_attention_families_in_bf16_run_on_the_gpu_and_follow_fp32(fam
     with twice the KV heads, sinks and their own RoPE base; q·k heads of 192 with values of 128, zero-padded for the
     kernels: the windowed flash path and cuDNN's full layers at head size 192) and AFMoE's (norms before and after
     each sublayer, the output gate, the full layers without RoPE). bf16 follows fp32 in the hidden states and in
-    every parameter's gradient; top-4 of 4 experts, so no routing choice can flip between the dtypes."""
+    every parameter's gradient; top-4 of 4 experts, so no routing choice can flip between the dtypes. A gradient
+    may miss fp32 by more than 3% where the same model on the torch ops (norms, RoPE) misses it by nearly as much in
+    bf16: AFMoE's q/k norm weights, whose gradients sum over every token of every head (3.0-3.1% on both paths)."""
     from recipe.models import ModelShape, SigmoidRouter
 
     common = dict(hidden_size=256, num_layers=4, vocab_size=512, num_experts=4, top_k=4, expert_ffn=128,
@@ -637,8 +644,10 @@ def test_per_layer_attention_families_in_bf16_run_on_the_gpu_and_follow_fp32(fam
                            **{**common, "qk_norm": True})
     out, _ = _fp32_and_bf16(shape)
     (h32, g32), (h16, g16) = out[torch.float32], out[torch.bfloat16]
+    _, g_ops = _fp32_and_bf16(shape, backend="torch")[0][torch.bfloat16]
     assert _rel(h16, h32) < 2e-2
     for n, g in g32.items():
         if n != "lm_head.weight" and g is not None and g.norm() > 0:
             assert g16[n] is not None and torch.isfinite(g16[n]).all(), n
-            assert _rel(g16[n], g) < 3e-2, (n, _rel(g16[n], g))
+            err, err_ops = _rel(g16[n], g), _rel(g_ops[n], g)
+            assert err < max(3e-2, 1.25 * err_ops), (n, err, err_ops)
