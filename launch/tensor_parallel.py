@@ -212,9 +212,8 @@ def check_model(model: nn.Module, tp: int) -> None:
     from launch.model import ATTENTION_MIXERS, Attention, GatedDeltaNet
 
     s = model.shape
-    if s.tie_embeddings:
-        raise ValueError(f"tp={tp}: {s.name} ties its embedding to the LM head, which this tensor parallelism does "
-                         f"not split; use tp=1")
+    if s.tp_refusal:
+        raise ValueError(f"tp={tp}: {s.name} {s.tp_refusal}; use tp=1")
     for m in model.modules():
         if isinstance(m, ATTENTION_MIXERS):
             if m.o_proj.bias is not None and not isinstance(m, Attention):  # Attention adds its share of it

@@ -174,9 +174,8 @@ def divisibility(m, lay, seq: int, stages: list[int] | None = None) -> list[tupl
     out = []
     tp, cp = lay.tp, lay.cp
     out += [("tp", tp, f"{n} {what} of {m.name} are not divisible by tp={tp}") for n, what in m.tp_splits() if n % tp]
-    if tp > 1 and m.tie_embeddings:
-        out.append(("tp", tp, f"{m.name} ties its embedding to the LM head, which tensor parallelism does not split "
-                              f"(tp=1)"))
+    if tp > 1 and m.tp_refusal:
+        out.append(("tp", tp, f"{m.name} {m.tp_refusal} (tp=1)"))
     if m.num_experts % lay.ep:
         out.append(("ep", lay.ep, f"{m.num_experts} experts of {m.name} are not divisible by ep={lay.ep}"))
     if lay.pp > m.num_layers:

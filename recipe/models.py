@@ -533,6 +533,13 @@ class ModelShape(Record):
         return out + [(self.vocab_size, "vocab entries")]
 
     @property
+    def tp_refusal(self) -> str | None:
+        """Why tensor parallelism cannot run this model at any tp > 1 (None where it can): a tied embedding and LM
+        head, which it does not split."""
+        return "ties its embedding to the LM head, which tensor parallelism does not split" if self.tie_embeddings \
+            else None
+
+    @property
     def moe_output_saved(self) -> bool:
         """Whether a norm after the MoE block keeps its output for the backward (norm_placement "sandwich" or
         "post"): a recomputed forward must then return the experts' output, where otherwise it skips that."""

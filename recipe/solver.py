@@ -171,9 +171,8 @@ def pin_violations(m: ModelShape, hw: HwProfile, seq: int, pins: dict[str, int],
             out.append(f"tp={tp} must divide the {', the '.join(bad)}")
         if tp > hw.gpus_per_node:
             out.append(f"tp={tp} must stay inside one node ({hw.gpus_per_node} GPUs per {hw.name} node)")
-        if tp > 1 and m.tie_embeddings:
-            out.append(f"tp={tp}: {m.name} ties its embedding to the LM head, which tensor parallelism does not "
-                       f"split (tp=1)")
+        if tp > 1 and m.tp_refusal:
+            out.append(f"tp={tp}: {m.name} {m.tp_refusal} (tp=1)")
     if cp is not None:
         out += [f"cp={cp} must split the sequence: {why}" for why in cp_violations(m, seq, cp)]
     if ep is not None and m.num_experts % ep:
