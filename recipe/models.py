@@ -17,7 +17,7 @@ import math
 import sys
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Literal
+from typing import Literal, NamedTuple
 
 from dataclasses import dataclass
 from ._data import Record, plain, validate
@@ -1295,48 +1295,28 @@ def _from_hf_config(path: Path) -> ModelShape:
             fields["arch"] = "moe"
     elif arch == "mixtral":
         fields.update(qk_norm=False, expert_ffn=req("intermediate_size"))
-    elif arch == "glm4_moe":  # GLM-4.5; dots.llm1 (dots1): the same blocks with Qwen3's per-head q/k norms always on;
-        # Solar Open (solar_open): GLM-4.5's MoE under Llama's attention (no q/k norms, every channel rotated), every
-        # layer MoE. transformers' GLM-4.5 defaults where a config leaves them out: one dense layer, half of each head
-        # rotated
-        # MiMo-V2-Flash (mimo_v2_flash): the same MoE without shared experts, its dense layers by `mlp_layer_types`;
-        # attention whose sliding layers have twice the key/value heads, sink logits and a RoPE base of their own,
-        # value heads narrower than the query/key heads, the values scaled by `attention_value_scale`
-        # Hunyuan-V3 (hy_v3): per-head q/k norms before RoPE (Qwen3's), plain shared experts of the experts' width
-        # (`num_shared_experts`), the top-k sigmoid weights renormalized and scaled by `router_scaling_factor`, the
-        # correction bias on the MoE block, its dense layers by `mlp_layer_types`
-        # K-EXAONE (exaone_moe): per-head q/k norms, sliding layers (`sliding_window_pattern`: every n-th layer full)
-        # rotated, the full ones without RoPE, shared experts by count (`num_shared_experts`)
-        # GLM-4.5V/4.6V (glm4v_moe): GLM-4.5's text model, its multimodal RoPE plain RoPE on text
-        # AFMoE (afmoe: Arcee's Trinity): per-head q/k norms, a sigmoid gate on the attention output, RoPE on the
-        # sliding layers only, norms before and after each sublayer, shared experts by count, its dense layers
-        # first (`num_dense_layers`), the embedding times √h under `mup_enabled`
-        glm = model_type in ("glm4_moe", "glm4v_moe", "glm4v_moe_text")
-        mimo, hy = model_type == "mimo_v2_flash", model_type == "hy_v3"
-        exaone, afmoe = model_type == "exaone_moe", model_type == "afmoe"
-        first = 0 if model_type == "solar_open" else _leading_dense(cfg, model_type, opt, bad) if mimo or hy \
-            or exaone else opt("num_dense_layers", 1) if afmoe else opt("first_k_dense_replace", 1 if glm else 0)
-        if model_type in ("dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe"):
-            fields["hf_model_type"] = model_type
-        if afmoe:
+    elif arch == "glm4_moe":  # GLM-4.5's blocks, read per family (_GLM4_FAMILIES)
+        fam = _GLM4_FAMILIES[model_type]
+        dense_key, dense_default = fam.dense
+        first = (0 if dense_key is None else _leading_dense(cfg, model_type, opt, bad) if dense_key == "types"
+                 else opt(dense_key, dense_default))
+        if fam.export is not None:
+            fields["hf_model_type"] = fam.export
+        if model_type == "afmoe":
             _afmoe(cfg, fields, n_layers, opt, opt_flag, count, bad)
-        if model_type in ("glm4v_moe", "glm4v_moe_text"):  # exported as GLM-4.5's text model
-            fields["hf_model_type"] = "glm4v_moe"
-        if exaone:
+        elif model_type == "exaone_moe":
             _exaone_layers(cfg, fields, n_layers, opt, count, bad)
-        if mimo:
+        elif model_type == "mimo_v2_flash":
             _mimo_attention(cfg, fields, rope, rope_by_type, opt, number, bad)
-        if glm and prf is None:
+        if fam.qk_norm == "flag" and prf is None:  # GLM-4.5 itself: transformers rotates half of each head
             fields["partial_rotary_factor"] = 0.5
-        fields.update(qk_norm=model_type in ("dots1", "hy_v3", "exaone_moe", "afmoe")
-                      or (glm and opt_flag("use_qk_norm", False)),
+        shared_key, shared_default = fam.shared
+        fields.update(qk_norm=opt_flag("use_qk_norm", False) if fam.qk_norm == "flag" else fam.qk_norm,
                       attn_bias=opt_flag("attention_bias", False),
-                      shared_expert_ffn=(opt("num_shared_experts", 2 if afmoe else 1) if hy or exaone or afmoe
-                                         else opt("n_shared_experts", 0))
-                      * fields["expert_ffn"], router_bias=True,
+                      shared_expert_ffn=opt(shared_key, shared_default) * fields["expert_ffn"], router_bias=True,
                       first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0,
                       sigmoid_router=_sigmoid_router(cfg, model_type, opt, number))
-        if (hy or afmoe) and fields["attn_bias"]:  # their biases include o_proj's, which GLM-4.5's blocks lack
+        if fam.o_bias and fields["attn_bias"]:  # their biases include o_proj's, which GLM-4.5's blocks lack
             fields["arch"] = "moe"
     elif arch == "deepseek_v4":
         _deepseek_v4(cfg, fields, n_layers, req, opt, number, count, bad)
@@ -1448,6 +1428,45 @@ def _sparse_attention(cfg: dict, model_type: str, n_layers: int, opt, bad) -> di
         raise bad("indexer_types", f"a list of {n_layers} \"full\" or \"shared\" entries, the first \"full\"", types)
     fields["shared_layers"] = tuple(i for i, t in enumerate(types[:n_layers]) if t == "shared")
     return fields
+
+
+class _Glm4Family(NamedTuple):
+    """How a family on GLM-4.5's blocks reads its config: q/k norms (True, False, or "flag": `use_qk_norm`, and
+    transformers' half-rotated heads where `partial_rotary_factor` is absent); the dense layers first (a key and its
+    default, ("types", None) for `mlp_layer_types`, (None, None) for none); the shared experts' count (a key and its
+    default, times the experts' width); the model type an export writes (None: GLM-4.5's own); whether an
+    `attention_bias` includes o_proj's, which GLM-4.5's blocks lack (then planned only)."""
+    qk_norm: bool | str
+    dense: tuple[str | None, int | None]
+    shared: tuple[str, int]
+    export: str | None = None
+    o_bias: bool = False
+
+
+_GLM_DENSE, _N_SHARED, _COUNTED = ("first_k_dense_replace", 1), ("n_shared_experts", 0), ("num_shared_experts", 1)
+_GLM4_FAMILIES = {
+    # GLM-4.5, and GLM-4.5V/4.6V's text model (its multimodal RoPE plain RoPE on text)
+    "glm4_moe": _Glm4Family("flag", _GLM_DENSE, _N_SHARED),
+    "glm4v_moe": _Glm4Family("flag", _GLM_DENSE, _N_SHARED, "glm4v_moe"),
+    "glm4v_moe_text": _Glm4Family("flag", _GLM_DENSE, _N_SHARED, "glm4v_moe"),
+    # dots.llm1: Qwen3's per-head q/k norms always on
+    "dots1": _Glm4Family(True, ("first_k_dense_replace", 0), _N_SHARED, "dots1"),
+    # Solar Open: GLM-4.5's MoE under Llama's attention (no q/k norms, every channel rotated), every layer MoE
+    "solar_open": _Glm4Family(False, (None, None), _N_SHARED, "solar_open"),
+    # MiMo-V2-Flash: no shared experts, its dense layers by `mlp_layer_types`; attention whose sliding layers have
+    # twice the key/value heads, sink logits and a RoPE base of their own, value heads narrower than the q/k heads,
+    # the values scaled by `attention_value_scale` (_mimo_attention)
+    "mimo_v2_flash": _Glm4Family(False, ("types", None), _N_SHARED, "mimo_v2_flash"),
+    # Hunyuan-V3: per-head q/k norms before RoPE, plain shared experts of the experts' width by count, the top-k
+    # sigmoid weights renormalized and scaled by `router_scaling_factor`, the correction bias on the MoE block
+    "hy_v3": _Glm4Family(True, ("types", None), _COUNTED, "hy_v3", o_bias=True),
+    # K-EXAONE: per-head q/k norms, sliding layers (`sliding_window_pattern`: every n-th layer full) rotated, the
+    # full ones without RoPE (_exaone_layers)
+    "exaone_moe": _Glm4Family(True, ("types", None), _COUNTED, "exaone_moe"),
+    # AFMoE (Arcee's Trinity): per-head q/k norms, a sigmoid gate on the attention output, RoPE on the sliding layers
+    # only, norms before and after each sublayer, the embedding times √h under `mup_enabled` (_afmoe)
+    "afmoe": _Glm4Family(True, ("num_dense_layers", 1), ("num_shared_experts", 2), "afmoe", o_bias=True),
+}
 
 
 def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
