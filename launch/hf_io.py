@@ -545,8 +545,12 @@ def hf_config(shape: ModelShape) -> dict:
                    intermediate_size=shape.expert_ffn,
                    num_shared_experts=shape.shared_expert_ffn // shape.expert_ffn, logit_scale=shape.logit_scale,
                    shared_expert_combination_strategy="average" if shape.shared_expert_mean else "sum",
-                   expert_selection_fn="softmax", norm_topk_prob=True, layer_types=list(shape.layer_types),
-                   mlp_layer_types=["sparse"] * shape.num_layers, sliding_window=shape.sliding_window,
+                   expert_selection_fn="sigmoid" if shape.sigmoid_top else "softmax",
+                   norm_topk_prob=shape.norm_topk_prob, layer_types=list(shape.layer_types),
+                   mlp_layer_types=["dense" if shape.is_dense_layer(i) else "sparse" for i in range(shape.num_layers)],
+                   prefix_dense_intermediate_size=shape.dense_ffn or None,
+                   prefix_dense_sliding_window_pattern=1 if shape.rotated_prefix or not shape.first_dense_layers else 2,
+                   sliding_window=shape.sliding_window,
                    rms_norm_eps=None if layer_norm else shape.rms_norm_eps,
                    layer_norm_eps=shape.rms_norm_eps if layer_norm else 1e-5, rope_theta=shape.rope_theta)
         cfg.pop("moe_intermediate_size")
@@ -689,8 +693,8 @@ def hf_config(shape: ModelShape) -> dict:
         if shared:
             cfg["shared_intermediate_size"] = shared
         if shape.hf_model_type == "granitemoe_swa":  # its sinks, windows and RoPE base a layer (0: none)
-            thetas = [0.0 if kind == "full_attention" and shape.nope_full_layers else shape.rope_theta_at(kind)
-                      for kind in shape.layer_types]
+            thetas = [shape.rope_theta_at(kind) if shape.rotated(i) else 0.0
+                      for i, kind in enumerate(shape.layer_types)]
             cfg.update(model_type="granitemoe_swa", architectures=["GraniteMoeSWAForCausalLM"],
                        shared_intermediate_size=shared, layer_types=list(shape.layer_types),
                        sliding_window=shape.sliding_window, layer_rope_theta=thetas)

@@ -345,7 +345,8 @@ class Attention(nn.Module):
     where its qk_norm is on), each query attending within its chunk of the document; on its others no RoPE, the
     queries scaled by `query_temperature` (where temperature tuning is on), global attention."""
 
-    def __init__(self, s: ModelShape, norm_offset: float, window: int | None = None, chunk: int | None = None):
+    def __init__(self, s: ModelShape, norm_offset: float, window: int | None = None, chunk: int | None = None,
+                 index: int = 0):
         super().__init__()
         kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None \
             else "full_attention"
@@ -377,8 +378,9 @@ class Attention(nn.Module):
         self.window = window  # keys fewer than `window` positions back (None: every earlier key of the document)
         self.chunk = chunk  # keys of the query's own run of `chunk` positions of the document (None: no chunks)
         l4 = s.llama4
-        # Llama 4's global layers take no RoPE, nor K-EXAONE's and AFMoE's full layers
-        self.rotary = (l4 is None or chunk is not None) and not (s.nope_full_layers and kind == "full_attention")
+        # Llama 4's global layers take no RoPE, nor K-EXAONE's, AFMoE's and Cohere's full layers (`ModelShape.rotated`:
+        # layer `index`)
+        self.rotary = (l4 is None or chunk is not None) and s.rotated(index)
         self.unit_rms_eps = s.rms_norm_eps if l4 is not None and l4.qk_norm and chunk is not None else None
         self.norm_backend = "auto"  # the unit-RMS q/k norm's: auto | torch | triton (kernels/rms_norm.py)
         self.temperature = ((l4.floor_scale, l4.attn_scale) if l4 is not None and l4.temperature_tuning
@@ -727,11 +729,11 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.layer_type = layer_type
         if layer_type == "full_attention":
-            self.self_attn = MLAttention(s, index) if s.mla is not None else Attention(s, norm_offset)
+            self.self_attn = MLAttention(s, index) if s.mla is not None else Attention(s, norm_offset, index=index)
         elif layer_type == "sliding_attention" and s.mla is None and s.sliding_window:
-            self.self_attn = Attention(s, norm_offset, window=s.sliding_window)
+            self.self_attn = Attention(s, norm_offset, window=s.sliding_window, index=index)
         elif layer_type == "chunked_attention" and s.mla is None and s.attention_chunk:
-            self.self_attn = Attention(s, norm_offset, chunk=s.attention_chunk)
+            self.self_attn = Attention(s, norm_offset, chunk=s.attention_chunk, index=index)
         elif layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(s)
         else:
@@ -760,7 +762,8 @@ class DecoderLayer(nn.Module):
                            s.shared_expert_gate, s.norm_topk_prob, s.sigmoid_router, router_bias=gpt_oss,
                            activation=GPT_OSS_GLU if gpt_oss else SWIGLU, expert_bias=gpt_oss,
                            softmax_scores=s.arch in SOFTMAX_SCORE_ARCHS, softmax_router=s.softmax_router,
-                           weights_on_input=s.arch in INPUT_WEIGHTED_ARCHS, shared_mean=s.shared_expert_mean)
+                           weights_on_input=s.arch in INPUT_WEIGHTED_ARCHS, shared_mean=s.shared_expert_mean,
+                           sigmoid_top=s.sigmoid_top)
             # a norm after the MoE block keeps its output for the backward: a recomputed forward must produce it
             self.mlp.experts.output_read = s.moe_output_saved
 

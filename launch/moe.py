@@ -207,8 +207,9 @@ class TopKRouter(nn.Module):
     bias (gpt-oss: logits = x Wᵀ + b) and renormalized, the k are chosen on the logits and weighted by a softmax
     over those k logits, as gpt-oss computes it: the same weights as softmax, top-k, renormalize. DeepSeek-V2
     (recipe.models.SoftmaxRouter): the k chosen among the `topk_groups` best of `groups` expert groups (a group
-    scored by its most probable expert), the weights times `scaling`. `sigmoid_of_top` (Llama 4): the k chosen on
-    the logits and weighted by the sigmoid of each, in fp32 (no softmax, no renormalization)."""
+    scored by its most probable expert), the weights times `scaling`. `sigmoid_of_top` (Llama 4, Cohere2-MoE's
+    sigmoid selection): the k chosen on the logits and weighted by the sigmoid of each, in fp32, renormalized over
+    the k when norm_topk_prob (Llama 4's is off)."""
 
     def __init__(self, num_experts: int, dim: int, top_k: int, norm_topk_prob: bool, bias: bool = False,
                  groups: int = 1, topk_groups: int = 1, scaling: float = 1.0, sigmoid_of_top: bool = False):
@@ -226,7 +227,10 @@ class TopKRouter(nn.Module):
         logits_TE = F.linear(x_TD, self.weight, self.bias)
         if self.sigmoid_of_top:
             top_l_TK, top_e_TK = torch.topk(logits_TE, self.top_k, dim=-1)
-            return logits_TE, torch.sigmoid(top_l_TK.float()).to(x_TD.dtype), top_e_TK
+            top_w_TK = torch.sigmoid(top_l_TK.float())
+            if self.norm_topk_prob:
+                top_w_TK = top_w_TK / top_w_TK.sum(-1, keepdim=True)
+            return logits_TE, top_w_TK.to(x_TD.dtype), top_e_TK
         if self.bias is not None and self.norm_topk_prob:
             top_l_TK, top_e_TK = torch.topk(logits_TE, self.top_k, dim=-1)
             return logits_TE, torch.softmax(top_l_TK.float(), dim=-1).to(x_TD.dtype), top_e_TK
@@ -438,13 +442,14 @@ class MoE(nn.Module):
     `expert_bias` and its clamped `activation`. ERNIE-4.5: `softmax_scores` (its router, SigmoidTopKRouter scoring
     by a softmax). Llama 4: `weights_on_input`: each of a token's k experts takes the token times its weight (the
     sigmoid of its logit, TopKRouter's `sigmoid_of_top`) and the k outputs are summed unweighted, as one routed
-    row a (token, slot) pair with weight 1."""
+    row a (token, slot) pair with weight 1. Cohere2-MoE's sigmoid selection: `sigmoid_top` (the same weights, on the
+    experts' outputs)."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, norm_topk_prob: bool = True, sigmoid_router=None,
                  router_bias: bool = False, activation: GLU = SWIGLU, expert_bias: bool = False,
                  softmax_scores: bool = False, softmax_router=None, weights_on_input: bool = False,
-                 shared_mean: bool = False):
+                 shared_mean: bool = False, sigmoid_top: bool = False):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.shared_mean = shared_mean  # Cohere's "average": the mean of the routed and shared experts' outputs
@@ -453,7 +458,7 @@ class MoE(nn.Module):
             grouped = {} if softmax_router is None else dict(  # a recipe.models.SoftmaxRouter (DeepSeek-V2)
                 groups=softmax_router.groups, topk_groups=softmax_router.topk_groups, scaling=softmax_router.scaling)
             self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob, bias=router_bias,
-                                   sigmoid_of_top=weights_on_input, **grouped)
+                                   sigmoid_of_top=weights_on_input or sigmoid_top, **grouped)
         else:  # a recipe.models.SigmoidRouter
             self.gate = SigmoidTopKRouter(num_experts, dim, top_k, norm_topk_prob, sigmoid_router.groups,
                                           sigmoid_router.topk_groups, sigmoid_router.scaling, softmax_scores)

@@ -298,9 +298,10 @@ def trainable(shape: "ModelShape") -> str | None:
         ("sandwich or post norms, or a scaled embedding, outside AFMoE and FlexOlmo",
          (shape.norm_placement in ("sandwich", "post") or shape.embedding_scale != 1.0)
          and shape.hf_model_type not in ("afmoe", "flex_olmo")),
-        ("Cohere's blocks (a parallel block, LayerNorms, RoPE on pairs, a logit scale, the experts' mean) outside "
-         "Cohere2-MoE", (shape.norm_placement == "parallel" or shape.norm_kind != "rms" or shape.rope_pairs
-                         or shape.logit_scale != 1.0 or shape.shared_expert_mean)
+        ("Cohere's blocks (a parallel block, LayerNorms, RoPE on pairs, a logit scale, the experts' mean, sigmoid "
+         "selection, a rotated prefix) outside Cohere2-MoE",
+         (shape.norm_placement == "parallel" or shape.norm_kind != "rms" or shape.rope_pairs
+          or shape.logit_scale != 1.0 or shape.shared_expert_mean or shape.sigmoid_top or shape.rotated_prefix)
          and shape.hf_model_type != "cohere2_moe"),
         ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
          and shape.rope_scaling is not None),
@@ -402,6 +403,9 @@ class ModelShape(Record):
     value_scale: float = 1.0
     # the full-attention layers take no RoPE where the sliding layers do (K-EXAONE's, AFMoE's global layers)
     nope_full_layers: bool = False
+    # the dense prefix layers take RoPE whatever their kind (Cohere2-MoE's prefix of sliding-window pattern 1, whose
+    # layers are all full)
+    rotated_prefix: bool = False
     # where a block's RMSNorms sit: before each sublayer ("pre"), before and after it ("sandwich": AFMoE), or after
     # it only ("post": FlexOlmo, OLMo-2's blocks)
     # ("parallel": one norm, whose output both sublayers take, their outputs added to the residual together: Cohere's)
@@ -411,6 +415,9 @@ class ModelShape(Record):
     logit_scale: float = 1.0  # the logits times this (Cohere's logit_scale)
     rope_pairs: bool = False  # RoPE on channel pairs (0, 1), (2, 3), … rather than halves (Cohere's)
     shared_expert_mean: bool = False  # the MoE's output the mean of the routed and shared experts' (Cohere's "average")
+    # the k experts chosen on the router's logits and weighted by the sigmoid of each, renormalized under
+    # norm_topk_prob (Cohere2-MoE's "sigmoid" expert selection; Llama 4's router, by its arch)
+    sigmoid_top: bool = False
     # the Hugging Face model_type an export writes where the arch's blocks serve several (glm4_moe_lite: GLM-4.7-Flash
     # on DeepSeek-V3's); None: the arch's own
     hf_model_type: str | None = None
@@ -483,8 +490,8 @@ class ModelShape(Record):
             raise ValueError(f"clip_qkv must be a positive number, got {self.clip_qkv!r}")
         if self.first_dense_layers > self.num_layers:
             raise ValueError(f"first_dense_layers={self.first_dense_layers} > num_layers={self.num_layers}")
-        if self.sigmoid_router is not None and self.softmax_router is not None:
-            raise ValueError("a model has one router: sigmoid_router and softmax_router are both set")
+        if sum((self.sigmoid_router is not None, self.softmax_router is not None, self.sigmoid_top)) > 1:
+            raise ValueError("a model has one router: two of sigmoid_router, softmax_router and sigmoid_top are set")
         if self.pad_token_id is not None and not 0 <= self.pad_token_id < self.vocab_size:
             raise ValueError(f"pad_token_id={self.pad_token_id} is not a token of the {self.vocab_size}-row vocabulary")
 
@@ -538,6 +545,13 @@ class ModelShape(Record):
         head, which it does not split."""
         return "ties its embedding to the LM head, which tensor parallelism does not split" if self.tie_embeddings \
             else None
+
+    def rotated(self, i: int) -> bool:
+        """Whether layer i's attention takes RoPE by the shape's rules (`nope_full_layers`, `rotated_prefix`; Llama
+        4's global layers go without it by its arch)."""
+        if self.rotated_prefix and i < self.first_dense_layers:
+            return True
+        return not (self.nope_full_layers and self.layer_types[i] == "full_attention")
 
     @property
     def moe_output_saved(self) -> bool:
@@ -621,7 +635,8 @@ class ModelShape(Record):
         unset |= {k for k, default in (("moe_layer_step", 1), ("sinks", "none"), ("value_scale", 1.0),
                                        ("nope_full_layers", False), ("norm_placement", "pre"),
                                        ("embedding_scale", 1.0), ("norm_kind", "rms"), ("logit_scale", 1.0),
-                                       ("rope_pairs", False), ("shared_expert_mean", False))
+                                       ("rope_pairs", False), ("shared_expert_mean", False), ("sigmoid_top", False),
+                                       ("rotated_prefix", False))
                   if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
@@ -1353,7 +1368,7 @@ def _from_hf_config(path: Path) -> ModelShape:
         # multimodal RoPE rotates a text-only sequence as plain RoPE (the three position ids are equal)
         fields["hf_model_type"] = "qwen3_vl_moe"
     if model_type == "cohere2_moe":
-        _cohere2_moe(cfg, fields, n_layers, opt, number, bad)
+        _cohere2_moe(cfg, fields, n_layers, opt, opt_flag, number, bad)
     if model_type in ("qwen3_omni_moe", "qwen3_omni_moe_thinker", "qwen3_omni_moe_text"):  # Qwen3-Omni's thinker:
         # Qwen3-VL-MoE's text model
         fields["hf_model_type"] = "qwen3_omni_moe"
@@ -1593,32 +1608,50 @@ def _deepseek_v4(cfg: dict, fields: dict, n_layers: int, req, opt, number, count
             swiglu_limit=number(cfg.get("swiglu_limit", 10.0), "swiglu_limit")))
 
 
-def _cohere2_moe(cfg: dict, fields: dict, n_layers: int, opt, number, bad) -> None:
-    """Cohere2-MoE (transformers' Cohere2MoeConfig): one norm a layer whose output the attention and the MoE block
-    both take, added to the residual together; LayerNorm (centred, a weight, no bias) unless the config gives
+def _cohere2_moe(cfg: dict, fields: dict, n_layers: int, opt, opt_flag, number, bad) -> None:
+    """Cohere2-MoE (transformers' Cohere2MoeConfig): one norm a layer whose output the attention and the MLP both
+    take, added to the residual together; LayerNorm (centred, a weight, no bias) unless the config gives
     `rms_norm_eps`; RoPE on channel pairs, on the sliding layers only; the logits times `logit_scale`; experts of
-    `intermediate_size` under a softmax over the top-k logits, `num_shared_experts` shared ones of the same width
-    added, or averaged (`shared_expert_combination_strategy`). Sigmoid selection or dense prefix layers are planned
-    only."""
+    `intermediate_size` under a softmax over the top-k logits, or (`expert_selection_fn` "sigmoid") the sigmoid of
+    each, renormalized under `norm_topk_prob`; `num_shared_experts` shared ones of the same width added, or averaged
+    (`shared_expert_combination_strategy`); dense layers of `prefix_dense_intermediate_size` first
+    (`mlp_layer_types`, or `first_k_dense_replace`, whose layers' attention follows
+    `prefix_dense_sliding_window_pattern`)."""
     shared = opt("num_shared_experts", 0) * fields["expert_ffn"]  # the experts' width: `intermediate_size`
     strategy = cfg.get("shared_expert_combination_strategy", "average")
     if strategy not in ("sum", "average"):
         raise bad("shared_expert_combination_strategy", '"sum" or "average"', strategy)
+    selection = cfg.get("expert_selection_fn", "softmax")
+    if selection not in ("softmax", "sigmoid"):
+        raise bad("expert_selection_fn", '"softmax" or "sigmoid"', selection)
     scale = cfg.get("logit_scale", 0.0625)
     fields.update(hf_model_type="cohere2_moe", qk_norm=False, attn_bias=bool(cfg.get("attention_bias", False)),
                   norm_placement="parallel",
                   norm_kind="rms" if cfg.get("rms_norm_eps") is not None else "layer", rope_pairs=True,
                   nope_full_layers=True, logit_scale=1.0 if scale is None else number(scale, "logit_scale"),
                   shared_expert_ffn=shared, shared_expert_mean=bool(shared) and strategy == "average",
-                  norm_topk_prob=True, tie_embeddings=cfg.get("tie_word_embeddings", True) is not False)
-    if not cfg.get("layer_types"):  # transformers' rule: every `sliding_window_pattern`-th layer full
-        fields["layer_types"] = _rounded_layer_types(n_layers, max(opt("sliding_window_pattern", 4), 1),
-                                                     "sliding_attention")
+                  sigmoid_top=selection == "sigmoid",
+                  norm_topk_prob=selection == "softmax" or opt_flag("norm_topk_prob", True),
+                  tie_embeddings=cfg.get("tie_word_embeddings", True) is not False)
+    types = _mlp_layer_types(cfg, bad, n_layers)
+    first = opt("first_k_dense_replace", 0) if types is None else \
+        types.index("sparse") if "sparse" in types else len(types)
+    if types is not None and "dense" in types[first:]:
+        raise bad("mlp_layer_types", "the dense layers first, then the sparse ones", types)
+    if first:
+        dense_ffn = cfg.get("prefix_dense_intermediate_size")
+        if dense_ffn is None:
+            raise bad("prefix_dense_intermediate_size", "the dense layers' width", None)
+        # transformers rotates the prefix's layers where its pattern (1) makes them all full
+        fields.update(first_dense_layers=first, dense_ffn=int(number(dense_ffn, "prefix_dense_intermediate_size")),
+                      rotated_prefix=opt("prefix_dense_sliding_window_pattern", 1) == 1)
+    if not cfg.get("layer_types"):  # transformers' rule: every `sliding_window_pattern`-th layer full, counted
+        # apart over the dense prefix (its own pattern) and the rest
+        fields["layer_types"] = (
+            _rounded_layer_types(first, max(opt("prefix_dense_sliding_window_pattern", 1), 1), "sliding_attention")
+            + _rounded_layer_types(n_layers - first, max(opt("sliding_window_pattern", 4), 1), "sliding_attention"))
     if cfg.get("sliding_window", 4096) is not None and "sliding_attention" in fields["layer_types"]:
         fields["sliding_window"] = opt("sliding_window", 4096)
-    dense = "dense" in (cfg.get("mlp_layer_types") or [])
-    if cfg.get("expert_selection_fn", "softmax") != "softmax" or dense:
-        fields["arch"] = "moe"
 
 
 def _granite_swa(cfg: dict, fields: dict, n_layers: int, number, count, bad) -> None:

@@ -191,16 +191,19 @@ def tiny_afmoe():
 
 def tiny_cohere():
     """Cohere2-MoE's blocks at tiny widths: one LayerNorm a layer feeding attention and the MoE block in parallel,
-    RoPE on channel pairs on the sliding layers (windows of 8) only, a shared expert averaged with the routed ones,
-    the logits times 0.25, tied embeddings (so tp = 1)."""
+    RoPE on channel pairs on the sliding layers (windows of 8) only, a dense first layer (full attention, rotated:
+    the prefix's), experts chosen by sigmoid weights renormalized over the top 2, a shared expert averaged with the
+    routed ones, the logits times 0.25, tied embeddings (so tp = 1)."""
     from recipe.models import ModelShape
 
     return ModelShape(name="tiny-cohere", arch="qwen3_moe", hf_model_type="cohere2_moe", hidden_size=64,
-                      num_layers=4, vocab_size=512, layer_types=("sliding_attention", "full_attention") * 2,
+                      num_layers=4, vocab_size=512, layer_types=("full_attention", "sliding_attention",
+                                                                 "full_attention", "sliding_attention"),
                       num_heads=4, num_kv_heads=2, head_dim=16, qk_norm=False, sliding_window=8,
                       nope_full_layers=True, norm_placement="parallel", norm_kind="layer", rope_pairs=True,
                       logit_scale=0.25, num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=32,
-                      shared_expert_mean=True, tie_embeddings=True, rms_norm_eps=1e-5)
+                      shared_expert_mean=True, tie_embeddings=True, rms_norm_eps=1e-5, first_dense_layers=1,
+                      dense_ffn=48, rotated_prefix=True, sigmoid_top=True)
 
 
 def tiny_olmoe():

@@ -118,7 +118,8 @@ ARCH = {"moonlight": "deepseek_v3", "mixtral_swa": "mixtral", **{a: "deepseek_v3
         **{a: "deepseek_v3" for a in DSA_ARCHS},
         "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe", "granitemoe_swa": "granitemoe",
         "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe",
-        "exaone_moe": "glm4_moe", "afmoe": "glm4_moe", "flex_olmo": "olmoe", "cohere2_moe": "qwen3_moe"}
+        "exaone_moe": "glm4_moe", "afmoe": "glm4_moe", "flex_olmo": "olmoe", "cohere2_moe": "qwen3_moe",
+        "cohere2_moe_sigmoid": "qwen3_moe"}
 
 
 def _hf_model(arch: str):
@@ -250,6 +251,15 @@ def _hf_model(arch: str):
             num_shared_experts=1, shared_expert_combination_strategy="average", logit_scale=0.25,
             pad_token_id=0, bos_token_id=1, eos_token_id=2)
         cls = transformers.Cohere2MoeForCausalLM
+    elif arch == "cohere2_moe_sigmoid":  # the same blocks with sigmoid expert selection (renormalized over the k),
+        # a dense first layer of its own width (its attention full: the prefix's own pattern), RMSNorm, shared summed
+        cfg = transformers.Cohere2MoeConfig(
+            **{k: v for k, v in COMMON.items() if k != "moe_intermediate_size"},
+            intermediate_size=16, num_hidden_layers=4, sliding_window=8, sliding_window_pattern=2,
+            num_shared_experts=1, shared_expert_combination_strategy="sum", logit_scale=0.25,
+            expert_selection_fn="sigmoid", norm_topk_prob=True, first_k_dense_replace=1,
+            prefix_dense_intermediate_size=24, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+        cls = transformers.Cohere2MoeForCausalLM
     elif arch == "afmoe":  # Arcee's Trinity: sandwich norms, the output gate, RoPE on the sliding layers (window 8)
         # only, per-head q/k norms, a dense first layer, a shared expert, muP's √h on the embedding
         cfg = transformers.AfmoeConfig(**COMMON, intermediate_size=40, num_hidden_layers=4, num_dense_layers=1,
@@ -288,7 +298,7 @@ def _built(cls, cfg):
                                   "olmoe_clip",
                                   "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
                                   *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe",
-                                  "afmoe", "flex_olmo", "cohere2_moe", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
+                                  "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
                                   "granitemoe_swa", "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
@@ -478,7 +488,7 @@ def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
 
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "solar_open",
-                                  "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo", "cohere2_moe",
+                                  "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid",
                                   "gpt_oss",
                                   *LLAMA4, "granitemoeshared", "granitemoe_swa", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
 def test_gradients_match_transformers(arch, tmp_path):
@@ -496,7 +506,8 @@ def test_gradients_match_transformers(arch, tmp_path):
     T = 40
     ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
     assert shape.pad_token_id == {"olmoe": 1, "olmoe_clip": 1, "ernie4_5_moe": 0, "hunyuan_v1_moe": 0,
-                                  "exaone_moe": 0, "flex_olmo": 1, "cohere2_moe": 0}.get(arch)
+                                  "exaone_moe": 0, "flex_olmo": 1, "cohere2_moe": 0,
+                                  "cohere2_moe_sigmoid": 0}.get(arch)
     if shape.pad_token_id is not None:
         ids[0, [3, 17]] = shape.pad_token_id
     hf.zero_grad()

@@ -987,3 +987,35 @@ def test_mixers_the_tool_does_not_plan_are_refused_in_one_line(tmp_path, cfg, sa
     r = CliRunner().invoke(app, ["solve", "--model", str(p), "--seq", "8k", "--hw", "h200", "--gpus", "8"])
     assert r.exit_code == 2 and "Traceback" not in r.output
     assert r.stderr.strip().count("\n") == 0 and says in r.stderr, r.stderr
+
+
+def test_cohere2_moe_dense_prefix_and_sigmoid_selection_read_as_transformers_builds_them(tmp_path):
+    """A Cohere2-MoE config that names its dense prefix by `first_k_dense_replace` (no layer lists) reads as
+    transformers' Cohere2MoeConfig derives it: the prefix's layers by their own sliding-window pattern (1: all full,
+    and then rotated, as transformers forces RoPE there), the rest by `sliding_window_pattern`, the dense layers
+    first at `prefix_dense_intermediate_size`; sigmoid selection with its renormalization flag. A dense layer after
+    a sparse one, a prefix without its width, or another selection function is refused in one line."""
+    import transformers
+
+    raw = dict(model_type="cohere2_moe", vocab_size=256, hidden_size=64, num_attention_heads=4,
+               num_key_value_heads=2, num_hidden_layers=7, num_experts=8, num_experts_per_tok=2,
+               intermediate_size=32, first_k_dense_replace=2, prefix_dense_intermediate_size=96,
+               sliding_window_pattern=3, sliding_window=16, expert_selection_fn="sigmoid", norm_topk_prob=False)
+    for pattern in (1, 2):
+        cfg = raw | {"prefix_dense_sliding_window_pattern": pattern}
+        ref = transformers.Cohere2MoeConfig(**{k: v for k, v in cfg.items() if k != "model_type"})
+        m = from_hf_config(_write(tmp_path, f"p{pattern}", cfg))
+        assert list(m.layer_types) == ref.layer_types
+        assert ["dense" if m.is_dense_layer(i) else "sparse" for i in range(7)] == ref.mlp_layer_types
+        assert (m.first_dense_layers, m.dense_ffn, m.sigmoid_top, m.norm_topk_prob, m.rotated_prefix) == (
+            2, 96, True, False, pattern == 1)
+        # RoPE where transformers applies it: the sliding layers, and the prefix where its pattern is 1
+        assert [m.rotated(i) for i in range(7)] == [t == "sliding_attention" or (i < 2 and pattern == 1)
+                                                   for i, t in enumerate(ref.layer_types)]
+        assert trainable(m) is None
+    for i, (extra, field) in enumerate((({"mlp_layer_types": ["sparse", "dense"] + ["sparse"] * 5}, "mlp_layer_types"),
+                                        ({"prefix_dense_intermediate_size": None}, "prefix_dense_intermediate_size"),
+                                        ({"expert_selection_fn": "relu"}, "expert_selection_fn"))):
+        with pytest.raises(ValueError) as e:
+            from_hf_config(_write(tmp_path, f"bad{i}", raw | extra))
+        assert "\n" not in str(e.value) and field in str(e.value), str(e.value)
