@@ -17,7 +17,7 @@ from typing import Literal
 
 from ._data import Record
 from .hw import HwProfile
-from .models import ModelShape, param_counts
+from .models import ModelShape, compressed_projections, param_counts
 
 GB = 1e9
 BF16, FP32 = 2, 4
@@ -868,9 +868,9 @@ def tp_replicated_params(m: ModelShape, pp: int, layers: float | None = None) ->
     per_stage = m.num_layers / pp if layers is None else layers
     whole = c["router"] + c["shared_expert"] + c["norms"]
     if m.compressed is not None:  # DeepSeek-V4: all of its attention but q_b, o_a, o_b and the sinks (split by head)
-        cm, nh, hd = m.compressed, m.num_heads, m.head_dim
-        split = nh * hd * (cm.q_lora_rank + cm.o_lora_rank) + cm.o_groups * cm.o_lora_rank * m.hidden_size + nh
-        whole += c["attention"] - m.num_layers * split
+        split = sum(sum(i * o // g for i, o, g, by_head in compressed_projections(m, kind) if by_head)
+                    for kind in m.layer_types) + m.num_layers * m.num_heads
+        whole += c["attention"] - split
     return whole / m.num_layers * per_stage
 
 
@@ -1306,16 +1306,8 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
         la = m.linear_attn
         kd, vd = la.num_k_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
         mixer = [(h, 2 * kd + vd), (h, vd), (h, la.num_v_heads), (h, la.num_v_heads), (vd, h)]
-    elif m.compressed is not None:  # DeepSeek-V4 (recipe.models._compressed_attention_params)
-        c, hd = m.compressed, m.head_dim
-        mixer = [(h, c.q_lora_rank), (c.q_lora_rank, m.num_heads * hd), (h, hd),
-                 (m.num_heads * hd, c.o_groups * c.o_lora_rank), (c.o_groups * c.o_lora_rank, h)]
-        if kind == "compressed_sparse_attention":
-            ihd = c.index_head_dim
-            mixer += [(h, 2 * hd)] * 2 + [(h, 2 * ihd)] * 2 + [(c.q_lora_rank, c.index_heads * ihd),
-                                                               (h, c.index_heads)]
-        elif kind == "heavily_compressed_attention":
-            mixer += [(h, hd)] * 2
+    elif m.compressed is not None:  # DeepSeek-V4
+        mixer = [(i, o) for i, o, _, _ in compressed_projections(m, kind)]
     elif m.mla is not None:
         a = m.mla
         qk = m.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)

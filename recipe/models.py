@@ -896,22 +896,35 @@ def _full_attention_params(m: ModelShape, kind: str = "full_attention") -> int:
     return h * (q_out + kv_out) + o + bias + norms + sinks
 
 
-def _compressed_attention_params(m: ModelShape, kind: str) -> int:
-    """One DeepSeek-V4 attention layer (transformers' DeepseekV4Attention): q_a, its norm, q_b; the one K = V head's
-    projection and norm; the grouped o_a (each group's heads to o_lora_rank) and o_b; the sinks. A
-    compressed_sparse_attention layer adds its compressor (kv and gate to two overlapping series of head_dim, a
-    position bias per slot of the window, the entries' norm) and its indexer (the same compressor at
-    index_head_dim, queries from the q latent, a weight per index head); a heavily_compressed_attention layer a
+def compressed_projections(m: ModelShape, kind: str) -> list[tuple[int, int, int, bool]]:
+    """One DeepSeek-V4 attention layer's projections (transformers' DeepseekV4Attention), each (in, out, groups,
+    split by head under tensor parallelism): q_a and q_b; the one K = V head's projection; the grouped o_a (each of
+    o_groups groups of heads to o_lora_rank: in·out/groups weights) and o_b. A compressed_sparse_attention layer adds
+    its compressor's kv and gate (two overlapping series of head_dim) and its indexer's (at index_head_dim), the
+    indexer's queries from the q latent and its weight per index head; a heavily_compressed_attention layer a
     compressor of one series."""
     c, h, hd, nh = m.compressed, m.hidden_size, m.head_dim, m.num_heads
-    out = (h * c.q_lora_rank + c.q_lora_rank + c.q_lora_rank * nh * hd + h * hd + hd
-           + nh * hd * c.o_lora_rank + c.o_groups * c.o_lora_rank * h + nh)
+    out = [(h, c.q_lora_rank, 1, False), (c.q_lora_rank, nh * hd, 1, True), (h, hd, 1, False),
+           (nh * hd, c.o_groups * c.o_lora_rank, c.o_groups, True), (c.o_groups * c.o_lora_rank, h, 1, True)]
     if kind == "compressed_sparse_attention":
         ihd = c.index_head_dim
-        out += 2 * h * 2 * hd + c.csa_rate * 2 * hd + hd
-        out += 2 * h * 2 * ihd + c.csa_rate * 2 * ihd + ihd + c.q_lora_rank * c.index_heads * ihd + h * c.index_heads
+        out += [(h, 2 * hd, 1, False)] * 2 + [(h, 2 * ihd, 1, False)] * 2 + [
+            (c.q_lora_rank, c.index_heads * ihd, 1, False), (h, c.index_heads, 1, False)]
     elif kind == "heavily_compressed_attention":
-        out += 2 * h * hd + c.hca_rate * hd + hd
+        out += [(h, hd, 1, False)] * 2
+    return out
+
+
+def _compressed_attention_params(m: ModelShape, kind: str) -> int:
+    """One DeepSeek-V4 attention layer: its projections (`compressed_projections`), the q latent's and the K = V
+    head's norms, a sink per head; a compressor's position bias per slot of its window and its entries' norm (the
+    compressed-sparse layer's two: its own at head_dim over two series, its indexer's at index_head_dim)."""
+    c, hd = m.compressed, m.head_dim
+    out = sum(i * o // g for i, o, g, _ in compressed_projections(m, kind)) + c.q_lora_rank + hd + m.num_heads
+    if kind == "compressed_sparse_attention":
+        out += c.csa_rate * 2 * hd + hd + c.csa_rate * 2 * c.index_head_dim + c.index_head_dim
+    elif kind == "heavily_compressed_attention":
+        out += c.hca_rate * hd + hd
     return out
 
 
