@@ -417,9 +417,8 @@ class Attention(nn.Module):
             q = (q * query_temperature(packing.positions, *self.temperature)).to(q.dtype)
         if self.chunk is not None:
             packing = packing.chunked(self.chunk)
-        own_width = (self.value_dim == self.head_dim
-                     or self.sinks is None and self.window is None and cudnn_takes(q, k, v))
-        if not own_width:
+        if self.value_dim != self.head_dim and not (self.sinks is None and self.window is None
+                                                    and cudnn_takes(q, k, v)):
             v = F.pad(v, (0, self.head_dim - self.value_dim))
         if self.sinks is not None or self.window is not None:
             if _context_parallel(self, packing) is not None:

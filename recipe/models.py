@@ -1498,7 +1498,7 @@ _GLM4_FAMILIES = {
 
 
 def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
-    """The dense layers before the MoE ones: `first_k_dense_replace`, or GLM-4.7-Flash's `mlp_layer_types` ("dense"
+    """The dense layers before the MoE ones: `first_k_dense_replace`, or `mlp_layer_types` (GLM-4.7-Flash, MiMo-V2-Flash, Cohere2-MoE: "dense"
     and "sparse" a layer; transformers' default there: one dense layer, then sparse), whose dense layers must lead."""
     types = _mlp_layer_types(cfg, bad)
     if types is None:  # transformers' defaults where the field is absent
@@ -1646,11 +1646,7 @@ def _cohere2_moe(cfg: dict, fields: dict, n_layers: int, opt, opt_flag, number, 
                   sigmoid_top=selection == "sigmoid",
                   norm_topk_prob=selection == "softmax" or opt_flag("norm_topk_prob", True),
                   tie_embeddings=cfg.get("tie_word_embeddings", True) is not False)
-    types = _mlp_layer_types(cfg, bad, n_layers)
-    first = opt("first_k_dense_replace", 0) if types is None else \
-        types.index("sparse") if "sparse" in types else len(types)
-    if types is not None and "dense" in types[first:]:
-        raise bad("mlp_layer_types", "the dense layers first, then the sparse ones", types)
+    first = _leading_dense(cfg, "cohere2_moe", opt, bad)
     if first:
         dense_ffn = cfg.get("prefix_dense_intermediate_size")
         if dense_ffn is None:
