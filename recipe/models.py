@@ -1498,8 +1498,9 @@ _GLM4_FAMILIES = {
 
 
 def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
-    """The dense layers before the MoE ones: `first_k_dense_replace`, or `mlp_layer_types` (GLM-4.7-Flash, MiMo-V2-Flash, Cohere2-MoE: "dense"
-    and "sparse" a layer; transformers' default there: one dense layer, then sparse), whose dense layers must lead."""
+    """The dense layers before the MoE ones: `first_k_dense_replace`, or `mlp_layer_types` ("dense" and "sparse" a
+    layer: GLM-4.7-Flash, MiMo-V2-Flash, Cohere2-MoE, …; transformers' default where absent: the family's), whose
+    dense layers must lead."""
     types = _mlp_layer_types(cfg, bad)
     if types is None:  # transformers' defaults where the field is absent
         default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, "hy_v3": 1, "exaone_moe": 1,
