@@ -12,6 +12,10 @@ Prints a table; --out writes every figure as JSON.
 
     python bench/bench_train_step.py --seqs 32768,65536,131072 --hf-seqs 32768 --out bench.json
     python bench/bench_train_step.py --model tiny-moe --layers 4 --seqs 256 --hf-seqs 256 --device cpu  # smoke
+
+A/B axes for ours, each run in its own subprocess: `--norm-backends auto,torch`, `--rope-backends auto,torch`, and
+`--value-widths own,padded` (values narrower than q·k, MLA's and MiMo-V2-Flash's, at their own width in cuDNN
+against zero-padded to the q·k width).
 """
 
 from __future__ import annotations
@@ -70,10 +74,13 @@ def _time(fn, device, reps: int) -> float:
 
 
 def run_ours(shape, T: int, device, steps: int, profile: bool, norm_backend: str = "auto",
-             rope_backend: str = "auto", keep_selections: bool = False) -> dict:
+             rope_backend: str = "auto", keep_selections: bool = False, value_width: str = "own") -> dict:
+    import launch.model
     from launch.data import synthetic_long_batch
     from launch.model import ATTENTION_MIXERS, HeadsRMSNorm, RMSNorm, build_model
     from launch.train import TrainConfig, Trainer
+
+    launch.model.VALUES_AT_OWN_WIDTH = value_width == "own"
 
     torch.manual_seed(0)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
@@ -95,7 +102,8 @@ def run_ours(shape, T: int, device, steps: int, profile: bool, norm_backend: str
     metrics = last
     torch_paths = [f"{b} {what}" for b, what in ((norm_backend, "norms"), (rope_backend, "RoPE")) if b != "auto"]
     kept = ["selections kept"] if keep_selections else []
-    out = {"impl": ", ".join(["ours", *torch_paths, *kept]), "tokens": T,
+    padded = ["v padded"] if value_width == "padded" else []
+    out = {"impl": ", ".join(["ours", *torch_paths, *kept, *padded]), "tokens": T,
            "step_s": statistics.median(times), "step_s_all": times,
            "loss": metrics["loss"], "grad_norm": metrics["grad_norm"]}
     if device.type == "cuda":
@@ -264,7 +272,7 @@ def child(args) -> None:
     try:
         if args.child == "ours":
             res = run_ours(shape, args.child_seq, device, args.steps, args.profile, args.norm_backend,
-                           args.rope_backend, args.keep_selections)
+                           args.rope_backend, args.keep_selections, args.value_width)
         else:
             res = run_hf(shape, args.child_seq, device, args.steps)
     except torch.OutOfMemoryError as e:
@@ -294,23 +302,28 @@ def main() -> None:
     p.add_argument("--keep-selections", action="store_true",
                    help="ours: DeepSeek sparse attention's recomputed forward reuses the forward's index selections "
                         "(the plan's train.keep_selections)")
+    p.add_argument("--value-widths", default="own",
+                   help="ours: values narrower than q·k (MLA's, MiMo-V2-Flash's) for each run, comma-separated: own "
+                        "(cuDNN takes them at their width where it can) and/or padded (zero-padded to the q·k width, "
+                        "the path off NVIDIA GPUs), e.g. own,padded for an A/B")
+    p.add_argument("--value-width", default="own", help=argparse.SUPPRESS)
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
 
     shape = resolve_model(args.model).with_layers(args.layers)
-    runs = [("hf", int(s), "auto", "auto") for s in args.hf_seqs.split(",") if s] + \
-        [("ours", int(s), nb, rb) for s in args.seqs.split(",") for nb in args.norm_backends.split(",")
-         for rb in args.rope_backends.split(",")]
+    runs = [("hf", int(s), "auto", "auto", "own") for s in args.hf_seqs.split(",") if s] + \
+        [("ours", int(s), nb, rb, vw) for s in args.seqs.split(",") for nb in args.norm_backends.split(",")
+         for rb in args.rope_backends.split(",") for vw in args.value_widths.split(",")]
     results = []
-    for impl, T, norms, ropes in runs:
+    for impl, T, norms, ropes, values in runs:
         cmd = [sys.executable, __file__, "--child", impl, "--child-seq", str(T), "--model", args.model,
                "--layers", str(args.layers), "--steps", str(args.steps), "--device", args.device,
-               "--norm-backend", norms, "--rope-backend", ropes]
+               "--norm-backend", norms, "--rope-backend", ropes, "--value-width", values]
         if args.keep_selections:
             cmd.append("--keep-selections")
-        if impl == "ours" and T == args.profile_seq and norms == ropes == "auto":
+        if impl == "ours" and T == args.profile_seq and norms == ropes == "auto" and values == "own":
             cmd.append("--profile")
         env = os.environ.copy()
         if impl == "hf":

@@ -620,10 +620,16 @@ class Indexer(nn.Module):
         return q, w, k.view(T, self.dim)
 
 
+# False: values narrower than q·k are zero-padded to it everywhere, as off NVIDIA GPUs (the A/B of
+# bench/bench_train_step.py --value-widths)
+VALUES_AT_OWN_WIDTH = True
+
+
 def cudnn_takes(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> bool:
     """Whether SDPA's cuDNN kernel takes causal attention of these shapes (v's head size may differ from q·k's):
-    on a CUDA GPU in bf16/fp16 where torch says it can (`torch.backends.cuda.can_use_cudnn_attention`)."""
-    if not q_THD.is_cuda or q_THD.dtype not in (torch.bfloat16, torch.float16):
+    on a CUDA GPU in bf16/fp16 where torch says it can (`torch.backends.cuda.can_use_cudnn_attention`). What decides
+    whether narrower values (MLA's, MiMo-V2-Flash's) go to the kernel at their own width (`VALUES_AT_OWN_WIDTH`)."""
+    if not VALUES_AT_OWN_WIDTH or not q_THD.is_cuda or q_THD.dtype not in (torch.bfloat16, torch.float16):
         return False
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_THD, v_THD))
     try:
