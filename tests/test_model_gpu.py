@@ -619,8 +619,8 @@ def test_gpt_oss_attention_runs_on_cudnn_with_its_sink_merged(before, window):
 @pytest.mark.parametrize("family", ["mimo", "afmoe"])
 def test_per_layer_attention_families_in_bf16_run_on_the_gpu_and_follow_fp32(family):
     """The attention forms the CPU checks hold to transformers, on the GPU's kernels: MiMo-V2-Flash's (sliding layers
-    with twice the KV heads, sinks and their own RoPE base; q·k heads of 192 with values of 128, zero-padded for the
-    kernels: the windowed flash path and cuDNN's full layers at head size 192) and AFMoE's (norms before and after
+    with twice the KV heads, sinks and their own RoPE base; q·k heads of 192 with values of 128: zero-padded on the
+    windowed flash path, at their own width in cuDNN on the full layers, padded again in fp32) and AFMoE's (norms before and after
     each sublayer, the output gate, the full layers without RoPE). bf16 follows fp32 in the hidden states and in
     every parameter's gradient; top-4 of 4 experts, so no routing choice can flip between the dtypes. A gradient
     may miss fp32 by more than 3% where the same model on the torch ops (norms, RoPE) misses it by nearly as much in
