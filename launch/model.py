@@ -626,17 +626,15 @@ VALUES_AT_OWN_WIDTH = True
 
 
 def cudnn_takes(q_THD: torch.Tensor, k_THD: torch.Tensor, v_THD: torch.Tensor) -> bool:
-    """Whether SDPA's cuDNN kernel takes causal attention of these shapes (v's head size may differ from q·k's):
-    on a CUDA GPU in bf16/fp16 where torch says it can (`torch.backends.cuda.can_use_cudnn_attention`). What decides
-    whether narrower values (MLA's, MiMo-V2-Flash's) go to the kernel at their own width (`VALUES_AT_OWN_WIDTH`)."""
-    if not VALUES_AT_OWN_WIDTH or not q_THD.is_cuda or q_THD.dtype not in (torch.bfloat16, torch.float16):
+    """Whether SDPA's cuDNN kernel takes causal attention of these shapes (v's head size may differ from q·k's; GQA
+    inside the kernel): `launch.attention_parts.kernel_for`'s answer for one causal part. What decides whether
+    narrower values (MLA's, MiMo-V2-Flash's) go to the kernel at their own width (`VALUES_AT_OWN_WIDTH`)."""
+    from launch.attention_parts import kernel_for
+
+    if not VALUES_AT_OWN_WIDTH:
         return False
     q, k, v = (x.transpose(0, 1).unsqueeze(0) for x in (q_THD, k_THD, v_THD))
-    try:
-        return torch.backends.cuda.can_use_cudnn_attention(torch.backends.cuda.SDPAParams(q, k, v, None, 0.0, True,
-                                                                                           k.shape[1] != q.shape[1]))
-    except (AttributeError, RuntimeError, TypeError):
-        return False
+    return kernel_for(q, [(k, v, True)]) == "cudnn"
 
 
 def sdpa_without_flash():
