@@ -26,6 +26,13 @@ rewritten after every point, so a partial run is still a usable grid.
     python bench/calibrate.py --grid smoke --device cpu --out /tmp/cal.json                  # CPU smoke (tiny-moe)
     python bench/calibrate.py --refresh hw_profiles/calibration/h200.json                    # re-predict (CPU)
 
+After a change that moves memory and not time (the optimizer's transient copies, say), `--memory-only` runs the
+same points with one step after the warm-up each, for the peak alone, and `--merge-peaks` takes those peaks into the
+committed grid, each point recording the commit its peak was measured at (`peak_commit`):
+
+    python bench/calibrate.py --grid families --memory-only --out families_peaks.json                 # on the GPU
+    python bench/calibrate.py --merge-peaks hw_profiles/calibration/h200.json full_peaks.json families_peaks.json
+
 `--refresh` recomputes every point's prediction and the grid's errors with the cost model as it is now (no torch,
 no GPU): run it after a cost-model change, then commit the file (tests/test_calibration.py checks both).
 """
@@ -236,11 +243,14 @@ def _git_commit() -> str | None:
         return None
 
 
-def _fmt_row(r: dict) -> str:
+def _cfg(r: dict) -> str:
     seq = f"{r['seq'] // K}K" if r["seq"] % K == 0 else str(r["seq"])
     rc = f"k{r['keep_layers']}" if r.get("keep_layers") else r["recompute"]
-    cfg = f"{r['model']:<14} {r['layers']:>2} {seq:>5} {rc:<4} {r['lm_head']:<5} " \
-          f"{'ep' if r['ep_path'] else 'local':<5}"
+    return f"{r['model']:<14} {r['layers']:>2} {seq:>5} {rc:<4} {r['lm_head']:<5} {'ep' if r['ep_path'] else 'local':<5}"
+
+
+def _fmt_row(r: dict) -> str:
+    cfg = _cfg(r)
     if "error" in r:
         return f"{cfg} {r['error'][:90]}"
     p = r["predicted"]
@@ -248,6 +258,8 @@ def _fmt_row(r: dict) -> str:
     mem_s = f"{mem:7.1f} {p['allocated_gb']:7.1f} {100 * (p['allocated_gb'] / mem - 1):+6.1f}%" if mem else \
         f"{'-':>7} {p['allocated_gb']:7.1f} {'':>7}"
     res = r.get("peak_reserved_gb")
+    if "step_s" not in r:  # a memory-only point
+        return f"{cfg} {mem_s} {res if res else float('nan'):7.1f} {'-':>7} {p['step_s']:7.3f}"
     return (f"{cfg} {mem_s} {res if res else float('nan'):7.1f} {r['step_s']:7.3f} {p['step_s']:7.3f} "
             f"{100 * (p['step_s'] / r['step_s'] - 1):+6.1f}%")
 
@@ -327,7 +339,7 @@ def run_grid(args) -> None:
         def profile():
             """The step's components timed alone, once per group, on the local dispatch (before any EP point)."""
             nonlocal profile_seq
-            if not (profile_seq and trainer is not None and current == ("full", False, 0)
+            if not (profile_seq and not args.memory_only and trainer is not None and current == ("full", False, 0)
                     and time.monotonic() - t_start < args.budget_s - 30):
                 return
             try:
@@ -397,9 +409,15 @@ def run_grid(args) -> None:
                     trainer.step(batch)
                 if device.type == "cuda":
                     torch.cuda.reset_peak_memory_stats()
-                times = _times(lambda: trainer.step(batch), device, args.steps)
-                r.update(step_s=statistics.median(times), step_s_all=[round(t, 4) for t in times],
-                         warmup_s=round(warm, 2))
+                if args.memory_only:  # one step after the warm-up, for its peak: no time recorded
+                    trainer.step(batch)
+                    if device.type == "cuda":
+                        torch.cuda.synchronize()
+                    r["warmup_s"] = round(warm, 2)
+                else:
+                    times = _times(lambda: trainer.step(batch), device, args.steps)
+                    r.update(step_s=statistics.median(times), step_s_all=[round(t, 4) for t in times],
+                             warmup_s=round(warm, 2))
                 if device.type == "cuda":
                     mem = peak_memory_gb(device)  # what `recipe launch` reports: allocated, and on the device
                     r["peak_allocated_gb"] = mem["peak_mem_gb"]
@@ -427,6 +445,43 @@ def run_grid(args) -> None:
           f"memory error {data['memory_error']:.3f}, time error {data['time_error']:.3f}", flush=True)
     if ep_meshes is not None:
         dist.destroy_process_group()
+
+
+PEAK_KEYS = ("peak_allocated_gb", "peak_reserved_gb", "peak_device_gb")
+
+
+def _point_key(r: dict) -> tuple:
+    return (r["model"], r["layers"], r["seq"], r["recompute"], r["lm_head"], bool(r["ep_path"]),
+            r.get("keep_layers", 0), r.get("grid", "full"))
+
+
+def merge_peaks(into: str, sources: list[str]) -> None:
+    """Take the peaks of `--memory-only` runs (the same points, measured again after a change that moves memory
+    and not time) into a committed grid: each matching point's measured peaks are replaced and it records the
+    commit they were measured at (`peak_commit`); its step time stays. Points a source did not measure (an error,
+    another grid) keep theirs. The predictions and errors are then refreshed."""
+    p = Path(into)
+    data = json.loads(p.read_text())
+    by_key = {_point_key(r): r for r in data["points"]}
+    measured = []
+    for src in sources:
+        run = json.loads(Path(src).read_text())
+        commit = run["environment"].get("commit")
+        for r in run["points"]:
+            q = by_key.get(_point_key(r))
+            if q is None or "error" in r or not r.get("peak_allocated_gb") or "error" in q:
+                continue
+            measured.append((q, q.get("peak_allocated_gb"), r["peak_allocated_gb"]))
+            q.update({k: r[k] for k in PEAK_KEYS if k in r}, peak_commit=commit)
+        data["environment"].setdefault("peaks", []).append(
+            {"command": run["environment"].get("command"), "commit": commit, "wall_s": run["environment"].get("wall_s")})
+    if not measured:
+        raise SystemExit(f"no point of {', '.join(sources)} matches a measured point of {into}")
+    for q, old, new in measured:
+        print(f"{_cfg(q)}  peak {old:7.2f} -> {new:7.2f} GB ({new - old:+.2f})")
+    p.write_text(json.dumps(data, indent=1) + "\n")
+    print(f"{len(measured)} of {len(data['points'])} points took new peaks; re-predicting")
+    refresh(into, data.get("hw"))
 
 
 def refresh(path: str, hw: str | None) -> None:
@@ -776,7 +831,15 @@ def main() -> None:
     p.add_argument("--out", default="calibration.json")
     p.add_argument("--refresh", metavar="JSON", help="re-predict a committed grid with today's cost model (CPU)")
     p.add_argument("--fit", metavar="JSON", help="fit the per-operation efficiencies to a grid's fit points (CPU)")
+    p.add_argument("--memory-only", action="store_true",
+                   help="one step after the warm-up per point, for its peak memory only (no step time)")
+    p.add_argument("--merge-peaks", nargs="+", metavar="JSON",
+                   help="GRID RUN...: take the peaks of --memory-only runs into a committed grid (CPU)")
     args = p.parse_args()
+    if args.merge_peaks:
+        if len(args.merge_peaks) < 2:
+            p.error("--merge-peaks takes the committed grid, then one or more --memory-only runs")
+        return merge_peaks(args.merge_peaks[0], args.merge_peaks[1:])
     if args.fit:
         fit(args.fit)
         fit_memory(args.fit)

@@ -3,8 +3,9 @@ non-finite gradient.
 
 The model's parameters hold the compute copy (bf16 on GPU). The update itself is PyTorch's own AdamW over fp32
 master copies (its fused kernel on GPU, one pass reading master, grad and both moments; foreach on CPU): each step
-casts the gradients to fp32 a group at a time (bounded extra memory: at most `group_numel` fp32 gradients live),
-steps, and writes the masters back into the compute copy. Where the model is already fp32 the master *is* the
+casts the gradients to fp32 a group at a time (bounded extra memory: at most `group_numel` fp32 gradients live, or
+the one tensor larger than that; the clip scales each cast in place and nothing holds a group's casts past its
+update), steps, and writes the masters back into the compute copy. Where the model is already fp32 the master *is* the
 parameter (no copy). Persistent bytes per parameter: 2 (bf16 weight) + 2 (bf16 grad) + 4 (master) + 8 (moments) = 16.
 
 Under FSDP2 (launch/parallel.py) the parameters are fp32 DTensor shards and bf16 exists only while a layer is
@@ -121,9 +122,10 @@ class MasterAdamW:
             idx = [i for i in idx if self.params[i].grad is not None]
             if not idx:
                 continue
-            for i in idx:  # fp32 gradients for this group only (bounded extra memory)
-                g = self.params[i].grad.to(self.masters[i].dtype)
-                self.masters[i].grad = g.mul(clip) if clip != 1.0 else g
+            for i in idx:  # fp32 gradients for this group only (bounded extra memory): a fresh cast, scaled in place
+                self.masters[i].grad = self.params[i].grad.to(self.masters[i].dtype, copy=True)
+                if clip != 1.0:
+                    self.masters[i].grad.mul_(clip)
             self.opt.step()  # masters whose .grad is None (other groups) are skipped
             for i in idx:
                 self.masters[i].grad = None

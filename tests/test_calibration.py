@@ -475,3 +475,41 @@ def test_window_constants_are_what_the_committed_bench_runs_measure():
     got = window_costs(Path(str(resources.files("hw_profiles") / "calibration" / "h200_window.json")))
     assert (got["WINDOW_KEY_COST"], got["WINDOW_ROW_KEYS"]) == (cost.WINDOW_KEY_COST, cost.WINDOW_ROW_KEYS)
     assert got["window_fit_rows"] == 6 and got["window_fit_error"] < 0.123 and cost.WINDOW_KEY_COST > 1
+
+
+def test_merge_peaks_replaces_only_the_matching_measured_points(tmp_path):
+    """`calibrate.py --merge-peaks` takes a memory-only run's peaks into a grid: the point of the same
+    configuration (grid and kept layers included) takes them and the run's commit, its step time stays; a point
+    the run did not measure, one the run failed, and one of another grid keep theirs; the predictions and errors are
+    refreshed. A run that matches nothing is refused in one line and writes nothing."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+    from calibrate import merge_peaks
+
+    def pt(seq, peak, **kw):
+        return {"model": "tiny-moe", "layers": 2, "seq": seq, "recompute": "full", "lm_head": "fused",
+                "ep_path": False, "role": "fit", "predicted": {}, "step_s": 0.5, "peak_allocated_gb": peak,
+                "peak_reserved_gb": peak + 1, **kw}
+
+    grid = {"hw": "h200", "environment": {"commit": "aaa"}, "points": [
+        pt(256, 10.0), pt(512, 11.0), pt(256, 12.0, grid="partial", keep_layers=1), pt(1024, 13.0)]}
+    run = {"environment": {"commit": "bbb", "command": "calibrate.py --memory-only"}, "points": [
+        {**pt(256, 9.0), "step_s": None}, pt(256, 8.0, keep_layers=1), {**pt(1024, 1.0), "error": "OOM: x"}]}
+    for r in run["points"]:
+        r.pop("step_s")
+    g, r = tmp_path / "h200.json", tmp_path / "run.json"
+    g.write_text(json.dumps(grid))
+    r.write_text(json.dumps(run))
+    merge_peaks(str(g), [str(r)])
+    out = json.loads(g.read_text())
+    first, second, partial, last = out["points"]
+    assert (first["peak_allocated_gb"], first["peak_reserved_gb"], first["peak_commit"]) == (9.0, 10.0, "bbb")
+    assert first["step_s"] == 0.5 and first["predicted"]["allocated_gb"] > 0
+    assert [p["peak_allocated_gb"] for p in (second, partial, last)] == [11.0, 12.0, 13.0]
+    assert not any("peak_commit" in p for p in (second, partial, last))
+    assert out["environment"]["peaks"] == [{"command": "calibrate.py --memory-only", "commit": "bbb", "wall_s": None}]
+    assert out["memory_error"] == summarize(out["points"])["memory_error"]
+    before = g.read_text()
+    r.write_text(json.dumps({"environment": {}, "points": [pt(4096, 1.0)]}))
+    with pytest.raises(SystemExit, match="no point of .* matches"):
+        merge_peaks(str(g), [str(r)])
+    assert g.read_text() == before

@@ -150,6 +150,40 @@ def test_bf16_params_keep_fp32_masters_and_clip():
     assert torch.allclose(opt.masters[0], torch.full((4, 4), 1 - 1e-4), atol=1e-7)
 
 
+def test_grouped_step_holds_one_groups_fp32_gradients():
+    """Each grouped update sees exactly its own group's fp32 gradients live, clipped or not: no earlier group's
+    cast lingers, and the clip scales the cast instead of making a second copy. Counted at every inner AdamW step
+    over the live fp32 tensors that are neither masters nor moments."""
+    import gc
+
+    sizes = [(8, 4), (6, 4), (16,), (5, 4)]  # groups of at most 32 elements: [a], [b], [c], [d]
+    params = [torch.nn.Parameter(torch.randn(*s).to(torch.bfloat16)) for s in sizes]
+    opt = MasterAdamW([(f"p{i}", p) for i, p in enumerate(params)], lr=1e-3, max_grad_norm=1.0, group_numel=32)
+    assert opt.groups == [[0], [1], [2], [3]]
+    persistent = {id(t) for m in opt.masters for t in (m, *opt.opt.state[m].values())}
+    seen = []
+    inner = opt.opt.step
+
+    def counting_step():
+        live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dtype == torch.float32
+                and o.numel() > 1 and id(o) not in persistent]
+        seen.append(sorted(t.numel() for t in live))
+        return inner()
+
+    opt.opt.step = counting_step
+    for scale in (100.0, 1e-3):  # clipped (norm far above 1), then not
+        seen.clear()
+        for p in params:
+            p.grad = torch.full_like(p, scale)
+        opt.step()
+        assert seen == [[32], [24], [16], [20]], (scale, seen)
+        assert all(bool((p.grad == scale).all()) for p in params)  # the clip scaled the copies, not the grads
+        if scale == 100.0:  # the first moment after one step: (1 − β1) · the clipped gradient
+            clipped = 100.0 / (100.0 * 92**0.5 + 1e-6)
+            assert all(torch.allclose(opt.opt.state[m]["exp_avg"], torch.full_like(m, 0.1 * clipped))
+                       for m in opt.masters)
+
+
 def test_nonfinite_loss_and_gradient_are_reported_with_the_step():
     trainer = Trainer(build_model(TINY, seed=0), TrainConfig(lr=1e-3), recompute="full", lm_head="fused")
     batch = _fixed_batch()
