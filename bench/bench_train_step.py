@@ -39,15 +39,16 @@ H200_DENSE_BF16_TFLOPS = 989.0
 
 
 def flops_per_step(shape, T: int) -> dict[str, float]:
-    """Model FLOPs = 3 × forward (6N); hardware FLOPs with full recompute = 4 × forward. Forward: 2·N_active per
-    token plus causal attention's T²·Hq·(Dqk + Dv) per full-attention layer (QKᵀ and PV, half the square)."""
-    from recipe.cost import model_widths
+    """Model FLOPs = 3 × forward (6N); hardware FLOPs with full recompute = 4 × forward, the head's once. The
+    forward is the cost model's (recipe.cost.forward_flops_per_token over T tokens of one sequence): 2·N_active a
+    token through the matmuls and the head (the embedding's rows where they are tied), attention's QKᵀ and PV over
+    the keys each query sees (half the square causal, the window on sliding layers, each layer at its own heads),
+    the delta rule and the indexer."""
+    from recipe.cost import forward_flops_per_token
 
-    n_active = active_matmul_params(shape)
-    head = shape.vocab_size * shape.hidden_size
-    attn_fwd = shape.num_full_attn_layers * T * T * shape.num_heads * sum(model_widths(shape))
-    fwd = 2.0 * n_active * T + attn_fwd
-    head_fwd = 2.0 * head * T
+    parts = forward_flops_per_token(shape, T)
+    fwd = T * sum(parts.values())
+    head_fwd = T * parts["head"]
     return {"model": 3 * fwd, "hardware": 3 * fwd + (fwd - head_fwd),  # recompute re-runs the layers, not the head
             "head_model": 3 * head_fwd, "layers_model": 3 * (fwd - head_fwd), "layers_hardware": 4 * (fwd - head_fwd)}
 

@@ -473,8 +473,10 @@ def merge_peaks(into: str, sources: list[str]) -> None:
                 continue
             measured.append((q, q.get("peak_allocated_gb"), r["peak_allocated_gb"]))
             q.update({k: r[k] for k in PEAK_KEYS if k in r}, peak_commit=commit)
-        data["environment"].setdefault("peaks", []).append(
-            {"command": run["environment"].get("command"), "commit": commit, "wall_s": run["environment"].get("wall_s")})
+        record = {"command": run["environment"].get("command"), "commit": commit,
+                  "wall_s": run["environment"].get("wall_s")}
+        if record not in data["environment"].setdefault("peaks", []):  # (merging the same run again)
+            data["environment"]["peaks"].append(record)
     if not measured:
         raise SystemExit(f"no point of {', '.join(sources)} matches a measured point of {into}")
     for q, old, new in measured:
@@ -690,6 +692,12 @@ def window_costs(path: Path, hw: str = "h200") -> dict | None:
             "window_fit_error": round(float(np.abs(err).max()), 3), "window_fit_rows": len(xs)}
 
 
+def _width(text: str) -> int | float:
+    """A head width from its column name ("128", "128.0", "160.5": `kernel_width` may average two widths)."""
+    w = float(text)
+    return int(w) if w.is_integer() else w
+
+
 def fit(path: str) -> dict:
     """The per-operation efficiencies that best reproduce the measured step times of the grid's `fit` points
     (the held-out points are left out). The operations its components time alone take their measured rates
@@ -740,7 +748,7 @@ def fit(path: str) -> dict:
             eff[k.replace("passes", "latency_ms")] = round(v * 1e3, 3)
         else:
             eff[k] = round(min(1.0, 1 / (v * (hbm if k in HBM_TERMS else peak))), 3) if v else 1.0
-    by_width = {int(k.split("@")[1]): eff.pop(k) for k in list(eff) if k.startswith("attention@")}
+    by_width = {_width(k.split("@")[1]): eff.pop(k) for k in list(eff) if k.startswith("attention@")}
     by_width.update(derived_widths(by_width, Path(path).with_name(f"{name}_attention.json")))
     if by_width:
         eff["attention"] = by_width if len(by_width) > 1 else next(iter(by_width.values()))

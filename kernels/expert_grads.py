@@ -13,7 +13,8 @@ Shape legend: M routed (token, slot) rows on this rank, D model dim, I expert ff
         h = [gate | up], a = silu(gate)·up; with s = sigmoid(gate):
         dgate = da · up · s · (1 + gate (1 − s)),  dup = da · silu(gate);  dh = [dgate | dup]
         fp32 inside, outputs in h's dtype (a is the down projection's input, which its weight gradient needs).
-        `glu` another gated activation (`GLU`: gpt-oss's clamped one), whose gradient is derived there.
+        `glu` another gated activation (`GLU`: gpt-oss's clamped one, Step-3.7's `clamped_swiglu`), whose gradient
+        is derived there.
     add_expert_bias_(rows_MN, bias_EN, offs_E) -> rows_MN
         rows += the bias of each row's expert, in place (rows sorted by expert, offs_E the experts' cumulative row
         ends): one pass over the rows, each finding its expert among the offsets, the sum rounded once as torch's
@@ -53,19 +54,46 @@ class GLU:
 
         ∂a/∂gate = (u + c) · (s + α·glu·(1 − s)) · [gate ≤ limit],   ∂a/∂up = glu · [−limit ≤ up ≤ limit]
 
-    (from dσ(z)/dz = σ(z)(1 − σ(z)); with α = 1, c = 0 the first is up·s·(1 + gate(1 − s)), SwiGLU's)."""
+    (from dσ(z)/dz = σ(z)(1 − σ(z)); with α = 1, c = 0 the first is up·s·(1 + gate(1 − s)), SwiGLU's).
+
+    `clamp_activated` (a limit needed) moves the gate's clamp after the activation, Step-3.7's placement
+    (`clamped_swiglu`; transformers' Step3p7Experts._apply_gate: silu(gate).clamp(max=limit) · up.clamp(±limit)):
+
+        a = min(act, limit) · (u_c + c),   act = gate · σ(α·gate),  u_c = clamp(up, −limit, limit)
+
+    With s = σ(α·gate), ∂act/∂gate = s + α·act·(1 − s), and the clamps passing their gradients inclusively:
+
+        ∂a/∂gate = (u_c + c) · (s + α·act·(1 − s)) · [act ≤ limit],   ∂a/∂up = min(act, limit) · [−limit ≤ up ≤ limit]
+
+    The gate's mask is on a computed value, so it depends on how act rounds at the bound: the torch paths compute
+    act with F.silu where α = 1 (bitwise transformers' silu), the Triton kernels as gate·σ(gate) (an ulp apart)."""
 
     alpha: float = 1.0
     limit: float | None = None
     up_offset: float = 0.0
+    clamp_activated: bool = False  # the limit clamps the activated gate, not the gate (Step-3.7's form)
 
     def __post_init__(self) -> None:
         if self.limit is not None and not self.limit > 0:
             raise ValueError(f"a GLU clamp limit must be positive, got {self.limit!r}")
+        if self.clamp_activated and self.limit is None:
+            raise ValueError("a GLU with clamp_activated needs a limit (the bound of the activated gate)")
 
 
 SWIGLU = GLU()
 GPT_OSS_GLU = GLU(alpha=1.702, limit=7.0, up_offset=1.0)
+
+
+def clamped_swiglu(limit: float) -> GLU:
+    """Step-3.7-Flash's clamped SwiGLU (its limit varies by layer): a = min(silu(gate), limit) · clamp(up, ±limit),
+    transformers' Step3p7Experts._apply_gate."""
+    return GLU(alpha=1.0, limit=limit, up_offset=0.0, clamp_activated=True)
+
+
+def _activated_gate(gate: torch.Tensor, glu: GLU) -> torch.Tensor:
+    """gate · σ(α·gate) of a clamp_activated GLU, as its torch forward computes it: F.silu where α = 1 (bitwise
+    transformers' silu), else gate · σ(gate·α)."""
+    return F.silu(gate) if glu.alpha == 1.0 else gate * torch.sigmoid(gate * glu.alpha)
 
 
 def glu_forward(h_MF: torch.Tensor, glu: GLU = SWIGLU, backend: str | None = None) -> torch.Tensor:
@@ -79,6 +107,11 @@ def glu_forward(h_MF: torch.Tensor, glu: GLU = SWIGLU, backend: str | None = Non
     gate, up = h_MF.chunk(2, dim=-1)
     if glu == SWIGLU:
         return F.silu(gate) * up
+    if glu.clamp_activated:  # Step-3.7's: min(act, limit) · (clamp(up, ±limit) + c)
+        up = up.clamp(min=-glu.limit, max=glu.limit)
+        if glu.up_offset:
+            up = up + glu.up_offset
+        return _activated_gate(gate, glu).clamp(max=glu.limit) * up
     if glu.limit is not None:
         gate, up = gate.clamp(max=glu.limit), up.clamp(min=-glu.limit, max=glu.limit)
     return (up + glu.up_offset) * (gate * torch.sigmoid(gate * glu.alpha))
@@ -103,15 +136,22 @@ def glu_backward_torch(h_MF: torch.Tensor, da_MI: torch.Tensor, glu: GLU):
     gate, up = h_MF.float().chunk(2, dim=-1)
     g, u = gate, up
     if glu.limit is not None:
-        g, u = gate.clamp(max=glu.limit), up.clamp(min=-glu.limit, max=glu.limit)
+        u = up.clamp(min=-glu.limit, max=glu.limit)
+        if not glu.clamp_activated:
+            g = gate.clamp(max=glu.limit)
     s = torch.sigmoid(glu.alpha * g)
-    act = g * s
+    # clamp_activated: act as the torch forward computes it, so its mask is the forward's clamp's (in fp32)
+    act = _activated_gate(gate, glu) if glu.clamp_activated else g * s
     da = da_MI.float()
     u = u + glu.up_offset
     dgate = da * u * (s + glu.alpha * act * (1 - s))
+    if glu.clamp_activated:
+        dgate = torch.where(act <= glu.limit, dgate, 0.0)
+        act = act.clamp(max=glu.limit)
     dup = da * act
     if glu.limit is not None:
-        dgate = torch.where(gate <= glu.limit, dgate, 0.0)
+        if not glu.clamp_activated:
+            dgate = torch.where(gate <= glu.limit, dgate, 0.0)
         dup = torch.where((up >= -glu.limit) & (up <= glu.limit), dup, 0.0)
     return torch.cat([dgate, dup], dim=-1).to(h_MF.dtype), (act * u).to(h_MF.dtype)
 

@@ -55,9 +55,9 @@ def _gate_up_tile(h_ptr, s_h, M, I, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr
 def _swiglu_bwd_kernel(h_ptr, s_h, da_ptr, s_da, dh_ptr, s_dh, a_ptr, s_a, M, I,
                        BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, GENERAL: tl.constexpr = False,
                        ALPHA: tl.constexpr = 1.0, CLAMP: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
-                       OFFSET: tl.constexpr = 0.0):
-    # GENERAL: a kernels.expert_grads.GLU other than SwiGLU (gpt-oss's clamped form), whose derivation is there;
-    # SwiGLU keeps its own arithmetic
+                       OFFSET: tl.constexpr = 0.0, CLAMP_ACT: tl.constexpr = False):
+    # GENERAL: a kernels.expert_grads.GLU other than SwiGLU (gpt-oss's clamped form, Step-3.7's with CLAMP_ACT: the
+    # limit clamps the activated gate, not the gate), whose derivation is there; SwiGLU keeps its own arithmetic
     rows, cols, ok, gate, up = _gate_up_tile(h_ptr, s_h, M, I, BLOCK_M, BLOCK_I)
     da = tl.load(da_ptr + rows[:, None] * s_da + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     dh_row = dh_ptr + rows[:, None] * s_dh + cols[None, :]
@@ -65,15 +65,20 @@ def _swiglu_bwd_kernel(h_ptr, s_h, da_ptr, s_da, dh_ptr, s_dh, a_ptr, s_a, M, I,
         g = gate
         u = up
         if CLAMP:
-            g = tl.minimum(gate, LIMIT)
+            if not CLAMP_ACT:
+                g = tl.minimum(gate, LIMIT)
             u = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
         s = tl.sigmoid(ALPHA * g)
         act = g * s
         u = u + OFFSET
         dgate = da * u * (s + ALPHA * act * (1 - s))
+        if CLAMP_ACT:
+            dgate = tl.where(act <= LIMIT, dgate, 0.0)
+            act = tl.minimum(act, LIMIT)
         dup = da * act
         if CLAMP:
-            dgate = tl.where(gate <= LIMIT, dgate, 0.0)
+            if not CLAMP_ACT:
+                dgate = tl.where(gate <= LIMIT, dgate, 0.0)
             dup = tl.where((up >= -LIMIT) & (up <= LIMIT), dup, 0.0)
         tl.store(dh_row, dgate.to(dh_ptr.dtype.element_ty), mask=ok)
         tl.store(dh_row + I, dup.to(dh_ptr.dtype.element_ty), mask=ok)
@@ -90,13 +95,18 @@ def _swiglu_bwd_kernel(h_ptr, s_h, da_ptr, s_da, dh_ptr, s_dh, a_ptr, s_a, M, I,
 @triton.jit
 def _glu_fwd_kernel(h_ptr, s_h, a_ptr, s_a, M, I, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                     ALPHA: tl.constexpr = 1.0, CLAMP: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
-                    OFFSET: tl.constexpr = 0.0):
-    # a = g·σ(α·g)·(u + c), g and u clamped where the GLU has a limit (kernels.expert_grads.GLU), fp32 inside
+                    OFFSET: tl.constexpr = 0.0, CLAMP_ACT: tl.constexpr = False):
+    # a = g·σ(α·g)·(u + c), g and u clamped where the GLU has a limit (kernels.expert_grads.GLU), fp32 inside;
+    # CLAMP_ACT (Step-3.7's): a = min(gate·σ(α·gate), limit)·(u + c), the backward kernel's ops
     rows, cols, ok, g, u = _gate_up_tile(h_ptr, s_h, M, I, BLOCK_M, BLOCK_I)
-    if CLAMP:
-        g = tl.minimum(g, LIMIT)
+    if CLAMP_ACT:
         u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
-    act = g * tl.sigmoid(ALPHA * g) * (u + OFFSET)
+        act = tl.minimum(g * tl.sigmoid(ALPHA * g), LIMIT) * (u + OFFSET)
+    else:
+        if CLAMP:
+            g = tl.minimum(g, LIMIT)
+            u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
+        act = g * tl.sigmoid(ALPHA * g) * (u + OFFSET)
     tl.store(a_ptr + rows[:, None] * s_a + cols[None, :], act.to(a_ptr.dtype.element_ty), mask=ok)
 
 
@@ -133,7 +143,8 @@ def swiglu_backward(h_MF: torch.Tensor, da_MI: torch.Tensor, glu=None):
     general = {}
     if glu is not None and glu != SWIGLU:
         general = dict(GENERAL=True, ALPHA=float(glu.alpha), CLAMP=glu.limit is not None,
-                       LIMIT=float(glu.limit or 0.0), OFFSET=float(glu.up_offset))
+                       LIMIT=float(glu.limit or 0.0), OFFSET=float(glu.up_offset),
+                       CLAMP_ACT=bool(glu.clamp_activated))
     if M:
         bm, bi, warps = SWIGLU_TILE[_VENDOR]
         _swiglu_bwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bi))](h_MF, h_MF.stride(0), da_MI, da_MI.stride(0),
@@ -153,7 +164,7 @@ def glu_forward(h_MF: torch.Tensor, glu) -> torch.Tensor:
         _glu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bi))](
             h_MF, h_MF.stride(0), a, a.stride(0), M, I, BLOCK_M=bm, BLOCK_I=bi, num_warps=warps,
             ALPHA=float(glu.alpha), CLAMP=glu.limit is not None, LIMIT=float(glu.limit or 0.0),
-            OFFSET=float(glu.up_offset))
+            OFFSET=float(glu.up_offset), CLAMP_ACT=bool(glu.clamp_activated))
     return a
 
 

@@ -104,6 +104,11 @@ _MIMO_IN = ((".self_attn.attention_sink_bias", ".self_attn.sinks"),)
 _COHERE2_IN = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
 # AFMoE's: the router and its correction bias (the output gate's projection: `_fuse_output_gate`)
 _AFMOE_IN = ((".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"), (".mlp.router.gate.", ".mlp.gate."))
+# Step-3.7's releases: the MoE block `moe` with its router, correction bias and experts stacked a matrix each
+# (gate_proj and up_proj [E, I, D] joined by `_join_step_experts`), the shared expert `share_expert` beside it
+_STEP_IN = ((".moe.gate.weight", ".mlp.gate.weight"), (".moe.router_bias", ".mlp.gate.e_score_correction_bias"),
+            (".moe.down_proj.weight", ".mlp.experts.down_proj"), (".share_expert.", ".mlp.shared_expert."))
+_STEP_EXPERTS = re.compile(r"^(layers\.\d+)\.moe\.(gate_proj|up_proj)\.weight$")
 
 
 def _names_in(shape: ModelShape) -> tuple[tuple[str, str], ...]:
@@ -111,7 +116,7 @@ def _names_in(shape: ModelShape) -> tuple[tuple[str, str], ...]:
     if shape.arch == "hunyuan_moe":
         return _HUNYUAN_IN
     return {"hy_v3": _HY_V3_IN, "mimo_v2_flash": _MIMO_IN, "afmoe": _AFMOE_IN,
-            "cohere2_moe": _COHERE2_IN}.get(shape.hf_model_type, ())
+            "cohere2_moe": _COHERE2_IN, "step3p5": _STEP_IN}.get(shape.hf_model_type, ())
 
 
 def _names_out(shape: ModelShape) -> tuple[tuple[str, str], ...]:
@@ -443,7 +448,20 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
             _regroup_gdn(sd, name + ".", m, to_ours=True)
     if model.shape.hf_model_type == "afmoe":
         _fuse_output_gate(sd, model.shape.head_dim, to_ours=True)
+    if model.shape.hf_model_type == "step3p5":
+        _join_step_experts(sd)
     return sd
+
+
+def _join_step_experts(sd: dict[str, torch.Tensor]) -> None:
+    """Step-3.7's stacked gate_proj and up_proj [E, I, D] a MoE layer, as its releases hold them, into our
+    gate_up_proj [E, 2I, D] (rows [gate | up] an expert), in place."""
+    for key in [k for k in sd if (hit := _STEP_EXPERTS.match(k)) and hit.group(2) == "gate_proj"]:
+        layer = _STEP_EXPERTS.match(key).group(1)
+        up = sd.pop(f"{layer}.moe.up_proj.weight", None)
+        if up is None:
+            raise ValueError(f"{layer}.moe: gate_proj without up_proj in the checkpoint")
+        sd[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([sd.pop(key), up], dim=1)
 
 
 _GATE_PROJ = re.compile(r"^(.*self_attn)\.gate_proj\.weight$")
@@ -635,6 +653,24 @@ def hf_config(shape: ModelShape) -> dict:
                        partial_rotary_factor=shape.partial_rotary_factor)
             for k in ("first_k_dense_replace", "intermediate_size", "num_mtp_layers"):
                 cfg.pop(k)
+        elif shape.hf_model_type == "step3p5":  # Step-3.7's text model, in transformers' field names
+            first = shape.first_dense_layers
+            full = _rope_parameters(shape)
+            cfg.update(model_type="step3p5", architectures=["Step3p5ForCausalLM"], n_routed_experts=shape.num_experts,
+                       share_expert_dim=shape.shared_expert_ffn, moe_router_scaling_factor=r.scaling,
+                       mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                       intermediate_size=shape.dense_ffn or shape.expert_ffn, layer_types=list(shape.layer_types),
+                       sliding_window=shape.sliding_window,
+                       num_sliding_attention_heads=shape.heads_at("sliding_attention"),
+                       query_pre_attn_scalar=shape.query_pre_attn_scalar or shape.head_dim,
+                       swiglu_limits=list(shape.swiglu_limits) or None,
+                       swiglu_limits_shared=list(shape.swiglu_limits_shared) or None,
+                       rope_parameters={"full_attention": full, "sliding_attention": {
+                           **full, "rope_theta": shape.rope_theta_at("sliding_attention"),
+                           "partial_rotary_factor": shape.rotary_factor_at("sliding_attention")}})
+            for k in ("n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
+                      "norm_topk_prob", "num_mtp_layers"):
+                cfg.pop(k)
         elif shape.arch == "glm4_moe":
             cfg.update(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], use_qk_norm=shape.qk_norm,
                        partial_rotary_factor=shape.partial_rotary_factor)
@@ -781,7 +817,8 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
     ours = {v: k for k, v in _MIXTRAL_W.items()} if mixtral else {}
     name = lambda w: ours.get(w, w)  # noqa: E731 - an expert matrix's name in the checkpoint
 
-    plural = model.shape.arch in _PLURAL_SHARED_ARCHS
+    step = model.shape.hf_model_type == "step3p5"  # Step-3.7's names: `_names_out`; its experts stacked
+    plural = model.shape.arch in _PLURAL_SHARED_ARCHS and not step
     gpt_oss, ernie = model.shape.arch == "gpt_oss", model.shape.arch == "ernie4_5_moe"
     llama4, granite = model.shape.arch == "llama4", model.shape.arch == "granitemoe"
     bias_on_block = mixtral or model.shape.hf_model_type in ("hy_v3", "exaone_moe", "afmoe")
@@ -814,6 +851,11 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
             out["model." + _OUR_BIAS.sub(r"\1.moe_statics.e_score_correction_bias", key)] = t[None]
         elif bias_on_block and _OUR_BIAS.match(key):  # MiniMax-M2, Hunyuan-V3, K-EXAONE: on the block
             out["model." + block(key).replace(".gate.e_score_correction_bias", ".e_score_correction_bias")] = t
+        elif step and key.endswith("mlp.experts.gate_up_proj"):  # stacked [E, I, D] a matrix
+            layer = key[: -len(".mlp.experts.gate_up_proj")]
+            out[f"model.{layer}.moe.gate_proj.weight"], out[f"model.{layer}.moe.up_proj.weight"] = t.chunk(2, dim=1)
+        elif step and key.endswith("mlp.experts.down_proj"):
+            out["model." + key] = t
         elif key.endswith("mlp.experts.gate_up_proj"):
             base = "model." + block(key[: -len(".gate_up_proj")])
             ffn = t.shape[1] // 2
@@ -848,7 +890,8 @@ def export_hf_checkpoint(model: Transformer, out_dir: str | Path, dtype: torch.d
     tensors = ours_to_hf(model, state_dict)
     if dtype is not None:  # the sigmoid router's correction bias stays fp32, as transformers keeps it (Hunyuan-V3's
         # checkpoints name it `expert_bias`)
-        tensors = {k: v if k.endswith(("e_score_correction_bias", ".mlp.expert_bias")) else v.to(dtype)
+        tensors = {k: v if k.endswith(("e_score_correction_bias", ".mlp.expert_bias", ".moe.router_bias"))
+                   else v.to(dtype)
                    for k, v in tensors.items()}
     save_file(tensors, str(out_dir / "model.safetensors"), metadata={"format": "pt"})
     cfg = hf_config(model.shape)

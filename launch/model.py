@@ -24,7 +24,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.expert_grads import GPT_OSS_GLU, SWIGLU
+from kernels.expert_grads import GPT_OSS_GLU, SWIGLU, clamped_swiglu
 from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
 from kernels.rope import rope as apply_rope
 from kernels.rms_norm import rms_norm
@@ -172,9 +172,10 @@ class GatedRMSNorm(nn.Module):
         return gated_rms_norm(x, gate, self.weight, self.eps, backend=self.backend)
 
 
-def rotary_dim(s: ModelShape) -> int:
-    """Channels of a head that RoPE rotates: the MLA rope part, or head_dim × partial_rotary_factor."""
-    return s.mla.qk_rope_head_dim if s.mla is not None else int(s.head_dim * s.partial_rotary_factor)
+def rotary_dim(s: ModelShape, kind: str = "full_attention") -> int:
+    """Channels of a head that RoPE rotates on a `kind` layer: the MLA rope part, or head_dim × the kind's rotated
+    share (`ModelShape.rotary_factor_at`)."""
+    return s.mla.qk_rope_head_dim if s.mla is not None else int(s.head_dim * s.rotary_factor_at(kind))
 
 
 def _mscale(factor: float, m: float = 1.0) -> float:
@@ -182,11 +183,12 @@ def _mscale(factor: float, m: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
-def rope_frequencies(s: ModelShape, device=None, theta: float | None = None) -> tuple[torch.Tensor, float]:
+def rope_frequencies(s: ModelShape, device=None, theta: float | None = None, kind: str = "full_attention"
+                     ) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies [R/2] and the factor cos/sin are scaled by, for the shape's RoPE scaling (none,
     linear, llama3 or YaRN; docs/training.md "RoPE scaling" derives the YaRN and llama3 bands), at the base `theta`
-    (None: the shape's rope_theta)."""
-    dim = rotary_dim(s)
+    (None: the shape's rope_theta), over a `kind` layer's rotated channels."""
+    dim = rotary_dim(s, kind)
     theta = s.rope_theta if theta is None else theta
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     sc = s.rope_scaling
@@ -233,9 +235,12 @@ def rope_frequencies(s: ModelShape, device=None, theta: float | None = None) -> 
 
 def softmax_scale(s: ModelShape) -> float:
     """Attention's softmax scale: 1/√(q·k head dim); MLA under YaRN with mscale_all_dim also multiplies it by
-    mscale(factor, mscale_all_dim)², as DeepSeek-V3 does; Granite's `attention` multiplier in its place."""
+    mscale(factor, mscale_all_dim)², as DeepSeek-V3 does; Granite's `attention` multiplier in its place; Step-3.7's
+    1/√query_pre_attn_scalar where it sets one."""
     if s.granite is not None:
         return s.granite.attention
+    if s.query_pre_attn_scalar is not None:
+        return s.query_pre_attn_scalar ** -0.5
     scale = (s.mla.qk_nope_head_dim + s.mla.qk_rope_head_dim if s.mla is not None else s.head_dim) ** -0.5
     sc = s.rope_scaling
     if s.mla is not None and sc is not None and sc.kind == "yarn" and sc.mscale_all_dim:
@@ -266,7 +271,7 @@ class ScaledEmbedding(nn.Embedding):
 def rope_cos_sin(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype, kind: str = "full_attention"):
     """cos and sin [T, R] of each token's position (R = rotary_dim(s), the pair angles repeated twice) for a `kind`
     layer (its RoPE base: `ModelShape.rope_theta_at`)."""
-    inv_freq, attn = rope_frequencies(s, positions_T.device, s.rope_theta_at(kind))
+    inv_freq, attn = rope_frequencies(s, positions_T.device, s.rope_theta_at(kind), kind)
     freqs_TR2 = positions_T.float()[:, None] * inv_freq[None]
     emb_TR = torch.cat([freqs_TR2, freqs_TR2], dim=-1)
     return (emb_TR.cos() * attn).to(dtype), (emb_TR.sin() * attn).to(dtype)
@@ -274,9 +279,10 @@ def rope_cos_sin(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype, k
 
 def layer_ropes(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype) -> dict[str, tuple]:
     """The decoder layers' cos and sin: "main" for every layer, and "sliding_attention" for the sliding layers where
-    they rotate at a base of their own (MiMo-V2-Flash); `DecoderLayer.forward` takes its layer's."""
+    they rotate at a base or over a share of their own (MiMo-V2-Flash, Step-3.7); `DecoderLayer.forward` takes its
+    layer's."""
     ropes = {"main": rope_cos_sin(positions_T, s, dtype)}
-    if s.sliding_rope_theta and s.num_sliding_layers:
+    if (s.sliding_rope_theta or s.sliding_rotary_factor) and s.num_sliding_layers:
         ropes["sliding_attention"] = rope_cos_sin(positions_T, s, dtype, "sliding_attention")
     return ropes
 
@@ -343,33 +349,37 @@ class Attention(nn.Module):
     gpt-oss: a learned sink logit per head (`sinks`) and, on its sliding layers, a `window` (both through
     launch/sink_attention.py); Llama 4: on its `chunk` layers RoPE, then q and k heads at unit RMS (`unit_rms`,
     where its qk_norm is on), each query attending within its chunk of the document; on its others no RoPE, the
-    queries scaled by `query_temperature` (where temperature tuning is on), global attention."""
+    queries scaled by `query_temperature` (where temperature tuning is on), global attention; Step-3.7: a layer's
+    own query heads (`ModelShape.heads_at`) and a sigmoid gate per head from `g_proj`."""
 
     def __init__(self, s: ModelShape, norm_offset: float, window: int | None = None, chunk: int | None = None,
                  index: int = 0):
         super().__init__()
         kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None \
             else "full_attention"
-        self.num_heads, self.num_kv_heads, self.head_dim = s.num_heads, s.kv_heads_at(kind), s.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = s.heads_at(kind), s.kv_heads_at(kind), s.head_dim
+        heads = self.num_heads
         # MiMo-V2-Flash: value heads narrower than the query/key heads, at their own width where cuDNN's kernel takes
         # the layer (full attention without sinks), else zero-padded to the q·k head size for the kernels (which take
         # one head size) and cut back after; the values scaled before attention
         self.value_dim, self.value_scale = s.value_width, s.value_scale
         self.output_gate = s.attn_output_gate
-        q_out = s.num_heads * s.head_dim * (2 if s.attn_output_gate else 1)
+        q_out = heads * s.head_dim * (2 if s.attn_output_gate else 1)
         self.q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attn_bias)
         self.k_proj = nn.Linear(s.hidden_size, self.num_kv_heads * s.head_dim, bias=s.attn_bias)
         self.v_proj = nn.Linear(s.hidden_size, self.num_kv_heads * self.value_dim, bias=s.attn_bias)
-        self.o_proj = nn.Linear(s.num_heads * self.value_dim, s.hidden_size,
+        self.o_proj = nn.Linear(heads * self.value_dim, s.hidden_size,
                                 bias=s.attn_bias and s.arch not in QKV_ONLY_BIAS_ARCHS)
+        # Step-3.7: a sigmoid gate per query head, from its own projection of the layer's input
+        self.g_proj = nn.Linear(s.hidden_size, heads, bias=False) if s.head_gate else None
         self.scale = softmax_scale(s)
         if s.qk_norm and s.arch in WHOLE_QK_NORM_ARCHS:  # OLMoE: over all heads of the projection together
-            self.q_norm = HeadsRMSNorm(s.num_heads * s.head_dim, s.rms_norm_eps)
+            self.q_norm = HeadsRMSNorm(heads * s.head_dim, s.rms_norm_eps)
             self.k_norm = HeadsRMSNorm(self.num_kv_heads * s.head_dim, s.rms_norm_eps)
         else:
             self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
             self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
-        self.sinks = nn.Parameter(torch.empty(s.num_heads)) if s.sinks_at(kind) else None
+        self.sinks = nn.Parameter(torch.empty(heads)) if s.sinks_at(kind) else None
         self.clip_qkv = s.clip_qkv  # OLMoE's: q and k after their norms, and v, clamped to ±clip_qkv (None: not)
         self.qk_norm_after_rope = s.arch in QK_NORM_AFTER_ROPE_ARCHS
         # ERNIE-4.5, Llama 4, Cohere: channel pairs, not halves
@@ -431,7 +441,10 @@ class Attention(nn.Module):
                     o = self.context_parallel.attention(q, k, v, packing, self.scale)
                 else:
                     o = causal_attention(q, k, v, packing, self.scale)
-        o = o[..., :self.value_dim].reshape(T, -1)
+        o = o[..., :self.value_dim]
+        if self.g_proj is not None:  # the gated output is o_proj's contiguous input
+            o = o * torch.sigmoid(self.g_proj(x_TD)).unsqueeze(-1)
+        o = o.reshape(T, -1)
         if self.output_gate:
             o = o * torch.sigmoid(gate)
         if self.o_proj.bias is not None and self.o_proj_bias_share != 1.0:
@@ -757,13 +770,17 @@ class DecoderLayer(nn.Module):
             setattr(self, name, block_norm(s, norm_offset))
         # Granite: each branch's output times its residual multiplier before the add (1 elsewhere)
         self.residual_scale = s.granite.residual if s.granite is not None else 1.0
+        # Step-3.7's clamped SwiGLU on some layers: the routed experts' bound, and the shared expert's and dense MLP's
+        limit = s.swiglu_limits[index] if s.swiglu_limits else 0.0
+        shared_limit = (s.swiglu_limits_shared[index] if s.swiglu_limits_shared else 0.0) or None
         if dense:
-            self.mlp = SwiGLU(s.hidden_size, s.dense_ffn)
+            self.mlp = SwiGLU(s.hidden_size, s.dense_ffn, shared_limit)
         else:
             gpt_oss = s.arch in GPT_OSS_ARCHS
+            activation = GPT_OSS_GLU if gpt_oss else clamped_swiglu(limit) if limit else SWIGLU
             self.mlp = MoE(s.hidden_size, s.num_experts, s.top_k, s.expert_ffn, s.shared_expert_ffn,
                            s.shared_expert_gate, s.norm_topk_prob, s.sigmoid_router, router_bias=gpt_oss,
-                           activation=GPT_OSS_GLU if gpt_oss else SWIGLU, expert_bias=gpt_oss,
+                           activation=activation, expert_bias=gpt_oss, shared_limit=shared_limit,
                            softmax_scores=s.arch in SOFTMAX_SCORE_ARCHS, softmax_router=s.softmax_router,
                            weights_on_input=s.arch in INPUT_WEIGHTED_ARCHS, shared_mean=s.shared_expert_mean,
                            sigmoid_top=s.sigmoid_top)
@@ -800,7 +817,7 @@ class Transformer(nn.Module):
         if refusal:
             raise ValueError(refusal)
         self.shape = shape
-        norm_offset = 1.0 if shape.arch in OFFSET_NORM_ARCHS else 0.0
+        norm_offset = 1.0 if shape.arch in OFFSET_NORM_ARCHS or shape.offset_norms else 0.0
         # transformers' embedding never updates its pad row (padding_idx): nor does ours; `pad_row` keeps the
         # vocabulary's id where tensor parallelism makes padding_idx this rank's
         self.embed_tokens = ScaledEmbedding(shape.vocab_size, shape.hidden_size, padding_idx=shape.pad_token_id,

@@ -9,7 +9,8 @@ expert is local); expert parallelism (launch/expert_parallel.py) installs one th
 module holds no communication and the expert submodule is one FSDP unit called once per forward.
 Parameter names and layouts follow Hugging Face's fused-expert layout: gate_up_proj [E, 2I, D], down_proj [E, D, I];
 gpt-oss's experts add biases (gate_up_proj_bias [E, 2I], down_proj_bias [E, D]) and a clamped activation
-(kernels.expert_grads.GLU), and its router a bias.
+(kernels.expert_grads.GLU), and its router a bias; Step-3.7's clamped layers another clamped form (the activated gate
+bounded: kernels.expert_grads.clamped_swiglu).
 """
 
 from __future__ import annotations
@@ -289,14 +290,21 @@ class SigmoidTopKRouter(nn.Module):
 
 
 class SwiGLU(nn.Module):
-    def __init__(self, dim: int, ffn: int):
+    """down(silu(gate(x)) · up(x)); with a `limit` (Step-3.7's clamped layers) the activated gate is clamped to at
+    most `limit` and up to ±limit before the product."""
+
+    def __init__(self, dim: int, ffn: int, limit: float | None = None):
         super().__init__()
         self.gate_proj = nn.Linear(dim, ffn, bias=False)
         self.up_proj = nn.Linear(dim, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, dim, bias=False)
+        self.limit = limit
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        if self.limit is None:
+            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate = F.silu(self.gate_proj(x)).clamp(max=self.limit)
+        return self.down_proj(gate * self.up_proj(x).clamp(min=-self.limit, max=self.limit))
 
 
 def permute(top_e_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -376,7 +384,7 @@ class _RoutedExperts(torch.autograd.Function):
     would keep and the kernels it would add):
 
         forward:  x_M = x[token_M] (sorted by expert); h = x_M W1ᵀ (+ b1); y = glu(h) W2ᵀ (+ b2);
-                  out_t = Σ_k w_tk y_tk (glu: SwiGLU's silu(gate)·up, or gpt-oss's clamped form)
+                  out_t = Σ_k w_tk y_tk (glu: SwiGLU's silu(gate)·up, or gpt-oss's or Step-3.7's clamped form)
         backward: g = dL/dout_t · w_tk and dL/dw_tk = dL/dout_t · y_tk, one kernel over the rows (slot_grads);
                   dh and the activation a from g W2 and h, one kernel (swiglu_backward); the weight gradients
                   gᵀa and dhᵀx_M, the bias gradients each expert's sums of g's and dh's rows;
@@ -443,13 +451,14 @@ class MoE(nn.Module):
     by a softmax). Llama 4: `weights_on_input`: each of a token's k experts takes the token times its weight (the
     sigmoid of its logit, TopKRouter's `sigmoid_of_top`) and the k outputs are summed unweighted, as one routed
     row a (token, slot) pair with weight 1. Cohere2-MoE's sigmoid selection: `sigmoid_top` (the same weights, on the
-    experts' outputs)."""
+    experts' outputs). Step-3.7's clamped layers: the experts' `activation` a clamped GLU, the shared expert's
+    `shared_limit`."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, norm_topk_prob: bool = True, sigmoid_router=None,
                  router_bias: bool = False, activation: GLU = SWIGLU, expert_bias: bool = False,
                  softmax_scores: bool = False, softmax_router=None, weights_on_input: bool = False,
-                 shared_mean: bool = False, sigmoid_top: bool = False):
+                 shared_mean: bool = False, sigmoid_top: bool = False, shared_limit: float | None = None):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.shared_mean = shared_mean  # Cohere's "average": the mean of the routed and shared experts' outputs
@@ -463,7 +472,7 @@ class MoE(nn.Module):
             self.gate = SigmoidTopKRouter(num_experts, dim, top_k, norm_topk_prob, sigmoid_router.groups,
                                           sigmoid_router.topk_groups, sigmoid_router.scaling, softmax_scores)
         self.experts = GroupedExperts(num_experts, dim, ffn, activation, expert_bias)
-        self.shared_expert = SwiGLU(dim, shared_ffn) if shared_ffn else None
+        self.shared_expert = SwiGLU(dim, shared_ffn, shared_limit) if shared_ffn else None
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_ffn and shared_gate else None
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:

@@ -176,6 +176,8 @@ def _placements(model: nn.Module) -> dict[str, str]:
                     out[f"{prefix}{p}.bias"] = "row"
             if m.sinks is not None:  # one per query head: split with the heads
                 out[f"{prefix}sinks"] = "row"
+            if m.g_proj is not None:  # Step-3.7's gate: a row per query head
+                out[f"{prefix}g_proj.weight"] = "row"
             if isinstance(m.q_norm, HeadsRMSNorm):  # a weight per channel of the projection: split with its rows
                 out[f"{prefix}q_norm.weight"] = out[f"{prefix}k_norm.weight"] = "row"
             out[f"{prefix}o_proj.weight"] = "col"

@@ -254,7 +254,7 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
     with the output gate, its sigmoid and the gated output. GQA runs inside SDPA, so K/V stay at the KV heads'
     count (the most any layer has). Values narrower than the q·k heads (MLA's, MiMo-V2-Flash's) are at the kernel's
     width for `vendor` (`attention_widths`)."""
-    nh, nkv = m.num_heads / tp, m.max_kv_heads / tp
+    nh, nkv = m.max_heads / tp, m.max_kv_heads / tp
     if m.compressed is not None:
         return compressed_attention_working_set(m, s, tp, cp)
     if m.mla is not None:  # launch/model.py MLAttention
@@ -283,7 +283,9 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
     qk_norms = qw + kw + s * (nh + nkv) * FP32 if m.qk_norm else 0.0
     rope_q_kv = qw + (kw + s * nkv * vw * BF16) * cp
     out = s * nh * (vw + m.value_width) * BF16 + s * nh * FP32  # SDPA's output and lse, o_proj's contiguous input
-    gate = 2 * qw if m.attn_output_gate else 0.0
+    # Qwen3.5's gate per channel: its sigmoid and the gated output; Step-3.7's per head: the gate and its sigmoid
+    # (the gated output is o_proj's input, counted above)
+    gate = 2 * qw if m.attn_output_gate else 2 * s * nh * BF16 if m.head_gate else 0.0
     return normed_in + qk_norms + rope_q_kv + out + gate
 
 
@@ -414,7 +416,7 @@ def attention_backward_bytes(m: ModelShape, s: float, tp: int, cp: int, vendor: 
     (s·cp of them under CP, at the KV heads' count), in bf16 at the kernel's head width; its fp32 accumulator of dq
     and the fp32 row sums of dO·O. Small beside an MoE block's backward; at DeepSeek-V3's 128 heads of width 192
     (its dense layers) it is the layer's peak: 6.4 GB at 32K tokens."""
-    nh = m.num_heads / tp
+    nh = m.max_heads / tp
     if m.dsa is not None:  # the absorbed query's gradient, dô, Δ, and the fp32 latent gradient the atomics fill
         lat = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
         return s * nh * (lat + m.mla.kv_lora_rank) * BF16 + s * nh * FP32 + s * cp * lat * FP32
@@ -460,9 +462,9 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
         qk, vd = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim, m.mla.kv_lora_rank
         ctx_full = sparse_keys(m, seq)
         out["indexer"] = index_pair_flops(m) * indexing_layers(m) * seq / 2
-    out["attention"] = 2 * m.num_heads * (qk + vd) * (m.num_full_attn_layers * ctx_full
-                                                      + m.num_sliding_layers * ctx_sliding
-                                                      + m.num_chunked_layers * chunk_keys(m, seq))
+    out["attention"] = 2 * (qk + vd) * (m.heads_at("full_attention") * m.num_full_attn_layers * ctx_full
+                                        + m.heads_at("sliding_attention") * m.num_sliding_layers * ctx_sliding
+                                        + m.heads_at("chunked_attention") * m.num_chunked_layers * chunk_keys(m, seq))
     if m.linear_attn is not None:
         la = m.linear_attn
         out["linear_attention"] = m.num_linear_attn_layers * la.num_v_heads * delta_rule_flops_per_token_head(la)
@@ -839,11 +841,11 @@ def memory_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts:
         head = max(0.0, checkpoints + saved + head_own - (grads - head_grad) - acts)
     mem["activations"] = acts
     mem["lm_head"] = head
-    # the optimizer step, after the activations are freed: one group's gradients cast to fp32, and the largest
-    # tensor's cast once more while it is scaled by the clip
+    # the optimizer step, after the activations are freed: one group's gradients cast to fp32 (the clip scales
+    # them in place), the largest tensor being a group of its own
     largest = max(m.vocab_size * m.hidden_size / (tp * dp * cp),
                   layer_expert / (ep * etp * edp) * 2 / 3 if m.num_moe_layers else 0.0)
-    opt_step = FP32 * (max(OPT_GROUP_NUMEL, largest) + largest)
+    opt_step = FP32 * max(OPT_GROUP_NUMEL, largest)
     mem["optimizer"] += max(0.0, opt_step - (acts + head))
     mem["overhead"] = hw.overhead_gb * GB
     return mem, head_own, 2 * s * m.vocab_size / tp * BF16  # unfused: the bf16 logits and their gradient
@@ -1316,10 +1318,10 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
                      (a.kv_lora_rank, m.num_heads * (a.qk_nope_head_dim + a.v_head_dim)),
                      (m.num_heads * a.v_head_dim, h)]
     else:
-        q_out = m.num_heads * m.head_dim * (2 if m.attn_output_gate else 1)
-        kv_heads = m.kv_heads_at(kind)
+        heads, kv_heads = m.heads_at(kind), m.kv_heads_at(kind)
+        q_out = heads * m.head_dim * (2 if m.attn_output_gate else 1)
         mixer = [(h, q_out), (h, kv_heads * m.head_dim), (h, kv_heads * m.value_width),
-                 (m.num_heads * m.value_width, h)]
+                 (heads * m.value_width, h)] + ([(h, heads)] if m.head_gate else [])
     if not moe:
         return mixer + [(h, m.dense_ffn), (h, m.dense_ffn), (m.dense_ffn, h)]
     shared = [(h, m.shared_expert_ffn)] * 2 + [(m.shared_expert_ffn, h)] if m.shared_expert_ffn else []
@@ -1329,7 +1331,7 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
 def sink_merge_row_bytes(m: ModelShape, kind: str) -> int:
     """Bytes a token's sink merge moves in one pass of a layer of `kind`: SINK_MERGE_BYTES a value of the output of a
     full-attention layer with sinks (a sliding layer's merge is in its window fit), else none."""
-    return SINK_MERGE_BYTES * m.num_heads * m.head_dim if kind == "full_attention" and m.sinks_at(kind) else 0
+    return SINK_MERGE_BYTES * m.heads_at(kind) * m.head_dim if kind == "full_attention" and m.sinks_at(kind) else 0
 
 
 def dense_row_bytes(m: ModelShape, kind: str, moe: bool) -> int:
@@ -1387,7 +1389,7 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
                 qk, ctx = (2 * m.mla.kv_lora_rank + m.mla.qk_rope_head_dim,), sparse_keys(m, seq)
                 if i not in m.dsa.shared_layers:
                     w["indexer"] = index_pair_flops(m) * seq / 2
-            w["attention"] += 2 * m.num_heads * sum(qk) * ctx
+            w["attention"] += 2 * m.heads_at(kind) * sum(qk) * ctx
         out.append(w)
     return out
 

@@ -274,7 +274,7 @@ def trainable(shape: "ModelShape") -> str | None:
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
                 f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, "
                 f"Moonlight) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, MiMo-V2-Flash, Hunyuan-V3, "
-                f"K-EXAONE, AFMoE), Cohere2-MoE, gpt-oss, Llama 4, Granite MoE, Hunyuan-A13B and dense "
+                f"K-EXAONE, AFMoE, Step-3.7), Cohere2-MoE, gpt-oss, Llama 4, Granite MoE, Hunyuan-A13B and dense "
                 f"Llama/Qwen/Mistral stacks; "
                 f"not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
@@ -291,7 +291,13 @@ def trainable(shape: "ModelShape") -> str | None:
              shape.sliding_kv_heads is not None or shape.v_head_dim is not None or shape.value_scale != 1.0)),
         ("sink logits or a sliding layers' RoPE base outside gpt-oss, MiMo-V2-Flash and Granite-SWA",
          (shape.sinks != "none" or shape.sliding_rope_theta is not None)
-         and shape.hf_model_type not in ("mimo_v2_flash", "granitemoe_swa")),
+         and shape.hf_model_type not in ("mimo_v2_flash", "granitemoe_swa", "step3p5")),
+        ("Step-3.7's attention and MLPs (sliding layers' own heads or rotated share, a gate per head, "
+         "query_pre_attn_scalar, clamped SwiGLU, (1 + w) norms) outside Step-3.7",
+         shape.hf_model_type != "step3p5" and (
+             shape.sliding_heads is not None or shape.sliding_rotary_factor is not None or shape.head_gate
+             or shape.query_pre_attn_scalar is not None or bool(shape.swiglu_limits)
+             or bool(shape.swiglu_limits_shared) or shape.offset_norms)),
         ("full layers without RoPE (nope_full_layers) outside K-EXAONE, AFMoE, Granite-SWA and Cohere2-MoE",
          shape.nope_full_layers and shape.hf_model_type not in ("exaone_moe", "afmoe", "granitemoe_swa",
                                                                  "cohere2_moe")),
@@ -401,6 +407,18 @@ class ModelShape(Record):
     sinks: Literal["none", "sliding", "all"] = "none"  # (gpt-oss has them on every layer by its arch)
     v_head_dim: int | None = None
     value_scale: float = 1.0
+    # Step-3.7's attention: the sliding layers' own query heads and rotated share (None: num_heads,
+    # partial_rotary_factor), a sigmoid gate per query head from its own projection of the layer's input
+    # (`head_gate`), and the softmax scale query_pre_attn_scalar^-1/2 (None: the q·k head size's)
+    sliding_heads: int | None = None
+    sliding_rotary_factor: float | None = None
+    head_gate: bool = False
+    query_pre_attn_scalar: float | None = None
+    # Step-3.7's clamped SwiGLU, by layer (0: none): min(silu(gate), L) · clamp(up, -L, L), L the routed experts'
+    # bound (`swiglu_limits`) or the shared expert's and dense MLP's (`swiglu_limits_shared`); () : no layer clamps
+    swiglu_limits: tuple[float, ...] = ()
+    swiglu_limits_shared: tuple[float, ...] = ()
+    offset_norms: bool = False  # RMSNorms scale by (1 + w) outside the Qwen3.5 archs (Step-3.7's, Gemma's form)
     # the full-attention layers take no RoPE where the sliding layers do (K-EXAONE's, AFMoE's global layers)
     nope_full_layers: bool = False
     # the dense prefix layers take RoPE whatever their kind (Cohere2-MoE's prefix of sliding-window pattern 1, whose
@@ -444,9 +462,22 @@ class ModelShape(Record):
             raise ValueError(f"num_heads={self.num_heads} is not a multiple of num_kv_heads={self.num_kv_heads}")
         if self.sliding_kv_heads is not None:
             _positive(self, ("sliding_kv_heads",))
-            if self.num_heads % self.sliding_kv_heads:
-                raise ValueError(f"num_heads={self.num_heads} is not a multiple of sliding_kv_heads="
-                                 f"{self.sliding_kv_heads}")
+        if self.sliding_heads is not None:
+            _positive(self, ("sliding_heads",))
+        if self.sliding_kv_heads is not None or self.sliding_heads is not None:
+            heads, kv = self.heads_at("sliding_attention"), self.kv_heads_at("sliding_attention")
+            if heads % kv:
+                raise ValueError(f"the sliding layers' {heads} attention heads are not a multiple of their {kv} KV "
+                                 f"heads")
+        if self.sliding_rotary_factor is not None and not 0 < self.sliding_rotary_factor <= 1:
+            raise ValueError(f"sliding_rotary_factor must be in (0, 1], got {self.sliding_rotary_factor}")
+        for name in ("swiglu_limits", "swiglu_limits_shared"):
+            v = tuple(getattr(self, name))
+            object.__setattr__(self, name, v)
+            if v and (len(v) != self.num_layers or not all(
+                    not isinstance(x, bool) and isinstance(x, (int, float)) and 0 <= x < math.inf for x in v)):
+                raise ValueError(f"{name} must be empty or hold a bound ≥ 0 (0: none) for each of the "
+                                 f"{self.num_layers} layers, got {list(v)[:8]}")
         if self.v_head_dim is not None:
             _positive(self, ("v_head_dim",))
             if self.v_head_dim > self.head_dim:
@@ -457,7 +488,7 @@ class ModelShape(Record):
             raise ValueError(f"norm_kind must be rms or layer, got {self.norm_kind!r}")
         if self.sinks not in ("none", "sliding", "all"):
             raise ValueError(f"sinks must be none, sliding or all, got {self.sinks!r}")
-        for name in ("sliding_rope_theta", "value_scale", "embedding_scale", "logit_scale"):
+        for name in ("sliding_rope_theta", "value_scale", "embedding_scale", "logit_scale", "query_pre_attn_scalar"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
@@ -507,6 +538,20 @@ class ModelShape(Record):
         return self.arch == "gpt_oss" or self.sinks == "all" or (
             self.sinks == "sliding" and kind == "sliding_attention")
 
+    def heads_at(self, kind: str) -> int:
+        """The query heads of a `kind` attention layer."""
+        return self.sliding_heads if kind == "sliding_attention" and self.sliding_heads else self.num_heads
+
+    def rotary_factor_at(self, kind: str) -> float:
+        """The share of a `kind` attention layer's head channels RoPE rotates."""
+        return (self.sliding_rotary_factor if kind == "sliding_attention" and self.sliding_rotary_factor
+                else self.partial_rotary_factor)
+
+    @functools.cached_property
+    def max_heads(self) -> int:
+        """The most query heads any attention layer has."""
+        return max(self.num_heads, self.sliding_heads or 0)
+
     def kv_heads_at(self, kind: str) -> int:
         """The key/value heads of a `kind` attention layer."""
         return self.sliding_kv_heads if kind == "sliding_attention" and self.sliding_kv_heads else self.num_kv_heads
@@ -535,6 +580,8 @@ class ModelShape(Record):
                    else (self.num_kv_heads, "KV heads"))
         if self.sliding_kv_heads is not None:
             out.append((self.sliding_kv_heads, "sliding layers' KV heads"))
+        if self.sliding_heads is not None:
+            out.append((self.sliding_heads, "sliding layers' attention heads"))
         if self.linear_attn is not None:
             out.append((self.linear_attn.num_k_heads, "linear-attention key heads"))
         return out + [(self.vocab_size, "vocab entries")]
@@ -622,6 +669,9 @@ class ModelShape(Record):
                 "num_layers": num_layers,
                 "layer_types": self.layer_types[:num_layers],
                 "first_dense_layers": min(self.first_dense_layers, num_layers),
+                **{k: (lim[:num_layers] if any(lim[:num_layers]) else ()) for k in ("swiglu_limits",
+                                                                                  "swiglu_limits_shared")
+                   if (lim := getattr(self, k))},
                 "name": self.name if num_layers == self.num_layers else f"{self.name}@{num_layers}L",
             }
         )
@@ -630,13 +680,15 @@ class ModelShape(Record):
         # a shape without the routing, RoPE-scaling or pad records keeps the fingerprint it had before they existed
         unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id", "attention_chunk",
                              "llama4", "hf_model_type", "granite", "clip_qkv", "dsa", "sliding_kv_heads",
-                             "sliding_rope_theta", "v_head_dim", "compressed")
+                             "sliding_rope_theta", "v_head_dim", "compressed", "sliding_heads",
+                             "sliding_rotary_factor", "query_pre_attn_scalar")
                  if getattr(self, k) is None}
         unset |= {k for k, default in (("moe_layer_step", 1), ("sinks", "none"), ("value_scale", 1.0),
                                        ("nope_full_layers", False), ("norm_placement", "pre"),
                                        ("embedding_scale", 1.0), ("norm_kind", "rms"), ("logit_scale", 1.0),
                                        ("rope_pairs", False), ("shared_expert_mean", False), ("sigmoid_top", False),
-                                       ("rotated_prefix", False))
+                                       ("rotated_prefix", False), ("head_gate", False), ("swiglu_limits", ()),
+                                       ("swiglu_limits_shared", ()), ("offset_norms", False))
                   if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
@@ -756,6 +808,21 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.0), first_dense_layers=1,
             dense_ffn=16384, rms_norm_eps=1e-5, max_position=131072, hf_model_type="mimo_v2_flash",
             source="XiaomiMiMo/MiMo-V2-Flash config.json (transformers' MiMoV2FlashConfig defaults)"),
+    # Step-3.7-Flash (196B, 11B active): every 4th layer full (64 heads, half of each rotated at base 5e6), the others
+    # sliding over 512 keys (96 heads, all rotated at base 1e4), a sigmoid gate per head; three dense layers, then
+    # 288 experts (top 8) and a shared one; SwiGLU clamped on the last two layers (experts 7, shared 16)
+    "step37-flash": lambda: ModelShape(
+            name="step37-flash", arch="glm4_moe", hidden_size=4096, num_layers=45, vocab_size=128896,
+            layer_types=tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(45)),
+            num_heads=64, sliding_heads=96, num_kv_heads=8, head_dim=128, head_gate=True, offset_norms=True,
+            partial_rotary_factor=0.5, sliding_rotary_factor=1.0, rope_theta=5e6, sliding_rope_theta=1e4,
+            sliding_window=512, num_experts=288, top_k=8, expert_ffn=1280, shared_expert_ffn=1280,
+            router_bias=True, sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=3.0),
+            first_dense_layers=3, dense_ffn=11264, rms_norm_eps=1e-5, max_position=262144, mtp_layers=3,
+            swiglu_limits=(0.0,) * 43 + (7.0, 7.0), swiglu_limits_shared=(0.0,) * 43 + (16.0, 16.0),
+            hf_model_type="step3p5", pad_token_id=1,
+            source="stepfun-ai/Step-3.7-Flash config.json (text_config; the clamped layers as transformers' "
+                   "Step3p7 port documents them)"),
     # Solar Open (102.6B, 12B active): GLM-4.5's MoE in every layer under Llama's attention
     "solar-open-100b": lambda: ModelShape(
             name="solar-open-100b", arch="glm4_moe", hidden_size=4096, num_layers=48, vocab_size=196608,
@@ -884,16 +951,20 @@ def _full_attention_params(m: ModelShape, kind: str = "full_attention") -> int:
               + a.kv_lora_rank * m.num_heads * (a.qk_nope_head_dim + a.v_head_dim))
         o = m.num_heads * a.v_head_dim * h
         return q + kv + o + indexer_params(m)
-    q_out = m.num_heads * m.head_dim * (2 if m.attn_output_gate else 1)
+    heads = m.heads_at(kind)
+    # the query projection's outputs (with Qwen3.5's output gate a gate channel per query channel), and Step-3.7's
+    # gate per head (its own projection, without a bias)
+    q_out = heads * m.head_dim * (2 if m.attn_output_gate else 1)
+    gate = heads if m.head_gate else 0
     kv_heads = m.kv_heads_at(kind)
     kv_out = kv_heads * (m.head_dim + m.value_width)
-    o = m.num_heads * m.value_width * h
+    o = heads * m.value_width * h
     # q/k/v biases, and o_proj's where the arch has one (launch/model.py: Attention)
     bias = (q_out + kv_out + (0 if m.arch in QKV_ONLY_BIAS_ARCHS else h)) if m.attn_bias else 0
-    norms = (kv_heads * m.head_dim + m.num_heads * m.head_dim if m.arch in WHOLE_QK_NORM_ARCHS
+    norms = (kv_heads * m.head_dim + heads * m.head_dim if m.arch in WHOLE_QK_NORM_ARCHS
              else 2 * m.head_dim) if m.qk_norm else 0
-    sinks = m.num_heads if m.sinks_at(kind) else 0  # per-head attention sinks
-    return h * (q_out + kv_out) + o + bias + norms + sinks
+    sinks = heads if m.sinks_at(kind) else 0  # per-head attention sinks
+    return h * (q_out + gate + kv_out) + o + bias + norms + sinks
 
 
 def compressed_projections(m: ModelShape, kind: str) -> list[tuple[int, int, int, bool]]:
@@ -1053,7 +1124,7 @@ _ARCH_BY_MODEL_TYPE = {
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
     "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe", "exaone_moe": "glm4_moe",
     "glm4v_moe": "glm4_moe", "glm4v_moe_text": "glm4_moe", "deepseek_v4": "deepseek_v4", "afmoe": "glm4_moe",
-    "flex_olmo": "olmoe",
+    "flex_olmo": "olmoe", "step3p5": "glm4_moe", "step3p7": "glm4_moe",
     "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe",
     "minimax_m2": "minimax_m2",
     "llama4": "llama4",
@@ -1128,6 +1199,9 @@ def _from_hf_config(path: Path) -> ModelShape:
 
     def bad(key: str, want: str, v) -> ValueError:
         return ValueError(f"{path}: field {key!r}: expected {want}, got {_shown(v)}")
+
+    if model_type in ("step3p5", "step3p7"):  # Step-3.7's text model (its config's text_config), hub or transformers
+        model_type, cfg = "step3p5", _step_config(cfg, bad)
 
     def need(key: str, *alts: str):
         for k in (key, *alts):
@@ -1344,6 +1418,8 @@ def _from_hf_config(path: Path) -> ModelShape:
                       shared_expert_ffn=opt(shared_key, shared_default) * fields["expert_ffn"], router_bias=True,
                       first_dense_layers=first, dense_ffn=req("intermediate_size") if first else 0,
                       sigmoid_router=_sigmoid_router(cfg, model_type, opt, number))
+        if model_type == "step3p5":
+            _step3p5(cfg, fields, n_layers, rope_by_type, opt, opt_flag, number, count, bad)
         if fam.o_bias and fields["attn_bias"]:  # their biases include o_proj's, which GLM-4.5's blocks lack
             fields["arch"] = "moe"
     elif arch == "deepseek_v4":
@@ -1494,6 +1570,10 @@ _GLM4_FAMILIES = {
     # AFMoE (Arcee's Trinity): per-head q/k norms, a sigmoid gate on the attention output, RoPE on the sliding layers
     # only, norms before and after each sublayer, the embedding times √h under `mup_enabled` (_afmoe)
     "afmoe": _Glm4Family(True, ("num_dense_layers", 1), ("num_shared_experts", 2), "afmoe", o_bias=True),
+    # Step-3.5/3.7 (StepFun's Step-3.7-Flash text model): per-head q/k norms, a sigmoid gate per query head, sliding
+    # layers with query heads, a RoPE base and a rotated share of their own, (1 + w) norms, one shared expert of
+    # `share_expert_dim`, clamped SwiGLU on some layers (_step3p5; its hub form read by _step_config first)
+    "step3p5": _Glm4Family(True, ("types", None), _N_SHARED, "step3p5", o_bias=True),
 }
 
 
@@ -1503,7 +1583,7 @@ def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
     dense layers must lead."""
     types = _mlp_layer_types(cfg, bad)
     if types is None:  # transformers' defaults where the field is absent
-        default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, "hy_v3": 1, "exaone_moe": 1,
+        default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, "hy_v3": 1, "exaone_moe": 1, "step3p5": 3,
                    **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(model_type, 0)
         return opt("first_k_dense_replace", default)
     k = types.index("sparse") if "sparse" in types else len(types)
@@ -1516,7 +1596,8 @@ def _sigmoid_router(cfg: dict, model_type: str, opt, number) -> dict:
     """DeepSeek-V3 / GLM-4.5 router fields (n_group, topk_group, routed_scaling_factor; absent ones at transformers'
     defaults for the model type)."""
     groups, topk_groups, scaling = _SIGMOID_ROUTER_DEFAULTS.get(model_type, (1, 1, 1.0))
-    key = {"hy_v3": "router_scaling_factor", "afmoe": "route_scale"}.get(model_type, "routed_scaling_factor")
+    key = {"hy_v3": "router_scaling_factor", "afmoe": "route_scale",
+           "step3p5": "moe_router_scaling_factor"}.get(model_type, "routed_scaling_factor")
     given = cfg.get(key)
     return dict(groups=opt("n_group", groups), topk_groups=opt("topk_group", topk_groups),
                 scaling=scaling if given is None else number(given, key))
@@ -1730,6 +1811,109 @@ def _exaone_layers(cfg: dict, fields: dict, n_layers: int, opt, count, bad) -> N
         fields["layer_types"] = _rounded_layer_types(n_layers, pattern, "sliding_attention")
     fields.update(sliding_window=count(window, "sliding_window"),
                   nope_full_layers="sliding_attention" in fields["layer_types"])
+
+
+def _step_config(cfg: dict, bad) -> dict:
+    """Step-3.5/3.7's text config in transformers' field names (Step3p7TextConfig), from either form: the hub's
+    (`num_attention_groups`, `moe_num_experts`, `moe_top_k`, `moe_layers_enum`, per-layer `rope_theta` and
+    `partial_rotary_factors` lists, `attention_other_setting` for the sliding layers, `rope_scaling` on the full
+    layers) or transformers' own (`rope_parameters` by layer type, `num_sliding_attention_heads`, `mlp_layer_types`).
+    Lists that also cover the multi-token-prediction layers are cut to the decoder's by the reader."""
+    cfg = dict(cfg)
+    for hub, name in (("num_attention_groups", "num_key_value_heads"), ("moe_num_experts", "n_routed_experts"),
+                      ("moe_top_k", "num_experts_per_tok")):
+        if cfg.get(name) is None and cfg.get(hub) is not None:
+            cfg[name] = cfg[hub]
+    other = cfg.get("attention_other_setting")
+    if other is not None and not isinstance(other, dict):
+        raise bad("attention_other_setting", "an object", other)
+    if cfg.get("num_sliding_attention_heads") is None and other and other.get("num_attention_heads") is not None:
+        cfg["num_sliding_attention_heads"] = other["num_attention_heads"]
+    n = cfg.get("num_hidden_layers")
+    if cfg.get("mlp_layer_types") is None and cfg.get("moe_layers_enum") is not None and isinstance(n, int) \
+            and 0 < n <= 100_000:
+        items = cfg["moe_layers_enum"]
+        items = items.split(",") if isinstance(items, str) else items
+        try:
+            moe = {int(str(i).strip()) for i in items if str(i).strip()}
+        except (TypeError, ValueError):
+            raise bad("moe_layers_enum", 'the MoE layers\' indices ("3,4,5" or a list)', cfg["moe_layers_enum"]) from None
+        cfg["mlp_layer_types"] = ["sparse" if i in moe else "dense" for i in range(n)]
+    rope = cfg.get("rope_parameters")
+    by_type = isinstance(rope, dict) and rope and all(k in LAYER_TYPES and isinstance(v, dict) for k, v in rope.items())
+    if not by_type and (isinstance(cfg.get("rope_theta"), list) or cfg.get("partial_rotary_factors") is not None):
+        types = cfg.get("layer_types") or ["full_attention"] * (n if isinstance(n, int) and 0 < n <= 100_000 else 1)
+        theta, share = cfg.get("rope_theta", 10000.0), cfg.get("partial_rotary_factors")
+        for key, v in (("rope_theta", theta), ("partial_rotary_factors", share)):
+            if isinstance(v, list) and len(v) < len(types):
+                raise bad(key, f"one entry for each of the {len(types)} layers", v)
+        if share is not None and not isinstance(share, list):
+            raise bad("partial_rotary_factors", "a list, one a layer", share)
+        rope = {}
+        for i, t in enumerate(types):
+            if isinstance(t, str) and t not in rope:
+                rope[t] = {"rope_type": "default", "rope_theta": theta[i] if isinstance(theta, list) else theta,
+                           **({"partial_rotary_factor": share[i]} if share is not None else {})}
+        scaling = cfg.pop("rope_scaling", None)
+        if isinstance(scaling, dict) and "full_attention" in rope:  # the hub's scaling is the full layers' alone
+            rope["full_attention"] = {**rope["full_attention"], **scaling}
+        cfg["rope_parameters"] = rope
+        cfg.pop("rope_theta", None)
+        cfg.pop("partial_rotary_factors", None)
+    return cfg
+
+
+def _step3p5(cfg: dict, fields: dict, n_layers: int, rope_by_type: dict | None, opt, opt_flag, number, count,
+             bad) -> None:
+    """Step-3.5/3.7's attention and MLPs as transformers' Step3p7TextModel builds them: per-head q/k norms and
+    (1 + w) norms throughout; the sliding layers' query heads (`num_sliding_attention_heads`), RoPE base and rotated
+    share (`rope_parameters` by layer type); a sigmoid gate per query head from `g_proj` (`gating`: transformers'
+    default, per head); the softmax scale `query_pre_attn_scalar`^-1/2; one shared expert of `share_expert_dim`
+    on each MoE layer; SwiGLU clamped by layer (`swiglu_limits` on the routed experts, `swiglu_limits_shared` on the
+    shared expert and the dense MLP; 0 or null: none). A sliding layer with key/value heads or a head size of its
+    own (the hub's `attention_other_setting`, which transformers does not read), a per-channel gate or MLP biases are
+    planned only."""
+    other = cfg.get("attention_other_setting") or {}
+    kv, head = fields["num_kv_heads"], fields["head_dim"]
+    if other.get("head_dim") is not None and count(other["head_dim"], "attention_other_setting.head_dim") != head:
+        raise bad("attention_other_setting.head_dim", f"the full layers' head_dim {head}", other["head_dim"])
+    heads = opt("num_sliding_attention_heads", fields["num_heads"])
+    sliding = (rope_by_type or {}).get("sliding_attention") or {}
+    fields.update(qk_norm=True, offset_norms=True, shared_expert_ffn=opt("share_expert_dim", fields["expert_ffn"]),
+                  sliding_window=opt("sliding_window", 0) or None)
+    if heads != fields["num_heads"]:
+        fields["sliding_heads"] = heads
+    groups = other.get("num_attention_groups")
+    if groups is not None and count(groups, "attention_other_setting.num_attention_groups") != kv:
+        fields.update(sliding_kv_heads=groups, arch="moe")
+    if sliding.get("rope_theta") is not None and number(sliding["rope_theta"], "rope_parameters.sliding_attention"
+                                                        ".rope_theta") != fields["rope_theta"]:
+        fields["sliding_rope_theta"] = float(sliding["rope_theta"])
+    share = sliding.get("partial_rotary_factor")
+    if share is not None and number(share, "rope_parameters.sliding_attention.partial_rotary_factor") != \
+            fields.get("partial_rotary_factor", 1.0):
+        fields["sliding_rotary_factor"] = float(share)
+    gating = cfg.get("gating", True)
+    if gating is True or gating == "per-head":
+        fields["head_gate"] = True
+    else:  # a gate per channel from its own projection: Qwen3.5's count, not its layout
+        fields.update(attn_output_gate=True, arch="moe")
+    scalar = cfg.get("query_pre_attn_scalar")
+    if scalar is not None and number(scalar, "query_pre_attn_scalar") != head:
+        fields["query_pre_attn_scalar"] = float(scalar)
+    for key in ("swiglu_limits", "swiglu_limits_shared"):
+        limits = cfg.get(key)
+        if limits is None:
+            continue
+        if not isinstance(limits, list) or len(limits) < n_layers:
+            raise bad(key, f"a list of at least {n_layers} bounds (0 or null: none)", limits)
+        bounds = tuple(0.0 if v is None else number(v, key) for v in limits[:n_layers])
+        if any(b < 0 for b in bounds):
+            raise bad(key, "bounds ≥ 0 (0 or null: none)", limits)
+        if any(bounds):
+            fields[key] = bounds
+    if opt_flag("mlp_bias", False):
+        fields["arch"] = "moe"
 
 
 def _mimo_attention(cfg: dict, fields: dict, rope: dict, rope_by_type: dict | None, opt, number, bad) -> None:

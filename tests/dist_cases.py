@@ -62,6 +62,7 @@ CASES = {
         ["mla_cp2_tp2_ep4", 1, 4, 1, 2, "mla", "full", 2], ["mla_pp2_dp2_ep2", 2, 2, 1, 1, "mla", "full", 1, 2],
         ["dsa_cp2_tp2_ep4", 1, 4, 1, 2, "dsa", "full", 2], ["mimo_cp2_tp2_ep2", 1, 2, 1, 2, "mimo", "full", 2],
         ["afmoe_cp2_tp2_ep2", 1, 2, 1, 2, "afmoe", "full", 2], ["cohere_cp2_dp2_ep2", 2, 2, 1, 2, "cohere"],
+        ["step_cp2_tp2_ep2", 1, 2, 1, 2, "step", "full", 2],
         # pp × tp: an uneven split with ep=2 over each stage's tp ranks (off-policy, sequence-mean), and interleaved
         # over 2 virtual stages a rank with a dense model's MLPs split over tp
         ["pp2_tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2, 2, [3, 1]],
@@ -103,6 +104,7 @@ VARIANTS = {
     "mimo": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a MiMo-V2-Flash-style model (tiny_mimo), as "mla"
     "afmoe": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an AFMoE-style model (tiny_afmoe), as "mla"
     "cohere": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Cohere2-MoE-style model (tiny_cohere), as "mla"
+    "step": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Step-3.7-style model (tiny_step), as "mla"
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -206,6 +208,24 @@ def tiny_cohere():
                       dense_ffn=48, rotated_prefix=True, sigmoid_top=True)
 
 
+def tiny_step():
+    """Step-3.7's blocks at tiny widths: a full layer (4 heads, half of each rotated at base 5e6) then sliding ones
+    (windows of 8, 6 heads, all rotated at base 1e4), a sigmoid gate per head, q·k scaled by 1/√20, (1 + w) norms,
+    a dense first layer, a shared expert, sigmoid routing with a correction bias, SwiGLU clamped on the last layer's
+    experts and shared expert and on the dense layer (bounds small enough to act)."""
+    from recipe.models import ModelShape, SigmoidRouter
+
+    return ModelShape(name="tiny-step", arch="glm4_moe", hf_model_type="step3p5", hidden_size=64, num_layers=4,
+                      vocab_size=512, layer_types=("full_attention",) + ("sliding_attention",) * 3, num_heads=4,
+                      sliding_heads=6, num_kv_heads=2, head_dim=16, qk_norm=True, head_gate=True, offset_norms=True,
+                      partial_rotary_factor=0.5, sliding_rotary_factor=1.0, rope_theta=5e6, sliding_rope_theta=1e4,
+                      query_pre_attn_scalar=20.0, sliding_window=8, num_experts=8, top_k=2, expert_ffn=32,
+                      shared_expert_ffn=32, router_bias=True,
+                      sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.5), first_dense_layers=1,
+                      dense_ffn=48, rms_norm_eps=1e-5, swiglu_limits=(0.0, 0.0, 0.0, 0.05),
+                      swiglu_limits_shared=(0.05, 0.0, 0.0, 0.05))
+
+
 def tiny_olmoe():
     """OLMoE's blocks at tiny widths: q/k norms over all heads together (their sums of squares added over the tp
     ranks), q/k/v/o biases, softmax routing over 8 experts (top-2) without renormalization, a pad token whose
@@ -298,7 +318,8 @@ def tiny_dense():
 # the model each variant trains (the others train tiny-moe)
 VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "dsa": tiny_dsa, "oss": tiny_oss, "olmoe": tiny_olmoe,
                   "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4,
-                  "granite": tiny_granite, "swa": tiny_swa, "mimo": tiny_mimo, "afmoe": tiny_afmoe, "cohere": tiny_cohere}
+                  "granite": tiny_granite, "swa": tiny_swa, "mimo": tiny_mimo, "afmoe": tiny_afmoe, "cohere": tiny_cohere,
+                  "step": tiny_step}
 
 
 def _shape(variant: str):

@@ -9,7 +9,9 @@ fp32: within 1e-6 (relative L2) of the torch reference. bf16: every output eleme
 reference on the same bf16 inputs, and dw within 1e-6 of an fp64 reference. The activation's forward kernel
 gives the backward kernel's activation bitwise. The activation backward also in
 gpt-oss's clamped form (kernels.expert_grads.GPT_OSS_GLU), with gate and up values across and exactly at ±7; its
-torch reference against autograd through the forward's own ops. The experts' bias add equals the torch path bitwise
+torch reference against autograd through the forward's own ops. Step-3.7's placement (clamped_swiglu: the limit
+clamps silu(gate), not the gate) likewise, its torch path against transformers' formula written out by hand. The
+experts' bias add equals the torch path bitwise
 (one rounding of the fp32 sum, as torch's add), idle experts and rows in the middle of a tile included.
 """
 
@@ -21,8 +23,9 @@ import pytest
 import torch
 
 import interpreter
-from kernels.expert_grads import (GPT_OSS_GLU, GLU, add_expert_bias_, add_expert_bias_torch, glu_backward_torch,
-                                   glu_forward, slot_grads, slot_grads_torch, swiglu_backward, swiglu_backward_torch)
+from kernels.expert_grads import (GPT_OSS_GLU, GLU, add_expert_bias_, add_expert_bias_torch, clamped_swiglu,
+                                   glu_backward_torch, glu_forward, slot_grads, slot_grads_torch, swiglu_backward,
+                                   swiglu_backward_torch)
 
 
 def _rel(x, ref) -> float:
@@ -122,6 +125,35 @@ def glu_forward_checks():
     assert glu_forward(torch.empty(0, 6), GPT_OSS_GLU, backend="triton").shape == (0, 3)
 
 
+def clamped_swiglu_checks():
+    """Step-3.7's clamped SwiGLU (the limit on silu(gate)): both kernels against the torch path, the forward kernel
+    the backward kernel's a bitwise; at limit 7 (ups exactly at ±7) and 2.5 (most activated gates beyond it). The
+    kernels do take the activated-gate placement: its results differ from the gate-clamped GLU's here."""
+    for limit in (7.0, 2.5):
+        glu = clamped_swiglu(limit)
+        for M, I in [(37, 21), (3, 16), (1, 1)]:
+            for dtype in (torch.float32, torch.bfloat16):
+                h, da = _clamped_h(M, I).to(dtype), torch.randn(M, I).to(dtype)
+                dh, a = swiglu_backward(h, da, backend="triton", glu=glu)
+                assert dh.dtype == a.dtype == dtype and dh.shape == (M, 2 * I) and a.shape == (M, I)
+                assert torch.equal(glu_forward(h, glu, backend="triton"), a), (limit, M, I, dtype)
+                if dtype == torch.float32:
+                    dh_ref, a_ref = glu_backward_torch(h, da, glu)
+                    assert _rel(dh, dh_ref) <= 1e-6 and _rel(a, a_ref) <= 1e-6, (_rel(dh, dh_ref), _rel(a, a_ref))
+                    assert _rel(a, glu_forward(h, glu, backend="torch")) <= 1e-6
+                else:
+                    dh32, a32 = glu_backward_torch(h.float(), da.float(), glu)
+                    assert _one_rounding(dh, dh32) and _one_rounding(a, a32), (limit, M, I)
+                    assert _one_rounding(a, glu_forward(h.float(), glu, backend="torch")), (limit, M, I)
+        h, da = _clamped_h(37, 21), torch.randn(37, 21)
+        gate_clamped = GLU(limit=limit)
+        # (at limit 7 they differ only where the gate passes 7: by up to (7 − silu(7))·|up|, ~0.006·|up|)
+        assert (glu_forward(h, glu, backend="triton") - glu_forward(h, gate_clamped, backend="triton")).abs().max() > 1e-3
+        assert (swiglu_backward(h, da, backend="triton", glu=glu)[0]
+                - swiglu_backward(h, da, backend="triton", glu=gate_clamped)[0]).abs().max() > 1e-3, limit
+    assert glu_forward(torch.empty(0, 6), clamped_swiglu(7.0), backend="triton").shape == (0, 3)
+
+
 def bias_checks():
     """rows += bias[expert of the row], in place, bitwise the torch path's: 5 experts (not a power of two), two of
     them idle (an offset repeated), on a column slice of a wider buffer; none of an empty row block."""
@@ -141,7 +173,7 @@ def bias_checks():
 
 
 INTERPRETER_CHECKS = {f.__name__: f for f in (slot_checks, swiglu_checks, glu_checks, glu_forward_checks,
-                                              bias_checks)}
+                                              clamped_swiglu_checks, bias_checks)}
 
 
 interpreter_results, test_triton_kernels_interpreter = interpreter.pytest_cases(__file__, INTERPRETER_CHECKS)
@@ -192,6 +224,90 @@ def test_clamped_glu_backward_is_the_gradient_of_the_forward():
     assert (gate > 7).any() and (up.abs() > 7).any() and (h.grad == 0).any()  # the clamps act, and cut gradients
     with pytest.raises(ValueError, match="limit must be positive"):
         GLU(limit=0.0)
+
+
+def _step3p7_h(limit: float) -> torch.Tensor:
+    """fp32 [gate | up] [11, 12] of std 5: activated gates beyond `limit` and ups beyond ±limit, with gates of 5
+    (whose silu is the limit the tests take: exactly at the bound) and ups exactly at ±limit."""
+    g = torch.Generator().manual_seed(5)
+    h = torch.randn(11, 12, generator=g) * 5
+    h[0, 0], h[3, 2], h[5, 5] = 5.0, 5.0, 5.0
+    h[1, 6], h[2, 11], h[4, 8] = -limit, limit, limit
+    return h
+
+
+def _step3p7_by_hand(h: torch.Tensor, limit: float) -> torch.Tensor:
+    """transformers' Step3p7Experts._apply_gate, written out."""
+    gate, up = h.chunk(2, dim=-1)
+    gate = torch.nn.functional.silu(gate).clamp(max=limit)
+    up = up.clamp(min=-limit, max=limit)
+    return gate * up
+
+
+def test_clamped_swiglu_forward_is_step3p7s():
+    """clamped_swiglu's torch forward is Step-3.7's activation bitwise (fp32 and bf16), and differs from clamping
+    the gate before the activation (gpt-oss's placement) on these inputs."""
+    limit = torch.nn.functional.silu(torch.tensor(5.0)).item()
+    glu = clamped_swiglu(limit)
+    assert glu == GLU(alpha=1.0, limit=limit, up_offset=0.0, clamp_activated=True) and glu.clamp_activated
+    h = _step3p7_h(limit)
+    gate, up = h.chunk(2, dim=-1)
+    assert (torch.nn.functional.silu(gate) > limit).any() and (up.abs() > limit).any()
+    for dtype in (torch.float32, torch.bfloat16):
+        x = h.to(dtype)
+        a = glu_forward(x, glu, backend="torch")
+        assert a.dtype == dtype and torch.equal(a, _step3p7_by_hand(x, limit)), dtype
+    assert not torch.allclose(glu_forward(h, glu), glu_forward(h, GLU(limit=limit)), rtol=1e-3, atol=1e-3)
+
+
+def test_clamped_swiglu_backward_is_the_gradient_of_step3p7s():
+    """glu_backward_torch of clamped_swiglu against autograd through transformers' formula (fp32): dh is the input
+    gradient, gates whose silu is exactly the limit and ups exactly at ±limit passing theirs (torch's clamp is
+    inclusive), gates whose silu is beyond it and ups beyond ±limit getting none; a is the formula's output
+    bitwise; the dispatcher's torch path is the same."""
+    limit = torch.nn.functional.silu(torch.tensor(5.0)).item()
+    glu = clamped_swiglu(limit)
+    h = _step3p7_h(limit).requires_grad_()
+    da = torch.randn(11, 6, generator=torch.Generator().manual_seed(6))
+    out = _step3p7_by_hand(h, limit)
+    out.backward(da)
+    dh, a = glu_backward_torch(h.detach(), da, glu)
+    assert dh.dtype == a.dtype == torch.float32
+    assert torch.allclose(dh, h.grad, rtol=1e-5, atol=1e-6), (dh - h.grad).abs().max()
+    assert torch.equal(a, out.detach())
+    assert all(torch.equal(x, y) for x, y in zip(swiglu_backward(h.detach(), da, backend="torch", glu=glu), (dh, a)))
+    gate, up = h.detach().chunk(2, dim=-1)
+    silu = torch.nn.functional.silu(gate)
+    at_bound = (silu == limit) | (up.abs() == limit)
+    assert at_bound.sum() == 6 and (h.grad.chunk(2, dim=-1)[0][silu == limit] != 0).all()
+    assert (h.grad.chunk(2, dim=-1)[1][up.abs() == limit] != 0).all()
+    assert (dh[:, :6][silu > limit] == 0).all() and (dh[:, 6:][up.abs() > limit] == 0).all()
+    assert (silu > limit).any() and (gate < 5.0).any()
+    # the gate-first placement's gradient is another one on these inputs
+    assert not torch.allclose(glu_backward_torch(h.detach(), da, GLU(limit=limit))[0], dh, rtol=1e-3, atol=1e-3)
+
+
+def test_gpt_oss_glu_unchanged():
+    """gpt-oss's GLU (the gate clamped before the activation) is what it was, bitwise: its forward's ops and its
+    backward's, written out as they were before the activated-gate placement was added."""
+    assert GPT_OSS_GLU == GLU(alpha=1.702, limit=7.0, up_offset=1.0) and not GPT_OSS_GLU.clamp_activated
+    h, da = _clamped_h(13, 10), torch.randn(13, 10)
+    gate, up = h.chunk(2, dim=-1)
+    g, u = gate.clamp(max=7.0), up.clamp(min=-7.0, max=7.0)
+    assert torch.equal(glu_forward(h, GPT_OSS_GLU, backend="torch"), (u + 1.0) * (g * torch.sigmoid(g * 1.702)))
+    s = torch.sigmoid(1.702 * g)
+    act = g * s
+    dgate = torch.where(gate <= 7.0, da * (u + 1.0) * (s + 1.702 * act * (1 - s)), 0.0)
+    dup = torch.where((up >= -7.0) & (up <= 7.0), da * act, 0.0)
+    dh, a = glu_backward_torch(h, da, GPT_OSS_GLU)
+    assert torch.equal(dh, torch.cat([dgate, dup], dim=-1)) and torch.equal(a, act * (u + 1.0))
+
+
+def test_clamp_activated_needs_a_limit():
+    with pytest.raises(ValueError, match="clamp_activated needs a limit"):
+        GLU(limit=None, clamp_activated=True)
+    with pytest.raises(ValueError, match="limit must be positive"):
+        clamped_swiglu(0.0)
 
 
 def test_slot_grads_by_hand():

@@ -711,3 +711,99 @@ def test_a_qwen3_vl_moe_checkpoint_trains_its_text_model(layout, tmp_path):
     assert (shape.arch, shape.hf_model_type, shape.expert_ffn, shape.rope_scaling) == (
         "qwen3_moe", "qwen3_vl_moe", 8, None)
     _text_model_equals_the_multimodal_model(hf, shape, tmp_path, "Qwen3MoeForCausalLM")
+
+
+# Step-3.7's text model: a full layer (4 heads, half of each rotated at base 5e6) and three sliding ones (window 8,
+# 6 heads, all rotated at base 1e4), a gate per head, q·k scaled by 1/√20, (1 + w) norms, a dense first layer, a
+# shared expert, and clamped SwiGLU on the last layer's experts, shared expert and the dense layer (bounds small
+# enough to clamp this model's activations); one MTP layer in the checkpoint, skipped
+STEP = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_attention_groups=2,
+            head_dim=16, intermediate_size=40, moe_num_experts=6, moe_top_k=2, moe_intermediate_size=16,
+            share_expert_dim=24, moe_layers_enum="1,2,3,4", sliding_window=8,
+            layer_types=["full_attention"] + ["sliding_attention"] * 3 + ["full_attention"],
+            rope_theta=[5e6, 1e4, 1e4, 1e4, 5e6], partial_rotary_factors=[0.5, 1.0, 1.0, 1.0, 0.5],
+            attention_other_setting={"attention_type": "sliding_attention", "num_attention_heads": 6,
+                                     "num_attention_groups": 2, "head_dim": 16},
+            swiglu_limits=[0.0, 0.0, 0.0, 0.02, 0.0], swiglu_limits_shared=[0.02, 0.0, 0.0, 0.02, 0.0],
+            moe_router_scaling_factor=1.5, query_pre_attn_scalar=20, num_nextn_predict_layers=1, rms_norm_eps=1e-6,
+            max_position_embeddings=128, pad_token_id=1)
+
+
+def _step_hub_checkpoint(sd: dict, head: torch.Tensor) -> dict:
+    """transformers' Step3p7TextModel state under the hub's names (the reverse of its conversion for step3p7)."""
+    out = {"lm_head.weight": head}
+    for k, v in sd.items():
+        layer = k.split(".mlp.")[0]
+        if k.endswith("mlp.experts.gate_up_proj"):
+            out[f"model.{layer}.moe.gate_proj.weight"], out[f"model.{layer}.moe.up_proj.weight"] = v.chunk(2, dim=1)
+            continue
+        k = (k.replace("mlp.experts.down_proj", "moe.down_proj.weight").replace("mlp.gate.weight", "moe.gate.weight")
+             .replace("mlp.gate.e_score_correction_bias", "moe.router_bias").replace("mlp.shared_experts.", "share_expert."))
+        out["model." + k] = v
+    out["model.layers.4.self_attn.q_proj.weight"] = torch.zeros(4 * 16, 32)  # the MTP layer's, skipped
+    return out
+
+
+def test_step37_matches_transformers_text_model(tmp_path):
+    """Step-3.7 (transformers' Step3p7TextModel, the text model of Step3p7ForConditionalGeneration) from a checkpoint
+    in its releases' names and config form: the final hidden states equal transformers' (fp32, 1e-5), the loss through
+    the fused head equals the plain log-softmax's, every gradient of a loss on the hidden states equals transformers'
+    (the clamps and the per-head gate included), and the export (the releases' names, transformers' config fields)
+    reads back to the same shape and outputs. The clamps act: with them lifted the output moves."""
+    import json
+
+    from safetensors.torch import save_file
+    from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
+    from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
+
+    from launch.hf_io import hf_to_ours
+
+    cfg = Step3p7TextConfig(**STEP)
+    hf = _built(Step3p7TextModel, cfg)
+    head = torch.randn(96, 32, generator=torch.Generator().manual_seed(4)) * 0.1
+    (tmp_path / "hub").mkdir()
+    save_file({k: v.contiguous() for k, v in _step_hub_checkpoint(hf.state_dict(), head).items()},
+              str(tmp_path / "hub" / "model.safetensors"))
+    (tmp_path / "hub" / "config.json").write_text(json.dumps({"model_type": "step3p5", **STEP}))
+    shape = from_hf_config(tmp_path / "hub" / "config.json")
+    assert (shape.arch, shape.sliding_heads, shape.head_gate, shape.query_pre_attn_scalar) == ("glm4_moe", 6, True, 20.0)
+    ours = build_model(shape, seed=1)
+    load_hf_checkpoint(ours, tmp_path / "hub")
+    ours.eval()
+
+    T = 40
+    ids = torch.randint(0, 96, (1, T), generator=torch.Generator().manual_seed(2))
+    weights = torch.randn(T, 32, generator=torch.Generator().manual_seed(5))
+    want = hf(input_ids=ids).last_hidden_state[0]
+    hidden = ours(ids[0], Packing.from_lengths([T]))
+    assert (hidden - want).abs().max().item() < 1e-5
+    targets = torch.cat([ids[0, 1:], torch.tensor([-1])])
+    with torch.no_grad():
+        ref = torch.log_softmax(hidden @ head.T, -1)[:-1].gather(1, targets[:-1, None]).mean()
+        fused = token_logprobs(hidden, ours.lm_head.weight, targets, mode="fused")[:-1].mean()
+    assert abs(fused.item() - ref.item()) < 1e-5
+
+    (want * weights).sum().backward()
+    (hidden * weights).sum().backward()
+    theirs = hf_to_ours({n: p.grad for n, p in hf.named_parameters() if p.grad is not None}, ours)
+    got = {n: p.grad for n, p in ours.named_parameters() if n != "lm_head.weight"}
+    assert got.keys() == theirs.keys()
+    for n, g in got.items():
+        scale = theirs[n].abs().max().item()
+        assert scale > 0 and (g - theirs[n]).abs().max().item() <= 1e-4 * scale + 1e-7, n
+
+    export_hf_checkpoint(ours, tmp_path / "ours")
+    exported = json.loads((tmp_path / "ours" / "config.json").read_text())
+    back_shape = from_hf_config(tmp_path / "ours" / "config.json")
+    same = {"name": "x", "source": "", "mtp_layers": 0}  # (the export holds no MTP layer)
+    assert back_shape.model_copy(update=same) == shape.model_copy(update=same)
+    again = Step3p7TextConfig(**{k: v for k, v in exported.items() if k not in ("model_type", "architectures")})
+    assert (again.num_sliding_attention_heads, again.swiglu_limits, again.mlp_layer_types) == (
+        6, [0.0, 0.0, 0.0, 0.02], ["dense", "sparse", "sparse", "sparse"])
+    back = build_model(back_shape, seed=3)
+    load_hf_checkpoint(back, tmp_path / "ours")
+    with torch.no_grad():
+        assert torch.equal(back(ids[0], Packing.from_lengths([T])), hidden.detach())
+        unclamped = build_model(shape.model_copy(update={"swiglu_limits": (), "swiglu_limits_shared": ()}), seed=1)
+        unclamped.load_state_dict(ours.state_dict())
+        assert (unclamped(ids[0], Packing.from_lengths([T])) - hidden).abs().max().item() > 1e-3

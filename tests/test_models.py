@@ -775,6 +775,68 @@ def _meta_params(model_cls, cfg, skip: tuple[str, ...] = (), biases: bool = True
     return bias + sum(p.numel() for n, p in model.named_parameters() if not any(k in n for k in skip))
 
 
+def _step_hub(layers: int = 5, mtp: int = 3, **extra) -> dict:
+    """A Step-3.5/3.7 text config in the hub's form (its per-layer lists also covering the MTP layers)."""
+    types = (["full_attention"] + ["sliding_attention"] * 3) * 4
+    return {"model_type": "step3p5", "hidden_size": 64, "num_hidden_layers": layers, "vocab_size": 128,
+            "num_attention_heads": 4, "num_attention_groups": 2, "head_dim": 16, "intermediate_size": 96,
+            "moe_num_experts": 8, "moe_top_k": 2, "moe_intermediate_size": 32, "share_expert_dim": 48,
+            "moe_layers_enum": ",".join(str(i) for i in range(2, layers)), "sliding_window": 16,
+            "layer_types": types[:layers + mtp], "rope_theta": [5e6 if t == "full_attention" else 1e4
+                                                               for t in types[:layers + mtp]],
+            "partial_rotary_factors": [0.5 if t == "full_attention" else 1.0 for t in types[:layers + mtp]],
+            "attention_other_setting": {"attention_type": "sliding_attention", "num_attention_heads": 6,
+                                        "num_attention_groups": 2, "head_dim": 16},
+            "swiglu_limits": [0.0] * (layers - 1) + [7.0] + [0.0] * mtp,
+            "swiglu_limits_shared": [None] * (layers - 1) + [16.0] + [None] * mtp,
+            "moe_router_scaling_factor": 3.0, "num_nextn_predict_layers": mtp, "rms_norm_eps": 1e-5,
+            "max_position_embeddings": 4096, "pad_token_id": 1, **extra}
+
+
+def test_step37_reads_its_hub_and_transformers_forms_alike(tmp_path):
+    """Step-3.7's text config in the hub's form (per-layer RoPE lists and clamps that also cover the MTP layers,
+    `attention_other_setting`, `moe_layers_enum`) reads as transformers' Step3p7TextConfig reads it, and as that
+    config saved; by hand: 6 query heads on the sliding layers beside 4, their own RoPE base and rotated share, two
+    dense layers first, a shared expert of 48, the last layer's bounds, the MTP layers counted apart. Its parameters
+    equal transformers' Step3p7TextModel's (the routers' correction biases aside). What transformers does not
+    read (sliding KV heads or a head size of their own) is planned only or refused in one line."""
+    import transformers
+    from transformers.models.step3p7.configuration_step3p7 import Step3p7TextConfig
+
+    hub = _step_hub()
+    ours = from_hf_config(_write(tmp_path, "hub", hub))
+    cfg = Step3p7TextConfig(**{k: v for k, v in hub.items() if k != "model_type"})
+    cfg.save_pretrained(tmp_path / "hf")
+    theirs = from_hf_config(tmp_path / "hf" / "config.json")
+    wrapped = from_hf_config(_write(tmp_path, "wrapped", {"model_type": "step3p7", "text_config": hub}))
+    same = lambda m: dataclasses.replace(m, name="x", source="")  # noqa: E731
+    assert same(ours) == same(theirs) == same(wrapped)
+    assert (ours.arch, ours.hf_model_type, trainable(ours)) == ("glm4_moe", "step3p5", None)
+    assert (ours.num_heads, ours.sliding_heads, ours.num_kv_heads, ours.head_gate, ours.offset_norms) == (
+        4, 6, 2, True, True)
+    assert (ours.rope_theta, ours.sliding_rope_theta, ours.partial_rotary_factor, ours.sliding_rotary_factor) == (
+        5e6, 1e4, 0.5, 1.0)
+    assert (ours.first_dense_layers, ours.dense_ffn, ours.shared_expert_ffn, ours.mtp_layers) == (2, 96, 48, 3)
+    assert ours.swiglu_limits == (0.0,) * 4 + (7.0,) and ours.swiglu_limits_shared == (0.0,) * 4 + (16.0,)
+    assert ours.sigmoid_router.scaling == 3.0 and ours.layer_types == tuple(hub["layer_types"][:5])
+    assert (6, "sliding layers' attention heads") in ours.tp_splits()
+    assert total_params(ours) - param_counts(ours)["head"] == _meta_params(
+        transformers.models.step3p7.modeling_step3p7.Step3p7TextModel, cfg)
+    # by hand: a sliding layer's attention, 6 heads of 16 over 2 KV heads, a gate per head, two q/k norm weights
+    att = 64 * (6 * 16 + 6 + 2 * 2 * 16) + 6 * 16 * 64 + 2 * 16
+    assert param_counts(ours.with_layers(2))["attention"] == att + 64 * (4 * 16 + 4 + 2 * 2 * 16) + 4 * 16 * 64 + 32
+    planned = from_hf_config(_write(tmp_path, "kv", _step_hub(attention_other_setting={"num_attention_heads": 6,
+                                                                                        "num_attention_groups": 1})))
+    assert planned.sliding_kv_heads == 1 and "not trained" in trainable(planned)
+    with pytest.raises(ValueError) as e:
+        from_hf_config(_write(tmp_path, "hd", _step_hub(attention_other_setting={"head_dim": 32})))
+    assert "\n" not in str(e.value) and "attention_other_setting.head_dim" in str(e.value)
+    for key, v in (("swiglu_limits", [7.0]), ("moe_layers_enum", "2,x"), ("partial_rotary_factors", [0.5])):
+        with pytest.raises(ValueError) as e:
+            from_hf_config(_write(tmp_path, f"bad_{key}", _step_hub(**{key: v})))
+        assert "\n" not in str(e.value) and key in str(e.value), str(e.value)
+
+
 def test_granite_swa_rope_bases_by_layer_read_as_the_layer_kinds_take_them(tmp_path):
     """Granite-SWA's `layer_rope_theta` (a base a layer, 0: no RoPE) trains where the bases follow the layer kinds:
     one for all, none for the full layers (nope_full_layers), or the sliding layers' own (sliding_rope_theta); bases
@@ -880,7 +942,7 @@ def test_glm5_reads_as_deepseek_v3_blocks_with_its_indexer(tmp_path):
 @pytest.mark.parametrize("model_type, cls, rel", [
     ("hy_v3", "HYV3ForCausalLM", 0), ("flex_olmo", "FlexOlmoForCausalLM", 0),
     ("qwen3_vl_moe", "Qwen3VLMoeTextModel", 0),
-    ("step3p7", "Step3p7TextModel", 2.5e-4), ("mimo_v2_flash", "MiMoV2FlashForCausalLM", 0),
+    ("step3p7", "Step3p7TextModel", 0), ("mimo_v2_flash", "MiMoV2FlashForCausalLM", 0),
     ("exaone_moe", "ExaoneMoeForCausalLM", 0), ("afmoe", "AfmoeForCausalLM", 0),
     ("cohere2_moe", "Cohere2MoeForCausalLM", 0)])
 def test_moe_types_read_by_their_fields_as_transformers_counts(tmp_path, capsys, model_type, cls, rel):
@@ -889,11 +951,10 @@ def test_moe_types_read_by_their_fields_as_transformers_counts(tmp_path, capsys,
     GLM-4.5's blocks (a shared expert by count, `num_shared_experts` × the experts' width, the dense first layer by
     `mlp_layer_types`; K-EXAONE's full layers without RoPE), exactly.
     AFMoE (four norms a layer, the output gate) and FlexOlmo (OLMoE's blocks, two norms after the sublayers) too.
-    Types the core does not know read by the fields most MoE configs share: Step-3.5's shared expert by width
-    (`share_expert_dim`). Their parameters (transformers' default configs cut to four
-    layers; the text model of the multimodal ones) equal transformers' own but for what no standard field names:
-    per-head q/k norm weights and a router's correction bias, and Step-3.5's per-head output gate (under 0.02%).
-    Cohere2-MoE (one LayerNorm a layer, its parallel block) is counted exactly too."""
+    Step-3.7's text model as GLM-4.5's blocks with its gate per head, (1 + w) norms and a shared expert by width
+    (`share_expert_dim`). Their parameters (transformers' default configs cut to four layers; the text model of
+    the multimodal ones) equal transformers' own, the routers' correction biases (buffers there) aside. Cohere2-MoE
+    (one LayerNorm a layer, its parallel block) is counted exactly too."""
     import transformers
 
     cfg = transformers.AutoConfig.for_model(model_type)
@@ -905,10 +966,10 @@ def test_moe_types_read_by_their_fields_as_transformers_counts(tmp_path, capsys,
     cfg.save_pretrained(tmp_path / model_type)
     m = from_hf_config(tmp_path / model_type / "config.json")
     known = model_type in ("qwen3_vl_moe", "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo",
-                           "cohere2_moe")  # trained
+                           "cohere2_moe", "step3p7")  # trained
     assert ("is not known; read by its standard fields as a MoE model" in capsys.readouterr().err) != known
     theirs = _meta_params(getattr(transformers, cls), cfg, skip=() if known else ("q_norm", "k_norm"),
-                          biases=model_type in ("mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe"))
+                          biases=model_type in ("mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "step3p7"))
     theirs += param_counts(m)["head"] if cls.endswith("TextModel") else 0  # the text model without its head
     assert abs(total_params(m) - theirs) <= rel * theirs, (total_params(m), theirs)
     if model_type == "hy_v3":

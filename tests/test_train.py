@@ -160,14 +160,15 @@ def test_grouped_step_holds_one_groups_fp32_gradients():
     params = [torch.nn.Parameter(torch.randn(*s).to(torch.bfloat16)) for s in sizes]
     opt = MasterAdamW([(f"p{i}", p) for i, p in enumerate(params)], lr=1e-3, max_grad_norm=1.0, group_numel=32)
     assert opt.groups == [[0], [1], [2], [3]]
-    persistent = {id(t) for m in opt.masters for t in (m, *opt.opt.state[m].values())}
-    seen = []
+    seen, before = [], set()
     inner = opt.opt.step
 
-    def counting_step():
-        live = [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dtype == torch.float32
-                and o.numel() > 1 and id(o) not in persistent]
-        seen.append(sorted(t.numel() for t in live))
+    def fp32_tensors() -> list:
+        return [o for o in gc.get_objects() if isinstance(o, torch.Tensor) and o.dtype == torch.float32
+                and o.numel() > 1]
+
+    def counting_step():  # the fp32 tensors made since the update began (masters and moments were there before)
+        seen.append(sorted(t.numel() for t in fp32_tensors() if id(t) not in before))
         return inner()
 
     opt.opt.step = counting_step
@@ -175,6 +176,7 @@ def test_grouped_step_holds_one_groups_fp32_gradients():
         seen.clear()
         for p in params:
             p.grad = torch.full_like(p, scale)
+        before = {id(t) for t in fp32_tensors()}
         opt.step()
         assert seen == [[32], [24], [16], [20]], (scale, seen)
         assert all(bool((p.grad == scale).all()) for p in params)  # the clip scaled the copies, not the grads
