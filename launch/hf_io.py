@@ -666,7 +666,8 @@ def hf_config(shape: ModelShape) -> dict:
                        swiglu_limits=list(shape.swiglu_limits) or None,
                        swiglu_limits_shared=list(shape.swiglu_limits_shared) or None,
                        rope_parameters={"full_attention": full, "sliding_attention": {
-                           **full, "rope_theta": shape.rope_theta_at("sliding_attention"),
+                           **({"rope_type": "default"} if shape.sliding_rope_plain else full),
+                           "rope_theta": shape.rope_theta_at("sliding_attention"),
                            "partial_rotary_factor": shape.rotary_factor_at("sliding_attention")}})
             for k in ("n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
                       "norm_topk_prob", "num_mtp_layers"):

@@ -187,11 +187,12 @@ def rope_frequencies(s: ModelShape, device=None, theta: float | None = None, kin
                      ) -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies [R/2] and the factor cos/sin are scaled by, for the shape's RoPE scaling (none,
     linear, llama3 or YaRN; docs/training.md "RoPE scaling" derives the YaRN and llama3 bands), at the base `theta`
-    (None: the shape's rope_theta), over a `kind` layer's rotated channels."""
+    (None: the shape's rope_theta), over a `kind` layer's rotated channels (Step-3.7's sliding layers unscaled:
+    `ModelShape.sliding_rope_plain`)."""
     dim = rotary_dim(s, kind)
     theta = s.rope_theta if theta is None else theta
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
-    sc = s.rope_scaling
+    sc = None if kind == "sliding_attention" and s.sliding_rope_plain else s.rope_scaling
     if sc is None:
         return inv, 1.0
     if sc.kind == "linear":
@@ -279,10 +280,10 @@ def rope_cos_sin(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype, k
 
 def layer_ropes(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype) -> dict[str, tuple]:
     """The decoder layers' cos and sin: "main" for every layer, and "sliding_attention" for the sliding layers where
-    they rotate at a base or over a share of their own (MiMo-V2-Flash, Step-3.7); `DecoderLayer.forward` takes its
-    layer's."""
+    they rotate at a base or over a share of their own, or without the RoPE scaling (MiMo-V2-Flash, Step-3.7);
+    `DecoderLayer.forward` takes its layer's."""
     ropes = {"main": rope_cos_sin(positions_T, s, dtype)}
-    if (s.sliding_rope_theta or s.sliding_rotary_factor) and s.num_sliding_layers:
+    if (s.sliding_rope_theta or s.sliding_rotary_factor or s.sliding_rope_plain) and s.num_sliding_layers:
         ropes["sliding_attention"] = rope_cos_sin(positions_T, s, dtype, "sliding_attention")
     return ropes
 

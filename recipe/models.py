@@ -310,7 +310,9 @@ def trainable(shape: "ModelShape") -> str | None:
           or shape.logit_scale != 1.0 or shape.shared_expert_mean or shape.sigmoid_top or shape.rotated_prefix)
          and shape.hf_model_type != "cohere2_moe"),
         ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
-         and shape.rope_scaling is not None),
+         and shape.rope_scaling is not None and not shape.sliding_rope_plain),
+        ("sliding layers without the RoPE scaling outside Step-3.7", shape.sliding_rope_plain
+         and shape.hf_model_type != "step3p5"),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
          and shape.softmax_router is None),
         (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and (
@@ -419,6 +421,8 @@ class ModelShape(Record):
     swiglu_limits: tuple[float, ...] = ()
     swiglu_limits_shared: tuple[float, ...] = ()
     offset_norms: bool = False  # RMSNorms scale by (1 + w) outside the Qwen3.5 archs (Step-3.7's, Gemma's form)
+    # the RoPE scaling is the full layers' alone, the sliding ones rotate plain (Step-3.7's `rope_parameters`)
+    sliding_rope_plain: bool = False
     # the full-attention layers take no RoPE where the sliding layers do (K-EXAONE's, AFMoE's global layers)
     nope_full_layers: bool = False
     # the dense prefix layers take RoPE whatever their kind (Cohere2-MoE's prefix of sliding-window pattern 1, whose
@@ -688,7 +692,8 @@ class ModelShape(Record):
                                        ("embedding_scale", 1.0), ("norm_kind", "rms"), ("logit_scale", 1.0),
                                        ("rope_pairs", False), ("shared_expert_mean", False), ("sigmoid_top", False),
                                        ("rotated_prefix", False), ("head_gate", False), ("swiglu_limits", ()),
-                                       ("swiglu_limits_shared", ()), ("offset_norms", False))
+                                       ("swiglu_limits_shared", ()), ("offset_norms", False),
+                                       ("sliding_rope_plain", False))
                   if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
@@ -1893,6 +1898,8 @@ def _step3p5(cfg: dict, fields: dict, n_layers: int, rope_by_type: dict | None, 
     if share is not None and number(share, "rope_parameters.sliding_attention.partial_rotary_factor") != \
             fields.get("partial_rotary_factor", 1.0):
         fields["sliding_rotary_factor"] = float(share)
+    if fields.get("rope_scaling") is not None and sliding and sliding.get("rope_type", "default") == "default":
+        fields["sliding_rope_plain"] = True  # the full layers' scaling (the releases' `rope_scaling`) alone
     gating = cfg.get("gating", True)
     if gating is True or gating == "per-head":
         fields["head_gate"] = True

@@ -713,8 +713,8 @@ def test_a_qwen3_vl_moe_checkpoint_trains_its_text_model(layout, tmp_path):
     _text_model_equals_the_multimodal_model(hf, shape, tmp_path, "Qwen3MoeForCausalLM")
 
 
-# Step-3.7's text model: a full layer (4 heads, half of each rotated at base 5e6) and three sliding ones (window 8,
-# 6 heads, all rotated at base 1e4), a gate per head, q·k scaled by 1/√20, (1 + w) norms, a dense first layer, a
+# Step-3.7's text model: a full layer (4 heads, half of each rotated at base 5e6 under llama3 scaling from 16
+# positions) and three sliding ones (window 8, 6 heads, all rotated at base 1e4, unscaled), a gate per head, q·k scaled by 1/√20, (1 + w) norms, a dense first layer, a
 # shared expert, and clamped SwiGLU on the last layer's experts, shared expert and the dense layer (bounds small
 # enough to clamp this model's activations); one MTP layer in the checkpoint, skipped
 STEP = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_heads=4, num_attention_groups=2,
@@ -726,7 +726,9 @@ STEP = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_he
                                      "num_attention_groups": 2, "head_dim": 16},
             swiglu_limits=[0.0, 0.0, 0.0, 0.02, 0.0], swiglu_limits_shared=[0.02, 0.0, 0.0, 0.02, 0.0],
             moe_router_scaling_factor=1.5, query_pre_attn_scalar=20, num_nextn_predict_layers=1, rms_norm_eps=1e-6,
-            max_position_embeddings=128, pad_token_id=1)
+            max_position_embeddings=128, pad_token_id=1,
+            rope_scaling={"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+                          "original_max_position_embeddings": 16})
 
 
 def _step_hub_checkpoint(sd: dict, head: torch.Tensor) -> dict:
@@ -757,6 +759,7 @@ def test_step37_matches_transformers_text_model(tmp_path):
     from transformers.models.step3p7.modeling_step3p7 import Step3p7TextModel
 
     from launch.hf_io import hf_to_ours
+    from recipe.models import trainable
 
     cfg = Step3p7TextConfig(**STEP)
     hf = _built(Step3p7TextModel, cfg)
@@ -767,6 +770,7 @@ def test_step37_matches_transformers_text_model(tmp_path):
     (tmp_path / "hub" / "config.json").write_text(json.dumps({"model_type": "step3p5", **STEP}))
     shape = from_hf_config(tmp_path / "hub" / "config.json")
     assert (shape.arch, shape.sliding_heads, shape.head_gate, shape.query_pre_attn_scalar) == ("glm4_moe", 6, True, 20.0)
+    assert (shape.rope_scaling.kind, shape.sliding_rope_plain, trainable(shape)) == ("llama3", True, None)
     ours = build_model(shape, seed=1)
     load_hf_checkpoint(ours, tmp_path / "hub")
     ours.eval()

@@ -825,6 +825,14 @@ def test_step37_reads_its_hub_and_transformers_forms_alike(tmp_path):
     # by hand: a sliding layer's attention, 6 heads of 16 over 2 KV heads, a gate per head, two q/k norm weights
     att = 64 * (6 * 16 + 6 + 2 * 2 * 16) + 6 * 16 * 64 + 2 * 16
     assert param_counts(ours.with_layers(2))["attention"] == att + 64 * (4 * 16 + 4 + 2 * 2 * 16) + 4 * 16 * 64 + 32
+    # the releases' rope_scaling is the full layers' alone (transformers puts it in their rope_parameters)
+    scaled = dict(rope_scaling={"rope_type": "llama3", "factor": 2.0, "low_freq_factor": 1.0, "high_freq_factor": 32.0,
+                                "original_max_position_embeddings": 1024})
+    hub_scaled = from_hf_config(_write(tmp_path, "scaled", _step_hub(**scaled)))
+    Step3p7TextConfig(**{k: v for k, v in _step_hub(**scaled).items() if k != "model_type"}).save_pretrained(
+        tmp_path / "hf_scaled")
+    assert same(hub_scaled) == same(from_hf_config(tmp_path / "hf_scaled" / "config.json"))
+    assert (hub_scaled.rope_scaling.kind, hub_scaled.sliding_rope_plain, trainable(hub_scaled)) == ("llama3", True, None)
     planned = from_hf_config(_write(tmp_path, "kv", _step_hub(attention_other_setting={"num_attention_heads": 6,
                                                                                         "num_attention_groups": 1})))
     assert planned.sliding_kv_heads == 1 and "not trained" in trainable(planned)
