@@ -50,11 +50,12 @@ from launch.hf_files import safetensors_files
 from launch.model import GatedDeltaNet, Transformer, assign_full, whole_model_name
 from recipe.models import ModelShape
 
-# MTP (DeepSeek's `mtp.`, MiniMax-M2's `mtp_modules.`), vision (Qwen3.5's `visual.`, Llama 4's `vision_model.` and
-# `multi_modal_projector.`, Kimi-K2.5's `vision_tower.` and `mm_projector.`), Qwen3-Omni's audio tower, talker and
-# code-to-wave model (its thinker's text model is read, under `thinker.`)
+# MTP (DeepSeek's `mtp.`, MiniMax-M2's `mtp_modules.`), vision (Qwen3.5's `visual.`, Llama 4's and Step-3.7's
+# `vision_model.`, Llama 4's `multi_modal_projector.`, Step-3.7's `vit_large_projector.`, Kimi-K2.5's `vision_tower.`
+# and `mm_projector.`), Qwen3-Omni's audio tower, talker and code-to-wave model (its thinker's text model is read,
+# under `thinker.`)
 _SKIP = re.compile(r"^(model\.|thinker\.)?(mtp[._]|visual\.|vision_model\.|vision_tower\.|multi_modal_projector\.|"
-                   r"mm_projector\.|audio_tower\.)|^(talker|code2wav)\.")
+                   r"vit_large_projector\.|mm_projector\.|audio_tower\.)|^(talker|code2wav)\.")
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # Mixtral's names for the MoE block and its experts' three matrices (ours: `mlp`, gate_proj/up_proj/down_proj)
 _MIXTRAL_BLOCK = re.compile(r"^(layers\.\d+)\.block_sparse_moe\.")
@@ -216,12 +217,13 @@ def dequantize_packed(packed: torch.Tensor, scale: torch.Tensor, bits: int, grou
 
 
 def dequantize_fp8(w: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]) -> torch.Tensor:
-    """An fp8 weight [O, I] times its scales [⌈O/bo⌉, ⌈I/bi⌉] (each covering one bo × bi block), in bf16 (the
-    product of a 4-bit significand and an fp32 scale, rounded once; bf16 halves what a layer's read holds in host
-    memory, DeepSeek-V3's MoE layer 23 GB instead of 45)."""
+    """An fp8 weight [..., O, I] times its scales [..., ⌈O/bo⌉, ⌈I/bi⌉] (each covering one bo × bi block; the
+    leading dimensions a stacked tensor's, Step-3.7's experts), in bf16 (the product of a 4-bit significand and an
+    fp32 scale, rounded once; bf16 halves what a layer's read holds in host memory, DeepSeek-V3's MoE layer 23 GB
+    instead of 45)."""
     bo, bi = block
-    o, i = w.shape
-    s = scale_inv.float().repeat_interleave(bo, 0)[:o].repeat_interleave(bi, 1)[:, :i]
+    o, i = w.shape[-2:]
+    s = scale_inv.float().repeat_interleave(bo, -2)[..., :o, :].repeat_interleave(bi, -1)[..., :i]
     return (w.float() * s).to(torch.bfloat16)
 
 

@@ -529,6 +529,22 @@ def test_gradients_match_transformers(arch, tmp_path):
         assert torch.equal(row[1], torch.zeros_like(row[1])) and row[ids[0, 0]].abs().max() > 0
 
 
+def test_fp8_dequantization_by_hand_and_stacked():
+    """Each fp8 value times the scale of its block, by hand on a 3 x 5 weight of 2 x 2 blocks (the last row and
+    column blocks cut short); a stacked [E, O, I] weight (Step-3.7's experts) dequantizes as its experts one by one."""
+    from launch.hf_io import dequantize_fp8
+
+    w = torch.arange(15, dtype=torch.float32).reshape(3, 5).to(torch.float8_e4m3fn)
+    scale = torch.tensor([[1.0, 2.0, 4.0], [0.5, 0.25, 8.0]])
+    want = torch.tensor([[0, 1, 4, 6, 16], [5, 6, 14, 16, 36], [5, 5.5, 3, 3.25, 112]], dtype=torch.float32)
+    assert torch.equal(dequantize_fp8(w, scale, (2, 2)).float(), want)
+    stacked = torch.randn(3, 5, 7).to(torch.float8_e4m3fn)
+    scales = torch.rand(3, 3, 4) + 0.5
+    got = dequantize_fp8(stacked, scales, (2, 2))
+    assert got.shape == (3, 5, 7) and all(torch.equal(got[e], dequantize_fp8(stacked[e], scales[e], (2, 2)))
+                                          for e in range(3))
+
+
 def test_a_block_quantized_fp8_checkpoint_loads_dequantized(tmp_path):
     """A DeepSeek-V3-style fp8 release (float8_e4m3 weights, a `weight_scale_inv` per block of
     `quantization_config.weight_block_size`, here 8 × 8 with ragged edge blocks) loads to exactly the weights the
@@ -732,7 +748,7 @@ STEP = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_he
 
 
 def _step_hub_checkpoint(sd: dict, head: torch.Tensor) -> dict:
-    """transformers' Step3p7TextModel state under the hub's names (the reverse of its conversion for step3p7)."""
+    """transformers' Step3p7TextModel state under the hub's names (the reverse of its conversion for step3p7), with the multimodal release's vision tensors."""
     out = {"lm_head.weight": head}
     for k, v in sd.items():
         layer = k.split(".mlp.")[0]
@@ -743,6 +759,8 @@ def _step_hub_checkpoint(sd: dict, head: torch.Tensor) -> dict:
              .replace("mlp.gate.e_score_correction_bias", "moe.router_bias").replace("mlp.shared_experts.", "share_expert."))
         out["model." + k] = v
     out["model.layers.4.self_attn.q_proj.weight"] = torch.zeros(4 * 16, 32)  # the MTP layer's, skipped
+    # Step-3.7-Flash's vision tower and projector beside the text model, skipped
+    out["vision_model.conv1.weight"], out["vit_large_projector.weight"] = torch.zeros(4, 3), torch.zeros(32, 8)
     return out
 
 
