@@ -982,3 +982,21 @@ def test_a_norm_after_the_moe_makes_the_recomputed_forward_combine():
     # Cohere's parallel block has its one norm before both sublayers: nothing after them, as "pre"
     parallel = pre.model_copy(update={"norm_placement": "parallel", "hf_model_type": "cohere2_moe"})
     assert not parallel.moe_output_saved and layer_saved(parallel, 4096, 2, 1) == (m0, f0)
+
+
+def test_layers_with_their_own_heads_cost_their_own_attention():
+    """Step-3.7's first four layers by hand, at 8,192 tokens: a full layer of 64 heads over 4,096 keys a query on
+    average (causal), three sliding layers of 96 heads over 512, q·k and v 128 wide: attention's forward FLOPs a token
+    are 2·(128 + 128)·(64·4,096 + 3·96·512); a sliding layer's matmuls are its own heads' (q and o 96 · 128 wide) with
+    the gate per head, (h, 96); the working set takes the most heads any layer has."""
+    from recipe.cost import attention_working_set, dense_matmuls, forward_flops_per_token
+
+    m = PRESETS["step37-flash"].with_layers(4)
+    assert m.layer_types == ("full_attention",) + ("sliding_attention",) * 3 and m.sliding_window == 512
+    assert forward_flops_per_token(m, 8192)["attention"] == 2 * 256 * (64 * 4096 + 3 * 96 * 512)
+    h = 4096
+    assert dense_matmuls(m, "sliding_attention", moe=False)[:5] == [(h, 96 * 128), (h, 8 * 128), (h, 8 * 128),
+                                                                    (96 * 128, h), (h, 96)]
+    assert dense_matmuls(m, "full_attention", moe=False)[0] == (h, 64 * 128)
+    narrow = m.model_copy(update={"sliding_heads": None})
+    assert attention_working_set(m, 1024, 1, 1) > attention_working_set(narrow, 1024, 1, 1)
