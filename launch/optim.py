@@ -2,15 +2,15 @@
 non-finite gradient.
 
 The model's parameters hold the compute copy (bf16 on GPU). The update itself is PyTorch's own AdamW over fp32
-master copies (its fused kernel on GPU, one pass reading master, grad and both moments; foreach on CPU): each step
-casts the gradients to fp32 a group at a time (bounded extra memory: at most `group_numel` fp32 gradients live, or
-the one tensor larger than that; the clip scales each cast in place and nothing holds a group's casts past its
-update), steps, and writes the masters back into the compute copy. Where the model is already fp32 the master *is* the
+master copies (its fused kernel on GPU, one pass reading master, grad and both moments, the clip taken inside as
+its gradient scale; foreach on CPU, the clip a pass of its own): each step casts the gradients to fp32 a group at a
+time (bounded extra memory: at most `group_numel` fp32 gradients live, or the one tensor larger than that; nothing
+holds a group's casts past its update), steps, and writes the masters back into the compute copy. Where the model is already fp32 the master *is* the
 parameter (no copy). Persistent bytes per parameter: 2 (bf16 weight) + 2 (bf16 grad) + 4 (master) + 8 (moments) = 16.
 
 Under FSDP2 (launch/parallel.py) the parameters are fp32 DTensor shards and bf16 exists only while a layer is
 gathered: the shard is its own master, its gradient arrives reduce-scattered in fp32, and the same 16 bytes per
-parameter are spread over the ranks. The gradient norm then sums each rank's local squares and all-reduces once
+parameter are spread over the ranks; the fused kernel takes the DTensor shards as they are. The gradient norm then sums each rank's local squares and all-reduces once
 over the world (parameters on the dense mesh and on the expert mesh alike), so clipping sees the whole model.
 """
 
@@ -39,7 +39,7 @@ class NonFiniteError(FloatingPointError):
 class MasterAdamW:
     def __init__(self, named_params, lr: float, betas: tuple[float, float] = (0.9, 0.999), eps: float = 1e-8,
                  weight_decay: float = 0.0, max_grad_norm: float | None = 1.0,
-                 master_dtype: torch.dtype = torch.float32, group_numel: int = 1 << 28):
+                 master_dtype: torch.dtype = torch.float32, group_numel: int = 1 << 28, fused: bool | None = None):
         named = [(n, p) for n, p in named_params if p.requires_grad]
         if not named:
             raise ValueError("no trainable parameters")
@@ -60,10 +60,12 @@ class MasterAdamW:
         groups: dict[tuple, list] = {}
         for m, d in zip(self.masters, self.decays):
             groups.setdefault((d, id(getattr(m, "device_mesh", None))), []).append(m)
-        fused = all(m.is_cuda for m in self.masters) and not self.distributed
+        # PyTorch's fused AdamW (one pass over master, gradient and moments; FSDP2's DTensor shards too) on GPU, its
+        # foreach form elsewhere; the fused kernel also takes the clip, as a gradient scale (`grad_scale`)
+        self.fused = all(m.is_cuda for m in self.masters) if fused is None else fused
         self.opt = torch.optim.AdamW([{"params": ps, "weight_decay": weight_decay if d else 0.0}
                                       for (d, _), ps in groups.items()], lr=lr, betas=betas, eps=eps,
-                                     fused=fused or None, foreach=None if fused else True)
+                                     fused=self.fused or None, foreach=None if self.fused else True)
         # The moments exist from the start, as in a resumed run, so a fresh run lays out memory as a resumed one
         # does: made after the first backward they land in the blocks the activations freed (a 1-layer 32K run on
         # an H200 reserved 38.1 GB started fresh with lazy moments, 36.7 GB resumed).
@@ -110,9 +112,13 @@ class MasterAdamW:
         if self.max_grad_norm is not None and total_f > self.max_grad_norm:
             clip = self.max_grad_norm / (total_f + 1e-6)
         self.num_steps += 1
+        # the clip: inside the fused kernel, which divides each gradient by grad_scale as it reads it; else a pass
+        # scaling the gradients in place
+        fold = self.fused and clip != 1.0
+        self.opt.grad_scale = (torch.tensor(1.0 / clip, device=self.masters[0].device) if fold else None)
         own = [i for i, (m, p) in enumerate(zip(self.masters, self.params)) if m is p and p.grad is not None]
         if own:  # fp32 parameters are their own masters: one update over all of them
-            if clip != 1.0:
+            if clip != 1.0 and not fold:
                 torch._foreach_mul_([_local(self.params[i].grad) for i in own], clip)
             self.opt.step()
         held = {i: self.params[i].grad for i in own}
@@ -124,7 +130,7 @@ class MasterAdamW:
                 continue
             for i in idx:  # fp32 gradients for this group only (bounded extra memory): a fresh cast, scaled in place
                 self.masters[i].grad = self.params[i].grad.to(self.masters[i].dtype, copy=True)
-                if clip != 1.0:
+                if clip != 1.0 and not fold:
                     self.masters[i].grad.mul_(clip)
             self.opt.step()  # masters whose .grad is None (other groups) are skipped
             for i in idx:
@@ -132,6 +138,7 @@ class MasterAdamW:
                 self.params[i].data.copy_(self.masters[i])
         for i, g in held.items():
             self.params[i].grad = g
+        self.opt.grad_scale = None
         return total_f
 
     def zero_grad(self) -> None:

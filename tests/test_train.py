@@ -186,6 +186,32 @@ def test_grouped_step_holds_one_groups_fp32_gradients():
                        for m in opt.masters)
 
 
+def test_fused_step_takes_the_clip_inside_and_equals_the_foreach_step():
+    """The fused AdamW path (the GPU's, forced here on CPU) takes the clip as its kernel's gradient scale instead of a
+    pass over the gradients; over clipped and unclipped steps, for bf16 parameters (grouped casts) and fp32 ones (their
+    own masters), it equals the foreach path's masters and moments to fp32 rounding."""
+    torch.manual_seed(0)
+    init = [torch.randn(6, 5), torch.randn(7)]
+    runs = {}
+    for fused in (False, True):
+        params = [torch.nn.Parameter(init[0].to(torch.bfloat16)), torch.nn.Parameter(init[1].clone())]
+        opt = MasterAdamW([("w", params[0]), ("b", params[1])], lr=1e-2, weight_decay=0.1, max_grad_norm=1.0,
+                          fused=fused)
+        assert opt.fused == fused and opt.opt.defaults["fused"] == (fused or None)
+        norms = []
+        for step, scale in enumerate((30.0, 0.01, 5.0)):  # clipped, not, clipped
+            gen = torch.Generator().manual_seed(step)
+            for p in params:
+                p.grad = (torch.randn(p.shape, generator=gen) * scale).to(p.dtype)
+            norms.append(opt.step())
+            assert getattr(opt.opt, "grad_scale", None) is None  # nothing left for a later step
+        runs[fused] = (norms, [m.detach().clone() for m in opt.masters],
+                       [opt.opt.state[m][k].clone() for m in opt.masters for k in ("exp_avg", "exp_avg_sq")])
+    assert runs[True][0] == runs[False][0] and runs[False][0][0] > 1 > runs[False][0][1]
+    for a, b in zip(runs[True][1] + runs[True][2], runs[False][1] + runs[False][2]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+
+
 def test_nonfinite_loss_and_gradient_are_reported_with_the_step():
     trainer = Trainer(build_model(TINY, seed=0), TrainConfig(lr=1e-3), recompute="full", lm_head="fused")
     batch = _fixed_batch()
