@@ -83,12 +83,17 @@ class MasterAdamW:
 
     @torch.no_grad()
     def grad_norm(self) -> torch.Tensor:
-        """The global L2 norm of all gradients (all ranks' shards together when the parameters are DTensors)."""
-        squares = [torch.linalg.vector_norm(_local(p.grad), dtype=torch.float32).square() / _replicas(p.grad)
-                   for p in self.params if p.grad is not None]
-        if not squares:
+        """The global L2 norm of all gradients (all ranks' shards together when the parameters are DTensors): one
+        multi-tensor norm per (device, dtype, replica count) group of local gradients, not a kernel per tensor."""
+        groups: dict[tuple, list[torch.Tensor]] = {}
+        for p in self.params:
+            if p.grad is not None:
+                g = _local(p.grad)
+                groups.setdefault((g.device, g.dtype, _replicas(p.grad)), []).append(g)
+        if not groups:
             raise RuntimeError("no gradients: call backward() before step()")
-        total = torch.stack(squares).sum()
+        total = sum(torch.stack(torch._foreach_norm(gs, 2, dtype=torch.float32)).square().sum() / replicas
+                    for (_, _, replicas), gs in groups.items())
         if self.distributed:
             dist.all_reduce(total)  # every rank holds a disjoint part of every sharded gradient
         return total.sqrt()

@@ -186,6 +186,18 @@ def test_grouped_step_holds_one_groups_fp32_gradients():
                        for m in opt.masters)
 
 
+def test_grad_norm_over_mixed_dtypes_by_hand():
+    """The global norm over bf16 and fp32 gradients (multi-tensor norms by dtype) is √(Σ g²) by hand: 3·4² over a
+    bf16 [3] and 2·1.5² + 6² over an fp32 [3] with one element 6 → √(48 + 4.5 + 36) = √88.5; parameters without a
+    gradient are left out."""
+    ps = [torch.nn.Parameter(torch.zeros(3, dtype=torch.bfloat16)), torch.nn.Parameter(torch.zeros(3)),
+          torch.nn.Parameter(torch.zeros(2))]
+    opt = MasterAdamW([(f"p{i}", p) for i, p in enumerate(ps)], lr=1e-3)
+    ps[0].grad = torch.full((3,), 4.0, dtype=torch.bfloat16)
+    ps[1].grad = torch.tensor([1.5, -1.5, 6.0])
+    assert opt.grad_norm().item() == pytest.approx(88.5 ** 0.5, rel=1e-7)
+
+
 def test_fused_step_takes_the_clip_inside_and_equals_the_foreach_step():
     """The fused AdamW path (the GPU's, forced here on CPU) takes the clip as its kernel's gradient scale instead of a
     pass over the gradients; over clipped and unclipped steps, for bf16 parameters (grouped casts) and fp32 ones (their
