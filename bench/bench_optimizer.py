@@ -12,14 +12,13 @@ MasterAdamW's 40 bytes a parameter (recipe/cost.py ADAM_BYTES_MOVED) and its rat
 from __future__ import annotations
 
 import argparse
-import os
 import statistics
 import sys
 import time
-import types
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 
 def main() -> None:
@@ -35,7 +34,8 @@ def main() -> None:
 
     from launch.model import build_model
     from launch.optim import MasterAdamW
-    from launch.parallel import build_meshes, init_distributed, parallelize
+    from _world_one import plan_of_one, world_of_one
+    from launch.parallel import parallelize
     from recipe.cost import ADAM_BYTES_MOVED
     from recipe.models import resolve_model
 
@@ -95,16 +95,9 @@ def main() -> None:
     del local
 
     # FSDP2 at world size 1 (the expert-parallel path): fp32 shards, their own masters
-    for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29533"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-        os.environ.setdefault(k, v)
-    if device.type == "cuda":
-        torch.cuda.set_device(0)
-    init_distributed(device.type)
-    one = types.SimpleNamespace(pp=1, tp=1, cp=1, ep=1, dp=1, etp=1, edp=1, world=1)
-    plan = types.SimpleNamespace(layout=one, train=types.SimpleNamespace(recompute="full", keep_layers=0,
-                                                                         ep_overlap_chunks=1))
-    sharded = parallelize(build_model(shape, device=device, dtype=dtype, seed=0), plan,
-                          build_meshes(one, device.type), ep_dispatch=True)
+    one, meshes = world_of_one(device.type, 29533)
+    sharded = parallelize(build_model(shape, device=device, dtype=dtype, seed=0), plan_of_one(one), meshes,
+                          ep_dispatch=True)
     for r in range(args.rounds):
         for fused in (True, False):
             for norm, what in ((10.0, "clipped"), (0.5, "unclipped")):

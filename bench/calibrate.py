@@ -42,7 +42,6 @@ from __future__ import annotations
 import argparse
 import gc
 import json
-import os
 import platform
 import statistics
 import subprocess
@@ -295,17 +294,9 @@ def run_grid(args) -> None:
     if any(p[3] for g in grid for p in g[2]):
         import torch.distributed as dist
 
-        from launch.parallel import build_meshes, init_distributed
+        from _world_one import world_of_one
 
-        for k, v in (("MASTER_ADDR", "127.0.0.1"), ("MASTER_PORT", "29531"), ("RANK", "0"), ("WORLD_SIZE", "1")):
-            os.environ.setdefault(k, v)
-        if device.type == "cuda":
-            torch.cuda.set_device(0)
-        init_distributed(device.type)
-        import types
-
-        one = types.SimpleNamespace(pp=1, tp=1, cp=1, ep=1, dp=1, etp=1, edp=1, world=1)
-        ep_meshes = (one, build_meshes(one, device.type))
+        ep_meshes = world_of_one(device.type, 29531)
     from launch.job import StackLimit
 
     stack = None  # read once a CUDA context exists (the first model built), before any kernel is tuned
@@ -381,13 +372,11 @@ def run_grid(args) -> None:
                     if device.type == "cuda":
                         torch.cuda.empty_cache()
                     if ep and ep_meshes is not None:
-                        import types
+                        from _world_one import plan_of_one
 
                         from launch.parallel import parallelize
 
-                        plan = types.SimpleNamespace(layout=ep_meshes[0], train=types.SimpleNamespace(
-                            recompute=rc, keep_layers=keep, ep_overlap_chunks=1))
-                        model = parallelize(model, plan, ep_meshes[1], ep_dispatch=True)
+                        model = parallelize(model, plan_of_one(ep_meshes[0], rc, keep), ep_meshes[1], ep_dispatch=True)
                     trainer = Trainer(model, TrainConfig(lr=1e-6), recompute=rc, keep_layers=keep, lm_head=head)
                     current = (rc, ep, keep)
                 trainer.lm_head = head
