@@ -217,7 +217,14 @@ def run_hf(shape, T: int, device, steps: int) -> dict:
     from launch.hf_io import hf_config
 
     cfg_dict = {k: v for k, v in hf_config(shape).items() if k != "architectures"}
-    config = transformers.AutoConfig.for_model(cfg_dict.pop("model_type"), **cfg_dict)  # the shape's own family
+    model_type = cfg_dict.pop("model_type")
+    if model_type == "step3p5":  # Step-3.7: transformers' only class with its head is the multimodal one, whose
+        # vision tower is cut to one layer of width 16 here (text input never reaches it)
+        from transformers.models.step3p7.configuration_step3p7 import Step3p7Config
+
+        config = Step3p7Config(text_config=cfg_dict, vision_config=dict(width=16, layers=1, heads=1, image_size=28))
+    else:
+        config = transformers.AutoConfig.for_model(model_type, **cfg_dict)  # the shape's own family
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     # built directly in the compute dtype: an fp32 build then cast leaves ~17 GiB of freed fp32 blocks in the
     # caching allocator, which was enough to push transformers' 32K step (≈117 GiB peak) out of memory
@@ -225,7 +232,8 @@ def run_hf(shape, T: int, device, steps: int) -> dict:
     torch.set_default_dtype(dtype)
     try:
         with torch.device(device):
-            model = transformers.AutoModelForCausalLM.from_config(config)
+            model = (transformers.Step3p7ForConditionalGeneration(config) if model_type == "step3p5"
+                     else transformers.AutoModelForCausalLM.from_config(config))
     finally:
         torch.set_default_dtype(default)
     if device.type == "cuda":
