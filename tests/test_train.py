@@ -224,6 +224,43 @@ def test_fused_step_takes_the_clip_inside_and_equals_the_foreach_step():
         assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
 
 
+def test_fused_step_on_fsdp_shards_equals_the_foreach_step(monkeypatch):
+    """FSDP2's shards (fp32 DTensors, their own masters) take the fused kernel and its gradient scale as plain
+    tensors do: over a clipped and an unclipped step in a one-rank gloo world, the fused path's shards and moments
+    equal the foreach path's to fp32 rounding, and the reported norms are equal."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")
+    monkeypatch.setenv("MASTER_PORT", "29547")
+    assert not dist.is_initialized()
+    dist.init_process_group("gloo", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,))
+        torch.manual_seed(0)
+        init = [torch.randn(6, 4), torch.randn(5)]
+        runs = {}
+        for fused in (False, True):
+            params = [torch.nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for t in init]
+            opt = MasterAdamW([("w", params[0]), ("b", params[1])], lr=1e-2, weight_decay=0.1, max_grad_norm=1.0,
+                              fused=fused)
+            assert opt.distributed and all(m is p for m, p in zip(opt.masters, params))
+            norms = []
+            for step, scale in enumerate((20.0, 0.01)):
+                gen = torch.Generator().manual_seed(step)
+                for p, t in zip(params, init):
+                    p.grad = distribute_tensor(torch.randn(t.shape, generator=gen) * scale, mesh, [Shard(0)])
+                norms.append(opt.step())
+            runs[fused] = (norms, [p.to_local().clone() for p in params],
+                           [opt.opt.state[p][k].to_local().clone() for p in params for k in ("exp_avg", "exp_avg_sq")])
+        assert runs[True][0] == runs[False][0] and runs[False][0][0] > 1 > runs[False][0][1]
+        for a, b in zip(runs[True][1] + runs[True][2], runs[False][1] + runs[False][2]):
+            assert torch.allclose(a, b, rtol=1e-5, atol=1e-7)
+    finally:
+        dist.destroy_process_group()
+
+
 def test_nonfinite_loss_and_gradient_are_reported_with_the_step():
     trainer = Trainer(build_model(TINY, seed=0), TrainConfig(lr=1e-3), recompute="full", lm_head="fused")
     batch = _fixed_batch()
