@@ -458,12 +458,11 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
 def _join_step_experts(sd: dict[str, torch.Tensor]) -> None:
     """Step-3.7's stacked gate_proj and up_proj [E, I, D] a MoE layer, as its releases hold them, into our
     gate_up_proj [E, 2I, D] (rows [gate | up] an expert), in place."""
-    for key in [k for k in sd if (hit := _STEP_EXPERTS.match(k)) and hit.group(2) == "gate_proj"]:
-        layer = _STEP_EXPERTS.match(key).group(1)
+    for layer in [hit.group(1) for k in sd if (hit := _STEP_EXPERTS.match(k)) and hit.group(2) == "gate_proj"]:
         up = sd.pop(f"{layer}.moe.up_proj.weight", None)
         if up is None:
             raise ValueError(f"{layer}.moe: gate_proj without up_proj in the checkpoint")
-        sd[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([sd.pop(key), up], dim=1)
+        sd[f"{layer}.mlp.experts.gate_up_proj"] = torch.cat([sd.pop(f"{layer}.moe.gate_proj.weight"), up], dim=1)
 
 
 _GATE_PROJ = re.compile(r"^(.*self_attn)\.gate_proj\.weight$")

@@ -183,14 +183,13 @@ def _mscale(factor: float, m: float = 1.0) -> float:
     return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0
 
 
-def rope_frequencies(s: ModelShape, device=None, theta: float | None = None, kind: str = "full_attention"
-                     ) -> tuple[torch.Tensor, float]:
+def rope_frequencies(s: ModelShape, device=None, kind: str = "full_attention") -> tuple[torch.Tensor, float]:
     """RoPE inverse frequencies [R/2] and the factor cos/sin are scaled by, for the shape's RoPE scaling (none,
-    linear, llama3 or YaRN; docs/training.md "RoPE scaling" derives the YaRN and llama3 bands), at the base `theta`
-    (None: the shape's rope_theta), over a `kind` layer's rotated channels (Step-3.7's sliding layers unscaled:
-    `ModelShape.sliding_rope_plain`)."""
+    linear, llama3 or YaRN; docs/training.md "RoPE scaling" derives the YaRN and llama3 bands), for a `kind` layer:
+    its RoPE base (`ModelShape.rope_theta_at`) over its rotated channels (`rotary_dim`), Step-3.7's sliding layers
+    unscaled (`ModelShape.sliding_rope_plain`)."""
     dim = rotary_dim(s, kind)
-    theta = s.rope_theta if theta is None else theta
+    theta = s.rope_theta_at(kind)
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     sc = None if kind == "sliding_attention" and s.sliding_rope_plain else s.rope_scaling
     if sc is None:
@@ -272,7 +271,7 @@ class ScaledEmbedding(nn.Embedding):
 def rope_cos_sin(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype, kind: str = "full_attention"):
     """cos and sin [T, R] of each token's position (R = rotary_dim(s), the pair angles repeated twice) for a `kind`
     layer (its RoPE base: `ModelShape.rope_theta_at`)."""
-    inv_freq, attn = rope_frequencies(s, positions_T.device, s.rope_theta_at(kind), kind)
+    inv_freq, attn = rope_frequencies(s, positions_T.device, kind)
     freqs_TR2 = positions_T.float()[:, None] * inv_freq[None]
     emb_TR = torch.cat([freqs_TR2, freqs_TR2], dim=-1)
     return (emb_TR.cos() * attn).to(dtype), (emb_TR.sin() * attn).to(dtype)
