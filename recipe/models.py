@@ -35,8 +35,12 @@ COMPRESSED_LAYER_TYPES = ("compressed_sparse_attention", "heavily_compressed_att
 
 @dataclass(frozen=True, kw_only=True)
 class LinearAttnShape(Record):
-    """Gated DeltaNet (Qwen3-Next / Qwen3.5 linear attention)."""
+    """Linear attention by the gated delta rule: Gated DeltaNet (`kind` "gated_delta": Qwen3-Next's and Qwen3.5's,
+    one decay per head and token) or Kimi Delta Attention ("kda": Kimi-Linear's, one decay per key channel, head and
+    token, from a low-rank projection of rank head_k_dim; separate q/k/v projections and convolutions, a low-rank
+    output gate and a sigmoid-gated RMSNorm; as many value heads as key heads, of the key heads' size)."""
 
+    kind: Literal["gated_delta", "kda"] = "gated_delta"
     num_k_heads: Pos  # q and k heads
     num_v_heads: Pos  # v heads (a multiple of num_k_heads)
     head_k_dim: Pos
@@ -48,6 +52,10 @@ class LinearAttnShape(Record):
         _positive(self, ("num_k_heads", "num_v_heads", "head_k_dim", "head_v_dim", "conv_kernel", "chunk_size"))
         if self.num_v_heads % self.num_k_heads:
             raise ValueError(f"num_v_heads={self.num_v_heads} is not a multiple of num_k_heads={self.num_k_heads}")
+        if self.kind == "kda" and (self.num_v_heads != self.num_k_heads or self.head_v_dim != self.head_k_dim):
+            raise ValueError(f"Kimi Delta Attention takes as many value heads as key heads, of their size; got "
+                             f"{self.num_k_heads} key heads of {self.head_k_dim} and {self.num_v_heads} value heads "
+                             f"of {self.head_v_dim}")
 
 
 @dataclass(frozen=True, kw_only=True)
