@@ -30,7 +30,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from kernels.gdn_fused import causal_conv1d_silu
-from launch.gated_delta import chunk_factors, fla_status, fold_state_maps, segment_pass, with_incoming_states
+from launch.gated_delta import (chunk_factors, fla_rule, fla_status, fold_state_maps, segment_pass,
+                                with_incoming_states)
 from launch.attention_parts import kernel_for, merged_attention
 from launch.model import Packing, sdpa_kv
 
@@ -344,7 +345,7 @@ def local_segment_pass(q_TGK, k_TGK, v_THV, g_TH, beta_TH, packing: Packing, chu
     [2, H, K, V+K] = [B | M] (segment_pass). `backend` "auto": flash-linear-attention's kernels on CUDA where usable
     (fla_segment_pass; tests/test_model_gpu.py and bench/bench_cp_gdn.py check them against fla on the whole
     sequence), the torch rule elsewhere; "torch" or "fla" to choose."""
-    use_fla = backend != "torch" and q_TGK.is_cuda and fla_status(q_TGK.shape[-1])[0]
+    use_fla = backend != "torch" and q_TGK.is_cuda and fla_status(q_TGK.shape[-1], g_TH.dim() == 3)[0]
     if backend == "fla" and not use_fla:
         raise RuntimeError("delta-rule backend 'fla' requested but unusable here")
     if use_fla:
@@ -375,9 +376,7 @@ def delta_rule_on_one_device(xs, doc_lengths: list[int], cp: int, chunk_size: in
 
 
 def _fla_call(q_TGK, k_TGK, v_THV, g_TH, beta_TH, cu, initial_NHKV):
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
-    o, final = chunk_gated_delta_rule(
+    o, final = fla_rule(g_TH.dim() == 3)(
         q_TGK[None].contiguous(), k_TGK[None].contiguous(), v_THV[None].contiguous(),
         g=g_TH[None].float().contiguous(), beta=beta_TH[None].to(q_TGK.dtype).contiguous(),
         scale=q_TGK.shape[-1] ** -0.5, initial_state=initial_NHKV, output_final_state=True,

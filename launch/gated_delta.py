@@ -1,12 +1,15 @@
-"""The gated delta rule (Gated DeltaNet's token mixer): a chunked torch implementation that runs everywhere, a
+"""The gated delta rule, the token mixer of Gated DeltaNet (one decay per head and token) and of Kimi Delta Attention
+(KDA: one decay per key channel, head and token): a chunked torch implementation that runs everywhere, a
 token-by-token reference for tests, and flash-linear-attention's Triton kernels on GPU when that package is there.
+A gate g of shape [T, H] is Gated DeltaNet's, [T, H, K] KDA's; every function here takes either.
 
 Shape legend: T tokens (one packed sequence), H value heads, G key heads (H = G·r, GVA), K key head dim, V value
 head dim, N chunks, C chunk size.
 
-Recurrence per value head (S is [K, V], one per document, zero at each document's first token):
+Recurrence per value head (S is [K, V], one per document, zero at each document's first token; D_t = diag(exp(g_t))
+over the K rows, the same factor on every row for Gated DeltaNet):
 
-    S_t = exp(g_t) · S_{t-1} + β_t · k_t (v_t − exp(g_t) · S_{t-1}ᵀ k_t)ᵀ,     o_t = S_tᵀ q_t
+    S_t = D_t S_{t-1} + β_t · k_t (v_t − (D_t S_{t-1})ᵀ k_t)ᵀ,     o_t = S_tᵀ q_t
 
 with q, k L2-normalized and q scaled by K^-1/2. docs/training.md derives the chunked form used below and how document
 boundaries enter it as masks (no state or decay crosses a boundary, and no chunk alignment is needed).
@@ -45,20 +48,48 @@ class DeltaRuleChunks:
     """
 
     u: torch.Tensor  # [H, N, C, V]  (I + A)^{-1} diag(β) V
-    w: torch.Tensor  # [H, N, C, K]  (I + A)^{-1} diag(β e^c) K on carry-in tokens
-    attn: torch.Tensor  # [H, N, C, C]  (Q Kᵀ ⊙ Γ) over same-document causal pairs
-    q_read: torch.Tensor  # [H, N, C, K]  Q e^c on carry-in tokens
-    k_write: torch.Tensor  # [H, N, C, K]  K e^{c_C − c} on the chunk's last document
-    gain: torch.Tensor  # [H, N]  e^{c_C} when the whole chunk continues the incoming document, else 0
+    w: torch.Tensor  # [H, N, C, K]  (I + A)^{-1} diag(β) (K ⊙ e^c) on carry-in tokens
+    attn: torch.Tensor  # [H, N, C, C]  the decayed Q Kᵀ over same-document causal pairs
+    q_read: torch.Tensor  # [H, N, C, K]  Q ⊙ e^c on carry-in tokens
+    k_write: torch.Tensor  # [H, N, C, K]  K ⊙ e^{c_C − c} on the chunk's last document
+    gain: torch.Tensor  # [H, N, K]  e^{c_C} (per key channel) when the whole chunk continues the incoming document
     num_tokens: int  # T before padding to whole chunks
     out_dtype: torch.dtype
+
+
+DECAYED_PRODUCT_ELEMENTS = 1 << 24  # KDA's [h, n, C, C, K] pairwise decays are formed this many elements at a time
+
+
+def _decayed_products(x_HNCK: torch.Tensor, y_HNCK: torch.Tensor, cum_HNCK: torch.Tensor,
+                      pair_NCC: torch.Tensor) -> torch.Tensor:
+    """Σ_d x_id y_jd exp(cum_id − cum_jd) for the pairs (i, j) of `pair_NCC` (j ≤ i in one document), else 0:
+    [H, N, C, C]. Per-channel decays do not factor into a row and a column term that both stay finite (exp(−cum_j)
+    overflows once a chunk's decay passes fp32's range), so each pair's decay is formed as it is (≤ 1), a block of
+    chunks at a time, the blocks recomputed in the backward rather than kept."""
+    from torch.utils.checkpoint import checkpoint
+
+    H, N, C, K = x_HNCK.shape
+
+    def block(x, y, cum, pair):
+        decay = torch.where(pair[..., None], cum[..., :, None, :] - cum[..., None, :, :], float("-inf")).exp()
+        return torch.einsum("hnik,hnjk,hnijk->hnij", x, y, decay)
+
+    step = max(1, DECAYED_PRODUCT_ELEMENTS // (H * C * C * K))
+    outs = []
+    for a in range(0, N, step):
+        b = slice(a, a + step)
+        args = (x_HNCK[:, b], y_HNCK[:, b], cum_HNCK[:, b], pair_NCC[b])
+        grad = torch.is_grad_enabled() and any(t.requires_grad for t in args[:3])
+        outs.append(checkpoint(block, *args, use_reentrant=False) if grad else block(*args))
+    return torch.cat(outs, 1)
 
 
 def chunk_factors(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.Tensor, g_TH: torch.Tensor,
                   beta_TH: torch.Tensor, positions_T: torch.Tensor, chunk_size: int = 64) -> DeltaRuleChunks:
     """The chunk-local part of the chunked rule (every chunk at once), in fp32 (fp64 inputs stay fp64). Document
     boundaries are read off `positions_T` (a 0 starts a document); a sequence that is not whole chunks is padded
-    with tokens that form their own document and write nothing."""
+    with tokens that form their own document and write nothing. `g_TH`: [T, H] (one decay per head) or [T, H, K]
+    (per key channel, KDA)."""
     out_dtype = v_THV.dtype
     dt = torch.promote_types(v_THV.dtype, torch.float32)
     T, H, V = v_THV.shape
@@ -71,9 +102,11 @@ def chunk_factors(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.Tensor,
     starts_T = positions_T == 0
 
     pad = (-T) % C
+    per_channel = g.dim() == 3
     if pad:  # padding tokens form their own document and write nothing (k = 0, β = 0)
         q, k, v = (F.pad(x, (0, 0, 0, 0, 0, pad)) for x in (q, k, v))
-        g, beta = (F.pad(x, (0, 0, 0, pad)) for x in (g, beta))
+        g = F.pad(g, (0, 0) * (g.dim() - 1) + (0, pad))
+        beta = F.pad(beta, (0, 0, 0, pad))
         doc_T = torch.cat([doc_T, doc_T.new_full((pad,), int(doc_T[-1]) + 1 if T else 0)])
         starts_T = torch.cat([starts_T, starts_T.new_zeros(pad)])
         starts_T[T] = True
@@ -81,15 +114,15 @@ def chunk_factors(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.Tensor,
 
     # [H, N, C, ...] layout
     q, k, v = (x.permute(1, 0, 2).reshape(H, N, C, -1) for x in (q, k, v))
-    g, beta = (x.permute(1, 0).reshape(H, N, C) for x in (g, beta))
+    beta = beta.permute(1, 0).reshape(H, N, C)
+    # log decays [H, N, C, K'] with K' = K per channel, 1 per head (broadcast over the channels below)
+    g = g.permute(1, 0, 2).reshape(H, N, C, K) if per_channel else g.permute(1, 0).reshape(H, N, C, 1)
     doc_NC, starts_NC = doc_T.view(N, C), starts_T.view(N, C)
 
-    cum = g.cumsum(-1)  # log decay from the chunk's start to each position (includes the position's own g)
+    cum = g.cumsum(-2)  # log decay from the chunk's start to each position (includes the position's own g)
     causal_CC = torch.ones(C, C, dtype=torch.bool, device=q.device).tril()
     same_doc_NCC = doc_NC[:, :, None] == doc_NC[:, None, :]
     pair_NCC = causal_CC & same_doc_NCC
-    # exp(cum_i − cum_j) for j ≤ i in the same document, else 0 (masked before exp: no inf·0)
-    decay_HNCC = torch.where(pair_NCC, cum[..., :, None] - cum[..., None, :], float("-inf")).exp()
     # tokens that continue the document open at the chunk's start read (and are corrected by) the carried state
     carry_in_NC = (doc_NC == doc_NC[:, :1]) & ~starts_NC[:, :1]
     # tokens of the chunk's last document write into the state carried to the next chunk
@@ -97,15 +130,22 @@ def chunk_factors(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV: torch.Tensor,
 
     k_beta = k * beta[..., None]
     v_beta = v * beta[..., None]
-    a_HNCC = (k_beta @ k.transpose(-1, -2)) * decay_HNCC  # only its strictly lower triangle is used
-    read_gain = torch.where(carry_in_NC, cum, float("-inf")).exp()[..., None]
+    if per_channel:
+        a_HNCC = _decayed_products(k_beta, k, cum, pair_NCC)  # only its strictly lower triangle is used
+        attn_HNCC = _decayed_products(q, k, cum, pair_NCC)
+    else:
+        c = cum[..., 0]
+        # exp(cum_i − cum_j) for j ≤ i in the same document, else 0 (masked before exp: no inf·0)
+        decay_HNCC = torch.where(pair_NCC, c[..., :, None] - c[..., None, :], float("-inf")).exp()
+        a_HNCC = (k_beta @ k.transpose(-1, -2)) * decay_HNCC
+        attn_HNCC = (q @ k.transpose(-1, -2)) * decay_HNCC
+    read_gain = torch.where(carry_in_NC[..., None], cum, float("-inf")).exp()
     u = torch.linalg.solve_triangular(a_HNCC, v_beta, upper=False, unitriangular=True)
     w = torch.linalg.solve_triangular(a_HNCC, k_beta * read_gain, upper=False, unitriangular=True)
-    attn_HNCC = (q @ k.transpose(-1, -2)) * decay_HNCC
     q_read = q * read_gain
-    k_write = k * torch.where(carry_out_NC, cum[..., -1:] - cum, float("-inf")).exp()[..., None]
-    chunk_gain_HN = torch.where(carry_in_NC[:, -1], cum[..., -1], float("-inf")).exp()
-    return DeltaRuleChunks(u, w, attn_HNCC, q_read, k_write, chunk_gain_HN, T, out_dtype)
+    k_write = k * torch.where(carry_out_NC[..., None], cum[..., -1:, :] - cum, float("-inf")).exp()
+    chunk_gain_HNK = torch.where(carry_in_NC[:, -1, None], cum[..., -1, :], float("-inf")).exp().expand(H, N, K)
+    return DeltaRuleChunks(u, w, attn_HNCC, q_read, k_write, chunk_gain_HNK, T, out_dtype)
 
 
 def chunk_outputs(f: DeltaRuleChunks, initial_SHKV: torch.Tensor | None = None) -> torch.Tensor:
@@ -124,7 +164,7 @@ def chunk_outputs(f: DeltaRuleChunks, initial_SHKV: torch.Tensor | None = None) 
         v_new = f.u[:, n] - f.w[:, n] @ state  # the part of v the carried state does not already predict
         outs.append(f.q_read[:, n] @ state + f.attn[:, n] @ v_new)
         if (n + 1) % per_segment:
-            state = state * f.gain[:, n, None, None] + f.k_write[:, n].transpose(-1, -2) @ v_new
+            state = state * f.gain[:, n, :, None] + f.k_write[:, n].transpose(-1, -2) @ v_new
     o = torch.stack(outs, 1).reshape(H, N * C, V)[:, :f.num_tokens]
     return o.permute(1, 0, 2).to(f.out_dtype)
 
@@ -152,7 +192,7 @@ def segment_pass(f: DeltaRuleChunks, num_segments: int) -> tuple[torch.Tensor, t
             state = start
         v_new = u_aug[:, n] - f.w[:, n] @ state
         outs.append(f.q_read[:, n] @ state + f.attn[:, n] @ v_new)
-        state = state * f.gain[:, n, None, None] + f.k_write[:, n].transpose(-1, -2) @ v_new
+        state = state * f.gain[:, n, :, None] + f.k_write[:, n].transpose(-1, -2) @ v_new
         if (n + 1) % per_segment == 0:
             maps.append(state)
     o = torch.stack(outs, 1).reshape(H, N * C, V + K)[:, :f.num_tokens]
@@ -273,7 +313,8 @@ def chunk_gated_delta_rule_torch(q_TGK: torch.Tensor, k_TGK: torch.Tensor, v_THV
                                  ) -> torch.Tensor:
     """Chunked gated delta rule in fp32 with document boundaries taken from `positions_T` (a 0 starts a document).
 
-    `g_TH` is the log decay (≤ 0), `beta_TH` the write strength in (0, 1). Returns o [T, H, V] in v's dtype.
+    `g_TH` is the log decay (≤ 0), [T, H] or per key channel [T, H, K]; `beta_TH` the write strength in (0, 1).
+    Returns o [T, H, V] in v's dtype.
     """
     return chunk_outputs(chunk_factors(q_TGK, k_TGK, v_THV, g_TH, beta_TH, positions_T, chunk_size))
 
@@ -290,7 +331,7 @@ def recurrent_gated_delta_rule_ref(q_TGK, k_TGK, v_THV, g_TH, beta_TH, positions
     for t in range(T):
         if int(positions_T[t]) == 0:
             state = torch.zeros_like(state)
-        state = state * g[t].exp()[:, None, None]
+        state = state * (g[t].exp()[:, :, None] if g.dim() == 3 else g[t].exp()[:, None, None])
         pred = torch.einsum("hkv,hk->hv", state, k[t])
         state = state + torch.einsum("hk,hv->hkv", k[t], (v[t] - pred) * beta[t][:, None])
         out[t] = torch.einsum("hkv,hk->hv", state, q[t])
@@ -301,15 +342,16 @@ def recurrent_gated_delta_rule_ref(q_TGK, k_TGK, v_THV, g_TH, beta_TH, positions
 _FLA_STATE: dict = {}
 
 
-def fla_status(head_k_dim: int) -> tuple[bool, str]:
-    """Whether flash-linear-attention's chunked kernel may be used for this head dim, and why (not).
+def fla_status(head_k_dim: int, per_channel: bool = False) -> tuple[bool, str]:
+    """Whether flash-linear-attention's chunked kernel (`chunk_kda` for per-channel decays) may be used for this head
+    dim, and why (not).
 
     fla 0.6.0 refuses its gated backward (`chunk_bwd_dqkwg`) on Hopper with Triton ≥ 3.4, < 3.7.1 (its issue #640):
     the miscompile was reported for BK = 64 tiles. On Hopper the kernel tiles K with BK = min(next_pow2(K), 128), so
     head_k_dim ≥ 128 runs BK = 128, which tests/test_model_gpu.py checks against our torch reference (outputs and
     gradients). We lift the guard only in that case; below 128 we keep fla's refusal and use the torch path.
     """
-    key = head_k_dim
+    key = (head_k_dim, per_channel)
     if key in _FLA_STATE:
         return _FLA_STATE[key]
     if not torch.cuda.is_available():
@@ -317,7 +359,7 @@ def fla_status(head_k_dim: int) -> tuple[bool, str]:
     else:
         try:
             from fla.ops.common import chunk_o
-            from fla.ops.gated_delta_rule import chunk_gated_delta_rule  # noqa: F401
+            fla_rule(per_channel)
         except Exception as e:  # ImportError, or a Triton/driver mismatch at import
             result = (False, f"flash-linear-attention not importable: {e}")
         else:
@@ -335,13 +377,21 @@ def fla_status(head_k_dim: int) -> tuple[bool, str]:
     return result
 
 
+def fla_rule(per_channel: bool):
+    """flash-linear-attention's chunked kernel for the gate's form: `chunk_kda` for per-channel decays (KDA),
+    `chunk_gated_delta_rule` for one decay per head; both take the same arguments here."""
+    if per_channel:
+        from fla.ops.kda import chunk_kda
+        return chunk_kda
+    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
+    return chunk_gated_delta_rule
+
+
 def chunk_gated_delta_rule_fla(q_TGK, k_TGK, v_THV, g_TH, beta_TH, cu_seqlens: torch.Tensor,
                                chunk_size: int = 64) -> torch.Tensor:
-    from fla.ops.gated_delta_rule import chunk_gated_delta_rule
-
     if chunk_size != 64:
         warnings.warn(f"flash-linear-attention uses chunk size 64; chunk_size={chunk_size} is ignored", stacklevel=2)
-    o, _ = chunk_gated_delta_rule(
+    o, _ = fla_rule(g_TH.dim() == 3)(
         q_TGK[None].contiguous(), k_TGK[None].contiguous(), v_THV[None].contiguous(),
         g=g_TH[None].float().contiguous(), beta=beta_TH[None].to(q_TGK.dtype).contiguous(),
         scale=q_TGK.shape[-1] ** -0.5, use_qk_l2norm_in_kernel=True, cu_seqlens=cu_seqlens.long(),
@@ -355,7 +405,7 @@ def gated_delta_rule(q_TGK, k_TGK, v_THV, g_TH, beta_TH, positions_T, cu_seqlens
     if backend not in ("auto", "torch", "fla"):
         raise ValueError(f"delta-rule backend must be auto, torch or fla, got {backend!r}")
     if backend != "torch" and q_TGK.is_cuda:
-        ok, why = fla_status(q_TGK.shape[-1])
+        ok, why = fla_status(q_TGK.shape[-1], g_TH.dim() == 3)
         if ok:
             return chunk_gated_delta_rule_fla(q_TGK, k_TGK, v_THV, g_TH, beta_TH, cu_seqlens, chunk_size)
         if backend == "fla":

@@ -452,7 +452,22 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         _fuse_output_gate(sd, model.shape.head_dim, to_ours=True)
     if model.shape.hf_model_type == "step3p5":
         _join_step_experts(sd)
+    if model.shape.hf_model_type == "kimi_linear":
+        _kimi_kda_to_ours(sd)
     return sd
+
+
+def _kimi_kda_to_ours(sd: dict[str, torch.Tensor]) -> None:
+    """KDA's tensors under our names, in place: A_log one value a head ([1, 1, H, 1] in the releases); from
+    transformers' module tree also the forget gate's own level (`self_attn.forget_gate.f_a_proj` …) and the three
+    convs as one (`self_attn.conv1d` [3·H·K, 1, W], channels [q | k | v])."""
+    for key in [k for k in sd if ".self_attn.forget_gate." in k]:
+        sd[key.replace(".forget_gate.", ".")] = sd.pop(key)
+    for key in [k for k in sd if k.endswith(".self_attn.conv1d.weight")]:
+        for part, t in zip("qkv", sd.pop(key).chunk(3, dim=0)):
+            sd[key.replace(".conv1d.", f".{part}_conv1d.")] = t
+    for key in [k for k in sd if k.endswith(".self_attn.A_log")]:
+        sd[key] = sd[key].reshape(-1)
 
 
 def _join_step_experts(sd: dict[str, torch.Tensor]) -> None:
@@ -608,6 +623,8 @@ def hf_config(shape: ModelShape) -> dict:
                    n_group=r.groups, topk_group=r.topk_groups, routed_scaling_factor=r.scaling,
                    norm_topk_prob=shape.norm_topk_prob, first_k_dense_replace=shape.first_dense_layers,
                    intermediate_size=shape.dense_ffn or shape.expert_ffn, num_mtp_layers=0)
+        if shape.hf_model_type == "kimi_linear":
+            return _kimi_linear_config(shape, cfg)
         if shape.hf_model_type == "dots1":  # dots.llm1: GLM-4.5's blocks, per-head q/k norms, full RoPE
             cfg.update(model_type="dots1", architectures=["Dots1ForCausalLM"], layer_types=list(shape.layer_types))
         elif shape.hf_model_type == "mimo_v2_flash":  # MiMo-V2-Flash: its attention's fields and RoPE by layer type
@@ -785,6 +802,28 @@ def hf_config(shape: ModelShape) -> dict:
     return cfg
 
 
+def _kimi_linear_config(shape: ModelShape, cfg: dict) -> dict:
+    """Kimi-Linear's config.json in its releases' field names (transformers reads the same): the KDA and MLA layers
+    as 1-based lists under `linear_attn_config`, the MoE counts under their own names."""
+    a, la, r = shape.mla, shape.linear_attn, shape.sigmoid_router
+    layers = {kind: [i + 1 for i, t in enumerate(shape.layer_types) if t == kind]
+              for kind in ("linear_attention", "full_attention")}
+    for k in ("n_routed_experts", "n_shared_experts", "n_group", "num_experts_per_tok", "norm_topk_prob",
+              "num_mtp_layers", "max_position_embeddings", "rope_parameters", "head_dim"):
+        cfg.pop(k, None)
+    cfg.update(model_type="kimi_linear", architectures=["KimiLinearForCausalLM"], num_experts=shape.num_experts,
+               num_experts_per_token=shape.top_k, num_shared_experts=shape.shared_expert_ffn // shape.expert_ffn,
+               moe_renormalize=shape.norm_topk_prob, num_expert_group=r.groups, topk_group=r.topk_groups,
+               moe_router_activation_func="sigmoid", moe_layer_freq=1, model_max_length=shape.max_position,
+               q_lora_rank=a.q_lora_rank or None, kv_lora_rank=a.kv_lora_rank, qk_nope_head_dim=a.qk_nope_head_dim,
+               qk_rope_head_dim=a.qk_rope_head_dim, v_head_dim=a.v_head_dim, mla_use_nope=True,
+               rope_theta=shape.rope_theta, num_nextn_predict_layers=0,
+               linear_attn_config={"kda_layers": layers["linear_attention"],
+                                   "full_attn_layers": layers["full_attention"], "num_heads": la.num_k_heads,
+                                   "head_dim": la.head_k_dim, "short_conv_kernel_size": la.conv_kernel})
+    return cfg
+
+
 def _rope_parameters(shape: ModelShape) -> dict:
     out = {"rope_type": "default", "rope_theta": shape.rope_theta,
            "partial_rotary_factor": shape.partial_rotary_factor}
@@ -816,16 +855,19 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
         _fuse_output_gate(sd, model.shape.head_dim, to_ours=False)
     out: dict[str, torch.Tensor] = {}
     mixtral = model.shape.arch in ("mixtral", "minimax_m2")  # MiniMax-M2's releases keep Mixtral's names
-    ours = {v: k for k, v in _MIXTRAL_W.items()} if mixtral else {}
+    ours = {v: k for k, v in _MIXTRAL_W.items()} if mixtral or model.shape.hf_model_type == "kimi_linear" else {}
     name = lambda w: ours.get(w, w)  # noqa: E731 - an expert matrix's name in the checkpoint
 
     step = model.shape.hf_model_type == "step3p5"  # Step-3.7's names: `_names_out`; its experts stacked
+    kimi = model.shape.hf_model_type == "kimi_linear"  # Kimi-Linear's: Mixtral's on its MoE layers
     plural = model.shape.arch in _PLURAL_SHARED_ARCHS and not step
     gpt_oss, ernie = model.shape.arch == "gpt_oss", model.shape.arch == "ernie4_5_moe"
     llama4, granite = model.shape.arch == "llama4", model.shape.arch == "granitemoe"
     bias_on_block = mixtral or model.shape.hf_model_type in ("hy_v3", "exaone_moe", "afmoe")
 
     def block(key: str) -> str:  # Mixtral's MoE block is `block_sparse_moe`; DeepSeek's shared expert plural
+        if kimi and (hit := _LAYER.match(key)) and not model.shape.is_dense_layer(int(hit.group(1))):
+            return _OUR_MOE_BLOCK.sub(r"\1.block_sparse_moe.", _OUR_SHARED_EXPERT.sub(r"\1.shared_experts.", key))
         if plural:
             return _OUR_SHARED_EXPERT.sub(r"\1.shared_experts.", key)
         return _OUR_MOE_BLOCK.sub(r"\1.block_sparse_moe.", key) if mixtral else key
@@ -871,6 +913,8 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
         elif key == "lm_head.weight":
             if not model.shape.tie_embeddings:
                 out[key] = t
+        elif kimi and key.endswith("self_attn.A_log"):  # one a head, kept [1, 1, H, 1] by the releases
+            out["model." + key] = t.reshape(1, 1, -1, 1)
         else:
             out["model." + block(key)] = t
     renamed = {}

@@ -500,9 +500,13 @@ class MLAttention(nn.Module):
                 self.keeps_selection = any(s.dsa.selection_source(i) == layer for i in s.dsa.shared_layers)
         self.rope_backend = "auto"  # as Attention's
         self.context_parallel = None  # as Attention's
+        # Kimi-Linear's MLA layers take no RoPE (`ModelShape.rotated`): the Dr key part is shared, unrotated
+        self.rotary = s.rotated(layer)
 
     def forward(self, x_TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing):
         T = x_TD.shape[0]
+        if not self.rotary:
+            rope = None
         if hasattr(self, "q_b_proj"):
             q_latent = self.q_a_layernorm(self.q_a_proj(x_TD))
             q = self.q_b_proj(q_latent)
@@ -510,10 +514,11 @@ class MLAttention(nn.Module):
             q = self.q_proj(x_TD)
         q = q.view(T, -1, self.qk_dim)  # [T, H, Dn + Dr]: heads from the width (tensor parallelism splits them)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
-        q_rope = apply_rope(q_rope, *rope, pairs=True, backend=self.rope_backend)
         latent, k_rope = self.kv_a_proj_with_mqa(x_TD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
-        k_rope = apply_rope(k_rope.view(T, 1, self.rope_dim), *rope, pairs=True,
-                            backend=self.rope_backend).view(T, self.rope_dim)
+        if rope is not None:
+            q_rope = apply_rope(q_rope, *rope, pairs=True, backend=self.rope_backend)
+            k_rope = apply_rope(k_rope.view(T, 1, self.rope_dim), *rope, pairs=True,
+                                backend=self.rope_backend).view(T, self.rope_dim)
         latent = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)  # [T, C + Dr]: all a key needs
         if self.sparse:
             return self.o_proj(self.sparse_attention(x_TD, q_latent, q_nope, q_rope, latent, rope, packing)
@@ -726,6 +731,78 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o)
 
 
+class SigmoidGatedRMSNorm(nn.Module):
+    """RMSNorm over each head's channels times the weight, then a sigmoid gate (KDA's output norm), all in fp32, the
+    result in x's dtype."""
+
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        xf = x.float()
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
+        return (normed * torch.sigmoid(gate.float())).to(x.dtype)
+
+
+class KimiDeltaAttention(nn.Module):
+    """Kimi Delta Attention (Kimi-Linear's linear attention): the gated delta rule with one decay per key channel.
+    q, k, v from their own projections, each through its own causal depthwise conv + SiLU (per document; the three
+    run as one conv over [q | k | v]); the log decay g = −exp(A_log) · softplus(f_b(f_a(x)) + dt_bias) per head and
+    key channel (f_a a rank-head_dim bottleneck, dt_bias per channel, A_log per head); β = sigmoid(b_proj(x)); the
+    rule's output through an RMSNorm per head gated by sigmoid(g_b(g_a(x))), then o_proj. The parameters carry the
+    releases' names (`self_attn.q_conv1d`, `f_a_proj`, …; A_log one value a head). Head counts in the forward come
+    from the projections' widths (a tensor-parallel rank holds heads/tp of every per-head tensor)."""
+
+    def __init__(self, s: ModelShape):
+        super().__init__()
+        la = s.linear_attn
+        self.num_k_heads = self.num_v_heads = la.num_k_heads
+        self.head_k_dim = self.head_v_dim = la.head_k_dim
+        width = la.num_k_heads * la.head_k_dim
+        self.chunk_size, self.conv_kernel = la.chunk_size, la.conv_kernel
+        self.backend = "auto"  # as GatedDeltaNet's
+        self.conv_backend = "auto"
+        h, d = s.hidden_size, la.head_k_dim
+        self.q_proj, self.k_proj, self.v_proj = (nn.Linear(h, width, bias=False) for _ in range(3))
+        self.q_conv1d, self.k_conv1d, self.v_conv1d = (
+            nn.Conv1d(width, width, la.conv_kernel, groups=width, bias=False) for _ in range(3))
+        self.f_a_proj, self.f_b_proj = nn.Linear(h, d, bias=False), nn.Linear(d, width, bias=False)
+        self.dt_bias = nn.Parameter(torch.zeros(width))
+        self.A_log = nn.Parameter(torch.zeros(la.num_k_heads))
+        self.b_proj = nn.Linear(h, la.num_k_heads, bias=False)
+        self.g_a_proj, self.g_b_proj = nn.Linear(h, d, bias=False), nn.Linear(d, width, bias=False)
+        self.o_norm = SigmoidGatedRMSNorm(d, s.rms_norm_eps)
+        self.o_proj = nn.Linear(width, h, bias=False)
+        self.context_parallel = None  # as GatedDeltaNet's
+
+    def forward(self, x_TD: torch.Tensor, rope, packing: Packing):
+        T, d = x_TD.shape[0], self.head_k_dim
+        qkv = torch.cat([self.q_proj(x_TD), self.k_proj(x_TD), self.v_proj(x_TD)], -1)
+        weight = torch.cat([c.weight[:, 0, :] for c in (self.q_conv1d, self.k_conv1d, self.v_conv1d)])
+        cp = _context_parallel(self, packing)
+        if cp is not None:
+            qkv = cp.causal_conv(qkv, weight, packing, self.conv_backend)
+        else:
+            qkv = causal_conv1d_silu(qkv, weight, packing.positions, backend=self.conv_backend)
+        q, k, v = (t.reshape(T, -1, d) for t in qkv.chunk(3, dim=-1))
+        heads = q.shape[1]
+        f = self.f_b_proj(self.f_a_proj(x_TD)).float() + self.dt_bias.float()
+        g = -self.A_log.float().exp()[:, None] * F.softplus(f.view(T, heads, d))  # [T, H, K] log decay ≤ 0
+        beta = torch.sigmoid(self.b_proj(x_TD))
+        if cp is not None:
+            o = cp.delta_rule(q, k, v, g, beta, packing, self.chunk_size, self.backend)
+        else:
+            o = gated_delta_rule(q, k, v, g, beta, packing.positions, packing.cu_seqlens, self.chunk_size,
+                                 self.backend)
+        gate = self.g_b_proj(self.g_a_proj(x_TD)).view(T, heads, d)
+        return self.o_proj(self.o_norm(o, gate).reshape(T, -1))
+
+
+LINEAR_MIXERS = (GatedDeltaNet, KimiDeltaAttention)  # the delta-rule mixers: what CP and TP install on and split
+
+
 def _context_parallel(mixer: nn.Module, packing: Packing):
     """The mixer's installed ContextParallel for a sharded micro-batch, None for a whole one; a shard reaching a
     mixer without one (or the reverse) is refused rather than attended within the shard."""
@@ -750,6 +827,8 @@ class DecoderLayer(nn.Module):
             self.self_attn = Attention(s, norm_offset, window=s.sliding_window, index=index)
         elif layer_type == "chunked_attention" and s.mla is None and s.attention_chunk:
             self.self_attn = Attention(s, norm_offset, chunk=s.attention_chunk, index=index)
+        elif layer_type == "linear_attention" and s.linear_attn.kind == "kda":  # the releases' name for it
+            self.self_attn = KimiDeltaAttention(s)
         elif layer_type == "linear_attention":
             self.linear_attn = GatedDeltaNet(s)
         else:
@@ -787,9 +866,15 @@ class DecoderLayer(nn.Module):
             # a norm after the MoE block keeps its output for the backward: a recomputed forward must produce it
             self.mlp.experts.output_read = s.moe_output_saved
 
+    @property
+    def mixer(self) -> nn.Module:
+        """The token mixer: `linear_attn` (Gated DeltaNet) or `self_attn` (attention, or KDA under its releases'
+        name)."""
+        return self.linear_attn if hasattr(self, "linear_attn") else self.self_attn
+
     def forward(self, x_TD: torch.Tensor, ropes: dict[str, tuple], packing: Packing) -> torch.Tensor:
         """`ropes`: `layer_ropes`'s cos and sin, this layer's by its type (else the "main" pair)."""
-        mixer = self.linear_attn if self.layer_type == "linear_attention" else self.self_attn
+        mixer = self.mixer
         rope = ropes.get(self.layer_type, ropes["main"])
         if self.norm_placement == "sandwich":
             x_TD = x_TD + self.post_attention_layernorm(mixer(self.input_layernorm(x_TD), rope, packing))

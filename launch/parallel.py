@@ -267,15 +267,15 @@ def _apply_expert_parallel(model: nn.Module, meshes: Meshes, num_chunks: int) ->
 
 def _apply_context_parallel(model: nn.Module, meshes: Meshes) -> None:
     from launch.context_parallel import ContextParallel
-    from launch.model import ATTENTION_MIXERS, GatedDeltaNet
+    from launch.model import ATTENTION_MIXERS, LINEAR_MIXERS
 
-    gdn = [m for m in model.modules() if isinstance(m, GatedDeltaNet)]
+    gdn = [m for m in model.modules() if isinstance(m, LINEAR_MIXERS)]
     chunk = max((m.chunk_size for m in gdn), default=1)
     halo = max((m.conv_kernel - 1 for m in gdn), default=0)
     cp = ContextParallel(meshes.cp_group, chunk=chunk, conv_halo=halo)
     model.context_parallel = cp
     for m in model.modules():
-        if isinstance(m, (*ATTENTION_MIXERS, GatedDeltaNet)):
+        if isinstance(m, (*ATTENTION_MIXERS, *LINEAR_MIXERS)):
             m.context_parallel = cp
 
 

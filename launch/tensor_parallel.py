@@ -9,13 +9,14 @@ then shards each over dp, so checkpoints hold the whole tensors under the same n
     Shard(0)    attention q_proj (per head [query | gate] rows), k_proj, v_proj (and their biases), gpt-oss's
                 sinks (one per query head); MLA's q_proj or q_b_proj and
                 kv_b_proj (per head rows); Gated DeltaNet in_proj_qkv and conv1d (rows grouped per key head,
-                launch/model.py), in_proj_z, in_proj_b, in_proj_a, dt_bias, A_log; a dense layer's MLP gate_proj
+                launch/model.py), in_proj_z, in_proj_b, in_proj_a, dt_bias, A_log; KDA's q/k/v projections and
+                convs, f_b_proj, dt_bias, A_log, b_proj, g_b_proj; a dense layer's MLP gate_proj
                 and up_proj; embed_tokens and lm_head (vocabulary rows)
     Shard(1)    o_proj, out_proj, a dense MLP's down_proj (rowwise: each rank's share gives a partial sum)
     Shard(0)    OLMoE's q/k norms (a weight per channel of q_proj's and k_proj's rows: their sums of squares are
                 summed over the tp ranks, TensorParallel.all_reduce)
-    Replicate   every other dense parameter: the residual-stream RMSNorms, q/k norms and the Gated DeltaNet output
-                norm, MLA's q_a_proj, kv_a_proj_with_mqa and their norms (the latents every head reads), router,
+    Replicate   every other dense parameter: the residual-stream RMSNorms, q/k norms and the Gated DeltaNet and KDA
+                output norms, KDA's f_a_proj and g_a_proj (low-rank inputs every head reads), MLA's q_a_proj, kv_a_proj_with_mqa and their norms (the latents every head reads), router,
                 shared expert and its gate; an attention o_proj bias (each rank adds 1/tp of it to its partial sum,
                 `Attention.o_proj_bias_share`: the reduce-scatter adds it up to one bias, and each rank's gradient,
                 1/tp of the bias's, sums to it)
@@ -159,7 +160,7 @@ class TensorParallel:
 def _placements(model: nn.Module) -> dict[str, str]:
     """Parameter name → "row" (Shard(0)), "col" (Shard(1)) or "rep" (Replicate) for every tp parameter; the routed
     experts are left out (expert parallelism places them)."""
-    from launch.model import Attention, GatedDeltaNet, HeadsRMSNorm, MLAttention
+    from launch.model import Attention, GatedDeltaNet, HeadsRMSNorm, KimiDeltaAttention, MLAttention
 
     out: dict[str, str] = {}
     for name, m in model.named_modules():
@@ -186,6 +187,12 @@ def _placements(model: nn.Module) -> dict[str, str]:
                       "conv1d.weight", "dt_bias", "A_log"):
                 out[prefix + p] = "row"
             out[prefix + "out_proj.weight"] = "col"
+        elif isinstance(m, KimiDeltaAttention):  # every per-head tensor split with the heads; f_a_proj and
+            # g_a_proj (the low-rank bottlenecks every head reads) and the per-head-channel o_norm replicated
+            for p in ("q_proj.weight", "k_proj.weight", "v_proj.weight", "q_conv1d.weight", "k_conv1d.weight",
+                      "v_conv1d.weight", "f_b_proj.weight", "dt_bias", "A_log", "b_proj.weight", "g_b_proj.weight"):
+                out[prefix + p] = "row"
+            out[prefix + "o_proj.weight"] = "col"
         elif _is_dense_mlp(name, m):
             out[prefix + "gate_proj.weight"] = out[prefix + "up_proj.weight"] = "row"
             out[prefix + "down_proj.weight"] = "col"
@@ -211,7 +218,7 @@ def _is_dense_mlp(name: str, module: nn.Module) -> bool:
 
 def check_model(model: nn.Module, tp: int) -> None:
     """One line for a model this tensor parallelism cannot split exactly."""
-    from launch.model import ATTENTION_MIXERS, Attention, GatedDeltaNet
+    from launch.model import ATTENTION_MIXERS, LINEAR_MIXERS, Attention
 
     s = model.shape
     if s.tp_refusal:
@@ -223,7 +230,7 @@ def check_model(model: nn.Module, tp: int) -> None:
                                  f"tensor parallelism); use tp=1")
             if m.num_heads % tp or m.num_kv_heads % tp:
                 raise ValueError(f"tp={tp} does not divide {s.name}'s {m.num_heads} query / {m.num_kv_heads} KV heads")
-        if isinstance(m, GatedDeltaNet) and m.num_k_heads % tp:
+        if isinstance(m, LINEAR_MIXERS) and m.num_k_heads % tp:
             raise ValueError(f"tp={tp} does not divide {s.name}'s {m.num_k_heads} linear-attention key heads")
     if s.vocab_size % tp:
         raise ValueError(f"tp={tp} does not divide {s.name}'s vocabulary of {s.vocab_size}")
@@ -284,7 +291,7 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
     embedding on the first stage, the final norm and head on the last). A Transformer's forward sets the micro-batch's
     token count T (`num_tokens`, what the dense MLPs and the final norm gather to) from its packing; a stage sets it
     itself, from the micro-batch it takes. Between two stages flow the sequence-parallel rows [Tl, D]."""
-    from launch.model import ATTENTION_MIXERS, GatedDeltaNet, Transformer
+    from launch.model import ATTENTION_MIXERS, LINEAR_MIXERS, Transformer
 
     check_model(model, mesh.size())
     tp = TensorParallel(mesh)
@@ -292,7 +299,7 @@ def apply_tensor_parallel(model: nn.Module, mesh) -> TensorParallel:
     mixers, blocks, mlps = [], [], []
     layers = model.layers.values() if isinstance(model.layers, nn.ModuleDict) else model.layers
     for layer in layers:
-        mixer = next(m for m in layer.children() if isinstance(m, (*ATTENTION_MIXERS, GatedDeltaNet)))
+        mixer = next(m for m in layer.children() if isinstance(m, (*ATTENTION_MIXERS, *LINEAR_MIXERS)))
         mixers.append(mixer)
         blocks += [m for m in layer.children() if m is not mixer]  # norms, the MoE / MLP
         mlps += [m for name, m in layer.named_children() if _is_dense_mlp("." + name, m)]

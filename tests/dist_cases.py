@@ -62,7 +62,7 @@ CASES = {
         ["mla_cp2_tp2_ep4", 1, 4, 1, 2, "mla", "full", 2], ["mla_pp2_dp2_ep2", 2, 2, 1, 1, "mla", "full", 1, 2],
         ["dsa_cp2_tp2_ep4", 1, 4, 1, 2, "dsa", "full", 2], ["mimo_cp2_tp2_ep2", 1, 2, 1, 2, "mimo", "full", 2],
         ["afmoe_cp2_tp2_ep2", 1, 2, 1, 2, "afmoe", "full", 2], ["cohere_cp2_dp2_ep2", 2, 2, 1, 2, "cohere"],
-        ["step_cp2_tp2_ep2", 1, 2, 1, 2, "step", "full", 2],
+        ["step_cp2_tp2_ep2", 1, 2, 1, 2, "step", "full", 2], ["kimi_cp2_tp2_ep2", 1, 2, 1, 2, "kimi", "full", 2],
         # pp × tp: an uneven split with ep=2 over each stage's tp ranks (off-policy, sequence-mean), and interleaved
         # over 2 virtual stages a rank with a dense model's MLPs split over tp
         ["pp2_tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2, 2, [3, 1]],
@@ -105,6 +105,7 @@ VARIANTS = {
     "afmoe": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an AFMoE-style model (tiny_afmoe), as "mla"
     "cohere": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Cohere2-MoE-style model (tiny_cohere), as "mla"
     "step": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Step-3.7-style model (tiny_step), as "mla"
+    "kimi": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Kimi-Linear-style model (tiny_kimi), as "mla"
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -226,6 +227,24 @@ def tiny_step():
                       swiglu_limits_shared=(0.05, 0.0, 0.0, 0.05))
 
 
+def tiny_kimi():
+    """Kimi-Linear's blocks at tiny widths: KDA layers (4 heads of 8, per-channel decays, 16-token chunks) around
+    a RoPE-free MLA layer, a dense first layer, a shared expert, sigmoid routing with a correction bias."""
+    from recipe.models import LinearAttnShape, MLAShape, ModelShape, SigmoidRouter
+
+    return ModelShape(name="tiny-kimi", arch="deepseek_v3", hf_model_type="kimi_linear", hidden_size=64,
+                      num_layers=4, vocab_size=512,
+                      layer_types=("linear_attention", "linear_attention", "full_attention", "linear_attention"),
+                      num_heads=4, num_kv_heads=4, head_dim=12, qk_norm=False, nope_full_layers=True,
+                      mla=MLAShape(q_lora_rank=0, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=4,
+                                   v_head_dim=8),
+                      linear_attn=LinearAttnShape(kind="kda", num_k_heads=4, num_v_heads=4, head_k_dim=8,
+                                                  head_v_dim=8, chunk_size=16),
+                      num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=32, router_bias=True,
+                      sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=2.5), first_dense_layers=1,
+                      dense_ffn=48, rms_norm_eps=1e-5)
+
+
 def tiny_olmoe():
     """OLMoE's blocks at tiny widths: q/k norms over all heads together (their sums of squares added over the tp
     ranks), q/k/v/o biases, softmax routing over 8 experts (top-2) without renormalization, a pad token whose
@@ -319,7 +338,7 @@ def tiny_dense():
 VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "dsa": tiny_dsa, "oss": tiny_oss, "olmoe": tiny_olmoe,
                   "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4,
                   "granite": tiny_granite, "swa": tiny_swa, "mimo": tiny_mimo, "afmoe": tiny_afmoe, "cohere": tiny_cohere,
-                  "step": tiny_step}
+                  "step": tiny_step, "kimi": tiny_kimi}
 
 
 def _shape(variant: str):
@@ -334,7 +353,7 @@ _RUN = {"device": torch.device("cpu"), "dtype": torch.float32}
 
 
 def _model(shape, variant: str):
-    from launch.model import GatedDeltaNet, build_model
+    from launch.model import LINEAR_MIXERS, build_model
 
     model = build_model(shape, device=_RUN["device"], dtype=_RUN["dtype"], seed=1)
     with torch.no_grad():  # a correction bias that steers the choice (it is zero at init)
@@ -348,7 +367,7 @@ def _model(shape, variant: str):
     if VARIANTS[variant][3]:
         with torch.no_grad():
             for m in model.modules():
-                if isinstance(m, GatedDeltaNet):
+                if isinstance(m, LINEAR_MIXERS):
                     m.A_log.copy_(torch.tensor(SLOW_DECAY[:m.num_v_heads]).log().to(m.A_log))
     return model
 
