@@ -17,7 +17,7 @@ from typing import Literal
 
 from ._data import Record
 from .hw import HwProfile
-from .models import ModelShape, compressed_projections, param_counts
+from .models import ModelShape, compressed_projections, kda_projections, param_counts
 
 GB = 1e9
 BF16, FP32 = 2, 4
@@ -290,14 +290,17 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
 
 
 def linear_attention_working_set(m: ModelShape, s: float, tp: int, cp: int = 1) -> float:
-    """Gated DeltaNet, as launch/model.py runs it on GPU (fused conv and gated norm, kernels/gdn_fused.py;
-    flash-linear-attention's chunked rule, which takes bf16 q/k/v and recomputes its WY factors in the backward):
-    the q/k/v projection before and after the conv, z, beta and the fp32 log decay, the rule's in-chunk [C x C]
-    matrices and output, the gated-norm output, the block's input and output. The fused kernels save only their
-    inputs. Under CP the rule runs at value width V + K (docs/context_parallel.md): its augmented input's and
+    """Bytes one linear-attention layer's forward saves for its backward, by its kind: Kimi Delta Attention's
+    (`kda_working_set`), or Gated DeltaNet, as launch/model.py runs it on GPU (fused conv and gated norm,
+    kernels/gdn_fused.py; flash-linear-attention's chunked rule, which takes bf16 q/k/v and recomputes its WY factors
+    in the backward): the q/k/v projection before and after the conv, z, beta and the fp32 log decay, the rule's
+    in-chunk [C x C] matrices and output, the gated-norm output, the block's input and output. The fused kernels save
+    only their inputs. Under CP the rule runs at value width V + K (docs/context_parallel.md): its augmented input's and
     output's K extra columns, and Q_eff kept for the completion's backward, K·2 bytes each per token and value
     head."""
     la = m.linear_attn
+    if la.kind == "kda":
+        return kda_working_set(m, s, tp, cp)
     nk, nv = la.num_k_heads / tp, la.num_v_heads / tp
     kd, vd = nk * la.head_k_dim, nv * la.head_v_dim
     proj = s * (2 * kd + vd + vd) * BF16 + s * 2 * nv * FP32  # qkv (conv input), z; beta, g
@@ -306,6 +309,26 @@ def linear_attention_working_set(m: ModelShape, s: float, tp: int, cp: int = 1) 
     out = s * vd * BF16 * 2 + 2 * s * m.hidden_size * BF16  # rule output, norm output; block input and output
     combine = 3 * s * nv * la.head_k_dim * BF16 if cp > 1 else 0.0
     return proj + conv + in_chunk + out + combine
+
+
+def kda_working_set(m: ModelShape, s: float, tp: int, cp: int = 1) -> float:
+    """Kimi Delta Attention (H/tp heads of width D, HD = H/tp·D a rank): what its forward keeps for the backward,
+    at least what a recomputed forward holds. q, k and v as projected (the convs' input) and after the convs and
+    SiLU (the rule's input), s·3·HD·2 each; the low-rank gates' D-wide latents (f_b's and g_b's inputs, not split
+    by tp), s·2·D·2; the output gate (the gated norm's gate input), s·HD·2; the per-channel decay g and its in-chunk
+    cumulative sum in fp32, s·2·HD·4; β in fp32, s·H/tp·4; the rule's two in-chunk [C × C] matrices (A_kk and A_qk)
+    in fp32, s·2·C·H/tp·4; the rule output and the gated-norm output, s·HD·2 each; the block's input and output,
+    2·s·h·2. Under CP the rule's augmented width adds Gated DeltaNet's 3·s·(H/tp)·D·2."""
+    la = m.linear_attn
+    nh = la.num_k_heads / tp
+    d = la.head_k_dim
+    hd = nh * d
+    qkv = 2 * s * 3 * hd * BF16  # before and after the convs
+    gates = s * (2 * d * BF16 + hd * BF16 + 2 * hd * FP32 + nh * FP32)  # latents, output gate; decay, its sums; beta
+    in_chunk = 2 * s * la.chunk_size * nh * FP32
+    out = 2 * s * hd * BF16 + 2 * s * m.hidden_size * BF16  # rule output, norm output; block input and output
+    combine = 3 * s * nh * d * BF16 if cp > 1 else 0.0
+    return qkv + gates + in_chunk + out + combine
 
 
 def routed_row_bytes(m: ModelShape, etp: int = 1) -> tuple[float, float]:
@@ -1145,8 +1168,23 @@ def compute_times(work: dict[str, float], hw: HwProfile, m: ModelShape | None = 
 
 
 def delta_rule_flops_per_token_head(la) -> float:
-    """Forward FLOPs of the plain chunked delta rule per token and value head: 6·d_k·d_v + 4·C·(d_k + d_v)."""
-    return 6 * la.head_k_dim * la.head_v_dim + 4 * la.chunk_size * (la.head_k_dim + la.head_v_dim)
+    """Forward FLOPs of the plain chunked delta rule per token and value head: Gated DeltaNet's 6·d_k·d_v +
+    4·C·(d_k + d_v); Kimi Delta Attention adds what its decay per key channel costs
+    (`kda_decay_flops_per_token_head`)."""
+    k, v, c = la.head_k_dim, la.head_v_dim, la.chunk_size
+    plain = 6 * k * v + 4 * c * (k + v)
+    return plain + kda_decay_flops_per_token_head(la) if la.kind == "kda" else plain
+
+
+def kda_decay_flops_per_token_head(la) -> float:
+    """What Kimi Delta Attention's decay per key channel adds to the chunked rule, per token and head (a decay per
+    head, Gated DeltaNet's, scales whole rows and costs next to nothing): the in-chunk cumulative sum of the log
+    decays, d_k; in the C × C × d_k decayed products k·k and q·k, the decay e^(G_i − G_j) of each pair and channel
+    (a subtraction and an exponential) and one more multiply in each product, 4·C·d_k; q and β·k decayed from the
+    chunk's start before they read the state, 3·d_k; the state decayed to the chunk's end, d_k·d_v/C, and the keys
+    that write it, 3·d_k. 4·C·d_k + 7·d_k + d_k·d_v/C (docs/cost_model.md, section 2)."""
+    k, v, c = la.head_k_dim, la.head_v_dim, la.chunk_size
+    return 4 * c * k + 7 * k + k * v / c
 
 
 def cp_combine_seconds(s: float, num_v_heads: float, la, cp: int, rate: float) -> float:
@@ -1217,8 +1255,8 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
             maps = 2 * nv * la.head_k_dim * (la.head_v_dim + la.head_k_dim) * FP32  # a rank's two segments
             halo = (la.conv_kernel - 1) * (2 * la.num_k_heads * la.head_k_dim + la.num_v_heads * la.head_v_dim) / tp
             cp_bytes += passes["linear"] * (cp - 1) * (maps + 2 * halo * BF16)
-            t_combine = ((passes["linear"] + n["linear"]) * cp_combine_seconds(s, nv, la, cp, r["delta_rule"])
-                         + passes["linear"] * 2 * COLLECTIVE_LATENCY_S)
+            t_combine += ((passes["linear"] + n["linear"]) * cp_combine_seconds(s, nv, la, cp, r["delta_rule"])
+                          + passes["linear"] * 2 * COLLECTIVE_LATENCY_S)
         comm["cp"] = cp_bytes
         t["cp"] = cp_bytes / bw + t_combine
     # TP with sequence parallel: per layer an all-gather and a reduce-scatter around the mixer, and around a dense
@@ -1304,7 +1342,9 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
     """(in, out) widths of one layer's dense matmuls (the mixer's projections; the router and shared expert of a MoE
     layer, or a dense FFN), each a token's GEMM row: 2·in·out FLOPs, in + out activations read and written."""
     h = m.hidden_size
-    if kind == "linear_attention":
+    if kind == "linear_attention" and m.linear_attn.kind == "kda":
+        mixer = kda_projections(m.linear_attn, h)
+    elif kind == "linear_attention":
         la = m.linear_attn
         kd, vd = la.num_k_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
         mixer = [(h, 2 * kd + vd), (h, vd), (h, la.num_v_heads), (h, la.num_v_heads), (vd, h)]

@@ -252,7 +252,8 @@ class RopeScaling(Record):
 # what the training core (launch/) builds: the Qwen3.5 / Qwen3-Next hybrids (MoE and dense), Qwen3-MoE, Mixtral
 # (Qwen3-MoE's block without q/k norms, top-k weights renormalized), Qwen2-MoE (Qwen1.5-MoE, Qwen2-57B-A14B: q/k/v
 # biases, a gated shared expert, softmax routing without renormalization), DeepSeek-V3 (multi-head latent
-# attention, sigmoid routing; Kimi-K2 and Moonlight share it; DeepSeek-V3.2 and GLM-5 with DeepSeek sparse attention)
+# attention, sigmoid routing; Kimi-K2 and Moonlight share it; DeepSeek-V3.2 and GLM-5 with DeepSeek sparse attention;
+# Kimi-Linear with Kimi Delta Attention layers among MLA ones without RoPE)
 # and DeepSeek-V2 (its softmax routing), GLM-4.5
 # (sigmoid routing, q/k/v biases, partial RoPE), gpt-oss (attention sinks, sliding-window layers, biased router and
 # experts, clamped GLU) and dense Llama-family stacks (Llama, Qwen2, Qwen3, Mistral; their sliding windows too), OLMoE
@@ -281,9 +282,9 @@ def trainable(shape: "ModelShape") -> str | None:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
                 f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, "
-                f"Moonlight) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, MiMo-V2-Flash, Hunyuan-V3, "
-                f"K-EXAONE, AFMoE, Step-3.7), Cohere2-MoE, gpt-oss, Llama 4, Granite MoE, Hunyuan-A13B and dense "
-                f"Llama/Qwen/Mistral stacks; "
+                f"Moonlight, Kimi-Linear) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, MiMo-V2-Flash, "
+                f"Hunyuan-V3, K-EXAONE, AFMoE, Step-3.7), Cohere2-MoE, gpt-oss, Llama 4, Granite MoE, Hunyuan-A13B and "
+                f"dense Llama/Qwen/Mistral stacks; "
                 f"not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
@@ -306,9 +307,15 @@ def trainable(shape: "ModelShape") -> str | None:
              shape.sliding_heads is not None or shape.sliding_rotary_factor is not None or shape.head_gate
              or shape.query_pre_attn_scalar is not None or bool(shape.swiglu_limits)
              or bool(shape.swiglu_limits_shared) or shape.offset_norms)),
-        ("full layers without RoPE (nope_full_layers) outside K-EXAONE, AFMoE, Granite-SWA and Cohere2-MoE",
+        ("full layers without RoPE (nope_full_layers) outside K-EXAONE, AFMoE, Granite-SWA, Cohere2-MoE and "
+         "Kimi-Linear",
          shape.nope_full_layers and shape.hf_model_type not in ("exaone_moe", "afmoe", "granitemoe_swa",
-                                                                 "cohere2_moe")),
+                                                                 "cohere2_moe", "kimi_linear")),
+        ("Kimi Delta Attention, or linear attention beside MLA, outside Kimi-Linear",
+         shape.linear_attn is not None and (shape.linear_attn.kind == "kda" or shape.mla is not None)
+         and shape.hf_model_type != "kimi_linear"),
+        ("Kimi-Linear without its KDA and MLA layers", shape.hf_model_type == "kimi_linear" and (
+            shape.linear_attn is None or shape.linear_attn.kind != "kda" or shape.mla is None)),
         ("sandwich or post norms, or a scaled embedding, outside AFMoE and FlexOlmo",
          (shape.norm_placement in ("sandwich", "post") or shape.embedding_scale != 1.0)
          and shape.hf_model_type not in ("afmoe", "flex_olmo")),
@@ -431,7 +438,8 @@ class ModelShape(Record):
     offset_norms: bool = False  # RMSNorms scale by (1 + w) outside the Qwen3.5 archs (Step-3.7's, Gemma's form)
     # the RoPE scaling is the full layers' alone, the sliding ones rotate plain (Step-3.7's `rope_parameters`)
     sliding_rope_plain: bool = False
-    # the full-attention layers take no RoPE where the sliding layers do (K-EXAONE's, AFMoE's global layers)
+    # the full-attention layers take no RoPE where the sliding layers do (K-EXAONE's, AFMoE's global layers;
+    # Kimi-Linear's MLA layers, beside its KDA ones)
     nope_full_layers: bool = False
     # the dense prefix layers take RoPE whatever their kind (Cohere2-MoE's prefix of sliding-window pattern 1, whose
     # layers are all full)
@@ -586,7 +594,7 @@ class ModelShape(Record):
     def tp_splits(self) -> list[tuple[int, str]]:
         """(count, what) of each thing tensor parallelism splits by whole units, so tp must divide it: the query
         heads, the KV heads (DeepSeek-V4's one K = V head stays whole on every rank; its output groups split),
-        the sliding layers' KV heads, Gated DeltaNet's key heads, the vocabulary."""
+        the sliding layers' KV heads, Gated DeltaNet's key heads (Kimi Delta Attention's heads), the vocabulary."""
         out = [(self.num_heads, "attention heads")]
         out.append((self.compressed.o_groups, "output projection groups") if self.compressed is not None
                    else (self.num_kv_heads, "KV heads"))
@@ -595,7 +603,8 @@ class ModelShape(Record):
         if self.sliding_heads is not None:
             out.append((self.sliding_heads, "sliding layers' attention heads"))
         if self.linear_attn is not None:
-            out.append((self.linear_attn.num_k_heads, "linear-attention key heads"))
+            out.append((self.linear_attn.num_k_heads, "KDA heads" if self.linear_attn.kind == "kda"
+                        else "linear-attention key heads"))
         return out + [(self.vocab_size, "vocab entries")]
 
     @property
@@ -706,6 +715,8 @@ class ModelShape(Record):
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
             del out["rope_scaling"]["alpha"]
+        if self.linear_attn is not None and self.linear_attn.kind == "gated_delta":  # nor a Gated DeltaNet's kind
+            del out["linear_attn"]["kind"]
         return out
 
 
@@ -836,6 +847,22 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             hf_model_type="step3p5", pad_token_id=1,
             source="stepfun-ai/Step-3.7-Flash config.json (text_config; the clamped layers as transformers' "
                    "Step3p7 port documents them)"),
+    # Kimi-Linear (49.1B, 3.0B active): Kimi Delta Attention in 20 layers (32 heads of 128 for q, k and v, a decay per
+    # channel), MLA without RoPE in the other 7 (every fourth and the last); a dense first layer, then 256 experts
+    # (top 8, sigmoid routing) and a shared one
+    "kimi-linear-48b": lambda: ModelShape(
+            name="kimi-linear-48b", arch="deepseek_v3", hidden_size=2304, num_layers=27, vocab_size=163840,
+            layer_types=tuple("full_attention" if (i + 1) % 4 == 0 or i == 26 else "linear_attention"
+                              for i in range(27)),
+            num_heads=32, num_kv_heads=32, head_dim=192, qk_norm=False,
+            mla=MLAShape(q_lora_rank=0, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                         v_head_dim=128),
+            nope_full_layers=True,
+            linear_attn=LinearAttnShape(kind="kda", num_k_heads=32, num_v_heads=32, head_k_dim=128, head_v_dim=128),
+            num_experts=256, top_k=8, expert_ffn=1024, shared_expert_ffn=1024, router_bias=True,
+            sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=2.446), first_dense_layers=1,
+            dense_ffn=9216, rope_theta=10000.0, rms_norm_eps=1e-5, max_position=1048576, pad_token_id=163839,
+            hf_model_type="kimi_linear", source="moonshotai/Kimi-Linear-48B-A3B-Instruct config.json"),
     # Solar Open (102.6B, 12B active): GLM-4.5's MoE in every layer under Llama's attention
     "solar-open-100b": lambda: ModelShape(
             name="solar-open-100b", arch="glm4_moe", hidden_size=4096, num_layers=48, vocab_size=196608,
@@ -1033,7 +1060,10 @@ def indexer_params(m: ModelShape) -> int:
 
 
 def _linear_attention_params(m: ModelShape) -> int:
+    """One linear-attention layer's parameters, by its kind (`LinearAttnShape.kind`)."""
     la, h = m.linear_attn, m.hidden_size
+    if la.kind == "kda":
+        return kda_params(la, h)
     key_dim, value_dim = la.num_k_heads * la.head_k_dim, la.num_v_heads * la.head_v_dim
     qkvz = h * (2 * key_dim + 2 * value_dim)
     ba = h * 2 * la.num_v_heads
@@ -1042,6 +1072,23 @@ def _linear_attention_params(m: ModelShape) -> int:
     norm = la.head_v_dim  # gated RMSNorm weight
     out = value_dim * h
     return qkvz + ba + conv + per_head + norm + out
+
+
+def kda_projections(la: LinearAttnShape, h: int) -> list[tuple[int, int]]:
+    """(in, out) of a Kimi Delta Attention layer's matmuls (transformers' KimiLinearDeltaAttention), H heads of
+    width D, HD = H·D: q, k and v (h → HD each), the decay gate's low-rank pair f_a (h → D) and f_b (D → HD),
+    β's b_proj (h → H), the output gate's low-rank pair g_a (h → D) and g_b (D → HD), and o_proj (HD → h)."""
+    hd, d = la.num_k_heads * la.head_k_dim, la.head_k_dim
+    return [(h, hd)] * 3 + [(h, d), (d, hd), (h, la.num_k_heads), (h, d), (d, hd), (hd, h)]
+
+
+def kda_params(la: LinearAttnShape, h: int) -> int:
+    """One Kimi Delta Attention layer: its matmuls (`kda_projections`), the depthwise convs of q, k and v (width
+    `conv_kernel`, no bias), the decay's dt_bias (one a channel) and A_log (one a head), and the gated output norm's
+    weight (one a head channel, shared by the heads)."""
+    hd = la.num_k_heads * la.head_k_dim
+    return (sum(i * o for i, o in kda_projections(la, h)) + 3 * hd * la.conv_kernel + hd + la.num_k_heads
+            + la.head_k_dim)
 
 
 def param_counts(m: ModelShape) -> dict[str, int]:
@@ -1132,7 +1179,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_moe": "qwen3_moe", "qwen3_vl_moe": "qwen3_moe", "qwen3_vl_moe_text": "qwen3_moe",
     "qwen3_omni_moe": "qwen3_moe", "qwen3_omni_moe_thinker": "qwen3_moe", "qwen3_omni_moe_text": "qwen3_moe",
     "cohere2_moe": "qwen3_moe",
-    "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3",
+    "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3", "kimi_linear": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
     "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe", "exaone_moe": "glm4_moe",
@@ -1215,6 +1262,8 @@ def _from_hf_config(path: Path) -> ModelShape:
 
     if model_type in ("step3p5", "step3p7"):  # Step-3.7's text model (its config's text_config), hub or transformers
         model_type, cfg = "step3p5", _step_config(cfg, bad)
+    if model_type == "kimi_linear":  # Kimi-Linear, its hub form (linear_attn_config) or transformers'
+        cfg = _kimi_config(cfg, bad)
 
     def need(key: str, *alts: str):
         for k in (key, *alts):
@@ -1381,6 +1430,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         )
         if model_type == "glm4_moe_lite":  # GLM-4.7-Flash: DeepSeek-V3's blocks, exported under its own type
             fields["hf_model_type"] = model_type
+        if model_type == "kimi_linear":  # Kimi-Linear: KDA layers among MLA ones without RoPE
+            _kimi_linear(cfg, fields, opt)
         if model_type in _DSA_MODEL_TYPES:  # DeepSeek-V3.2, GLM-5: V3's blocks and an indexer that picks each
             # query's keys
             fields.update(hf_model_type=model_type, dsa=_sparse_attention(cfg, model_type, n_layers, opt, bad))
@@ -1489,7 +1540,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         fields["sliding_window"] = count(cfg["sliding_window"], "sliding_window")
     if "linear_attention" in fields["layer_types"] and fields.get("linear_attn") is None:
         raise ValueError(f"{path}: the linear_attention layers of model_type {_shown(model_type)} are not planned by "
-                         f"this tool (it plans Qwen3-Next's and Qwen3.5's Gated DeltaNet)")
+                         f"this tool (it plans Qwen3-Next's and Qwen3.5's Gated DeltaNet and Kimi-Linear's Kimi Delta "
+                         f"Attention)")
     shape = validate(ModelShape, fields, f"{path}: invalid model shape")
     if unknown:  # said once the config has read: a refusal is the only line
         sys.stderr.write(f"warning: {path}: model_type {_shown(model_type)} is not known; read by its standard "
@@ -1499,6 +1551,7 @@ def _from_hf_config(path: Path) -> ModelShape:
 
 # transformers' defaults where a config leaves the router's fields out: (n_group, topk_group, routed_scaling_factor)
 _SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5),
+                            "kimi_linear": (1, 1, 2.446),
                             "glm_moe_dsa": (1, 1, 2.5), "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8),
                             "dots1": (1, 1, 1.0), "solar_open": (1, 1, 1.0), "mimo_v2_flash": (1, 1, 1.0),
                             "hy_v3": (1, 1, 2.826), "exaone_moe": (1, 1, 2.5), "afmoe": (1, 1, 1.0),
@@ -1596,7 +1649,7 @@ def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
     dense layers must lead."""
     types = _mlp_layer_types(cfg, bad)
     if types is None:  # transformers' defaults where the field is absent
-        default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, "hy_v3": 1, "exaone_moe": 1, "step3p5": 3,
+        default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, "hy_v3": 1, "exaone_moe": 1, "step3p5": 3, "kimi_linear": 1,
                    **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(model_type, 0)
         return opt("first_k_dense_replace", default)
     k = types.index("sparse") if "sparse" in types else len(types)
@@ -1874,6 +1927,100 @@ def _step_config(cfg: dict, bad) -> dict:
         cfg.pop("rope_theta", None)
         cfg.pop("partial_rotary_factors", None)
     return cfg
+
+
+# Kimi-Linear's hub names for what transformers' KimiLinearConfig (its attribute_map) and this reader call otherwise
+_KIMI_NAMES = (("num_experts_per_token", "num_experts_per_tok"), ("num_shared_experts", "n_shared_experts"),
+               ("num_expert_group", "n_group"), ("moe_renormalize", "norm_topk_prob"),
+               ("model_max_length", "max_position_embeddings"))
+
+
+def _kimi_config(cfg: dict, bad) -> dict:
+    """Kimi-Linear's config in the field names the DeepSeek-V3 reader takes, from either form: the hub's
+    (`linear_attn_config` with 1-indexed `kda_layers` and `full_attn_layers`, `num_heads`, `head_dim`,
+    `short_conv_kernel_size`; the MoE and length fields by the names of transformers' attribute_map:
+    `num_experts_per_token`, `num_shared_experts`, `num_expert_group`, `moe_renormalize`, `model_max_length`) or
+    transformers' own (`layer_types`, `mlp_layer_types`, `linear_num_heads`, `linear_head_dim`,
+    `linear_conv_kernel_dim`; the standard MoE names too). Where a field is absent, transformers' KimiLinearConfig
+    default: layer_types, where neither form gives them, full attention at every layer i > 0 with i % 4 == 0; one
+    shared expert. The KDA variants the release does not have are refused by field: a decay gate with a lower
+    bound (`gate_lower_bound`) or of full rank (`use_full_rank_gate`), layer lists indexed from other than 1
+    (`kda_layer_index_base`), a layer in both lists or in neither, a `linear_attn_config` without its heads' count
+    and width."""
+    cfg = dict(cfg)
+    for hub, name in _KIMI_NAMES:
+        if cfg.get(hub) is not None:
+            cfg[name] = cfg[hub]
+    if cfg.get("n_shared_experts") is None:
+        cfg["n_shared_experts"] = 1
+    la = cfg.get("linear_attn_config")
+    if la is not None and not isinstance(la, dict):
+        raise bad("linear_attn_config", "an object", la)
+    la = la or {}
+    for src, prefix in ((la, "linear_attn_config."), (cfg, "")):
+        if src.get("gate_lower_bound") is not None:
+            raise bad(f"{prefix}gate_lower_bound", "null (KDA with a lower-bounded decay gate is not planned)",
+                      src["gate_lower_bound"])
+        if src.get("use_full_rank_gate") not in (None, False):
+            raise bad(f"{prefix}use_full_rank_gate", "false (KDA with a full-rank decay gate is not planned)",
+                      src["use_full_rank_gate"])
+        if src.get("kda_layer_index_base", 1) != 1:
+            raise bad(f"{prefix}kda_layer_index_base", "1 (the release's layer numbers, from 1)",
+                      src["kda_layer_index_base"])
+    if "linear_attn_config" in cfg:
+        for key in ("num_heads", "head_dim"):
+            if la.get(key) is None:
+                raise ValueError(f"missing field 'linear_attn_config.{key}' for model_type 'kimi_linear' (the KDA "
+                                 f"heads' {'count' if key == 'num_heads' else 'width'})")
+        cfg.update(linear_num_heads=la["num_heads"], linear_head_dim=la["head_dim"],
+                   linear_conv_kernel_dim=la.get("short_conv_kernel_size", 4))
+    n = cfg.get("num_hidden_layers")
+    if not (isinstance(n, int) and not isinstance(n, bool) and 0 < n <= 100_000) or cfg.get("layer_types"):
+        return cfg
+    if "kda_layers" in la or "full_attn_layers" in la:
+        kda, full = la.get("kda_layers"), la.get("full_attn_layers")
+        for key, v in (("kda_layers", kda), ("full_attn_layers", full)):
+            if not isinstance(v, list) or any(isinstance(i, bool) or not isinstance(i, int) or not 1 <= i <= n
+                                              for i in v):
+                raise bad(f"linear_attn_config.{key}", f"a list of layer numbers from 1 to {n}", v)
+        both = sorted(set(kda) & set(full))
+        neither = sorted(set(range(1, n + 1)) - set(kda) - set(full))
+        if both or neither:
+            what = f"layer {both[0]} is in both" if both else f"layer {neither[0]} is in neither"
+            raise ValueError(f"fields 'linear_attn_config.kda_layers' and 'linear_attn_config.full_attn_layers': "
+                             f"{what} (each of the {n} layers is KDA or full attention)")
+        cfg["layer_types"] = ["full_attention" if i + 1 in full else "linear_attention" for i in range(n)]
+    elif la:
+        raise ValueError("missing field 'linear_attn_config.kda_layers' and 'linear_attn_config.full_attn_layers' "
+                         "(or 'layer_types') for model_type 'kimi_linear'")
+    else:
+        cfg["layer_types"] = ["full_attention" if i and i % 4 == 0 else "linear_attention" for i in range(n)]
+    return cfg
+
+
+def _kimi_linear(cfg: dict, fields: dict, opt) -> None:
+    """Kimi-Linear (transformers' KimiLinearForCausalLM) on DeepSeek-V3's blocks: its linear_attention layers Kimi
+    Delta Attention (`linear_num_heads` heads of `linear_head_dim` for q, k and v alike, convs of
+    `linear_conv_kernel_dim`; transformers' defaults 32, 128 and 4), its full_attention layers MLA without RoPE
+    (`mla_use_nope`; the rotated share of the key stays, shared by the heads, unrotated), sigmoid routing with the
+    correction bias. MLA with RoPE (`mla_use_nope` false), MTP layers, MoE layers off every layer
+    (`moe_layer_freq`) and routing other than the sigmoid's are not a released form: refused by field."""
+    def refuse(key: str, want: str):
+        raise ValueError(f"field {key!r}: expected {want}, got {_shown(cfg[key])}")
+
+    if cfg.get("mla_use_nope") not in (None, True):
+        refuse("mla_use_nope", "true (Kimi-Linear's MLA without RoPE; with RoPE it is not a released form)")
+    if opt("num_nextn_predict_layers", 0):
+        refuse("num_nextn_predict_layers", "0 (Kimi-Linear has no multi-token-prediction layers)")
+    if opt("moe_layer_freq", 1) != 1:
+        refuse("moe_layer_freq", "1 (every layer after the dense ones MoE)")
+    if cfg.get("moe_router_activation_func", "sigmoid") != "sigmoid":
+        refuse("moe_router_activation_func", '"sigmoid"')
+    heads, width = opt("linear_num_heads", 32), opt("linear_head_dim", 128)
+    fields.update(hf_model_type="kimi_linear", nope_full_layers=True,
+                  linear_attn=dict(kind="kda", num_k_heads=heads, num_v_heads=heads, head_k_dim=width,
+                                   head_v_dim=width, conv_kernel=opt("linear_conv_kernel_dim", 4)))
+    fields.pop("rope_scaling", None)  # no layer rotates
 
 
 def _step3p5(cfg: dict, fields: dict, n_layers: int, rope_by_type: dict | None, opt, opt_flag, number, count,

@@ -359,6 +359,8 @@ PUBLISHED = {
     "deepseek-v3": ("671", "37", "ours", "DeepSeek-V3 report, arXiv:2412.19437 (671B total, 37B activated)"),
     "kimi-k2": ("1000", "32", "ours", "moonshotai/Kimi-K2-Instruct model card (1T total, 32B activated)"),
     "moonlight-16b-a3b": ("16", "3", "ours", "moonshotai/Moonlight-16B-A3B model card (16B total, 3B activated)"),
+    "kimi-linear-48b-a3b": ("48", "3", "ours", "moonshotai/Kimi-Linear-48B-A3B-Instruct, by its name (48B total, 3B "
+                                               "activated)"),
     "mixtral-8x7b": ("46.7", "12.9", "+embedding", "Mistral AI, 'Mixtral of experts' (46.7B total, 12.9B a token)"),
     "mixtral-8x22b": ("141", "39", "+embedding", "Mistral AI, Mixtral 8x22B announcement (141B, 39B active)"),
     "olmoe-1b-7b": ("6.9", "1.3", "+embedding", "OLMoE paper, arXiv:2409.02060 (6.9B total, 1.3B active)"),
@@ -380,6 +382,8 @@ PUBLISHED = {
 # Where a figure is further off than its precision, the reason (and the wider tolerance):
 WIDER = {
     ("llama-4-scout-17b-16e", "total"): (0.015, "Meta's 109B includes the vision encoder (~0.9B); text stack only"),
+    ("kimi-linear-48b-a3b", "total"): (0.025, "the release holds 49.1B (transformers' KimiLinearForCausalLM counts "
+                                              "the same); the name's 48B is 48.4B without the embedding and LM head"),
 }
 NON_EMBEDDING = {"qwen3-8b": "6.95", "qwen2.5-7b": "6.53", "qwen3-30b-a3b": "29.9"}  # same model cards
 
@@ -845,6 +849,146 @@ def test_step37_reads_its_hub_and_transformers_forms_alike(tmp_path):
         assert "\n" not in str(e.value) and key in str(e.value), str(e.value)
 
 
+_KIMI_LA = json.loads((FIXTURES / "kimi-linear-48b-a3b.json").read_text())["linear_attn_config"]
+
+
+def _kimi_hub(**extra) -> dict:
+    """Kimi-Linear-48B-A3B's release config (tests/fixtures/configs/), fields replaced by `extra`."""
+    return json.loads((FIXTURES / "kimi-linear-48b-a3b.json").read_text()) | extra
+
+
+def test_kimi_linear_reads_its_hub_and_transformers_forms_alike(tmp_path):
+    """Kimi-Linear's release config (`linear_attn_config` with 1-indexed layer lists, the MoE fields by its own
+    names) reads as transformers' KimiLinearConfig reads it, as that config saved, and as transformers' own form
+    (0-indexed `layer_types`, `mlp_layer_types`, `linear_*`, the standard MoE names) — the preset, exactly: 20 KDA
+    layers of 32 heads of 128, 7 MLA layers without RoPE (every fourth and the last), one dense layer, 256 experts
+    (top 8) and one shared, sigmoid routing scaled by 2.446. Its parameters equal transformers' (49.1B on the meta
+    device, the routers' correction biases counted), and the core trains it."""
+    import transformers
+
+    hub = _kimi_hub()
+    ours = from_hf_config(_write(tmp_path, "hub", hub))
+    cfg = transformers.KimiLinearConfig(**{k: v for k, v in hub.items() if k != "model_type"})
+    cfg.save_pretrained(tmp_path / "saved")
+    saved = from_hf_config(tmp_path / "saved" / "config.json")
+    own = {"model_type": "kimi_linear", "layer_types": cfg.layer_types, "mlp_layer_types": cfg.mlp_layer_types,
+           "linear_num_heads": 32, "linear_head_dim": 128, "linear_conv_kernel_dim": 4, "num_local_experts": 256,
+           "num_experts_per_tok": 8, "n_shared_experts": 1, "n_group": 1, "topk_group": 1, "norm_topk_prob": True,
+           "max_position_embeddings": 1048576, "routed_scaling_factor": 2.446,
+           **{k: hub[k] for k in ("hidden_size", "num_hidden_layers", "vocab_size", "num_attention_heads",
+                                  "num_key_value_heads", "q_lora_rank", "kv_lora_rank", "qk_nope_head_dim",
+                                  "qk_rope_head_dim", "v_head_dim", "moe_intermediate_size", "intermediate_size",
+                                  "rope_theta", "rms_norm_eps", "tie_word_embeddings", "pad_token_id")}}
+    standard = from_hf_config(_write(tmp_path, "standard", own))
+    same = lambda m: dataclasses.replace(m, name="x", source="")  # noqa: E731
+    assert same(ours) == same(saved) == same(standard) == same(PRESETS["kimi-linear-48b"])
+    # what transformers itself reads from the file
+    assert list(ours.layer_types) == cfg.layer_types
+    assert ["dense" if ours.is_dense_layer(i) else "sparse" for i in range(27)] == cfg.mlp_layer_types
+    la = ours.linear_attn
+    assert (la.kind, la.num_k_heads, la.num_v_heads, la.head_k_dim, la.head_v_dim, la.conv_kernel) == (
+        "kda", cfg.linear_num_heads, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim,
+        cfg.linear_conv_kernel_dim)
+    assert (ours.num_experts, ours.top_k, ours.shared_expert_ffn, ours.norm_topk_prob, ours.max_position) == (
+        cfg.num_local_experts, cfg.num_experts_per_tok, cfg.n_shared_experts * cfg.moe_intermediate_size,
+        cfg.norm_topk_prob, cfg.max_position_embeddings)
+    r = ours.sigmoid_router
+    assert (r.groups, r.topk_groups, r.scaling) == (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+    assert (ours.mla.q_lora_rank, ours.mla.kv_lora_rank, ours.head_dim, ours.dense_ffn, ours.first_dense_layers) == (
+        0, 512, 192, 9216, 1)
+    assert [i + 1 for i, t in enumerate(ours.layer_types) if t == "full_attention"] == hub["linear_attn_config"][
+        "full_attn_layers"]
+    assert not any(ours.rotated(i) for i, t in enumerate(ours.layer_types) if t == "full_attention")
+    assert (ours.arch, ours.hf_model_type, ours.nope_full_layers, ours.mtp_layers, ours.rope_scaling) == (
+        "deepseek_v3", "kimi_linear", True, 0, None)
+    assert trainable(ours) is None
+    assert total_params(ours) == _meta_params(transformers.KimiLinearForCausalLM, cfg) == 49_122_681_728
+    assert (32, "KDA heads") in ours.tp_splits()
+
+
+def test_kimi_linear_small_model_counts_as_transformers_builds_it(tmp_path):
+    """A small Kimi-Linear built by transformers on the CPU (fp32): its parameters, layer by layer, are ours. A KDA
+    layer by hand (h = 64, 2 heads of 16, HD = 32, convs of 4): q, k, v 3·64·32; the convs 3·32·4; f_a 64·16, f_b
+    16·32, dt_bias 32, A_log 2; b_proj 64·2; g_a 64·16, g_b 16·32; o_norm 16; o_proj 32·64."""
+    import torch
+    import transformers
+
+    from recipe.models import kda_params
+
+    hub = {"model_type": "kimi_linear", "hidden_size": 64, "num_hidden_layers": 5, "vocab_size": 128,
+           "num_attention_heads": 4, "num_key_value_heads": 4, "q_lora_rank": None, "kv_lora_rank": 32,
+           "qk_nope_head_dim": 16, "qk_rope_head_dim": 8, "v_head_dim": 16, "mla_use_nope": True,
+           "linear_attn_config": {"kda_layers": [1, 2, 4, 5], "full_attn_layers": [3], "num_heads": 2,
+                                  "head_dim": 16, "short_conv_kernel_size": 4},
+           "num_experts": 8, "num_experts_per_token": 2, "num_shared_experts": 2, "moe_intermediate_size": 32,
+           "intermediate_size": 96, "first_k_dense_replace": 2, "moe_renormalize": True, "num_expert_group": 1,
+           "topk_group": 1, "routed_scaling_factor": 2.446, "rms_norm_eps": 1e-5, "model_max_length": 4096,
+           "pad_token_id": 0, "tie_word_embeddings": False}
+    m = from_hf_config(_write(tmp_path, "small", hub))
+    cfg = transformers.KimiLinearConfig(**{k: v for k, v in hub.items() if k != "model_type"})
+    torch.manual_seed(0)
+    model = transformers.KimiLinearForCausalLM(cfg).float()
+    kda = 3 * 64 * 32 + 3 * 32 * 4 + 64 * 16 + 16 * 32 + 32 + 2 + 64 * 2 + 64 * 16 + 16 * 32 + 16 + 32 * 64
+    assert kda == 11_826 == kda_params(m.linear_attn, 64)
+    layers = model.model.layers
+    assert [sum(p.numel() for p in layers[i].self_attn.parameters()) for i in (0, 1, 3, 4)] == [kda] * 4
+    c = param_counts(m)
+    assert c["linear_attention"] == 4 * kda
+    assert c["attention"] == sum(p.numel() for p in layers[2].self_attn.parameters())
+    assert (m.first_dense_layers, m.shared_expert_ffn, m.layer_types[2]) == (2, 64, "full_attention")
+    bias = sum(b.numel() for n, b in model.named_buffers() if n.endswith("e_score_correction_bias"))
+    assert total_params(m) == sum(p.numel() for p in model.parameters()) + bias
+
+
+@pytest.mark.parametrize("extra, says", [
+    ({"linear_attn_config": {**_KIMI_LA, "gate_lower_bound": -5.0}}, "linear_attn_config.gate_lower_bound"),
+    ({"linear_attn_config": {**_KIMI_LA, "use_full_rank_gate": True}}, "linear_attn_config.use_full_rank_gate"),
+    ({"use_full_rank_gate": True}, "field 'use_full_rank_gate'"),
+    ({"linear_attn_config": {**_KIMI_LA, "kda_layer_index_base": 0}}, "linear_attn_config.kda_layer_index_base"),
+    ({"linear_attn_config": {k: v for k, v in _KIMI_LA.items() if k != "num_heads"}},
+     "missing field 'linear_attn_config.num_heads'"),
+    ({"linear_attn_config": {k: v for k, v in _KIMI_LA.items() if k != "head_dim"}},
+     "missing field 'linear_attn_config.head_dim'"),
+    ({"linear_attn_config": {**_KIMI_LA, "full_attn_layers": [1, 4, 8, 12, 16, 20, 24, 27]}}, "layer 1 is in both"),
+    ({"linear_attn_config": {**_KIMI_LA, "kda_layers": _KIMI_LA["kda_layers"][:-1]}}, "layer 26 is in neither"),
+    ({"linear_attn_config": {**_KIMI_LA, "kda_layers": [0] + _KIMI_LA["kda_layers"]}},
+     "field 'linear_attn_config.kda_layers': expected a list of layer numbers from 1 to 27"),
+    ({"mla_use_nope": False}, "field 'mla_use_nope': expected true"),
+    ({"num_nextn_predict_layers": 1}, "field 'num_nextn_predict_layers': expected 0"),
+    ({"moe_layer_freq": 2}, "field 'moe_layer_freq'"),
+    ({"moe_router_activation_func": "softmax"}, "field 'moe_router_activation_func'"),
+    ({"linear_attn_config": [1, 2]}, "field 'linear_attn_config': expected an object")])
+def test_kimi_linear_variants_not_built_are_refused_in_one_line(tmp_path, extra, says):
+    """KDA variants the release does not have (a lower-bounded or full-rank decay gate, layer lists numbered from
+    other than 1, a layer in both lists or in neither, heads missing from `linear_attn_config`), MLA with RoPE,
+    MTP layers, MoE off some layers and another router: `recipe solve` refuses each in one line, exit 2."""
+    from typer.testing import CliRunner
+
+    from recipe.cli import app
+
+    p = _write(tmp_path, "kimi", _kimi_hub(**extra))
+    r = CliRunner().invoke(app, ["solve", "--model", str(p), "--seq", "8k", "--hw", "h100"])
+    assert r.exit_code == 2 and "Traceback" not in r.output
+    assert r.stderr.strip().count("\n") == 0 and says in r.stderr, r.stderr
+
+
+def test_kimi_delta_attention_is_trained_only_as_kimi_linear():
+    """A KDA layer, or linear attention beside MLA, outside Kimi-Linear's model type is planned but not trained, and
+    Kimi-Linear without its KDA layers is not Kimi-Linear."""
+    from recipe.models import LinearAttnShape
+
+    kimi = PRESETS["kimi-linear-48b"]
+    q35 = PRESETS["qwen35-35b"]
+    kda = dataclasses.replace(q35.linear_attn, kind="kda", num_v_heads=16)
+    assert "Kimi Delta Attention" in trainable(dataclasses.replace(q35, linear_attn=kda))
+    assert "Kimi Delta Attention" in trainable(dataclasses.replace(kimi, hf_model_type=None))
+    gdn = LinearAttnShape(num_k_heads=32, num_v_heads=32, head_k_dim=128, head_v_dim=128)
+    assert "Kimi-Linear without its KDA" in trainable(dataclasses.replace(kimi, linear_attn=gdn))
+    # a Gated DeltaNet shape's fingerprint leaves its kind out (the plans solved before the field keep theirs)
+    assert "kind" not in q35.fingerprint_dict()["linear_attn"]
+    assert kimi.fingerprint_dict()["linear_attn"]["kind"] == "kda"
+
+
 def test_granite_swa_rope_bases_by_layer_read_as_the_layer_kinds_take_them(tmp_path):
     """Granite-SWA's `layer_rope_theta` (a base a layer, 0: no RoPE) trains where the bases follow the layer kinds:
     one for all, none for the full layers (nope_full_layers), or the sliding layers' own (sliding_rope_theta); bases
@@ -1037,8 +1181,8 @@ def test_mistral_slides_every_layer_unless_its_window_is_null(tmp_path):
 @pytest.mark.parametrize("cfg, says", [
     (dict(model_type="qwen4_exp_text", layer_types=["qwen_sparse_attention", "full_attention"]),
      "layer type 'qwen_sparse_attention' (model_type 'qwen4_exp_text') is not planned"),
-    (dict(model_type="kimi_linear", layer_types=["linear_attention", "full_attention"]),
-     "the linear_attention layers of model_type 'kimi_linear' are not planned"),
+    (dict(model_type="kimi_linear", linear_attn_config={"gate_lower_bound": -5.0}),
+     "field 'linear_attn_config.gate_lower_bound': expected null (KDA with a lower-bounded decay gate is not planned)"),
     (dict(model_type="jamba"), "model_type 'jamba' has Mamba layers, which this tool does not plan"),
     # families whose standard fields would read as blocks they do not have
     (dict(model_type="jetmoe"), "model_type 'jetmoe' has mixture-of-attention experts"),
