@@ -1000,3 +1000,93 @@ def test_layers_with_their_own_heads_cost_their_own_attention():
     assert dense_matmuls(m, "full_attention", moe=False)[0] == (h, 64 * 128)
     narrow = m.model_copy(update={"sliding_heads": None})
     assert attention_working_set(m, 1024, 1, 1) > attention_working_set(narrow, 1024, 1, 1)
+
+
+# ---- Kimi Delta Attention ------------------------------------------------------------------------------------
+KIMI = PRESETS["kimi-linear-48b"]
+
+
+def _small_kda():
+    """Kimi-Linear cut to 4 layers (three KDA, then MLA) with KDA at 2 heads of 16 and chunks of 16."""
+    from recipe.models import LinearAttnShape
+
+    la = LinearAttnShape(kind="kda", num_k_heads=2, num_v_heads=2, head_k_dim=16, head_v_dim=16, chunk_size=16)
+    return KIMI.with_layers(4).model_copy(update={"linear_attn": la})
+
+
+def test_kda_rule_flops_by_hand():
+    """The chunked rule a KDA head costs per token: Gated DeltaNet's 6·d_k·d_v + 4·C·(d_k + d_v) and the decay per
+    key channel's 4·C·d_k + 7·d_k + d_k·d_v/C (docs/cost_model.md). At d_k = d_v = 16, C = 16: 1,536 + 2,048 = 3,584
+    and 1,024 + 112 + 16 = 1,152, 4,736 a head; three layers of 2 heads. At the release's 128 × 128, C = 64:
+    163,840 + 33,920 = 197,760, 1.21 of Gated DeltaNet's at the same widths."""
+    from recipe.cost import delta_rule_flops_per_token_head, layer_work
+
+    m = _small_kda()
+    assert m.layer_types == ("linear_attention",) * 3 + ("full_attention",)
+    assert delta_rule_flops_per_token_head(m.linear_attn) == 3584 + 1152 == 4736
+    assert forward_flops_per_token(m, 8192)["linear_attention"] == 3 * 2 * 4736
+    la = KIMI.linear_attn
+    assert delta_rule_flops_per_token_head(la) == 197_760
+    gdn = dataclasses.replace(la, kind="gated_delta")
+    assert delta_rule_flops_per_token_head(gdn) == 163_840  # Gated DeltaNet's count does not move
+    # a KDA layer's matmuls: its projections (the conv's weights at one multiply-add each, as Gated DeltaNet's)
+    from recipe.models import kda_params
+
+    work = layer_work(m, 8192)
+    assert work[0]["delta_rule"] == 2 * 4736 and work[0]["attention"] == 0
+    assert work[1]["dense_gemm"] == 2 * kda_params(m.linear_attn, 2304) + 2 * (2304 * 256 + 3 * 2304 * 1024)
+
+
+def test_kda_matmuls_are_its_projections():
+    """A KDA layer's dense matmuls (in, out): q, k, v (h → H·D), the decay gate's f_a (h → D) and f_b (D → H·D),
+    b_proj (h → H), the output gate's g_a and g_b, o_proj (H·D → h); then the layer's FFN."""
+    from recipe.cost import dense_matmuls
+
+    h, hd, d = 2304, 32 * 128, 128
+    assert dense_matmuls(KIMI, "linear_attention", moe=True)[:9] == [
+        (h, hd), (h, hd), (h, hd), (h, d), (d, hd), (h, 32), (h, d), (d, hd), (hd, h)]
+    assert dense_matmuls(KIMI, "linear_attention", moe=True)[9] == (h, 256)  # the router
+
+
+def test_kda_working_set_holds_its_recomputed_forward():
+    """A KDA layer keeps, a token, at least what its recomputed forward holds — q, k, v after the convs (bf16), the
+    decay per channel [H, D] in fp32, β, the output gate — and by hand: q, k, v before and after the convs
+    2·3·HD·2, the gates' latents 2·D·2, the output gate HD·2, the decay and its in-chunk sums 2·HD·4, β H·4, two
+    [C × C] matrices a head 2·C·H·4, the rule's and the norm's outputs 2·HD·2, the block's input and output 2·h·2:
+    132,736 bytes at the release's sizes (h = 2304, 32 heads of 128, C = 64). TP splits the heads, not the
+    latents or the block's rows; CP adds Gated DeltaNet's augmented width."""
+    from recipe.cost import kda_working_set, linear_attention_working_set
+
+    h, hd, d, nh, c = 2304, 4096, 128, 32, 64
+    by_hand = 2 * 3 * hd * BF16 + 2 * d * BF16 + hd * BF16 + 2 * hd * FP32 + nh * FP32 + 2 * c * nh * FP32 \
+        + 2 * hd * BF16 + 2 * h * BF16
+    assert by_hand == 132_736 == linear_attention_working_set(KIMI, 1, 1) == kda_working_set(KIMI, 1, 1)
+    floor = 3 * hd * BF16 + hd * FP32 + nh * FP32 + hd * BF16
+    assert kda_working_set(KIMI, 1, 1) >= floor
+    split = 2 * 3 * hd / 2 * BF16 + 2 * d * BF16 + hd / 2 * BF16 + 2 * hd / 2 * FP32 + nh / 2 * FP32 \
+        + 2 * c * nh / 2 * FP32 + 2 * hd / 2 * BF16 + 2 * h * BF16
+    assert kda_working_set(KIMI, 1, 2) == split
+    assert kda_working_set(KIMI, 1, 1, cp=2) - by_hand == 3 * nh * d * BF16
+    # the layer's mixer side is the larger of its two kinds
+    from recipe.cost import attention_working_set
+
+    s = 16384
+    assert layer_saved(KIMI, s, 1, 1)[0] == pytest.approx(
+        max(attention_working_set(KIMI, s, 1, 1), kda_working_set(KIMI, s, 1, 1)) + s * FP32)
+
+
+def test_kda_and_mla_both_charge_their_cp_work():
+    """Under CP a Kimi-Linear stage pays MLA's latent expansion of the other ranks' tokens and KDA's segment
+    combine, both (four layers: three KDA, one MLA; cp = 2, 32K, full recompute): t_cp = bytes / bw + (3 + 1)
+    expansions at the dense GEMM rate + per KDA layer 4 combines and 3·2 collective latencies."""
+    from recipe.cost import COLLECTIVE_LATENCY_S, communication_terms, cp_combine_seconds, group_bw, rates
+
+    h200 = load_profile("h200")
+    m, o = KIMI.with_layers(4), opts(32768)
+    comm, t = communication_terms(m, h200, 2, Layout(cp=2), o)
+    s, a, r = 16384, m.mla, rates(h200)
+    expand = 2 * a.kv_lora_rank * 32 * (a.qk_nope_head_dim + a.v_head_dim) * s
+    combine = cp_combine_seconds(s, 32, m.linear_attn, 2, r["delta_rule"])
+    expect = (comm["cp"] / group_bw(h200, 2, 1, 2) + 4 * expand / r["dense_gemm"]
+              + 3 * (4 * combine + 3 * 2 * COLLECTIVE_LATENCY_S))
+    assert t["cp"] == pytest.approx(expect, rel=1e-12)

@@ -405,3 +405,30 @@ def test_the_gpu_count_rules_share_of_committed_plans_is_what_the_docs_say():
     assert said, "docs/solver.md no longer states the share"
     assert (int(said.group(1)), int(said.group(2))) == (len(ratios), len(plans))
     assert (float(said.group(3)), float(said.group(4))) == (min(ratios), max(ratios))
+
+
+def test_kimi_linear_solves_and_tp_splits_its_kda_heads():
+    """`recipe solve --model kimi-linear-48b --seq 128k --hw h100` writes a plan; a pinned tp must divide the KDA
+    heads as it must the attention heads (a KDA layer cut to 4 heads refuses tp = 8 by them; a pin that divides
+    neither is refused in one line, exit 1, as any pin that breaks a divisibility rule), and
+    CP's segments must be whole delta-rule chunks."""
+    from typer.testing import CliRunner
+
+    from recipe.cli import app
+    from recipe.models import LinearAttnShape
+    from recipe.solver import cp_violations, pin_violations
+
+    r = CliRunner().invoke(app, ["solve", "--model", "kimi-linear-48b", "--seq", "128k", "--hw", "h100"])
+    assert r.exit_code == 0, r.output
+    assert "kimi-linear-48b at 128k tokens on" in r.output and "layout   PP=" in r.output
+    m, hw = PRESETS["kimi-linear-48b"], _hw("h100")
+    assert pin_violations(m, hw, 131072, {"tp": 8}) == []
+    four = m.model_copy(update={"linear_attn": LinearAttnShape(kind="kda", num_k_heads=4, num_v_heads=4,
+                                                               head_k_dim=128, head_v_dim=128)})
+    assert pin_violations(four, hw, 131072, {"tp": 8}) == ["tp=8 must divide the 4 KDA heads"]
+    r = CliRunner().invoke(app, ["solve", "--model", "kimi-linear-48b", "--seq", "128k", "--hw", "h100", "--tp",
+                                 "3"])
+    assert r.exit_code == 1 and "Traceback" not in r.output and r.stderr.strip().count("\n") == 0  # as any pin's
+    assert "tp=3 must divide the 32 attention heads, the 32 KV heads, the 32 KDA heads" in r.stderr, r.stderr
+    assert cp_violations(m, 131072, 8) == [] and cp_violations(m, 8192 + 64, 2) == [
+        "segments of 2064 tokens are not whole 64-token delta-rule chunks"]
