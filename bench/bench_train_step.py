@@ -156,14 +156,16 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
                     len(attn))
     lin = [layer for layer in layers if layer.layer_type == "linear_attention"]
     if lin:
-        gdn = lin[0].linear_attn
-        measure("gated deltanet (block)", wrap(lambda xin: gdn(xin, rope, batch.packing)), len(lin))
+        gdn = lin[0].mixer
+        kda = shape.linear_attn.kind == "kda"
+        measure("kda (block)" if kda else "gated deltanet (block)", wrap(lambda xin: gdn(xin, rope, batch.packing)),
+                len(lin))
         from launch.gated_delta import gated_delta_rule
 
         H, G = gdn.num_v_heads, gdn.num_k_heads
         qk = torch.randn(T, 2, G, gdn.head_k_dim, device=device, dtype=dtype)
         v = torch.randn(T, H, gdn.head_v_dim, device=device, dtype=dtype)
-        decay = -torch.rand(T, H, device=device) * 0.1
+        decay = -torch.rand(T, H, *((gdn.head_k_dim,) if kda else ()), device=device) * 0.1  # KDA: per channel
         beta = torch.rand(T, H, device=device, dtype=dtype)
 
         def delta(xin):

@@ -119,7 +119,7 @@ ARCH = {"moonlight": "deepseek_v3", "mixtral_swa": "mixtral", **{a: "deepseek_v3
         "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe", "granitemoe_swa": "granitemoe",
         "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe",
         "exaone_moe": "glm4_moe", "afmoe": "glm4_moe", "flex_olmo": "olmoe", "cohere2_moe": "qwen3_moe",
-        "cohere2_moe_sigmoid": "qwen3_moe"}
+        "cohere2_moe_sigmoid": "qwen3_moe", "kimi_linear": "deepseek_v3"}
 
 
 def _hf_model(arch: str):
@@ -266,6 +266,17 @@ def _hf_model(arch: str):
                                        num_shared_experts=1, sliding_window=8, global_attn_every_n_layers=2,
                                        route_scale=1.5, mup_enabled=True)
         cls = transformers.AfmoeForCausalLM
+    elif arch == "kimi_linear":  # KDA layers (2 heads of 8, 4-wide convs) around a RoPE-free MLA layer (no q LoRA),
+        # a dense first layer, sigmoid routing with a correction bias, one shared expert; the releases' config form
+        cfg = transformers.KimiLinearConfig(
+            vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None,
+            kv_lora_rank=12, qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6, num_local_experts=8,
+            num_experts_per_tok=2, moe_intermediate_size=16, n_shared_experts=1, intermediate_size=40,
+            num_hidden_layers=4, routed_scaling_factor=2.5, rms_norm_eps=1e-6, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2, first_k_dense_replace=1,
+            linear_attn_config={"kda_layers": [1, 2, 4], "full_attn_layers": [3], "num_heads": 2, "head_dim": 8,
+                                "short_conv_kernel_size": 4})
+        cls = transformers.KimiLinearForCausalLM
     elif arch == "flex_olmo":  # OLMoE's blocks with OLMo-2's norms after each sublayer
         cfg = transformers.FlexOlmoConfig(**{k: v for k, v in COMMON.items() if k != "moe_intermediate_size"},
                                           intermediate_size=16, num_hidden_layers=2, pad_token_id=1, eos_token_id=2)
@@ -299,6 +310,7 @@ def _built(cls, cfg):
                                   "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
                                   *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe",
                                   "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
+                                  "kimi_linear",
                                   "granitemoe_swa", "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
@@ -336,11 +348,13 @@ def test_logits_and_loss_match_transformers(arch, tmp_path):
         # ERNIE's [1, E] beside the router; MiniMax-M2's on its block
         where = {"ernie4_5_moe": "mlp.moe_statics.e_score_correction_bias", "hy_v3": "mlp.expert_bias", "afmoe": "mlp.expert_bias",
                  "exaone_moe": "mlp.e_score_correction_bias",
-                 "minimax_m2": "block_sparse_moe.e_score_correction_bias"}.get(arch, "mlp.gate.e_score_correction_bias")
+                 "minimax_m2": "block_sparse_moe.e_score_correction_bias",
+                 "kimi_linear": "block_sparse_moe.gate.e_score_correction_bias"}.get(
+            arch, "mlp.gate.e_score_correction_bias")
         bias = f.get_tensor(f"model.layers.1.{where}").reshape(-1)
         assert bias.dtype == torch.float32 and torch.equal(bias, ours.layers[1].mlp.gate.e_score_correction_bias)
-        router = {"minimax_m2": "block_sparse_moe.gate", "hy_v3": "mlp.router.gate", "afmoe": "mlp.router.gate"}.get(
-            arch, "mlp.gate")
+        router = {"minimax_m2": "block_sparse_moe.gate", "hy_v3": "mlp.router.gate", "afmoe": "mlp.router.gate",
+                  "kimi_linear": "block_sparse_moe.gate"}.get(arch, "mlp.gate")
         assert f.get_tensor(f"model.layers.1.{router}.weight").dtype == torch.bfloat16
     back = type(hf).from_pretrained(tmp_path / "ours", dtype=torch.float32).eval()
     with torch.no_grad():
@@ -489,7 +503,7 @@ def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "solar_open",
                                   "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid",
-                                  "gpt_oss",
+                                  "gpt_oss", "kimi_linear",
                                   *LLAMA4, "granitemoeshared", "granitemoe_swa", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
@@ -506,7 +520,7 @@ def test_gradients_match_transformers(arch, tmp_path):
     T = 40
     ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
     assert shape.pad_token_id == {"olmoe": 1, "olmoe_clip": 1, "ernie4_5_moe": 0, "hunyuan_v1_moe": 0,
-                                  "exaone_moe": 0, "flex_olmo": 1, "cohere2_moe": 0,
+                                  "exaone_moe": 0, "flex_olmo": 1, "cohere2_moe": 0, "kimi_linear": 0,
                                   "cohere2_moe_sigmoid": 0}.get(arch)
     if shape.pad_token_id is not None:
         ids[0, [3, 17]] = shape.pad_token_id

@@ -1,5 +1,5 @@
 """GPU paths against the torch references (skipped without CUDA): flash-linear-attention's chunked gated delta rule
-at the head dims we run (K = V = 128; on Hopper with Triton < 3.7.1 this is the case whose guard we lift, see
+(and KDA's) at the head dims we run (K = V = 128; on Hopper with Triton < 3.7.1 this is the case whose guard we lift, see
 launch/gated_delta.py), grouped-GEMM experts against the per-expert loop, one bf16 training step, the fused
 conv + SiLU / gated RMSNorm Triton kernels (kernels/gdn_fused.py) against their torch path at the real shape, and
 context parallel's segment combine on fla's kernels against fla over the whole sequence."""
@@ -14,20 +14,23 @@ def _rel(a, b):
     return ((a.float() - b.float()).norm() / b.float().norm()).item()
 
 
+@pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("lengths", [[1024], [300, 1, 723]])
-def test_fla_delta_rule_matches_torch_reference(lengths):
+def test_fla_delta_rule_matches_torch_reference(lengths, kda):
+    """Gated DeltaNet (one decay a head, GVA 2) and KDA (`chunk_kda`: a decay per key channel, as many value heads
+    as key heads)."""
     from launch.gated_delta import chunk_gated_delta_rule_fla, chunk_gated_delta_rule_torch, fla_status
     from launch.model import Packing
 
-    ok, why = fla_status(128)
+    ok, why = fla_status(128, per_channel=kda)
     if not ok:
         pytest.skip(why)
-    T, G, H, K, V = sum(lengths), 4, 8, 128, 128
+    T, G, H, K, V = sum(lengths), 8 if kda else 4, 8, 128, 128
     gen = torch.Generator(device="cuda").manual_seed(0)
     q = torch.randn(T, G, K, device="cuda", generator=gen)
     k = torch.randn(T, G, K, device="cuda", generator=gen)
     v = torch.randn(T, H, V, device="cuda", generator=gen)
-    g = -torch.rand(T, H, device="cuda", generator=gen) * 0.3
+    g = -torch.rand(T, H, *((K,) if kda else ()), device="cuda", generator=gen) * 0.3
     beta = torch.rand(T, H, device="cuda", generator=gen)
     do = torch.randn(T, H, V, device="cuda", generator=gen)
     packing = Packing.from_lengths(lengths, "cuda")
@@ -317,25 +320,28 @@ def untuned_triton(monkeypatch):
     monkeypatch.setattr(Autotuner, "prune_configs", smallest)
 
 
+@pytest.mark.parametrize("kda", [False, True])
 @pytest.mark.parametrize("cp", [2, 4])
-def test_cp_combine_on_fla_equals_fla_on_the_whole_sequence(cp, untuned_triton):
+def test_cp_combine_on_fla_equals_fla_on_the_whole_sequence(cp, kda, untuned_triton):
     """The CP segment combine on flash-linear-attention's kernels (fla_segment_pass, then the fold and the
     completion), every rank simulated on one GPU, fp32 inputs, documents crossing segment edges and one starting on
-    an edge: outputs and input gradients equal fla over the whole sequence to its own precision."""
+    an edge: outputs and input gradients equal fla over the whole sequence to its own precision (Gated DeltaNet's
+    kernel, and KDA's with a decay per key channel)."""
     from launch.context_parallel import delta_rule_on_one_device
     from launch.gated_delta import chunk_gated_delta_rule_fla, fla_status
     from launch.model import Packing
 
-    ok, why = fla_status(128)
+    ok, why = fla_status(128, per_channel=kda)
     if not ok:
         pytest.skip(why)
-    T, G, H, K, V = 2 * cp * 256, 4, 8, 128, 128
+    T, G, H, K, V = 2 * cp * 256, 8 if kda else 4, 8, 128, 128
     L = T // (2 * cp)
     lengths = [L + 5, L - 5, T - 2 * L]  # a start inside segment 1, one exactly on segment 2's edge
     gen = torch.Generator(device="cuda").manual_seed(cp)
     xs = [torch.randn(T, G, K, device="cuda", generator=gen), torch.randn(T, G, K, device="cuda", generator=gen),
           torch.randn(T, H, V, device="cuda", generator=gen),
-          -torch.nn.functional.softplus(torch.randn(T, H, device="cuda", generator=gen) + 2.0) * 0.2,
+          -torch.nn.functional.softplus(torch.randn(T, H, *((K,) if kda else ()), device="cuda", generator=gen)
+                                        + 2.0) * 0.2,
           torch.sigmoid(torch.randn(T, H, device="cuda", generator=gen))]
     w = torch.randn(T, H, V, device="cuda", generator=gen)
     whole = [x.clone().requires_grad_() for x in xs]
