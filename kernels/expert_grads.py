@@ -104,7 +104,12 @@ def glu_forward(h_MF: torch.Tensor, glu: GLU = SWIGLU, backend: str | None = Non
         from kernels import expert_grads_triton
 
         return expert_grads_triton.glu_forward(h_MF, glu)
-    gate, up = h_MF.chunk(2, dim=-1)
+    return glu_of(*h_MF.chunk(2, dim=-1), glu)
+
+
+def glu_of(gate: torch.Tensor, up: torch.Tensor, glu: GLU = SWIGLU) -> torch.Tensor:
+    """The activation of a gate and an up projection apart (the torch ops, differentiable): the routed experts'
+    torch path (`glu_forward`, on the halves of [gate | up]) and a dense SwiGLU's (launch.moe.SwiGLU)."""
     if glu == SWIGLU:
         return F.silu(gate) * up
     if glu.clamp_activated:  # Step-3.7's: min(act, limit) · (clamp(up, ±limit) + c)

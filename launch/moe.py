@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.expert_grads import GLU, SWIGLU, glu_forward, slot_grads, swiglu_backward
+from kernels.expert_grads import GLU, SWIGLU, clamped_swiglu, glu_forward, glu_of, slot_grads, swiglu_backward
 from kernels.expert_grads import add_expert_bias_ as add_expert_bias
 
 
@@ -298,13 +298,10 @@ class SwiGLU(nn.Module):
         self.gate_proj = nn.Linear(dim, ffn, bias=False)
         self.up_proj = nn.Linear(dim, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, dim, bias=False)
-        self.limit = limit
+        self.glu = clamped_swiglu(limit) if limit else SWIGLU  # the routed experts' form of the same activation
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.limit is None:
-            return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate = F.silu(self.gate_proj(x)).clamp(max=self.limit)
-        return self.down_proj(gate * self.up_proj(x).clamp(min=-self.limit, max=self.limit))
+        return self.down_proj(glu_of(self.gate_proj(x), self.up_proj(x), self.glu))
 
 
 def permute(top_e_TK: torch.Tensor, num_experts: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
