@@ -1964,7 +1964,7 @@ def _kimi_config(cfg: dict, bad) -> dict:
         if src.get("use_full_rank_gate") not in (None, False):
             raise bad(f"{prefix}use_full_rank_gate", "false (KDA with a full-rank decay gate is not planned)",
                       src["use_full_rank_gate"])
-        if src.get("kda_layer_index_base", 1) != 1:
+        if src.get("kda_layer_index_base") not in (None, 1):
             raise bad(f"{prefix}kda_layer_index_base", "1 (the release's layer numbers, from 1)",
                       src["kda_layer_index_base"])
     if "linear_attn_config" in cfg:
