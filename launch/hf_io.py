@@ -625,6 +625,21 @@ def hf_config(shape: ModelShape) -> dict:
                    intermediate_size=shape.dense_ffn or shape.expert_ffn, num_mtp_layers=0)
         if shape.hf_model_type == "kimi_linear":
             return _kimi_linear_config(shape, cfg)
+        if shape.hf_model_type == "mistral4":  # DeepSeek-V3's MLA and experts, a softmax router, the query scale
+            a = shape.mla
+            # transformers rotates head_dim · partial_rotary_factor channels, head_dim forced to Dn + Dr
+            rope = _rope_parameters(shape) | {
+                "partial_rotary_factor": a.qk_rope_head_dim / (a.qk_nope_head_dim + a.qk_rope_head_dim)}
+            if shape.query_scale_period:
+                rope.update(llama_4_scaling_beta=shape.query_scale_beta,
+                            original_max_position_embeddings=shape.query_scale_period)
+            cfg.update(model_type="mistral4", architectures=["Mistral4ForCausalLM"], rope_interleave=True,
+                       q_lora_rank=a.q_lora_rank or None, kv_lora_rank=a.kv_lora_rank,
+                       qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
+                       v_head_dim=a.v_head_dim, head_dim=a.qk_nope_head_dim + a.qk_rope_head_dim,
+                       rope_parameters=rope)
+            cfg.pop("num_mtp_layers")
+            return cfg
         if shape.hf_model_type == "dots1":  # dots.llm1: GLM-4.5's blocks, per-head q/k norms, full RoPE
             cfg.update(model_type="dots1", architectures=["Dots1ForCausalLM"], layer_types=list(shape.layer_types))
         elif shape.hf_model_type == "mimo_v2_flash":  # MiMo-V2-Flash: its attention's fields and RoPE by layer type
@@ -860,6 +875,8 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
 
     step = model.shape.hf_model_type == "step3p5"  # Step-3.7's names: `_names_out`; its experts stacked
     kimi = model.shape.hf_model_type == "kimi_linear"  # Kimi-Linear's: Mixtral's on its MoE layers
+    # Mistral 4's experts as transformers holds and saves them, fused (gate_up_proj [E, 2I, D], down_proj [E, D, I])
+    fused_out = model.shape.hf_model_type == "mistral4"
     plural = model.shape.arch in _PLURAL_SHARED_ARCHS and not step
     gpt_oss, ernie = model.shape.arch == "gpt_oss", model.shape.arch == "ernie4_5_moe"
     llama4, granite = model.shape.arch == "llama4", model.shape.arch == "granitemoe"
@@ -899,6 +916,8 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
             layer = key[: -len(".mlp.experts.gate_up_proj")]
             out[f"model.{layer}.moe.gate_proj.weight"], out[f"model.{layer}.moe.up_proj.weight"] = t.chunk(2, dim=1)
         elif step and key.endswith("mlp.experts.down_proj"):
+            out["model." + key] = t
+        elif fused_out and key.endswith(("mlp.experts.gate_up_proj", "mlp.experts.down_proj")):
             out["model." + key] = t
         elif key.endswith("mlp.experts.gate_up_proj"):
             base = "model." + block(key[: -len(".gate_up_proj")])

@@ -337,10 +337,13 @@ def unit_rms(x: torch.Tensor, eps: float, backend: str = "auto") -> torch.Tensor
     return rms_norm(x, x.new_ones(x.shape[-1]), eps, 0.0, backend=backend)
 
 
-def query_temperature(positions_T: torch.Tensor, floor_scale: float, attn_scale: float) -> torch.Tensor:
-    """Llama 4's query scale on its RoPE-free layers at each position p: 1 + attn_scale · log(1 + ⌊(p + 1) /
-    floor_scale⌋), fp32 [T, 1, 1] (1 for the first floor_scale − 1 positions of a document)."""
-    return (torch.log1p(torch.floor((positions_T.float() + 1.0) / floor_scale)) * attn_scale + 1.0).view(-1, 1, 1)
+def query_temperature(positions_T: torch.Tensor, floor_scale: float, attn_scale: float,
+                      shift: float = 1.0) -> torch.Tensor:
+    """A query scale that grows with the log of the position p in its document: 1 + attn_scale · log(1 + ⌊(p +
+    shift) / floor_scale⌋), fp32 [T, 1, 1]. Llama 4's on its RoPE-free layers (shift 1: 1 for the first
+    floor_scale − 1 positions of a document); Mistral 4's on every layer (shift 0, `ModelShape.query_scale_period`
+    and `query_scale_beta`: 1 for the first period positions)."""
+    return (torch.log1p(torch.floor((positions_T.float() + shift) / floor_scale)) * attn_scale + 1.0).view(-1, 1, 1)
 
 
 class Attention(nn.Module):
@@ -502,6 +505,8 @@ class MLAttention(nn.Module):
         self.context_parallel = None  # as Attention's
         # Kimi-Linear's MLA layers take no RoPE (`ModelShape.rotated`): the Dr key part is shared, unrotated
         self.rotary = s.rotated(layer)
+        # Mistral 4's query scale by position (`query_temperature`, shift 0); None: none
+        self.temperature = ((s.query_scale_period, s.query_scale_beta, 0.0) if s.query_scale_period else None)
 
     def forward(self, x_TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing):
         T = x_TD.shape[0]
@@ -524,6 +529,8 @@ class MLAttention(nn.Module):
             return self.o_proj(self.sparse_attention(x_TD, q_latent, q_nope, q_rope, latent, rope, packing)
                                .reshape(T, -1))
         q = torch.cat([q_nope, q_rope], dim=-1)
+        if self.temperature is not None:
+            q = (q * query_temperature(packing.positions, *self.temperature)).to(q.dtype)
         if _context_parallel(self, packing) is not None:  # the latent crosses the cp ranks, not K and V
             o = self.context_parallel.latent_attention(q, latent, self.expand, packing, self.scale)
         else:

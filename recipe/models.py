@@ -307,6 +307,11 @@ def trainable(shape: "ModelShape") -> str | None:
              shape.sliding_heads is not None or shape.sliding_rotary_factor is not None or shape.head_gate
              or shape.query_pre_attn_scalar is not None or bool(shape.swiglu_limits)
              or bool(shape.swiglu_limits_shared) or shape.offset_norms)),
+        ("a query scale by position (query_scale_period) outside Mistral 4",
+         shape.query_scale_period is not None and shape.hf_model_type != "mistral4"),
+        ("Mistral 4's expert groups (n_group > 1: a group scored by its two most probable experts, where the core's "
+         "grouped softmax router scores it by its best)",
+         shape.hf_model_type == "mistral4" and shape.softmax_router is not None and shape.softmax_router.groups > 1),
         ("full layers without RoPE (nope_full_layers) outside K-EXAONE, AFMoE, Granite-SWA, Cohere2-MoE and "
          "Kimi-Linear",
          shape.nope_full_layers and shape.hf_model_type not in ("exaone_moe", "afmoe", "granitemoe_swa",
@@ -441,6 +446,10 @@ class ModelShape(Record):
     # the full-attention layers take no RoPE where the sliding layers do (K-EXAONE's, AFMoE's global layers;
     # Kimi-Linear's MLA layers, beside its KDA ones)
     nope_full_layers: bool = False
+    # Mistral 4's query scale by position p in the document: q · (1 + beta · log(1 + ⌊p / period⌋)) on every layer
+    # (its `rope_parameters.llama_4_scaling_beta` and `original_max_position_embeddings`); None: no scale
+    query_scale_period: int | None = None
+    query_scale_beta: float = 0.0
     # the dense prefix layers take RoPE whatever their kind (Cohere2-MoE's prefix of sliding-window pattern 1, whose
     # layers are all full)
     rotated_prefix: bool = False
@@ -702,7 +711,7 @@ class ModelShape(Record):
         unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id", "attention_chunk",
                              "llama4", "hf_model_type", "granite", "clip_qkv", "dsa", "sliding_kv_heads",
                              "sliding_rope_theta", "v_head_dim", "compressed", "sliding_heads",
-                             "sliding_rotary_factor", "query_pre_attn_scalar")
+                             "sliding_rotary_factor", "query_pre_attn_scalar", "query_scale_period")
                  if getattr(self, k) is None}
         unset |= {k for k, default in (("moe_layer_step", 1), ("sinks", "none"), ("value_scale", 1.0),
                                        ("nope_full_layers", False), ("norm_placement", "pre"),
@@ -710,7 +719,7 @@ class ModelShape(Record):
                                        ("rope_pairs", False), ("shared_expert_mean", False), ("sigmoid_top", False),
                                        ("rotated_prefix", False), ("head_gate", False), ("swiglu_limits", ()),
                                        ("swiglu_limits_shared", ()), ("offset_norms", False),
-                                       ("sliding_rope_plain", False))
+                                       ("sliding_rope_plain", False), ("query_scale_beta", 0.0))
                   if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
@@ -1180,6 +1189,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_omni_moe": "qwen3_moe", "qwen3_omni_moe_thinker": "qwen3_moe", "qwen3_omni_moe_text": "qwen3_moe",
     "cohere2_moe": "qwen3_moe",
     "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3", "kimi_linear": "deepseek_v3",
+    "mistral4": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
     "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe", "exaone_moe": "glm4_moe",
@@ -1420,7 +1430,7 @@ def _from_hf_config(path: Path) -> ModelShape:
     elif arch == "deepseek_v3":
         nope, rope_dim = req("qk_nope_head_dim"), req("qk_rope_head_dim")
         fields.update(
-            qk_norm=False, router_bias=model_type != "deepseek_v2", head_dim=nope + rope_dim,
+            qk_norm=False, router_bias=model_type not in _SOFTMAX_MLA_TYPES, head_dim=nope + rope_dim,
             # q_lora_rank null (DeepSeek-V2-Lite, Moonlight): q projected straight from the hidden state
             mla=dict(q_lora_rank=opt("q_lora_rank", 0), kv_lora_rank=req("kv_lora_rank"), qk_nope_head_dim=nope,
                      qk_rope_head_dim=rope_dim, v_head_dim=req("v_head_dim")),
@@ -1437,7 +1447,9 @@ def _from_hf_config(path: Path) -> ModelShape:
             fields.update(hf_model_type=model_type, dsa=_sparse_attention(cfg, model_type, n_layers, opt, bad))
         if cfg.get("rope_interleave") is False:  # RoPE on halves of the rope channels: planned only (arch `moe`)
             fields["arch"] = "moe"
-        if model_type == "deepseek_v2":
+        if model_type == "mistral4":  # Mistral 4: a softmax router, the query scale by position
+            _mistral4(cfg, rope, fields, opt, number, bad)
+        elif model_type == "deepseek_v2":
             fields["softmax_router"] = _softmax_router(cfg, opt, number, bad)
         else:
             fields["sigmoid_router"] = _sigmoid_router(cfg, model_type, opt, number)
@@ -1667,6 +1679,28 @@ def _sigmoid_router(cfg: dict, model_type: str, opt, number) -> dict:
     given = cfg.get(key)
     return dict(groups=opt("n_group", groups), topk_groups=opt("topk_group", topk_groups),
                 scaling=scaling if given is None else number(given, key))
+
+
+_SOFTMAX_MLA_TYPES = ("deepseek_v2", "mistral4")  # DeepSeek-V3's blocks under a softmax router, no correction bias
+
+
+def _mistral4(cfg: dict, rope: dict, fields: dict, opt, number, bad) -> None:
+    """Mistral 4 (Mistral Small 4's text model, `text_config` of its `mistral3` wrapper): DeepSeek-V3's MLA, dense
+    layers and shared experts under a softmax router (the experts' softmax probabilities, the top-k in the best
+    `topk_group` of `n_group` groups, renormalized under norm_topk_prob, times routed_scaling_factor) and a query
+    scale by position: q · (1 + β · log(1 + ⌊p / P⌋)), β `rope_parameters.llama_4_scaling_beta`, P its
+    `original_max_position_embeddings`."""
+    given = cfg.get("routed_scaling_factor")
+    fields.update(hf_model_type="mistral4", softmax_router=dict(
+        groups=opt("n_group", 1), topk_groups=opt("topk_group", 1),
+        scaling=1.0 if given is None else number(given, "routed_scaling_factor")))
+    beta = rope.get("llama_4_scaling_beta")
+    if beta is not None and number(beta, "rope_parameters.llama_4_scaling_beta") != 0.0:
+        period = rope.get("original_max_position_embeddings")
+        if isinstance(period, bool) or not isinstance(period, int) or period <= 0:
+            raise bad("rope_parameters.original_max_position_embeddings", "a positive whole number beside "
+                      "llama_4_scaling_beta", period)
+        fields.update(query_scale_beta=float(beta), query_scale_period=period)
 
 
 def _softmax_router(cfg: dict, opt, number, bad) -> dict:

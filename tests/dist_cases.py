@@ -63,6 +63,7 @@ CASES = {
         ["dsa_cp2_tp2_ep4", 1, 4, 1, 2, "dsa", "full", 2], ["mimo_cp2_tp2_ep2", 1, 2, 1, 2, "mimo", "full", 2],
         ["afmoe_cp2_tp2_ep2", 1, 2, 1, 2, "afmoe", "full", 2], ["cohere_cp2_dp2_ep2", 2, 2, 1, 2, "cohere"],
         ["step_cp2_tp2_ep2", 1, 2, 1, 2, "step", "full", 2], ["kimi_cp2_tp2_ep2", 1, 2, 1, 2, "kimi", "full", 2],
+        ["mistral4_cp2_tp2_ep2", 1, 2, 1, 2, "mistral4", "full", 2],
         # pp × tp: an uneven split with ep=2 over each stage's tp ranks (off-policy, sequence-mean), and interleaved
         # over 2 virtual stages a rank with a dense model's MLPs split over tp
         ["pp2_tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2, 2, [3, 1]],
@@ -106,6 +107,7 @@ VARIANTS = {
     "cohere": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Cohere2-MoE-style model (tiny_cohere), as "mla"
     "step": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Step-3.7-style model (tiny_step), as "mla"
     "kimi": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Kimi-Linear-style model (tiny_kimi), as "mla"
+    "mistral4": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Mistral-4-style model (tiny_mistral4)
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -245,6 +247,19 @@ def tiny_kimi():
                       dense_ffn=48, rms_norm_eps=1e-5)
 
 
+def tiny_mistral4():
+    """Mistral 4's blocks at tiny widths: tiny_mla's MLA (q LoRA, YaRN from 32 positions) with the query scale by
+    position (period 8: every micro-batch's documents cross it, under CP on global positions), a softmax router
+    renormalized and scaled 1.5, a dense first layer, a shared expert."""
+    from dataclasses import replace
+
+    from recipe.models import SoftmaxRouter
+
+    return replace(tiny_mla(), name="tiny-mistral4", hf_model_type="mistral4", router_bias=False,
+                   sigmoid_router=None, softmax_router=SoftmaxRouter(scaling=1.5), query_scale_period=8,
+                   query_scale_beta=0.1)
+
+
 def tiny_olmoe():
     """OLMoE's blocks at tiny widths: q/k norms over all heads together (their sums of squares added over the tp
     ranks), q/k/v/o biases, softmax routing over 8 experts (top-2) without renormalization, a pad token whose
@@ -338,7 +353,7 @@ def tiny_dense():
 VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "dsa": tiny_dsa, "oss": tiny_oss, "olmoe": tiny_olmoe,
                   "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4,
                   "granite": tiny_granite, "swa": tiny_swa, "mimo": tiny_mimo, "afmoe": tiny_afmoe, "cohere": tiny_cohere,
-                  "step": tiny_step, "kimi": tiny_kimi}
+                  "step": tiny_step, "kimi": tiny_kimi, "mistral4": tiny_mistral4}
 
 
 def _shape(variant: str):

@@ -119,7 +119,7 @@ ARCH = {"moonlight": "deepseek_v3", "mixtral_swa": "mixtral", **{a: "deepseek_v3
         "granitemoeshared": "granitemoe", "olmoe_clip": "olmoe", "hunyuan_v1_moe": "hunyuan_moe", "dots1": "glm4_moe", "granitemoe_swa": "granitemoe",
         "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe",
         "exaone_moe": "glm4_moe", "afmoe": "glm4_moe", "flex_olmo": "olmoe", "cohere2_moe": "qwen3_moe",
-        "cohere2_moe_sigmoid": "qwen3_moe", "kimi_linear": "deepseek_v3"}
+        "cohere2_moe_sigmoid": "qwen3_moe", "kimi_linear": "deepseek_v3", "mistral4": "deepseek_v3"}
 
 
 def _hf_model(arch: str):
@@ -266,6 +266,17 @@ def _hf_model(arch: str):
                                        num_shared_experts=1, sliding_window=8, global_attn_every_n_layers=2,
                                        route_scale=1.5, mup_enabled=True)
         cls = transformers.AfmoeForCausalLM
+    elif arch == "mistral4":  # DeepSeek-V3's MLA (q LoRA, v narrower than q·k, YaRN from 16 positions) under a
+        # softmax router (renormalized, scaled 1.5), a dense first layer, the query scale by position (its period
+        # 16: the 75- and 40-token tests cross several)
+        mla = {k: v for k, v in DEEPSEEK.items() if k not in ("n_group", "topk_group", "routed_scaling_factor",
+                                                             "rope_parameters", "max_position_embeddings")}
+        cfg = transformers.Mistral4Config(**mla, n_group=1, topk_group=1, routed_scaling_factor=1.5,
+                                          max_position_embeddings=64, pad_token_id=0, rope_parameters=dict(
+                                              rope_type="yarn", rope_theta=10000.0, factor=4.0, beta_fast=32,
+                                              beta_slow=1, mscale=1.0, mscale_all_dim=1.0,
+                                              original_max_position_embeddings=16, llama_4_scaling_beta=0.1))
+        cls = transformers.Mistral4ForCausalLM
     elif arch == "kimi_linear":  # KDA layers (2 heads of 8, 4-wide convs) around a RoPE-free MLA layer (no q LoRA),
         # a dense first layer, sigmoid routing with a correction bias, one shared expert; the releases' config form
         cfg = transformers.KimiLinearConfig(
@@ -310,7 +321,7 @@ def _built(cls, cfg):
                                   "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
                                   *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe",
                                   "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
-                                  "kimi_linear",
+                                  "kimi_linear", "mistral4",
                                   "granitemoe_swa", "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
@@ -503,7 +514,7 @@ def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "solar_open",
                                   "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid",
-                                  "gpt_oss", "kimi_linear",
+                                  "gpt_oss", "kimi_linear", "mistral4",
                                   *LLAMA4, "granitemoeshared", "granitemoe_swa", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
@@ -520,7 +531,7 @@ def test_gradients_match_transformers(arch, tmp_path):
     T = 40
     ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
     assert shape.pad_token_id == {"olmoe": 1, "olmoe_clip": 1, "ernie4_5_moe": 0, "hunyuan_v1_moe": 0,
-                                  "exaone_moe": 0, "flex_olmo": 1, "cohere2_moe": 0, "kimi_linear": 0,
+                                  "exaone_moe": 0, "flex_olmo": 1, "cohere2_moe": 0, "kimi_linear": 0, "mistral4": 0,
                                   "cohere2_moe_sigmoid": 0}.get(arch)
     if shape.pad_token_id is not None:
         ids[0, [3, 17]] = shape.pad_token_id
