@@ -282,9 +282,9 @@ def trainable(shape: "ModelShape") -> str | None:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
                 f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, "
-                f"Moonlight, Kimi-Linear) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, MiMo-V2-Flash, "
-                f"Hunyuan-V3, K-EXAONE, AFMoE, Step-3.7), Cohere2-MoE, gpt-oss, Llama 4, Granite MoE, Hunyuan-A13B and "
-                f"dense Llama/Qwen/Mistral stacks; "
+                f"Moonlight, Kimi-Linear, Mistral 4) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, "
+                f"MiMo-V2-Flash, Hunyuan-V3, K-EXAONE, AFMoE, Step-3.7), Cohere2-MoE, gpt-oss, Llama 4, Granite MoE, "
+                f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; "
                 f"not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
@@ -872,6 +872,21 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=2.446), first_dense_layers=1,
             dense_ffn=9216, rope_theta=10000.0, rms_norm_eps=1e-5, max_position=1048576, pad_token_id=163839,
             hf_model_type="kimi_linear", source="moonshotai/Kimi-Linear-48B-A3B-Instruct config.json"),
+    # Mistral Small 4 (118.97B, 6.5B active): DeepSeek-V3's MLA and experts under a softmax router, the query scaled
+    # by position
+    "mistral-small-4": lambda: ModelShape(
+            name="mistral-small-4", arch="deepseek_v3", hidden_size=4096, num_layers=36, vocab_size=131072,
+            layer_types=("full_attention",) * 36, num_heads=32, num_kv_heads=32, head_dim=128, qk_norm=False,
+            mla=MLAShape(q_lora_rank=1024, kv_lora_rank=256, qk_nope_head_dim=64, qk_rope_head_dim=64,
+                         v_head_dim=128),
+            num_experts=128, top_k=4, expert_ffn=2048, shared_expert_ffn=2048, norm_topk_prob=True,
+            softmax_router=SoftmaxRouter(groups=1, topk_groups=1, scaling=1.0), partial_rotary_factor=0.5,
+            rope_theta=10000.0, rope_scaling=RopeScaling(kind="yarn", factor=128.0, original_max_position=8192,
+                                                         beta_fast=32.0, beta_slow=1.0, mscale=1.0,
+                                                         mscale_all_dim=1.0),
+            query_scale_period=8192, query_scale_beta=0.1, dense_ffn=12288, rms_norm_eps=1e-6, max_position=1048576,
+            pad_token_id=11, hf_model_type="mistral4",
+            source="mistralai/Mistral-Small-4-119B-2603 (text_config; transformers' Mistral4Config defaults)"),
     # Solar Open (102.6B, 12B active): GLM-4.5's MoE in every layer under Llama's attention
     "solar-open-100b": lambda: ModelShape(
             name="solar-open-100b", arch="glm4_moe", hidden_size=4096, num_layers=48, vocab_size=196608,

@@ -1232,3 +1232,39 @@ def test_cohere2_moe_dense_prefix_and_sigmoid_selection_read_as_transformers_bui
         with pytest.raises(ValueError) as e:
             from_hf_config(_write(tmp_path, f"bad{i}", raw | extra))
         assert "\n" not in str(e.value) and field in str(e.value), str(e.value)
+
+
+def test_mistral4_reads_as_transformers_and_its_mistral3_wrapper(tmp_path):
+    """Mistral Small 4's text model (transformers' Mistral4Config defaults, the release's figures), alone and as the
+    `text_config` of its `mistral3` wrapper (beside a pixtral vision tower): the preset exactly, DeepSeek-V3's MLA
+    under a softmax router without a correction bias, YaRN ×128 from 8192, the query scale by position from
+    `rope_parameters` (β 0.1 over 8192 positions); 118.97B parameters as transformers counts them; trained. A
+    non-zero scaling β without its period, or expert groups (scored by their two best), stay out of training."""
+    import transformers
+
+    cfg = transformers.Mistral4Config()
+    cfg.save_pretrained(tmp_path / "alone")
+    alone = from_hf_config(tmp_path / "alone" / "config.json")
+    wrapped = from_hf_config(_write(tmp_path, "wrapped", {
+        "model_type": "mistral3", "architectures": ["Mistral3ForConditionalGeneration"],
+        "text_config": json.loads((tmp_path / "alone" / "config.json").read_text()),
+        "vision_config": {"model_type": "pixtral", "hidden_size": 1024}}))
+    same = lambda m: dataclasses.replace(m, name="x", source="")  # noqa: E731
+    assert same(alone) == same(wrapped) == same(PRESETS["mistral-small-4"])
+    assert (alone.arch, alone.hf_model_type, alone.router_bias, alone.sigmoid_router) == (
+        "deepseek_v3", "mistral4", False, None)
+    r = alone.softmax_router
+    assert (r.groups, r.topk_groups, r.scaling) == (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+    assert (alone.query_scale_period, alone.query_scale_beta) == (
+        cfg.rope_parameters["original_max_position_embeddings"], cfg.rope_parameters["llama_4_scaling_beta"])
+    assert (alone.rope_scaling.kind, alone.rope_scaling.factor, alone.rope_scaling.original_max_position) == (
+        "yarn", 128.0, 8192)
+    assert trainable(alone) is None
+    assert total_params(alone) == _meta_params(transformers.Mistral4ForCausalLM, cfg) == 118_972_826_624
+    raw = json.loads((tmp_path / "alone" / "config.json").read_text())
+    no_period = raw | {"rope_parameters": {k: v for k, v in raw["rope_parameters"].items()
+                                           if k != "original_max_position_embeddings"} | {"rope_type": "default"}}
+    with pytest.raises(ValueError, match="original_max_position_embeddings"):
+        from_hf_config(_write(tmp_path, "no_period", no_period))
+    grouped = from_hf_config(_write(tmp_path, "grouped", raw | {"n_group": 4, "topk_group": 2}))
+    assert "expert groups" in trainable(grouped)
