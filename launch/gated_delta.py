@@ -349,7 +349,8 @@ def fla_status(head_k_dim: int, per_channel: bool = False) -> tuple[bool, str]:
     fla 0.6.0 refuses its gated backward (`chunk_bwd_dqkwg`) on Hopper with Triton ≥ 3.4, < 3.7.1 (its issue #640):
     the miscompile was reported for BK = 64 tiles. On Hopper the kernel tiles K with BK = min(next_pow2(K), 128), so
     head_k_dim ≥ 128 runs BK = 128, which tests/test_model_gpu.py checks against our torch reference (outputs and
-    gradients). We lift the guard only in that case; below 128 we keep fla's refusal and use the torch path.
+    gradients). We lift the guard only in that case; below 128 we keep fla's refusal and use the torch path. KDA's
+    backward (`fla.ops.kda`) runs kernels of its own, which the guard does not cover.
     """
     key = (head_k_dim, per_channel)
     if key in _FLA_STATE:
@@ -363,7 +364,9 @@ def fla_status(head_k_dim: int, per_channel: bool = False) -> tuple[bool, str]:
         except Exception as e:  # ImportError, or a Triton/driver mismatch at import
             result = (False, f"flash-linear-attention not importable: {e}")
         else:
-            guarded = (getattr(chunk_o, "IS_NVIDIA_HOPPER", False) and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
+            # the guard is on Gated DeltaNet's gated backward (chunk_bwd_dqkwg); KDA's backward has its own kernels
+            guarded = (not per_channel and getattr(chunk_o, "IS_NVIDIA_HOPPER", False)
+                       and getattr(chunk_o, "TRITON_ABOVE_3_4_0", False)
                        and not getattr(chunk_o, "TRITON_ABOVE_3_7_1", True))
             if guarded and head_k_dim >= 128:
                 chunk_o.TRITON_ABOVE_3_7_1 = True  # lift the BK=64 guard: our tiles are BK=128 (checked in tests)
