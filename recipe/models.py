@@ -872,8 +872,8 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=2.446), first_dense_layers=1,
             dense_ffn=9216, rope_theta=10000.0, rms_norm_eps=1e-5, max_position=1048576, pad_token_id=163839,
             hf_model_type="kimi_linear", source="moonshotai/Kimi-Linear-48B-A3B-Instruct config.json"),
-    # Mistral Small 4 (118.97B, 6.5B active): DeepSeek-V3's MLA and experts under a softmax router, the query scaled
-    # by position
+    # Mistral Small 4 (118.97B; 6.1B active, 6.6B with the input embedding): DeepSeek-V3's MLA and experts under a
+    # softmax router, the query scaled by position
     "mistral-small-4": lambda: ModelShape(
             name="mistral-small-4", arch="deepseek_v3", hidden_size=4096, num_layers=36, vocab_size=131072,
             layer_types=("full_attention",) * 36, num_heads=32, num_kv_heads=32, head_dim=128, qk_norm=False,

@@ -84,12 +84,15 @@ def test_shards_reassemble_the_padded_micro_batch(cp):
     assert whole["seq_id"][37:].tolist() == [len(lengths)] * pad
 
 
-def _delta_inputs(T, seed, requires_grad=True):
+def _delta_inputs(T, seed, requires_grad=True, per_channel=False):
+    """q, k (one key head of 4), v (two value heads of 3), the log decay g (per value head, or per value head and
+    key channel: KDA's), β; fp64."""
     gen = torch.Generator().manual_seed(seed)
     f64 = torch.float64
     q, k = torch.randn(T, 1, 4, generator=gen, dtype=f64), torch.randn(T, 1, 4, generator=gen, dtype=f64)
     v = torch.randn(T, 2, 3, generator=gen, dtype=f64)
-    g = -(0.01 + 0.09 * torch.rand(T, 2, generator=gen, dtype=f64))  # slow decay: the incoming state matters
+    # slow decay: the incoming state matters
+    g = -(0.01 + 0.09 * torch.rand(T, 2, *((4,) if per_channel else ()), generator=gen, dtype=f64))
     beta = torch.rand(T, 2, generator=gen, dtype=f64)
     return [x.requires_grad_(requires_grad) for x in (q, k, v, g, beta)]
 
@@ -114,20 +117,22 @@ def _combine_on_simulated_ranks(inputs, positions, cp, chunk, with_combine=True)
     return out
 
 
+@pytest.mark.parametrize("per_channel", [False, True])
 @pytest.mark.parametrize("cp, lengths", [
     (2, [8, 5, 14, 5]),  # segments of 8 (two 4-token chunks): a document starts on the edge at 8, one inside
     (4, [8, 5, 14, 2, 16, 11, 8]),  # segments of 8: starts on the edges at 8 and 56, inside at 13, 27, 29, 45
 ])
-def test_state_combine_equals_the_token_by_token_delta_rule(cp, lengths):
+def test_state_combine_equals_the_token_by_token_delta_rule(cp, lengths, per_channel):
     """The segments' affine maps, folded, and each segment run from its folded incoming state: outputs and the
-    gradients of q, k, v, g, β equal the one-process recurrence in fp64; without the combine (zero incoming states)
-    the outputs are visibly off, so the check has teeth."""
+    gradients of q, k, v, g, β equal the one-process recurrence in fp64, with a decay per head (Gated DeltaNet) and
+    per key channel (KDA: the maps carry it as a diagonal); without the combine (zero incoming states) the outputs
+    are visibly off, so the check has teeth."""
     T, chunk = sum(lengths), 4
     assert T == 2 * cp * 8
     positions = Packing.from_lengths(lengths).positions
     edges = [j * 8 for j in range(1, 2 * cp)]
     assert any(int(positions[e]) == 0 for e in edges) and any(int(positions[e]) > 0 for e in edges)
-    inputs = _delta_inputs(T, seed=cp)
+    inputs = _delta_inputs(T, seed=cp, per_channel=per_channel)
     out = _combine_on_simulated_ranks(inputs, positions, cp, chunk)
     ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
     ref = recurrent_gated_delta_rule_ref(*ref_inputs, positions)

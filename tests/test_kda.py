@@ -1,15 +1,13 @@
 """Kimi Delta Attention (per-channel decays in the gated delta rule): the chunked rule against the token-by-token
-recurrence and against transformers' own KDA, the context-parallel state combine, and the layer against
-transformers' Kimi-Linear (tests/test_hf_parity.py holds the whole model)."""
+recurrence and against transformers' own KDA (tests/test_context_parallel.py holds the context-parallel state combine
+with KDA's decays, tests/test_hf_parity.py the whole model against transformers' Kimi-Linear)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from launch.context_parallel import segment_owner, zigzag_index
-from launch.gated_delta import (chunk_factors, chunk_gated_delta_rule_torch, fold_state_maps,
-                                recurrent_gated_delta_rule_ref, segment_pass, with_incoming_states)
+from launch.gated_delta import chunk_gated_delta_rule_torch, recurrent_gated_delta_rule_ref
 from launch.model import Packing
 
 
@@ -78,40 +76,3 @@ def test_chunked_kda_equals_transformers_kda():
                                            use_qk_l2norm_in_kernel=True)
     ours = chunk_gated_delta_rule_torch(q, k, v, decay, beta, Packing.from_lengths([50]).positions, 16)
     assert (ours - theirs[0]).abs().max() < 1e-5
-
-
-@pytest.mark.parametrize("cp, lengths", [(2, [8, 5, 14, 5]), (4, [8, 5, 14, 2, 16, 11, 8])])
-def test_kda_state_combine_equals_the_recurrence(cp, lengths):
-    """Each simulated rank's augmented pass over its zigzag segments, the 2·cp maps folded, each rank completed
-    from its incoming states: equal to the one-process recurrence (outputs and every gradient, fp64); the maps
-    carry the per-channel decay (zero incoming states are visibly off)."""
-    T, chunk = sum(lengths), 4
-    positions = Packing.from_lengths(lengths).positions
-    inputs = [x.double().requires_grad_() for x in _kda_inputs(T, 2, 4, 3, seed=cp)]
-
-    def run(combine=True):
-        maps, passes = [], []
-        for r in range(cp):
-            idx = zigzag_index(T, cp, r)
-            o_aug, m = segment_pass(chunk_factors(*(x[idx] for x in inputs), positions[idx], chunk), 2)
-            passes.append((idx, o_aug))
-            maps.append(m)
-        states = fold_state_maps(torch.cat(maps)[[2 * r + s for r, s in (segment_owner(j, cp)
-                                                                            for j in range(2 * cp))]])
-        out = torch.empty(T, 2, 3, dtype=torch.float64)
-        for r, (idx, o_aug) in enumerate(passes):
-            mine = states[[r, 2 * cp - 1 - r]] if combine else torch.zeros_like(states[:2])
-            out = out.index_put((idx,), with_incoming_states(o_aug, mine))
-        return out
-
-    ref_inputs = [x.detach().clone().requires_grad_() for x in inputs]
-    ref = recurrent_gated_delta_rule_ref(*ref_inputs, positions)
-    out = run()
-    assert (out - ref).abs().max() < 1e-12
-    cot = torch.randn(ref.shape, generator=torch.Generator().manual_seed(5), dtype=torch.float64)
-    (out * cot).sum().backward()
-    (ref * cot).sum().backward()
-    for name, a, b in zip("q k v g beta".split(), inputs, ref_inputs):
-        assert (a.grad - b.grad).abs().max() < 1e-11, name
-    with torch.no_grad():
-        assert (run(combine=False) - ref).abs().max() > 1e-2
