@@ -8,7 +8,7 @@ R rows of the norm (tokens x value heads), D channels per row (head_v_dim).
     (a tap reaching before its document's first token, or before t = 0, reads zero; documents are packed back to
     back and positions restart at 0 in each one, so [positions[t] >= s] is "row t-s is in t's document").
     gated_rms_norm(x, gate, weight, eps) = weight * (x * rsqrt(mean(x^2) + eps)) * silu(gate), fp32 inside,
-        output in x's dtype.
+        output in x's dtype (with activation="sigmoid", KDA's output norm: sigmoid(gate), the weight in fp32).
 
 Why fuse: both are memory-bound, and the torch versions make one HBM round trip per op (the conv: four shifted,
 masked, weighted copies of x; the norm: a dozen fp32 temporaries of [R, D]). One kernel reads each input once and
@@ -104,23 +104,33 @@ def causal_conv1d_silu(x_TC: torch.Tensor, weight_CW: torch.Tensor, positions_T:
 
 
 # ----------------------------------------------------------------------------------------------- gated RMSNorm
-def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight_D: torch.Tensor, eps: float) -> torch.Tensor:
-    """The torch reference (and CPU path). The normalized x is cast to x's dtype before the weight multiplies it
-    (as transformers' Qwen3-Next/Qwen3.5 gated norm does); that product is in the promoted dtype of weight and x
-    (rounded to bf16 when both are bf16), then the fp32 SiLU gate, then x's dtype."""
+GATES = ("silu", "sigmoid")  # Gated DeltaNet's output gate, KDA's
+
+
+def gated_rms_norm_torch(x: torch.Tensor, gate: torch.Tensor, weight_D: torch.Tensor, eps: float,
+                         activation: str = "silu") -> torch.Tensor:
+    """The torch reference (and CPU path). "silu" (Gated DeltaNet's): the normalized x is cast to x's dtype before
+    the weight multiplies it (as transformers' Qwen3-Next/Qwen3.5 gated norm does); that product is in the promoted
+    dtype of weight and x (rounded to bf16 when both are bf16), then the fp32 SiLU gate, then x's dtype. "sigmoid"
+    (KDA's): all in fp32, the weight on the fp32 normalized x, then the sigmoid gate, rounded once to x's dtype."""
     x32 = x.float()
     x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    if activation == "sigmoid":
+        return (x32 * weight_D.float() * torch.sigmoid(gate.float())).to(x.dtype)
     return (weight_D * x32.type_as(x) * F.silu(gate.float())).type_as(x)
 
 
 class _GatedRMSNorm(torch.autograd.Function):
+    """The sigmoid gate runs the kernels' fp32-weight form (offset 0: n·w in fp32), as its reference does."""
+
     @staticmethod
-    def forward(ctx, x_RD, gate_RD, weight_D, eps):
+    def forward(ctx, x_RD, gate_RD, weight_D, eps, sigmoid):
         x_RD, gate_RD, weight_D = x_RD.contiguous(), gate_RD.contiguous(), weight_D.contiguous()
         y_RD = torch.empty_like(x_RD)
-        _triton().norm_fwd(x_RD, gate_RD, weight_D, eps, y_RD)
+        ctx.offset = 0.0 if sigmoid else None
+        _triton().norm_fwd(x_RD, gate_RD, weight_D, eps, y_RD, offset=ctx.offset, sigmoid=sigmoid)
         ctx.save_for_backward(x_RD, gate_RD, weight_D)
-        ctx.eps = eps
+        ctx.eps, ctx.sigmoid = eps, sigmoid
         return y_RD
 
     @staticmethod
@@ -128,23 +138,25 @@ class _GatedRMSNorm(torch.autograd.Function):
         x_RD, gate_RD, weight_D = ctx.saved_tensors
         need_dx, need_dg, need_dw = ctx.needs_input_grad[:3]
         if not (need_dx or need_dg or need_dw):
-            return None, None, None, None
+            return None, None, None, None, None
         dx, dg, dw = _triton().norm_bwd(x_RD, gate_RD, weight_D, ctx.eps, dy_RD.contiguous(), need_dx, need_dg,
-                                        need_dw)
+                                        need_dw, offset=ctx.offset, sigmoid=ctx.sigmoid)
         if dw is not None:
             dw = dw.to(weight_D.dtype)
-        return dx, dg, dw, None
+        return dx, dg, dw, None, None
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, weight_D: torch.Tensor, eps: float, *,
-                   backend: str | None = "auto") -> torch.Tensor:
-    """weight * rmsnorm(x) * silu(gate) over the last dim D; x and gate [..., D] of one shape, weight [D].
-    Differentiable in x, gate and weight; output in x's dtype."""
+                   backend: str | None = "auto", activation: str = "silu") -> torch.Tensor:
+    """weight * rmsnorm(x) * act(gate) over the last dim D, act silu (Gated DeltaNet's) or sigmoid (KDA's); x and
+    gate [..., D] of one shape, weight [D]. Differentiable in x, gate and weight; output in x's dtype."""
     D = x.shape[-1]
     if gate.shape != x.shape or weight_D.shape != (D,):
         raise ValueError(f"need x and gate of one shape [..., D] and weight [D]; got {tuple(x.shape)}, "
                          f"{tuple(gate.shape)}, {tuple(weight_D.shape)}")
+    if activation not in GATES:
+        raise ValueError(f"activation must be one of {GATES}, got {activation!r}")
     if _pick_backend(x, backend) == "torch" or x.numel() == 0:
-        return gated_rms_norm_torch(x, gate, weight_D, eps)
-    y_RD = _GatedRMSNorm.apply(x.reshape(-1, D), gate.reshape(-1, D), weight_D, float(eps))
+        return gated_rms_norm_torch(x, gate, weight_D, eps, activation)
+    y_RD = _GatedRMSNorm.apply(x.reshape(-1, D), gate.reshape(-1, D), weight_D, float(eps), activation == "sigmoid")
     return y_RD.view(x.shape)

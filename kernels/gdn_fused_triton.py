@@ -241,13 +241,16 @@ def _norm_rows(x_ptr, g_ptr, w_ptr, r_R, d_D, R, D, XS, eps, offset,
 @triton.jit
 def _norm_fwd_kernel(x_ptr, g_ptr, w_ptr, y_ptr, R, D, XS, eps, offset,
                      HAS_GATE: tl.constexpr, OFFSET_MODE: tl.constexpr, ROUND_P: tl.constexpr,
-                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr):
+                     BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr, SIGMOID: tl.constexpr = False):
     r_R = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
     d_D = tl.arange(0, BLOCK_D)
     off_RD, ok_RD, g_RD, w_D, rstd_R, n_RD, nq_RD, p_RD = _norm_rows(x_ptr, g_ptr, w_ptr, r_R, d_D, R, D, XS, eps,
                                                                      offset, HAS_GATE, OFFSET_MODE, ROUND_P)
     if HAS_GATE:
-        y_RD = p_RD * (g_RD / (1.0 + tl.exp(-g_RD)))
+        if SIGMOID:  # KDA's output gate
+            y_RD = p_RD / (1.0 + tl.exp(-g_RD))
+        else:
+            y_RD = p_RD * (g_RD / (1.0 + tl.exp(-g_RD)))
     else:
         y_RD = p_RD
     tl.store(y_ptr + off_RD, _cast(y_RD, y_ptr.dtype.element_ty), mask=ok_RD)
@@ -257,7 +260,8 @@ def _norm_fwd_kernel(x_ptr, g_ptr, w_ptr, y_ptr, R, D, XS, eps, offset,
 def _norm_bwd_kernel(x_ptr, g_ptr, w_ptr, dy_ptr, dx_ptr, dg_ptr, dwp_ptr, R, D, XS, eps, offset, ROWS_PER_STRIP,
                      HAS_GATE: tl.constexpr, OFFSET_MODE: tl.constexpr, ROUND_P: tl.constexpr,
                      BLOCK_R: tl.constexpr, BLOCK_D: tl.constexpr,
-                     NEED_DX: tl.constexpr, NEED_DG: tl.constexpr, NEED_DW: tl.constexpr):
+                     NEED_DX: tl.constexpr, NEED_DG: tl.constexpr, NEED_DW: tl.constexpr,
+                     SIGMOID: tl.constexpr = False):
     pid = tl.program_id(0)
     d_D = tl.arange(0, BLOCK_D)
     dw_D = tl.zeros((BLOCK_D,), dtype=tl.float32)
@@ -271,9 +275,13 @@ def _norm_bwd_kernel(x_ptr, g_ptr, w_ptr, dy_ptr, dx_ptr, dg_ptr, dwp_ptr, R, D,
         dy_RD = tl.load(dy_ptr + off_RD, mask=ok_RD, other=0.0).to(tl.float32)
         if HAS_GATE:
             sig_RD = 1.0 / (1.0 + tl.exp(-g_RD))
-            dp_RD = dy_RD * (g_RD * sig_RD)  # d out / d p = silu(g)
-            if NEED_DG:
+            if SIGMOID:
+                dp_RD = dy_RD * sig_RD  # d out / d p = σ(g)
+                dg_RD = dy_RD * p_RD * (sig_RD * (1.0 - sig_RD))
+            else:
+                dp_RD = dy_RD * (g_RD * sig_RD)  # d out / d p = silu(g)
                 dg_RD = dy_RD * p_RD * (sig_RD * (1.0 + g_RD * (1.0 - sig_RD)))
+            if NEED_DG:
                 tl.store(dg_ptr + off_RD, _cast(dg_RD, dg_ptr.dtype.element_ty), mask=ok_RD)
         else:
             dp_RD = dy_RD
@@ -306,19 +314,20 @@ def _round_p(x_RD: torch.Tensor, w_D: torch.Tensor) -> bool:
     return x_RD.element_size() == 2 and torch.promote_types(x_RD.dtype, w_D.dtype) == x_RD.dtype
 
 
-def norm_fwd(x_RD, g_RD, w_D, eps: float, y_RD, offset: float | None = None) -> None:
-    """y = RMSNorm of x's rows, times silu(gate) when g_RD is given; offset None: w·round(n), else n·(offset + w).
-    x_RD may be a view whose rows are evenly spaced (stride(1) = 1); g_RD and y_RD are contiguous."""
+def norm_fwd(x_RD, g_RD, w_D, eps: float, y_RD, offset: float | None = None, sigmoid: bool = False) -> None:
+    """y = RMSNorm of x's rows, times silu(gate) (sigmoid(gate) with `sigmoid`) when g_RD is given; offset None:
+    w·round(n), else n·(offset + w). x_RD may be a view whose rows are evenly spaced (stride(1) = 1); g_RD and y_RD
+    are contiguous."""
     R, D = x_RD.shape
     BR, BD, nw = _norm_tile(D)
     _norm_fwd_kernel[(triton.cdiv(R, BR),)](x_RD, x_RD if g_RD is None else g_RD, w_D, y_RD, R, D, x_RD.stride(0),
                                             eps, 0.0 if offset is None else offset, HAS_GATE=g_RD is not None,
                                             OFFSET_MODE=offset is not None, ROUND_P=_round_p(x_RD, w_D),
-                                            BLOCK_R=BR, BLOCK_D=BD, num_warps=nw)
+                                            BLOCK_R=BR, BLOCK_D=BD, SIGMOID=sigmoid, num_warps=nw)
 
 
 def norm_bwd(x_RD, g_RD, w_D, eps: float, dy_RD, need_dx: bool, need_dg: bool, need_dw: bool,
-             offset: float | None = None):
+             offset: float | None = None, sigmoid: bool = False):
     """(dx contiguous in x's dtype, dgate in gate's dtype, dweight fp32 [D]); None for those not needed (and for
     dgate without a gate)."""
     R, D = x_RD.shape
@@ -332,5 +341,5 @@ def norm_bwd(x_RD, g_RD, w_D, eps: float, dy_RD, need_dx: bool, need_dg: bool, n
                                 x_RD.stride(0), eps, 0.0 if offset is None else offset, per * BR,
                                 HAS_GATE=g_RD is not None, OFFSET_MODE=offset is not None,
                                 ROUND_P=_round_p(x_RD, w_D), BLOCK_R=BR, BLOCK_D=BD, NEED_DX=need_dx,
-                                NEED_DG=need_dg, NEED_DW=need_dw, num_warps=nw)
+                                NEED_DG=need_dg, NEED_DW=need_dw, SIGMOID=sigmoid, num_warps=nw)
     return (dx if need_dx else None), (dg if need_dg else None), (dwp_SD.sum(0) if need_dw else None)

@@ -738,19 +738,12 @@ class GatedDeltaNet(nn.Module):
         return self.out_proj(o)
 
 
-class SigmoidGatedRMSNorm(nn.Module):
+class SigmoidGatedRMSNorm(GatedRMSNorm):
     """RMSNorm over each head's channels times the weight, then a sigmoid gate (KDA's output norm), all in fp32, the
-    result in x's dtype."""
-
-    def __init__(self, dim: int, eps: float):
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim))
+    result in x's dtype (kernels.gdn_fused.gated_rms_norm's sigmoid form: one fused Triton kernel on GPU)."""
 
     def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-        xf = x.float()
-        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()
-        return (normed * torch.sigmoid(gate.float())).to(x.dtype)
+        return gated_rms_norm(x, gate, self.weight, self.eps, backend=self.backend, activation="sigmoid")
 
 
 class KimiDeltaAttention(nn.Module):

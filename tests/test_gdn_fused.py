@@ -101,25 +101,31 @@ def norm_checks() -> None:
         gate = gate_big[..., D:]  # non-contiguous view (z is a slice of a projection in some layouts)
         w = 1.0 + 0.3 * torch.randn(D, generator=g)
         dy = torch.randn(shape, generator=g)
-        for dtype in (torch.float32, torch.bfloat16):
-            partial = ((True, False, True), (False, True, False)) if (D == 24 and dtype == torch.float32) else ()
-            for rg in ((True, True, True),) + partial:
-                leaves = [x.clone().requires_grad_(rg[0]), gate.detach().requires_grad_(rg[1]),
-                          w.clone().requires_grad_(rg[2])]
-                errs = _compare(gated_rms_norm, gated_rms_norm_torch, leaves, dy, (1e-6,), dtype, 1e-5,
-                                f"norm {shape} {rg}")
-                if rg == (True, True, True):
-                    print("norm", shape, dtype, errs)
-        # bf16 output bit for bit (normalized x and weight product rounded to bf16 as the reference does), with a
-        # bf16 weight (the model's) and an fp32 one (no rounding of the product)
-        for w_dtype in (torch.bfloat16, torch.float32):
-            xb, gb = x.bfloat16(), gate.bfloat16()
-            ours = gated_rms_norm(xb, gb, w.to(w_dtype), 1e-6, backend="triton")
-            ref = gated_rms_norm_torch(xb, gb, w.to(w_dtype), 1e-6)
-            assert ours.dtype == ref.dtype == torch.bfloat16
-            frac = (ours == ref).float().mean().item()
-            assert frac >= 0.995, f"norm {shape} weight {w_dtype}: {frac:.4f} of bf16 outputs equal"
-            assert _rel(ours, ref) < 2e-3
+        for act in ("silu", "sigmoid"):  # Gated DeltaNet's gate, KDA's
+            ours_fn = lambda *a, act=act, **k: gated_rms_norm(*a, activation=act, **k)  # noqa: E731
+            ref_fn = lambda *a, act=act: gated_rms_norm_torch(*a, activation=act)  # noqa: E731
+            for dtype in (torch.float32, torch.bfloat16):
+                partial = ((True, False, True), (False, True, False)) if (D == 24 and dtype == torch.float32) else ()
+                for rg in ((True, True, True),) + partial:
+                    leaves = [x.clone().requires_grad_(rg[0]), gate.detach().requires_grad_(rg[1]),
+                              w.clone().requires_grad_(rg[2])]
+                    errs = _compare(ours_fn, ref_fn, leaves, dy, (1e-6,), dtype, 1e-5, f"norm {act} {shape} {rg}")
+                    if rg == (True, True, True):
+                        print("norm", act, shape, dtype, errs)
+            # bf16 output bit for bit (silu: normalized x and weight product rounded to bf16 as the reference does;
+            # sigmoid: fp32 throughout, rounded once), with a bf16 weight (the model's) and an fp32 one
+            for w_dtype in (torch.bfloat16, torch.float32):
+                xb, gb = x.bfloat16(), gate.bfloat16()
+                ours = gated_rms_norm(xb, gb, w.to(w_dtype), 1e-6, backend="triton", activation=act)
+                ref = gated_rms_norm_torch(xb, gb, w.to(w_dtype), 1e-6, act)
+                assert ours.dtype == ref.dtype == torch.bfloat16
+                frac = (ours == ref).float().mean().item()
+                assert frac >= 0.995, f"norm {act} {shape} weight {w_dtype}: {frac:.4f} of bf16 outputs equal"
+                assert _rel(ours, ref) < 2e-3
+    # the two gates differ (the sigmoid path is not the silu one)
+    x, gate, w = torch.randn(4, 8, generator=g), torch.randn(4, 8, generator=g), torch.ones(8)
+    assert _rel(gated_rms_norm(x, gate, w, 1e-6, backend="triton", activation="sigmoid"),
+                gated_rms_norm_torch(x, gate, w, 1e-6, "silu")) > 0.1
 
 
 def rms_norm_checks() -> None:

@@ -169,9 +169,15 @@ def test_fused_rope_matches_torch_path(heads, dim, rotary, pairs):
             f"{name}: ours {_rel(a, r):.2e}, torch bf16 {_rel(t, r):.2e} against fp32"
 
 
-def test_fused_gated_norm_matches_torch_path():
-    """kernels.gdn_fused.gated_rms_norm at the real shape (8192 tokens x 32 value heads, head dim 128, bf16)."""
-    from kernels.gdn_fused import gated_rms_norm
+@pytest.mark.parametrize("activation", ["silu", "sigmoid"])
+def test_fused_gated_norm_matches_torch_path(activation):
+    """kernels.gdn_fused.gated_rms_norm at the real shape (8192 tokens x 32 value heads, head dim 128, bf16), with
+    Gated DeltaNet's SiLU gate and KDA's sigmoid one."""
+    from functools import partial
+
+    from kernels.gdn_fused import gated_rms_norm as norm
+
+    gated_rms_norm = partial(norm, activation=activation)
 
     shape = (8192, 32, 128)
     gen = torch.Generator(device="cuda").manual_seed(1)
