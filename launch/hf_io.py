@@ -454,6 +454,10 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         _join_step_experts(sd)
     if model.shape.hf_model_type == "kimi_linear":
         _kimi_kda_to_ours(sd)
+    if model.shape.hf_model_type == "axk1":  # transformers keeps the MoE output norm in the block; ours (and the
+        # releases') at the layer
+        for key in [k for k in sd if ".mlp.post_mlp_layernorm." in k]:
+            sd[key.replace(".mlp.post_mlp_layernorm.", ".post_mlp_layernorm.")] = sd.pop(key)
     return sd
 
 
@@ -714,6 +718,9 @@ def hf_config(shape: ModelShape) -> dict:
                        q_lora_rank=a.q_lora_rank or None, kv_lora_rank=a.kv_lora_rank,
                        qk_nope_head_dim=a.qk_nope_head_dim, qk_rope_head_dim=a.qk_rope_head_dim,
                        v_head_dim=a.v_head_dim, head_dim=a.qk_rope_head_dim)
+            if shape.hf_model_type == "axk1":  # A.X K1: DeepSeek-V3's config under its own type
+                cfg.update(model_type="axk1", architectures=["AXK1ForCausalLM"])
+                cfg.pop("num_mtp_layers")
             if shape.hf_model_type == "glm4_moe_lite":  # GLM-4.7-Flash: its dense layers by type, not by count
                 first = shape.first_dense_layers
                 cfg.update(model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"],

@@ -865,6 +865,10 @@ class DecoderLayer(nn.Module):
                            sigmoid_top=s.sigmoid_top)
             # a norm after the MoE block keeps its output for the backward: a recomputed forward must produce it
             self.mlp.experts.output_read = s.moe_output_saved
+        # A.X K1: an RMSNorm on the MoE block's output, its MoE layers only (under its releases' name)
+        self.moe_output_norm = s.moe_output_norm and not dense
+        if self.moe_output_norm:
+            self.post_mlp_layernorm = block_norm(s, norm_offset)
 
     @property
     def mixer(self) -> nn.Module:
@@ -889,6 +893,8 @@ class DecoderLayer(nn.Module):
             x_TD = x_TD + mixer(self.input_layernorm(x_TD), rope, packing) * self.residual_scale
             return x_TD + self.mlp(self.post_attention_layernorm(x_TD)) * self.residual_scale
         x_TD = x_TD + mixer(self.input_layernorm(x_TD), rope, packing)
+        if self.moe_output_norm:
+            return x_TD + self.post_mlp_layernorm(self.mlp(self.post_attention_layernorm(x_TD)))
         return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
 
 

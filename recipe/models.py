@@ -282,7 +282,7 @@ def trainable(shape: "ModelShape") -> str | None:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
                 f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, "
-                f"Moonlight, Kimi-Linear, Mistral 4) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, "
+                f"Moonlight, Kimi-Linear, Mistral 4, A.X K1) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, "
                 f"MiMo-V2-Flash, Hunyuan-V3, K-EXAONE, AFMoE, Step-3.7), Cohere2-MoE, gpt-oss, Llama 4, Granite MoE, "
                 f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; "
                 f"not ERNIE-4.5 with biases or "
@@ -307,6 +307,8 @@ def trainable(shape: "ModelShape") -> str | None:
              shape.sliding_heads is not None or shape.sliding_rotary_factor is not None or shape.head_gate
              or shape.query_pre_attn_scalar is not None or bool(shape.swiglu_limits)
              or bool(shape.swiglu_limits_shared) or shape.offset_norms)),
+        ("a norm on the MoE block's output (moe_output_norm) outside A.X K1",
+         shape.moe_output_norm and shape.hf_model_type != "axk1"),
         ("a query scale by position (query_scale_period) outside Mistral 4",
          shape.query_scale_period is not None and shape.hf_model_type != "mistral4"),
         ("Mistral 4's expert groups (n_group > 1: a group scored by its two most probable experts, where the core's "
@@ -450,6 +452,9 @@ class ModelShape(Record):
     # (its `rope_parameters.llama_4_scaling_beta` and `original_max_position_embeddings`); None: no scale
     query_scale_period: int | None = None
     query_scale_beta: float = 0.0
+    # an RMSNorm on each MoE block's output (its routed and shared experts' sum) before the residual add, on the MoE
+    # layers only (A.X K1's `post_mlp_layernorm`)
+    moe_output_norm: bool = False
     # the dense prefix layers take RoPE whatever their kind (Cohere2-MoE's prefix of sliding-window pattern 1, whose
     # layers are all full)
     rotated_prefix: bool = False
@@ -633,8 +638,9 @@ class ModelShape(Record):
     @property
     def moe_output_saved(self) -> bool:
         """Whether a norm after the MoE block keeps its output for the backward (norm_placement "sandwich" or
-        "post"): a recomputed forward must then return the experts' output, where otherwise it skips that."""
-        return self.norm_placement in ("sandwich", "post")
+        "post", or `moe_output_norm`): a recomputed forward must then return the experts' output, where otherwise it
+        skips that."""
+        return self.norm_placement in ("sandwich", "post") or self.moe_output_norm
 
     @property
     def value_width(self) -> int:
@@ -719,7 +725,8 @@ class ModelShape(Record):
                                        ("rope_pairs", False), ("shared_expert_mean", False), ("sigmoid_top", False),
                                        ("rotated_prefix", False), ("head_gate", False), ("swiglu_limits", ()),
                                        ("swiglu_limits_shared", ()), ("offset_norms", False),
-                                       ("sliding_rope_plain", False), ("query_scale_beta", 0.0))
+                                       ("sliding_rope_plain", False), ("query_scale_beta", 0.0),
+                                       ("moe_output_norm", False))
                   if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
@@ -887,6 +894,16 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             query_scale_period=8192, query_scale_beta=0.1, dense_ffn=12288, rms_norm_eps=1e-6, max_position=1048576,
             pad_token_id=11, hf_model_type="mistral4",
             source="mistralai/Mistral-Small-4-119B-2603 (text_config; transformers' Mistral4Config defaults)"),
+    # A.X K1 (518.98B, 31.6B active): DeepSeek-V3's blocks with an RMSNorm on each MoE block's output
+    "ax-k1": lambda: ModelShape(
+            name="ax-k1", arch="deepseek_v3", hidden_size=7168, num_layers=61, vocab_size=163840,
+            layer_types=("full_attention",) * 61, num_heads=64, num_kv_heads=64, head_dim=192, qk_norm=False,
+            mla=MLAShape(q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128, qk_rope_head_dim=64,
+                         v_head_dim=128),
+            num_experts=192, top_k=8, expert_ffn=2048, shared_expert_ffn=2048, router_bias=True,
+            sigmoid_router=SigmoidRouter(groups=8, topk_groups=4, scaling=2.5), first_dense_layers=1,
+            dense_ffn=18432, rope_theta=10000.0, max_position=32768, moe_output_norm=True, hf_model_type="axk1",
+            source="skt/A.X-K1 (transformers' AXK1Config defaults)"),
     # Solar Open (102.6B, 12B active): GLM-4.5's MoE in every layer under Llama's attention
     "solar-open-100b": lambda: ModelShape(
             name="solar-open-100b", arch="glm4_moe", hidden_size=4096, num_layers=48, vocab_size=196608,
@@ -1148,6 +1165,8 @@ def _param_counts(m: ModelShape) -> tuple[tuple[str, int], ...]:
     # with DeepSeek-V4's hyper-connection mixers: small maps of the residual streams beside the norms
     norms = {"sandwich": 4, "parallel": 1}.get(m.norm_placement, 2)  # a layer's: two a sublayer in the sandwich
     counts["norms"] = m.num_layers * norms * h + h + hyper_connection_params(m)
+    if m.moe_output_norm:  # A.X K1's, on each MoE layer
+        counts["norms"] += h * sum(1 for i in range(m.num_layers) if not m.is_dense_layer(i))
     return tuple(counts.items())
 
 
@@ -1204,7 +1223,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_omni_moe": "qwen3_moe", "qwen3_omni_moe_thinker": "qwen3_moe", "qwen3_omni_moe_text": "qwen3_moe",
     "cohere2_moe": "qwen3_moe",
     "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3", "kimi_linear": "deepseek_v3",
-    "mistral4": "deepseek_v3",
+    "mistral4": "deepseek_v3", "axk1": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
     "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe", "exaone_moe": "glm4_moe",
@@ -1455,6 +1474,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         )
         if model_type == "glm4_moe_lite":  # GLM-4.7-Flash: DeepSeek-V3's blocks, exported under its own type
             fields["hf_model_type"] = model_type
+        if model_type == "axk1":  # A.X K1: DeepSeek-V3's blocks with an RMSNorm on each MoE block's output
+            fields.update(hf_model_type=model_type, moe_output_norm=True)
         if model_type == "kimi_linear":  # Kimi-Linear: KDA layers among MLA ones without RoPE
             _kimi_linear(cfg, fields, opt)
         if model_type in _DSA_MODEL_TYPES:  # DeepSeek-V3.2, GLM-5: V3's blocks and an indexer that picks each
@@ -1577,7 +1598,7 @@ def _from_hf_config(path: Path) -> ModelShape:
 
 
 # transformers' defaults where a config leaves the router's fields out: (n_group, topk_group, routed_scaling_factor)
-_SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5),
+_SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "axk1": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5),
                             "kimi_linear": (1, 1, 2.446),
                             "glm_moe_dsa": (1, 1, 2.5), "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8),
                             "dots1": (1, 1, 1.0), "solar_open": (1, 1, 1.0), "mimo_v2_flash": (1, 1, 1.0),

@@ -63,7 +63,7 @@ CASES = {
         ["dsa_cp2_tp2_ep4", 1, 4, 1, 2, "dsa", "full", 2], ["mimo_cp2_tp2_ep2", 1, 2, 1, 2, "mimo", "full", 2],
         ["afmoe_cp2_tp2_ep2", 1, 2, 1, 2, "afmoe", "full", 2], ["cohere_cp2_dp2_ep2", 2, 2, 1, 2, "cohere"],
         ["step_cp2_tp2_ep2", 1, 2, 1, 2, "step", "full", 2], ["kimi_cp2_tp2_ep2", 1, 2, 1, 2, "kimi", "full", 2],
-        ["mistral4_cp2_tp2_ep2", 1, 2, 1, 2, "mistral4", "full", 2],
+        ["mistral4_cp2_tp2_ep2", 1, 2, 1, 2, "mistral4", "full", 2], ["axk1_tp2_dp2_ep2_k2", 2, 2, 2, 1, "axk1", "full", 2],
         # pp × tp: an uneven split with ep=2 over each stage's tp ranks (off-policy, sequence-mean), and interleaved
         # over 2 virtual stages a rank with a dense model's MLPs split over tp
         ["pp2_tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2, 2, [3, 1]],
@@ -108,6 +108,7 @@ VARIANTS = {
     "step": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Step-3.7-style model (tiny_step), as "mla"
     "kimi": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Kimi-Linear-style model (tiny_kimi), as "mla"
     "mistral4": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Mistral-4-style model (tiny_mistral4)
+    "axk1": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an A.X-K1-style model (tiny_axk1), as "mla"
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -260,6 +261,14 @@ def tiny_mistral4():
                    query_scale_beta=0.1)
 
 
+def tiny_axk1():
+    """A.X K1's blocks at tiny widths: tiny_mla's with an RMSNorm on each MoE block's output (its MoE layers only),
+    which keeps the experts' output for the backward (the recomputed forward combines it again)."""
+    from dataclasses import replace
+
+    return replace(tiny_mla(), name="tiny-axk1", hf_model_type="axk1", moe_output_norm=True)
+
+
 def tiny_olmoe():
     """OLMoE's blocks at tiny widths: q/k norms over all heads together (their sums of squares added over the tp
     ranks), q/k/v/o biases, softmax routing over 8 experts (top-2) without renormalization, a pad token whose
@@ -353,7 +362,8 @@ def tiny_dense():
 VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "dsa": tiny_dsa, "oss": tiny_oss, "olmoe": tiny_olmoe,
                   "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4,
                   "granite": tiny_granite, "swa": tiny_swa, "mimo": tiny_mimo, "afmoe": tiny_afmoe, "cohere": tiny_cohere,
-                  "step": tiny_step, "kimi": tiny_kimi, "mistral4": tiny_mistral4}
+                  "step": tiny_step, "kimi": tiny_kimi, "mistral4": tiny_mistral4,
+                  "axk1": tiny_axk1}
 
 
 def _shape(variant: str):

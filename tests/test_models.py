@@ -1268,3 +1268,26 @@ def test_mistral4_reads_as_transformers_and_its_mistral3_wrapper(tmp_path):
         from_hf_config(_write(tmp_path, "no_period", no_period))
     grouped = from_hf_config(_write(tmp_path, "grouped", raw | {"n_group": 4, "topk_group": 2}))
     assert "expert groups" in trainable(grouped)
+
+
+def test_axk1_reads_as_transformers_builds_it(tmp_path):
+    """A.X K1 (transformers' AXK1Config defaults, the release's figures): the preset exactly, DeepSeek-V3's blocks
+    with an RMSNorm on each MoE block's output (its 60 MoE layers; the dense first layer has none), grouped sigmoid
+    routing (8 groups, 4 chosen); its parameters as transformers counts them (518.98B, the 60 output norms among
+    them); trained. The output norm keeps the experts' output for the backward, which the cost model's expert
+    parallelism charges (a combine again in the recomputed forward)."""
+    import transformers
+
+    cfg = transformers.AXK1Config()
+    cfg.save_pretrained(tmp_path / "axk1")
+    shape = from_hf_config(tmp_path / "axk1" / "config.json")
+    assert dataclasses.replace(shape, name="x", source="") == dataclasses.replace(PRESETS["ax-k1"], name="x",
+                                                                                    source="")
+    assert (shape.moe_output_norm, shape.moe_output_saved, shape.hf_model_type) == (True, True, "axk1")
+    r = shape.sigmoid_router
+    assert (r.groups, r.topk_groups, r.scaling) == (cfg.n_group, cfg.topk_group, cfg.routed_scaling_factor)
+    assert trainable(shape) is None
+    assert total_params(shape) == _meta_params(transformers.AXK1ForCausalLM, cfg) == 518_983_063_808
+    plain = dataclasses.replace(shape, moe_output_norm=False)
+    assert total_params(shape) - total_params(plain) == 60 * cfg.hidden_size
+    assert "outside A.X K1" in trainable(dataclasses.replace(shape, hf_model_type=None))
