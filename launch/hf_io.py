@@ -593,6 +593,17 @@ def hf_config(shape: ModelShape) -> dict:
                    layer_norm_eps=shape.rms_norm_eps if layer_norm else 1e-5, rope_theta=shape.rope_theta)
         cfg.pop("moe_intermediate_size")
         return cfg
+    if shape.arch == "qwen3_moe" and shape.hf_model_type == "mellum":  # Mellum: its layer and MLP types, RoPE by type
+        first = shape.first_dense_layers
+        full = _rope_parameters(shape)
+        cfg.update(model_type="mellum", architectures=["MellumForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
+                   intermediate_size=shape.dense_ffn or shape.expert_ffn, layer_types=list(shape.layer_types),
+                   mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                   sliding_window=shape.sliding_window,
+                   rope_parameters={"full_attention": full, "sliding_attention": {
+                       **({"rope_type": "default"} if shape.sliding_rope_plain else full),
+                       "rope_theta": shape.rope_theta_at("sliding_attention")}})
+        return cfg
     if shape.arch == "qwen3_moe":
         cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.expert_ffn, layer_types=list(shape.layer_types))

@@ -280,7 +280,8 @@ def trainable(shape: "ModelShape") -> str | None:
     it): `recipe launch` checks it before any worker starts, `recipe models` shows it."""
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
-                f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model), "
+                f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model, "
+                f"Mellum 2), "
                 f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, "
                 f"Moonlight, Kimi-Linear, Mistral 4, A.X K1) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, "
                 f"MiMo-V2-Flash, Hunyuan-V3, K-EXAONE, AFMoE, Step-3.7), Cohere2-MoE, gpt-oss, Llama 4, Granite MoE, "
@@ -300,7 +301,7 @@ def trainable(shape: "ModelShape") -> str | None:
              shape.sliding_kv_heads is not None or shape.v_head_dim is not None or shape.value_scale != 1.0)),
         ("sink logits or a sliding layers' RoPE base outside gpt-oss, MiMo-V2-Flash and Granite-SWA",
          (shape.sinks != "none" or shape.sliding_rope_theta is not None)
-         and shape.hf_model_type not in ("mimo_v2_flash", "granitemoe_swa", "step3p5")),
+         and shape.hf_model_type not in ("mimo_v2_flash", "granitemoe_swa", "step3p5", "mellum")),
         ("Step-3.7's attention and MLPs (sliding layers' own heads or rotated share, a gate per head, "
          "query_pre_attn_scalar, clamped SwiGLU, (1 + w) norms) outside Step-3.7",
          shape.hf_model_type != "step3p5" and (
@@ -333,8 +334,8 @@ def trainable(shape: "ModelShape") -> str | None:
          and shape.hf_model_type != "cohere2_moe"),
         ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
          and shape.rope_scaling is not None and not shape.sliding_rope_plain),
-        ("sliding layers without the RoPE scaling outside Step-3.7", shape.sliding_rope_plain
-         and shape.hf_model_type != "step3p5"),
+        ("sliding layers without the RoPE scaling outside Step-3.7 and Mellum", shape.sliding_rope_plain
+         and shape.hf_model_type not in ("step3p5", "mellum")),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
          and shape.softmax_router is None),
         (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and (
@@ -894,6 +895,17 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             query_scale_period=8192, query_scale_beta=0.1, dense_ffn=12288, rms_norm_eps=1e-6, max_position=1048576,
             pad_token_id=11, hf_model_type="mistral4",
             source="mistralai/Mistral-Small-4-119B-2603 (text_config; transformers' Mistral4Config defaults)"),
+    # Mellum 2 (12.15B, 2.5B active): Qwen3-MoE's blocks, three 1024-token sliding layers to a full one, the full
+    # layers' YaRN ×16 (the sliding ones rotate plain)
+    "mellum2-12b": lambda: ModelShape(
+            name="mellum2-12b", arch="qwen3_moe", hidden_size=2304, num_layers=28, vocab_size=98304,
+            layer_types=tuple("full_attention" if i % 4 == 3 else "sliding_attention" for i in range(28)),
+            num_heads=32, num_kv_heads=4, head_dim=128, sliding_window=1024, num_experts=64, top_k=8,
+            expert_ffn=896, norm_topk_prob=True, rope_theta=500000.0,
+            rope_scaling=RopeScaling(kind="yarn", factor=16.0, original_max_position=8192, beta_fast=32.0,
+                                     beta_slow=1.0, attention_factor=1.2772588722239782),
+            sliding_rope_plain=True, max_position=131072, hf_model_type="mellum",
+            source="JetBrains/Mellum2-12B-A2.5B-Base config.json"),
     # A.X K1 (518.98B, 31.6B active): DeepSeek-V3's blocks with an RMSNorm on each MoE block's output
     "ax-k1": lambda: ModelShape(
             name="ax-k1", arch="deepseek_v3", hidden_size=7168, num_layers=61, vocab_size=163840,
@@ -1221,7 +1233,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_5": "qwen3_5", "qwen3_5_text": "qwen3_5",
     "qwen3_moe": "qwen3_moe", "qwen3_vl_moe": "qwen3_moe", "qwen3_vl_moe_text": "qwen3_moe",
     "qwen3_omni_moe": "qwen3_moe", "qwen3_omni_moe_thinker": "qwen3_moe", "qwen3_omni_moe_text": "qwen3_moe",
-    "cohere2_moe": "qwen3_moe",
+    "cohere2_moe": "qwen3_moe", "mellum": "qwen3_moe",
     "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3", "kimi_linear": "deepseek_v3",
     "mistral4": "deepseek_v3", "axk1": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
@@ -1565,6 +1577,8 @@ def _from_hf_config(path: Path) -> ModelShape:
             _granite_swa(cfg, fields, n_layers, number, count, bad)
     elif arch == "moe":
         _generic_moe(cfg, fields, n_layers, req, opt, opt_flag, bad)
+    if model_type == "mellum":
+        _mellum(cfg, fields, rope_by_type, opt, number, bad)
     if model_type in ("qwen3_vl_moe", "qwen3_vl_moe_text"):  # Qwen3-VL-MoE's text model: Qwen3-MoE's blocks; its
         # multimodal RoPE rotates a text-only sequence as plain RoPE (the three position ids are equal)
         fields["hf_model_type"] = "qwen3_vl_moe"
@@ -2091,6 +2105,28 @@ def _kimi_linear(cfg: dict, fields: dict, opt) -> None:
                   linear_attn=dict(kind="kda", num_k_heads=heads, num_v_heads=heads, head_k_dim=width,
                                    head_v_dim=width, conv_kernel=opt("linear_conv_kernel_dim", 4)))
     fields.pop("rope_scaling", None)  # no layer rotates
+
+
+def _mellum(cfg: dict, fields: dict, rope_by_type: dict | None, opt, number, bad) -> None:
+    """JetBrains' Mellum 2 (transformers' MellumForCausalLM): Qwen3-MoE's blocks with sliding-window layers
+    (`layer_types`, `sliding_window`), RoPE by layer type (`rope_parameters`: the full layers' the model's, with
+    their scaling; the sliding layers' base of their own, and without the scaling where their type is "default"),
+    dense layers by `mlp_layer_types` (leading; transformers' default: none). A sliding layers' rotated share of its
+    own is planned only."""
+    fields.update(hf_model_type="mellum", first_dense_layers=_leading_dense(cfg, "mellum", opt, bad))
+    if fields["first_dense_layers"]:
+        fields["dense_ffn"] = opt("intermediate_size", 0)
+    sliding = (rope_by_type or {}).get("sliding_attention") or {}
+    key = "rope_parameters.sliding_attention"
+    if sliding.get("rope_theta") is not None and number(sliding["rope_theta"], f"{key}.rope_theta") != \
+            fields["rope_theta"]:
+        fields["sliding_rope_theta"] = float(sliding["rope_theta"])
+    if fields.get("rope_scaling") is not None and sliding and sliding.get("rope_type", "default") == "default":
+        fields["sliding_rope_plain"] = True  # the full layers' scaling alone
+    share = sliding.get("partial_rotary_factor")
+    if share is not None and number(share, f"{key}.partial_rotary_factor") != fields.get("partial_rotary_factor",
+                                                                                         1.0):
+        fields["arch"] = "moe"
 
 
 def _step3p5(cfg: dict, fields: dict, n_layers: int, rope_by_type: dict | None, opt, opt_flag, number, count,

@@ -120,7 +120,7 @@ ARCH = {"moonlight": "deepseek_v3", "mixtral_swa": "mixtral", **{a: "deepseek_v3
         "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe",
         "exaone_moe": "glm4_moe", "afmoe": "glm4_moe", "flex_olmo": "olmoe", "cohere2_moe": "qwen3_moe",
         "cohere2_moe_sigmoid": "qwen3_moe", "kimi_linear": "deepseek_v3", "mistral4": "deepseek_v3",
-        "axk1": "deepseek_v3"}
+        "axk1": "deepseek_v3", "mellum": "qwen3_moe"}
 
 
 def _hf_model(arch: str):
@@ -267,6 +267,17 @@ def _hf_model(arch: str):
                                        num_shared_experts=1, sliding_window=8, global_attn_every_n_layers=2,
                                        route_scale=1.5, mup_enabled=True)
         cls = transformers.AfmoeForCausalLM
+    elif arch == "mellum":  # Mellum 2: Qwen3-MoE's blocks, three sliding layers (window 8) to a full one, the full
+        # layers' YaRN (×4 from 16 positions, an explicit attention factor) and base 5e5, the sliding ones plain at 1e4
+        cfg = transformers.MellumConfig(
+            **{k: v for k, v in COMMON.items()}, num_hidden_layers=4, intermediate_size=40, sliding_window=8,
+            max_position_embeddings=64, norm_topk_prob=True,
+            layer_types=["sliding_attention"] * 3 + ["full_attention"], mlp_layer_types=["sparse"] * 4,
+            rope_parameters={"full_attention": dict(rope_type="yarn", rope_theta=500000.0, factor=4.0,
+                                                    original_max_position_embeddings=16, beta_fast=32.0,
+                                                    beta_slow=1.0, attention_factor=1.2),
+                             "sliding_attention": dict(rope_type="default", rope_theta=10000.0)})
+        cls = transformers.MellumForCausalLM
     elif arch == "axk1":  # A.X K1: DeepSeek-V3's test shape with an RMSNorm on each MoE block's output
         cfg = transformers.AXK1Config(**{k: v for k, v in DEEPSEEK.items() if k != "num_mtp_layers"})
         cls = transformers.AXK1ForCausalLM
@@ -325,7 +336,7 @@ def _built(cls, cfg):
                                   "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
                                   *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe",
                                   "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
-                                  "kimi_linear", "mistral4", "axk1",
+                                  "kimi_linear", "mistral4", "axk1", "mellum",
                                   "granitemoe_swa", "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
@@ -518,7 +529,7 @@ def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "solar_open",
                                   "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid",
-                                  "gpt_oss", "kimi_linear", "mistral4", "axk1",
+                                  "gpt_oss", "kimi_linear", "mistral4", "axk1", "mellum",
                                   *LLAMA4, "granitemoeshared", "granitemoe_swa", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals

@@ -361,6 +361,8 @@ PUBLISHED = {
     "moonlight-16b-a3b": ("16", "3", "ours", "moonshotai/Moonlight-16B-A3B model card (16B total, 3B activated)"),
     "kimi-linear-48b-a3b": ("48", "3", "ours", "moonshotai/Kimi-Linear-48B-A3B-Instruct, by its name (48B total, 3B "
                                                "activated)"),
+    "mellum2-12b-a2.5b": ("12", "2.5", "+embedding", "JetBrains/Mellum2-12B-A2.5B-Base, by its name (12B total, "
+                                                     "2.5B active)"),
     "mixtral-8x7b": ("46.7", "12.9", "+embedding", "Mistral AI, 'Mixtral of experts' (46.7B total, 12.9B a token)"),
     "mixtral-8x22b": ("141", "39", "+embedding", "Mistral AI, Mixtral 8x22B announcement (141B, 39B active)"),
     "olmoe-1b-7b": ("6.9", "1.3", "+embedding", "OLMoE paper, arXiv:2409.02060 (6.9B total, 1.3B active)"),
@@ -1291,3 +1293,30 @@ def test_axk1_reads_as_transformers_builds_it(tmp_path):
     plain = dataclasses.replace(shape, moe_output_norm=False)
     assert total_params(shape) - total_params(plain) == 60 * cfg.hidden_size
     assert "outside A.X K1" in trainable(dataclasses.replace(shape, hf_model_type=None))
+
+
+def test_mellum_reads_as_transformers_and_the_preset(tmp_path):
+    """Mellum 2's release config: the preset exactly (three 1024-token sliding layers to a full one, the full layers'
+    YaRN ×16 with its attention factor, the sliding ones plain at the same base), equal to what transformers'
+    MellumConfig reads from it; trained. Sliding layers at a base of their own (transformers' default form) read as
+    such; a sliding layers' rotated share of its own is planned only."""
+    import transformers
+
+    raw = json.loads((FIXTURES / "mellum2-12b-a2.5b.json").read_text())
+    shape = from_hf_config(FIXTURES / "mellum2-12b-a2.5b.json")
+    assert dataclasses.replace(shape, name="x", source="") == dataclasses.replace(PRESETS["mellum2-12b"], name="x",
+                                                                                    source="")
+    cfg = transformers.MellumConfig(**{k: v for k, v in raw.items() if k != "model_type"})
+    assert list(shape.layer_types) == cfg.layer_types and shape.sliding_window == cfg.sliding_window
+    full = cfg.rope_parameters["full_attention"]
+    assert (shape.rope_scaling.kind, shape.rope_scaling.factor, shape.rope_scaling.attention_factor) == (
+        full["rope_type"], full["factor"], full["attention_factor"])
+    assert shape.sliding_rope_plain and shape.sliding_rope_theta is None and trainable(shape) is None
+    own = raw | {"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 5e5},
+                                     "sliding_attention": {"rope_type": "default", "rope_theta": 1e4}}}
+    two_bases = from_hf_config(_write(tmp_path, "mellum_bases", own))
+    assert (two_bases.rope_theta, two_bases.sliding_rope_theta, two_bases.rope_scaling) == (5e5, 1e4, None)
+    assert trainable(two_bases) is None
+    share = raw | {"rope_parameters": raw["rope_parameters"] | {
+        "sliding_attention": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}}}
+    assert "not trained" in trainable(from_hf_config(_write(tmp_path, "mellum_share", share)))
