@@ -105,6 +105,8 @@ _MIMO_IN = ((".self_attn.attention_sink_bias", ".self_attn.sinks"),)
 _COHERE2_IN = ((".mlp.shared_experts.", ".mlp.shared_expert."),)
 # AFMoE's: the router and its correction bias (the output gate's projection: `_fuse_output_gate`)
 _AFMOE_IN = ((".mlp.expert_bias", ".mlp.gate.e_score_correction_bias"), (".mlp.router.gate.", ".mlp.gate."))
+# Laguna's: the correction bias beside the experts (the loader's DeepSeek rule makes `shared_experts` singular)
+_LAGUNA_IN = ((".mlp.experts.e_score_correction_bias", ".mlp.gate.e_score_correction_bias"),)
 # Step-3.7's releases: the MoE block `moe` with its router, correction bias and experts stacked a matrix each
 # (gate_proj and up_proj [E, I, D] joined by `_join_step_experts`), the shared expert `share_expert` beside it
 _STEP_IN = ((".moe.gate.weight", ".mlp.gate.weight"), (".moe.router_bias", ".mlp.gate.e_score_correction_bias"),
@@ -117,7 +119,7 @@ def _names_in(shape: ModelShape) -> tuple[tuple[str, str], ...]:
     if shape.arch == "hunyuan_moe":
         return _HUNYUAN_IN
     return {"hy_v3": _HY_V3_IN, "mimo_v2_flash": _MIMO_IN, "afmoe": _AFMOE_IN,
-            "cohere2_moe": _COHERE2_IN, "step3p5": _STEP_IN}.get(shape.hf_model_type, ())
+            "cohere2_moe": _COHERE2_IN, "step3p5": _STEP_IN, "laguna": _LAGUNA_IN}.get(shape.hf_model_type, ())
 
 
 def _names_out(shape: ModelShape) -> tuple[tuple[str, str], ...]:
@@ -720,6 +722,22 @@ def hf_config(shape: ModelShape) -> dict:
             for k in ("n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
                       "norm_topk_prob", "num_mtp_layers"):
                 cfg.pop(k)
+        elif shape.hf_model_type == "laguna":  # Laguna: its own names for the experts, heads by layer, RoPE by type
+            first = shape.first_dense_layers
+            full = _rope_parameters(shape)
+            cfg.update(model_type="laguna", architectures=["LagunaForCausalLM"], num_experts=shape.num_experts,
+                       shared_expert_intermediate_size=shape.shared_expert_ffn, moe_routed_scaling_factor=r.scaling,
+                       mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                       intermediate_size=shape.dense_ffn or shape.expert_ffn, layer_types=list(shape.layer_types),
+                       sliding_window=shape.sliding_window, gating="per-head",
+                       num_attention_heads_per_layer=[shape.heads_at(k) for k in shape.layer_types],
+                       rope_parameters={"full_attention": full, "sliding_attention": {
+                           **({"rope_type": "default"} if shape.sliding_rope_plain else full),
+                           "rope_theta": shape.rope_theta_at("sliding_attention"),
+                           "partial_rotary_factor": shape.rotary_factor_at("sliding_attention")}})
+            for k in ("n_routed_experts", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
+                      "first_k_dense_replace", "norm_topk_prob", "num_mtp_layers"):
+                cfg.pop(k)
         elif shape.arch == "glm4_moe":
             cfg.update(model_type="glm4_moe", architectures=["Glm4MoeForCausalLM"], use_qk_norm=shape.qk_norm,
                        partial_rotary_factor=shape.partial_rotary_factor)
@@ -895,7 +913,8 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
     kimi = model.shape.hf_model_type == "kimi_linear"  # Kimi-Linear's: Mixtral's on its MoE layers
     # Mistral 4's experts as transformers holds and saves them, fused (gate_up_proj [E, 2I, D], down_proj [E, D, I])
     fused_out = model.shape.hf_model_type == "mistral4"
-    plural = model.shape.arch in _PLURAL_SHARED_ARCHS and not step
+    # Laguna's releases name its shared expert `shared_expert` (ours), as Step-3.7's do theirs `share_expert`
+    plural = model.shape.arch in _PLURAL_SHARED_ARCHS and not step and model.shape.hf_model_type != "laguna"
     gpt_oss, ernie = model.shape.arch == "gpt_oss", model.shape.arch == "ernie4_5_moe"
     llama4, granite = model.shape.arch == "llama4", model.shape.arch == "granitemoe"
     bias_on_block = mixtral or model.shape.hf_model_type in ("hy_v3", "exaone_moe", "afmoe")

@@ -353,7 +353,7 @@ class Attention(nn.Module):
     launch/sink_attention.py); Llama 4: on its `chunk` layers RoPE, then q and k heads at unit RMS (`unit_rms`,
     where its qk_norm is on), each query attending within its chunk of the document; on its others no RoPE, the
     queries scaled by `query_temperature` (where temperature tuning is on), global attention; Step-3.7: a layer's
-    own query heads (`ModelShape.heads_at`) and a sigmoid gate per head from `g_proj`."""
+    own query heads (`ModelShape.heads_at`) and a sigmoid (Laguna: softplus) gate per head from `g_proj`."""
 
     def __init__(self, s: ModelShape, norm_offset: float, window: int | None = None, chunk: int | None = None,
                  index: int = 0):
@@ -375,6 +375,7 @@ class Attention(nn.Module):
                                 bias=s.attn_bias and s.arch not in QKV_ONLY_BIAS_ARCHS)
         # Step-3.7: a sigmoid gate per query head, from its own projection of the layer's input
         self.g_proj = nn.Linear(s.hidden_size, heads, bias=False) if s.head_gate else None
+        self.gate_softplus = s.head_gate_activation == "softplus"  # Laguna's gate (fp32 inside), else a sigmoid
         self.scale = softmax_scale(s)
         if s.qk_norm and s.arch in WHOLE_QK_NORM_ARCHS:  # OLMoE: over all heads of the projection together
             self.q_norm = HeadsRMSNorm(heads * s.head_dim, s.rms_norm_eps)
@@ -446,7 +447,9 @@ class Attention(nn.Module):
                     o = causal_attention(q, k, v, packing, self.scale)
         o = o[..., :self.value_dim]
         if self.g_proj is not None:  # the gated output is o_proj's contiguous input
-            o = o * torch.sigmoid(self.g_proj(x_TD)).unsqueeze(-1)
+            g = self.g_proj(x_TD)
+            g = F.softplus(g.float()).to(o.dtype) if self.gate_softplus else torch.sigmoid(g)
+            o = o * g.unsqueeze(-1)
         o = o.reshape(T, -1)
         if self.output_gate:
             o = o * torch.sigmoid(gate)

@@ -284,8 +284,8 @@ def trainable(shape: "ModelShape") -> str | None:
                 f"Mellum 2), "
                 f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, "
                 f"Moonlight, Kimi-Linear, Mistral 4, A.X K1) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, "
-                f"MiMo-V2-Flash, Hunyuan-V3, K-EXAONE, AFMoE, Step-3.7), Cohere2-MoE, gpt-oss, Llama 4, Granite MoE, "
-                f"Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; "
+                f"MiMo-V2-Flash, Hunyuan-V3, K-EXAONE, AFMoE, Step-3.7, Laguna), Cohere2-MoE, gpt-oss, Llama 4, "
+                f"Granite MoE, Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; "
                 f"not ERNIE-4.5 with biases or "
                 f"dense layers after its MoE ones, Qwen2-MoE with dense layers among its MoE ones, or MiniMax-M2 "
                 f"with per-head q/k norms, a shared expert or softmax scoring)")
@@ -301,12 +301,15 @@ def trainable(shape: "ModelShape") -> str | None:
              shape.sliding_kv_heads is not None or shape.v_head_dim is not None or shape.value_scale != 1.0)),
         ("sink logits or a sliding layers' RoPE base outside gpt-oss, MiMo-V2-Flash and Granite-SWA",
          (shape.sinks != "none" or shape.sliding_rope_theta is not None)
-         and shape.hf_model_type not in ("mimo_v2_flash", "granitemoe_swa", "step3p5", "mellum")),
-        ("Step-3.7's attention and MLPs (sliding layers' own heads or rotated share, a gate per head, "
-         "query_pre_attn_scalar, clamped SwiGLU, (1 + w) norms) outside Step-3.7",
+         and shape.hf_model_type not in ("mimo_v2_flash", "granitemoe_swa", "step3p5", "mellum", "laguna")),
+        ("sliding layers' own query heads or rotated share, or a gate per query head, outside Step-3.7 and Laguna",
+         shape.hf_model_type not in ("step3p5", "laguna") and (
+             shape.sliding_heads is not None or shape.sliding_rotary_factor is not None or shape.head_gate)),
+        ("a softplus gate per query head outside Laguna",
+         shape.head_gate_activation != "sigmoid" and shape.hf_model_type != "laguna"),
+        ("Step-3.7's query_pre_attn_scalar, clamped SwiGLU or (1 + w) norms outside Step-3.7",
          shape.hf_model_type != "step3p5" and (
-             shape.sliding_heads is not None or shape.sliding_rotary_factor is not None or shape.head_gate
-             or shape.query_pre_attn_scalar is not None or bool(shape.swiglu_limits)
+             shape.query_pre_attn_scalar is not None or bool(shape.swiglu_limits)
              or bool(shape.swiglu_limits_shared) or shape.offset_norms)),
         ("a norm on the MoE block's output (moe_output_norm) outside A.X K1",
          shape.moe_output_norm and shape.hf_model_type != "axk1"),
@@ -334,8 +337,8 @@ def trainable(shape: "ModelShape") -> str | None:
          and shape.hf_model_type != "cohere2_moe"),
         ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
          and shape.rope_scaling is not None and not shape.sliding_rope_plain),
-        ("sliding layers without the RoPE scaling outside Step-3.7 and Mellum", shape.sliding_rope_plain
-         and shape.hf_model_type not in ("step3p5", "mellum")),
+        ("sliding layers without the RoPE scaling outside Step-3.7, Mellum and Laguna", shape.sliding_rope_plain
+         and shape.hf_model_type not in ("step3p5", "mellum", "laguna")),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
          and shape.softmax_router is None),
         (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and (
@@ -438,6 +441,7 @@ class ModelShape(Record):
     sliding_heads: int | None = None
     sliding_rotary_factor: float | None = None
     head_gate: bool = False
+    head_gate_activation: Literal["sigmoid", "softplus"] = "sigmoid"  # the gate's (Laguna's: softplus)
     query_pre_attn_scalar: float | None = None
     # Step-3.7's clamped SwiGLU, by layer (0: none): min(silu(gate), L) · clamp(up, -L, L), L the routed experts'
     # bound (`swiglu_limits`) or the shared expert's and dense MLP's (`swiglu_limits_shared`); () : no layer clamps
@@ -727,7 +731,7 @@ class ModelShape(Record):
                                        ("rotated_prefix", False), ("head_gate", False), ("swiglu_limits", ()),
                                        ("swiglu_limits_shared", ()), ("offset_norms", False),
                                        ("sliding_rope_plain", False), ("query_scale_beta", 0.0),
-                                       ("moe_output_norm", False))
+                                       ("moe_output_norm", False), ("head_gate_activation", "sigmoid"))
                   if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
@@ -895,6 +899,19 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             query_scale_period=8192, query_scale_beta=0.1, dense_ffn=12288, rms_norm_eps=1e-6, max_position=1048576,
             pad_token_id=11, hf_model_type="mistral4",
             source="mistralai/Mistral-Small-4-119B-2603 (text_config; transformers' Mistral4Config defaults)"),
+    # Laguna XS.2 (33.44B): Poolside's agentic coding model; full layers of 48 heads (half of each rotated at base
+    # 5e5) every fourth from the first, sliding ones of 64 heads (512 keys, whole heads rotated at 1e4), a softplus
+    # gate per head, 256 experts (top 8) and a shared one, the routed output times 2.5, a dense first layer
+    "laguna-xs2": lambda: ModelShape(
+            name="laguna-xs2", arch="glm4_moe", hidden_size=2048, num_layers=40, vocab_size=100352,
+            layer_types=tuple("full_attention" if i % 4 == 0 else "sliding_attention" for i in range(40)),
+            num_heads=48, sliding_heads=64, num_kv_heads=8, head_dim=128, qk_norm=True, head_gate=True,
+            head_gate_activation="softplus", partial_rotary_factor=0.5, sliding_rotary_factor=1.0,
+            rope_theta=500000.0, sliding_rope_theta=10000.0, sliding_window=512, num_experts=256, top_k=8,
+            expert_ffn=512, shared_expert_ffn=512, router_bias=True,
+            sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=2.5), first_dense_layers=1,
+            dense_ffn=8192, max_position=262144, hf_model_type="laguna",
+            source="poolside/laguna-XS.2 config.json (its RoPE at transformers' LagunaConfig defaults)"),
     # Mellum 2 (12.15B, 2.5B active): Qwen3-MoE's blocks, three 1024-token sliding layers to a full one, the full
     # layers' YaRN ×16 (the sliding ones rotate plain)
     "mellum2-12b": lambda: ModelShape(
@@ -1240,7 +1257,7 @@ _ARCH_BY_MODEL_TYPE = {
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
     "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe", "exaone_moe": "glm4_moe",
     "glm4v_moe": "glm4_moe", "glm4v_moe_text": "glm4_moe", "deepseek_v4": "deepseek_v4", "afmoe": "glm4_moe",
-    "flex_olmo": "olmoe", "step3p5": "glm4_moe", "step3p7": "glm4_moe",
+    "flex_olmo": "olmoe", "step3p5": "glm4_moe", "step3p7": "glm4_moe", "laguna": "glm4_moe",
     "qwen2_moe": "qwen2_moe", "olmoe": "olmoe", "ernie4_5_moe": "ernie4_5_moe",
     "minimax_m2": "minimax_m2",
     "llama4": "llama4",
@@ -1544,6 +1561,8 @@ def _from_hf_config(path: Path) -> ModelShape:
                       sigmoid_router=_sigmoid_router(cfg, model_type, opt, number))
         if model_type == "step3p5":
             _step3p5(cfg, fields, n_layers, rope_by_type, opt, opt_flag, number, count, bad)
+        if model_type == "laguna":
+            _laguna(cfg, fields, rope_by_type, opt, number, count, bad)
         if fam.o_bias and fields["attn_bias"]:  # their biases include o_proj's, which GLM-4.5's blocks lack
             fields["arch"] = "moe"
     elif arch == "deepseek_v4":
@@ -1612,7 +1631,8 @@ def _from_hf_config(path: Path) -> ModelShape:
 
 
 # transformers' defaults where a config leaves the router's fields out: (n_group, topk_group, routed_scaling_factor)
-_SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "axk1": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5), "kimi_k2": (8, 4, 2.5),
+_SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "axk1": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5),
+                            "kimi_k2": (8, 4, 2.5),
                             "kimi_linear": (1, 1, 2.446),
                             "glm_moe_dsa": (1, 1, 2.5), "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8),
                             "dots1": (1, 1, 1.0), "solar_open": (1, 1, 1.0), "mimo_v2_flash": (1, 1, 1.0),
@@ -1702,6 +1722,10 @@ _GLM4_FAMILIES = {
     # layers with query heads, a RoPE base and a rotated share of their own, (1 + w) norms, one shared expert of
     # `share_expert_dim`, clamped SwiGLU on some layers (_step3p5; its hub form read by _step_config first)
     "step3p5": _Glm4Family(True, ("types", None), _N_SHARED, "step3p5", o_bias=True),
+    # Laguna (Poolside's Laguna XS): per-head q/k norms, a softplus gate per query head, sliding layers with query
+    # heads, a RoPE base and a rotated share of their own, a shared expert of its own width, the routed experts'
+    # output scaled (_laguna)
+    "laguna": _Glm4Family(True, ("types", None), _N_SHARED, "laguna", o_bias=True),
 }
 
 
@@ -1712,6 +1736,7 @@ def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
     types = _mlp_layer_types(cfg, bad)
     if types is None:  # transformers' defaults where the field is absent
         default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, "hy_v3": 1, "exaone_moe": 1, "step3p5": 3, "kimi_linear": 1,
+                   "laguna": 1,
                    **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(model_type, 0)
         return opt("first_k_dense_replace", default)
     k = types.index("sparse") if "sparse" in types else len(types)
@@ -2105,6 +2130,62 @@ def _kimi_linear(cfg: dict, fields: dict, opt) -> None:
                   linear_attn=dict(kind="kda", num_k_heads=heads, num_v_heads=heads, head_k_dim=width,
                                    head_v_dim=width, conv_kernel=opt("linear_conv_kernel_dim", 4)))
     fields.pop("rope_scaling", None)  # no layer rotates
+
+
+def _laguna(cfg: dict, fields: dict, rope_by_type: dict | None, opt, number, count, bad) -> None:
+    """Laguna (transformers' LagunaForCausalLM): per-head q/k norms; a softplus gate per query head from `g_proj`
+    (`gating` true or "per-head"; "per-element" is planned only); query heads by layer
+    (`num_attention_heads_per_layer`: the full layers' and the sliding layers' counts, `sliding_heads`; counts that
+    do not follow the layer kinds are planned only); RoPE by layer type (`rope_parameters`: the sliding layers' base
+    and rotated share their own); sigmoid routing with a correction bias, the top-k renormalized, the routed
+    experts' output times `moe_routed_scaling_factor` (the same as weights so scaled), a shared expert of
+    `shared_expert_intermediate_size`. Router logits soft-capped (`moe_router_logit_softcapping` > 0) are planned
+    only; router weights on the experts' input are refused, as transformers refuses them."""
+    if cfg.get("moe_apply_router_weight_on_input"):
+        raise bad("moe_apply_router_weight_on_input", "false (transformers' Laguna does not implement it)", True)
+    given = cfg.get("moe_routed_scaling_factor")
+    sliding_layers = "sliding_attention" in fields["layer_types"]
+    fields.update(shared_expert_ffn=opt("shared_expert_intermediate_size", 0), norm_topk_prob=True,
+                  sliding_window=(opt("sliding_window", 0) or None) if sliding_layers else None,
+                  sigmoid_router=dict(groups=1, topk_groups=1, scaling=1.0 if given is None else number(
+                      given, "moe_routed_scaling_factor")))
+    cap = cfg.get("moe_router_logit_softcapping")
+    if cap is not None and number(cap, "moe_router_logit_softcapping") > 0:
+        fields["arch"] = "moe"
+    gating = cfg.get("gating", True)
+    if gating is True or gating == "per-head":
+        fields.update(head_gate=True, head_gate_activation="softplus")
+    elif gating is not False:
+        fields["arch"] = "moe"  # a gate per channel
+    per_layer = cfg.get("num_attention_heads_per_layer")
+    if per_layer is not None:
+        if not isinstance(per_layer, list) or len(per_layer) != len(fields["layer_types"]):
+            raise bad("num_attention_heads_per_layer", f"{len(fields['layer_types'])} head counts", per_layer)
+        by_kind: dict[str, set] = {}
+        for i, (kind, n) in enumerate(zip(fields["layer_types"], per_layer)):
+            by_kind.setdefault(kind, set()).add(count(n, f"num_attention_heads_per_layer[{i}]"))
+        full, sliding = by_kind.get("full_attention", set()), by_kind.get("sliding_attention", set())
+        if len(full) > 1 or len(sliding) > 1:
+            fields["arch"] = "moe"  # head counts that do not follow the layer kinds
+        else:
+            if full:
+                fields["num_heads"] = full.pop()
+            if sliding and sliding != {fields["num_heads"]}:
+                fields["sliding_heads"] = sliding.pop()
+    if cfg.get("rope_parameters") is None:  # transformers' defaults: the full layers half rotated at base 5e5, the
+        # sliding ones whole at 1e4
+        fields.update(rope_theta=500000.0, partial_rotary_factor=0.5)
+        rope_by_type = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
+    sliding = ((rope_by_type or {}).get("sliding_attention") or {}) if sliding_layers else {}
+    key = "rope_parameters.sliding_attention"
+    if sliding.get("rope_theta") is not None and number(sliding["rope_theta"], f"{key}.rope_theta") != \
+            fields["rope_theta"]:
+        fields["sliding_rope_theta"] = float(sliding["rope_theta"])
+    share = sliding.get("partial_rotary_factor", 1.0)
+    if sliding and number(share, f"{key}.partial_rotary_factor") != fields.get("partial_rotary_factor", 1.0):
+        fields["sliding_rotary_factor"] = float(share)
+    if fields.get("rope_scaling") is not None and sliding and sliding.get("rope_type", "default") == "default":
+        fields["sliding_rope_plain"] = True
 
 
 def _mellum(cfg: dict, fields: dict, rope_by_type: dict | None, opt, number, bad) -> None:

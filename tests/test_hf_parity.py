@@ -120,7 +120,8 @@ ARCH = {"moonlight": "deepseek_v3", "mixtral_swa": "mixtral", **{a: "deepseek_v3
         "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe",
         "exaone_moe": "glm4_moe", "afmoe": "glm4_moe", "flex_olmo": "olmoe", "cohere2_moe": "qwen3_moe",
         "cohere2_moe_sigmoid": "qwen3_moe", "kimi_linear": "deepseek_v3", "mistral4": "deepseek_v3",
-        "axk1": "deepseek_v3", "mellum": "qwen3_moe"}
+        "axk1": "deepseek_v3", "mellum": "qwen3_moe",
+        "laguna": "glm4_moe"}
 
 
 def _hf_model(arch: str):
@@ -267,6 +268,19 @@ def _hf_model(arch: str):
                                        num_shared_experts=1, sliding_window=8, global_attn_every_n_layers=2,
                                        route_scale=1.5, mup_enabled=True)
         cls = transformers.AfmoeForCausalLM
+    elif arch == "laguna":  # Laguna: a softplus gate per query head, full layers (4 heads, half of each rotated at
+        # base 5e5) and sliding ones (window 8, 6 heads, all rotated at 1e4), a dense first layer, sigmoid routing
+        # with a correction bias, the routed experts' output times 1.5, a shared expert of its own width
+        cfg = transformers.LagunaConfig(
+            **{k: v for k, v in COMMON.items()}, num_hidden_layers=4, intermediate_size=40, sliding_window=8,
+            shared_expert_intermediate_size=24, moe_routed_scaling_factor=1.5, gating="per-head",
+            max_position_embeddings=64, layer_types=["full_attention"] + ["sliding_attention"] * 3,
+            mlp_layer_types=["dense"] + ["sparse"] * 3, num_attention_heads_per_layer=[4, 6, 6, 6],
+            rope_parameters={"full_attention": dict(rope_type="default", rope_theta=500000.0,
+                                                    partial_rotary_factor=0.5),
+                             "sliding_attention": dict(rope_type="default", rope_theta=10000.0,
+                                                       partial_rotary_factor=1.0)})
+        cls = transformers.LagunaForCausalLM
     elif arch == "mellum":  # Mellum 2: Qwen3-MoE's blocks, three sliding layers (window 8) to a full one, the full
         # layers' YaRN (×4 from 16 positions, an explicit attention factor) and base 5e5, the sliding ones plain at 1e4
         cfg = transformers.MellumConfig(
@@ -336,7 +350,7 @@ def _built(cls, cfg):
                                   "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa", *MLA_ARCHS, *DEEPSEEK_V2, "glm4_moe_lite",
                                   *DSA_ARCHS, "glm4_moe", "dots1", "solar_open", "mimo_v2_flash", "hy_v3", "exaone_moe",
                                   "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid", "gpt_oss", *LLAMA4, "granitemoe", "granitemoeshared",
-                                  "kimi_linear", "mistral4", "axk1", "mellum",
+                                  "kimi_linear", "mistral4", "axk1", "mellum", "laguna",
                                   "granitemoe_swa", "hunyuan_v1_moe",
                                   "qwen3_5", *DENSE])
 def test_logits_and_loss_match_transformers(arch, tmp_path):
@@ -375,7 +389,8 @@ def test_logits_and_loss_match_transformers(arch, tmp_path):
         where = {"ernie4_5_moe": "mlp.moe_statics.e_score_correction_bias", "hy_v3": "mlp.expert_bias", "afmoe": "mlp.expert_bias",
                  "exaone_moe": "mlp.e_score_correction_bias",
                  "minimax_m2": "block_sparse_moe.e_score_correction_bias",
-                 "kimi_linear": "block_sparse_moe.gate.e_score_correction_bias"}.get(
+                 "kimi_linear": "block_sparse_moe.gate.e_score_correction_bias",
+                 "laguna": "mlp.experts.e_score_correction_bias"}.get(
             arch, "mlp.gate.e_score_correction_bias")
         bias = f.get_tensor(f"model.layers.1.{where}").reshape(-1)
         assert bias.dtype == torch.float32 and torch.equal(bias, ours.layers[1].mlp.gate.e_score_correction_bias)
@@ -529,7 +544,7 @@ def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "olmoe", "ernie4_5_moe", "minimax_m2", "mixtral", "mixtral_swa",
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "solar_open",
                                   "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid",
-                                  "gpt_oss", "kimi_linear", "mistral4", "axk1", "mellum",
+                                  "gpt_oss", "kimi_linear", "mistral4", "axk1", "mellum", "laguna",
                                   *LLAMA4, "granitemoeshared", "granitemoe_swa", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals

@@ -1320,3 +1320,44 @@ def test_mellum_reads_as_transformers_and_the_preset(tmp_path):
     share = raw | {"rope_parameters": raw["rope_parameters"] | {
         "sliding_attention": {"rope_type": "default", "rope_theta": 5e5, "partial_rotary_factor": 0.5}}}
     assert "not trained" in trainable(from_hf_config(_write(tmp_path, "mellum_share", share)))
+
+
+_LAGUNA = {"architectures": ["LagunaForCausalLM"], "model_type": "laguna", "vocab_size": 100352, "hidden_size": 2048,
+           "intermediate_size": 8192, "num_hidden_layers": 40, "num_attention_heads": 48, "num_key_value_heads": 8,
+           "head_dim": 128, "sliding_window": 512, "num_experts": 256, "num_experts_per_tok": 8,
+           "moe_intermediate_size": 512, "shared_expert_intermediate_size": 512, "moe_routed_scaling_factor": 2.5,
+           "tie_word_embeddings": False, "gating": "per-head", "max_position_embeddings": 262144,
+           "layer_types": ["full_attention" if i % 4 == 0 else "sliding_attention" for i in range(40)],
+           "mlp_layer_types": ["dense"] + ["sparse"] * 39,
+           "num_attention_heads_per_layer": [48 if i % 4 == 0 else 64 for i in range(40)]}
+
+
+def test_laguna_reads_as_transformers_builds_it(tmp_path):
+    """Laguna XS.2's config (its RoPE left to transformers' defaults): the preset exactly, read as transformers'
+    LagunaConfig reads it (48 query heads on the full layers, 64 on the sliding ones; half of each full head rotated
+    at base 5e5, the sliding heads whole at 1e4; a softplus gate per head; the routed output times 2.5), the same
+    from the config transformers saves; its parameters as transformers counts them; trained. A gate per channel,
+    soft-capped router logits and head counts that do not follow the layer kinds are planned only; router weights
+    on the experts' input are refused in one line."""
+    import transformers
+
+    shape = from_hf_config(_write(tmp_path, "laguna", _LAGUNA))
+    same = lambda m: dataclasses.replace(m, name="x", source="")  # noqa: E731
+    assert same(shape) == same(PRESETS["laguna-xs2"])
+    cfg = transformers.LagunaConfig(**{k: v for k, v in _LAGUNA.items() if k != "model_type"})
+    cfg.save_pretrained(tmp_path / "saved")
+    assert same(from_hf_config(tmp_path / "saved" / "config.json")) == same(shape)
+    assert [shape.heads_at(k) for k in shape.layer_types] == cfg.num_attention_heads_per_layer
+    full, sliding = cfg.rope_parameters["full_attention"], cfg.rope_parameters["sliding_attention"]
+    assert (shape.rope_theta_at("full_attention"), shape.rotary_factor_at("full_attention")) == (
+        full["rope_theta"], full["partial_rotary_factor"])
+    assert (shape.rope_theta_at("sliding_attention"), shape.rotary_factor_at("sliding_attention")) == (
+        sliding["rope_theta"], sliding["partial_rotary_factor"])
+    assert (shape.head_gate, shape.head_gate_activation, shape.sigmoid_router.scaling) == (True, "softplus", 2.5)
+    assert trainable(shape) is None
+    assert total_params(shape) == _meta_params(transformers.LagunaForCausalLM, cfg)
+    for i, extra in enumerate(({"gating": "per-element"}, {"moe_router_logit_softcapping": 30.0}, {
+            "num_attention_heads_per_layer": [48 if i % 4 == 0 else 64 + 8 * (i % 2) for i in range(40)]})):
+        assert "not trained" in trainable(from_hf_config(_write(tmp_path, f"variant{i}", _LAGUNA | extra))), extra
+    with pytest.raises(ValueError, match="moe_apply_router_weight_on_input"):
+        from_hf_config(_write(tmp_path, "on_input", _LAGUNA | {"moe_apply_router_weight_on_input": True}))
