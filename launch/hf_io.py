@@ -596,15 +596,10 @@ def hf_config(shape: ModelShape) -> dict:
         cfg.pop("moe_intermediate_size")
         return cfg
     if shape.arch == "qwen3_moe" and shape.hf_model_type == "mellum":  # Mellum: its layer and MLP types, RoPE by type
-        first = shape.first_dense_layers
-        full = _rope_parameters(shape)
         cfg.update(model_type="mellum", architectures=["MellumForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.dense_ffn or shape.expert_ffn, layer_types=list(shape.layer_types),
-                   mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
-                   sliding_window=shape.sliding_window,
-                   rope_parameters={"full_attention": full, "sliding_attention": {
-                       **({"rope_type": "default"} if shape.sliding_rope_plain else full),
-                       "rope_theta": shape.rope_theta_at("sliding_attention")}})
+                   mlp_layer_types=_mlp_layer_types(shape), sliding_window=shape.sliding_window,
+                   rope_parameters=_rope_by_layer_type(shape))
         return cfg
     if shape.arch == "qwen3_moe":
         cfg.update(model_type="qwen3_moe", architectures=["Qwen3MoeForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
@@ -660,22 +655,20 @@ def hf_config(shape: ModelShape) -> dict:
         if shape.hf_model_type == "dots1":  # dots.llm1: GLM-4.5's blocks, per-head q/k norms, full RoPE
             cfg.update(model_type="dots1", architectures=["Dots1ForCausalLM"], layer_types=list(shape.layer_types))
         elif shape.hf_model_type == "mimo_v2_flash":  # MiMo-V2-Flash: its attention's fields and RoPE by layer type
-            first = shape.first_dense_layers
             main = {"rope_type": "default", "rope_theta": shape.rope_theta,
                     "partial_rotary_factor": shape.partial_rotary_factor}
             cfg.update(model_type="mimo_v2_flash", architectures=["MiMoV2FlashForCausalLM"],
                        v_head_dim=shape.value_width, attention_value_scale=shape.value_scale,
                        sliding_window=shape.sliding_window, layer_types=list(shape.layer_types),
-                       mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                       mlp_layer_types=_mlp_layer_types(shape),
                        rope_parameters={"full_attention": main, "sliding_attention": {
                            **main, "rope_theta": shape.rope_theta_at("sliding_attention")}})
             for k in ("first_k_dense_replace", "n_shared_experts", "num_mtp_layers"):
                 cfg.pop(k)
         elif shape.hf_model_type == "hy_v3":  # Hunyuan-V3: its own names for the shared experts' count and scaling
-            first = shape.first_dense_layers
             cfg.update(model_type="hy_v3", architectures=["HYV3ForCausalLM"], num_experts=shape.num_experts,
                        num_shared_experts=shape.shared_expert_ffn // shape.expert_ffn, router_scaling_factor=r.scaling,
-                       mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                       mlp_layer_types=_mlp_layer_types(shape),
                        intermediate_size=shape.dense_ffn or shape.expert_ffn, output_router_logits=False)
             for k in ("n_routed_experts", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
                       "first_k_dense_replace", "num_mtp_layers"):
@@ -690,10 +683,9 @@ def hf_config(shape: ModelShape) -> dict:
                       "first_k_dense_replace", "num_mtp_layers"):
                 cfg.pop(k)
         elif shape.hf_model_type == "exaone_moe":  # K-EXAONE: its own names for the counts, its layer types
-            first = shape.first_dense_layers
             cfg.update(model_type="exaone_moe", architectures=["ExaoneMoeForCausalLM"], num_experts=shape.num_experts,
                        num_shared_experts=shape.shared_expert_ffn // shape.expert_ffn,
-                       mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                       mlp_layer_types=_mlp_layer_types(shape),
                        layer_types=list(shape.layer_types), sliding_window=shape.sliding_window)
             for k in ("n_routed_experts", "n_shared_experts", "first_k_dense_replace", "num_mtp_layers",
                       "attention_bias"):
@@ -704,37 +696,27 @@ def hf_config(shape: ModelShape) -> dict:
             for k in ("first_k_dense_replace", "intermediate_size", "num_mtp_layers"):
                 cfg.pop(k)
         elif shape.hf_model_type == "step3p5":  # Step-3.7's text model, in transformers' field names
-            first = shape.first_dense_layers
-            full = _rope_parameters(shape)
             cfg.update(model_type="step3p5", architectures=["Step3p5ForCausalLM"], n_routed_experts=shape.num_experts,
                        share_expert_dim=shape.shared_expert_ffn, moe_router_scaling_factor=r.scaling,
-                       mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                       mlp_layer_types=_mlp_layer_types(shape),
                        intermediate_size=shape.dense_ffn or shape.expert_ffn, layer_types=list(shape.layer_types),
                        sliding_window=shape.sliding_window,
                        num_sliding_attention_heads=shape.heads_at("sliding_attention"),
                        query_pre_attn_scalar=shape.query_pre_attn_scalar or shape.head_dim,
                        swiglu_limits=list(shape.swiglu_limits) or None,
                        swiglu_limits_shared=list(shape.swiglu_limits_shared) or None,
-                       rope_parameters={"full_attention": full, "sliding_attention": {
-                           **({"rope_type": "default"} if shape.sliding_rope_plain else full),
-                           "rope_theta": shape.rope_theta_at("sliding_attention"),
-                           "partial_rotary_factor": shape.rotary_factor_at("sliding_attention")}})
+                       rope_parameters=_rope_by_layer_type(shape))
             for k in ("n_shared_experts", "n_group", "topk_group", "routed_scaling_factor", "first_k_dense_replace",
                       "norm_topk_prob", "num_mtp_layers"):
                 cfg.pop(k)
         elif shape.hf_model_type == "laguna":  # Laguna: its own names for the experts, heads by layer, RoPE by type
-            first = shape.first_dense_layers
-            full = _rope_parameters(shape)
             cfg.update(model_type="laguna", architectures=["LagunaForCausalLM"], num_experts=shape.num_experts,
                        shared_expert_intermediate_size=shape.shared_expert_ffn, moe_routed_scaling_factor=r.scaling,
-                       mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                       mlp_layer_types=_mlp_layer_types(shape),
                        intermediate_size=shape.dense_ffn or shape.expert_ffn, layer_types=list(shape.layer_types),
                        sliding_window=shape.sliding_window, gating="per-head",
                        num_attention_heads_per_layer=[shape.heads_at(k) for k in shape.layer_types],
-                       rope_parameters={"full_attention": full, "sliding_attention": {
-                           **({"rope_type": "default"} if shape.sliding_rope_plain else full),
-                           "rope_theta": shape.rope_theta_at("sliding_attention"),
-                           "partial_rotary_factor": shape.rotary_factor_at("sliding_attention")}})
+                       rope_parameters=_rope_by_layer_type(shape))
             for k in ("n_routed_experts", "n_shared_experts", "n_group", "topk_group", "routed_scaling_factor",
                       "first_k_dense_replace", "norm_topk_prob", "num_mtp_layers"):
                 cfg.pop(k)
@@ -751,16 +733,15 @@ def hf_config(shape: ModelShape) -> dict:
                 cfg.update(model_type="axk1", architectures=["AXK1ForCausalLM"])
                 cfg.pop("num_mtp_layers")
             if shape.hf_model_type == "glm4_moe_lite":  # GLM-4.7-Flash: its dense layers by type, not by count
-                first = shape.first_dense_layers
                 cfg.update(model_type="glm4_moe_lite", architectures=["Glm4MoeLiteForCausalLM"],
-                           mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first))
+                           mlp_layer_types=_mlp_layer_types(shape))
                 for k in ("first_k_dense_replace", "num_mtp_layers"):
                     cfg.pop(k)
             if shape.dsa is not None:  # DeepSeek-V3.2, GLM-5: the indexer's fields, every layer sparse
-                d, first = shape.dsa, shape.first_dense_layers
+                d = shape.dsa
                 cfg.update(model_type=shape.hf_model_type, index_topk=d.topk, index_n_heads=d.index_heads,
                            index_head_dim=d.index_head_dim,
-                           mlp_layer_types=["dense"] * first + ["sparse"] * (shape.num_layers - first),
+                           mlp_layer_types=_mlp_layer_types(shape),
                            layer_types=["deepseek_sparse_attention"] * shape.num_layers,
                            architectures=[{"deepseek_v32": "DeepseekV32ForCausalLM",
                                            "glm_moe_dsa": "GlmMoeDsaForCausalLM"}[shape.hf_model_type]])
@@ -873,6 +854,22 @@ def _kimi_linear_config(shape: ModelShape, cfg: dict) -> dict:
                                    "full_attn_layers": layers["full_attention"], "num_heads": la.num_k_heads,
                                    "head_dim": la.head_k_dim, "short_conv_kernel_size": la.conv_kernel})
     return cfg
+
+
+def _rope_by_layer_type(shape: ModelShape) -> dict:
+    """`rope_parameters` by layer type (Step-3.7's, Laguna's, Mellum's): the full layers' (with the scaling) and
+    the sliding layers' base and rotated share, without the scaling where they rotate plain."""
+    full = _rope_parameters(shape)
+    return {"full_attention": full, "sliding_attention": {
+        **({"rope_type": "default"} if shape.sliding_rope_plain else full),
+        "rope_theta": shape.rope_theta_at("sliding_attention"),
+        "partial_rotary_factor": shape.rotary_factor_at("sliding_attention")}}
+
+
+def _mlp_layer_types(shape: ModelShape) -> list[str]:
+    """`mlp_layer_types`: the dense layers first, then the sparse ones."""
+    first = shape.first_dense_layers
+    return ["dense"] * first + ["sparse"] * (shape.num_layers - first)
 
 
 def _rope_parameters(shape: ModelShape) -> dict:
