@@ -628,32 +628,59 @@ def test_gpt_oss_attention_runs_on_cudnn_with_its_sink_merged(before, window):
         assert err_ours < max(1.5 * err_one, 1e-2), (name, err_ours, err_one)
 
 
-@pytest.mark.parametrize("family", ["mimo", "afmoe"])
-def test_per_layer_attention_families_in_bf16_run_on_the_gpu_and_follow_fp32(family):
-    """The attention forms the CPU checks hold to transformers, on the GPU's kernels: MiMo-V2-Flash's (sliding layers
-    with twice the KV heads, sinks and their own RoPE base; q·k heads of 192 with values of 128: zero-padded on the
-    windowed flash path, at their own width in cuDNN on the full layers, padded again in fp32) and AFMoE's (norms before and after
-    each sublayer, the output gate, the full layers without RoPE). bf16 follows fp32 in the hidden states and in
-    every parameter's gradient; top-4 of 4 experts, so no routing choice can flip between the dtypes. A gradient
-    may miss fp32 by more than 3% where the same model on the torch ops (norms, RoPE) misses it by nearly as much in
-    bf16: AFMoE's q/k norm weights, whose gradients sum over every token of every head (3.0-3.1% on both paths)."""
-    from recipe.models import ModelShape, SigmoidRouter
+def _gpu_family_shape(family: str):
+    """The tiny models of the per-family GPU check (see the test below)."""
+    from recipe.models import LinearAttnShape, MLAShape, ModelShape, SigmoidRouter, SoftmaxRouter
 
     common = dict(hidden_size=256, num_layers=4, vocab_size=512, num_experts=4, top_k=4, expert_ffn=128,
                   router_bias=True, sigmoid_router=SigmoidRouter(groups=1, topk_groups=1, scaling=1.0),
                   first_dense_layers=1, dense_ffn=192, rms_norm_eps=1e-5, arch="glm4_moe", qk_norm=False)
+    mla = MLAShape(q_lora_rank=64, kv_lora_rank=128, qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128)
     if family == "mimo":
-        shape = ModelShape(name="tiny-mimo", hf_model_type="mimo_v2_flash",
-                           layer_types=("full_attention",) + ("sliding_attention",) * 2 + ("full_attention",),
-                           num_heads=8, num_kv_heads=2, sliding_kv_heads=4, head_dim=192, v_head_dim=128,
-                           value_scale=0.707, sinks="sliding", sliding_window=128, partial_rotary_factor=0.334,
-                           rope_theta=5e6, sliding_rope_theta=1e4, **common)
-    else:
-        shape = ModelShape(name="tiny-afmoe", hf_model_type="afmoe",
-                           layer_types=("sliding_attention", "full_attention") * 2, num_heads=8, num_kv_heads=2,
-                           head_dim=64, sliding_window=128, attn_output_gate=True, nope_full_layers=True,
-                           norm_placement="sandwich", embedding_scale=16.0, shared_expert_ffn=128,
-                           **{**common, "qk_norm": True})
+        return ModelShape(name="tiny-mimo", hf_model_type="mimo_v2_flash",
+                          layer_types=("full_attention",) + ("sliding_attention",) * 2 + ("full_attention",),
+                          num_heads=8, num_kv_heads=2, sliding_kv_heads=4, head_dim=192, v_head_dim=128,
+                          value_scale=0.707, sinks="sliding", sliding_window=128, partial_rotary_factor=0.334,
+                          rope_theta=5e6, sliding_rope_theta=1e4, **common)
+    if family == "afmoe":
+        return ModelShape(name="tiny-afmoe", hf_model_type="afmoe",
+                          layer_types=("sliding_attention", "full_attention") * 2, num_heads=8, num_kv_heads=2,
+                          head_dim=64, sliding_window=128, attn_output_gate=True, nope_full_layers=True,
+                          norm_placement="sandwich", embedding_scale=16.0, shared_expert_ffn=128,
+                          **{**common, "qk_norm": True})
+    if family == "laguna":
+        return ModelShape(name="tiny-laguna", hf_model_type="laguna",
+                          layer_types=("full_attention",) + ("sliding_attention",) * 3, num_heads=4, sliding_heads=6,
+                          num_kv_heads=2, head_dim=64, head_gate=True, head_gate_activation="softplus",
+                          partial_rotary_factor=0.5, sliding_rotary_factor=1.0, rope_theta=5e5,
+                          sliding_rope_theta=1e4, sliding_window=128, shared_expert_ffn=128,
+                          **{**common, "qk_norm": True})
+    if family == "kimi":  # KDA at its head size (fla's chunk_kda in both dtypes) around a RoPE-free MLA layer
+        return ModelShape(name="tiny-kimi", hf_model_type="kimi_linear",
+                          layer_types=("linear_attention",) * 2 + ("full_attention", "linear_attention"),
+                          num_heads=4, num_kv_heads=4, head_dim=192, mla=mla, nope_full_layers=True,
+                          linear_attn=LinearAttnShape(kind="kda", num_k_heads=2, num_v_heads=2, head_k_dim=128,
+                                                      head_v_dim=128),
+                          shared_expert_ffn=128, **{**common, "arch": "deepseek_v3"})
+    return ModelShape(name="tiny-mistral4", hf_model_type="mistral4", layer_types=("full_attention",) * 4,
+                      num_heads=4, num_kv_heads=4, head_dim=192, mla=mla, query_scale_period=256,
+                      query_scale_beta=0.1, shared_expert_ffn=128,
+                      **{**common, "arch": "deepseek_v3", "router_bias": False, "sigmoid_router": None,
+                         "softmax_router": SoftmaxRouter(scaling=1.5)})
+
+
+@pytest.mark.parametrize("family", ["mimo", "afmoe", "laguna", "kimi", "mistral4"])
+def test_per_layer_attention_families_in_bf16_run_on_the_gpu_and_follow_fp32(family):
+    """The attention forms the CPU checks hold to transformers, on the GPU's kernels: MiMo-V2-Flash's (sliding layers
+    with twice the KV heads, sinks and their own RoPE base; q·k heads of 192 with values of 128: zero-padded on the
+    windowed flash path, at their own width in cuDNN on the full layers, padded again in fp32), AFMoE's (norms
+    before and after each sublayer, the output gate, the full layers without RoPE), Laguna's (heads by layer kind, a
+    softplus gate per head), Kimi-Linear's (KDA on fla's chunk_kda, its sigmoid-gated norm in the fused kernel, MLA
+    without RoPE) and Mistral 4's (MLA with the query scale by position). bf16 follows fp32 in the hidden states and in
+    every parameter's gradient; top-4 of 4 experts, so no routing choice can flip between the dtypes. A gradient
+    may miss fp32 by more than 3% where the same model on the torch ops (norms, RoPE) misses it by nearly as much in
+    bf16: AFMoE's q/k norm weights, whose gradients sum over every token of every head (3.0-3.1% on both paths)."""
+    shape = _gpu_family_shape(family)
     out, _ = _fp32_and_bf16(shape)
     (h32, g32), (h16, g16) = out[torch.float32], out[torch.bfloat16]
     _, g_ops = _fp32_and_bf16(shape, backend="torch")[0][torch.bfloat16]
