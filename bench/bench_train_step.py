@@ -157,7 +157,7 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
     lin = [layer for layer in layers if layer.layer_type == "linear_attention"]
     if lin:
         gdn = lin[0].mixer
-        kda = shape.linear_attn.kind == "kda"
+        kda = model.shape.linear_attn.kind == "kda"
         measure("kda (block)" if kda else "gated deltanet (block)", wrap(lambda xin: gdn(xin, rope, batch.packing)),
                 len(lin))
         from launch.gated_delta import gated_delta_rule
