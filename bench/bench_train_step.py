@@ -278,8 +278,8 @@ def child(args) -> None:
     if device.type == "cuda":
         from launch.gated_delta import fla_status
 
-        print("delta rule:", fla_status(shape.linear_attn.head_k_dim)[1] if shape.linear_attn else "-",
-              file=sys.stderr)
+        la = shape.linear_attn
+        print("delta rule:", fla_status(la.head_k_dim, la.kind == "kda")[1] if la else "-", file=sys.stderr)
     try:
         if args.child == "ours":
             res = run_ours(shape, args.child_seq, device, args.steps, args.profile, args.norm_backend,
