@@ -903,11 +903,11 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
         _fuse_output_gate(sd, model.shape.head_dim, to_ours=False)
     out: dict[str, torch.Tensor] = {}
     mixtral = model.shape.arch in ("mixtral", "minimax_m2")  # MiniMax-M2's releases keep Mixtral's names
-    ours = {v: k for k, v in _MIXTRAL_W.items()} if mixtral or model.shape.hf_model_type == "kimi_linear" else {}
+    kimi = model.shape.hf_model_type == "kimi_linear"  # Kimi-Linear's: Mixtral's on its MoE layers
+    ours = {v: k for k, v in _MIXTRAL_W.items()} if mixtral or kimi else {}
     name = lambda w: ours.get(w, w)  # noqa: E731 - an expert matrix's name in the checkpoint
 
     step = model.shape.hf_model_type == "step3p5"  # Step-3.7's names: `_names_out`; its experts stacked
-    kimi = model.shape.hf_model_type == "kimi_linear"  # Kimi-Linear's: Mixtral's on its MoE layers
     # Mistral 4's experts as transformers holds and saves them, fused (gate_up_proj [E, 2I, D], down_proj [E, D, I])
     fused_out = model.shape.hf_model_type == "mistral4"
     # Laguna's releases name its shared expert `shared_expert` (ours), as Step-3.7's do theirs `share_expert`

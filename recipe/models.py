@@ -868,7 +868,7 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             hf_model_type="step3p5", pad_token_id=1,
             source="stepfun-ai/Step-3.7-Flash config.json (text_config; the clamped layers as transformers' "
                    "Step3p7 port documents them)"),
-    # Kimi-Linear (49.1B, 3.0B active): Kimi Delta Attention in 20 layers (32 heads of 128 for q, k and v, a decay per
+    # Kimi-Linear (49.1B, 3.1B active): Kimi Delta Attention in 20 layers (32 heads of 128 for q, k and v, a decay per
     # channel), MLA without RoPE in the other 7 (every fourth and the last); a dense first layer, then 256 experts
     # (top 8, sigmoid routing) and a shared one
     "kimi-linear-48b": lambda: ModelShape(
@@ -2176,16 +2176,26 @@ def _laguna(cfg: dict, fields: dict, rope_by_type: dict | None, opt, number, cou
         # sliding ones whole at 1e4
         fields.update(rope_theta=500000.0, partial_rotary_factor=0.5)
         rope_by_type = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
-    sliding = ((rope_by_type or {}).get("sliding_attention") or {}) if sliding_layers else {}
+    sliding = (rope_by_type or {}).get("sliding_attention") or {}
+    if sliding_layers and sliding:  # transformers rotates a kind's whole heads where its entry gives no share
+        _sliding_rope(fields, sliding, number, share_default=1.0)
+
+
+def _sliding_rope(fields: dict, sliding: dict, number, share_default: float | None = None) -> None:
+    """The sliding layers' RoPE from their `rope_parameters` entry (Step-3.7's, Laguna's, Mellum's): a base of their
+    own where it differs from the full layers' (`sliding_rope_theta`), a rotated share of their own
+    (`sliding_rotary_factor`; where the entry gives none, `share_default`, None: the full layers'), and plain RoPE
+    where the full layers' is scaled and theirs is "default" (`sliding_rope_plain`)."""
     key = "rope_parameters.sliding_attention"
     if sliding.get("rope_theta") is not None and number(sliding["rope_theta"], f"{key}.rope_theta") != \
             fields["rope_theta"]:
         fields["sliding_rope_theta"] = float(sliding["rope_theta"])
-    share = sliding.get("partial_rotary_factor", 1.0)
-    if sliding and number(share, f"{key}.partial_rotary_factor") != fields.get("partial_rotary_factor", 1.0):
+    share = sliding.get("partial_rotary_factor", share_default)
+    if share is not None and number(share, f"{key}.partial_rotary_factor") != fields.get("partial_rotary_factor",
+                                                                                         1.0):
         fields["sliding_rotary_factor"] = float(share)
     if fields.get("rope_scaling") is not None and sliding and sliding.get("rope_type", "default") == "default":
-        fields["sliding_rope_plain"] = True
+        fields["sliding_rope_plain"] = True  # the full layers' scaling alone
 
 
 def _mellum(cfg: dict, fields: dict, rope_by_type: dict | None, opt, number, bad) -> None:
@@ -2197,17 +2207,8 @@ def _mellum(cfg: dict, fields: dict, rope_by_type: dict | None, opt, number, bad
     fields.update(hf_model_type="mellum", first_dense_layers=_leading_dense(cfg, "mellum", opt, bad))
     if fields["first_dense_layers"]:
         fields["dense_ffn"] = opt("intermediate_size", 0)
-    sliding = (rope_by_type or {}).get("sliding_attention") or {}
-    key = "rope_parameters.sliding_attention"
-    if sliding.get("rope_theta") is not None and number(sliding["rope_theta"], f"{key}.rope_theta") != \
-            fields["rope_theta"]:
-        fields["sliding_rope_theta"] = float(sliding["rope_theta"])
-    if fields.get("rope_scaling") is not None and sliding and sliding.get("rope_type", "default") == "default":
-        fields["sliding_rope_plain"] = True  # the full layers' scaling alone
-    share = sliding.get("partial_rotary_factor")
-    if share is not None and number(share, f"{key}.partial_rotary_factor") != fields.get("partial_rotary_factor",
-                                                                                         1.0):
-        fields["arch"] = "moe"
+    # a sliding rotated share of its own (`sliding_rotary_factor`) is planned only (`trainable`)
+    _sliding_rope(fields, (rope_by_type or {}).get("sliding_attention") or {}, number)
 
 
 def _step3p5(cfg: dict, fields: dict, n_layers: int, rope_by_type: dict | None, opt, opt_flag, number, count,
@@ -2233,15 +2234,7 @@ def _step3p5(cfg: dict, fields: dict, n_layers: int, rope_by_type: dict | None, 
     groups = other.get("num_attention_groups")
     if groups is not None and count(groups, "attention_other_setting.num_attention_groups") != kv:
         fields.update(sliding_kv_heads=groups, arch="moe")
-    if sliding.get("rope_theta") is not None and number(sliding["rope_theta"], "rope_parameters.sliding_attention"
-                                                        ".rope_theta") != fields["rope_theta"]:
-        fields["sliding_rope_theta"] = float(sliding["rope_theta"])
-    share = sliding.get("partial_rotary_factor")
-    if share is not None and number(share, "rope_parameters.sliding_attention.partial_rotary_factor") != \
-            fields.get("partial_rotary_factor", 1.0):
-        fields["sliding_rotary_factor"] = float(share)
-    if fields.get("rope_scaling") is not None and sliding and sliding.get("rope_type", "default") == "default":
-        fields["sliding_rope_plain"] = True  # the full layers' scaling (the releases' `rope_scaling`) alone
+    _sliding_rope(fields, sliding, number)  # the full layers' scaling: the releases' `rope_scaling`
     gating = cfg.get("gating", True)
     if gating is True or gating == "per-head":
         fields["head_gate"] = True
