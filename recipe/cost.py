@@ -87,6 +87,13 @@ COLLECTIVE_LATENCY_S = 10e-6
 # cp adds 0.094 of a plain pass (the fold's 2·cp − 1 sequential steps are latency, not FLOPs). Separate runs of
 # the same bench move a row by up to 0.15 of a pass.
 CP_COMBINE_EFFICIENCY = 1 / 0.642
+# Kimi Delta Attention's chunked rule (fla's chunk_kda) against Gated DeltaNet's (chunk_gated_delta_rule) per FLOP
+# of delta_rule_flops_per_token_head, each timed alone inside a training step's layers (bench/bench_train_step.py's
+# "delta rule (kernel only)", forward + recomputed forward + backward, 32,768 tokens, d_k = d_v = 128, C = 64, one
+# H200, fla-core 0.6.0): KDA's 3 layers of 32 heads take 88.5 ms where Gated DeltaNet's 3 layers of 32 value heads
+# take 45.2 ms for 1/1.21 of the FLOPs: 0.62 of the rate. Its per-channel decay runs in more, narrower kernels
+# (the in-chunk products are formed per channel block, and the backward adds dg's passes) than its FLOPs say.
+KDA_RULE_RATE = 0.62
 CP_COMBINE_PASSES_PER_DOUBLING = 0.094
 # a windowed attention kernel's key tile: a block of queries scores every key tile its windows touch, so a query
 # costs its window rounded up past one more tile (window_keys), not the window alone
@@ -331,6 +338,25 @@ def kda_working_set(m: ModelShape, s: float, tp: int, cp: int = 1) -> float:
     return qkv + gates + in_chunk + out + combine
 
 
+def kda_backward_bytes(m: ModelShape, s: float, tp: int, cp: int = 1) -> float:
+    """What Kimi Delta Attention's chunked rule (fla's chunk_kda) holds beyond its saved set at its backward's peak,
+    the in-chunk gradient pass (H/tp heads a rank, d_k = K, value width V, V + K under CP's augmented pass, chunk C),
+    per token and head: the recomputed WY factors w and u and the gated q and k, 2·(3K + V); the recomputed chunk
+    states h and their gradients dh, bf16 [K × V] a chunk each, 2·2·K·V/C; the recomputed new values, 2·V; the
+    value pass's fp32 dA, 4·C; the WY pass's dv, 2·V, its fp32 dq, dk and dg, 3·4·K, and dA, 4·C; the in-chunk
+    pass's second fp32 dq, dk and dg, 3·4·K (β's gradients, 4·(1 + K/32), next to nothing). At Kimi-Linear's
+    K = V = 128, C = 64: 6,164 bytes a token and head, 6.46 GB at 32,768 tokens and 32 heads, more than the layer's
+    saved set; measured at the peak of that step (bench/memory_at_peak.py, fla-core 0.6.0): 6.47 GB of fla's
+    buffers."""
+    la = m.linear_attn
+    nh = la.num_k_heads / tp
+    k, c = la.head_k_dim, la.chunk_size
+    v = la.head_v_dim + (k if cp > 1 else 0)
+    per_head = (BF16 * (3 * k + v) + 2 * BF16 * k * v / c + 2 * BF16 * v + 2 * FP32 * c + 6 * FP32 * k
+                + FP32 * (1 + k / 32))
+    return s * nh * per_head
+
+
 def routed_row_bytes(m: ModelShape, etp: int = 1) -> tuple[float, float]:
     """(saved, backward) bytes the routed experts hold per routed row (launch/moe.py: _RoutedExperts): saved, the
     permuted input x (h), the gate and up projection (2f) and the expert output y (h), bf16, and the row's order;
@@ -396,18 +422,22 @@ def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: fl
     saved (mixer and FFN: the checkpoint unit is the decoder layer), the FFN's saved set replaced by its backward
     peak, the larger of the dense FFN's (`dense_ffn_moments`) and the MoE block's (`moe_moments`). `expert_grad`:
     the bytes of the layer's own expert weight gradients, which the routed experts' backward forms only after its
-    largest moment before them, so that moment needs that much less than the count says."""
+    largest moment before them, so that moment needs that much less than the count says. The mixer's backward
+    runs after the FFN's has freed its saved set: attention's moment is its saved set and its flash backward's
+    buffers, Kimi Delta Attention's its saved set and its chunked rule's backward buffers (`kda_backward_bytes`)."""
     mixer = layer_saved(m, s, tp, cp, vendor)[0]
     ffn = dense_ffn_moments(m, s, tp)[1]
     if m.num_moe_layers:
         _, before, after = moe_moments(m, s / tp)
         ffn = max(ffn, before - expert_grad, after)
     # the FFN's backward runs first and frees its saved set; then attention's, which adds its gradients
-    attention = 0.0
+    attention = linear = 0.0
     if m.num_attention_layers:
         attention = (attention_working_set(m, s, tp, cp, vendor) + attention_backward_bytes(m, s, tp, cp, vendor)
                      + s / tp * FP32)
-    return max(mixer + ffn, attention)
+    if m.num_linear_attn_layers and m.linear_attn.kind == "kda":
+        linear = kda_working_set(m, s, tp, cp) + kda_backward_bytes(m, s, tp, cp) + s / tp * FP32
+    return max(mixer + ffn, attention, linear)
 
 
 def compressed_attention_working_set(m: ModelShape, s: float, tp: int, cp: int) -> float:
@@ -1122,7 +1152,10 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
                "index_rows": INDEX_ROW_S, "attention": peak * SPARSE_BACKWARD_EFFICIENCY}
     elif m is not None and m.compressed is not None:  # DeepSeek-V4's indexer: DSA's kernels on compressed keys
         dsa = {"indexer": index_pair_flops(m) / index_pair_seconds(m, hw), "index_rows": INDEX_ROW_S}
-    return {**_rates(hw, m, peak, hbm, e), **dsa}
+    out = {**_rates(hw, m, peak, hbm, e), **dsa}
+    if m is not None and m.linear_attn is not None and m.linear_attn.kind == "kda":
+        out["delta_rule"] *= KDA_RULE_RATE
+    return out
 
 
 def _rates(hw: HwProfile, m: ModelShape | None, peak: float, hbm: float, e) -> dict[str, float]:

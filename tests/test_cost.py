@@ -1075,6 +1075,47 @@ def test_kda_working_set_holds_its_recomputed_forward():
         max(attention_working_set(KIMI, s, 1, 1), kda_working_set(KIMI, s, 1, 1)) + s * FP32)
 
 
+def test_kda_backward_holds_its_chunked_rules_gradient_buffers():
+    """By hand, per token and head at K = V = 128, C = 64 (fla's chunk_kda backward at its last in-chunk pass):
+    w, u and the gated q, k (bf16) 4·128·2; the chunk states and their gradients (bf16, [K × V] a chunk) 2·128·128/64
+    ·2; the new values and the WY pass's dv 2·128·2; two fp32 dA [C] 2·64·4; two fp32 passes of dq, dk, dg 6·128·4;
+    β's gradients 4 + 4·4: 6,164 bytes, the 6.47 GB measured at 32K tokens and 32 heads within 0.1%. TP splits the
+    heads; under CP the values are V + K wide. The layer's moment is that plus the saved set where it passes the
+    FFN's and attention's: Kimi-Linear's own layers at 32K (the FFN's moment counts its expert gradient as formed)."""
+    from recipe.cost import dense_ffn_moments, kda_backward_bytes, kda_working_set
+
+    per_head = 4 * 128 * 2 + 2 * 2 * 128 * 128 // 64 + 2 * 2 * 128 + 2 * 64 * 4 + 6 * 128 * 4 + 4 + 16
+    assert per_head == 6164
+    assert kda_backward_bytes(KIMI, 1, 1) == per_head * 32
+    assert kda_backward_bytes(KIMI, 32768, 1) == pytest.approx(6.4676e9, rel=1e-3)
+    assert kda_backward_bytes(KIMI, 1, 2) == per_head * 16
+    wider = 128 * 2 + 2 * 2 * 128 * 128 // 64 + 2 * 2 * 128  # the V-wide terms again at V = 128 more: u, h, dh, v, dv
+    assert kda_backward_bytes(KIMI, 1, 1, cp=2) == (per_head + wider) * 32
+    s = 32768
+    moment = kda_working_set(KIMI, s, 1, 1) + kda_backward_bytes(KIMI, s, 1, 1) + s * FP32
+    assert layer_working_set(KIMI, s, 1, 1) == pytest.approx(moment)
+    # it binds: the saved mixer with the FFN's backward peak, and MLA's backward, are both smaller
+    four = KIMI.with_layers(4)
+    assert four.num_linear_attn_layers == 3 and four.num_attention_layers == 1
+    assert layer_working_set(four, s, 1, 1) == pytest.approx(moment)
+    ffn_side = layer_saved(KIMI, s, 1, 1)[0] + max(dense_ffn_moments(KIMI, s, 1)[1], *moe_moments(KIMI, s)[1:])
+    assert ffn_side < moment
+
+
+def test_kda_rule_runs_at_its_measured_share_of_the_delta_rule_rate():
+    """KDA's chunked rule is charged KDA_RULE_RATE of the profile's delta-rule rate (measured: chunk_kda against
+    chunk_gated_delta_rule per FLOP); every other rate, and Gated DeltaNet's, are the profile's."""
+    from recipe.cost import KDA_RULE_RATE, rates
+
+    h200 = load_profile("h200")
+    qwen = resolve_model("qwen35-35b")
+    kimi, plain = rates(h200, KIMI), rates(h200, qwen)
+    assert KDA_RULE_RATE == 0.62
+    assert kimi["delta_rule"] == pytest.approx(plain["delta_rule"] * KDA_RULE_RATE)
+    assert plain["delta_rule"] == pytest.approx(h200.peak_bf16_tflops * 1e12 * h200.efficiency.delta_rule)
+    assert kimi["dense_gemm"] == plain["dense_gemm"] and kimi["lm_head"] == plain["lm_head"]
+
+
 def test_kda_and_mla_both_charge_their_cp_work():
     """Under CP a Kimi-Linear stage pays MLA's latent expansion of the other ranks' tokens and KDA's segment
     combine, both (four layers: three KDA, one MLA; cp = 2, 32K, full recompute): t_cp = bytes / bw + (3 + 1)
