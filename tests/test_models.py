@@ -1181,8 +1181,8 @@ def test_mistral_slides_every_layer_unless_its_window_is_null(tmp_path):
 
 
 @pytest.mark.parametrize("cfg, says", [
-    (dict(model_type="qwen4_exp_text", layer_types=["qwen_sparse_attention", "full_attention"]),
-     "layer type 'qwen_sparse_attention' (model_type 'qwen4_exp_text') is not planned"),
+    (dict(model_type="qwen3_next", layer_types=["qwen_sparse_attention", "full_attention"]),
+     "layer type 'qwen_sparse_attention' (model_type 'qwen3_next') is not planned"),
     (dict(model_type="kimi_linear", linear_attn_config={"gate_lower_bound": -5.0}),
      "field 'linear_attn_config.gate_lower_bound': expected null (KDA with a lower-bounded decay gate is not planned)"),
     (dict(model_type="jamba"), "model_type 'jamba' has Mamba layers, which this tool does not plan"),
@@ -1190,7 +1190,12 @@ def test_mistral_slides_every_layer_unless_its_window_is_null(tmp_path):
     (dict(model_type="jetmoe"), "model_type 'jetmoe' has mixture-of-attention experts"),
     (dict(model_type="longcat_flash"), "model_type 'longcat_flash' has zero-computation experts"),
     (dict(model_type="lfm2_moe"), "model_type 'lfm2_moe' has short-convolution layers"),
-    (dict(model_type="arcee"), "model_type 'arcee' has an MLP without a gate")])
+    (dict(model_type="arcee"), "model_type 'arcee' has an MLP without a gate"),
+    (dict(model_type="gemma4_text", enable_moe_block=True, top_k_experts=2),
+     "model_type 'gemma4_text' has Gemma 4's blocks (a dense MLP beside the experts"),
+    (dict(model_type="qwen4_exp_text"), "model_type 'qwen4_exp_text' has hyper-connections, hashed n-gram"),
+    (dict(model_type="glm5_next_text"), "model_type 'glm5_next_text' has hyper-connections (mHC)"),
+    (dict(model_type="hy_v4"), "model_type 'hy_v4' has hyper-connections (iHC)")])
 def test_mixers_the_tool_does_not_plan_are_refused_in_one_line(tmp_path, cfg, says):
     from typer.testing import CliRunner
 
