@@ -87,14 +87,14 @@ COLLECTIVE_LATENCY_S = 10e-6
 # cp adds 0.094 of a plain pass (the fold's 2·cp − 1 sequential steps are latency, not FLOPs). Separate runs of
 # the same bench move a row by up to 0.15 of a pass.
 CP_COMBINE_EFFICIENCY = 1 / 0.642
+CP_COMBINE_PASSES_PER_DOUBLING = 0.094
 # Kimi Delta Attention's chunked rule (fla's chunk_kda) against Gated DeltaNet's (chunk_gated_delta_rule) per FLOP
 # of delta_rule_flops_per_token_head, each timed alone inside a training step's layers (bench/bench_train_step.py's
 # "delta rule (kernel only)", forward + recomputed forward + backward, 32,768 tokens, d_k = d_v = 128, C = 64, one
 # H200, fla-core 0.6.0): KDA's 3 layers of 32 heads take 88.5 ms where Gated DeltaNet's 3 layers of 32 value heads
-# take 45.2 ms for 1/1.21 of the FLOPs: 0.62 of the rate. Its per-channel decay runs in more, narrower kernels
-# (the in-chunk products are formed per channel block, and the backward adds dg's passes) than its FLOPs say.
+# take 45.2 ms for 1/1.21 of the FLOPs: 0.62 of the rate. Its added work is mostly elementwise over K-wide decays,
+# and its backward passes K-wide fp32 gradients (dq, dk, dg) twice (docs/cost_model.md, section 5).
 KDA_RULE_RATE = 0.62
-CP_COMBINE_PASSES_PER_DOUBLING = 0.094
 # a windowed attention kernel's key tile: a block of queries scores every key tile its windows touch, so a query
 # costs its window rounded up past one more tile (window_keys), not the window alone
 WINDOW_KEY_TILE = 128

@@ -1279,15 +1279,15 @@ _UNPLANNED_TYPES = {
     "apertus": "an MLP without a gate (up and down projections)",
     "arcee": "an MLP without a gate (up and down projections)",
     "youtu": "multi-head latent attention in a dense model",
-    "gemma4": "Gemma 4's blocks (a dense MLP beside the experts, full-attention layers of their own head width whose "
-              "values are their keys, per-layer input embeddings, a soft-capped LM head)",
-    "gemma4_text": "Gemma 4's blocks (a dense MLP beside the experts, full-attention layers of their own head width "
-                   "whose values are their keys, per-layer input embeddings, a soft-capped LM head)",
-    "qwen4_exp": "hyper-connections, hashed n-gram layer embeddings and QSA sparse attention",
-    "qwen4_exp_text": "hyper-connections, hashed n-gram layer embeddings and QSA sparse attention",
-    "glm5_next": "hyper-connections (mHC) and KDA layers beside sparse MLA over pooled keys",
-    "glm5_next_text": "hyper-connections (mHC) and KDA layers beside sparse MLA over pooled keys",
     "hy_v4": "hyper-connections (iHC) beside sparse MLA",
+    # a wrapper's model_type and its text model's
+    **dict.fromkeys(("gemma4", "gemma4_text"), "Gemma 4's blocks (a dense MLP beside the experts, full-attention "
+                    "layers of their own head width whose values are their keys, per-layer input embeddings, a "
+                    "soft-capped LM head)"),
+    **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"),
+                    "hyper-connections, hashed n-gram layer embeddings and QSA sparse attention"),
+    **dict.fromkeys(("glm5_next", "glm5_next_text"),
+                    "hyper-connections (mHC) and KDA layers beside sparse MLA over pooled keys"),
 }
 _EXPERT_KEYS = ("num_experts", "n_routed_experts", "num_local_experts", "moe_num_experts")
 

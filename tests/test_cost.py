@@ -1081,7 +1081,7 @@ def test_kda_backward_holds_its_chunked_rules_gradient_buffers():
     ·2; the new values and the WY pass's dv 2·128·2; two fp32 dA [C] 2·64·4; two fp32 passes of dq, dk, dg 6·128·4;
     β's gradients 4 + 4·4: 6,164 bytes, the 6.47 GB measured at 32K tokens and 32 heads within 0.1%. TP splits the
     heads; under CP the values are V + K wide. The layer's moment is that plus the saved set where it passes the
-    FFN's and attention's: Kimi-Linear's own layers at 32K (the FFN's moment counts its expert gradient as formed)."""
+    FFN's and attention's, as in Kimi-Linear's own layers at 32K."""
     from recipe.cost import dense_ffn_moments, kda_backward_bytes, kda_working_set
 
     per_head = 4 * 128 * 2 + 2 * 2 * 128 * 128 // 64 + 2 * 2 * 128 + 2 * 64 * 4 + 6 * 128 * 4 + 4 + 16
