@@ -8,7 +8,8 @@ Transformers: bf16 parameters and bf16 AdamW (torch, foreach), gradient checkpoi
 flash-linear-attention for the delta rule when installed; its own causal-LM loss.
 
 Each implementation and sequence length runs in a fresh subprocess (so one's memory never counts against the other).
-Prints a table; --out writes every figure as JSON.
+Prints a table, ours beside the cost model's prediction for the same step (`--hw`: the profile, by default the one
+the GPU's name gives; none on CPU) and its error; --out writes every figure as JSON.
 
     python bench/bench_train_step.py --seqs 32768,65536,131072 --hf-seqs 32768 --out bench.json
     python bench/bench_train_step.py --model tiny-moe --layers 4 --seqs 256 --hf-seqs 256 --device cpu  # smoke
@@ -36,6 +37,24 @@ import torch  # noqa: E402
 from recipe.models import active_matmul_params, resolve_model, total_params  # noqa: E402
 
 H200_DENSE_BF16_TFLOPS = 989.0
+# the hardware profile a GPU's name (torch.cuda.get_device_name) gives, first match
+PROFILE_BY_DEVICE = (("H200", "h200"), ("H100", "h100"), ("B200", "b200"), ("MI355X", "mi355x"), ("MI325X", "mi325x"),
+                     ("MI300X", "mi300x"))
+
+
+def device_profile(name: str) -> str | None:
+    """The profile of a GPU by its name ('NVIDIA H200' → 'h200'); None for a device no profile describes."""
+    return next((hw for key, hw in PROFILE_BY_DEVICE if key in name.upper()), None)
+
+
+def predicted(model: str, layers: int, tokens: int, hw: str, keep_selections: bool) -> dict:
+    """The cost model's step time and allocated peak (GB) for ours at this point: one GPU, full recompute, the
+    fused head (recipe.calibration.predict_point)."""
+    from recipe.calibration import predict_point
+
+    p = predict_point({"model": model, "layers": layers, "seq": tokens, "recompute": "full", "lm_head": "fused",
+                       "keep_selections": keep_selections}, hw)
+    return {"hw": hw, "step_s": p["step_s"], "allocated_gb": p["allocated_gb"]}
 
 
 def flops_per_step(shape, T: int) -> dict[str, float]:
@@ -318,12 +337,17 @@ def main() -> None:
                         "(cuDNN takes them at their width where it can) and/or padded (zero-padded to the q·k width, "
                         "the path off NVIDIA GPUs), e.g. own,padded for an A/B")
     p.add_argument("--value-width", default="own", help=argparse.SUPPRESS)
+    p.add_argument("--hw", help="the hardware profile ours is predicted on (default: the GPU's, by its name; "
+                                "'none': no prediction)")
     p.add_argument("--profile", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         return child(args)
 
     shape = resolve_model(args.model).with_layers(args.layers)
+    hw = args.hw if args.hw is not None else (device_profile(torch.cuda.get_device_name())
+                                             if args.device == "cuda" else None)
+    hw = None if hw == "none" else hw
     runs = [("hf", int(s), "auto", "auto", "own") for s in args.hf_seqs.split(",") if s] + \
         [("ours", int(s), nb, rb, vw) for s in args.seqs.split(",") for nb in args.norm_backends.split(",")
          for rb in args.rope_backends.split(",") for vw in args.value_widths.split(",")]
@@ -354,6 +378,8 @@ def main() -> None:
             res["hardware_tflops"] = (fl["hardware"] if impl == "ours" else fl["model"] + fl["layers_model"] / 3) \
                 / res["step_s"] / 1e12
         res["flops"] = fl
+        if impl == "ours" and hw and (norms, ropes, values) == ("auto", "auto", "own"):
+            res["predicted"] = predicted(args.model, args.layers, T, hw, args.keep_selections)
         results.append(res)
         print(json.dumps({k: v for k, v in res.items() if k not in ("profile", "flops")}), flush=True)
         if proc.returncode and "error" not in res:
@@ -370,13 +396,20 @@ def main() -> None:
 def print_table(shape, results) -> None:
     print(f"\n{shape.name}: {total_params(shape) / 1e9:.2f}B params, {active_matmul_params(shape) / 1e6:.0f}M active "
           f"matmul params/token")
-    print(f"{'impl':18} {'tokens':>7} {'step s':>8} {'peak GiB':>9} {'model TF/s':>11} {'hw TF/s':>8}")
+    print(f"{'impl':18} {'tokens':>7} {'step s':>8} {'peak GiB':>9} {'model TF/s':>11} {'hw TF/s':>8}  "
+          f"{'predicted s':>18} {'predicted GB (GiB)':>27}")
     for r in results:
         if "error" in r:
             print(f"{r['impl']:18} {r['tokens']:>7} {r['error'][:100]}")
             continue
-        print(f"{r['impl']:18} {r['tokens']:>7} {r['step_s']:>8.3f} {r.get('peak_allocated_gib', 0):>9.1f} "
-              f"{r['model_tflops']:>11.0f} {r['hardware_tflops']:>8.0f}")
+        line = (f"{r['impl']:18} {r['tokens']:>7} {r['step_s']:>8.3f} {r.get('peak_allocated_gib', 0):>9.1f} "
+                f"{r['model_tflops']:>11.0f} {r['hardware_tflops']:>8.0f}")
+        p = r.get("predicted")
+        if p:
+            gb, measured_gb = p["allocated_gb"], r.get("peak_allocated_gib", 0) * 2**30 / 1e9
+            mem = f"{gb:.2f} ({gb * 1e9 / 2**30:.1f}, {gb / measured_gb - 1:+.1%})" if measured_gb else f"{gb:.2f}"
+            line += f"  {p['step_s']:>8.3f} ({p['step_s'] / r['step_s'] - 1:+.1%}) {mem:>27}  [{p['hw']}]"
+        print(line)
     for r in results:
         if "profile" in r:
             print(f"\nprofile, ours at {r['tokens']} tokens (step {r['step_s']:.3f} s)")

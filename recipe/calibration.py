@@ -54,8 +54,8 @@ def basis(hw: str) -> str:
 
 def predict_point(point: dict, hw: str) -> dict:
     """The cost model's prediction for one grid point (its model at its depth, one GPU, one micro-batch of
-    `seq` tokens, the last `keep_layers` layers kept under recompute, the expert-parallel code path where
-    `ep_path`): `allocated_gb` is the predicted peak less the profile's `overhead` (context, collective buffers,
+    `seq` tokens, the last `keep_layers` layers kept under recompute, DeepSeek sparse attention's selections kept
+    where `keep_selections`, the expert-parallel code path where `ep_path`): `allocated_gb` is the predicted peak less the profile's `overhead` (context, collective buffers,
     allocator slack: not allocated tensors), what torch.cuda.max_memory_allocated() measures; `total_gb` the whole
     prediction; `step_s` the step time and `time_s` its parts."""
     from .cost import Layout, TrainOptions, estimate
@@ -66,7 +66,8 @@ def predict_point(point: dict, hw: str) -> dict:
     prof = load_profile(hw)
     e = estimate(m, prof, 1, Layout(), TrainOptions(micro_batch_tokens=int(point["seq"]),
                                                     recompute=point["recompute"], lm_head=point["lm_head"],
-                                                    keep_layers=int(point.get("keep_layers", 0))),
+                                                    keep_layers=int(point.get("keep_layers", 0)),
+                                                    keep_selections=bool(point.get("keep_selections"))),
                  ep_path=bool(point.get("ep_path")))
     return {"allocated_gb": e.total_gb - e.memory_gb["overhead"], "total_gb": e.total_gb,
             "step_s": e.step_time_s, "time_s": dict(e.time_s)}

@@ -1,0 +1,34 @@
+"""bench/bench_train_step.py's prediction beside each of our measured steps: the profile a GPU's name gives, and the
+cost model's figures for the step the bench runs (one GPU, full recompute, the fused head)."""
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "bench"))
+
+from bench_train_step import device_profile, predicted  # noqa: E402
+
+
+@pytest.mark.parametrize("name, hw", [("NVIDIA H200", "h200"), ("NVIDIA H100 80GB HBM3", "h100"),
+                                      ("NVIDIA H100 PCIe", "h100"), ("AMD Instinct MI300X", "mi300x"),
+                                      ("AMD Instinct MI355X", "mi355x"), ("NVIDIA B200", "b200"),
+                                      ("NVIDIA A100-SXM4-80GB", None), ("cpu", None)])
+def test_a_gpu_name_gives_its_profile(name, hw):
+    assert device_profile(name) == hw
+
+
+def test_the_prediction_is_the_cost_models_for_the_benched_step():
+    from recipe.cost import Layout, TrainOptions, estimate
+    from recipe.hw import load_profile
+    from recipe.models import resolve_model
+
+    m = resolve_model("kimi-linear-48b").with_layers(4)
+    e = estimate(m, load_profile("h200"), 1, Layout(), TrainOptions(micro_batch_tokens=32768))
+    p = predicted("kimi-linear-48b", 4, 32768, "h200", keep_selections=False)
+    assert p["hw"] == "h200" and p["step_s"] == pytest.approx(e.step_time_s)
+    assert p["allocated_gb"] == pytest.approx(e.total_gb - e.memory_gb["overhead"])
+    # DeepSeek sparse attention's kept selections are part of the point
+    kept = predicted("glm5", 2, 32768, "h200", keep_selections=True)["allocated_gb"]
+    assert kept > predicted("glm5", 2, 32768, "h200", keep_selections=False)["allocated_gb"]
