@@ -284,12 +284,28 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
         kv = s * cp * nh * (kw + vw) * BF16
         out = s * nh * (vw + a.v_head_dim) * BF16  # SDPA's output; its first v_head_dim channels as o_proj's input
         return common + kv + out + s * nh * FP32
-    qw, kw = s * nh * m.head_dim * BF16, s * nkv * m.head_dim * BF16  # one q-sized, one k-sized tensor
-    vw = attention_widths(m, vendor)[1]
+    if m.sliding_head_dim is None:  # one head width: the most heads and KV heads any layer has
+        return _attention_set(m, s, cp, nh, nkv, m.head_dim, m.value_width, attention_widths(m, vendor)[1])
+    # heads of their own width by kind (Gemma 4's): the larger of the kinds' sets
+    return max(_attention_set(m, s, cp, m.heads_at(k) / tp, m.kv_heads_at(k) / tp, m.head_dim_at(k),
+                              m.value_width_at(k), attention_widths(m, vendor, k)[1]) for k in attention_kinds(m))
+
+
+def attention_kinds(m: ModelShape) -> list[str]:
+    """The attention layer kinds the model has (outside linear attention), the full ones where it has none."""
+    kinds = [k for k in ("full_attention", "sliding_attention", "chunked_attention") if k in m.layer_types]
+    return kinds or ["full_attention"]
+
+
+def _attention_set(m: ModelShape, s: float, cp: int, nh: float, nkv: float, hd: int, value_width: int,
+                   vw: int) -> float:
+    """`attention_working_set` of one layer kind outside MLA: nh query and nkv KV heads a rank, of width hd, values
+    `value_width` wide as projected and `vw` as the kernel holds them."""
+    qw, kw = s * nh * hd * BF16, s * nkv * hd * BF16  # one q-sized, one k-sized tensor
     normed_in = s * m.hidden_size * BF16
     qk_norms = qw + kw + s * (nh + nkv) * FP32 if m.qk_norm else 0.0
     rope_q_kv = qw + (kw + s * nkv * vw * BF16) * cp
-    out = s * nh * (vw + m.value_width) * BF16 + s * nh * FP32  # SDPA's output and lse, o_proj's contiguous input
+    out = s * nh * (vw + value_width) * BF16 + s * nh * FP32  # SDPA's output and lse, o_proj's contiguous input
     # Qwen3.5's gate per channel: its sigmoid and the gated output; Step-3.7's per head: the gate and its sigmoid
     # (the gated output is o_proj's input, counted above)
     gate = 2 * qw if m.attn_output_gate else 2 * s * nh * BF16 if m.head_gate else 0.0
@@ -474,7 +490,13 @@ def attention_backward_bytes(m: ModelShape, s: float, tp: int, cp: int, vendor: 
         lat = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
         return s * nh * (lat + m.mla.kv_lora_rank) * BF16 + s * nh * FP32 + s * cp * lat * FP32
     nkv = nh if m.mla is not None else 1 if m.compressed is not None else m.max_kv_heads / tp
-    kw, vw = attention_widths(m, vendor)
+    if m.sliding_head_dim is not None:  # heads of their own width by kind (Gemma 4's): the kinds' largest
+        return max(_flash_backward_bytes(s, cp, m.heads_at(k) / tp, m.kv_heads_at(k) / tp,
+                                         *attention_widths(m, vendor, k)) for k in attention_kinds(m))
+    return _flash_backward_bytes(s, cp, nh, nkv, *attention_widths(m, vendor))
+
+
+def _flash_backward_bytes(s: float, cp: int, nh: float, nkv: float, kw: int, vw: int) -> float:
     return s * nh * kw * (BF16 + FP32) + s * cp * nkv * (kw + vw) * BF16 + s * nh * FP32
 
 
@@ -515,9 +537,15 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
         qk, vd = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim, m.mla.kv_lora_rank
         ctx_full = sparse_keys(m, seq)
         out["indexer"] = index_pair_flops(m) * indexing_layers(m) * seq / 2
-    out["attention"] = 2 * (qk + vd) * (m.heads_at("full_attention") * m.num_full_attn_layers * ctx_full
-                                        + m.heads_at("sliding_attention") * m.num_sliding_layers * ctx_sliding
-                                        + m.heads_at("chunked_attention") * m.num_chunked_layers * chunk_keys(m, seq))
+    if m.dsa is not None or m.mla is not None:
+        widths = dict.fromkeys(("full_attention", "sliding_attention", "chunked_attention"), qk + vd)
+    else:  # each kind at its own head widths (Gemma 4's sliding layers narrower)
+        widths = {k: sum(model_widths(m, k)) for k in ("full_attention", "sliding_attention", "chunked_attention")}
+    out["attention"] = 2 * (widths["full_attention"] * m.heads_at("full_attention") * m.num_full_attn_layers * ctx_full
+                            + widths["sliding_attention"] * m.heads_at("sliding_attention") * m.num_sliding_layers
+                            * ctx_sliding
+                            + widths["chunked_attention"] * m.heads_at("chunked_attention") * m.num_chunked_layers
+                            * chunk_keys(m, seq))
     if m.linear_attn is not None:
         la = m.linear_attn
         out["linear_attention"] = m.num_linear_attn_layers * la.num_v_heads * delta_rule_flops_per_token_head(la)
@@ -614,6 +642,13 @@ def attention_keys(m: ModelShape, seq: float, kernel: bool = False) -> tuple[flo
 def residual_width(m: ModelShape) -> int:
     """Values a token's residual holds between layers: the hidden size, DeepSeek-V4's hc_mult streams of it."""
     return m.hidden_size * (m.compressed.hc_mult if m.compressed is not None else 1)
+
+
+def mean_kv_width(m: ModelShape) -> float:
+    """Key channels a token's attention layer holds, on average over the model's attention layers: each layer's KV
+    heads at its head width (what CP all-gathers of k, and of v at the same width)."""
+    kinds = [t for t in m.layer_types if t != "linear_attention"]
+    return sum(m.kv_heads_at(t) * m.head_dim_at(t) for t in kinds) / len(kinds) if kinds else 0.0
 
 
 def compressed_cp_row(m: ModelShape, s: float) -> float:
@@ -1081,21 +1116,22 @@ def values_padded(vendor: str) -> bool:
     return vendor != "nvidia"
 
 
-def model_widths(m: ModelShape) -> tuple[int, int]:
-    """(q·k, value) head widths of the model's full attention: MLA's d_nope + d_rope and d_v; else the head size
-    and the value width (narrower under MiMo-V2-Flash)."""
+def model_widths(m: ModelShape, kind: str = "full_attention") -> tuple[int, int]:
+    """(q·k, value) head widths of the model's `kind` attention layers (its full ones by default): MLA's d_nope +
+    d_rope and d_v; else the layer's head size and value width (values narrower under MiMo-V2-Flash; Gemma 4's
+    sliding layers narrower heads)."""
     if m.mla is not None:
         return m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim
-    return m.head_dim, m.value_width
+    return m.head_dim_at(kind), m.value_width_at(kind)
 
 
-def attention_widths(m: ModelShape, vendor: str = "nvidia") -> tuple[int, int]:
-    """(key, value) head widths full attention's kernel holds: the model's, or both at the wider one where the
-    kernel pads v (`values_padded`). MiMo-V2-Flash's sliding layers (sinks, a window of 128) always pad; they are
-    counted at the full layers' widths."""
-    qk, vd = model_widths(m)
+def attention_widths(m: ModelShape, vendor: str = "nvidia", kind: str = "full_attention") -> tuple[int, int]:
+    """(key, value) head widths a `kind` attention layer's kernel holds (the full layers' by default): the model's,
+    or both at the wider one where the kernel pads v (`values_padded`). MiMo-V2-Flash's sliding layers (sinks, a
+    window of 128) always pad; they are counted at the full layers' widths."""
+    qk, vd = model_widths(m, kind)
     if vd != qk and values_padded(vendor):
-        return (attention_width(m),) * 2
+        return (max(qk, vd),) * 2
     return qk, vd
 
 
@@ -1265,7 +1301,7 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     if cp > 1:
         bw = group_bw(hw, cp, tp, node)
         kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else compressed_cp_row(m, s)
-                  if m.compressed is not None else 2 * m.mean_kv_heads * m.head_dim / tp)
+                  if m.compressed is not None else 2 * mean_kv_width(m) / tp)
         cp_bytes = passes["attention"] * s * (cp - 1) * kv_tok * BF16
         if m.dsa is not None:  # and the index keys, gathered in each forward pass (no gradient)
             cp_bytes += (n["attention"] + again["attention"]) * s * (cp - 1) * m.dsa.index_head_dim * BF16
@@ -1391,10 +1427,10 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
                      (a.kv_lora_rank, m.num_heads * (a.qk_nope_head_dim + a.v_head_dim)),
                      (m.num_heads * a.v_head_dim, h)]
     else:
-        heads, kv_heads = m.heads_at(kind), m.kv_heads_at(kind)
-        q_out = heads * m.head_dim * (2 if m.attn_output_gate else 1)
-        mixer = [(h, q_out), (h, kv_heads * m.head_dim), (h, kv_heads * m.value_width),
-                 (heads * m.value_width, h)] + ([(h, heads)] if m.head_gate else [])
+        heads, kv_heads, hd, vw = m.heads_at(kind), m.kv_heads_at(kind), m.head_dim_at(kind), m.value_width_at(kind)
+        q_out = heads * hd * (2 if m.attn_output_gate else 1)
+        v = [] if m.keys_as_values and kind == "full_attention" else [(h, kv_heads * vw)]  # Gemma 4's: v is k
+        mixer = [(h, q_out), (h, kv_heads * hd)] + v + [(heads * vw, h)] + ([(h, heads)] if m.head_gate else [])
     if not moe:
         return mixer + [(h, m.dense_ffn), (h, m.dense_ffn), (m.dense_ffn, h)]
     shared = [(h, m.shared_expert_ffn)] * 2 + [(m.shared_expert_ffn, h)] if m.shared_expert_ffn else []
@@ -1404,7 +1440,8 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
 def sink_merge_row_bytes(m: ModelShape, kind: str) -> int:
     """Bytes a token's sink merge moves in one pass of a layer of `kind`: SINK_MERGE_BYTES a value of the output of a
     full-attention layer with sinks (a sliding layer's merge is in its window fit), else none."""
-    return SINK_MERGE_BYTES * m.heads_at(kind) * m.head_dim if kind == "full_attention" and m.sinks_at(kind) else 0
+    return (SINK_MERGE_BYTES * m.heads_at(kind) * m.head_dim_at(kind) if kind == "full_attention" and m.sinks_at(kind)
+            else 0)
 
 
 def dense_row_bytes(m: ModelShape, kind: str, moe: bool) -> int:
@@ -1455,7 +1492,7 @@ def layer_work(m: ModelShape, seq: float) -> list[dict[str, float]]:
             if kind == "compressed_sparse_attention":
                 w["indexer"] = index_pair_flops(m) * compressed_entries(m.compressed.csa_rate, seq)
         else:
-            qk = model_widths(m)
+            qk = model_widths(m, kind)
             w["dense_gemm"] += 2 * _full_attention_params(m, kind)
             ctx = {"full_attention": full_ctx, "chunked_attention": chunk_keys(m, seq)}.get(kind, slide_ctx)
             if m.dsa is not None:  # absorbed, on the selected keys; the indexer's scores

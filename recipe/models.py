@@ -278,6 +278,11 @@ QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 def trainable(shape: "ModelShape") -> str | None:
     """None when the training core can build `shape`; otherwise the one line saying why (the solver still plans
     it): `recipe launch` checks it before any worker starts, `recipe models` shows it."""
+    if shape.hf_model_type == "gemma4_text" or shape.sliding_head_dim is not None or shape.keys_as_values \
+            or shape.dense_beside_experts:
+        return (f"{shape.name}: Gemma 4's blocks (full layers at their own head width with keys as values, a dense "
+                f"MLP beside the experts, GeGLU, soft-capped logits) are planned by `recipe solve` but not trained by "
+                f"this core")
     if shape.arch not in TRAINED_ARCHS:
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model, "
@@ -443,6 +448,14 @@ class ModelShape(Record):
     head_gate: bool = False
     head_gate_activation: Literal["sigmoid", "softplus"] = "sigmoid"  # the gate's (Laguna's: softplus)
     query_pre_attn_scalar: float | None = None
+    # Gemma 4's attention and FFN: the sliding layers' own head width (None: head_dim, the full layers'); the full
+    # layers' values are their keys' projection (no value projection, `attention_k_eq_v`); each MoE layer runs its
+    # dense MLP beside the experts (planned as the shared expert, `shared_expert_ffn` wide), the two sides' inputs
+    # and outputs normed apart (three RMSNorms a layer more than the sandwich's four), the router's input scaled per
+    # channel and its weights per expert
+    sliding_head_dim: int | None = None
+    keys_as_values: bool = False
+    dense_beside_experts: bool = False
     # Step-3.7's clamped SwiGLU, by layer (0: none): min(silu(gate), L) · clamp(up, -L, L), L the routed experts'
     # bound (`swiglu_limits`) or the shared expert's and dense MLP's (`swiglu_limits_shared`); () : no layer clamps
     swiglu_limits: tuple[float, ...] = ()
@@ -508,6 +521,10 @@ class ModelShape(Record):
             if heads % kv:
                 raise ValueError(f"the sliding layers' {heads} attention heads are not a multiple of their {kv} KV "
                                  f"heads")
+        if self.sliding_head_dim is not None:
+            _positive(self, ("sliding_head_dim",))
+        if self.dense_beside_experts and not self.shared_expert_ffn:
+            raise ValueError("dense_beside_experts needs the dense MLP's width as shared_expert_ffn")
         if self.sliding_rotary_factor is not None and not 0 < self.sliding_rotary_factor <= 1:
             raise ValueError(f"sliding_rotary_factor must be in (0, 1], got {self.sliding_rotary_factor}")
         for name in ("swiglu_limits", "swiglu_limits_shared"):
@@ -580,6 +597,15 @@ class ModelShape(Record):
     def heads_at(self, kind: str) -> int:
         """The query heads of a `kind` attention layer."""
         return self.sliding_heads if kind == "sliding_attention" and self.sliding_heads else self.num_heads
+
+    def head_dim_at(self, kind: str) -> int:
+        """The q·k head width of a `kind` attention layer (outside MLA)."""
+        return self.sliding_head_dim if kind == "sliding_attention" and self.sliding_head_dim else self.head_dim
+
+    def value_width_at(self, kind: str) -> int:
+        """A value head's channels in a `kind` attention layer (outside MLA): v_head_dim where set, else the
+        layer's head width."""
+        return self.v_head_dim or self.head_dim_at(kind)
 
     def rotary_factor_at(self, kind: str) -> float:
         """The share of a `kind` attention layer's head channels RoPE rotates."""
@@ -722,7 +748,8 @@ class ModelShape(Record):
         unset = {k for k in ("sigmoid_router", "softmax_router", "rope_scaling", "pad_token_id", "attention_chunk",
                              "llama4", "hf_model_type", "granite", "clip_qkv", "dsa", "sliding_kv_heads",
                              "sliding_rope_theta", "v_head_dim", "compressed", "sliding_heads",
-                             "sliding_rotary_factor", "query_pre_attn_scalar", "query_scale_period")
+                             "sliding_rotary_factor", "query_pre_attn_scalar", "query_scale_period",
+                             "sliding_head_dim")
                  if getattr(self, k) is None}
         unset |= {k for k, default in (("moe_layer_step", 1), ("sinks", "none"), ("value_scale", 1.0),
                                        ("nope_full_layers", False), ("norm_placement", "pre"),
@@ -731,7 +758,8 @@ class ModelShape(Record):
                                        ("rotated_prefix", False), ("head_gate", False), ("swiglu_limits", ()),
                                        ("swiglu_limits_shared", ()), ("offset_norms", False),
                                        ("sliding_rope_plain", False), ("query_scale_beta", 0.0),
-                                       ("moe_output_norm", False), ("head_gate_activation", "sigmoid"))
+                                       ("moe_output_norm", False), ("head_gate_activation", "sigmoid"),
+                                       ("keys_as_values", False), ("dense_beside_experts", False))
                   if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
@@ -923,6 +951,19 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
                                      beta_slow=1.0, attention_factor=1.2772588722239782),
             sliding_rope_plain=True, max_position=131072, hf_model_type="mellum",
             source="JetBrains/Mellum2-12B-A2.5B-Base config.json"),
+    # Gemma 4 26B-A4B (25.23B, 3.8B active): five sliding layers (16 heads of 256 over 1,024 keys, 8 KV heads) to one
+    # full layer (16 heads of 512, 2 KV heads whose values are their keys), a dense MLP beside 128 experts (top 8) on
+    # every layer, norms before and after each sublayer, tied embeddings; planned, not trained
+    "gemma4-26b-a4b": lambda: ModelShape(
+            name="gemma4-26b-a4b", arch="moe", hidden_size=2816, num_layers=30, vocab_size=262144,
+            layer_types=tuple("full_attention" if i % 6 == 5 else "sliding_attention" for i in range(30)),
+            num_heads=16, num_kv_heads=2, sliding_kv_heads=8, head_dim=512, sliding_head_dim=256,
+            keys_as_values=True, sliding_window=1024, query_pre_attn_scalar=1.0, num_experts=128, top_k=8,
+            expert_ffn=704, shared_expert_ffn=2112, dense_beside_experts=True, norm_topk_prob=True,
+            partial_rotary_factor=0.25, rope_theta=1000000.0, sliding_rope_theta=10000.0, sliding_rotary_factor=1.0,
+            norm_placement="sandwich", embedding_scale=2816 ** 0.5, tie_embeddings=True, max_position=262144,
+            pad_token_id=0,
+            hf_model_type="gemma4_text", source="google/gemma-4-26B-A4B-it config.json (text_config)"),
     # A.X K1 (518.98B, 31.6B active): DeepSeek-V3's blocks with an RMSNorm on each MoE block's output
     "ax-k1": lambda: ModelShape(
             name="ax-k1", arch="deepseek_v3", hidden_size=7168, num_layers=61, vocab_size=163840,
@@ -1061,18 +1102,17 @@ def _full_attention_params(m: ModelShape, kind: str = "full_attention") -> int:
               + a.kv_lora_rank * m.num_heads * (a.qk_nope_head_dim + a.v_head_dim))
         o = m.num_heads * a.v_head_dim * h
         return q + kv + o + indexer_params(m)
-    heads = m.heads_at(kind)
+    heads, hd, vw = m.heads_at(kind), m.head_dim_at(kind), m.value_width_at(kind)
     # the query projection's outputs (with Qwen3.5's output gate a gate channel per query channel), and Step-3.7's
     # gate per head (its own projection, without a bias)
-    q_out = heads * m.head_dim * (2 if m.attn_output_gate else 1)
+    q_out = heads * hd * (2 if m.attn_output_gate else 1)
     gate = heads if m.head_gate else 0
     kv_heads = m.kv_heads_at(kind)
-    kv_out = kv_heads * (m.head_dim + m.value_width)
-    o = heads * m.value_width * h
+    kv_out = kv_heads * (hd + (0 if m.keys_as_values and kind == "full_attention" else vw))
+    o = heads * vw * h
     # q/k/v biases, and o_proj's where the arch has one (launch/model.py: Attention)
     bias = (q_out + kv_out + (0 if m.arch in QKV_ONLY_BIAS_ARCHS else h)) if m.attn_bias else 0
-    norms = (kv_heads * m.head_dim + heads * m.head_dim if m.arch in WHOLE_QK_NORM_ARCHS
-             else 2 * m.head_dim) if m.qk_norm else 0
+    norms = (kv_heads * hd + heads * hd if m.arch in WHOLE_QK_NORM_ARCHS else 2 * hd) if m.qk_norm else 0
     sinks = heads if m.sinks_at(kind) else 0  # per-head attention sinks
     return h * (q_out + gate + kv_out) + o + bias + norms + sinks
 
@@ -1196,6 +1236,8 @@ def _param_counts(m: ModelShape) -> tuple[tuple[str, int], ...]:
     counts["norms"] = m.num_layers * norms * h + h + hyper_connection_params(m)
     if m.moe_output_norm:  # A.X K1's, on each MoE layer
         counts["norms"] += h * sum(1 for i in range(m.num_layers) if not m.is_dense_layer(i))
+    if m.dense_beside_experts:  # Gemma 4's: the experts' input norm, both sides' output norms, the router's scales
+        counts["norms"] += (3 * h + h + m.num_experts) * moe_layers
     return tuple(counts.items())
 
 
@@ -1263,7 +1305,7 @@ _ARCH_BY_MODEL_TYPE = {
     "llama4": "llama4",
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoe_swa": "granitemoe",
-    "hunyuan_v1_moe": "hunyuan_moe",
+    "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
@@ -1281,9 +1323,6 @@ _UNPLANNED_TYPES = {
     "youtu": "multi-head latent attention in a dense model",
     "hy_v4": "hyper-connections (iHC) beside sparse MLA",
     # a wrapper's model_type and its text model's
-    **dict.fromkeys(("gemma4", "gemma4_text"), "Gemma 4's blocks (a dense MLP beside the experts, full-attention "
-                    "layers of their own head width whose values are their keys, per-layer input embeddings, a "
-                    "soft-capped LM head)"),
     **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"),
                     "hyper-connections, hashed n-gram layer embeddings and QSA sparse attention"),
     **dict.fromkeys(("glm5_next", "glm5_next_text"),
@@ -1346,6 +1385,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         model_type, cfg = "step3p5", _step_config(cfg, bad)
     if model_type == "kimi_linear":  # Kimi-Linear, its hub form (linear_attn_config) or transformers'
         cfg = _kimi_config(cfg, bad)
+    if model_type in ("gemma4", "gemma4_text"):  # Gemma 4's MoE text model, with transformers' defaults
+        model_type, cfg = "gemma4_text", _gemma4_config(cfg, bad)
 
     def need(key: str, *alts: str):
         for k in (key, *alts):
@@ -1603,6 +1644,8 @@ def _from_hf_config(path: Path) -> ModelShape:
                           ("residual", "residual_multiplier"), ("logits", "logits_scaling"))})
         if model_type == "granitemoe_swa":
             _granite_swa(cfg, fields, n_layers, number, count, bad)
+    elif arch == "moe" and model_type == "gemma4_text":
+        _gemma4(cfg, fields, rope_by_type, opt, opt_flag, number, count)
     elif arch == "moe":
         _generic_moe(cfg, fields, n_layers, req, opt, opt_flag, bad)
     if model_type == "mellum":
@@ -2187,6 +2230,92 @@ def _laguna(cfg: dict, fields: dict, rope_by_type: dict | None, opt, number, cou
         rope_by_type = {"sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}}
     sliding = (rope_by_type or {}).get("sliding_attention") or {}
     if sliding_layers and sliding:  # transformers rotates a kind's whole heads where its entry gives no share
+        _sliding_rope(fields, sliding, number, share_default=1.0)
+
+
+def _gemma4_config(cfg: dict, bad) -> dict:
+    """Gemma 4's text config (its `gemma4` wrapper's `text_config`) in the reader's terms, transformers' defaults
+    where it leaves a field out: the MoE block required (`enable_moe_block`; per-layer input embeddings, which
+    transformers builds where `hidden_size_per_layer_input` is absent, and shared-KV layers are not planned, nor
+    bidirectional attention), `top_k_experts` as the
+    experts a token takes, layer types five sliding to one full with the last forced full, RoPE by layer type (the
+    full layers' "proportional" RoPE at factor 1 is plain RoPE on their rotated share, and reads as it)."""
+    if cfg.get("enable_moe_block") is not True:
+        raise bad("enable_moe_block", "true (Gemma 4 without its experts, a dense model with per-layer input "
+                  "embeddings, is not planned)", cfg.get("enable_moe_block"))
+    for key, default in (("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 0)):  # transformers'
+        if cfg.get(key, default):
+            raise bad(key, "0 or null (per-layer input embeddings and layers sharing another's keys and values are "
+                      "not planned)", cfg.get(key, default))
+    if cfg.get("use_bidirectional_attention") == "all":
+        raise bad("use_bidirectional_attention", '"vision" or null (a causal text model)',
+                  cfg["use_bidirectional_attention"])
+    out = {"head_dim": 256, "sliding_window": 512, "attention_k_eq_v": False, "tie_word_embeddings": True,
+           "pad_token_id": 0, **cfg}
+    if cfg.get("top_k_experts") is not None:
+        out["num_experts_per_tok"] = cfg["top_k_experts"]
+    n = cfg.get("num_hidden_layers")
+    if not cfg.get("layer_types") and isinstance(n, int) and 0 < n <= 100_000:
+        out["layer_types"] = ["sliding_attention" if (i + 1) % 6 else "full_attention" for i in range(n)]
+    if isinstance(out.get("layer_types"), list) and out["layer_types"]:  # transformers forces the last layer full
+        out["layer_types"] = [*out["layer_types"][:-1], "full_attention"]
+    # the full layers' head width and KV heads: `global_head_dim` (512) and, with keys as values,
+    # `num_global_key_value_heads`; or, as transformers saves them, `per_layer_config` (layer → its overrides)
+    per_layer = cfg.get("per_layer_config")
+    if per_layer is not None:
+        types = out.get("layer_types") or []
+        if not isinstance(per_layer, dict) or not all(isinstance(v, dict) for v in per_layer.values()):
+            raise bad("per_layer_config", "an object of layer overrides", per_layer)
+        try:
+            kinds = {types[int(i)]: None for i in per_layer}
+        except (ValueError, IndexError, TypeError):
+            raise bad("per_layer_config", f"layer indices below {len(types)}", sorted(per_layer)) from None
+        overrides = {(v.get("head_dim"), v.get("num_key_value_heads")) for v in per_layer.values()}
+        full = [i for i, t in enumerate(types) if t == "full_attention"]
+        if set(kinds) != {"full_attention"} or len(overrides) != 1 or sorted(int(i) for i in per_layer) != full:
+            raise bad("per_layer_config", "one override for every full-attention layer and none other (per-layer "
+                      "head widths otherwise are not planned)", per_layer)
+        out["_full_head_dim"], out["_full_kv_heads"] = next(iter(overrides))
+    else:
+        out["_full_head_dim"] = cfg.get("global_head_dim", 512)
+        out["_full_kv_heads"] = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v", True) else None
+    rope = cfg.get("rope_parameters")
+    if rope is None:
+        rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+                "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
+                                   "rope_theta": 1_000_000.0}}
+    if isinstance(rope, dict):
+        rope = {k: ({**v, "rope_type": "default"} if isinstance(v, dict) and v.get("rope_type") == "proportional"
+                    and v.get("factor", 1.0) == 1.0 else v) for k, v in rope.items()}
+    return {**out, "rope_parameters": rope}
+
+
+def _gemma4(cfg: dict, fields: dict, rope_by_type: dict | None, opt, opt_flag, number, count) -> None:
+    """Google's Gemma 4 MoE text model (transformers' Gemma4TextConfig with `enable_moe_block`; `_gemma4_config`
+    gives its defaults): the full layers at `global_head_dim` (512) with their own KV heads
+    (`num_global_key_value_heads` where `attention_k_eq_v`) whose values are their keys' projection; the sliding
+    layers at `head_dim` with `num_key_value_heads`; each layer's dense MLP (`intermediate_size`) beside its experts
+    (planned as a shared expert of that width); norms before and after each sublayer, q and k normed, an unscaled
+    softmax (scale 1), the embedding scaled by √hidden_size, tied to the head. Planned, not trained: its GeGLU
+    activations, the soft-capped logits and the per-layer scalar change no count the plan makes."""
+    sliding_dim = fields["head_dim"]
+    full_dim = 512 if cfg["_full_head_dim"] is None else count(cfg["_full_head_dim"], "global_head_dim")
+    k_eq_v = opt_flag("attention_k_eq_v", False)
+    kv = fields["num_kv_heads"]
+    full_kv = kv if cfg["_full_kv_heads"] is None else count(cfg["_full_kv_heads"], "num_global_key_value_heads")
+    fields.update(head_dim=full_dim, num_kv_heads=full_kv, keys_as_values=k_eq_v,
+                  shared_expert_ffn=count(cfg["intermediate_size"], "intermediate_size")
+                  if cfg.get("intermediate_size") is not None else 2112,
+                  dense_beside_experts=True, norm_placement="sandwich", qk_norm=True,
+                  attn_bias=opt_flag("attention_bias", False), norm_topk_prob=True,
+                  embedding_scale=math.sqrt(fields["hidden_size"]), query_pre_attn_scalar=1.0,
+                  hf_model_type="gemma4_text")
+    if sliding_dim != full_dim:
+        fields["sliding_head_dim"] = sliding_dim
+    if full_kv != kv:
+        fields["sliding_kv_heads"] = kv
+    sliding = (rope_by_type or {}).get("sliding_attention") or {}
+    if sliding:  # transformers rotates a kind's whole heads where its entry gives no share
         _sliding_rope(fields, sliding, number, share_default=1.0)
 
 

@@ -376,6 +376,7 @@ PUBLISHED = {
     "granite-3.0-1b-a400m": ("1.3", "0.4", "-head", "IBM Granite 3.0 report (1.3B total, 400M active)"),
     "gpt-oss-120b": ("116.83", "5.13", "ours", "OpenAI gpt-oss model card, table 1 (116.83B total, 5.13B active)"),
     "gpt-oss-20b": ("20.91", "3.61", "ours", "OpenAI gpt-oss model card, table 1 (20.91B total, 3.61B active)"),
+    "gemma-4-26b-a4b": ("25.2", "3.8", "ours", "google/gemma-4-26B-A4B-it model card (25.2B total, 3.8B active)"),
     "llama-3-8b": ("8.03", None, None, "meta-llama/Meta-Llama-3-8B on Hugging Face (8.03B params)"),
     "llama-3.1-70b": ("70.6", None, None, "meta-llama/Llama-3.1-70B on Hugging Face (70.6B params)"),
     "qwen3-8b": ("8.2", None, None, "Qwen/Qwen3-8B model card (8.2B; 6.95B non-embedding)"),
@@ -1191,8 +1192,6 @@ def test_mistral_slides_every_layer_unless_its_window_is_null(tmp_path):
     (dict(model_type="longcat_flash"), "model_type 'longcat_flash' has zero-computation experts"),
     (dict(model_type="lfm2_moe"), "model_type 'lfm2_moe' has short-convolution layers"),
     (dict(model_type="arcee"), "model_type 'arcee' has an MLP without a gate"),
-    (dict(model_type="gemma4_text", enable_moe_block=True, top_k_experts=2),
-     "model_type 'gemma4_text' has Gemma 4's blocks (a dense MLP beside the experts"),
     (dict(model_type="qwen4_exp_text"), "model_type 'qwen4_exp_text' has hyper-connections, hashed n-gram"),
     (dict(model_type="glm5_next_text"), "model_type 'glm5_next_text' has hyper-connections (mHC)"),
     (dict(model_type="hy_v4"), "model_type 'hy_v4' has hyper-connections (iHC)")])
@@ -1366,3 +1365,63 @@ def test_laguna_reads_as_transformers_builds_it(tmp_path):
         assert "not trained" in trainable(from_hf_config(_write(tmp_path, f"variant{i}", _LAGUNA | extra))), extra
     with pytest.raises(ValueError, match="moe_apply_router_weight_on_input"):
         from_hf_config(_write(tmp_path, "on_input", _LAGUNA | {"moe_apply_router_weight_on_input": True}))
+
+
+def test_gemma4_reads_as_transformers_builds_it(tmp_path):
+    """Gemma 4 26B-A4B's release config (a `gemma4` wrapper's text_config), the bare text config and transformers'
+    Gemma4TextConfig as saved read alike, as the preset: five sliding layers of 256-wide heads (8 KV heads, 1,024
+    keys, RoPE at 1e4 on whole heads) to one full layer of 512-wide heads (2 KV heads whose values are their keys,
+    RoPE at 1e6 on a quarter), the dense MLP beside the experts as a shared expert of its width. Its parameters equal
+    transformers' (25.23B on the meta device), and so do a small config's without keys as values and with
+    transformers' default layer types (the last forced full). The core does not train it (one line)."""
+    import transformers
+
+    release = json.loads((FIXTURES / "gemma-4-26b-a4b.json").read_text())
+    text = release["text_config"]
+    ours = from_hf_config(_write(tmp_path, "release", release))
+    bare = from_hf_config(_write(tmp_path, "bare", text))
+    cfg = transformers.Gemma4TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    cfg.save_pretrained(tmp_path / "saved")
+    saved = from_hf_config(tmp_path / "saved" / "config.json")
+    same = lambda m: dataclasses.replace(m, name="x", source="")  # noqa: E731
+    assert same(ours) == same(bare) == same(saved) == same(PRESETS["gemma4-26b-a4b"])
+    full, sliding = cfg.per_layer_config[5], cfg.per_layer_config[0]
+    assert (ours.head_dim, ours.num_kv_heads, ours.sliding_head_dim, ours.sliding_kv_heads) == (
+        full.head_dim, full.num_key_value_heads, sliding.head_dim, sliding.num_key_value_heads) == (512, 2, 256, 8)
+    assert list(ours.layer_types) == cfg.layer_types and ours.sliding_window == cfg.sliding_window == 1024
+    assert (ours.partial_rotary_factor, ours.sliding_rotary_factor, ours.rope_theta, ours.sliding_rope_theta) == (
+        0.25, 1.0, 1e6, 1e4)
+    assert total_params(ours) == _meta_params(transformers.Gemma4ForCausalLM, cfg) == 25_233_141_760
+    assert abs(active_params(ours) / 1e9 - 3.8) < 0.05
+    assert "Gemma 4's blocks" in trainable(ours) and "not trained" in trainable(ours)
+    # a small one: values projected on the full layers, transformers' default layer types (5 sliding : 1 full,
+    # the last forced full), its default head widths and RoPE
+    small = dict(model_type="gemma4_text", hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
+                 num_key_value_heads=2, intermediate_size=96, vocab_size=128, enable_moe_block=True, num_experts=8,
+                 top_k_experts=2, moe_intermediate_size=32, global_head_dim=32, head_dim=16,
+                 hidden_size_per_layer_input=0)
+    mine = from_hf_config(_write(tmp_path, "small", small))
+    theirs = transformers.Gemma4TextConfig(**{k: v for k, v in small.items() if k != "model_type"})
+    assert list(mine.layer_types) == theirs.layer_types and theirs.layer_types[-1] == "full_attention"
+    assert not mine.keys_as_values and mine.sliding_kv_heads is None
+    assert total_params(mine) == _meta_params(transformers.Gemma4ForCausalLM, theirs)
+
+
+@pytest.mark.parametrize("change, says", [
+    (dict(enable_moe_block=False), "field 'enable_moe_block': expected true (Gemma 4 without its experts"),
+    (dict(hidden_size_per_layer_input=256), "field 'hidden_size_per_layer_input': expected 0 or null (per-layer"),
+    ({"hidden_size_per_layer_input": None}, None),  # null: none, as transformers reads it
+    (dict(num_kv_shared_layers=4), "field 'num_kv_shared_layers': expected 0 or null"),
+    (dict(use_bidirectional_attention="all"), "field 'use_bidirectional_attention': expected \"vision\" or null")])
+def test_gemma4_variants_not_planned_are_refused_in_one_line(tmp_path, change, says):
+    text = json.loads((FIXTURES / "gemma-4-26b-a4b.json").read_text())["text_config"] | change
+    if says is None:
+        assert from_hf_config(_write(tmp_path, "g", text)).dense_beside_experts
+        return
+    with pytest.raises(ValueError) as e:
+        from_hf_config(_write(tmp_path, "g", text))
+    assert says in str(e.value) and "\n" not in str(e.value)
+    # a field left out reads as transformers' default: per-layer input embeddings of 256
+    absent = {k: v for k, v in text.items() if k != "hidden_size_per_layer_input"} | {"enable_moe_block": True}
+    with pytest.raises(ValueError, match="hidden_size_per_layer_input': expected 0 or null"):
+        from_hf_config(_write(tmp_path, "absent", absent))
