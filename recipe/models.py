@@ -1645,7 +1645,7 @@ def _from_hf_config(path: Path) -> ModelShape:
         if model_type == "granitemoe_swa":
             _granite_swa(cfg, fields, n_layers, number, count, bad)
     elif arch == "moe" and model_type == "gemma4_text":
-        _gemma4(cfg, fields, rope_by_type, opt, opt_flag, number, count)
+        _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
     elif arch == "moe":
         _generic_moe(cfg, fields, n_layers, req, opt, opt_flag, bad)
     if model_type == "mellum":
@@ -2237,9 +2237,10 @@ def _gemma4_config(cfg: dict, bad) -> dict:
     """Gemma 4's text config (its `gemma4` wrapper's `text_config`) in the reader's terms, transformers' defaults
     where it leaves a field out: the MoE block required (`enable_moe_block`; per-layer input embeddings, which
     transformers builds where `hidden_size_per_layer_input` is absent, and shared-KV layers are not planned, nor
-    bidirectional attention), `top_k_experts` as the
-    experts a token takes, layer types five sliding to one full with the last forced full, RoPE by layer type (the
-    full layers' "proportional" RoPE at factor 1 is plain RoPE on their rotated share, and reads as it)."""
+    bidirectional attention), `top_k_experts` as the experts a token takes, layer types five sliding to one full
+    with the last forced full, RoPE by layer type (the full layers' "proportional" RoPE at factor 1 is plain RoPE on
+    their rotated share, and reads as it). The full layers' head width and KV heads go to `_gemma4` as
+    `_full_head_dim` and `_full_kv_heads`."""
     if cfg.get("enable_moe_block") is not True:
         raise bad("enable_moe_block", "true (Gemma 4 without its experts, a dense model with per-layer input "
                   "embeddings, is not planned)", cfg.get("enable_moe_block"))
@@ -2275,10 +2276,11 @@ def _gemma4_config(cfg: dict, bad) -> dict:
         if set(kinds) != {"full_attention"} or len(overrides) != 1 or sorted(int(i) for i in per_layer) != full:
             raise bad("per_layer_config", "one override for every full-attention layer and none other (per-layer "
                       "head widths otherwise are not planned)", per_layer)
-        out["_full_head_dim"], out["_full_kv_heads"] = next(iter(overrides))
+        width, out["_full_kv_heads"] = next(iter(overrides))
+        out["_full_head_dim"] = out["head_dim"] if width is None else width  # an override of the KV heads alone
     else:
-        out["_full_head_dim"] = cfg.get("global_head_dim", 512)
-        out["_full_kv_heads"] = cfg.get("num_global_key_value_heads") if cfg.get("attention_k_eq_v", True) else None
+        out["_full_head_dim"] = 512 if cfg.get("global_head_dim") is None else cfg["global_head_dim"]
+        out["_full_kv_heads"] = cfg.get("num_global_key_value_heads") if out["attention_k_eq_v"] else None
     rope = cfg.get("rope_parameters")
     if rope is None:
         rope = {"sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
@@ -2290,7 +2292,7 @@ def _gemma4_config(cfg: dict, bad) -> dict:
     return {**out, "rope_parameters": rope}
 
 
-def _gemma4(cfg: dict, fields: dict, rope_by_type: dict | None, opt, opt_flag, number, count) -> None:
+def _gemma4(cfg: dict, fields: dict, rope_by_type: dict | None, opt_flag, number, count) -> None:
     """Google's Gemma 4 MoE text model (transformers' Gemma4TextConfig with `enable_moe_block`; `_gemma4_config`
     gives its defaults): the full layers at `global_head_dim` (512) with their own KV heads
     (`num_global_key_value_heads` where `attention_k_eq_v`) whose values are their keys' projection; the sliding
@@ -2299,13 +2301,13 @@ def _gemma4(cfg: dict, fields: dict, rope_by_type: dict | None, opt, opt_flag, n
     softmax (scale 1), the embedding scaled by √hidden_size, tied to the head. Planned, not trained: its GeGLU
     activations, the soft-capped logits and the per-layer scalar change no count the plan makes."""
     sliding_dim = fields["head_dim"]
-    full_dim = 512 if cfg["_full_head_dim"] is None else count(cfg["_full_head_dim"], "global_head_dim")
+    full_dim = count(cfg["_full_head_dim"], "global_head_dim")
     k_eq_v = opt_flag("attention_k_eq_v", False)
     kv = fields["num_kv_heads"]
     full_kv = kv if cfg["_full_kv_heads"] is None else count(cfg["_full_kv_heads"], "num_global_key_value_heads")
     fields.update(head_dim=full_dim, num_kv_heads=full_kv, keys_as_values=k_eq_v,
                   shared_expert_ffn=count(cfg["intermediate_size"], "intermediate_size")
-                  if cfg.get("intermediate_size") is not None else 2112,
+                  if cfg.get("intermediate_size") is not None else 9216,
                   dense_beside_experts=True, norm_placement="sandwich", qk_norm=True,
                   attn_bias=opt_flag("attention_bias", False), norm_topk_prob=True,
                   embedding_scale=math.sqrt(fields["hidden_size"]), query_pre_attn_scalar=1.0,

@@ -1405,6 +1405,17 @@ def test_gemma4_reads_as_transformers_builds_it(tmp_path):
     assert list(mine.layer_types) == theirs.layer_types and theirs.layer_types[-1] == "full_attention"
     assert not mine.keys_as_values and mine.sliding_kv_heads is None
     assert total_params(mine) == _meta_params(transformers.Gemma4ForCausalLM, theirs)
+    # overrides by layer as transformers saves them: one of the KV heads alone keeps the base head width
+    types = ["sliding_attention"] * 5 + ["full_attention"]
+    by_layer = {k: v for k, v in small.items() if k != "global_head_dim"} | {
+        "num_hidden_layers": 6, "layer_types": types, "attention_k_eq_v": True,
+        "per_layer_config": {"5": {"num_key_value_heads": 1}}}
+    mine = from_hf_config(_write(tmp_path, "by_layer", by_layer))
+    theirs = transformers.Gemma4TextConfig(**{k: v for k, v in by_layer.items() if k != "model_type"})
+    assert (mine.head_dim, mine.sliding_head_dim, mine.num_kv_heads, mine.sliding_kv_heads) == (16, None, 1, 2)
+    assert total_params(mine) == _meta_params(transformers.Gemma4ForCausalLM, theirs)
+    with pytest.raises(ValueError, match="per_layer_config': expected one override for every full-attention layer"):
+        from_hf_config(_write(tmp_path, "uneven", by_layer | {"per_layer_config": {"0": {"head_dim": 32}}}))
 
 
 @pytest.mark.parametrize("change, says", [
