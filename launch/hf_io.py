@@ -655,14 +655,10 @@ def hf_config(shape: ModelShape) -> dict:
         if shape.hf_model_type == "dots1":  # dots.llm1: GLM-4.5's blocks, per-head q/k norms, full RoPE
             cfg.update(model_type="dots1", architectures=["Dots1ForCausalLM"], layer_types=list(shape.layer_types))
         elif shape.hf_model_type == "mimo_v2_flash":  # MiMo-V2-Flash: its attention's fields and RoPE by layer type
-            main = {"rope_type": "default", "rope_theta": shape.rope_theta,
-                    "partial_rotary_factor": shape.partial_rotary_factor}
             cfg.update(model_type="mimo_v2_flash", architectures=["MiMoV2FlashForCausalLM"],
                        v_head_dim=shape.value_width, attention_value_scale=shape.value_scale,
                        sliding_window=shape.sliding_window, layer_types=list(shape.layer_types),
-                       mlp_layer_types=_mlp_layer_types(shape),
-                       rope_parameters={"full_attention": main, "sliding_attention": {
-                           **main, "rope_theta": shape.rope_theta_at("sliding_attention")}})
+                       mlp_layer_types=_mlp_layer_types(shape), rope_parameters=_rope_by_layer_type(shape))
             for k in ("first_k_dense_replace", "n_shared_experts", "num_mtp_layers"):
                 cfg.pop(k)
         elif shape.hf_model_type == "hy_v3":  # Hunyuan-V3: its own names for the shared experts' count and scaling
@@ -857,8 +853,8 @@ def _kimi_linear_config(shape: ModelShape, cfg: dict) -> dict:
 
 
 def _rope_by_layer_type(shape: ModelShape) -> dict:
-    """`rope_parameters` by layer type (Step-3.7's, Laguna's, Mellum's): the full layers' (with the scaling) and
-    the sliding layers' base and rotated share, without the scaling where they rotate plain."""
+    """`rope_parameters` by layer type (Step-3.7's, Laguna's, Mellum's, MiMo-V2-Flash's): the full layers' (with the
+    scaling) and the sliding layers' base and rotated share, without the scaling where they rotate plain."""
     full = _rope_parameters(shape)
     return {"full_attention": full, "sliding_attention": {
         **({"rope_type": "default"} if shape.sliding_rope_plain else full),
