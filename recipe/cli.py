@@ -307,7 +307,7 @@ def solve(
     if to_stdout:
         sys.stdout.write(text)
         _note_cheaper_count(m, prof, sol, inputs)
-        _warn_assumed(prof)
+        _warn_assumed(prof, m)
         return
     if output is not None:  # written before anything is printed: a closed stdout cannot cost the plan
         write_atomic(output, text, inputs=_input_files(model, hw))
@@ -322,7 +322,7 @@ def solve(
     if output is not None:
         sys.stdout.write(f"wrote {output}\n")
     _note_cheaper_count(m, prof, sol, inputs)
-    _warn_assumed(prof)
+    _warn_assumed(prof, m)
 
 
 def _note_cheaper_count(m, prof, sol, inputs) -> None:
@@ -343,11 +343,12 @@ def _note_cheaper_count(m, prof, sol, inputs) -> None:
                      f"shorter step; without --gpus the count is chosen this way\n")
 
 
-def _warn_assumed(prof) -> None:
-    """One line on stderr when a predicted figure rests on assumed constants (no calibration grid)."""
+def _warn_assumed(prof, m=None) -> None:
+    """One line on stderr when a predicted figure rests on assumed constants (no calibration grid, or a model the
+    core does not train)."""
     from .margin import assumed_warning
 
-    warning = assumed_warning(prof)
+    warning = assumed_warning(prof, m)
     if warning:
         sys.stdout.flush()
         sys.stderr.write(warning + "\n")

@@ -3,7 +3,9 @@ back so that a plan launches even where the cost model is off.
 
 Each figure has a basis: `measured` when the hardware profile has a committed calibration grid
 (hw_profiles/calibration/<name>.json, recipe/calibration.py) and `assumed` otherwise, and an error band: the grid's
-worst relative error on a measured profile, ASSUMED_MEMORY_ERROR / ASSUMED_TIME_ERROR on an assumed one.
+worst relative error on a measured profile, ASSUMED_MEMORY_ERROR / ASSUMED_TIME_ERROR on an assumed one. A model the
+training core does not build (`models.trainable`: planned only) has no step of its own measured on any profile, so
+its figures are assumed everywhere.
 
 The margin is the memory a plan must leave free beyond its predicted peak (docs/solver.md, "Error bands and the
 memory margin", derives every term):
@@ -34,7 +36,7 @@ from functools import lru_cache
 from .cost import (BF16, FP32, GB, Estimate, Layout, TrainOptions, estimate, kept_layers, layer_params,
                    routed_row_bytes, stage_layers)
 from .hw import HwProfile
-from .models import ModelShape, param_counts
+from .models import ModelShape, param_counts, trainable
 
 # The error band of a profile without a calibration grid (AMD, B200, a user's own profile): half as much again as the
 # ±10% a measured grid must meet at most (the committed H200 grid is within it). Memory: the allocator (HIP's
@@ -82,21 +84,31 @@ class Margin:
         return self.total_gb - self.parts_gb["error"]
 
 
+ASSUMED = Bands({"memory": "assumed", "step_time": "assumed"},
+               {"memory": ASSUMED_MEMORY_ERROR, "step_time": ASSUMED_TIME_ERROR})
+
+
 @lru_cache(maxsize=64)
 def _bands(name: str) -> Bands:
     from . import calibration
 
     cal = calibration.load(name)
     if cal is None:
-        return Bands({"memory": "assumed", "step_time": "assumed"},
-                     {"memory": ASSUMED_MEMORY_ERROR, "step_time": ASSUMED_TIME_ERROR})
+        return ASSUMED
     return Bands({"memory": "measured", "step_time": "measured"},
                  {"memory": float(cal.memory_error), "step_time": float(cal.time_error)})
 
 
-def bands(hw: HwProfile) -> Bands:
-    """The basis and error band of each figure on this profile (its committed calibration, if any)."""
-    return _bands(hw.name)
+@lru_cache(maxsize=256)
+def planned_only(m: ModelShape) -> bool:
+    """Whether the training core does not build `m` (it is planned, never run, so never measured)."""
+    return trainable(m) is not None
+
+
+def bands(hw: HwProfile, m: ModelShape | None = None) -> Bands:
+    """The basis and error band of each figure on this profile (its committed calibration, if any), for model `m`:
+    assumed on every profile where the core does not train it."""
+    return ASSUMED if m is not None and planned_only(m) else _bands(hw.name)
 
 
 def routed_rows_bytes(m: ModelShape, s: float, etp: int = 1) -> float:
@@ -109,7 +121,7 @@ def routed_rows_bytes(m: ModelShape, s: float, etp: int = 1) -> float:
 def memory_margin(m: ModelShape, hw: HwProfile, world: int, layout: Layout, opts: TrainOptions,
                   est: Estimate) -> Margin:
     """The margin for `layout` (formulas in the module docstring), given its estimate."""
-    b = bands(hw)
+    b = bands(hw, m)
     pp, tp, cp, ep, etp = layout.pp, layout.tp, layout.cp, layout.ep, layout.etp
     dp, edp = layout.dp(world), layout.edp(world)
     e = b.error["memory"]
@@ -152,15 +164,20 @@ def margin_of(est: Estimate) -> Margin | None:
     return getattr(est, "margin", None)
 
 
-def assumed_warning(hw: HwProfile) -> str | None:
-    """The one line `recipe solve` prints when a figure rests on assumed constants (None when all are measured)."""
-    b = bands(hw)
+def assumed_warning(hw: HwProfile, m: ModelShape | None = None) -> str | None:
+    """The one line `recipe solve` prints when a figure rests on assumed constants (None when all are measured):
+    the profile has no calibration grid, or (on one that has) the core does not train model `m`."""
+    b = bands(hw, m)
     if not b.assumed:
         return None
+    band = (f"error band ±{100 * b.error['memory']:.0f}% memory, ±{100 * b.error['step_time']:.0f}% step time; the "
+            f"margin holds the memory band back")
+    if not _bands(hw.name).assumed:
+        return (f"warning: {m.name} is planned, not trained by this core, so no step of it has been measured: its "
+                f"predictions on {hw.name} are assumed ({band})")
     what = " and ".join("memory" if k == "memory" else "step time" for k in b.assumed)
     return (f"warning: {hw.name} has no calibration grid (hw_profiles/calibration/{hw.name}.json): its {what} "
-            f"predictions are assumed, not measured (error band ±{100 * b.error['memory']:.0f}% memory, "
-            f"±{100 * b.error['step_time']:.0f}% step time; the margin holds the memory band back)")
+            f"predictions are assumed, not measured ({band})")
 
 
 _PART_WORDS = {"root_unit": "root unit", "fsdp_in_flight": "FSDP in flight", "all_to_all": "all-to-all buffers",

@@ -286,6 +286,30 @@ def test_no_warning_on_a_measured_profile(measured):
     assert "memory error ±5% (measured)" in r.stdout
 
 
+def test_a_model_the_core_does_not_train_is_assumed_on_a_measured_profile(measured, tmp_path):
+    """Gemma 4 (planned, not trained) on a measured profile: no step of it was ever measured, so its bands, its
+    margin's error term and the plan's basis are the assumed ones, said in one line; a trained model on the same
+    profile keeps the measured bands; on a profile without a grid the profile's own warning stands."""
+    g = PRESETS["gemma4-26b-a4b"]
+    hw = _hw("h200")
+    assert margin.bands(hw, g) == margin.ASSUMED and margin.bands(hw, PRESETS["qwen35-35b"]).basis["memory"] == "measured"
+    o = TrainOptions(micro_batch_tokens=32768)
+    est = margin.estimate_with_margin(g, hw, 8, Layout(), o)
+    e = margin.ASSUMED_MEMORY_ERROR
+    assert est.margin.parts_gb["error"] == pytest.approx(est.total_gb * e / (1 - e))
+    r = runner.invoke(app, ["solve", "--model", "gemma4-26b-a4b", "--seq", "32k", "--hw", "h200", "-o",
+                            str(tmp_path / "g.yaml")])
+    assert r.exit_code == 0, r.output
+    warn = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
+    assert warn == ["warning: gemma4-26b-a4b is planned, not trained by this core, so no step of it has been "
+                    "measured: its predictions on h200 are assumed (error band ±15% memory, ±25% step time; the "
+                    "margin holds the memory band back)"]
+    assert yaml.safe_load((tmp_path / "g.yaml").read_text())["prediction"]["basis"] == {"memory": "assumed",
+                                                                                        "step_time": "assumed"}
+    r = runner.invoke(app, ["solve", "--model", "qwen35-35b", "--seq", "32k", "--hw", "h200"])
+    assert r.exit_code == 0 and "warning" not in r.stderr
+
+
 # ---- the plan --------------------------------------------------------------------------------------------------
 def test_plan_round_trips_margin_basis_and_count(tmp_path):
     out = tmp_path / "p.yaml"
