@@ -259,9 +259,9 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
     norms); q after RoPE, k after RoPE and v (kept by SDPA; with CP the K/V of the whole sequence is all-gathered,
     exact CP, so k and v count at s·cp); SDPA's output and log-sum-exp; the output as o_proj's contiguous input;
     with the output gate, its sigmoid and the gated output. GQA runs inside SDPA, so K/V stay at the KV heads'
-    count (the most any layer has). Values narrower than the q·k heads (MLA's, MiMo-V2-Flash's) are at the kernel's
-    width for `vendor` (`attention_widths`)."""
-    nh, nkv = m.max_heads / tp, m.max_kv_heads / tp
+    count. Values narrower than the q·k heads (MLA's, MiMo-V2-Flash's) are at the kernel's width for `vendor`
+    (`attention_widths`). Where the layer kinds differ in heads or head width, the largest kind's set."""
+    nh = m.max_heads / tp
     if m.compressed is not None:
         return compressed_attention_working_set(m, s, tp, cp)
     if m.mla is not None:  # launch/model.py MLAttention
@@ -284,9 +284,6 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
         kv = s * cp * nh * (kw + vw) * BF16
         out = s * nh * (vw + a.v_head_dim) * BF16  # SDPA's output; its first v_head_dim channels as o_proj's input
         return common + kv + out + s * nh * FP32
-    if m.sliding_head_dim is None:  # one head width: the most heads and KV heads any layer has
-        return _attention_set(m, s, cp, nh, nkv, m.head_dim, m.value_width, attention_widths(m, vendor)[1])
-    # heads of their own width by kind (Gemma 4's): the larger of the kinds' sets
     return max(_attention_set(m, s, cp, m.heads_at(k) / tp, m.kv_heads_at(k) / tp, m.head_dim_at(k),
                               m.value_width_at(k), attention_widths(m, vendor, k)[1]) for k in attention_kinds(m))
 
@@ -489,11 +486,10 @@ def attention_backward_bytes(m: ModelShape, s: float, tp: int, cp: int, vendor: 
     if m.dsa is not None:  # the absorbed query's gradient, dô, Δ, and the fp32 latent gradient the atomics fill
         lat = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim
         return s * nh * (lat + m.mla.kv_lora_rank) * BF16 + s * nh * FP32 + s * cp * lat * FP32
-    nkv = nh if m.mla is not None else 1 if m.compressed is not None else m.max_kv_heads / tp
-    if m.sliding_head_dim is not None:  # heads of their own width by kind (Gemma 4's): the kinds' largest
-        return max(_flash_backward_bytes(s, cp, m.heads_at(k) / tp, m.kv_heads_at(k) / tp,
-                                         *attention_widths(m, vendor, k)) for k in attention_kinds(m))
-    return _flash_backward_bytes(s, cp, nh, nkv, *attention_widths(m, vendor))
+    if m.mla is not None or m.compressed is not None:  # MLA: every head's own K and V; DeepSeek-V4: one K = V head
+        return _flash_backward_bytes(s, cp, nh, nh if m.mla is not None else 1, *attention_widths(m, vendor))
+    return max(_flash_backward_bytes(s, cp, m.heads_at(k) / tp, m.kv_heads_at(k) / tp,
+                                     *attention_widths(m, vendor, k)) for k in attention_kinds(m))
 
 
 def _flash_backward_bytes(s: float, cp: int, nh: float, nkv: float, kw: int, vw: int) -> float:
@@ -537,10 +533,8 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
         qk, vd = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim, m.mla.kv_lora_rank
         ctx_full = sparse_keys(m, seq)
         out["indexer"] = index_pair_flops(m) * indexing_layers(m) * seq / 2
-    if m.dsa is not None or m.mla is not None:
-        widths = dict.fromkeys(("full_attention", "sliding_attention", "chunked_attention"), qk + vd)
-    else:  # each kind at its own head widths (Gemma 4's sliding layers narrower)
-        widths = {k: sum(model_widths(m, k)) for k in ("full_attention", "sliding_attention", "chunked_attention")}
+    kinds = ("full_attention", "sliding_attention", "chunked_attention")  # each at its own head widths; DSA absorbed
+    widths = dict.fromkeys(kinds, qk + vd) if m.dsa is not None else {k: sum(model_widths(m, k)) for k in kinds}
     out["attention"] = 2 * (widths["full_attention"] * m.heads_at("full_attention") * m.num_full_attn_layers * ctx_full
                             + widths["sliding_attention"] * m.heads_at("sliding_attention") * m.num_sliding_layers
                             * ctx_sliding
@@ -642,13 +636,6 @@ def attention_keys(m: ModelShape, seq: float, kernel: bool = False) -> tuple[flo
 def residual_width(m: ModelShape) -> int:
     """Values a token's residual holds between layers: the hidden size, DeepSeek-V4's hc_mult streams of it."""
     return m.hidden_size * (m.compressed.hc_mult if m.compressed is not None else 1)
-
-
-def mean_kv_width(m: ModelShape) -> float:
-    """Key channels a token's attention layer holds, on average over the model's attention layers: each layer's KV
-    heads at its head width (what CP all-gathers of k, and of v at the same width)."""
-    kinds = [t for t in m.layer_types if t != "linear_attention"]
-    return sum(m.kv_heads_at(t) * m.head_dim_at(t) for t in kinds) / len(kinds) if kinds else 0.0
 
 
 def compressed_cp_row(m: ModelShape, s: float) -> float:
@@ -1301,7 +1288,7 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
     if cp > 1:
         bw = group_bw(hw, cp, tp, node)
         kv_tok = (m.mla.kv_lora_rank + m.mla.qk_rope_head_dim if m.mla else compressed_cp_row(m, s)
-                  if m.compressed is not None else 2 * mean_kv_width(m) / tp)
+                  if m.compressed is not None else 2 * m.mean_kv_width / tp)
         cp_bytes = passes["attention"] * s * (cp - 1) * kv_tok * BF16
         if m.dsa is not None:  # and the index keys, gathered in each forward pass (no gradient)
             cp_bytes += (n["attention"] + again["attention"]) * s * (cp - 1) * m.dsa.index_head_dim * BF16

@@ -626,15 +626,12 @@ class ModelShape(Record):
         return self.sliding_rope_theta if kind == "sliding_attention" and self.sliding_rope_theta else self.rope_theta
 
     @functools.cached_property
-    def max_kv_heads(self) -> int:
-        """The most key/value heads any attention layer has."""
-        return max(self.num_kv_heads, self.sliding_kv_heads or 0)
-
-    @functools.cached_property
-    def mean_kv_heads(self) -> float:
-        """Key/value heads an attention layer has on average."""
+    def mean_kv_width(self) -> float:
+        """Key channels an attention layer holds a token, on average over the attention layers: each layer's KV
+        heads at its head width (what CP all-gathers of k, and of v at the same width)."""
         n = self.num_attention_layers
-        return sum(self.kv_heads_at(t) for t in self.layer_types if t != "linear_attention") / n if n else 0.0
+        return sum(self.kv_heads_at(t) * self.head_dim_at(t) for t in self.layer_types
+                   if t != "linear_attention") / n if n else 0.0
 
     def tp_splits(self) -> list[tuple[int, str]]:
         """(count, what) of each thing tensor parallelism splits by whole units, so tp must divide it: the query
