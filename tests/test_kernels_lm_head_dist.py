@@ -80,6 +80,7 @@ def _dist_worker(rank: int, world: int, port: int) -> None:
             _, _, g = ref_grads(linear_cross_entropy_reference, hidden[r::world], weight, target[r::world])
             ref_grad += g / world  # FSDP2 averages gradients over the data-parallel group
         assert rel(full_grad, ref_grad) < 1e-5, f"FSDP2 rank {rank}: {rel(full_grad, ref_grad)}"
+        dist.barrier()  # neither rank tears gloo's pairs down while the other still uses them
     finally:
         dist.destroy_process_group()
 
