@@ -204,22 +204,24 @@ def profile_components(trainer, batch, device, reps: int = 3) -> dict:
         measure("moe (router+experts+shared)", wrap(lambda xin: moe(xin)), len(moe_layers))
 
     def experts_only(xin):
-        # the two grouped GEMMs and the SwiGLU between them, under autograd (the same GEMMs the experts' backward
-        # runs), without the routing's gathers and the weighted sum
+        # the two grouped GEMMs and the activation between them, under autograd (the same GEMMs the experts'
+        # backward runs), without the routing's gathers and the weighted sum
         from launch.moe import expert_ffn, permute
 
         _, _, top_e = moe.gate(xin)
         order, token, counts = permute(top_e, moe.num_experts)
         offs = torch.cumsum(counts, 0, dtype=torch.int32)
-        return expert_ffn(xin[token], moe.experts.gate_up_proj, moe.experts.down_proj, counts.tolist(), offs)[1]
+        return expert_ffn(xin[token], moe.experts.gate_up_proj, moe.experts.down_proj, counts.tolist(), offs,
+                          moe.experts.activation)[1]
     if moe is not None:
         measure("routed experts (grouped GEMMs)", wrap(experts_only), len(moe_layers))
-    w = model.lm_head.weight
+    w, cap = model.lm_head.weight, model.shape.final_logit_softcap
 
     def head(xin):
         return fused_policy_loss(xin, w, batch.targets, batch.advantages, batch.loss_mask, trainer.cfg.loss,
-                                 seq_id_T=batch.seq_id)[0]
-    t_f = _time(lambda: token_logprobs(x, w, batch.targets, mode="fused", with_entropy=True), device, reps)
+                                 softcap=cap, seq_id_T=batch.seq_id)[0]
+    t_f = _time(lambda: token_logprobs(x, w, batch.targets, mode="fused", softcap=cap, with_entropy=True), device,
+                reps)
     t_fb = _time(lambda: head(x.detach().requires_grad_()).backward(), device, reps)
     results["lm head (fused policy loss; fwd: no-grad log-probs)"] = {"fwd_s": t_f, "fwd_bwd_s": t_fb, "count": 1,
                                                                       "in_step_s": t_fb}

@@ -39,7 +39,7 @@ def compile_sass(fn, entropy: bool, block=(128, 256, 64), warps=8, stages=3):
     names = list(fn.arg_names)
     types = {"h_desc": f"tensordesc<bf16[{bt}, {bk}]>", "w_desc": f"tensordesc<bf16[{bv}, {bk}]>",
              "e_ptr": "*fp16", "tgt_ptr": "*i64"}
-    const = dict(WRITE_E=True, E_TMA=False, WITH_ENTROPY=entropy, SUBTILE=True, WARP_SPECIALIZE=False,
+    const = dict(WRITE_E=True, E_TMA=False, WITH_ENTROPY=entropy, SOFTCAP=False, SUBTILE=True, WARP_SPECIALIZE=False,
                  BLOCK_T=bt, BLOCK_V=bv, BLOCK_K=bk)
     const = {k: v for k, v in const.items() if k in names}  # (E_TMA, WARP_SPECIALIZE: the variants' copy only)
     sig = {}
@@ -50,7 +50,7 @@ def compile_sass(fn, entropy: bool, block=(128, 256, 64), warps=8, stages=3):
             sig[n] = types[n]
         elif n.endswith("_ptr"):
             sig[n] = "*fp32"
-        elif n in ("inv_temp", "k2"):
+        elif n in ("inv_temp", "k2", "cap_k"):
             sig[n] = "fp32"
         else:
             sig[n] = "i32"

@@ -13,8 +13,8 @@ Shape legend: M routed (token, slot) rows on this rank, D model dim, I expert ff
         h = [gate | up], a = silu(gate)·up; with s = sigmoid(gate):
         dgate = da · up · s · (1 + gate (1 − s)),  dup = da · silu(gate);  dh = [dgate | dup]
         fp32 inside, outputs in h's dtype (a is the down projection's input, which its weight gradient needs).
-        `glu` another gated activation (`GLU`: gpt-oss's clamped one, Step-3.7's `clamped_swiglu`), whose gradient
-        is derived there.
+        `glu` another gated activation (`GLU`: gpt-oss's clamped one, Step-3.7's `clamped_swiglu`, Gemma 4's GeGLU
+        `GEGLU_TANH`), whose gradient is derived there.
     add_expert_bias_(rows_MN, bias_EN, offs_E) -> rows_MN
         rows += the bias of each row's expert, in place (rows sorted by expert, offs_E the experts' cumulative row
         ends): one pass over the rows, each finding its expert among the offsets, the sum rounded once as torch's
@@ -66,22 +66,49 @@ class GLU:
         ∂a/∂gate = (u_c + c) · (s + α·act·(1 − s)) · [act ≤ limit],   ∂a/∂up = min(act, limit) · [−limit ≤ up ≤ limit]
 
     The gate's mask is on a computed value, so it depends on how act rounds at the bound: the torch paths compute
-    act with F.silu where α = 1 (bitwise transformers' silu), the Triton kernels as gate·σ(gate) (an ulp apart)."""
+    act with F.silu where α = 1 (bitwise transformers' silu), the Triton kernels as gate·σ(gate) (an ulp apart).
+
+    `gate_act` "gelu_tanh" (`GEGLU_TANH`, Gemma 4's experts and dense MLP; no alpha, limit or offset) is GeGLU with
+    the tanh-approximated GELU, torch's F.gelu(approximate="tanh") (transformers' ACT2FN["gelu_pytorch_tanh"]):
+
+        a = gelu(gate) · up,   gelu(g) = ½·g·(1 + t),   t = tanh(v),   v = √(2/π)·(g + β g³),   β = 0.044715
+
+    With dt/dv = 1 − t² and dv/dg = √(2/π)(1 + 3β g²):
+
+        gelu'(g) = ½(1 + t) + ½·g·(1 − t²)·√(2/π)(1 + 3β g²),   ∂a/∂gate = up · gelu'(gate),   ∂a/∂up = gelu(gate)
+
+    As 1 + tanh(v) = 2σ(2v), it is SwiGLU's form with z = 2v in place of α·g: with s = σ(z), gelu(g) = g·s, and as
+    1 − t² = 4·σ(z)·σ(−z) (σ(−z) = 1 − s),
+
+        gelu'(g) = s + g·σ(z)·σ(−z)·dz/dg,   z = 2√(2/π)(g + β g³),   dz/dg = 2√(2/π)(1 + 3β g²)
+
+    which both backwards evaluate: in fp32, 1 + t and 1 − t² lose their digits where t nears ∓1 (gelu's tails; the
+    tanh form's gradient is off by ~100% at gate −5), σ(z) and σ(−z) keep them. The torch forward is F.gelu
+    (bitwise transformers'), and the torch backward's a and ∂a/∂up take it; the Triton kernels (no tanh in Triton)
+    take gelu(g) = g·σ(z), an ulp or so from it."""
 
     alpha: float = 1.0
     limit: float | None = None
     up_offset: float = 0.0
     clamp_activated: bool = False  # the limit clamps the activated gate, not the gate (Step-3.7's form)
+    gate_act: str = "silu"  # the gate's activation: "silu" (x·σ(α·x)) or "gelu_tanh" (GeGLU, Gemma 4's)
 
     def __post_init__(self) -> None:
+        if self.gate_act not in GATE_ACTS:
+            raise ValueError(f"a GLU's gate_act must be one of {GATE_ACTS}, got {self.gate_act!r}")
+        if self.gate_act == "gelu_tanh" and (self.alpha != 1.0 or self.limit is not None or self.up_offset):
+            raise ValueError(f"a gelu_tanh GLU (GeGLU) takes no alpha, limit or up_offset, got alpha={self.alpha!r}, "
+                             f"limit={self.limit!r}, up_offset={self.up_offset!r}")
         if self.limit is not None and not self.limit > 0:
             raise ValueError(f"a GLU clamp limit must be positive, got {self.limit!r}")
         if self.clamp_activated and self.limit is None:
             raise ValueError("a GLU with clamp_activated needs a limit (the bound of the activated gate)")
 
 
+GATE_ACTS = ("silu", "gelu_tanh")
 SWIGLU = GLU()
 GPT_OSS_GLU = GLU(alpha=1.702, limit=7.0, up_offset=1.0)
+GEGLU_TANH = GLU(gate_act="gelu_tanh")  # Gemma 4's experts' and dense MLP's: gelu_tanh(gate) · up
 
 
 def clamped_swiglu(limit: float) -> GLU:
@@ -109,9 +136,11 @@ def glu_forward(h_MF: torch.Tensor, glu: GLU = SWIGLU, backend: str | None = Non
 
 def glu_of(gate: torch.Tensor, up: torch.Tensor, glu: GLU = SWIGLU) -> torch.Tensor:
     """The activation of a gate and an up projection apart (the torch ops, differentiable): the routed experts'
-    torch path (`glu_forward`, on the halves of [gate | up]) and a dense SwiGLU's (launch.moe.SwiGLU)."""
+    torch path (`glu_forward`, on the halves of [gate | up]) and a dense gated MLP's (launch/moe.py)."""
     if glu == SWIGLU:
         return F.silu(gate) * up
+    if glu.gate_act == "gelu_tanh":  # GeGLU: bitwise transformers' ACT2FN["gelu_pytorch_tanh"](gate) · up
+        return F.gelu(gate, approximate="tanh") * up
     if glu.clamp_activated:  # Step-3.7's: min(act, limit) · (clamp(up, ±limit) + c)
         up = up.clamp(min=-glu.limit, max=glu.limit)
         if glu.up_offset:
@@ -139,6 +168,8 @@ def glu_backward_torch(h_MF: torch.Tensor, da_MI: torch.Tensor, glu: GLU):
     """`swiglu_backward_torch` of any `GLU` (the derivation is GLU's): (dh [M, 2I], a [M, I]) in h's dtype, fp32
     inside."""
     gate, up = h_MF.float().chunk(2, dim=-1)
+    if glu.gate_act == "gelu_tanh":
+        return _geglu_backward_torch(gate, up, da_MI.float(), h_MF.dtype)
     g, u = gate, up
     if glu.limit is not None:
         u = up.clamp(min=-glu.limit, max=glu.limit)
@@ -159,6 +190,21 @@ def glu_backward_torch(h_MF: torch.Tensor, da_MI: torch.Tensor, glu: GLU):
             dgate = torch.where(gate <= glu.limit, dgate, 0.0)
         dup = torch.where((up >= -glu.limit) & (up <= glu.limit), dup, 0.0)
     return torch.cat([dgate, dup], dim=-1).to(h_MF.dtype), (act * u).to(h_MF.dtype)
+
+
+_SQRT_2_OVER_PI = 0.7978845608028654  # √(2/π), as torch's gelu tanh kernels spell it
+_GELU_BETA = 0.044715
+
+
+def _geglu_backward_torch(gate: torch.Tensor, up: torch.Tensor, da: torch.Tensor, dtype: torch.dtype):
+    """GeGLU's (dh, a) from fp32 gate, up and da (GLU's derivation, its sigmoid form): a as the forward computes it
+    (F.gelu)."""
+    z = 2 * _SQRT_2_OVER_PI * (gate + _GELU_BETA * gate * gate * gate)
+    dz = 2 * _SQRT_2_OVER_PI * (1 + 3 * _GELU_BETA * gate * gate)
+    s = torch.sigmoid(z)
+    dgelu = s + gate * s * torch.sigmoid(-z) * dz  # ½(1 + t) + ½·g·(1 − t²)·dv/dg, t = tanh(z/2)
+    gelu = F.gelu(gate, approximate="tanh")
+    return torch.cat([da * up * dgelu, da * gelu], dim=-1).to(dtype), (gelu * up).to(dtype)
 
 
 def slot_grads(dout_MD: torch.Tensor, w_M1: torch.Tensor, y_MD: torch.Tensor, backend: str | None = None,

@@ -52,16 +52,35 @@ def _gate_up_tile(h_ptr, s_h, M, I, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr
 
 
 @triton.jit
+def _gelu_tanh_z(g):
+    """z of GeGLU's gate g: gelu_tanh(g) = g·σ(z), z = 2√(2/π)(g + 0.044715 g³) (1 + tanh(v) = 2σ(2v): Triton has no
+    tanh; kernels.expert_grads.GLU derives it). Both kernels take z from here, so the forward kernel's activation is
+    the backward kernel's bitwise."""
+    return 1.5957691216057308 * (g + 0.044715 * (g * g) * g)
+
+
+@triton.jit
 def _swiglu_bwd_kernel(h_ptr, s_h, da_ptr, s_da, dh_ptr, s_dh, a_ptr, s_a, M, I,
                        BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr, GENERAL: tl.constexpr = False,
                        ALPHA: tl.constexpr = 1.0, CLAMP: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
-                       OFFSET: tl.constexpr = 0.0, CLAMP_ACT: tl.constexpr = False):
+                       OFFSET: tl.constexpr = 0.0, CLAMP_ACT: tl.constexpr = False, GELU_TANH: tl.constexpr = False):
     # GENERAL: a kernels.expert_grads.GLU other than SwiGLU (gpt-oss's clamped form, Step-3.7's with CLAMP_ACT: the
-    # limit clamps the activated gate, not the gate), whose derivation is there; SwiGLU keeps its own arithmetic
+    # limit clamps the activated gate, not the gate), whose derivation is there; GELU_TANH: GeGLU (Gemma 4's),
+    # gelu_tanh(gate)·up, SwiGLU's form with z(gate) for α·gate (derived there too); SwiGLU keeps its own arithmetic
     rows, cols, ok, gate, up = _gate_up_tile(h_ptr, s_h, M, I, BLOCK_M, BLOCK_I)
     da = tl.load(da_ptr + rows[:, None] * s_da + cols[None, :], mask=ok, other=0.0).to(tl.float32)
     dh_row = dh_ptr + rows[:, None] * s_dh + cols[None, :]
-    if GENERAL:
+    if GELU_TANH:
+        z = _gelu_tanh_z(gate)
+        s = tl.sigmoid(z)
+        gelu = gate * s
+        dz = 1.5957691216057308 * (1 + 0.134145 * (gate * gate))  # dz/dgate = 2√(2/π)(1 + 3·0.044715·gate²)
+        # gelu' = s + gate·s·σ(−z)·dz/dgate: σ(−z), not 1 − s, keeps its digits where s nears 1
+        dgate = da * up * (s + gelu * tl.sigmoid(-z) * dz)
+        tl.store(dh_row, dgate.to(dh_ptr.dtype.element_ty), mask=ok)
+        tl.store(dh_row + I, (da * gelu).to(dh_ptr.dtype.element_ty), mask=ok)
+        tl.store(a_ptr + rows[:, None] * s_a + cols[None, :], (gelu * up).to(a_ptr.dtype.element_ty), mask=ok)
+    elif GENERAL:
         g = gate
         u = up
         if CLAMP:
@@ -95,11 +114,14 @@ def _swiglu_bwd_kernel(h_ptr, s_h, da_ptr, s_da, dh_ptr, s_dh, a_ptr, s_a, M, I,
 @triton.jit
 def _glu_fwd_kernel(h_ptr, s_h, a_ptr, s_a, M, I, BLOCK_M: tl.constexpr, BLOCK_I: tl.constexpr,
                     ALPHA: tl.constexpr = 1.0, CLAMP: tl.constexpr = False, LIMIT: tl.constexpr = 0.0,
-                    OFFSET: tl.constexpr = 0.0, CLAMP_ACT: tl.constexpr = False):
+                    OFFSET: tl.constexpr = 0.0, CLAMP_ACT: tl.constexpr = False, GELU_TANH: tl.constexpr = False):
     # a = g·σ(α·g)·(u + c), g and u clamped where the GLU has a limit (kernels.expert_grads.GLU), fp32 inside;
-    # CLAMP_ACT (Step-3.7's): a = min(gate·σ(α·gate), limit)·(u + c), the backward kernel's ops
+    # CLAMP_ACT (Step-3.7's): a = min(gate·σ(α·gate), limit)·(u + c); GELU_TANH (GeGLU): a = gelu_tanh(g)·u; each
+    # the backward kernel's ops
     rows, cols, ok, g, u = _gate_up_tile(h_ptr, s_h, M, I, BLOCK_M, BLOCK_I)
-    if CLAMP_ACT:
+    if GELU_TANH:
+        act = g * tl.sigmoid(_gelu_tanh_z(g)) * u
+    elif CLAMP_ACT:
         u = tl.minimum(tl.maximum(u, -LIMIT), LIMIT)
         act = tl.minimum(g * tl.sigmoid(ALPHA * g), LIMIT) * (u + OFFSET)
     else:
@@ -141,7 +163,9 @@ def swiglu_backward(h_MF: torch.Tensor, da_MI: torch.Tensor, glu=None):
     dh = torch.empty((M, 2 * I), dtype=h_MF.dtype, device=h_MF.device)
     a = torch.empty((M, I), dtype=h_MF.dtype, device=h_MF.device)
     general = {}
-    if glu is not None and glu != SWIGLU:
+    if glu is not None and glu.gate_act == "gelu_tanh":
+        general = dict(GELU_TANH=True)
+    elif glu is not None and glu != SWIGLU:
         general = dict(GENERAL=True, ALPHA=float(glu.alpha), CLAMP=glu.limit is not None,
                        LIMIT=float(glu.limit or 0.0), OFFSET=float(glu.up_offset),
                        CLAMP_ACT=bool(glu.clamp_activated))
@@ -164,7 +188,7 @@ def glu_forward(h_MF: torch.Tensor, glu) -> torch.Tensor:
         _glu_fwd_kernel[(triton.cdiv(M, bm), triton.cdiv(I, bi))](
             h_MF, h_MF.stride(0), a, a.stride(0), M, I, BLOCK_M=bm, BLOCK_I=bi, num_warps=warps,
             ALPHA=float(glu.alpha), CLAMP=glu.limit is not None, LIMIT=float(glu.limit or 0.0),
-            OFFSET=float(glu.up_offset), CLAMP_ACT=bool(glu.clamp_activated))
+            OFFSET=float(glu.up_offset), CLAMP_ACT=bool(glu.clamp_activated), GELU_TANH=glu.gate_act == "gelu_tanh")
     return a
 
 

@@ -51,11 +51,12 @@ from launch.model import GatedDeltaNet, Transformer, assign_full, whole_model_na
 from recipe.models import ModelShape
 
 # MTP (DeepSeek's `mtp.`, MiniMax-M2's `mtp_modules.`), vision (Qwen3.5's `visual.`, Llama 4's and Step-3.7's
-# `vision_model.`, Llama 4's `multi_modal_projector.`, Step-3.7's `vit_large_projector.`, Kimi-K2.5's `vision_tower.`
-# and `mm_projector.`), Qwen3-Omni's audio tower, talker and code-to-wave model (its thinker's text model is read,
+# `vision_model.`, Llama 4's `multi_modal_projector.`, Step-3.7's `vit_large_projector.`, Kimi-K2.5's and Gemma 4's
+# `vision_tower.`, Kimi-K2.5's `mm_projector.`, Gemma 4's `embed_vision.` and its audio tower's), Qwen3-Omni's audio tower, talker and code-to-wave model (its thinker's text model is read,
 # under `thinker.`)
 _SKIP = re.compile(r"^(model\.|thinker\.)?(mtp[._]|visual\.|vision_model\.|vision_tower\.|multi_modal_projector\.|"
-                   r"vit_large_projector\.|mm_projector\.|audio_tower\.)|^(talker|code2wav)\.")
+                   r"vit_large_projector\.|mm_projector\.|audio_tower\.|embed_vision\.|embed_audio\.)|"
+                   r"^(talker|code2wav)\.")
 _EXPERT = re.compile(r"^(layers\.\d+\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight$")
 # Mixtral's names for the MoE block and its experts' three matrices (ours: `mlp`, gate_proj/up_proj/down_proj)
 _MIXTRAL_BLOCK = re.compile(r"^(layers\.\d+)\.block_sparse_moe\.")
@@ -112,6 +113,26 @@ _LAGUNA_IN = ((".mlp.experts.e_score_correction_bias", ".mlp.gate.e_score_correc
 _STEP_IN = ((".moe.gate.weight", ".mlp.gate.weight"), (".moe.router_bias", ".mlp.gate.e_score_correction_bias"),
             (".moe.down_proj.weight", ".mlp.experts.down_proj"), (".share_expert.", ".mlp.shared_expert."))
 _STEP_EXPERTS = re.compile(r"^(layers\.\d+)\.moe\.(gate_proj|up_proj)\.weight$")
+# Gemma 4's layer-level names (its router, experts and dense MLP beside each other on the layer, its sandwich norms
+# around the FFN) and ours: the router our MoE's gate, the dense MLP its shared expert
+_GEMMA4_NAMES = (("router.proj.", "mlp.gate."), ("router.", "mlp.gate."), ("experts.", "mlp.experts."),
+                 ("mlp.", "mlp.shared_expert."), ("pre_feedforward_layernorm.", "pre_mlp_layernorm."),
+                 ("post_feedforward_layernorm.", "post_mlp_layernorm."))
+_GEMMA4_IN = re.compile(r"^(layers\.\d+)\.(" + "|".join(re.escape(a) for a, _ in _GEMMA4_NAMES) + ")")
+_GEMMA4_OUT = re.compile(r"^(layers\.\d+)\.(mlp\.gate\.weight$|mlp\.gate\.|mlp\.experts\.|mlp\.shared_expert\.|"
+                         r"pre_mlp_layernorm\.|post_mlp_layernorm\.)")
+_GEMMA4_OUT_NAMES = {"mlp.gate.weight": "router.proj.weight", "mlp.gate.": "router.", "mlp.experts.": "experts.",
+                     "mlp.shared_expert.": "mlp.", "pre_mlp_layernorm.": "pre_feedforward_layernorm.",
+                     "post_mlp_layernorm.": "post_feedforward_layernorm."}
+
+
+def _gemma4_names(sd: dict[str, torch.Tensor], to_ours: bool) -> None:
+    """Gemma 4's tensors under our names (`to_ours`) or back under its own, in place."""
+    pattern = _GEMMA4_IN if to_ours else _GEMMA4_OUT
+    names = dict(_GEMMA4_NAMES) if to_ours else _GEMMA4_OUT_NAMES
+    for key in list(sd):
+        if hit := pattern.match(key):
+            sd[f"{hit.group(1)}.{names[hit.group(2)]}{key[hit.end():]}"] = sd.pop(key)
 
 
 def _names_in(shape: ModelShape) -> tuple[tuple[str, str], ...]:
@@ -456,6 +477,8 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         _join_step_experts(sd)
     if model.shape.hf_model_type == "kimi_linear":
         _kimi_kda_to_ours(sd)
+    if model.shape.hf_model_type == "gemma4_text":
+        _gemma4_names(sd, to_ours=True)
     if model.shape.hf_model_type == "axk1":  # transformers keeps the MoE output norm in the block; ours (and the
         # releases') at the layer
         for key in [k for k in sd if ".mlp.post_mlp_layernorm." in k]:
@@ -595,6 +618,8 @@ def hf_config(shape: ModelShape) -> dict:
                    layer_norm_eps=shape.rms_norm_eps if layer_norm else 1e-5, rope_theta=shape.rope_theta)
         cfg.pop("moe_intermediate_size")
         return cfg
+    if shape.hf_model_type == "gemma4_text":
+        return _gemma4_config(shape, cfg)
     if shape.arch == "qwen3_moe" and shape.hf_model_type == "mellum":  # Mellum: its layer and MLP types, RoPE by type
         cfg.update(model_type="mellum", architectures=["MellumForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.dense_ffn or shape.expert_ffn, layer_types=list(shape.layer_types),
@@ -852,6 +877,28 @@ def _kimi_linear_config(shape: ModelShape, cfg: dict) -> dict:
     return cfg
 
 
+def _gemma4_config(shape: ModelShape, cfg: dict) -> dict:
+    """Gemma 4's text config.json in transformers' field names (Gemma4TextConfig, the MoE block on): the sliding
+    layers' head width and KV heads as `head_dim` and `num_key_value_heads`, the full layers' as `global_head_dim`
+    and `num_global_key_value_heads`, RoPE by layer type (the full layers' proportional), no per-layer inputs."""
+    for k in ("num_experts_per_tok", "hidden_act", "max_position_embeddings"):
+        cfg.pop(k)
+    full_rope = {"rope_type": "proportional" if shape.rope_proportional else "default",
+                 "rope_theta": shape.rope_theta, "partial_rotary_factor": shape.partial_rotary_factor}
+    cfg.update(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], enable_moe_block=True,
+               top_k_experts=shape.top_k, intermediate_size=shape.shared_expert_ffn,
+               head_dim=shape.head_dim_at("sliding_attention"), global_head_dim=shape.head_dim,
+               num_key_value_heads=shape.kv_heads_at("sliding_attention"),
+               num_global_key_value_heads=shape.num_kv_heads if shape.keys_as_values else None,
+               attention_k_eq_v=shape.keys_as_values, layer_types=list(shape.layer_types),
+               sliding_window=shape.sliding_window, hidden_activation="gelu_pytorch_tanh",
+               final_logit_softcapping=shape.final_logit_softcap, hidden_size_per_layer_input=0,
+               num_kv_shared_layers=0, max_position_embeddings=shape.max_position,
+               rope_parameters={"full_attention": full_rope, "sliding_attention": {
+                   "rope_type": "default", "rope_theta": shape.rope_theta_at("sliding_attention")}})
+    return cfg
+
+
 def _rope_by_layer_type(shape: ModelShape) -> dict:
     """`rope_parameters` by layer type (Step-3.7's, Laguna's, Mellum's, MiMo-V2-Flash's): the full layers' (with the
     scaling) and the sliding layers' base and rotated share, without the scaling where they rotate plain."""
@@ -897,6 +944,8 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
                 _interleave_qwen3_next(sd, prefix, m)
     if model.shape.hf_model_type == "afmoe":
         _fuse_output_gate(sd, model.shape.head_dim, to_ours=False)
+    if model.shape.hf_model_type == "gemma4_text":
+        _gemma4_names(sd, to_ours=False)
     out: dict[str, torch.Tensor] = {}
     mixtral = model.shape.arch in ("mixtral", "minimax_m2")  # MiniMax-M2's releases keep Mixtral's names
     kimi = model.shape.hf_model_type == "kimi_linear"  # Kimi-Linear's: Mixtral's on its MoE layers

@@ -1,6 +1,6 @@
 """Qwen3.5 (MoE and dense) / Qwen3-Next / Qwen3-MoE / Qwen2-MoE / OLMoE / ERNIE-4.5 / MiniMax-M2 / Mixtral /
-DeepSeek-V2 and V3 / GLM-4.5 / gpt-oss / Llama 4 / Granite MoE / Hunyuan-A13B and dense Llama-family text stacks,
-built from a `recipe.models.ModelShape`.
+DeepSeek-V2 and V3 / GLM-4.5 / gpt-oss / Llama 4 / Granite MoE / Hunyuan-A13B / Gemma 4 MoE and dense Llama-family
+text stacks, built from a `recipe.models.ModelShape`.
 
 Shape legend: T tokens (one packed sequence: several documents back to back), D model dim, Hq query heads, Hkv
 key/value heads, Dh attention head dim, R rotary dims, V vocabulary.
@@ -24,12 +24,12 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.expert_grads import GPT_OSS_GLU, SWIGLU, clamped_swiglu
+from kernels.expert_grads import GEGLU_TANH, GPT_OSS_GLU, SWIGLU, clamped_swiglu
 from kernels.gdn_fused import causal_conv1d_silu, gated_rms_norm
 from kernels.rope import rope as apply_rope
 from kernels.rms_norm import rms_norm
 from launch.gated_delta import gated_delta_rule
-from launch.moe import MoE, SwiGLU
+from launch.moe import GatedMLP, MoE
 from launch.sink_attention import sink_attention
 from launch.sparse_attention import index_topk, sparse_latent_attention
 from recipe.models import QKV_ONLY_BIAS_ARCHS, ROPE_SCALINGS, WHOLE_QK_NORM_ARCHS, ModelShape, trainable
@@ -48,6 +48,10 @@ SOFTMAX_SCORE_ARCHS = ("ernie4_5_moe",)
 # attention rotating channel pairs (0, 1), (2, 3), … (GLM-style RoPE), not the two halves of a head (ERNIE-4.5,
 # Llama 4)
 INTERLEAVED_ROPE_ARCHS = ("ernie4_5_moe", "llama4")
+# Gemma 4's blocks: values at unit RMS (no weight); the FFN a dense GeGLU MLP beside GeGLU experts, each side normed
+# before and after apart, the router on the block's input through a scaled norm; each layer's output times a scalar
+# (a buffer of its checkpoint's); the embedding's scale rounded to its dtype
+GEMMA4_TYPES = ("gemma4_text",)
 
 
 class Handoff:
@@ -172,10 +176,20 @@ class GatedRMSNorm(nn.Module):
         return gated_rms_norm(x, gate, self.weight, self.eps, backend=self.backend)
 
 
+def proportional_rope(s: ModelShape, kind: str) -> bool:
+    """Whether a `kind` layer's RoPE is Gemma 4's proportional form (`ModelShape.rope_proportional`: its full
+    layers)."""
+    return s.rope_proportional and kind != "sliding_attention"
+
+
 def rotary_dim(s: ModelShape, kind: str = "full_attention") -> int:
-    """Channels of a head that RoPE rotates on a `kind` layer: the MLA rope part, or head_dim × the kind's rotated
-    share (`ModelShape.rotary_factor_at`)."""
-    return s.mla.qk_rope_head_dim if s.mla is not None else int(s.head_dim * s.rotary_factor_at(kind))
+    """Channels of a head that RoPE's cos and sin span on a `kind` layer: the MLA rope part, or the layer's head
+    width × its rotated share (`ModelShape.rotary_factor_at`); under proportional RoPE the whole head width (the
+    unrotated pairs at frequency 0: cos 1, sin 0)."""
+    if s.mla is not None:
+        return s.mla.qk_rope_head_dim
+    width = s.head_dim_at(kind)
+    return width if proportional_rope(s, kind) else int(width * s.rotary_factor_at(kind))
 
 
 def _mscale(factor: float, m: float = 1.0) -> float:
@@ -187,9 +201,14 @@ def rope_frequencies(s: ModelShape, device=None, kind: str = "full_attention") -
     """RoPE inverse frequencies [R/2] and the factor cos/sin are scaled by, for the shape's RoPE scaling (none,
     linear, llama3 or YaRN; docs/training.md "RoPE scaling" derives the YaRN and llama3 bands), for a `kind` layer:
     its RoPE base (`ModelShape.rope_theta_at`) over its rotated channels (`rotary_dim`), Step-3.7's sliding layers
-    unscaled (`ModelShape.sliding_rope_plain`)."""
+    unscaled (`ModelShape.sliding_rope_plain`); Gemma 4's proportional RoPE: pair i < share · D/2 at base^(-2i/D),
+    the others 0 (D the head width: the share's frequencies spaced over the whole head, not the share)."""
     dim = rotary_dim(s, kind)
     theta = s.rope_theta_at(kind)
+    if proportional_rope(s, kind):  # the share's pairs spaced as the whole head's would be, the rest still
+        rotated = int(s.rotary_factor_at(kind) * dim // 2)
+        inv = 1.0 / (theta ** (torch.arange(0, 2 * rotated, 2, device=device, dtype=torch.float32) / dim))
+        return torch.cat([inv, inv.new_zeros(dim // 2 - rotated)]), 1.0
     inv = 1.0 / (theta ** (torch.arange(0, dim, 2, device=device, dtype=torch.float32) / dim))
     sc = None if kind == "sliding_attention" and s.sliding_rope_plain else s.rope_scaling
     if sc is None:
@@ -256,16 +275,20 @@ def logits_divisor(s: ModelShape) -> float:
 
 
 class ScaledEmbedding(nn.Embedding):
-    """nn.Embedding whose rows come out times `scale` (Granite's embedding multiplier; 1 elsewhere). Parameter names
+    """nn.Embedding whose rows come out times `scale` (Granite's embedding multiplier, AFMoE's and Gemma's
+    √hidden_size; 1 elsewhere). Parameter names
     and the padding row are nn.Embedding's; tensor parallelism's hooks see the scaled rows (a linear map)."""
 
-    def __init__(self, *args, scale: float = 1.0, **kwargs):
+    def __init__(self, *args, scale: float = 1.0, round_scale: bool = False, **kwargs):
         super().__init__(*args, **kwargs)
         self.scale = scale
+        self.round_scale = round_scale  # Gemma's: the scale itself rounded to the rows' dtype first
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
         out = super().forward(ids)
-        return out if self.scale == 1.0 else out * self.scale
+        if self.scale == 1.0:
+            return out
+        return out * (torch.tensor(self.scale, dtype=out.dtype) if self.round_scale else self.scale)
 
 
 def rope_cos_sin(positions_T: torch.Tensor, s: ModelShape, dtype: torch.dtype, kind: str = "full_attention"):
@@ -353,24 +376,31 @@ class Attention(nn.Module):
     launch/sink_attention.py); Llama 4: on its `chunk` layers RoPE, then q and k heads at unit RMS (`unit_rms`,
     where its qk_norm is on), each query attending within its chunk of the document; on its others no RoPE, the
     queries scaled by `query_temperature` (where temperature tuning is on), global attention; Step-3.7: a layer's
-    own query heads (`ModelShape.heads_at`) and a sigmoid (Laguna: softplus) gate per head from `g_proj`."""
+    own query heads (`ModelShape.heads_at`) and a sigmoid (Laguna: softplus) gate per head from `g_proj`; Gemma 4: a
+    layer's own head width (`ModelShape.head_dim_at`), values at unit RMS, and on its full layers the values the
+    keys' projection before their norm (`ModelShape.keys_as_values`: no v_proj)."""
 
     def __init__(self, s: ModelShape, norm_offset: float, window: int | None = None, chunk: int | None = None,
                  index: int = 0):
         super().__init__()
         kind = "sliding_attention" if window is not None else "chunked_attention" if chunk is not None \
             else "full_attention"
-        self.num_heads, self.num_kv_heads, self.head_dim = s.heads_at(kind), s.kv_heads_at(kind), s.head_dim
-        heads = self.num_heads
+        self.num_heads, self.num_kv_heads, self.head_dim = s.heads_at(kind), s.kv_heads_at(kind), s.head_dim_at(kind)
+        heads, head_dim = self.num_heads, self.head_dim
         # MiMo-V2-Flash: value heads narrower than the query/key heads, at their own width where cuDNN's kernel takes
         # the layer (full attention without sinks), else zero-padded to the q·k head size for the kernels (which take
         # one head size) and cut back after; the values scaled before attention
-        self.value_dim, self.value_scale = s.value_width, s.value_scale
+        self.value_dim, self.value_scale = s.value_width_at(kind), s.value_scale
         self.output_gate = s.attn_output_gate
-        q_out = heads * s.head_dim * (2 if s.attn_output_gate else 1)
+        q_out = heads * head_dim * (2 if s.attn_output_gate else 1)
         self.q_proj = nn.Linear(s.hidden_size, q_out, bias=s.attn_bias)
-        self.k_proj = nn.Linear(s.hidden_size, self.num_kv_heads * s.head_dim, bias=s.attn_bias)
-        self.v_proj = nn.Linear(s.hidden_size, self.num_kv_heads * self.value_dim, bias=s.attn_bias)
+        self.k_proj = nn.Linear(s.hidden_size, self.num_kv_heads * head_dim, bias=s.attn_bias)
+        # Gemma 4's full layers: the values are the keys' projection (before the keys' norm and RoPE)
+        keys_as_values = s.keys_as_values and kind == "full_attention"
+        self.v_proj = None if keys_as_values else nn.Linear(s.hidden_size, self.num_kv_heads * self.value_dim,
+                                                             bias=s.attn_bias)
+        # Gemma 4: the values at unit RMS per head, no weight (None: not normed)
+        self.value_norm_eps = s.rms_norm_eps if s.hf_model_type in GEMMA4_TYPES else None
         self.o_proj = nn.Linear(heads * self.value_dim, s.hidden_size,
                                 bias=s.attn_bias and s.arch not in QKV_ONLY_BIAS_ARCHS)
         # Step-3.7: a sigmoid gate per query head, from its own projection of the layer's input
@@ -378,11 +408,11 @@ class Attention(nn.Module):
         self.gate_softplus = s.head_gate_activation == "softplus"  # Laguna's gate (fp32 inside), else a sigmoid
         self.scale = softmax_scale(s)
         if s.qk_norm and s.arch in WHOLE_QK_NORM_ARCHS:  # OLMoE: over all heads of the projection together
-            self.q_norm = HeadsRMSNorm(heads * s.head_dim, s.rms_norm_eps)
-            self.k_norm = HeadsRMSNorm(self.num_kv_heads * s.head_dim, s.rms_norm_eps)
+            self.q_norm = HeadsRMSNorm(heads * head_dim, s.rms_norm_eps)
+            self.k_norm = HeadsRMSNorm(self.num_kv_heads * head_dim, s.rms_norm_eps)
         else:
-            self.q_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
-            self.k_norm = RMSNorm(s.head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
+            self.q_norm = RMSNorm(head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
+            self.k_norm = RMSNorm(head_dim, s.rms_norm_eps, norm_offset) if s.qk_norm else None
         self.sinks = nn.Parameter(torch.empty(heads)) if s.sinks_at(kind) else None
         self.clip_qkv = s.clip_qkv  # OLMoE's: q and k after their norms, and v, clamped to ±clip_qkv (None: not)
         self.qk_norm_after_rope = s.arch in QK_NORM_AFTER_ROPE_ARCHS
@@ -414,9 +444,11 @@ class Attention(nn.Module):
         # head counts from the projections' widths: under tensor parallelism each rank holds whole heads of them
         q = q.reshape(T, -1, self.head_dim)
         k = self.k_proj(x_TD).view(T, -1, self.head_dim)
-        v = self.v_proj(x_TD).view(T, -1, self.value_dim)
+        v = k if self.v_proj is None else self.v_proj(x_TD).view(T, -1, self.value_dim)
         if self.value_scale != 1.0:
             v = v * self.value_scale
+        if self.value_norm_eps is not None:
+            v = unit_rms(v, self.value_norm_eps, self.norm_backend)
         if self.q_norm is not None and not self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.clip_qkv is not None:
@@ -819,7 +851,7 @@ class DecoderLayer(nn.Module):
     """`x + mixer(norm(x))`, then `x + ffn(norm(x))` (the shape's norm_placement "sandwich": `x + norm(mixer(norm(x)))`
     and likewise the FFN; "post": `x + norm(mixer(x))`; "parallel": `x + mixer(n) + ffn(n)` with n = norm(x)): the
     FFN is the MoE, or a dense SwiGLU MLP (`dense`: the model's dense layers, `ModelShape.is_dense_layer`, which are
-    all of a dense model's)."""
+    all of a dense model's). Gemma 4's FFN runs its dense MLP and its experts side by side (`_gemma4_forward`)."""
 
     def __init__(self, s: ModelShape, layer_type: str, norm_offset: float, dense: bool = False, index: int = 0):
         super().__init__()
@@ -855,23 +887,30 @@ class DecoderLayer(nn.Module):
         # Step-3.7's clamped SwiGLU on some layers: the routed experts' bound, and the shared expert's and dense MLP's
         limit = s.swiglu_limits[index] if s.swiglu_limits else 0.0
         shared_limit = (s.swiglu_limits_shared[index] if s.swiglu_limits_shared else 0.0) or None
+        self.gemma4 = s.hf_model_type in GEMMA4_TYPES
+        glu = GEGLU_TANH if self.gemma4 else SWIGLU
+        shared_glu = clamped_swiglu(shared_limit) if shared_limit else glu
         if dense:
-            self.mlp = SwiGLU(s.hidden_size, s.dense_ffn, shared_limit)
+            self.mlp = GatedMLP(s.hidden_size, s.dense_ffn, shared_glu)
         else:
             gpt_oss = s.arch in GPT_OSS_ARCHS
-            activation = GPT_OSS_GLU if gpt_oss else clamped_swiglu(limit) if limit else SWIGLU
+            activation = GPT_OSS_GLU if gpt_oss else clamped_swiglu(limit) if limit else glu
             self.mlp = MoE(s.hidden_size, s.num_experts, s.top_k, s.expert_ffn, s.shared_expert_ffn,
                            s.shared_expert_gate, s.norm_topk_prob, s.sigmoid_router, router_bias=gpt_oss,
-                           activation=activation, expert_bias=gpt_oss, shared_limit=shared_limit,
+                           activation=activation, expert_bias=gpt_oss, shared_glu=shared_glu,
                            softmax_scores=s.arch in SOFTMAX_SCORE_ARCHS, softmax_router=s.softmax_router,
                            weights_on_input=s.arch in INPUT_WEIGHTED_ARCHS, shared_mean=s.shared_expert_mean,
-                           sigmoid_top=s.sigmoid_top)
+                           sigmoid_top=s.sigmoid_top, scaled_router=s.rms_norm_eps if self.gemma4 else None)
             # a norm after the MoE block keeps its output for the backward: a recomputed forward must produce it
             self.mlp.experts.output_read = s.moe_output_saved
         # A.X K1: an RMSNorm on the MoE block's output, its MoE layers only (under its releases' name)
         self.moe_output_norm = s.moe_output_norm and not dense
         if self.moe_output_norm:
             self.post_mlp_layernorm = block_norm(s, norm_offset)
+        if self.gemma4:  # the dense MLP's output norm, the experts' input and output norms, the layer's scalar
+            for name in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
+                setattr(self, name, block_norm(s, norm_offset))
+            self.register_buffer("layer_scalar", torch.ones(1))
 
     @property
     def mixer(self) -> nn.Module:
@@ -883,6 +922,8 @@ class DecoderLayer(nn.Module):
         """`ropes`: `layer_ropes`'s cos and sin, this layer's by its type (else the "main" pair)."""
         mixer = self.mixer
         rope = ropes.get(self.layer_type, ropes["main"])
+        if self.gemma4:
+            return self._gemma4_forward(x_TD, mixer(self.input_layernorm(x_TD), rope, packing))
         if self.norm_placement == "sandwich":
             x_TD = x_TD + self.post_attention_layernorm(mixer(self.input_layernorm(x_TD), rope, packing))
             return x_TD + self.post_mlp_layernorm(self.mlp(self.pre_mlp_layernorm(x_TD)))
@@ -901,6 +942,19 @@ class DecoderLayer(nn.Module):
         return x_TD + self.mlp(self.post_attention_layernorm(x_TD))
 
 
+    def _gemma4_forward(self, x_TD: torch.Tensor, mixed_TD: torch.Tensor) -> torch.Tensor:
+        """Gemma 4's layer after its mixer: the dense MLP on the normed input and the experts on their own norm of
+        it, routed on the input itself, each side's output normed, their sum normed, added; the whole times the
+        layer's scalar."""
+        x_TD = x_TD + self.post_attention_layernorm(mixed_TD)
+        moe = self.mlp
+        dense_TD = self.post_feedforward_layernorm_1(moe.shared_expert(self.pre_mlp_layernorm(x_TD)))
+        _, top_w_TK, top_e_TK = moe.gate(x_TD)
+        routed_TD = moe.experts(self.pre_feedforward_layernorm_2(x_TD), top_w_TK, top_e_TK)
+        out_TD = x_TD + self.post_mlp_layernorm(dense_TD + self.post_feedforward_layernorm_2(routed_TD))
+        return out_TD * self.layer_scalar.to(out_TD.dtype)
+
+
 class Transformer(nn.Module):
     """Embedding → decoder layers → final norm; `lm_head` holds the output projection, applied by the loss
     (launch/rl.py: fused log-probs, or plain logits for `lm_head: naive`)."""
@@ -916,7 +970,7 @@ class Transformer(nn.Module):
         # vocabulary's id where tensor parallelism makes padding_idx this rank's
         self.embed_tokens = ScaledEmbedding(shape.vocab_size, shape.hidden_size, padding_idx=shape.pad_token_id,
                                             scale=(shape.granite.embedding if shape.granite is not None else 1.0)
-                                            * shape.embedding_scale)
+                                            * shape.embedding_scale, round_scale=shape.hf_model_type in GEMMA4_TYPES)
         self.embed_tokens.pad_row = shape.pad_token_id
         self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset, dense=shape.is_dense_layer(i), index=i)
                                     for i, t in enumerate(shape.layer_types))
@@ -949,8 +1003,9 @@ def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = Non
     parameter names stay the whole model's). Each parameter is drawn from a generator of its own, seeded by `seed`
     and its name, at its full (global) shape on its device, and each rank keeps its shard: so a model built whole
     and one built on the meta device and sharded hold the same weights, whatever the layout. A_log ~ log U(1, 16),
-    dt_bias 1, norm weights 1 (0 for offset norms; a LayerNorm's bias 0), the rest N(0, std) but the embedding's pad
-    row (0, as transformers initializes it); the sigmoid router's correction bias (a buffer) 0."""
+    dt_bias 1, norm weights and Gemma 4's router scales 1 (0 for offset norms; a LayerNorm's bias 0), the rest
+    N(0, std) but the embedding's pad row (0, as transformers initializes it); the sigmoid router's correction bias
+    (a buffer) 0, Gemma 4's layer scalars (buffers) 1."""
     for name, p in module.named_parameters():
         gen = torch.Generator(device=p.device)
         gen.manual_seed(_parameter_seed(0 if seed is None else seed, whole_model_name(name)))
@@ -964,6 +1019,8 @@ def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = Non
             # 0 for offset RMSNorms and a LayerNorm's bias (DSA's index keys), 1 for the other norm weights
             zero = leaf == "bias" or (isinstance(owner, RMSNorm) and owner.offset)
             full = torch.full(p.shape, 0.0 if zero else 1.0, device=p.device)
+        elif leaf in ("scale", "per_expert_scale"):  # Gemma 4's router scales (launch/moe.py ScaledRouter): 1
+            full = torch.ones(p.shape, device=p.device)
         else:
             full = torch.randn(p.shape, generator=gen, device=p.device) * std
             if name.endswith("embed_tokens.weight"):
@@ -974,6 +1031,8 @@ def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = Non
     for name, b in module.named_buffers():
         if name.endswith("e_score_correction_bias"):  # the sigmoid router's (launch/moe.py)
             b.zero_()
+        elif name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale
+            b.fill_(1.0)
 
 
 def whole_model_name(name: str) -> str:

@@ -19,8 +19,9 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kernels.expert_grads import GLU, SWIGLU, clamped_swiglu, glu_forward, glu_of, slot_grads, swiglu_backward
+from kernels.expert_grads import GLU, SWIGLU, glu_forward, glu_of, slot_grads, swiglu_backward
 from kernels.expert_grads import add_expert_bias_ as add_expert_bias
+from kernels.rms_norm import rms_norm
 
 
 # Up to LOOP_EXPERTS local experts of at least LOOP_MIN_WEIGHT elements a matrix, the per-expert loop of cuBLAS
@@ -289,16 +290,38 @@ class SigmoidTopKRouter(nn.Module):
         return logits_TE, (top_w_TK * self.scaling).to(x_TD.dtype), top_e_TK
 
 
-class SwiGLU(nn.Module):
-    """down(silu(gate(x)) · up(x)); with a `limit` (Step-3.7's clamped layers) the activated gate is clamped to at
-    most `limit` and up to ±limit before the product."""
+class ScaledRouter(nn.Module):
+    """Gemma 4's router: its input (the FFN block's, before any norm) at unit RMS in fp32 with no weight, times a
+    learned scale per channel and 1/√D, projected to the experts' logits; the top k of their softmax renormalized,
+    each times its expert's learned scale (`per_expert_scale`)."""
 
-    def __init__(self, dim: int, ffn: int, limit: float | None = None):
+    def __init__(self, num_experts: int, dim: int, top_k: int, eps: float):
+        super().__init__()
+        self.top_k, self.eps = top_k, eps
+        self.weight = nn.Parameter(torch.empty(num_experts, dim))
+        self.scale = nn.Parameter(torch.ones(dim))
+        self.per_expert_scale = nn.Parameter(torch.ones(num_experts))
+        self.backend = "auto"  # the unit-RMS norm's: auto | torch | triton (kernels/rms_norm.py)
+
+    def forward(self, x_TD: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Returns (router logits [T, E], top-k weights [T, K] in x's dtype, top-k expert ids [T, K])."""
+        h_TD = rms_norm(x_TD, x_TD.new_ones(x_TD.shape[-1]), self.eps, 0.0, backend=self.backend)
+        logits_TE = F.linear(h_TD * self.scale * x_TD.shape[-1] ** -0.5, self.weight)
+        top_w_TK, top_e_TK = torch.topk(torch.softmax(logits_TE.float(), dim=-1), self.top_k, dim=-1)
+        top_w_TK = top_w_TK / top_w_TK.sum(-1, keepdim=True) * self.per_expert_scale[top_e_TK]
+        return logits_TE, top_w_TK.to(x_TD.dtype), top_e_TK
+
+
+class GatedMLP(nn.Module):
+    """down(glu(gate(x), up(x))): SwiGLU by default; Step-3.7's clamped layers' clamped form
+    (kernels.expert_grads.clamped_swiglu), Gemma 4's GeGLU (GEGLU_TANH): the routed experts' activations."""
+
+    def __init__(self, dim: int, ffn: int, glu: GLU = SWIGLU):
         super().__init__()
         self.gate_proj = nn.Linear(dim, ffn, bias=False)
         self.up_proj = nn.Linear(dim, ffn, bias=False)
         self.down_proj = nn.Linear(ffn, dim, bias=False)
-        self.glu = clamped_swiglu(limit) if limit else SWIGLU  # the routed experts' form of the same activation
+        self.glu = glu
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(glu_of(self.gate_proj(x), self.up_proj(x), self.glu))
@@ -449,18 +472,22 @@ class MoE(nn.Module):
     sigmoid of its logit, TopKRouter's `sigmoid_of_top`) and the k outputs are summed unweighted, as one routed
     row a (token, slot) pair with weight 1. Cohere2-MoE's sigmoid selection: `sigmoid_top` (the same weights, on the
     experts' outputs). Step-3.7's clamped layers: the experts' `activation` a clamped GLU, the shared expert's
-    `shared_limit`."""
+    `shared_glu`. Gemma 4: `scaled_router` (ScaledRouter, whose norm's eps it is), GeGLU on both sides; its layer
+    (launch/model.py) calls the gate, experts and shared expert apart, each side normed."""
 
     def __init__(self, dim: int, num_experts: int, top_k: int, ffn: int, shared_ffn: int = 0,
                  shared_gate: bool = False, norm_topk_prob: bool = True, sigmoid_router=None,
                  router_bias: bool = False, activation: GLU = SWIGLU, expert_bias: bool = False,
                  softmax_scores: bool = False, softmax_router=None, weights_on_input: bool = False,
-                 shared_mean: bool = False, sigmoid_top: bool = False, shared_limit: float | None = None):
+                 shared_mean: bool = False, sigmoid_top: bool = False, shared_glu: GLU = SWIGLU,
+                 scaled_router: float | None = None):
         super().__init__()
         self.num_experts, self.top_k = num_experts, top_k
         self.shared_mean = shared_mean  # Cohere's "average": the mean of the routed and shared experts' outputs
         self.weights_on_input = weights_on_input
-        if sigmoid_router is None:
+        if scaled_router is not None:
+            self.gate = ScaledRouter(num_experts, dim, top_k, scaled_router)
+        elif sigmoid_router is None:
             grouped = {} if softmax_router is None else dict(  # a recipe.models.SoftmaxRouter (DeepSeek-V2)
                 groups=softmax_router.groups, topk_groups=softmax_router.topk_groups, scaling=softmax_router.scaling)
             self.gate = TopKRouter(num_experts, dim, top_k, norm_topk_prob, bias=router_bias,
@@ -469,7 +496,7 @@ class MoE(nn.Module):
             self.gate = SigmoidTopKRouter(num_experts, dim, top_k, norm_topk_prob, sigmoid_router.groups,
                                           sigmoid_router.topk_groups, sigmoid_router.scaling, softmax_scores)
         self.experts = GroupedExperts(num_experts, dim, ffn, activation, expert_bias)
-        self.shared_expert = SwiGLU(dim, shared_ffn, shared_limit) if shared_ffn else None
+        self.shared_expert = GatedMLP(dim, shared_ffn, shared_glu) if shared_ffn else None
         self.shared_expert_gate = nn.Linear(dim, 1, bias=False) if shared_ffn and shared_gate else None
 
     def forward(self, x_TD: torch.Tensor) -> torch.Tensor:

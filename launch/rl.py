@@ -29,17 +29,21 @@ import kernels
 
 def token_logprobs(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor, *,
                    mode: Literal["fused", "lean", "naive"] = "fused", temperature: float = 1.0,
-                   with_entropy: bool = False):
-    """log p(target_t) [T] fp32 (and entropy [T]). `fused` and `lean` stream the vocabulary through
-    kernels.linear_logprobs (no [T, V] logits; lean's memory saving needs the loss in the head, fused_policy_loss,
-    so log-probs alone take the same path); `naive` materializes fp32 logits. Negative targets give 0 and no
-    gradient."""
+                   softcap: float | None = None, with_entropy: bool = False):
+    """log p(target_t) [T] fp32 (and entropy [T]) under softmax(logits / temperature), the logits soft-capped to
+    softcap · tanh(logits / softcap) first when softcap is set (Gemma's final_logit_softcapping; None or 0: not).
+    `fused` and `lean` stream the vocabulary through kernels.linear_logprobs (no [T, V] logits; lean's memory saving
+    needs the loss in the head, fused_policy_loss, so log-probs alone take the same path); `naive` materializes fp32
+    logits. Negative targets give 0 and no gradient."""
     if mode in ("fused", "lean"):
-        return kernels.linear_logprobs(hidden_TD, weight_VD, targets_T, temperature=temperature,
+        return kernels.linear_logprobs(hidden_TD, weight_VD, targets_T, temperature=temperature, softcap=softcap,
                                        with_entropy=with_entropy)
     if mode != "naive":
         raise ValueError(f"lm_head must be 'fused', 'lean' or 'naive', got {mode!r}")
-    logits_TV = F.linear(hidden_TD, weight_VD).float() / temperature
+    logits_TV = F.linear(hidden_TD, weight_VD).float()
+    if softcap:
+        logits_TV = softcap * torch.tanh(logits_TV / softcap)
+    logits_TV = logits_TV / temperature
     logp_TV = torch.log_softmax(logits_TV, dim=-1)
     valid_T = targets_T >= 0
     logp_T = logp_TV.gather(1, targets_T.clamp(min=0)[:, None]).squeeze(1) * valid_T
@@ -188,8 +192,9 @@ def _metrics(loss, parts, mask_T, entropy_T, num_loss_tokens=None) -> dict[str, 
 
 def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor,
                       advantages_T: torch.Tensor, mask_T: torch.Tensor, cfg: LossConfig, *, temperature: float = 1.0,
-                      old_logp_T: torch.Tensor | None = None, ref_logp_T: torch.Tensor | None = None,
-                      rollout_logp_T: torch.Tensor | None = None, seq_id_T: torch.Tensor | None = None,
+                      softcap: float | None = None, old_logp_T: torch.Tensor | None = None,
+                      ref_logp_T: torch.Tensor | None = None, rollout_logp_T: torch.Tensor | None = None,
+                      seq_id_T: torch.Tensor | None = None,
                       impl: str | None = None, weights_T: torch.Tensor | None = None,
                       num_loss_tokens: torch.Tensor | float | None = None, tp_group=None
                       ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -199,7 +204,7 @@ def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_
     a few MiB). Same per-token formula
     (token_losses) and weights (token_weights, or `weights_T` as policy_loss's); metrics from the detached
     log-probs. `tp_group`: `weight_VD` is this rank's equal share of the vocabulary rows (vocabulary-parallel
-    head; every rank of the group holds the same tokens and gets the same loss)."""
+    head; every rank of the group holds the same tokens and gets the same loss). `softcap`: as token_logprobs'."""
     w_T = token_weights(mask_T, seq_id_T, cfg.aggregation) if weights_T is None else weights_T
     mask_b = mask_T.bool()
 
@@ -213,24 +218,24 @@ def fused_policy_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_
         return torch.where(mask_b[t0:t1], loss_t, 0.0) * w_T[t0:t1]
 
     loss, logp_T, ent_T = kernels.linear_policy_loss(hidden_TD, weight_VD, targets_T, token_loss,
-                                                     temperature=temperature, with_entropy=True, mode=impl,
-                                                     tp_group=tp_group)
+                                                     temperature=temperature, softcap=softcap, with_entropy=True,
+                                                     mode=impl, tp_group=tp_group)
     _, parts = token_losses(logp_T, advantages_T, mask_T, cfg, old_logp_T=old_logp_T, ref_logp_T=ref_logp_T,
                             rollout_logp_T=rollout_logp_T, entropy_T=ent_T)
     return loss, _metrics(loss, parts, mask_T, ent_T, num_loss_tokens)
 
 
 def fused_nll_loss(hidden_TD: torch.Tensor, weight_VD: torch.Tensor, targets_T: torch.Tensor, mask_T: torch.Tensor,
-                   *, temperature: float = 1.0, impl: str | None = None, weights_T: torch.Tensor | None = None,
-                   num_loss_tokens: torch.Tensor | float | None = None, tp_group=None
-                   ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """SFT objective through the fused head (impl and tp_group as fused_policy_loss's): token-mean negative
+                   *, temperature: float = 1.0, softcap: float | None = None, impl: str | None = None,
+                   weights_T: torch.Tensor | None = None, num_loss_tokens: torch.Tensor | float | None = None,
+                   tp_group=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """SFT objective through the fused head (impl, tp_group and softcap as fused_policy_loss's): token-mean negative
     log-likelihood over mask_T, plus metrics (weights_T / num_loss_tokens as policy_loss's)."""
     w_T = token_weights(mask_T, None, "token_mean") if weights_T is None else weights_T
     loss, _, ent_T = kernels.linear_policy_loss(hidden_TD, weight_VD, targets_T,
                                                 lambda logp, ent, t0, t1: -logp * w_T[t0:t1],
-                                                temperature=temperature, with_entropy=True, mode=impl,
-                                                tp_group=tp_group)
+                                                temperature=temperature, softcap=softcap, with_entropy=True,
+                                                mode=impl, tp_group=tp_group)
     m = mask_T.float()
     n = _count(mask_T, num_loss_tokens)
     return loss, {"loss": loss.detach(), "entropy": ((ent_T * m).sum() / n).detach(), "num_tokens": m.sum()}

@@ -172,6 +172,8 @@ def _placements(model: nn.Module) -> dict[str, str]:
             out[f"{prefix}o_proj.weight"] = "col"
         elif isinstance(m, Attention):
             for p in ("q_proj", "k_proj", "v_proj"):
+                if getattr(m, p) is None:  # Gemma 4's full layers: the values are the keys' projection
+                    continue
                 out[f"{prefix}{p}.weight"] = "row"
                 if getattr(m, p).bias is not None:
                     out[f"{prefix}{p}.bias"] = "row"

@@ -90,6 +90,7 @@ class Trainer:
         weight, mask = self.model.lm_head.weight, batch.loss_mask
         shape = getattr(self.model, "shape", None)
         temp = self.cfg.temperature * (logits_divisor(shape) if shape is not None else 1.0)
+        cap = shape.final_logit_softcap if shape is not None else None  # Gemma 4's, before the temperature
         w_T, n_loss = batch.extra.get("token_weight"), batch.extra.get("num_loss_tokens")
         tp = self.tensor_parallel
         if tp is not None:
@@ -98,14 +99,15 @@ class Trainer:
         if self.lm_head in ("fused", "lean"):  # the loss goes into the head: three logits-sized GEMMs
             impl = "lean" if self.lm_head == "lean" else None  # (lean: four, and only the gradients in memory)
             if self.cfg.objective == "sft":
-                return fused_nll_loss(hidden_TD, weight, batch.targets, mask, temperature=temp, impl=impl,
-                                      weights_T=w_T, num_loss_tokens=n_loss, tp_group=tp_group)
+                return fused_nll_loss(hidden_TD, weight, batch.targets, mask, temperature=temp, softcap=cap,
+                                      impl=impl, weights_T=w_T, num_loss_tokens=n_loss, tp_group=tp_group)
             return fused_policy_loss(hidden_TD, weight, batch.targets, batch.advantages, mask, self.cfg.loss,
-                                     temperature=temp, old_logp_T=batch.old_logprobs, ref_logp_T=batch.ref_logprobs,
+                                     temperature=temp, softcap=cap, old_logp_T=batch.old_logprobs,
+                                     ref_logp_T=batch.ref_logprobs,
                                      rollout_logp_T=batch.rollout_logprobs, seq_id_T=batch.seq_id, impl=impl,
                                      weights_T=w_T, num_loss_tokens=n_loss, tp_group=tp_group)
         logp_T, entropy_T = token_logprobs(hidden_TD, weight, batch.targets, mode=self.lm_head, temperature=temp,
-                                           with_entropy=True)
+                                           softcap=cap, with_entropy=True)
         if self.cfg.objective == "sft":
             n = mask.sum().clamp(min=1) if n_loss is None else torch.as_tensor(n_loss).clamp(min=1)
             loss = -(logp_T * mask).sum() / n if w_T is None else -(logp_T * w_T).sum()

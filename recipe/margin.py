@@ -5,7 +5,9 @@ Each figure has a basis: `measured` when the hardware profile has a committed ca
 (hw_profiles/calibration/<name>.json, recipe/calibration.py) and `assumed` otherwise, and an error band: the grid's
 worst relative error on a measured profile, ASSUMED_MEMORY_ERROR / ASSUMED_TIME_ERROR on an assumed one. A model the
 training core does not build (`models.trainable`: planned only) has no step of its own measured on any profile, so
-its figures are assumed everywhere.
+its figures are assumed everywhere; so are a model's whose attention heads are wider than any the calibration grids
+timed (WIDEST_TIMED_HEAD: Gemma 4's 512-wide full layers), whose attention kernel's rate and working set the cost
+model extrapolates.
 
 The margin is the memory a plan must leave free beyond its predicted peak (docs/solver.md, "Error bands and the
 memory margin", derives every term):
@@ -99,16 +101,34 @@ def _bands(name: str) -> Bands:
                  {"memory": float(cal.memory_error), "step_time": float(cal.time_error)})
 
 
+# the widest attention head (q·k or value channels) the calibration grids' steps ran
+WIDEST_TIMED_HEAD = 256
+
+
 @lru_cache(maxsize=256)
 def planned_only(m: ModelShape) -> bool:
     """Whether the training core does not build `m` (it is planned, never run, so never measured)."""
     return trainable(m) is not None
 
 
+def widest_head(m: ModelShape) -> int:
+    """The widest attention head of any of `m`'s attention layers (q·k or value channels; 0 without attention)."""
+    if m.mla is not None:
+        return max(m.mla.qk_nope_head_dim + m.mla.qk_rope_head_dim, m.mla.v_head_dim)
+    kinds = {t for t in m.layer_types if t != "linear_attention"}
+    return max((max(m.head_dim_at(k), m.value_width_at(k)) for k in kinds), default=0)
+
+
+def unmeasured(m: ModelShape) -> bool:
+    """Whether no measured step backs `m`'s figures on any profile: planned only, or attention heads wider than
+    WIDEST_TIMED_HEAD."""
+    return planned_only(m) or widest_head(m) > WIDEST_TIMED_HEAD
+
+
 def bands(hw: HwProfile, m: ModelShape | None = None) -> Bands:
     """The basis and error band of each figure on this profile (its committed calibration, if any), for model `m`:
-    assumed on every profile where the core does not train it."""
-    return ASSUMED if m is not None and planned_only(m) else _bands(hw.name)
+    assumed on every profile where no measured step backs it (`unmeasured`)."""
+    return ASSUMED if m is not None and unmeasured(m) else _bands(hw.name)
 
 
 def routed_rows_bytes(m: ModelShape, s: float, etp: int = 1) -> float:
@@ -172,9 +192,12 @@ def assumed_warning(hw: HwProfile, m: ModelShape | None = None) -> str | None:
         return None
     band = (f"error band ±{100 * b.error['memory']:.0f}% memory, ±{100 * b.error['step_time']:.0f}% step time; the "
             f"margin holds the memory band back")
-    if not _bands(hw.name).assumed:
+    if not _bands(hw.name).assumed and planned_only(m):
         return (f"warning: {m.name} is planned, not trained by this core, so no step of it has been measured: its "
                 f"predictions on {hw.name} are assumed ({band})")
+    if not _bands(hw.name).assumed:
+        return (f"warning: {m.name}'s attention heads of {widest_head(m)} channels are wider than any measured step's "
+                f"({WIDEST_TIMED_HEAD}): its predictions on {hw.name} are assumed ({band})")
     what = " and ".join("memory" if k == "memory" else "step time" for k in b.assumed)
     return (f"warning: {hw.name} has no calibration grid (hw_profiles/calibration/{hw.name}.json): its {what} "
             f"predictions are assumed, not measured ({band})")

@@ -278,15 +278,10 @@ QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 def trainable(shape: "ModelShape") -> str | None:
     """None when the training core can build `shape`; otherwise the one line saying why (the solver still plans
     it): `recipe launch` checks it before any worker starts, `recipe models` shows it."""
-    if shape.hf_model_type == "gemma4_text" or shape.sliding_head_dim is not None or shape.keys_as_values \
-            or shape.dense_beside_experts:
-        return (f"{shape.name}: Gemma 4's blocks (full layers at their own head width with keys as values, a dense "
-                f"MLP beside the experts, GeGLU, soft-capped logits) are planned by `recipe solve` but not trained by "
-                f"this core")
-    if shape.arch not in TRAINED_ARCHS:
+    if shape.arch not in TRAINED_ARCHS and not (shape.arch == "moe" and shape.hf_model_type == "gemma4_text"):
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model, "
-                f"Mellum 2), "
+                f"Mellum 2), Gemma 4's MoE, "
                 f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, "
                 f"Moonlight, Kimi-Linear, Mistral 4, A.X K1) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, "
                 f"MiMo-V2-Flash, Hunyuan-V3, K-EXAONE, AFMoE, Step-3.7, Laguna), Cohere2-MoE, gpt-oss, Llama 4, "
@@ -301,21 +296,31 @@ def trainable(shape: "ModelShape") -> str | None:
         ("sliding_attention layers without a sliding_window",
          shape.num_sliding_layers > 0 and not shape.sliding_window),
         ("chunked attention outside Llama 4", shape.num_chunked_layers > 0 and shape.arch != "llama4"),
-        ("MiMo-V2-Flash's attention (sliding_kv_heads, v_head_dim, value_scale) outside MiMo-V2-Flash",
-         shape.hf_model_type != "mimo_v2_flash" and (
-             shape.sliding_kv_heads is not None or shape.v_head_dim is not None or shape.value_scale != 1.0)),
+        ("MiMo-V2-Flash's attention (v_head_dim, value_scale) outside MiMo-V2-Flash",
+         shape.hf_model_type != "mimo_v2_flash" and (shape.v_head_dim is not None or shape.value_scale != 1.0)),
+        ("sliding layers' own KV heads outside MiMo-V2-Flash and Gemma 4", shape.sliding_kv_heads is not None
+         and shape.hf_model_type not in ("mimo_v2_flash", "gemma4_text")),
         ("sink logits or a sliding layers' RoPE base outside gpt-oss, MiMo-V2-Flash and Granite-SWA",
          (shape.sinks != "none" or shape.sliding_rope_theta is not None)
-         and shape.hf_model_type not in ("mimo_v2_flash", "granitemoe_swa", "step3p5", "mellum", "laguna")),
-        ("sliding layers' own query heads or rotated share, or a gate per query head, outside Step-3.7 and Laguna",
-         shape.hf_model_type not in ("step3p5", "laguna") and (
-             shape.sliding_heads is not None or shape.sliding_rotary_factor is not None or shape.head_gate)),
+         and shape.hf_model_type not in ("mimo_v2_flash", "granitemoe_swa", "step3p5", "mellum", "laguna",
+                                         "gemma4_text")),
+        ("sliding layers' own query heads, or a gate per query head, outside Step-3.7 and Laguna",
+         shape.hf_model_type not in ("step3p5", "laguna") and (shape.sliding_heads is not None or shape.head_gate)),
+        ("sliding layers' own rotated share outside Step-3.7, Laguna and Gemma 4",
+         shape.hf_model_type not in ("step3p5", "laguna", "gemma4_text") and shape.sliding_rotary_factor is not None),
+        ("Gemma 4's blocks (a sliding layers' head width of its own, keys as values, a dense MLP beside the experts, "
+         "proportional RoPE) outside Gemma 4", shape.hf_model_type != "gemma4_text" and (
+             shape.sliding_head_dim is not None or shape.keys_as_values or shape.dense_beside_experts
+             or shape.rope_proportional)),
+        ("Gemma 4 without its dense MLP beside the experts or its sandwich norms", shape.hf_model_type == "gemma4_text"
+         and (not shape.dense_beside_experts or shape.norm_placement != "sandwich" or shape.first_dense_layers > 0)),
+        ("proportional RoPE under RoPE scaling", shape.rope_proportional and shape.rope_scaling is not None),
         ("a softplus gate per query head outside Laguna",
          shape.head_gate_activation != "sigmoid" and shape.hf_model_type != "laguna"),
-        ("Step-3.7's query_pre_attn_scalar, clamped SwiGLU or (1 + w) norms outside Step-3.7",
-         shape.hf_model_type != "step3p5" and (
-             shape.query_pre_attn_scalar is not None or bool(shape.swiglu_limits)
-             or bool(shape.swiglu_limits_shared) or shape.offset_norms)),
+        ("Step-3.7's clamped SwiGLU or (1 + w) norms outside Step-3.7", shape.hf_model_type != "step3p5" and (
+            bool(shape.swiglu_limits) or bool(shape.swiglu_limits_shared) or shape.offset_norms)),
+        ("a query_pre_attn_scalar outside Step-3.7 and Gemma 4", shape.query_pre_attn_scalar is not None
+         and shape.hf_model_type not in ("step3p5", "gemma4_text")),
         ("a norm on the MoE block's output (moe_output_norm) outside A.X K1",
          shape.moe_output_norm and shape.hf_model_type != "axk1"),
         ("a query scale by position (query_scale_period) outside Mistral 4",
@@ -332,9 +337,9 @@ def trainable(shape: "ModelShape") -> str | None:
          and shape.hf_model_type != "kimi_linear"),
         ("Kimi-Linear without its KDA and MLA layers", shape.hf_model_type == "kimi_linear" and (
             shape.linear_attn is None or shape.linear_attn.kind != "kda" or shape.mla is None)),
-        ("sandwich or post norms, or a scaled embedding, outside AFMoE and FlexOlmo",
+        ("sandwich or post norms, or a scaled embedding, outside AFMoE, FlexOlmo and Gemma 4",
          (shape.norm_placement in ("sandwich", "post") or shape.embedding_scale != 1.0)
-         and shape.hf_model_type not in ("afmoe", "flex_olmo")),
+         and shape.hf_model_type not in ("afmoe", "flex_olmo", "gemma4_text")),
         ("Cohere's blocks (a parallel block, LayerNorms, RoPE on pairs, a logit scale, the experts' mean, sigmoid "
          "selection, a rotated prefix) outside Cohere2-MoE",
          (shape.norm_placement == "parallel" or shape.norm_kind != "rms" or shape.rope_pairs
@@ -456,6 +461,12 @@ class ModelShape(Record):
     sliding_head_dim: int | None = None
     keys_as_values: bool = False
     dense_beside_experts: bool = False
+    # Gemma 4's full layers' "proportional" RoPE: their rotated share's pair frequencies base^(-2i / head_dim) (the
+    # whole head width's spacing, not the share's), pair i rotating channels (i, i + head_dim / 2), the other pairs
+    # still
+    rope_proportional: bool = False
+    # the logits soft-capped before the softmax, c · tanh(z / c) (Gemma 4's final_logit_softcapping; None: not)
+    final_logit_softcap: float | None = None
     # Step-3.7's clamped SwiGLU, by layer (0: none): min(silu(gate), L) · clamp(up, -L, L), L the routed experts'
     # bound (`swiglu_limits`) or the shared expert's and dense MLP's (`swiglu_limits_shared`); () : no layer clamps
     swiglu_limits: tuple[float, ...] = ()
@@ -544,7 +555,8 @@ class ModelShape(Record):
             raise ValueError(f"norm_kind must be rms or layer, got {self.norm_kind!r}")
         if self.sinks not in ("none", "sliding", "all"):
             raise ValueError(f"sinks must be none, sliding or all, got {self.sinks!r}")
-        for name in ("sliding_rope_theta", "value_scale", "embedding_scale", "logit_scale", "query_pre_attn_scalar"):
+        for name in ("sliding_rope_theta", "value_scale", "embedding_scale", "logit_scale", "query_pre_attn_scalar",
+                     "final_logit_softcap"):
             v = getattr(self, name)
             if v is not None and (isinstance(v, bool) or not isinstance(v, (int, float)) or not 0 < v < math.inf):
                 raise ValueError(f"{name} must be a positive number, got {v!r}")
@@ -746,7 +758,7 @@ class ModelShape(Record):
                              "llama4", "hf_model_type", "granite", "clip_qkv", "dsa", "sliding_kv_heads",
                              "sliding_rope_theta", "v_head_dim", "compressed", "sliding_heads",
                              "sliding_rotary_factor", "query_pre_attn_scalar", "query_scale_period",
-                             "sliding_head_dim")
+                             "sliding_head_dim", "final_logit_softcap")
                  if getattr(self, k) is None}
         unset |= {k for k, default in (("moe_layer_step", 1), ("sinks", "none"), ("value_scale", 1.0),
                                        ("nope_full_layers", False), ("norm_placement", "pre"),
@@ -756,7 +768,8 @@ class ModelShape(Record):
                                        ("swiglu_limits_shared", ()), ("offset_norms", False),
                                        ("sliding_rope_plain", False), ("query_scale_beta", 0.0),
                                        ("moe_output_norm", False), ("head_gate_activation", "sigmoid"),
-                                       ("keys_as_values", False), ("dense_beside_experts", False))
+                                       ("keys_as_values", False), ("dense_beside_experts", False),
+                                       ("rope_proportional", False))
                   if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
@@ -959,7 +972,7 @@ _PRESET_FACTORIES: dict[str, Callable[[], ModelShape]] = {
             expert_ffn=704, shared_expert_ffn=2112, dense_beside_experts=True, norm_topk_prob=True,
             partial_rotary_factor=0.25, rope_theta=1000000.0, sliding_rope_theta=10000.0, sliding_rotary_factor=1.0,
             norm_placement="sandwich", embedding_scale=2816 ** 0.5, tie_embeddings=True, max_position=262144,
-            pad_token_id=0,
+            pad_token_id=0, rope_proportional=True, final_logit_softcap=30.0,
             hf_model_type="gemma4_text", source="google/gemma-4-26B-A4B-it config.json (text_config)"),
     # A.X K1 (518.98B, 31.6B active): DeepSeek-V3's blocks with an RMSNorm on each MoE block's output
     "ax-k1": lambda: ModelShape(
@@ -2235,8 +2248,8 @@ def _gemma4_config(cfg: dict, bad) -> dict:
     where it leaves a field out: the MoE block required (`enable_moe_block`; per-layer input embeddings, which
     transformers builds where `hidden_size_per_layer_input` is absent, and shared-KV layers are not planned, nor
     bidirectional attention), `top_k_experts` as the experts a token takes, layer types five sliding to one full
-    with the last forced full, RoPE by layer type (the full layers' "proportional" RoPE at factor 1 is plain RoPE on
-    their rotated share, and reads as it). The full layers' head width and KV heads go to `_gemma4` as
+    with the last forced full, RoPE by layer type (the full layers' "proportional" RoPE at factor 1 reads as their
+    rotated share with `rope_proportional`: that share's frequencies spaced over the whole head). The full layers' head width and KV heads go to `_gemma4` as
     `_full_head_dim` and `_full_kv_heads`."""
     if cfg.get("enable_moe_block") is not True:
         raise bad("enable_moe_block", "true (Gemma 4 without its experts, a dense model with per-layer input "
@@ -2284,8 +2297,15 @@ def _gemma4_config(cfg: dict, bad) -> dict:
                 "full_attention": {"rope_type": "proportional", "partial_rotary_factor": 0.25,
                                    "rope_theta": 1_000_000.0}}
     if isinstance(rope, dict):
+        full = rope.get("full_attention")
+        out["_proportional"] = isinstance(full, dict) and full.get("rope_type") == "proportional"
+        if isinstance(full, dict) and full.get("rope_type", "default") == "default":  # transformers' Gemma 4 rotates
+            rope = {**rope, "full_attention": {**full, "partial_rotary_factor": 1.0}}  # whole heads at "default"
         rope = {k: ({**v, "rope_type": "default"} if isinstance(v, dict) and v.get("rope_type") == "proportional"
                     and v.get("factor", 1.0) == 1.0 else v) for k, v in rope.items()}
+    if out.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise bad("hidden_activation", '"gelu_pytorch_tanh" (the GeGLU Gemma 4 is trained with)',
+                  out["hidden_activation"])
     return {**out, "rope_parameters": rope}
 
 
@@ -2295,8 +2315,9 @@ def _gemma4(cfg: dict, fields: dict, rope_by_type: dict | None, opt_flag, number
     (`num_global_key_value_heads` where `attention_k_eq_v`) whose values are their keys' projection; the sliding
     layers at `head_dim` with `num_key_value_heads`; each layer's dense MLP (`intermediate_size`) beside its experts
     (planned as a shared expert of that width); norms before and after each sublayer, q and k normed, an unscaled
-    softmax (scale 1), the embedding scaled by √hidden_size, tied to the head. Planned, not trained: its GeGLU
-    activations, the soft-capped logits and the per-layer scalar change no count the plan makes."""
+    softmax (scale 1), the embedding scaled by √hidden_size, tied to the head, the logits soft-capped
+    (`final_logit_softcapping`, none where absent: transformers' default); the full layers' proportional RoPE.
+    Its GeGLU activations and per-layer scalars change no count the plan makes."""
     sliding_dim = fields["head_dim"]
     full_dim = count(cfg["_full_head_dim"], "global_head_dim")
     k_eq_v = opt_flag("attention_k_eq_v", False)
@@ -2308,7 +2329,10 @@ def _gemma4(cfg: dict, fields: dict, rope_by_type: dict | None, opt_flag, number
                   dense_beside_experts=True, norm_placement="sandwich", qk_norm=True,
                   attn_bias=opt_flag("attention_bias", False), norm_topk_prob=True,
                   embedding_scale=math.sqrt(fields["hidden_size"]), query_pre_attn_scalar=1.0,
-                  hf_model_type="gemma4_text")
+                  rope_proportional=bool(cfg.get("_proportional")), hf_model_type="gemma4_text")
+    cap = cfg.get("final_logit_softcapping")
+    if cap is not None:
+        fields["final_logit_softcap"] = number(cap, "final_logit_softcapping")
     if sliding_dim != full_dim:
         fields["sliding_head_dim"] = sliding_dim
     if full_kv != kv:

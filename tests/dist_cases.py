@@ -64,6 +64,7 @@ CASES = {
         ["afmoe_cp2_tp2_ep2", 1, 2, 1, 2, "afmoe", "full", 2], ["cohere_cp2_dp2_ep2", 2, 2, 1, 2, "cohere"],
         ["step_cp2_tp2_ep2", 1, 2, 1, 2, "step", "full", 2], ["kimi_cp2_tp2_ep2", 1, 2, 1, 2, "kimi", "full", 2],
         ["mistral4_cp2_tp2_ep2", 1, 2, 1, 2, "mistral4", "full", 2], ["axk1_tp2_dp2_ep2_k2", 2, 2, 2, 1, "axk1", "full", 2],
+        ["gemma4_cp2_dp2_ep2_k2", 2, 2, 2, 2, "gemma4"],
         # pp × tp: an uneven split with ep=2 over each stage's tp ranks (off-policy, sequence-mean), and interleaved
         # over 2 virtual stages a rank with a dense model's MLPs split over tp
         ["pp2_tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2, 2, [3, 1]],
@@ -109,6 +110,7 @@ VARIANTS = {
     "kimi": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Kimi-Linear-style model (tiny_kimi), as "mla"
     "mistral4": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Mistral-4-style model (tiny_mistral4)
     "axk1": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an A.X-K1-style model (tiny_axk1), as "mla"
+    "gemma4": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Gemma-4-style model (tiny_gemma4), as "mla"
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -269,6 +271,24 @@ def tiny_axk1():
     return replace(tiny_mla(), name="tiny-axk1", hf_model_type="axk1", moe_output_norm=True)
 
 
+def tiny_gemma4():
+    """Gemma 4's blocks at tiny widths: sliding layers (windows of 8, heads of 8 channels over 4 KV heads, RoPE on
+    whole heads at 1e4) and full ones (heads of 16 over 2 KV heads whose values are their keys, proportional RoPE on
+    a quarter at 1e6), values at unit RMS, the softmax unscaled; a dense GeGLU MLP beside GeGLU experts, each side
+    normed, the scaled router; the embedding times √64, tied to the head; logits soft-capped at 0.5 (small enough
+    to act at init's logits)."""
+    from recipe.models import ModelShape
+
+    return ModelShape(name="tiny-gemma4", arch="moe", hf_model_type="gemma4_text", hidden_size=64, num_layers=4,
+                      vocab_size=512, layer_types=("sliding_attention", "full_attention") * 2, num_heads=4,
+                      num_kv_heads=2, sliding_kv_heads=4, head_dim=16, sliding_head_dim=8, keys_as_values=True,
+                      qk_norm=True, partial_rotary_factor=0.25, sliding_rotary_factor=1.0, rope_theta=1e6,
+                      sliding_rope_theta=1e4, rope_proportional=True, query_pre_attn_scalar=1.0, sliding_window=8,
+                      num_experts=8, top_k=2, expert_ffn=32, shared_expert_ffn=48, dense_beside_experts=True,
+                      norm_placement="sandwich", embedding_scale=8.0, tie_embeddings=True, final_logit_softcap=0.5,
+                      rms_norm_eps=1e-6)
+
+
 def tiny_olmoe():
     """OLMoE's blocks at tiny widths: q/k norms over all heads together (their sums of squares added over the tp
     ranks), q/k/v/o biases, softmax routing over 8 experts (top-2) without renormalization, a pad token whose
@@ -363,7 +383,7 @@ VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "dsa": tiny_dsa, "oss": 
                   "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4,
                   "granite": tiny_granite, "swa": tiny_swa, "mimo": tiny_mimo, "afmoe": tiny_afmoe, "cohere": tiny_cohere,
                   "step": tiny_step, "kimi": tiny_kimi, "mistral4": tiny_mistral4,
-                  "axk1": tiny_axk1}
+                  "axk1": tiny_axk1, "gemma4": tiny_gemma4}
 
 
 def _shape(variant: str):
@@ -385,6 +405,9 @@ def _model(shape, variant: str):
         for name, b in model.named_buffers():
             if name.endswith("e_score_correction_bias"):
                 b.copy_(torch.linspace(-0.05, 0.05, b.numel(), device=b.device).roll(int(name.split(".")[1])))
+        for name, b in model.named_buffers():  # Gemma 4's layer scalars away from 1, so that they count
+            if name.endswith("layer_scalar"):
+                b.fill_(0.8 + 0.1 * int(name.split(".")[1]))
         if shape.arch == "gpt_oss":  # gate and up values of ±8 or so: the clamp at 7 acts (init std 0.02 gives ~0.2)
             for name, p in model.named_parameters():
                 if name.endswith("experts.gate_up_proj"):

@@ -48,6 +48,21 @@ def ours_grads(fn, hidden, weight, *args, upstream=None, **kw):
     return out, hidden.grad, weight.grad
 
 
+def assert_cap_matters(fn, hidden, weight, *args, limits, upstream=None, softcap=None, **kw):
+    """With a soft cap, the float64 reference with and without it must differ by over 3x the check's limits (and 1%):
+    some output (a loss summed over tokens of both signs may move little, its log-probs do), dH and dW each; so a
+    check that passes could not have passed with the cap ignored."""
+    if not softcap:
+        return
+    min_rel = max(0.01, 3 * max(limits.values()))
+    capped = ref_grads(fn, hidden, weight, *args, upstream=upstream, softcap=softcap, **kw)
+    plain = ref_grads(fn, hidden, weight, *args, upstream=upstream, **kw)
+    for name, c, p in zip(("outputs", "dH", "dW"), capped, plain):
+        c, p = (c, p) if isinstance(c, tuple) else ((c,), (p,))
+        moved = max(rel(pi, ci) for ci, pi in zip(c, p))
+        assert moved > min_rel, f"softcap {softcap} barely moves {name}: {moved} <= {min_rel}"
+
+
 def check_cross_entropy(T, H, V, *, backend, tol, ignore_frac=0.2, logit_scale=3.0, device="cpu",
                         dtype=torch.float32, grad_tol=None, **kw):
     hidden, weight, target = inputs(T, H, V, logit_scale=logit_scale, device=device, dtype=dtype)
@@ -64,15 +79,16 @@ def check_cross_entropy(T, H, V, *, backend, tol, ignore_frac=0.2, logit_scale=3
     limits = {"loss": tol, "dH": grad_tol or tol, "dW": grad_tol or tol}
     assert all(errs[k] <= limits[k] for k in errs), f"{errs} > {limits} (T={T} H={H} V={V} {kw})"
     assert torch.isfinite(dh).all() and torch.isfinite(dw).all()
+    assert_cap_matters(linear_cross_entropy_reference, hidden, weight, target, limits=limits, upstream=up, **kw)
     return errs
 
 
 def check_logprobs(T, H, V, *, backend, tol, with_entropy=True, temperature=1.0, logit_scale=3.0, device="cpu",
-                   dtype=torch.float32, grad_tol=None, **chunk):  # chunk: chunk_tokens / chunk_vocab
+                   dtype=torch.float32, grad_tol=None, softcap=None, **chunk):  # chunk: chunk_tokens / chunk_vocab
     hidden, weight, target = inputs(T, H, V, logit_scale=logit_scale, device=device, dtype=dtype)
     target[: max(1, T // 7)] = -100  # padding rows: logp 0, no gradient
     ups = [torch.randn(T, device=device) for _ in range(2 if with_entropy else 1)]
-    kw = dict(temperature=temperature, with_entropy=with_entropy)
+    kw = dict(temperature=temperature, with_entropy=with_entropy) | (dict(softcap=softcap) if softcap else {})
     out, dh, dw = ours_grads(kernels.linear_logprobs, hidden, weight, target, upstream=ups, backend=backend,
                               **chunk, **kw)
     ref, rdh, rdw = ref_grads(linear_logprobs_reference, hidden, weight, target, upstream=ups, **kw)
@@ -84,6 +100,7 @@ def check_logprobs(T, H, V, *, backend, tol, with_entropy=True, temperature=1.0,
     limits = {k: (grad_tol or tol) if k in ("dH", "dW") else tol for k in errs}
     assert all(errs[k] <= limits[k] for k in errs), f"{errs} > {limits} (T={T} H={H} V={V} {kw})"
     assert (outs[0][: max(1, T // 7)] == 0).all()
+    assert_cap_matters(linear_logprobs_reference, hidden, weight, target, limits=limits, upstream=ups, **kw)
     return errs
 
 
@@ -100,7 +117,7 @@ def rel_entropy(ent, ref, floor=1e-3) -> float:
 
 def check_policy_loss(T, H, V, *, backend, tol, temperature=1.0, logit_scale=3.0, device="cpu",
                       dtype=torch.float32, grad_tol=None, adv_spread=1.0, chunk_tokens=None, mode=None,
-                      entropy_coef=0.01):
+                      entropy_coef=0.01, softcap=None):
     """linear_policy_loss with a clipped-surrogate-like loss plus an entropy term (none at entropy_coef 0: the head
     then computes no entropy) against the float64 reference. adv_spread > 1 gives the token chunks advantages of
     very different sizes (chunk-wise fp16 scales differ)."""
@@ -119,12 +136,12 @@ def check_policy_loss(T, H, V, *, backend, tol, temperature=1.0, logit_scale=3.0
 
     hidden.grad = weight.grad = None
     loss, logp, ent = kernels.linear_policy_loss(hidden, weight, target, token_loss, temperature=temperature,
-                                                 with_entropy=bool(entropy_coef), backend=backend,
+                                                 softcap=softcap, with_entropy=bool(entropy_coef), backend=backend,
                                                  chunk_tokens=chunk_tokens, mode=mode)
     loss.backward()
 
-    def ref_fn(h, w, t):
-        lp, en = linear_logprobs_reference(h, w, t, with_entropy=True, temperature=temperature)
+    def ref_fn(h, w, t, softcap=softcap):
+        lp, en = linear_logprobs_reference(h, w, t, with_entropy=True, temperature=temperature, softcap=softcap)
         return per_token(lp, en, adv.double(), old.double()).sum(), lp, en
 
     h64 = hidden.detach().double().requires_grad_()
@@ -138,6 +155,8 @@ def check_policy_loss(T, H, V, *, backend, tol, temperature=1.0, logit_scale=3.0
     limits = {k: (grad_tol or tol) if k in ("dH", "dW") else tol for k in errs}
     assert all(errs[k] <= limits[k] for k in errs), f"{errs} > {limits} (T={T} H={H} V={V})"
     assert (logp[: max(1, T // 7)] == 0).all() and not logp.requires_grad
+    assert_cap_matters(lambda h, w, t, softcap=None: ref_fn(h, w, t, softcap), hidden, weight, target,
+                       limits=limits, softcap=softcap, upstream=[torch.ones(()), torch.zeros(T), torch.zeros(T)])
     return errs
 
 

@@ -10,8 +10,10 @@ reference on the same bf16 inputs, and dw within 1e-6 of an fp64 reference. The 
 gives the backward kernel's activation bitwise. The activation backward also in
 gpt-oss's clamped form (kernels.expert_grads.GPT_OSS_GLU), with gate and up values across and exactly at ±7; its
 torch reference against autograd through the forward's own ops. Step-3.7's placement (clamped_swiglu: the limit
-clamps silu(gate), not the gate) likewise, its torch path against transformers' formula written out by hand. The
-experts' bias add equals the torch path bitwise
+clamps silu(gate), not the gate) likewise, its torch path against transformers' formula written out by hand. Gemma
+4's GeGLU (GEGLU_TANH: gelu_tanh(gate)·up) in both kernels (in the forward checks' and the activation backward's
+launches), its torch forward bitwise F.gelu(approximate="tanh")·up (and transformers' ACT2FN["gelu_pytorch_tanh"]),
+its torch backward against autograd through that expression. The experts' bias add equals the torch path bitwise
 (one rounding of the fp32 sum, as torch's add), idle experts and rows in the middle of a tile included.
 """
 
@@ -21,11 +23,12 @@ import sys
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import interpreter
-from kernels.expert_grads import (GPT_OSS_GLU, GLU, add_expert_bias_, add_expert_bias_torch, clamped_swiglu,
-                                   glu_backward_torch, glu_forward, slot_grads, slot_grads_torch, swiglu_backward,
-                                   swiglu_backward_torch)
+from kernels.expert_grads import (GEGLU_TANH, GPT_OSS_GLU, GLU, SWIGLU, add_expert_bias_, add_expert_bias_torch,
+                                   clamped_swiglu, glu_backward_torch, glu_forward, glu_of, slot_grads,
+                                   slot_grads_torch, swiglu_backward, swiglu_backward_torch)
 
 
 def _rel(x, ref) -> float:
@@ -94,17 +97,20 @@ def _clamped_h(M: int, I: int) -> torch.Tensor:
 
 
 def glu_checks():
-    for M, I in [(37, 21), (3, 16), (1, 1)]:
-        for dtype in (torch.float32, torch.bfloat16):
-            h, da = _clamped_h(M, I).to(dtype), torch.randn(M, I).to(dtype)
-            dh, a = swiglu_backward(h, da, backend="triton", glu=GPT_OSS_GLU)
-            assert dh.dtype == a.dtype == dtype and dh.shape == (M, 2 * I) and a.shape == (M, I)
-            if dtype == torch.float32:
-                dh_ref, a_ref = glu_backward_torch(h, da, GPT_OSS_GLU)
-                assert _rel(dh, dh_ref) <= 1e-6 and _rel(a, a_ref) <= 1e-6, (_rel(dh, dh_ref), _rel(a, a_ref))
-            else:
-                dh32, a32 = glu_backward_torch(h.float(), da.float(), GPT_OSS_GLU)
-                assert _one_rounding(dh, dh32) and _one_rounding(a, a32), (M, I)
+    """The activation backward kernel against the torch reference: gpt-oss's clamped GLU and GeGLU (whose kernel
+    forms tanh from a sigmoid, the reference with torch's tanh)."""
+    for glu in (GPT_OSS_GLU, GEGLU_TANH):
+        for M, I in [(37, 21), (3, 16), (1, 1)]:
+            for dtype in (torch.float32, torch.bfloat16):
+                h, da = _clamped_h(M, I).to(dtype), torch.randn(M, I).to(dtype)
+                dh, a = swiglu_backward(h, da, backend="triton", glu=glu)
+                assert dh.dtype == a.dtype == dtype and dh.shape == (M, 2 * I) and a.shape == (M, I)
+                if dtype == torch.float32:
+                    dh_ref, a_ref = glu_backward_torch(h, da, glu)
+                    assert _rel(dh, dh_ref) <= 1e-6 and _rel(a, a_ref) <= 1e-6, (glu, _rel(dh, dh_ref), _rel(a, a_ref))
+                else:
+                    dh32, a32 = glu_backward_torch(h.float(), da.float(), glu)
+                    assert _one_rounding(dh, dh32) and _one_rounding(a, a32), (glu, M, I)
     # SwiGLU through the same entry point keeps its own arithmetic, bitwise
     h, da = torch.randn(9, 10), torch.randn(9, 5)
     assert all(torch.equal(x, y) for x, y in zip(swiglu_backward(h, da, backend="triton", glu=GLU()),
@@ -113,8 +119,8 @@ def glu_checks():
 
 def glu_forward_checks():
     """The forward kernel: the backward kernel's a bitwise (the activation the down projection's weight gradient
-    takes is the one the forward multiplied), and within one rounding of fp32, SwiGLU and the clamped form."""
-    for glu in (GLU(), GPT_OSS_GLU):
+    takes is the one the forward multiplied), and within one rounding of fp32, SwiGLU, the clamped form and GeGLU."""
+    for glu in (GLU(), GPT_OSS_GLU, GEGLU_TANH):
         for M, I in [(37, 21), (3, 16), (1, 1)]:
             for dtype in (torch.float32, torch.bfloat16):
                 h, da = _clamped_h(M, I).to(dtype), torch.randn(M, I).to(dtype)
@@ -123,6 +129,7 @@ def glu_forward_checks():
                 assert torch.equal(a, swiglu_backward(h, da, backend="triton", glu=glu)[1]), (glu, M, I, dtype)
                 assert _one_rounding(a, glu_forward(h.float(), glu, backend="torch")), (glu, M, I, dtype)
     assert glu_forward(torch.empty(0, 6), GPT_OSS_GLU, backend="triton").shape == (0, 3)
+    assert glu_forward(torch.empty(0, 6), GEGLU_TANH, backend="triton").shape == (0, 3)
 
 
 def clamped_swiglu_checks():
@@ -308,6 +315,83 @@ def test_clamp_activated_needs_a_limit():
         GLU(limit=None, clamp_activated=True)
     with pytest.raises(ValueError, match="limit must be positive"):
         clamped_swiglu(0.0)
+
+
+def _geglu_h(dtype=torch.float32) -> torch.Tensor:
+    """[gate | up] [13, 16] of std 3 (gelu's negative tail, its minimum near −0.75 and its linear side), a few gates
+    exactly 0 (gelu(0) = 0, gelu'(0) = ½)."""
+    h = torch.randn(13, 16, generator=torch.Generator().manual_seed(7)) * 3
+    h[0, 0], h[5, 3], h[12, 7] = 0.0, 0.0, 0.0
+    return h.to(dtype)
+
+
+def test_geglu_forward_is_gelu_tanh_times_up():
+    """GEGLU_TANH's torch forward (glu_of, as the dense MLP calls it, and glu_forward's torch path) is
+    F.gelu(gate, approximate="tanh") · up bitwise, fp32 and bf16; that is the tanh formula (fp64, to rounding), not
+    the erf GELU; and the other GLUs keep the silu gate."""
+    assert GEGLU_TANH == GLU(gate_act="gelu_tanh") and GEGLU_TANH.gate_act == "gelu_tanh"
+    assert SWIGLU.gate_act == GPT_OSS_GLU.gate_act == clamped_swiglu(7.0).gate_act == "silu" and SWIGLU == GLU()
+    for dtype in (torch.float32, torch.bfloat16):
+        h = _geglu_h(dtype)
+        gate, up = h.chunk(2, dim=-1)
+        want = F.gelu(gate, approximate="tanh") * up
+        assert glu_of(gate, up, GEGLU_TANH).dtype == dtype
+        assert torch.equal(glu_of(gate, up, GEGLU_TANH), want), dtype
+        assert torch.equal(glu_forward(h, GEGLU_TANH, backend="torch"), want), dtype
+    gate, up = _geglu_h(torch.float64).chunk(2, dim=-1)
+    by_hand = 0.5 * gate * (1 + torch.tanh((2 / torch.pi) ** 0.5 * (gate + 0.044715 * gate ** 3))) * up
+    a = glu_of(gate, up, GEGLU_TANH)
+    assert torch.allclose(a, by_hand, rtol=1e-12, atol=1e-12)
+    assert (a - F.gelu(gate) * up).abs().max() > 1e-4  # the tanh approximation, not erf's GELU
+    assert not torch.allclose(a, glu_of(gate, up, SWIGLU), rtol=1e-2, atol=1e-2)
+
+
+def test_geglu_forward_is_transformers_gelu_pytorch_tanh():
+    """Bitwise transformers' Gemma 4 activation (ACT2FN["gelu_pytorch_tanh"](gate) · up), fp32 and bf16."""
+    activations = pytest.importorskip("transformers.activations")
+    for dtype in (torch.float32, torch.bfloat16):
+        gate, up = _geglu_h(dtype).chunk(2, dim=-1)
+        assert torch.equal(glu_of(gate, up, GEGLU_TANH), activations.ACT2FN["gelu_pytorch_tanh"](gate) * up), dtype
+
+
+def test_geglu_backward_is_the_gradient_of_the_forward():
+    """GEGLU_TANH's torch backward (through the dispatcher and glu_backward_torch) against fp64 autograd through
+    F.gelu(gate, approximate="tanh") · up on the same inputs: fp32 inputs within 1e-6 (relative L2; fp32 inside);
+    bf16 inputs every element within one bf16 rounding, a the fp32 forward rounded once. By hand at gate 0:
+    dgate = da·up/2, dup = 0, a = 0."""
+    da = torch.randn(13, 8, generator=torch.Generator().manual_seed(8))
+    for dtype in (torch.float32, torch.bfloat16):
+        h, da_t = _geglu_h(dtype), da.to(dtype)
+        h64 = h.double().requires_grad_()
+        gate, up = h64.chunk(2, dim=-1)
+        out = F.gelu(gate, approximate="tanh") * up
+        out.backward(da_t.double())
+        dh, a = swiglu_backward(h, da_t, backend="torch", glu=GEGLU_TANH)
+        assert dh.dtype == a.dtype == dtype and dh.shape == (13, 16) and a.shape == (13, 8)
+        assert all(torch.equal(x, y) for x, y in zip(glu_backward_torch(h, da_t, GEGLU_TANH), (dh, a)))
+        if dtype == torch.float32:
+            # elementwise: fp32's cancellation in gelu's tails (1 ± tanh near 0) costs up to ~1e-6 absolute here, as
+            # in torch's own fp32 backward of the same expression
+            assert _rel(dh, h64.grad) <= 1e-6, _rel(dh, h64.grad)
+            assert torch.allclose(dh.double(), h64.grad, rtol=1e-5, atol=1e-5), (dh.double() - h64.grad).abs().max()
+            assert torch.allclose(a.double(), out.detach(), rtol=1e-6, atol=1e-6)
+        else:
+            assert _one_rounding(dh, h64.grad.float()) and _one_rounding(a, out.detach().float())
+            g32, u32 = h.float().chunk(2, dim=-1)
+            assert torch.equal(a, (F.gelu(g32, approximate="tanh") * u32).to(dtype))
+        zero = h.chunk(2, dim=-1)[0] == 0
+        assert zero.sum() == 3 and (a[zero] == 0).all() and (dh[:, 8:][zero] == 0).all()
+        assert torch.equal(dh[:, :8][zero], (da_t.float() * h[:, 8:].float() * 0.5)[zero].to(dtype))
+    # another gradient than SwiGLU's on these inputs
+    assert not torch.allclose(dh.float(), swiglu_backward(h, da_t, backend="torch")[0].float(), rtol=1e-2, atol=1e-2)
+
+
+def test_geglu_refuses_what_it_does_not_implement():
+    for bad in (dict(alpha=1.702), dict(limit=7.0), dict(up_offset=1.0), dict(limit=7.0, clamp_activated=True)):
+        with pytest.raises(ValueError, match="gelu_tanh GLU .GeGLU. takes no alpha, limit or up_offset"):
+            GLU(gate_act="gelu_tanh", **bad)
+    with pytest.raises(ValueError, match="gate_act must be one of"):
+        GLU(gate_act="gelu")
 
 
 def test_slot_grads_by_hand():

@@ -53,6 +53,36 @@ def test_logprobs_torch(with_entropy, temperature):
                    chunk_tokens=16, chunk_vocab=100)
 
 
+@pytest.mark.parametrize("softcap", [2.0, 5.0])
+def test_softcap_autograd_path_torch(softcap):
+    # logits c tanh(z / c) before the temperature (Gemma's final_logit_softcapping), z of std 3 against caps of 2 and 5
+    # (the checks assert the capped and uncapped references differ by far more than their limits): per-token CE, and
+    # log-probs with entropy at temperature 0.8, chunked; the backward recomputes z and applies 1 - tanh^2 to dZ
+    check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6, reduction="none", softcap=softcap, z_loss=1e-3,
+                        chunk_tokens=16, chunk_vocab=128)
+    check_logprobs(41, 40, 333, backend="torch", tol=2e-6, temperature=0.8, softcap=softcap, chunk_tokens=16,
+                   chunk_vocab=100)
+    # 16-bit inputs: the scaled fp16 dZ with the slope in it; |z| ~ 30 against a cap of 5 saturates most logits
+    check_cross_entropy(37, 48, 301, backend="torch", tol=1e-5, grad_tol=3e-3, dtype=torch.bfloat16,
+                        reduction="none", logit_scale=30.0, softcap=softcap, chunk_tokens=16, chunk_vocab=128)
+
+
+def test_softcap_off_is_the_uncapped_head():
+    # None and 0 take the uncapped code paths: bit for bit the same numbers; a negative cap is refused
+    hidden, weight, target = inputs(19, 24, 90)
+    h, w = hidden.detach(), weight.detach()
+    plain = kernels.linear_logprobs(h, w, target, with_entropy=True, temperature=0.9)
+    for off in (None, 0, 0.0):
+        out = kernels.linear_logprobs(h, w, target, with_entropy=True, temperature=0.9, softcap=off)
+        assert all(torch.equal(a, b) for a, b in zip(out, plain))
+        assert torch.equal(kernels.linear_cross_entropy(h, w, target, softcap=off),
+                           kernels.linear_cross_entropy(h, w, target))
+    with pytest.raises(ValueError, match="softcap"):
+        kernels.linear_cross_entropy(h, w, target, softcap=-30.0)
+    with pytest.raises(ValueError, match="softcap"):
+        kernels.linear_logprobs(h, w, target, softcap=float("inf"))
+
+
 def test_logprobs_large_logits_torch():
     # fp32 logits of size ~300 carry ~3e-5 absolute error, which the entropy of a near one-hot softmax feels
     check_logprobs(23, 32, 211, backend="torch", tol=1e-3, grad_tol=1e-4, logit_scale=100.0)

@@ -11,7 +11,7 @@ import torch
 
 import kernels
 from kernels.lm_head.reference import linear_cross_entropy_reference, linear_logprobs_reference
-from lm_head_checks import inputs, ref_grads, rel
+from lm_head_checks import assert_cap_matters, inputs, ref_grads, rel
 
 
 def _dist_worker(rank: int, world: int, port: int) -> None:
@@ -29,7 +29,9 @@ def _dist_worker(rank: int, world: int, port: int) -> None:
         dist.broadcast(up_ent, src=0)
         V_local = weight.shape[0] // world
         w_local = weight.detach()[rank * V_local:(rank + 1) * V_local].clone().requires_grad_()
-        for kw in (dict(z_loss=1e-3, temperature=0.9), dict(reduction="none")):
+        # softcap: each rank caps its own rows' logits before the temperature (fused and autograd paths)
+        capped = (dict(softcap=3.0, temperature=0.9), dict(softcap=3.0, reduction="none"))
+        for kw in (dict(z_loss=1e-3, temperature=0.9), dict(reduction="none")) + capped:
             loss = kernels.linear_cross_entropy(hidden, w_local, target, tp_group=dist.group.WORLD, **kw)
             up = [up_lp] if kw.get("reduction") == "none" else None
             hidden.grad = None
@@ -38,6 +40,8 @@ def _dist_worker(rank: int, world: int, port: int) -> None:
             rdw_local = rdw[rank * V_local:(rank + 1) * V_local]
             errs = (rel(loss, ref), rel(hidden.grad, rdh), rel(w_local.grad, rdw_local))
             assert max(errs) < 1e-5, f"TP CE rank {rank} {kw}: {errs}"
+            assert_cap_matters(linear_cross_entropy_reference, hidden, weight, target, limits={"all": 1e-5},
+                               upstream=up, **kw)  # (a no-op without softcap)
             w_local.grad = None
         lp, ent = kernels.linear_logprobs(hidden, w_local, target, with_entropy=True, temperature=1.2,
                                           tp_group=dist.group.WORLD)

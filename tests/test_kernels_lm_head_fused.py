@@ -29,6 +29,24 @@ def test_policy_loss_torch(chunk_tokens):
     check_policy_loss(37, 48, 301, backend="torch", tol=2e-6, chunk_tokens=chunk_tokens, temperature=1.3)
 
 
+@pytest.mark.parametrize("softcap", [2.0, 5.0])
+def test_softcap_torch(softcap, monkeypatch):
+    # logits c tanh(z / c) before the temperature, z of std 3 against caps of 2 and 5 (the checks assert the capped and
+    # uncapped references differ by far more than their limits): mean and sum CE and the policy loss with its entropy
+    # term (dZ's slope 1 - tanh^2 read from x in the tile weights, the target's from its exact x), in several groups;
+    # 64-wide tiles so rows merge over 5 tiles; bf16 through the scaled fp16 dZ
+    from kernels.lm_head import torch_backend
+
+    check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6, chunk_tokens=8, reduction="mean", softcap=softcap)
+    check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6, reduction="sum", z_loss=1e-3, temperature=0.7,
+                        softcap=softcap)
+    check_policy_loss(37, 48, 301, backend="torch", tol=1e-5, chunk_tokens=7, temperature=1.3, softcap=softcap)
+    monkeypatch.setattr(torch_backend, "LOGITS_TILE_VOCAB", 64)
+    check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6, chunk_tokens=16, temperature=0.7, softcap=softcap)
+    check_policy_loss(64, 48, 301, backend="torch", tol=2e-5, grad_tol=3e-3, dtype=torch.bfloat16, adv_spread=1e3,
+                      chunk_tokens=32, logit_scale=30.0, softcap=softcap)
+
+
 def test_policy_loss_bf16_mixed_group_scales_torch():
     # advantages spanning 1e-3..1e3 across the token groups: each group's fp16 dlogits get their own power-of-two
     # scale, undone exactly by its GEMMs' alpha; gradients stay at the bf16 output floor

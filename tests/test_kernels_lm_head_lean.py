@@ -79,6 +79,19 @@ def test_lean_against_the_reference_torch(dtype, monkeypatch):
     assert rel(hidden.grad, rdh) < (gt or 2e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_lean_softcap_torch(dtype, monkeypatch):
+    # logits c tanh(z / c) before the temperature, z of std 3 against a cap of 3 (the checks assert the capped and
+    # uncapped references differ by far more than their limits): pass 1's dH and pass W's recomputed dZ both carry the
+    # slope, over every kind of chunk
+    small_lean_chunks(monkeypatch)
+    gt = 3e-3 if dtype == torch.bfloat16 else None
+    check_cross_entropy(37, 48, 301, backend="torch", tol=2e-6 if gt is None else 1e-5, grad_tol=gt, mode="lean",
+                        chunk_tokens=12, temperature=0.7, softcap=3.0, dtype=dtype)
+    check_policy_loss(29, 40, 257, backend="torch", tol=2e-5, grad_tol=gt, chunk_tokens=8, temperature=1.3,
+                      dtype=dtype, mode="lean", softcap=3.0)
+
+
 @pytest.mark.parametrize("frozen", ["weight", "hidden"])
 def test_one_gradient_only_torch(frozen, monkeypatch):
     # dH alone (a frozen head) borrows no storage; dW alone skips the dH GEMM

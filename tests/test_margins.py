@@ -286,24 +286,28 @@ def test_no_warning_on_a_measured_profile(measured):
     assert "memory error ±5% (measured)" in r.stdout
 
 
-def test_a_model_the_core_does_not_train_is_assumed_on_a_measured_profile(measured, tmp_path):
-    """Gemma 4 (planned, not trained) on a measured profile: no step of it was ever measured, so its bands, its
-    margin's error term and the plan's basis are the assumed ones, said in one line; a trained model on the same
-    profile keeps the measured bands; on a profile without a grid the profile's own warning stands."""
-    g = PRESETS["gemma4-26b-a4b"]
+@pytest.mark.parametrize("model, says", [
+    ("deepseek-v4-flash", "deepseek-v4-flash is planned, not trained by this core, so no step of it has been "
+                          "measured"),
+    ("gemma4-26b-a4b", "gemma4-26b-a4b's attention heads of 512 channels are wider than any measured step's (256)")])
+def test_a_model_no_measured_step_backs_is_assumed_on_a_measured_profile(measured, tmp_path, model, says):
+    """DeepSeek-V4 (planned, not trained) and Gemma 4 (trained, its full layers' heads 512 wide where the grids
+    timed 256 at most) on a measured profile: no measured step backs them, so their bands, their margin's error
+    term and the plan's basis are the assumed ones, said in one line; a model within the grid on the same profile
+    keeps the measured bands; on a profile without a grid the profile's own warning stands."""
+    g = PRESETS[model]
     hw = _hw("h200")
     assert margin.bands(hw, g) == margin.ASSUMED and margin.bands(hw, PRESETS["qwen35-35b"]).basis["memory"] == "measured"
+    assert margin.unmeasured(g) and not margin.unmeasured(PRESETS["gpt-oss-120b"])
     o = TrainOptions(micro_batch_tokens=32768)
     est = margin.estimate_with_margin(g, hw, 8, Layout(), o)
     e = margin.ASSUMED_MEMORY_ERROR
     assert est.margin.parts_gb["error"] == pytest.approx(est.total_gb * e / (1 - e))
-    r = runner.invoke(app, ["solve", "--model", "gemma4-26b-a4b", "--seq", "32k", "--hw", "h200", "-o",
-                            str(tmp_path / "g.yaml")])
+    r = runner.invoke(app, ["solve", "--model", model, "--seq", "32k", "--hw", "h200", "-o", str(tmp_path / "g.yaml")])
     assert r.exit_code == 0, r.output
     warn = [ln for ln in r.stderr.splitlines() if ln.startswith("warning:")]
-    assert warn == ["warning: gemma4-26b-a4b is planned, not trained by this core, so no step of it has been "
-                    "measured: its predictions on h200 are assumed (error band ±15% memory, ±25% step time; the "
-                    "margin holds the memory band back)"]
+    assert warn == [f"warning: {says}: its predictions on h200 are assumed (error band ±15% memory, ±25% step "
+                    f"time; the margin holds the memory band back)"]
     assert yaml.safe_load((tmp_path / "g.yaml").read_text())["prediction"]["basis"] == {"memory": "assumed",
                                                                                         "step_time": "assumed"}
     r = runner.invoke(app, ["solve", "--model", "qwen35-35b", "--seq", "32k", "--hw", "h200"])

@@ -1373,7 +1373,8 @@ def test_gemma4_reads_as_transformers_builds_it(tmp_path):
     keys, RoPE at 1e4 on whole heads) to one full layer of 512-wide heads (2 KV heads whose values are their keys,
     RoPE at 1e6 on a quarter), the dense MLP beside the experts as a shared expert of its width. Its parameters equal
     transformers' (25.23B on the meta device), and so do a small config's without keys as values and with
-    transformers' default layer types (the last forced full). The core does not train it (one line)."""
+    transformers' default layer types (the last forced full). The full layers' RoPE reads as proportional, the
+    logits' soft cap as given; the core trains it (its numerics against transformers: tests/test_gemma4.py)."""
     import transformers
 
     release = json.loads((FIXTURES / "gemma-4-26b-a4b.json").read_text())
@@ -1393,7 +1394,7 @@ def test_gemma4_reads_as_transformers_builds_it(tmp_path):
         0.25, 1.0, 1e6, 1e4)
     assert total_params(ours) == _meta_params(transformers.Gemma4ForCausalLM, cfg) == 25_233_141_760
     assert abs(active_params(ours) / 1e9 - 3.8) < 0.05
-    assert "Gemma 4's blocks" in trainable(ours) and "not trained" in trainable(ours)
+    assert trainable(ours) is None and ours.rope_proportional and ours.final_logit_softcap == 30.0
     # a small one: values projected on the full layers, transformers' default layer types (5 sliding : 1 full,
     # the last forced full), its default head widths and RoPE
     small = dict(model_type="gemma4_text", hidden_size=64, num_hidden_layers=8, num_attention_heads=4,
@@ -1423,7 +1424,8 @@ def test_gemma4_reads_as_transformers_builds_it(tmp_path):
     (dict(hidden_size_per_layer_input=256), "field 'hidden_size_per_layer_input': expected 0 or null (per-layer"),
     ({"hidden_size_per_layer_input": None}, None),  # null: none, as transformers reads it
     (dict(num_kv_shared_layers=4), "field 'num_kv_shared_layers': expected 0 or null"),
-    (dict(use_bidirectional_attention="all"), "field 'use_bidirectional_attention': expected \"vision\" or null")])
+    (dict(use_bidirectional_attention="all"), "field 'use_bidirectional_attention': expected \"vision\" or null"),
+    (dict(hidden_activation="gelu"), "field 'hidden_activation': expected \"gelu_pytorch_tanh\"")])
 def test_gemma4_variants_not_planned_are_refused_in_one_line(tmp_path, change, says):
     text = json.loads((FIXTURES / "gemma-4-26b-a4b.json").read_text())["text_config"] | change
     if says is None:

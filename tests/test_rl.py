@@ -92,19 +92,25 @@ def test_naive_fused_and_lean_heads_agree():
     h, w = torch.randn(9, 16, generator=g), torch.randn(40, 16, generator=g)
     tgt = torch.tensor([3, 0, 39, 7, -1, 12, 5, 5, 1])
     up_lp, up_ent = torch.randn(9, generator=g), torch.randn(9, generator=g)
-    for temperature in (1.0, 0.7):
+    by_case = {}
+    # softcap 3: the logits (std 4 here) capped to 3 tanh(z / 3) before the temperature, Gemma 4's head
+    for temperature, softcap in ((1.0, None), (0.7, None), (0.7, 3.0)):
         grads = {}
         for mode in ("naive", "fused", "lean"):
             hh, ww = h.clone().requires_grad_(), w.clone().requires_grad_()
-            lp, ent = token_logprobs(hh, ww, tgt, mode=mode, temperature=temperature, with_entropy=True)
+            lp, ent = token_logprobs(hh, ww, tgt, mode=mode, temperature=temperature, softcap=softcap,
+                                     with_entropy=True)
             ((lp * up_lp).sum() + (ent * up_ent).sum()).backward()
             grads[mode] = (lp.detach(), ent.detach(), hh.grad, ww.grad)
-        a = grads["naive"]
+        a = by_case[temperature, softcap] = grads["naive"]
         for mode in ("fused", "lean"):
             b = grads[mode]
             assert torch.allclose(a[0], b[0], atol=1e-5) and torch.allclose(a[1], b[1], atol=1e-4), mode
             assert torch.allclose(a[2], b[2], atol=1e-4) and torch.allclose(a[3], b[3], atol=1e-4), mode
         assert a[0][4] == 0
+    # the cap moves every output and gradient by far more than the tolerances above
+    capped, plain = by_case[0.7, 3.0], by_case[0.7, None]
+    assert all((c - p).abs().max() > 0.05 for c, p in zip(capped, plain))
     ref = torch.log_softmax(h @ w.T, -1)[torch.arange(9), tgt.clamp(min=0)]
     assert torch.allclose(token_logprobs(h, w, tgt, mode="naive")[:4], ref[:4], atol=1e-6)
     with pytest.raises(ValueError, match="lm_head must be"):
@@ -118,12 +124,12 @@ def test_loss_config_validation():
         LossConfig(aggregation="batch_mean")
 
 
-@pytest.mark.parametrize("impl", [None, "lean"])
+@pytest.mark.parametrize("impl,softcap", [(None, None), ("lean", None), (None, 1.0), ("lean", 1.0)])
 @pytest.mark.parametrize("aggregation", ["token_mean", "seq_mean"])
-def test_fused_policy_loss_equals_unfused(aggregation, impl):
+def test_fused_policy_loss_equals_unfused(aggregation, impl, softcap):
     # the loss handed to the head (three GEMMs, gradients formed in the forward; lean: four, in the gradients' own
     # storage) against token_logprobs (naive, materialized logits) + policy_loss: same loss, metrics and gradients,
-    # with every optional term on
+    # with every optional term on; softcap 1.0 caps logits of std 1.2 (token_logprobs' naive cap against the head's)
     from launch.rl import fused_nll_loss, fused_policy_loss
 
     g = torch.Generator().manual_seed(11)
@@ -140,12 +146,12 @@ def test_fused_policy_loss_equals_unfused(aggregation, impl):
     cfg = LossConfig(kl_coef=0.1, entropy_coef=0.01, aggregation=aggregation, tis_cap=2.0)
     kw = dict(old_logp_T=old, ref_logp_T=ref, rollout_logp_T=roll, seq_id_T=seq)
 
-    lp, ent = token_logprobs(h, w, tgt, mode="naive", temperature=0.8, with_entropy=True)
+    lp, ent = token_logprobs(h, w, tgt, mode="naive", temperature=0.8, softcap=softcap, with_entropy=True)
     loss_ref, m_ref = policy_loss(lp, adv, mask, cfg, entropy_T=ent, **kw)
     loss_ref.backward()
     gh, gw = h.grad.clone(), w.grad.clone()
     h.grad = w.grad = None
-    loss, m = fused_policy_loss(h, w, tgt, adv, mask, cfg, temperature=0.8, impl=impl, **kw)
+    loss, m = fused_policy_loss(h, w, tgt, adv, mask, cfg, temperature=0.8, softcap=softcap, impl=impl, **kw)
     loss.backward()
     assert loss.item() == pytest.approx(loss_ref.item(), rel=1e-5)
     assert torch.allclose(h.grad, gh, rtol=1e-4, atol=1e-7) and torch.allclose(w.grad, gw, rtol=1e-4, atol=1e-7)
@@ -154,7 +160,7 @@ def test_fused_policy_loss_equals_unfused(aggregation, impl):
         assert m[k].item() == pytest.approx(m_ref[k].item(), rel=1e-5, abs=1e-7), k
 
     h.grad = w.grad = None
-    nll, _ = fused_nll_loss(h, w, tgt, mask, impl=impl)
+    nll, _ = fused_nll_loss(h, w, tgt, mask, impl=impl, softcap=softcap)
     nll.backward()
-    lp = token_logprobs(h.detach(), w.detach(), tgt, mode="naive")
+    lp = token_logprobs(h.detach(), w.detach(), tgt, mode="naive", softcap=softcap)
     assert nll.item() == pytest.approx((-(lp * mask).sum() / mask.sum()).item(), rel=1e-5)

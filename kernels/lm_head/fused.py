@@ -3,7 +3,7 @@ logits-sized GEMMs instead of four (docs/kernels.md, "Three GEMMs: the fused pat
 linear_cross_entropy (mean or sum) and linear_policy_loss, and what the trainer runs (`lm_head: fused`).
 
 Shape legend: T tokens, H hidden size, V vocab rows on this rank, Tg tokens per group (M of the logits GEMM, K of
-the dW GEMM). x = logits / temperature.
+the dW GEMM). x = logits / temperature (the logits soft-capped first when head.softcap is set: numerics.py).
 
 The autograd path (kernels/lm_head/token_stats.py) cannot know dloss/dx until autograd calls its backward, so it
 runs the logits GEMM twice: once for the statistics in the forward and once, recomputed, for dx. Here the loss is
@@ -31,15 +31,15 @@ the same token_loss on the same numbers), and dH is summed over the group at the
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
 import torch.distributed as dist
 
 from kernels.lm_head.numerics import (
-    LN2, LOG2E, Coefficients, Head, TileStats, aligned_width, amax, combine_over_group, dz_scale, gemm_acc,
-    pow2_scale)
+    LN2, LOG2E, Coefficients, Head, TileStats, aligned_width, amax, cap_target_term, combine_over_group, dz_scale,
+    gemm_acc, pow2_scale)
 
 SCRATCH_BYTES = 2 * 2**30  # the most the group buffer of tile weights [Tg, V] holds (dZ is written over them)
 # The most tokens a group: the logits GEMM keeps the group's hidden block in L2 while it sweeps the vocabulary, and
@@ -130,9 +130,9 @@ def group_statistics(head: Head, g0: int, g1: int, with_entropy: bool, token_los
     """The first steps of a token group [g0, g1): the logits GEMM with its tile statistics (the weights into e_gV),
     the rows' lse, entropy and target logit (combined over tp_group) into totals[g0:g1], the loss's coefficients,
     and its contribution added to totals.loss. Returns the tile statistics (lse2 combined over the group) and the
-    coefficients."""
+    coefficients (with a cap, c times the target's slope: numerics.cap_target_term)."""
     st = head.kmod.logits_tiles(head.hidden[g0:g1], head.weight, head.tgt[g0:g1], head.inv_temp, with_entropy, e_gV,
-                                parts=parts)
+                                parts=parts, softcap=head.softcap)
     lse = torch.mul(st.lse2, LN2, out=totals.lse[g0:g1])
     lse2, ent, tz = st.lse2, st.ent, st.tz
     if head.tp_group is not None:
@@ -144,7 +144,7 @@ def group_statistics(head: Head, g0: int, g1: int, with_entropy: bool, token_los
     totals.tz[g0:g1].copy_(tz)
     coef, part = _coefficients(token_loss, totals.tz[g0:g1], lse, totals.ent[g0:g1], g0, g1, with_entropy)
     totals.loss.add_(part)
-    return TileStats(st.m2, st.tile_v, lse2), coef
+    return TileStats(st.m2, st.tile_v, lse2), cap_target_term(coef, totals.tz[g0:g1], head.softcap, head.inv_temp)
 
 
 def fused_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_tokens, need_h: bool, need_w: bool):
@@ -156,7 +156,7 @@ def fused_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_token
     half = hidden_TH.element_size() == 2
     if not half and in_dtype != torch.float32:  # fp64 and the like: the kernels compute in fp32
         hidden_TH, weight_VH = hidden_TH.float(), weight_VH.float()
-        head = Head(hidden_TH, weight_VH, head.tgt, head.inv_temp, head.tp_group, head.kmod)
+        head = replace(head, hidden=hidden_TH, weight=weight_VH)
     dev = hidden_TH.device
     f32 = dict(dtype=torch.float32, device=dev)
     e_dtype = torch.float16 if half else torch.float32
@@ -194,7 +194,8 @@ def fused_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_token
         # cuBLAS takes alpha from the host: the scale's copy is queued before the dZ pass and the h operand, so the
         # host has it while the GPU runs them and queues the GEMMs before the GPU runs dry
         scale_host.start(scale)
-        head.kmod.dlogits_from_tiles(dz_gV, tiles, head.tgt[g0:g1], tiles.lse2, coef, head.inv_temp, scale)
+        head.kmod.dlogits_from_tiles(dz_gV, tiles, head.tgt[g0:g1], tiles.lse2, coef, head.inv_temp, scale,
+                                     softcap=head.softcap)
         if need_w:
             h_g = hidden_TH[g0:g1] if not half else torch.mul(hidden_TH[g0:g1], h_scale_f, out=h_buf[: g1 - g0])
         s = scale_host.wait()

@@ -23,7 +23,7 @@ tokens x 4 rows, 0.22 MiB at H = 2048). The stream orders every reuse of those b
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Callable
 
 import torch
@@ -169,9 +169,10 @@ class _WeightPass:
         parts = arena.take((_parts_floats(tc, vc, self.tile),), torch.float32)
         tgt = head.tgt[t0:t1] - v0
         tiles = head.kmod.logits_tiles(head.hidden[t0:t1], head.weight[v0:v1], tgt, head.inv_temp, False, dz,
-                                       parts=parts, merge=False)
+                                       parts=parts, merge=False, softcap=head.softcap)
         coef = self.coef.rows(t0, t1)
-        head.kmod.dlogits_from_tiles(dz, tiles, tgt, coef.lse * LOG2E, coef, head.inv_temp, self.ops.dz_scale)
+        head.kmod.dlogits_from_tiles(dz, tiles, tgt, coef.lse * LOG2E, coef, head.inv_temp, self.ops.dz_scale,
+                                     softcap=head.softcap)
         return dz
 
     def run(self, dW):
@@ -259,7 +260,7 @@ def lean_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_tokens
     in_dtype = hidden_TH.dtype
     if hidden_TH.element_size() != 2 and in_dtype != torch.float32:  # fp64 and the like: the kernels run in fp32
         hidden_TH, weight_VH = hidden_TH.float(), weight_VH.float()
-        head = Head(hidden_TH, weight_VH, head.tgt, head.inv_temp, head.tp_group, head.kmod)
+        head = replace(head, hidden=hidden_TH, weight=weight_VH)
     dH = torch.empty_like(hidden_TH) if need_h else None
     dW = torch.empty_like(weight_VH) if need_w else None
     half = hidden_TH.element_size() == 2
@@ -295,7 +296,8 @@ def lean_run(head: Head, token_loss: TokenLoss, with_entropy: bool, chunk_tokens
         if not need_h:
             continue
         scale = dz_scale(coef, head.inv_temp) if half else one
-        head.kmod.dlogits_from_tiles(e, tiles, head.tgt[g0:g1], tiles.lse2, coef, head.inv_temp, scale)
+        head.kmod.dlogits_from_tiles(e, tiles, head.tgt[g0:g1], tiles.lse2, coef, head.inv_temp, scale,
+                                     softcap=head.softcap)
         dH32 = arena.take((g1 - g0, H), torch.float32)
         if convert:  # fp32 C across the chunks of W: no 16-bit partial sums; the scales come off once, on device
             w16 = arena.take((w_rows, H), torch.float16)

@@ -1,13 +1,20 @@
 """Numerics every path of the LM head shares: the named types passed between them, the fp16 scaling of the
 backward's operands, the fp32-accumulating GEMM calls, and the merge of statistics over vocabulary parts.
 
-Shape legend: T tokens, H hidden size, V vocab rows on this rank, N vocab tiles or splits. x = logits / temperature.
+Shape legend: T tokens, H hidden size, V vocab rows on this rank, N vocab tiles or splits. z = hidden @ weight.T,
+x = z / temperature, or with a soft cap c (Gemma's final_logit_softcapping) x = c tanh(z / c) / temperature.
 
 The head maps (hidden, weight) to three per-token vectors over x: tz = x[target] (0 where the target is not a row
 here), lse = log sum_v exp(x_v), ent = -sum_v p_v log p_v (p = softmax(x)). Any loss on them has, per logit,
     dloss/dx_v = p_v (a + b x_v) + c [v == target],  a = g_lse + g_ent (lse - ent),  b = -g_ent,  c = g_tz
 (g_* the loss's gradients with respect to tz, lse and ent; d lse/dx = p, d ent/dx_v = -p_v (x_v - lse + ent)), and
-dloss/dlogit is that divided by the temperature. `Coefficients` carries (lse, a, b, c).
+dloss/dz is that divided by the temperature (times the cap's slope, below). `Coefficients` carries (lse, a, b, c).
+
+With a cap, dx/dz = (1 - tanh^2(z / c)) / temperature, and tanh(z / c) = x temperature / c: the slope
+1 - (x temperature / c)^2 (`softcap_slope`) is formed from x wherever the dZ kernels have it. They apply it to the
+p term of every logit; the target's term takes it from tz (exact fp32), folded into c (`cap_target_term`), since the
+target's tile weight may have underflowed where its x cannot be read back from it. |slope| <= 1, so every bound on
+dZ below holds with the cap, and |x| <= c / temperature.
 """
 
 from __future__ import annotations
@@ -33,7 +40,8 @@ PARTS_PER_TILE = 3
 class Head:
     """One call's operands: hidden [T, H] and weight [V, H] (same dtype, contiguous), the target as a row index of
     this weight (outside [0, V) matches nothing: ignored, or on another rank), 1 / temperature, the vocab-parallel
-    group (None: the whole vocabulary is here) and the backend module (torch_backend or triton_backend)."""
+    group (None: the whole vocabulary is here), the backend module (torch_backend or triton_backend) and the soft
+    cap c of the logits (None: none; see `softcap_value`). Derived heads are made with dataclasses.replace."""
 
     hidden: torch.Tensor
     weight: torch.Tensor
@@ -41,6 +49,7 @@ class Head:
     inv_temp: float
     tp_group: object
     kmod: object
+    softcap: float | None
 
 
 @dataclass(frozen=True)
@@ -85,6 +94,31 @@ def local_target(target_T: torch.Tensor, V: int, tp_group) -> torch.Tensor:
     pad the vocabulary); no copy of an int64 target on one rank."""
     rank, _ = tp_info(tp_group)
     return target_T.long() - rank * V if rank else target_T.long()
+
+
+def softcap_value(softcap) -> float | None:
+    """The cap as the kernels take it: None for None or 0 (no cap: the uncapped code paths), else a positive float."""
+    if softcap is None or softcap == 0:
+        return None
+    softcap = float(softcap)
+    if not 0 < softcap < math.inf:
+        raise ValueError(f"softcap must be a positive number, 0 or None, got {softcap}")
+    return softcap
+
+
+def softcap_slope(x: torch.Tensor, softcap: float, inv_temp: float) -> torch.Tensor:
+    """1 - tanh^2(z / c) from x = c tanh(z / c) / temperature: t = x temperature / c, (1 - t)(1 + t)."""
+    t = x * (1.0 / (softcap * inv_temp))
+    return (1.0 - t) * (1.0 + t)
+
+
+def cap_target_term(coef: Coefficients, tz: torch.Tensor, softcap: float | None, inv_temp: float) -> Coefficients:
+    """The coefficients with the target's slope folded into c (c [v == target] is dloss/dx at the target only):
+    temperature dloss/dz_v = p_v (a + b x_v) slope_v + c slope(tz) [v == target]. tz is the exact fp32 target x (0
+    where the target is ignored: c is 0 there). No cap: coef itself."""
+    if softcap is None:
+        return coef
+    return Coefficients(coef.lse, coef.a, coef.b, (coef.c * softcap_slope(tz, softcap, inv_temp)).contiguous())
 
 
 def check_inputs(hidden, weight, target, temperature):
@@ -224,7 +258,7 @@ def amax(x: torch.Tensor) -> torch.Tensor:
 
 def dz_scale(coef: Coefficients, inv_temp: float) -> torch.Tensor:
     """The power-of-two scale of an fp16 dZ for these tokens (0-dim, no host sync): |dlogit| <= (|a| + |b| (|lse| + 1)
-    + |c|) / temperature, since p |x| <= |lse| + 1."""
+    + |c|) / temperature, since p |x| <= |lse| + 1 (and a cap's slope is at most 1)."""
     bound = amax(coef.a) + amax(coef.c)
     if coef.b is not None:
         bound = bound + amax(coef.b) * (amax(coef.lse) + 1)

@@ -2,7 +2,8 @@
 function from (hidden, weight) to the per-token tz, lse and ent, whose backward recomputes the logits. Four
 logits-sized GEMMs in all: one in the forward, three in the backward.
 
-Shape legend: T tokens, H hidden size, V vocab rows on this rank, Tc/Vc chunk sizes. x = logits / temperature.
+Shape legend: T tokens, H hidden size, V vocab rows on this rank, Tc/Vc chunk sizes. x = logits / temperature (the
+logits soft-capped first when head.softcap is set: numerics.py).
 
 Forward: per token chunk of whole vocabulary rows, the logits GEMM with the statistics in its epilogue
 (kmod.logits_tiles, writing no logits); chunks of the vocabulary (chunk_vocab) are merged like vocab splits.
@@ -20,8 +21,8 @@ import torch
 import torch.distributed as dist
 
 from kernels.lm_head.numerics import (
-    GEMM_ALIGN, LN2, PARTS_PER_TILE, Coefficients, Head, backward_operands, combine_over_group, combine_splits,
-    downcast_in_place, gemm_acc, logits_fp32)
+    GEMM_ALIGN, LN2, PARTS_PER_TILE, Coefficients, Head, backward_operands, cap_target_term, combine_over_group,
+    combine_splits, downcast_in_place, gemm_acc, logits_fp32)
 
 BACKWARD_SCRATCH_BYTES = 128 * 2**20  # the fp32 logits chunk's budget; see chunk_sizes
 FORWARD_PARTS_BYTES = 256 * 2**20  # the forward's per-tile statistics of one token chunk
@@ -50,7 +51,7 @@ def forward_stats(head: Head, with_entropy: bool, chunk_tokens, chunk_vocab):
         for t0 in range(0, T, Tc):
             t1 = min(t0 + Tc, T)
             st = head.kmod.logits_tiles(hidden_TH[t0:t1], weight_VH[v0:v1], tgt_T[t0:t1] - v0, head.inv_temp,
-                                        with_entropy)
+                                        with_entropy, softcap=head.softcap)
             torch.mul(st.lse2, LN2, out=lse_ST[si, t0:t1])
             ent_ST[si, t0:t1] = st.ent
             tz_ST[si, t0:t1] = st.tz
@@ -115,7 +116,7 @@ def backward_chunks(head: Head, coef: Coefficients, need_h: bool, need_w: bool, 
             z_tv = z_buf[: t1 - t0, : v1 - v0]
             logits_fp32(h_tH, w_vH, z_tv)
             head.kmod.dlogits_from_logits(z_tv, tgt_T[t0:t1], v0, coef.rows(t0, t1), head.inv_temp, ops.dz_scale,
-                                          dZ_tv)
+                                          dZ_tv, softcap=head.softcap)
             if need_w:
                 h_g = h_tH if ops.dtype == h_tH.dtype else torch.mul(h_tH, ops.h_scale, out=h_buf[: t1 - t0])
                 gemm_acc(dW32_buf[: v1 - v0], dZ_tv.T, h_g, first=(t0 == 0))
@@ -140,7 +141,8 @@ def backward_chunks(head: Head, coef: Coefficients, need_h: bool, need_w: bool, 
 
 class TokenStats(torch.autograd.Function):
     """(hidden, weight, head, with_entropy, chunks) -> (tz, lse, ent) [T] fp32; `head` carries the local target,
-    1 / temperature, the group and the backend (its hidden and weight are the same tensors as the inputs)."""
+    1 / temperature, the group, the backend and the cap (its hidden and weight are the same tensors as the
+    inputs)."""
 
     @staticmethod
     def forward(ctx, hidden_TH, weight_VH, head: Head, with_entropy, chunk_tokens, chunk_vocab):
@@ -149,23 +151,26 @@ class TokenStats(torch.autograd.Function):
             lse_T, ent_T, tz_T = combine_over_group(lse_T, ent_T, tz_T, head.tp_group)
         if not with_entropy:
             ent_T = torch.zeros_like(lse_T)
-        ctx.save_for_backward(hidden_TH, weight_VH, head.tgt, lse_T, ent_T if with_entropy else None)
-        ctx.cfg = (head.inv_temp, head.tp_group, head.kmod, with_entropy, chunk_tokens, chunk_vocab)
+        # tz for the cap's slope at the target (numerics.cap_target_term)
+        ctx.save_for_backward(hidden_TH, weight_VH, head.tgt, lse_T, ent_T if with_entropy else None,
+                              tz_T if head.softcap is not None else None)
+        ctx.cfg = (head.inv_temp, head.tp_group, head.kmod, head.softcap, with_entropy, chunk_tokens, chunk_vocab)
         if not with_entropy:
             ctx.mark_non_differentiable(ent_T)
         return tz_T, lse_T, ent_T
 
     @staticmethod
     def backward(ctx, g_tz, g_lse, g_ent):
-        hidden_TH, weight_VH, tgt_T, lse_T, ent_T = ctx.saved_tensors
-        inv_temp, tp_group, kmod, with_entropy, chunk_tokens, chunk_vocab = ctx.cfg
+        hidden_TH, weight_VH, tgt_T, lse_T, ent_T, tz_T = ctx.saved_tensors
+        inv_temp, tp_group, kmod, softcap, with_entropy, chunk_tokens, chunk_vocab = ctx.cfg
         # dloss/dx = p (a + b x) + c [target]; without an entropy gradient b = 0 and a = g_lse itself
         g_tz = torch.zeros_like(lse_T) if g_tz is None else g_tz.float().contiguous()
         g_lse = torch.zeros_like(lse_T) if g_lse is None else g_lse.float().contiguous()
         has_b = with_entropy and g_ent is not None
         a_T = (g_lse + g_ent.float() * (lse_T - ent_T)).contiguous() if has_b else g_lse
         b_T = (-g_ent.float()).contiguous() if has_b else torch.zeros_like(lse_T)  # (the dZ kernel reads b)
-        head = Head(hidden_TH, weight_VH, tgt_T, inv_temp, tp_group, kmod)
-        dH_TH, dW_VH = backward_chunks(head, Coefficients(lse_T, a_T, b_T, g_tz), ctx.needs_input_grad[0],
-                                       ctx.needs_input_grad[1], chunk_tokens, chunk_vocab)
+        head = Head(hidden_TH, weight_VH, tgt_T, inv_temp, tp_group, kmod, softcap)
+        coef = cap_target_term(Coefficients(lse_T, a_T, b_T, g_tz), tz_T, softcap, inv_temp)
+        dH_TH, dW_VH = backward_chunks(head, coef, ctx.needs_input_grad[0], ctx.needs_input_grad[1], chunk_tokens,
+                                       chunk_vocab)
         return dH_TH, dW_VH, None, None, None, None

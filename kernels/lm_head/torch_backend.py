@@ -3,7 +3,8 @@
 exist beyond one [tokens, tile] block.
 
 Shape legend: T tokens, H hidden, V vocab rows (this rank's or this chunk's), N = ceil(V / tile width) tiles.
-x = logits / temperature; x2 = x log2 e; statistics in log2 units where named *2.
+z = h . w; x = z / temperature, or c tanh(z / c) / temperature with a soft cap c (softcap; None: none); x2 = x log2 e;
+statistics in log2 units where named *2.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from __future__ import annotations
 import torch
 
 from kernels.lm_head.numerics import (
-    E_LOG2, E_SCALE, LN2, LOG2E, PARTS_PER_TILE, Coefficients, TileStats, weight_columns)
+    E_LOG2, E_SCALE, LN2, LOG2E, PARTS_PER_TILE, Coefficients, TileStats, softcap_slope, weight_columns)
 
 LOGITS_TILE_VOCAB = 4096  # the tile width of logits_tiles here (tests shrink it to cross tile edges)
 TARGET_CHUNK_TOKENS = 4096  # target_logits gathers this many rows of the weight at a time
@@ -22,8 +23,16 @@ def tile_vocab(hidden_TH) -> int:
     return LOGITS_TILE_VOCAB
 
 
-def target_logits(hidden_TH, weight_VH, tgt_T, inv_temp: float, out=None):
-    """tz [T] fp32: each token's logit at its target (0 where the target is outside [0, V)), one gathered dot a
+def _x_from_z(z, inv_temp: float, softcap: float | None, log2_units: bool = False):
+    """x (x2 with log2_units) from fp32 logits z: z / temperature, or c tanh(z / c) / temperature."""
+    k = inv_temp * (LOG2E if log2_units else 1.0)
+    if softcap is None:
+        return z * k
+    return torch.tanh(z * (1.0 / softcap)) * (softcap * k)
+
+
+def target_logits(hidden_TH, weight_VH, tgt_T, inv_temp: float, out=None, softcap=None):
+    """tz [T] fp32: each token's x at its target (0 where the target is outside [0, V)), one gathered dot a
     token in fp32, chunked so that no [T, H] fp32 copy exists."""
     T, V = hidden_TH.shape[0], weight_VH.shape[0]
     out = torch.empty(T, dtype=torch.float32, device=hidden_TH.device) if out is None else out
@@ -32,13 +41,13 @@ def target_logits(hidden_TH, weight_VH, tgt_T, inv_temp: float, out=None):
         tgt = tgt_T[t0:t1]
         hit = (tgt >= 0) & (tgt < V)
         w_tH = weight_VH[tgt.clamp(0, max(V - 1, 0))].float()
-        tz = (hidden_TH[t0:t1].float() * w_tH).sum(1) * inv_temp
+        tz = _x_from_z((hidden_TH[t0:t1].float() * w_tH).sum(1), inv_temp, softcap)
         out[t0:t1] = torch.where(hit, tz, 0.0)
     return out
 
 
 def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, parts=None,
-                 merge=True) -> TileStats:
+                 merge=True, softcap=None) -> TileStats:
     """The logits GEMM with the statistics in its epilogue: per [T, tile] logits block, each row's max m2 and the
     block's own lse2 and entropy; 2^14 e = 2^(x2 - m2 + 14) written into e_TV (its dtype; [T, >= V], its columns
     past V written as zeros, within the last tile) when given. parts: a flat
@@ -58,7 +67,7 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
     h_TH = hidden_TH.float()
     for i, v0 in enumerate(range(0, V, tile)):
         v1 = min(v0 + tile, V)
-        x2_Tv = (h_TH @ weight_VH[v0:v1].float().T) * (inv_temp * LOG2E)
+        x2_Tv = _x_from_z(h_TH @ weight_VH[v0:v1].float().T, inv_temp, softcap, log2_units=True)
         m2_NT[i] = x2_Tv.amax(1)
         y2_Tv = x2_Tv - m2_NT[i][:, None]
         e_Tv = torch.exp2(y2_Tv)
@@ -71,7 +80,8 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
     if not merge:
         return TileStats(m2_NT, tile)
     lse2_T, ent_T = merge_tiles(lse2_NT, ent_NT, with_entropy)
-    return TileStats(m2_NT, tile, lse2_T, ent_T, target_logits(hidden_TH, weight_VH, tgt_T, inv_temp))
+    return TileStats(m2_NT, tile, lse2_T, ent_T, target_logits(hidden_TH, weight_VH, tgt_T, inv_temp,
+                                                              softcap=softcap))
 
 
 def merge_tiles(lse2_NT, ent_NT, with_entropy: bool):
@@ -90,8 +100,10 @@ def merge_tiles(lse2_NT, ent_NT, with_entropy: bool):
     return lse2_T, ent_T
 
 
-def dlogits_from_tiles(e_TV, tiles: TileStats, tgt_T, lse2_T, coef: Coefficients, inv_temp: float, scale) -> None:
-    """In place over e_TV (2^14 e): scale * dloss/dlogit with p = e exp2(m2 - lse2), x = (m2 + log2 e) ln 2."""
+def dlogits_from_tiles(e_TV, tiles: TileStats, tgt_T, lse2_T, coef: Coefficients, inv_temp: float, scale,
+                       softcap=None) -> None:
+    """In place over e_TV (2^14 e): scale * dloss/dz with p = e exp2(m2 - lse2), x = (m2 + log2 e) ln 2; with a cap
+    the p term times softcap_slope(x) (coef.c carries the target's: numerics.cap_target_term)."""
     T, V = e_TV.shape
     tile_v = tiles.tile_v
     for i, v0 in enumerate(range(0, V, tile_v)):
@@ -99,9 +111,12 @@ def dlogits_from_tiles(e_TV, tiles: TileStats, tgt_T, lse2_T, coef: Coefficients
         e_Tv = e_TV[:, v0:v1].float()
         p_Tv = e_Tv * torch.exp2(tiles.m2[i] - lse2_T - E_LOG2)[:, None]
         factor = coef.a[:, None]
-        if coef.b is not None:
+        if coef.b is not None or softcap is not None:  # (e = 0: p = 0, whatever x is taken as)
             x_Tv = torch.where(e_Tv > 0, (tiles.m2[i][:, None] + torch.log2(e_Tv) - E_LOG2) * LN2, 0.0)
+        if coef.b is not None:
             factor = factor + coef.b[:, None] * x_Tv
+        if softcap is not None:
+            factor = factor * softcap_slope(x_Tv, softcap, inv_temp)
         dz_Tv = p_Tv * factor
         local = tgt_T - v0
         hit = (local >= 0) & (local < v1 - v0)
@@ -110,10 +125,13 @@ def dlogits_from_tiles(e_TV, tiles: TileStats, tgt_T, lse2_T, coef: Coefficients
         e_TV[:, v0:v1] = dz_Tv * (inv_temp * scale)
 
 
-def dlogits_from_logits(z_TV, tgt_T, v_off: int, coef: Coefficients, inv_temp: float, scale, out_TV):
-    """out_TV = scale * dloss/dlogit from an fp32 logits chunk (coef.b given: zeros for b = 0)."""
-    x_TV = z_TV * inv_temp
+def dlogits_from_logits(z_TV, tgt_T, v_off: int, coef: Coefficients, inv_temp: float, scale, out_TV, softcap=None):
+    """out_TV = scale * dloss/dz from an fp32 logits chunk z (coef.b given: zeros for b = 0); with a cap the p term
+    times 1 - tanh^2(z / c) (coef.c carries the target's: numerics.cap_target_term)."""
+    x_TV = _x_from_z(z_TV, inv_temp, softcap)
     dz_TV = torch.exp(x_TV - coef.lse[:, None]) * (coef.a[:, None] + coef.b[:, None] * x_TV)
+    if softcap is not None:
+        dz_TV = dz_TV * softcap_slope(x_TV, softcap, inv_temp)
     local = tgt_T - v_off
     hit = (local >= 0) & (local < z_TV.shape[1])
     rows = torch.nonzero(hit)[:, 0]

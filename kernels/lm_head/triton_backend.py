@@ -5,8 +5,9 @@ torch_backend.py holds the same functions in torch. Imported lazily (never at pa
 needs no triton.
 
 Shape legend: T tokens (a group), H hidden size, V vocab rows held by this rank, N = ceil(V / tile width) tiles.
-x = (h . w_v) / temperature in fp32 registers; x2 = x log2 e; statistics in log2 units where named *2. Tile sizes:
-kernels/lm_head/tiles.py.
+z = h . w_v in fp32 registers; x = z / temperature, or with a soft cap c x = c tanh(z / c) / temperature (the
+kernels' SOFTCAP constexpr: off, they compile to the uncapped code); x2 = x log2 e; statistics in log2 units where
+named *2. Tile sizes: kernels/lm_head/tiles.py.
 """
 
 from __future__ import annotations
@@ -66,6 +67,23 @@ def _dot_fp32(t: torch.Tensor) -> bool:
 
 
 @triton.jit
+def _tanh(z, k):
+    """tanh(z / c) in fp32 with k = -2 log2(e) / c: 2 / (1 + exp(-2 z / c)) - 1, an exp2 and a reciprocal (Triton's
+    fp32 division), ~1e-7 absolute error; exp2 going to inf or 0 gives -1 or 1. Plain Triton, so the interpreter
+    runs it (it cannot run libdevice's tanhf); the (1 - f) / (1 + f) form with f = exp(-2 |z| / c) and the sign put
+    back costs 7 instructions a logit more in the logits GEMM's epilogue (SASS, sm_90a) for the same error."""
+    return 2.0 / (1.0 + tl.exp2(z * k)) - 1.0
+
+
+def _softcap_args(softcap, inv_temp: float) -> tuple[float, float]:
+    """(k, x per unit of tanh): the runtime floats of the SOFTCAP kernels, x = _tanh(z, k) * c / temperature; no
+    cap: (0, 1 / temperature), k unused."""
+    if softcap is None:
+        return 0.0, inv_temp
+    return -2.0 * LOG2E / softcap, softcap * inv_temp
+
+
+@triton.jit
 def _token_rows(pid_t, T, BLOCK_T: tl.constexpr):
     """Token block pid_t: its row indices (int64, so T x stride never overflows), which are < T, and the indices
     clamped to T - 1 (clamped rows load without a mask; their results are never stored)."""
@@ -97,18 +115,19 @@ E_LOG2 = tl.constexpr(_E_LOG2)  # the weights are stored times 2^14 (see _tile_e
 @triton.jit
 def _logits_tiles_kernel(
     h_ptr, w_ptr, e_ptr, m2_ptr, lse2_ptr, ent_ptr,
-    T, V, VE, H, stride_h, stride_w, stride_e, k2,
-    WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, DOT_FP32: tl.constexpr, EVEN_K: tl.constexpr,
-    SUBTILE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
+    T, V, VE, H, stride_h, stride_w, stride_e, k2, cap_k,
+    WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr, DOT_FP32: tl.constexpr,
+    EVEN_K: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_T, BLOCK_V] logits tile per program, acc = h . w in fp32 registers, then per row of the tile: its
-    max and the lse of the tile's own softmax (both in log2 units, x2 = acc k2, k2 = log2 e / temperature) and its
-    entropy, stored at [tile, row] ([num_tiles, T] arrays, merged like vocab splits); and, if WRITE_E, the tile's
-    weights 2^14 e, e = exp(x - tile max) in (0, 1], in e's dtype (fp16 keeps 11 significant bits at any
-    magnitude: unlike x itself, whose fp16 rounding would grow with |x|). The target logit is not here: one gather
-    dot per token (_target_logit_kernel) costs T H instead of a compare on every one of the T V logits. The token
-    blocks of one vocab tile are adjacent program ids: the weight tile comes from HBM once and the [T, H] hidden
-    block (16 MiB at T = 4096) stays in L2. (The persistent TMA variant below is what Hopper runs.)"""
+    max and the lse of the tile's own softmax (both in log2 units, x2 = acc k2, k2 = log2 e / temperature; with
+    SOFTCAP x2 = _tanh(acc, cap_k) k2, k2 = c log2 e / temperature) and its entropy, stored at [tile, row]
+    ([num_tiles, T] arrays, merged like vocab splits); and, if WRITE_E, the tile's weights 2^14 e,
+    e = exp(x - tile max) in (0, 1], in e's dtype (fp16 keeps 11 significant bits at any magnitude: unlike x itself,
+    whose fp16 rounding would grow with |x|). The target logit is not here: one gather dot per token
+    (_target_logit_kernel) costs T H instead of a compare on every one of the T V logits. The token blocks of one
+    vocab tile are adjacent program ids: the weight tile comes from HBM once and the [T, H] hidden block (16 MiB at
+    T = 4096) stays in L2. (The persistent TMA variant below is what Hopper runs.)"""
     pid = tl.program_id(0)
     num_t = tl.cdiv(T, BLOCK_T)
     pid_v = pid // num_t
@@ -117,14 +136,16 @@ def _logits_tiles_kernel(
     offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
     acc = _logits_tile(h_ptr, w_ptr, rows, offs_v, V, H, stride_h, stride_w, DOT_FP32, EVEN_K, BLOCK_T, BLOCK_V,
                        BLOCK_K)
-    _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, VE, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr, k2, WRITE_E,
-                   WITH_ENTROPY, SUBTILE, BLOCK_V)
+    _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, VE, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr, k2, cap_k,
+                   WRITE_E, WITH_ENTROPY, SOFTCAP, SUBTILE, BLOCK_V)
 
 
 @triton.jit
-def _tile_x2(acc, offs_v, V, k2):
+def _tile_x2(acc, offs_v, V, k2, cap_k, SOFTCAP: tl.constexpr):
     """x2 = x log2 e for one column block of a tile, columns past V pushed to _PAST_V (one FMA an element: the bias
-    is a per-column vector)."""
+    is a per-column vector); SOFTCAP: of the capped logit, one _tanh an element before it."""
+    if SOFTCAP:
+        acc = _tanh(acc, cap_k)
     return acc * k2 + tl.where(offs_v < V, 0.0, _PAST_V)[None, :]
 
 
@@ -135,8 +156,9 @@ def _store_weights(e_ptr, offs_t, t_mask, offs_v, V, stride_e, e):
 
 
 @triton.jit
-def _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, VE, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr, k2,
-                   WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr, BLOCK_V: tl.constexpr):
+def _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, VE, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr, k2, cap_k,
+                   WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr, SUBTILE: tl.constexpr,
+                   BLOCK_V: tl.constexpr):
     """Per row of the [BLOCK_T, BLOCK_V] tile: max m2 and lse2 of the tile's softmax (log2 units, x2 = acc k2),
     its entropy; 2^14 e = 2^(x2 - m2 + 14) stored when WRITE_E (in (0, 2^14]: fp16 keeps full precision down to
     e = 2^-28, as far below the tile's max as the scaled dZ keeps below the group's). The 2^14 is folded into the
@@ -151,8 +173,8 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, VE, e_ptr, stride_e, m2_ptr
         acc0, acc1 = tl.split(tl.permute(tl.reshape(acc, [acc.shape[0], 2, BLOCK_V // 2]), [0, 2, 1]))
         offs_v0 = pid_v * BLOCK_V + tl.arange(0, BLOCK_V // 2)
         offs_v1 = offs_v0 + BLOCK_V // 2
-        x2_0 = _tile_x2(acc0, offs_v0, V, k2)
-        x2_1 = _tile_x2(acc1, offs_v1, V, k2)
+        x2_0 = _tile_x2(acc0, offs_v0, V, k2, cap_k, SOFTCAP)
+        x2_1 = _tile_x2(acc1, offs_v1, V, k2, cap_k, SOFTCAP)
         m2 = tl.maximum(tl.max(x2_0, 1), tl.max(x2_1, 1))
         e0 = tl.exp2(x2_0 - (m2 - E_LOG2)[:, None])
         e1 = tl.exp2(x2_1 - (m2 - E_LOG2)[:, None])
@@ -164,7 +186,7 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, VE, e_ptr, stride_e, m2_ptr
             _store_weights(e_ptr, offs_t, t_mask, offs_v1, VE, stride_e, e1)
     else:
         offs_v = pid_v * BLOCK_V + tl.arange(0, BLOCK_V)
-        x2 = _tile_x2(acc, offs_v, V, k2)
+        x2 = _tile_x2(acc, offs_v, V, k2, cap_k, SOFTCAP)
         m2 = tl.max(x2, 1)  # a real logit: every tile holds at least one column < V
         e = tl.exp2(x2 - (m2 - E_LOG2)[:, None])
         s = tl.sum(e, 1)  # >= 2^14 (the max itself)
@@ -183,8 +205,8 @@ def _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, VE, e_ptr, stride_e, m2_ptr
 @triton.jit
 def _logits_tiles_tma_kernel(
     h_desc, w_desc, e_ptr, m2_ptr, lse2_ptr, ent_ptr,
-    T, V, VE, H, stride_e, k2, NUM_PROGRAMS,
-    WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, SUBTILE: tl.constexpr,
+    T, V, VE, H, stride_e, k2, cap_k, NUM_PROGRAMS,
+    WRITE_E: tl.constexpr, WITH_ENTROPY: tl.constexpr, SOFTCAP: tl.constexpr, SUBTILE: tl.constexpr,
     BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """_logits_tiles_kernel for Hopper: persistent (one program per SM walks tiles NUM_PROGRAMS apart, the token
@@ -203,15 +225,16 @@ def _logits_tiles_tma_kernel(
             b = w_desc.load([pid_v * BLOCK_V, k0])
             acc = tl.dot(a, b.T, acc)
         offs_t, t_mask, _ = _token_rows(pid_t, T, BLOCK_T)
-        _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, VE, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr, k2,
-                       WRITE_E, WITH_ENTROPY, SUBTILE, BLOCK_V)
+        _tile_epilogue(acc, pid_v, offs_t, t_mask, T, V, VE, e_ptr, stride_e, m2_ptr, lse2_ptr, ent_ptr, k2, cap_k,
+                       WRITE_E, WITH_ENTROPY, SOFTCAP, SUBTILE, BLOCK_V)
 
 
 @triton.jit
-def _target_logit_kernel(h_ptr, w_ptr, tgt_ptr, out_ptr, T, V, H, stride_h, stride_w, inv_temp,
-                         BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
-    """tz = (h . w[target]) / temperature per token, fp32 accumulation (0 where the target is not a row of this
-    weight: ignored, or on another rank)."""
+def _target_logit_kernel(h_ptr, w_ptr, tgt_ptr, out_ptr, T, V, H, stride_h, stride_w, x_k, cap_k,
+                         SOFTCAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_H: tl.constexpr):
+    """tz = x at the target per token: z = h . w[target] in fp32, times x_k = 1 / temperature, or with SOFTCAP
+    _tanh(z, cap_k) times x_k = c / temperature (0 where the target is not a row of this weight: ignored, or on
+    another rank)."""
     pid = tl.program_id(0)
     offs_t, t_mask, rows = _token_rows(pid, T, BLOCK_T)
     tgt = tl.load(tgt_ptr + rows)
@@ -225,27 +248,32 @@ def _target_logit_kernel(h_ptr, w_ptr, tgt_ptr, out_ptr, T, V, H, stride_h, stri
         a = tl.load(h_rows + kk[None, :], mask=k_mask, other=0.0).to(tl.float32)
         b = tl.load(w_rows + kk[None, :], mask=k_mask & hit[:, None], other=0.0).to(tl.float32)
         acc += tl.sum(a * b, 1)
-    tl.store(out_ptr + offs_t, acc * inv_temp, mask=t_mask)
+    if SOFTCAP:
+        acc = _tanh(acc, cap_k)
+    tl.store(out_ptr + offs_t, acc * x_k, mask=t_mask)
 
 
-def target_logits(hidden_TH, weight_VH, tgt_T, inv_temp: float, out=None):
-    """tz [T] fp32: each token's logit at its target (0 where the target is outside [0, V))."""
+def target_logits(hidden_TH, weight_VH, tgt_T, inv_temp: float, out=None, softcap=None):
+    """tz [T] fp32: each token's x at its target (0 where the target is outside [0, V))."""
     T, H = hidden_TH.shape
     out = torch.empty(T, dtype=torch.float32, device=hidden_TH.device) if out is None else out
     bt, bh, warps = TARGET_TILES[_VENDOR]
+    cap_k, x_k = _softcap_args(softcap, inv_temp)
     _target_logit_kernel[(triton.cdiv(T, bt),)](hidden_TH, weight_VH, tgt_T, out, T, weight_VH.shape[0], H,
-                                               hidden_TH.stride(0), weight_VH.stride(0), inv_temp,
-                                               BLOCK_T=bt, BLOCK_H=bh, num_warps=warps)
+                                               hidden_TH.stride(0), weight_VH.stride(0), x_k, cap_k,
+                                               SOFTCAP=softcap is not None, BLOCK_T=bt, BLOCK_H=bh, num_warps=warps)
     return out
 
 
 @triton.jit
 def _tiles_dz_kernel(
-    e_ptr, stride_e, m2_ptr, tgt_ptr, lse2_ptr, a_ptr, b_ptr, c_ptr, scale_ptr, T, V, inv_temp,
-    HAS_B: tl.constexpr, TILE_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    e_ptr, stride_e, m2_ptr, tgt_ptr, lse2_ptr, a_ptr, b_ptr, c_ptr, scale_ptr, T, V, inv_temp, t_per_x,
+    HAS_B: tl.constexpr, SOFTCAP: tl.constexpr, TILE_V: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """In place: the tile weights (2^14 e) -> dz = scale * (p (a + b x) + c [v == target]) * inv_temp, with
-    p = e * exp2(m2 - lse2) and (only when b is used) x = (m2 + log2 e) ln 2 (m2: the tile's max, log2 units).
+    p = e * exp2(m2 - lse2) and (only when b or the cap use it) x = (m2 + log2 e) ln 2 (m2: the tile's max, log2
+    units); SOFTCAP: the p term times the slope 1 - t^2, t = x t_per_x = tanh(z / c) (t_per_x = temperature / c; c
+    carries the target's own slope: numerics.cap_target_term).
     BLOCK_V divides TILE_V, so each program's columns share one tile max per row. Elementwise: each element is
     read and written by one program."""
     pid = tl.program_id(0)
@@ -261,9 +289,13 @@ def _tiles_dz_kernel(
     e = tl.load(ptrs, mask=mask, other=0.0).to(tl.float32)
     p = e * tl.exp2(m2 - lse2 - E_LOG2)[:, None]  # e is stored times 2^14
     coef = tl.load(a_ptr + rows)[:, None]
+    if HAS_B or SOFTCAP:
+        x = tl.where(e > 0, (m2[:, None] + tl.log2(e) - E_LOG2) * 0.6931471805599453, 0.0)  # e = 0: p = 0
     if HAS_B:
-        x = tl.where(e > 0, (m2[:, None] + tl.log2(e) - E_LOG2) * 0.6931471805599453, 0.0)  # e = 0: p x = 0
         coef = coef + tl.load(b_ptr + rows)[:, None] * x
+    if SOFTCAP:
+        t = x * t_per_x
+        coef = coef * ((1.0 - t) * (1.0 + t))
     dz = p * coef
     tgt = tl.load(tgt_ptr + rows)
     dz += tl.where(offs_v[None, :] == tgt[:, None], tl.load(c_ptr + rows)[:, None], 0.0)
@@ -342,7 +374,7 @@ def _tile_config(hidden_TH):
 
 
 def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: bool, e_TV=None, parts=None,
-                 merge=True) -> TileStats:
+                 merge=True, softcap=None) -> TileStats:
     """One logits GEMM with the statistics in its epilogue: the tile maxima m2 and, merged over the tiles, lse2,
     ent (zeros unless with_entropy) and tz (target_logits); writes the tile weights into e_TV (fp16 or fp32, row
     stride free; [T, >= V], its columns past V written as zeros, within the last tile) when given. parts: a flat
@@ -360,52 +392,66 @@ def logits_tiles(hidden_TH, weight_VH, tgt_T, inv_temp: float, with_entropy: boo
     e_arg = e_TV if e_TV is not None else parts
     VE = weight_columns(e_TV, V, n_tiles * c.block_v)
     grid_tiles = triton.cdiv(T, c.block_t) * n_tiles
-    meta = dict(WRITE_E=e_TV is not None, WITH_ENTROPY=with_entropy,
+    meta = dict(WRITE_E=e_TV is not None, WITH_ENTROPY=with_entropy, SOFTCAP=softcap is not None,
                 SUBTILE=c.block_v >= 256,  # 128-register accumulators: the epilogue takes two halves
                 BLOCK_T=c.block_t, BLOCK_V=c.block_v, BLOCK_K=c.block_k, num_warps=c.num_warps,
                 num_stages=c.num_stages)
     outs = (e_arg, m2_NT, lse2_NT, ent_NT)
-    k2 = inv_temp * LOG2E
+    cap_k, x_k = _softcap_args(softcap, inv_temp)
+    k2 = x_k * LOG2E
     if _use_tma(hidden_TH, weight_VH, dot_fp32):
         h_desc = _desc(hidden_TH, [c.block_t, c.block_k])
         w_desc = _desc(weight_VH, [c.block_v, c.block_k])
         progs = min(grid_tiles, _num_sms(hidden_TH.device))
-        _logits_tiles_tma_kernel[(progs,)](h_desc, w_desc, *outs, T, V, VE, H, e_arg.stride(0), k2, progs, **meta)
+        _logits_tiles_tma_kernel[(progs,)](h_desc, w_desc, *outs, T, V, VE, H, e_arg.stride(0), k2, cap_k, progs,
+                                           **meta)
     else:
         _logits_tiles_kernel[(grid_tiles,)](
             hidden_TH, weight_VH, *outs, T, V, VE, H, hidden_TH.stride(0), weight_VH.stride(0), e_arg.stride(0),
-            k2, DOT_FP32=dot_fp32, **meta)
+            k2, cap_k, DOT_FP32=dot_fp32, **meta)
     if not merge:  # (the caller wants the weights and the tile maxima only)
         return TileStats(m2_NT, c.block_v)
     lse2_T, ent_T = merge_tiles(lse2_NT, ent_NT, with_entropy)
-    return TileStats(m2_NT, c.block_v, lse2_T, ent_T, target_logits(hidden_TH, weight_VH, tgt_T, inv_temp))
+    return TileStats(m2_NT, c.block_v, lse2_T, ent_T, target_logits(hidden_TH, weight_VH, tgt_T, inv_temp,
+                                                                    softcap=softcap))
 
 
-def dlogits_from_tiles(e_TV, tiles: TileStats, tgt_T, lse2_T, coef: Coefficients, inv_temp: float, scale) -> None:
-    """In place over e_TV (logits_tiles' weights): scale * dloss/dlogit (coef.lse unused: lse2_T is it in log2
+def dlogits_from_tiles(e_TV, tiles: TileStats, tgt_T, lse2_T, coef: Coefficients, inv_temp: float, scale,
+                       softcap=None) -> None:
+    """In place over e_TV (logits_tiles' weights): scale * dloss/dz (coef.lse unused: lse2_T is it in log2
     units)."""
     T, V = e_TV.shape
     bt, bv, warps = DZ_TILES[_VENDOR]
     bv = min(bv, tiles.tile_v)
     _tiles_dz_kernel[(triton.cdiv(T, bt) * triton.cdiv(V, bv),)](
         e_TV, e_TV.stride(0), tiles.m2, tgt_T, lse2_T, coef.a, coef.b_or_a(), coef.c, scale, T, V, inv_temp,
-        HAS_B=coef.b is not None, TILE_V=tiles.tile_v, BLOCK_T=bt, BLOCK_V=bv, num_warps=warps,
+        0.0 if softcap is None else 1.0 / (softcap * inv_temp),
+        HAS_B=coef.b is not None, SOFTCAP=softcap is not None, TILE_V=tiles.tile_v, BLOCK_T=bt, BLOCK_V=bv,
+        num_warps=warps,
     )
 
 
 @triton.jit
 def _dlogits_epilogue(acc, rows, offs_t, offs_v, t_mask, v_mask, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, scale_ptr,
-                      dz_ptr, stride_dz, v_off, inv_temp):
-    """dz = scale * (p (a + b x) + c [v == target]) / temperature, stored in dz's dtype. `scale` is a power of
-    two that moves the tile's values into fp16's range (undone, exactly, after the GEMMs); 1 otherwise."""
+                      dz_ptr, stride_dz, v_off, inv_temp, x_k, cap_k, SOFTCAP: tl.constexpr):
+    """dz = scale * (p (a + b x) + c [v == target]) / temperature, stored in dz's dtype, x = acc / temperature; with
+    SOFTCAP x = t x_k, t = _tanh(acc, cap_k), and the p term times the slope 1 - t^2 (c carries the target's:
+    numerics.cap_target_term). `scale` is a power of two that moves the tile's values into fp16's range (undone,
+    exactly, after the GEMMs); 1 otherwise."""
     lse = tl.load(lse_ptr + rows)
     ca = tl.load(a_ptr + rows)
     cb = tl.load(b_ptr + rows)
     cc = tl.load(c_ptr + rows)
     tgt = tl.load(tgt_ptr + rows) - v_off
-    x = acc * inv_temp
+    if SOFTCAP:
+        t = _tanh(acc, cap_k)
+        x = t * x_k
+    else:
+        x = acc * inv_temp
     p = tl.exp2((x - lse[:, None]) * 1.4426950408889634)
     dz = p * (ca[:, None] + cb[:, None] * x)
+    if SOFTCAP:
+        dz = dz * ((1.0 - t) * (1.0 + t))
     dz += tl.where(offs_v[None, :] == tgt[:, None], cc[:, None], 0.0)
     dz = dz * (inv_temp * tl.load(scale_ptr))
     ptrs = dz_ptr + offs_t[:, None] * stride_dz + offs_v[None, :]
@@ -415,7 +461,7 @@ def _dlogits_epilogue(acc, rows, offs_t, offs_v, t_mask, v_mask, tgt_ptr, lse_pt
 @triton.jit
 def _logits_dz_kernel(
     z_ptr, stride_z, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr, scale_ptr, dz_ptr, stride_dz, T, V, v_off, inv_temp,
-    BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
+    x_k, cap_k, SOFTCAP: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_V: tl.constexpr,
 ):
     """fp32 logits [T, V] (from cuBLAS) -> dlogits, elementwise; the output may be the input's own storage.
 
@@ -431,18 +477,19 @@ def _logits_dz_kernel(
         z = tl.load(z_ptr + rows[:, None] * stride_z + offs_v[None, :], mask=v_mask[None, :], other=0.0)
         tl.debug_barrier()
         _dlogits_epilogue(z, rows, offs_t, offs_v, t_mask, v_mask, tgt_ptr, lse_ptr, a_ptr, b_ptr, c_ptr,
-                          scale_ptr, dz_ptr, stride_dz, v_off, inv_temp)
+                          scale_ptr, dz_ptr, stride_dz, v_off, inv_temp, x_k, cap_k, SOFTCAP)
 
 
-def dlogits_from_logits(z_TV, tgt_T, v_off: int, coef: Coefficients, inv_temp: float, scale, out_TV):
-    """out_TV = scale * dloss/dlogit from an fp32 logits chunk. out_TV may have any row stride and may be z_TV
+def dlogits_from_logits(z_TV, tgt_T, v_off: int, coef: Coefficients, inv_temp: float, scale, out_TV, softcap=None):
+    """out_TV = scale * dloss/dz from an fp32 logits chunk z. out_TV may have any row stride and may be z_TV
     itself, or a 2-byte view of z_TV's storage with row stride 2V (in place, see _logits_dz_kernel)."""
     T, V = z_TV.shape
     bt, bv, warps = DZ_ROWS_TILE[_VENDOR]
+    cap_k, x_k = _softcap_args(softcap, inv_temp)
     _logits_dz_kernel[(triton.cdiv(T, bt),)](
         z_TV, z_TV.stride(0), tgt_T, coef.lse, coef.a, coef.b, coef.c, scale, out_TV, out_TV.stride(0), T, V, v_off,
-        inv_temp,
-        BLOCK_T=bt, BLOCK_V=bv, num_warps=warps,
+        inv_temp, x_k, cap_k,
+        SOFTCAP=softcap is not None, BLOCK_T=bt, BLOCK_V=bv, num_warps=warps,
     )
     return out_TV
 
