@@ -32,7 +32,7 @@ sequence zero-padded to tp·Tl). Per decoder layer:
             ─ post norm ─ router, routed experts (EP), shared expert on the Tl local tokens ─▶ + x_local
 
 so the tp ranks send different tokens to the experts (with the mixer's tokens replicated, every routed token would
-reach its experts tp times and their gradients count tp times). A dense layer's SwiGLU MLP is split like a mixer
+reach its experts tp times and their gradients count tp times). A dense layer's gated MLP is split like a mixer
 (its intermediate channels over tp, an all-gather before it and a reduce-scatter after it). Under context
 parallelism the T tokens are the rank's zigzag shard of the micro-batch, and the mixers' CP exchanges
 (launch/context_parallel.py) run on this rank's heads over the cp group. The embedding is vocabulary-parallel: each rank looks up the T tokens in its V/tp rows
@@ -212,10 +212,10 @@ def _is_routed_expert(name: str) -> bool:
 
 
 def _is_dense_mlp(name: str, module: nn.Module) -> bool:
-    """A decoder layer's own SwiGLU MLP (dense models, dense-first layers), not an MoE's shared expert."""
-    from launch.moe import SwiGLU
+    """A decoder layer's own gated MLP (dense models, dense-first layers), not an MoE's shared expert."""
+    from launch.moe import GatedMLP
 
-    return isinstance(module, SwiGLU) and name.endswith(".mlp")
+    return isinstance(module, GatedMLP) and name.endswith(".mlp")
 
 
 def check_model(model: nn.Module, tp: int) -> None:

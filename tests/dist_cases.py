@@ -408,6 +408,12 @@ def _model(shape, variant: str):
         for name, b in model.named_buffers():  # Gemma 4's layer scalars away from 1, so that they count
             if name.endswith("layer_scalar"):
                 b.fill_(0.8 + 0.1 * int(name.split(".")[1]))
+        if shape.hf_model_type == "gemma4_text":  # its unscaled softmax over unit-RMS q and k scores with a spread
+            # of √Dh at init's norm weights, so sharp that fp32's rounding moves step 1's gradients by ~5e-6 and, through
+            # Adam's first step (lr·sign(g)), step 2's loss by up to 1e-5; q norms of 0.25 (a trained model's are small)
+            for name, p in model.named_parameters():
+                if name.endswith("q_norm.weight"):
+                    p.fill_(0.25)
         if shape.arch == "gpt_oss":  # gate and up values of ±8 or so: the clamp at 7 acts (init std 0.02 gives ~0.2)
             for name, p in model.named_parameters():
                 if name.endswith("experts.gate_up_proj"):
