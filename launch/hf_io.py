@@ -113,6 +113,10 @@ _LAGUNA_IN = ((".mlp.experts.e_score_correction_bias", ".mlp.gate.e_score_correc
 _STEP_IN = ((".moe.gate.weight", ".mlp.gate.weight"), (".moe.router_bias", ".mlp.gate.e_score_correction_bias"),
             (".moe.down_proj.weight", ".mlp.experts.down_proj"), (".share_expert.", ".mlp.shared_expert."))
 _STEP_EXPERTS = re.compile(r"^(layers\.\d+)\.moe\.(gate_proj|up_proj)\.weight$")
+# A.X K2's checkpoints (its releases' and what transformers saves): the query and gate projection `q_b_proj` (ours,
+# transformers' module: `q_gate_proj`), each gated norm's low-rank gate `W_down` / `W_up` (ours: `mlp.fc1` / `mlp.fc2`)
+_AXK2_IN = ((".self_attn.q_b_proj.", ".self_attn.q_gate_proj."), ("layernorm.W_down.", "layernorm.mlp.fc1."),
+            ("layernorm.W_up.", "layernorm.mlp.fc2."))
 # Gemma 4's layer-level names (its router, experts and dense MLP beside each other on the layer, its sandwich norms
 # around the FFN) and ours: the router our MoE's gate, the dense MLP its shared expert
 _GEMMA4_NAMES = (("router.proj.", "mlp.gate."), ("router.", "mlp.gate."), ("experts.", "mlp.experts."),
@@ -139,8 +143,8 @@ def _names_in(shape: ModelShape) -> tuple[tuple[str, str], ...]:
     """(a checkpoint's name part, ours) for the families whose checkpoints name some tensors their own way."""
     if shape.arch == "hunyuan_moe":
         return _HUNYUAN_IN
-    return {"hy_v3": _HY_V3_IN, "mimo_v2_flash": _MIMO_IN, "afmoe": _AFMOE_IN,
-            "cohere2_moe": _COHERE2_IN, "step3p5": _STEP_IN, "laguna": _LAGUNA_IN}.get(shape.hf_model_type, ())
+    return {"hy_v3": _HY_V3_IN, "mimo_v2_flash": _MIMO_IN, "afmoe": _AFMOE_IN, "cohere2_moe": _COHERE2_IN,
+            "step3p5": _STEP_IN, "laguna": _LAGUNA_IN, "axk2": _AXK2_IN}.get(shape.hf_model_type, ())
 
 
 def _names_out(shape: ModelShape) -> tuple[tuple[str, str], ...]:
@@ -764,8 +768,12 @@ def hf_config(shape: ModelShape) -> dict:
                            index_head_dim=d.index_head_dim,
                            mlp_layer_types=_mlp_layer_types(shape),
                            layer_types=["deepseek_sparse_attention"] * shape.num_layers,
-                           architectures=[{"deepseek_v32": "DeepseekV32ForCausalLM",
-                                           "glm_moe_dsa": "GlmMoeDsaForCausalLM"}[shape.hf_model_type]])
+                           architectures=[{"deepseek_v32": "DeepseekV32ForCausalLM", "glm_moe_dsa": "GlmMoeDsaForCausalLM",
+                                           "axk2": "AXK2ForCausalLM"}[shape.hf_model_type]])
+                if shape.hf_model_type == "axk2":  # A.X K2: its gated norms' rank, its router ungrouped as null
+                    cfg.update(gated_norm_rank=shape.gated_norm_rank, n_group=r.groups if r.groups > 1 else None,
+                               topk_group=r.topk_groups if r.groups > 1 else None)
+                    cfg.pop("first_k_dense_replace")
                 for k in ("num_mtp_layers", "rope_interleave"):
                     cfg.pop(k)
                 if shape.hf_model_type == "glm_moe_dsa":

@@ -133,8 +133,37 @@ class LayerNorm(nn.Module):
         return F.layer_norm(x.float(), x.shape[-1:], self.weight.float(), None, self.eps).to(x.dtype)
 
 
-def block_norm(s: ModelShape, norm_offset: float) -> nn.Module:
-    """A norm of the decoder blocks (and the final one): the shape's norm_kind."""
+class GateMLP(nn.Module):
+    """A gated norm's low-rank gate logits: fc2(silu(fc1(y)))."""
+
+    def __init__(self, dim: int, rank: int):
+        super().__init__()
+        self.fc1 = nn.Linear(dim, rank, bias=False)
+        self.fc2 = nn.Linear(rank, dim, bias=False)
+
+    def forward(self, y: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.silu(self.fc1(y)))
+
+
+class GatedNorm(nn.Module):
+    """A.X K2's block norm: y = RMSNorm(x), then y · σ(gate(y)) with a low-rank gate (`GateMLP`), the sigmoid in fp32
+    and the product rounded to y's dtype (transformers' AXK2GatedRMSNorm)."""
+
+    def __init__(self, dim: int, rank: int, eps: float):
+        super().__init__()
+        self.norm = RMSNorm(dim, eps, 0.0)
+        self.mlp = GateMLP(dim, rank)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.norm(x)
+        return (y * torch.sigmoid(self.mlp(y).float())).to(y.dtype)
+
+
+def block_norm(s: ModelShape, norm_offset: float, gated: bool = False) -> nn.Module:
+    """A norm of the decoder blocks (and the final one): the shape's norm_kind; `gated` (A.X K2's input norms, and
+    its MoE layers' FFN norms, where `gated_norm_rank` is set) a GatedNorm."""
+    if gated and s.gated_norm_rank:
+        return GatedNorm(s.hidden_size, s.gated_norm_rank, s.rms_norm_eps)
     if s.norm_kind == "layer":
         return LayerNorm(s.hidden_size, s.rms_norm_eps)
     return RMSNorm(s.hidden_size, s.rms_norm_eps, norm_offset)
@@ -501,7 +530,9 @@ class MLAttention(nn.Module):
     (flash attention takes one head size; the padded output channels are zero and dropped). `expand` decides, for
     the plain and the context-parallel path alike. Under context
     parallelism the cp ranks exchange the latent (normed latent and RoPE'd shared key), and each expands the whole
-    micro-batch's keys and values from it (`expand`)."""
+    micro-batch's keys and values from it (`expand`). A.X K2 (`MLAShape.query_gate`): q_gate_proj takes the q LoRA's
+    normed and raw latents side by side and gives each head its query and a gate per value channel, its output
+    times the gate's sigmoid (fp32) before o_proj."""
 
     def __init__(self, s: ModelShape, layer: int = 0):
         super().__init__()
@@ -512,6 +543,9 @@ class MLAttention(nn.Module):
         if a.q_lora_rank:
             self.q_a_proj = nn.Linear(s.hidden_size, a.q_lora_rank, bias=s.attn_bias)
             self.q_a_layernorm = RMSNorm(a.q_lora_rank, 1e-6, 0.0)
+        if a.query_gate:  # A.X K2: each head's query and its output's gate from both latents
+            self.q_gate_proj = nn.Linear(2 * a.q_lora_rank, s.num_heads * (self.qk_dim + a.v_head_dim), bias=False)
+        elif a.q_lora_rank:
             self.q_b_proj = nn.Linear(a.q_lora_rank, s.num_heads * self.qk_dim, bias=False)
         else:
             self.q_proj = nn.Linear(s.hidden_size, s.num_heads * self.qk_dim, bias=False)
@@ -547,12 +581,19 @@ class MLAttention(nn.Module):
         T = x_TD.shape[0]
         if not self.rotary:
             rope = None
-        if hasattr(self, "q_b_proj"):
+        gate = None
+        if hasattr(self, "q_gate_proj"):  # per head [query | gate of its v channels]
+            q_compressed = self.q_a_proj(x_TD)
+            q_latent = self.q_a_layernorm(q_compressed)
+            q, gate = self.q_gate_proj(torch.cat([q_latent, q_compressed], dim=-1)).view(
+                T, -1, self.qk_dim + self.v_dim).split([self.qk_dim, self.v_dim], dim=-1)
+            gate = gate.reshape(T, -1)
+        elif hasattr(self, "q_b_proj"):
             q_latent = self.q_a_layernorm(self.q_a_proj(x_TD))
             q = self.q_b_proj(q_latent)
         else:
             q = self.q_proj(x_TD)
-        q = q.view(T, -1, self.qk_dim)  # [T, H, Dn + Dr]: heads from the width (tensor parallelism splits them)
+        q = q.reshape(T, -1, self.qk_dim)  # [T, H, Dn + Dr]: heads from the width (tensor parallelism splits them)
         q_nope, q_rope = q.split([self.nope_dim, self.rope_dim], dim=-1)
         latent, k_rope = self.kv_a_proj_with_mqa(x_TD).split([self.kv_lora_rank, self.rope_dim], dim=-1)
         if rope is not None:
@@ -561,8 +602,8 @@ class MLAttention(nn.Module):
                                 backend=self.rope_backend).view(T, self.rope_dim)
         latent = torch.cat([self.kv_a_layernorm(latent), k_rope], dim=-1)  # [T, C + Dr]: all a key needs
         if self.sparse:
-            return self.o_proj(self.sparse_attention(x_TD, q_latent, q_nope, q_rope, latent, rope, packing)
-                               .reshape(T, -1))
+            o = self.sparse_attention(x_TD, q_latent, q_nope, q_rope, latent, rope, packing).reshape(T, -1)
+            return self.o_proj(o if gate is None else (o * torch.sigmoid(gate.float())).to(o.dtype))
         q = torch.cat([q_nope, q_rope], dim=-1)
         if self.temperature is not None:
             q = (q * query_temperature(packing.positions, *self.temperature)).to(q.dtype)
@@ -573,7 +614,8 @@ class MLAttention(nn.Module):
             # v at its own width: cuDNN's kernel (2.1 times padded flash on an H200, 1.5 times padded cuDNN)
             with sdpa_without_flash() if v.shape[-1] < k.shape[-1] else contextlib.nullcontext():
                 o = causal_attention(q, k, v, packing, self.scale)
-        return self.o_proj(o[..., : self.v_dim].reshape(T, -1))
+        o = o[..., : self.v_dim].reshape(T, -1)
+        return self.o_proj(o if gate is None else (o * torch.sigmoid(gate.float())).to(o.dtype))
 
     def sparse_attention(self, x_TD, q_latent, q_nope_THN, q_rope_THR, latent_TC, rope, packing: Packing
                          ) -> torch.Tensor:
@@ -880,8 +922,8 @@ class DecoderLayer(nn.Module):
                  "sandwich": ("input_layernorm", "post_attention_layernorm", "pre_mlp_layernorm", "post_mlp_layernorm"),
                  "post": ("post_attention_layernorm", "post_feedforward_layernorm"),
                  "parallel": ("input_layernorm",)}[s.norm_placement]
-        for name in names:
-            setattr(self, name, block_norm(s, norm_offset))
+        for name in names:  # A.X K2's input norm gated on every layer, its FFN norm on the MoE ones
+            setattr(self, name, block_norm(s, norm_offset, name == "input_layernorm" or not dense))
         # Granite: each branch's output times its residual multiplier before the add (1 elsewhere)
         self.residual_scale = s.granite.residual if s.granite is not None else 1.0
         # Step-3.7's clamped SwiGLU on some layers: the routed experts' bound, and the shared expert's and dense MLP's
@@ -1014,7 +1056,7 @@ def init_parameters(module: nn.Module, std: float = 0.02, seed: int | None = Non
             full = torch.empty(p.shape, device=p.device).uniform_(1, 16, generator=gen).log()
         elif leaf == "dt_bias":
             full = torch.ones(p.shape, device=p.device)
-        elif "norm" in name:
+        elif "norm" in name and not isinstance(module.get_submodule(name.rsplit(".", 1)[0]), nn.Linear):
             owner = module.get_submodule(name.rsplit(".", 1)[0])
             # 0 for offset RMSNorms and a LayerNorm's bias (DSA's index keys), 1 for the other norm weights
             zero = leaf == "bias" or (isinstance(owner, RMSNorm) and owner.offset)

@@ -166,7 +166,7 @@ def _placements(model: nn.Module) -> dict[str, str]:
     for name, m in model.named_modules():
         prefix = name + "." if name else ""
         if isinstance(m, MLAttention):  # the heads' expansions split; the shared latent and RoPE key replicated
-            for p in ("q_proj", "q_b_proj", "kv_b_proj"):
+            for p in ("q_proj", "q_b_proj", "q_gate_proj", "kv_b_proj"):
                 if hasattr(m, p):
                     out[f"{prefix}{p}.weight"] = "row"
             out[f"{prefix}o_proj.weight"] = "col"

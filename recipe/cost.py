@@ -273,6 +273,10 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
         lat = a.kv_lora_rank + a.qk_rope_head_dim
         common = (s * (2 * a.q_lora_rank + nh * qk) + s * lat * (2 + (cp if cp > 1 else 0))
                   + s * m.hidden_size) * BF16
+        if a.query_gate:  # A.X K2: q_gate_proj's input (both latents side by side), where the normed latent is kept
+            # only by the indexer (the sparse layers); the gate's fp32 sigmoid and the gated output (o_proj's input)
+            common += (s * a.q_lora_rank * (2 if m.dsa is not None else 1) * BF16
+                       + s * nh * a.v_head_dim * (FP32 + BF16))
         if m.dsa is not None:  # MLAttention.sparse_attention: absorbed, nothing expanded
             # the absorbed query [H, C + R] the kernels keep; ô [H, C] and its log-sum-exp, the output through W_v
             # (o_proj's input), the selection (int32)
@@ -423,10 +427,16 @@ def layer_saved(m: ModelShape, s: float, tp: int, cp: int, vendor: str = "nvidia
     if m.num_linear_attn_layers:
         mixers.append(linear_attention_working_set(m, s, tp, cp))
     ffn = max(moe_moments(m, s / tp)[0] if m.num_moe_layers else 0.0, dense_ffn_moments(m, s, tp)[0])
+    mixer = max(mixers) + s / tp * FP32  # + the input norm's row scale (its input is the layer's)
+    if m.gated_norm_rank:  # A.X K2's gated norms keep the RMSNorm's output (bf16, beside the gated one the sublayer
+        # takes), the gate's fp32 sigmoid and its two low-rank activations: the input norm's on every layer (the
+        # mixer's side, on the s/tp tokens it runs on), the FFN norm's on the MoE layers
+        gate = s / tp * (m.hidden_size * (BF16 + FP32) + 2 * m.gated_norm_rank * BF16)
+        mixer, ffn = mixer + gate, ffn + (gate if m.num_moe_layers else 0.0)
     if m.moe_output_saved:  # a norm after each sublayer (sandwich, post) keeps its output (s/tp rows) and scale
         after = s / tp * norm_saved(m.hidden_size)
-        return max(mixers) + s / tp * FP32 + after, ffn + after
-    return max(mixers) + s / tp * FP32, ffn  # + the input norm's row scale (its input is the layer's)
+        return mixer + after, ffn + after
+    return mixer, ffn
 
 
 def layer_working_set(m: ModelShape, s: float, tp: int, cp: int, expert_grad: float = 0.0,
@@ -1409,7 +1419,10 @@ def dense_matmuls(m: ModelShape, kind: str, moe: bool) -> list[tuple[int, int]]:
     elif m.mla is not None:
         a = m.mla
         qk = m.num_heads * (a.qk_nope_head_dim + a.qk_rope_head_dim)
-        q = [(h, a.q_lora_rank), (a.q_lora_rank, qk)] if a.q_lora_rank else [(h, qk)]
+        if a.query_gate:  # A.X K2: the query and its output gate from both q latents
+            q = [(h, a.q_lora_rank), (2 * a.q_lora_rank, qk + m.num_heads * a.v_head_dim)]
+        else:
+            q = [(h, a.q_lora_rank), (a.q_lora_rank, qk)] if a.q_lora_rank else [(h, qk)]
         mixer = q + [(h, a.kv_lora_rank + a.qk_rope_head_dim),
                      (a.kv_lora_rank, m.num_heads * (a.qk_nope_head_dim + a.v_head_dim)),
                      (m.num_heads * a.v_head_dim, h)]

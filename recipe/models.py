@@ -67,10 +67,15 @@ class MLAShape(Record):
     qk_nope_head_dim: Pos
     qk_rope_head_dim: Pos
     v_head_dim: Pos
+    # A.X K2's: q_b_proj takes the q LoRA's normed and raw latents side by side (2·q_lora_rank inputs) and gives each
+    # head its query and a sigmoid gate per value channel of its output (`q_gate_proj`)
+    query_gate: bool = False
 
     def __post_init__(self) -> None:
         _positive(self, ("kv_lora_rank", "qk_nope_head_dim", "qk_rope_head_dim", "v_head_dim"))
         _positive(self, ("q_lora_rank",), strict=False)
+        if self.query_gate and not self.q_lora_rank:
+            raise ValueError("query_gate (A.X K2's gated query projection) needs a q_lora_rank")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -283,7 +288,7 @@ def trainable(shape: "ModelShape") -> str | None:
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model, "
                 f"Mellum 2), Gemma 4's MoE, "
                 f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, "
-                f"Moonlight, Kimi-Linear, Mistral 4, A.X K1) and V3.2, GLM-5, GLM-4.5 (and dots.llm1, Solar Open, "
+                f"Moonlight, Kimi-Linear, Mistral 4, A.X K1) and V3.2 (A.X K2), GLM-5, GLM-4.5 (and dots.llm1, Solar Open, "
                 f"MiMo-V2-Flash, Hunyuan-V3, K-EXAONE, AFMoE, Step-3.7, Laguna), Cohere2-MoE, gpt-oss, Llama 4, "
                 f"Granite MoE, Hunyuan-A13B and dense Llama/Qwen/Mistral stacks; "
                 f"not ERNIE-4.5 with biases or "
@@ -484,6 +489,9 @@ class ModelShape(Record):
     # an RMSNorm on each MoE block's output (its routed and shared experts' sum) before the residual add, on the MoE
     # layers only (A.X K1's `post_mlp_layernorm`)
     moe_output_norm: bool = False
+    # A.X K2's block norms with a low-rank sigmoid gate, y · σ(W_up silu(W_down y)) with y the RMSNorm's output and
+    # W_down rank × hidden: the input norm of every layer and the FFN's norm of the MoE layers (0: plain norms)
+    gated_norm_rank: NonNeg = 0
     # the dense prefix layers take RoPE whatever their kind (Cohere2-MoE's prefix of sliding-window pattern 1, whose
     # layers are all full)
     rotated_prefix: bool = False
@@ -769,13 +777,15 @@ class ModelShape(Record):
                                        ("sliding_rope_plain", False), ("query_scale_beta", 0.0),
                                        ("moe_output_norm", False), ("head_gate_activation", "sigmoid"),
                                        ("keys_as_values", False), ("dense_beside_experts", False),
-                                       ("rope_proportional", False))
+                                       ("rope_proportional", False), ("gated_norm_rank", 0))
                   if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
             del out["rope_scaling"]["alpha"]
         if self.linear_attn is not None and self.linear_attn.kind == "gated_delta":  # nor a Gated DeltaNet's kind
             del out["linear_attn"]["kind"]
+        if self.mla is not None and not self.mla.query_gate:  # nor an MLA without A.X K2's query gate
+            del out["mla"]["query_gate"]
         return out
 
 
@@ -1104,7 +1114,9 @@ def _full_attention_params(m: ModelShape, kind: str = "full_attention") -> int:
     if m.mla is not None:
         a = m.mla
         qk_head = a.qk_nope_head_dim + a.qk_rope_head_dim
-        if a.q_lora_rank:
+        if a.query_gate:  # down, norm, and the query and gate from both latents (A.X K2)
+            q = h * a.q_lora_rank + a.q_lora_rank + 2 * a.q_lora_rank * m.num_heads * (qk_head + a.v_head_dim)
+        elif a.q_lora_rank:
             q = h * a.q_lora_rank + a.q_lora_rank + a.q_lora_rank * m.num_heads * qk_head  # down, norm, up
         else:
             q = h * m.num_heads * qk_head
@@ -1246,6 +1258,8 @@ def _param_counts(m: ModelShape) -> tuple[tuple[str, int], ...]:
     counts["norms"] = m.num_layers * norms * h + h + hyper_connection_params(m)
     if m.moe_output_norm:  # A.X K1's, on each MoE layer
         counts["norms"] += h * sum(1 for i in range(m.num_layers) if not m.is_dense_layer(i))
+    if m.gated_norm_rank:  # A.X K2's gates: W_down and W_up on every layer's input norm and the MoE layers' FFN norm
+        counts["norms"] += 2 * h * m.gated_norm_rank * (m.num_layers + moe_layers)
     if m.dense_beside_experts:  # Gemma 4's: the experts' input norm, both sides' output norms, the router's scales
         counts["norms"] += (3 * h + h + m.num_experts) * moe_layers
     return tuple(counts.items())
@@ -1304,7 +1318,7 @@ _ARCH_BY_MODEL_TYPE = {
     "qwen3_omni_moe": "qwen3_moe", "qwen3_omni_moe_thinker": "qwen3_moe", "qwen3_omni_moe_text": "qwen3_moe",
     "cohere2_moe": "qwen3_moe", "mellum": "qwen3_moe",
     "deepseek_v3": "deepseek_v3", "deepseek_v2": "deepseek_v3", "kimi_k2": "deepseek_v3", "kimi_linear": "deepseek_v3",
-    "mistral4": "deepseek_v3", "axk1": "deepseek_v3",
+    "mistral4": "deepseek_v3", "axk1": "deepseek_v3", "axk2": "deepseek_v3",
     "glm4_moe_lite": "deepseek_v3", "deepseek_v32": "deepseek_v3", "glm_moe_dsa": "deepseek_v3",
     "gpt_oss": "gpt_oss", "mixtral": "mixtral", "glm4_moe": "glm4_moe", "dots1": "glm4_moe",
     "solar_open": "glm4_moe", "mimo_v2_flash": "glm4_moe", "hy_v3": "glm4_moe", "exaone_moe": "glm4_moe",
@@ -1464,7 +1478,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         lt = cfg["layer_types"]
         if not isinstance(lt, list) or not all(isinstance(t, str) for t in lt):
             raise bad("layer_types", "a list of layer type names", lt)
-        if model_type in _DSA_MODEL_TYPES:  # its sparse layers are full attention with an indexer (`dsa`)
+        if model_type in _DSA_MODEL_TYPES or model_type == "axk2":  # its sparse layers are full attention with an
+            # indexer (`dsa`)
             lt = ["full_attention" if t == "deepseek_sparse_attention" else t for t in lt]
         layer_types = tuple(lt)[:n_layers]
         other = next((t for t in layer_types if t not in LAYER_TYPES
@@ -1565,6 +1580,8 @@ def _from_hf_config(path: Path) -> ModelShape:
             fields["hf_model_type"] = model_type
         if model_type == "axk1":  # A.X K1: DeepSeek-V3's blocks with an RMSNorm on each MoE block's output
             fields.update(hf_model_type=model_type, moe_output_norm=True)
+        if model_type == "axk2":  # A.X K2: DeepSeek-V3.2's blocks with a gated query and gated norms
+            _axk2(cfg, fields, n_layers, opt, bad)
         if model_type == "kimi_linear":  # Kimi-Linear: KDA layers among MLA ones without RoPE
             _kimi_linear(cfg, fields, opt)
         if model_type in _DSA_MODEL_TYPES:  # DeepSeek-V3.2, GLM-5: V3's blocks and an indexer that picks each
@@ -1694,6 +1711,7 @@ def _from_hf_config(path: Path) -> ModelShape:
 
 # transformers' defaults where a config leaves the router's fields out: (n_group, topk_group, routed_scaling_factor)
 _SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "axk1": (8, 4, 2.5), "deepseek_v32": (8, 4, 2.5),
+                            "axk2": (1, 1, 2.5),
                             "kimi_k2": (8, 4, 2.5),
                             "kimi_linear": (1, 1, 2.446),
                             "glm_moe_dsa": (1, 1, 2.5), "glm4_moe": (1, 1, 1.0), "glm4_moe_lite": (1, 1, 1.8),
@@ -1702,6 +1720,23 @@ _SIGMOID_ROUTER_DEFAULTS = {"deepseek_v3": (8, 4, 2.5), "axk1": (8, 4, 2.5), "de
                             "glm4v_moe": (1, 1, 1.0), "glm4v_moe_text": (1, 1, 1.0)}
 # the MLA families whose attention layers an indexer makes sparse (DeepSeek sparse attention): DeepSeek-V3.2, GLM-5
 _DSA_MODEL_TYPES = ("deepseek_v32", "glm_moe_dsa")
+
+
+def _axk2(cfg: dict, fields: dict, n_layers: int, opt, bad) -> None:
+    """SK Telecom's A.X K2 (transformers' AXK2Config): DeepSeek-V3.2's blocks (MLA with the q LoRA, which it needs,
+    DeepSeek sparse attention on every layer: 16 index heads where absent, the sigmoid router with a correction bias,
+    ungrouped where `n_group` is null, shared experts, dense layers first) with the query projection fused with an
+    output gate (`MLAShape.query_gate`) and the block norms gated (`gated_norm_rank`, 16 where absent)."""
+    if not opt("q_lora_rank", 0):
+        raise bad("q_lora_rank", "a positive whole number (A.X K2's indexer and output gate read the q LoRA)",
+                  cfg.get("q_lora_rank"))
+    if cfg.get("mlp_layer_types") is None and opt("moe_layer_freq", 1) != 1:
+        raise bad("moe_layer_freq", "1 (dense layers between the MoE ones are not planned)", cfg["moe_layer_freq"])
+    rank = opt("gated_norm_rank", 16)
+    if rank <= 0:
+        raise bad("gated_norm_rank", "a positive whole number", cfg.get("gated_norm_rank"))
+    fields.update(hf_model_type="axk2", mla={**fields["mla"], "query_gate": True}, gated_norm_rank=rank,
+                  dsa=_sparse_attention(cfg, "axk2", n_layers, opt, bad))
 
 
 def _mlp_layer_types(cfg: dict, bad, n_layers: int = 0) -> list[str] | None:
@@ -1716,12 +1751,13 @@ def _mlp_layer_types(cfg: dict, bad, n_layers: int = 0) -> list[str] | None:
 
 def _sparse_attention(cfg: dict, model_type: str, n_layers: int, opt, bad) -> dict:
     """DSA's fields (transformers' defaults where absent: top 2048 keys, 128-wide index heads, 64 of them for
-    DeepSeek-V3.2 and 32 for GLM-5). GLM-5's `indexer_types` ("full" or "shared" a layer), else its
+    DeepSeek-V3.2, 32 for GLM-5, 16 for A.X K2). GLM-5's `indexer_types` ("full" or "shared" a layer), else its
     `index_topk_pattern` ("F"/"S" a layer) or `index_topk_freq` / `index_skip_topk_offset` schedule, name the
     layers that reuse the previous indexing layer's selection."""
     glm = model_type == "glm_moe_dsa"
     fields: dict = {"rope_pairs": glm}
-    for name, key, default in (("topk", "index_topk", 2048), ("index_heads", "index_n_heads", 32 if glm else 64),
+    heads = {"glm_moe_dsa": 32, "axk2": 16}.get(model_type, 64)
+    for name, key, default in (("topk", "index_topk", 2048), ("index_heads", "index_n_heads", heads),
                                ("index_head_dim", "index_head_dim", 128)):
         fields[name] = opt(key, default)
         if fields[name] <= 0:
@@ -1798,7 +1834,7 @@ def _leading_dense(cfg: dict, model_type: str, opt, bad) -> int:
     types = _mlp_layer_types(cfg, bad)
     if types is None:  # transformers' defaults where the field is absent
         default = {"glm4_moe_lite": 1, "mimo_v2_flash": 1, "hy_v3": 1, "exaone_moe": 1, "step3p5": 3, "kimi_linear": 1,
-                   "laguna": 1,
+                   "laguna": 1, "axk2": 1,
                    **dict.fromkeys(_DSA_MODEL_TYPES, 3)}.get(model_type, 0)
         return opt("first_k_dense_replace", default)
     k = types.index("sparse") if "sparse" in types else len(types)

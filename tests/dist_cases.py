@@ -64,7 +64,7 @@ CASES = {
         ["afmoe_cp2_tp2_ep2", 1, 2, 1, 2, "afmoe", "full", 2], ["cohere_cp2_dp2_ep2", 2, 2, 1, 2, "cohere"],
         ["step_cp2_tp2_ep2", 1, 2, 1, 2, "step", "full", 2], ["kimi_cp2_tp2_ep2", 1, 2, 1, 2, "kimi", "full", 2],
         ["mistral4_cp2_tp2_ep2", 1, 2, 1, 2, "mistral4", "full", 2], ["axk1_tp2_dp2_ep2_k2", 2, 2, 2, 1, "axk1", "full", 2],
-        ["gemma4_cp2_dp2_ep2_k2", 2, 2, 2, 2, "gemma4"],
+        ["gemma4_cp2_dp2_ep2_k2", 2, 2, 2, 2, "gemma4"], ["axk2_cp2_tp2_ep2", 1, 2, 1, 2, "axk2", "full", 2],
         # pp × tp: an uneven split with ep=2 over each stage's tp ranks (off-policy, sequence-mean), and interleaved
         # over 2 virtual stages a rank with a dense model's MLPs split over tp
         ["pp2_tp2_ep2", 1, 2, 2, 1, "cp_off", "full", 2, 2, [3, 1]],
@@ -111,6 +111,7 @@ VARIANTS = {
     "mistral4": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Mistral-4-style model (tiny_mistral4)
     "axk1": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an A.X-K1-style model (tiny_axk1), as "mla"
     "gemma4": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # a Gemma-4-style model (tiny_gemma4), as "mla"
+    "axk2": (128, ("ref_logprobs",), {"kl_coef": 0.1}, True),  # an A.X-K2-style model (tiny_axk2), as "mla"
 }
 def tiny_mla():
     """DeepSeek-V3's blocks at tiny widths: MLA with the q LoRA and v narrower than q·k, a dense first layer, 8
@@ -271,6 +272,17 @@ def tiny_axk1():
     return replace(tiny_mla(), name="tiny-axk1", hf_model_type="axk1", moe_output_norm=True)
 
 
+def tiny_axk2():
+    """tiny_dsa's blocks as A.X K2 has them: the query projection fused with a gate on each head's output, the
+    block norms with a low-rank gate (rank 4); every layer selecting for itself."""
+    from recipe.models import MLAShape
+
+    dsa = tiny_dsa()
+    return dsa.model_copy(update={"name": "tiny-axk2", "hf_model_type": "axk2", "gated_norm_rank": 4,
+                                  "mla": MLAShape(**{**dsa.mla.__dict__, "query_gate": True}),
+                                  "dsa": dsa.dsa.model_copy(update={"shared_layers": ()})})
+
+
 def tiny_gemma4():
     """Gemma 4's blocks at tiny widths: sliding layers (windows of 8, heads of 8 channels over 4 KV heads, RoPE on
     whole heads at 1e4) and full ones (heads of 16 over 2 KV heads whose values are their keys, proportional RoPE on
@@ -383,7 +395,7 @@ VARIANT_SHAPES = {"dense": tiny_dense, "mla": tiny_mla, "dsa": tiny_dsa, "oss": 
                   "qwen2moe": tiny_qwen2_moe, "ernie": tiny_ernie, "minimax": tiny_minimax, "llama4": tiny_llama4,
                   "granite": tiny_granite, "swa": tiny_swa, "mimo": tiny_mimo, "afmoe": tiny_afmoe, "cohere": tiny_cohere,
                   "step": tiny_step, "kimi": tiny_kimi, "mistral4": tiny_mistral4,
-                  "axk1": tiny_axk1, "gemma4": tiny_gemma4}
+                  "axk1": tiny_axk1, "gemma4": tiny_gemma4, "axk2": tiny_axk2}
 
 
 def _shape(variant: str):

@@ -719,8 +719,9 @@ def test_keep_layers_needs_recompute():
 def test_mla_working_set_is_what_its_forward_saves():
     """attention_working_set for MLA equals the bytes MLAttention's forward keeps for its backward (distinct
     storages the autograd graph saves, weights aside), with a stand-in for SDPA that keeps what the flash kernel
-    keeps (q, k, v, the output and its fp32 log-sum-exp), in bf16 at a small width with and without the q LoRA; v
-    padded to the q·k width (the kernels off NVIDIA) and at its own width (cuDNN's, `cudnn_takes`)."""
+    keeps (q, k, v, the output and its fp32 log-sum-exp), in bf16 at a small width with and without the q LoRA, and
+    with A.X K2's gated query (both q latents into q_gate_proj, the output gated); v padded to the q·k width (the
+    kernels off NVIDIA) and at its own width (cuDNN's, `cudnn_takes`)."""
     import torch
 
     import launch.model as lm
@@ -736,11 +737,12 @@ def test_mla_working_set_is_what_its_forward_saves():
             ctx.save_for_backward(q, k, v, out, torch.empty(q.shape[1], q.shape[0]))  # lse [H, T] fp32
             return out
 
-    for q_lora, vendor in ((0, "amd"), (96, "amd"), (0, "nvidia"), (96, "nvidia")):
+    for q_lora, vendor, gated in ((0, "amd", False), (96, "amd", False), (0, "nvidia", False), (96, "nvidia", False),
+                                  (96, "nvidia", True), (96, "amd", True)):
         m = ModelShape(name="mla", arch="deepseek_v3", hidden_size=256, num_layers=1, vocab_size=64,
                        layer_types=("full_attention",), num_heads=8, num_kv_heads=8, head_dim=48, qk_norm=False,
                        mla=MLAShape(q_lora_rank=q_lora, kv_lora_rank=64, qk_nope_head_dim=32, qk_rope_head_dim=16,
-                                    v_head_dim=32), num_experts=4, top_k=2, expert_ffn=32)
+                                    v_head_dim=32, query_gate=gated), num_experts=4, top_k=2, expert_ffn=32)
         attn = lm.MLAttention(m).to(torch.bfloat16)
         T = 512
         x = torch.randn(T, m.hidden_size, dtype=torch.bfloat16, requires_grad=True)
@@ -766,7 +768,36 @@ def test_mla_working_set_is_what_its_forward_saves():
         want = attention_working_set(m, T, 1, 1, vendor)
         # beyond the formula: the two norms' fp32 row scales (4 bytes a token each)
         got = sum(saved.values()) - T * 4 * (2 if q_lora else 1)
-        assert abs(got / want - 1) < 0.01, (q_lora, vendor, got, want)
+        assert abs(got / want - 1) < 0.01, (q_lora, vendor, gated, got, want)
+
+
+def test_a_gated_norm_keeps_what_the_cost_model_charges():
+    """A.X K2's gated norm (launch.model.GatedNorm) keeps, beyond a plain RMSNorm's input and row scale, the norm's
+    output, the gate's fp32 sigmoid and its two rank-r activations: h·(2 + 4) + 2·r·2 bytes a token, what layer_saved
+    charges each gated norm (the input norm on the mixer's side; on an MoE layer the FFN norm too)."""
+    import torch
+
+    import launch.model as lm
+    from recipe.cost import layer_saved
+
+    T, h, r = 256, 128, 8
+    norm = lm.GatedNorm(h, r, 1e-6).to(torch.bfloat16)
+    x = torch.randn(T, h, dtype=torch.bfloat16, requires_grad=True)
+    weights = {p.untyped_storage().data_ptr() for p in norm.parameters()} | {x.untyped_storage().data_ptr()}
+    saved = {}
+
+    def pack(t):
+        if t.untyped_storage().data_ptr() not in weights:
+            saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        norm(x)
+    got = sum(saved.values()) - T * 4  # less the RMSNorm's row scale, which a plain norm keeps too
+    assert got == T * (h * (2 + 4) + 2 * r * 2)
+    m = PRESETS["tiny-moe"].model_copy(update={"hidden_size": h})
+    plain, gated = (layer_saved(x, T, 1, 1) for x in (m, m.model_copy(update={"gated_norm_rank": r})))
+    assert gated[0] - plain[0] == got and gated[1] - plain[1] == got
 
 
 def test_window_kernel_keys_by_hand():

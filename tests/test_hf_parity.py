@@ -2,7 +2,8 @@
 Qwen2-MoE (also with dense layers between MoE ones), Llama 4 (Scout's and Maverick's forms), GLM-4.7-Flash, Granite
 MoE (with and without its shared expert; its multipliers), Hunyuan-A13B (q/k norms after RoPE, NTK-alpha RoPE), OLMoE
 (q/k norms over all heads; with attention biases; also with clip_qkv acting), ERNIE-4.5 MoE, MiniMax-M2, Mixtral,
-DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), DeepSeek-V2 and
+DeepSeek-V3 (with and without the q LoRA, YaRN RoPE, group-limited routing), DeepSeek-V3.2, GLM-5 and A.X K2
+(DeepSeek sparse attention; A.X K2's gated query and gated norms), DeepSeek-V2 and
 V2-Lite (softmax routing, group-limited and plain), GLM-4.5, dots.llm1, Qwen3-VL-MoE's text model, gpt-oss (attention
 sinks, sliding and full layers, YaRN without truncation; packed documents, MXFP4: tests/test_gpt_oss.py), and the
 dense Qwen3.5, Llama (also under llama3 RoPE scaling), Qwen2 and Qwen3 (also under YaRN), and sliding windows (Mistral,
@@ -77,7 +78,11 @@ DSA_ARCHS = {"deepseek_v32": (transformers.DeepseekV32Config, transformers.Deeps
              "glm_moe_dsa": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM, DSA),
              # its third layer reuses the second's selection (GLM's "shared" indexer layers: no indexer of its own)
              "glm_moe_dsa_shared": (transformers.GlmMoeDsaConfig, transformers.GlmMoeDsaForCausalLM,
-                                    dict(DSA, indexer_types=["full", "full", "shared"]))}
+                                    dict(DSA, indexer_types=["full", "full", "shared"])),
+             # A.X K2: the query projection fused with a gate on each head's output (from the q LoRA's normed and
+             # raw latents), block norms with a low-rank gate of rank 4; its checkpoints' names (`q_b_proj`,
+             # `W_down`, `W_up`) as transformers saves them
+             "axk2": (transformers.AXK2Config, transformers.AXK2ForCausalLM, dict(DSA, gated_norm_rank=4))}
 # DeepSeek-V2: softmax routing in 2 groups of 4 experts (each scored by its best), the 2 experts from the best group
 # only (the limit binds: V2's own keeps 3 groups of 8 for 6 experts), weights not renormalized, times 16 (V2's
 # factor); V2-Lite: no q LoRA, plain top-k ("greedy"), plain RoPE

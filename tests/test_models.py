@@ -1276,6 +1276,42 @@ def test_mistral4_reads_as_transformers_and_its_mistral3_wrapper(tmp_path):
     assert "expert groups" in trainable(grouped)
 
 
+def test_axk2_reads_as_transformers_builds_it(tmp_path):
+    """A.X K2 (transformers' AXK2Config defaults: A.X-K2-Light's figures): DeepSeek-V3.2's blocks (MLA with the q
+    LoRA, sparse attention on every layer, 16 index heads; ungrouped sigmoid routing, a shared expert, one dense
+    layer first) with the gated query (q_gate_proj from both q latents: each head's query and its output's gate) and
+    gated block norms of rank 16; its parameters as transformers counts them; the attention's matmuls the cost
+    model charges hold every attention weight but the norms and the frozen indexer; trained. A config without the q
+    LoRA, or with dense layers between MoE ones, is refused in one line."""
+    import transformers
+
+    from recipe.cost import dense_matmuls
+    from recipe.models import _full_attention_params, indexer_params
+
+    cfg = transformers.AXK2Config()
+    cfg.save_pretrained(tmp_path / "axk2")
+    shape = from_hf_config(tmp_path / "axk2" / "config.json")
+    a, d, r = shape.mla, shape.dsa, shape.sigmoid_router
+    assert (shape.arch, shape.hf_model_type, a.query_gate, shape.gated_norm_rank) == ("deepseek_v3", "axk2", True, 16)
+    assert (a.q_lora_rank, a.kv_lora_rank, a.qk_nope_head_dim, a.qk_rope_head_dim, a.v_head_dim) == (384, 128, 64, 32, 64)
+    assert (d.topk, d.index_heads, d.index_head_dim, d.shared_layers) == (2048, 16, 128, ())
+    assert (r.groups, r.topk_groups, r.scaling) == (1, 1, 2.5) and shape.first_dense_layers == 1
+    assert shape.shared_expert_ffn == 512 and trainable(shape) is None
+    assert total_params(shape) == _meta_params(transformers.AXK2ForCausalLM, cfg)
+    mixer = dense_matmuls(shape, "full_attention", moe=True)[:5]  # q_a, q_gate, kv_a, kv_b, o
+    assert sum(k * n for k, n in mixer) == _full_attention_params(shape, "full_attention") - indexer_params(shape) \
+        - a.q_lora_rank - a.kv_lora_rank
+    assert mixer[1] == (2 * 384, 32 * (96 + 64))  # both latents in; each head's query and its 64 gates out
+    text = json.loads((tmp_path / "axk2" / "config.json").read_text())
+    for i, (change, says) in enumerate((
+            (dict(q_lora_rank=None), "field 'q_lora_rank': expected a positive whole number"),
+            (dict(mlp_layer_types=["dense", "sparse", "dense"] + ["sparse"] * 45),
+             "field 'mlp_layer_types': expected the dense layers first"))):
+        with pytest.raises(ValueError) as e:
+            from_hf_config(_write(tmp_path, f"bad{i}", text | change))
+        assert says in str(e.value) and "\n" not in str(e.value)
+
+
 def test_axk1_reads_as_transformers_builds_it(tmp_path):
     """A.X K1 (transformers' AXK1Config defaults, the release's figures): the preset exactly, DeepSeek-V3's blocks
     with an RMSNorm on each MoE block's output (its 60 MoE layers; the dense first layer has none), grouped sigmoid

@@ -231,7 +231,7 @@ def test_olmoe_and_qwen2_moe_under_tensor_parallelism_equal_one_process(world2, 
     (4, "afmoe_cp2_tp2_ep2", "tiny_afmoe"), (4, "cohere_cp2_dp2_ep2", "tiny_cohere"),
     (4, "step_cp2_tp2_ep2", "tiny_step"), (4, "kimi_cp2_tp2_ep2", "tiny_kimi"),
     (4, "mistral4_cp2_tp2_ep2", "tiny_mistral4"), (4, "axk1_tp2_dp2_ep2_k2", "tiny_axk1"),
-    (4, "gemma4_cp2_dp2_ep2_k2", "tiny_gemma4")])
+    (4, "gemma4_cp2_dp2_ep2_k2", "tiny_gemma4"), (4, "axk2_cp2_tp2_ep2", "tiny_axk2")])
 def test_per_family_layouts_equal_one_process(world2, world4, world, name, shape):
     """The families' own blocks under layouts that split them: MiniMax-M2 (q/k norms over all heads) at tp=2 ×
     ep=2; MiMo-V2-Flash (sliding layers with their own KV heads, sinks and RoPE base), AFMoE (sandwich norms, the
@@ -240,7 +240,8 @@ def test_per_family_layouts_equal_one_process(world2, world4, world, name, shape
     each rank's global positions, a softmax router) at cp=2 × tp=2 × ep=2; A.X K1 (a norm on the MoE output, its
     experts' output kept for the backward) at tp=2 × dp=2 × ep=2 in 2 chunks; Gemma 4 (per-kind head widths, keys
     as values, the dense MLP beside the experts, the scaled router, layer scalars, soft-capped logits; tied, so
-    tp = 1) at cp=2 × dp=2 × ep=2 in 2 chunks; Cohere2-MoE
+    tp = 1) at cp=2 × dp=2 × ep=2 in 2 chunks; A.X K2 (the gated query split with its heads over tp, the gated
+    norms) at cp=2 × tp=2 × ep=2; Cohere2-MoE
     (a parallel block, tied embeddings) at cp=2 × dp=2 × ep=2: each equals one process; under tp every parameter but
     the routed experts is a tp DTensor, and under cp documents cross the segment edges."""
     import dist_cases
