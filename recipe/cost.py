@@ -288,8 +288,11 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
         kv = s * cp * nh * (kw + vw) * BF16
         out = s * nh * (vw + a.v_head_dim) * BF16  # SDPA's output; its first v_head_dim channels as o_proj's input
         return common + kv + out + s * nh * FP32
-    return max(_attention_set(m, s, cp, m.heads_at(k) / tp, m.kv_heads_at(k) / tp, m.head_dim_at(k),
-                              m.value_width_at(k), attention_widths(m, vendor, k)[1]) for k in attention_kinds(m))
+    # MiniMax-M3's block-sparse layers keep their selection: topk_blocks block indices a query and index head (int32)
+    selection = s * m.block_sparse.index_heads / tp * m.block_sparse.topk_blocks * 4 if m.block_sparse else 0.0
+    return selection + max(_attention_set(m, s, cp, m.heads_at(k) / tp, m.kv_heads_at(k) / tp, m.head_dim_at(k),
+                                          m.value_width_at(k), attention_widths(m, vendor, k)[1])
+                           for k in attention_kinds(m))
 
 
 def attention_kinds(m: ModelShape) -> list[str]:
@@ -539,6 +542,11 @@ def forward_flops_per_token(m: ModelShape, seq: float) -> dict[str, float]:
         out["indexer"] = index_pair_flops(m) * indexing_layers(m) * compressed_entries(m.compressed.csa_rate, seq)
         return out
     ctx_full, ctx_sliding = attention_keys(m, seq)
+    if m.block_sparse is not None:  # MiniMax-M3: its block-sparse layers' queries attend their selected blocks only
+        sparse = len(m.block_sparse.layers)
+        ctx_full = ((m.num_full_attn_layers - sparse) * ctx_full + sparse * block_sparse_keys(m, seq)
+                    ) / m.num_full_attn_layers
+        out["indexer"] = index_pair_flops(m) * indexing_layers(m) * seq / 2
     if m.dsa is not None:  # absorbed: q·latent over C + R channels, p·latent over C, on the selected keys
         qk, vd = m.mla.kv_lora_rank + m.mla.qk_rope_head_dim, m.mla.kv_lora_rank
         ctx_full = sparse_keys(m, seq)
@@ -568,6 +576,24 @@ def sparse_keys(m: ModelShape, seq: float) -> float:
     """Keys a query of DeepSeek sparse attention attends on average over a causal sequence of `seq`: min(topk, t + 1)
     for the query at t."""
     return capped_mean(m.dsa.topk, seq)
+
+
+def block_sparse_keys(m: ModelShape, seq: float) -> float:
+    """Keys a query of a MiniMax-M3 block-sparse layer attends on average over a causal sequence of `seq`: every
+    earlier key while the blocks so far number at most topk_blocks (t < K·B), then K − 1 whole blocks and its own
+    block's keys up to it, (K − 1)·B + (t mod B) + 1 (the local blocks are forced in; without them, K whole blocks
+    at most). With n = seq − K·B past the cap, q whole blocks of it and r more, the mod terms sum to
+    q·B(B − 1)/2 + r(r − 1)/2."""
+    b = m.block_sparse
+    cap = b.topk_blocks * b.block
+    if seq <= cap:
+        return (seq + 1) / 2
+    if not b.local_blocks:
+        return capped_mean(cap, seq)
+    n = seq - cap
+    q, r = divmod(n, b.block)
+    beyond = n * ((b.topk_blocks - 1) * b.block + 1) + q * b.block * (b.block - 1) / 2 + r * (r - 1) / 2
+    return (cap * (cap + 1) / 2 + beyond) / seq
 
 
 def compressed_entries(rate: int, seq: float, cap: float = math.inf) -> float:
@@ -604,6 +630,8 @@ def index_pair_flops(m: ModelShape) -> int:
     index head's product of width I."""
     if m.compressed is not None:
         return 2 * m.compressed.index_heads * m.compressed.index_head_dim
+    if m.block_sparse is not None:
+        return 2 * m.block_sparse.index_heads * m.block_sparse.index_head_dim
     return 2 * m.dsa.index_heads * m.dsa.index_head_dim
 
 
@@ -612,6 +640,8 @@ def indexing_layers(m: ModelShape) -> int:
     earlier one's selection) or DeepSeek-V4's (its compressed_sparse_attention layers)."""
     if m.compressed is not None:
         return sum(t == "compressed_sparse_attention" for t in m.layer_types)
+    if m.block_sparse is not None:
+        return len(m.block_sparse.layers)
     return m.num_full_attn_layers - len(m.dsa.shared_layers) if m.dsa is not None else 0
 
 
@@ -1183,7 +1213,8 @@ def rates(hw: HwProfile, m: ModelShape | None = None) -> dict[str, float]:
     if m is not None and m.dsa is not None:
         dsa = {"indexer": index_pair_flops(m) / index_pair_seconds(m, hw),
                "index_rows": INDEX_ROW_S, "attention": peak * SPARSE_BACKWARD_EFFICIENCY}
-    elif m is not None and m.compressed is not None:  # DeepSeek-V4's indexer: DSA's kernels on compressed keys
+    elif m is not None and (m.compressed is not None or m.block_sparse is not None):  # DeepSeek-V4's indexer (DSA's
+        # kernels on compressed keys), MiniMax-M3's (its scores pooled by block): DSA's kernels' rates, assumed
         dsa = {"indexer": index_pair_flops(m) / index_pair_seconds(m, hw), "index_rows": INDEX_ROW_S}
     out = {**_rates(hw, m, peak, hbm, e), **dsa}
     if m is not None and m.linear_attn is not None and m.linear_attn.kind == "kda":
@@ -1302,6 +1333,9 @@ def communication_terms(m: ModelShape, hw: HwProfile, world: int, layout: Layout
         cp_bytes = passes["attention"] * s * (cp - 1) * kv_tok * BF16
         if m.dsa is not None:  # and the index keys, gathered in each forward pass (no gradient)
             cp_bytes += (n["attention"] + again["attention"]) * s * (cp - 1) * m.dsa.index_head_dim * BF16
+        if m.block_sparse is not None:  # MiniMax-M3's block-sparse layers' index keys likewise
+            cp_bytes += ((n["attention"] + again["attention"]) * indexing_layers(m) / m.num_attention_layers * s
+                         * (cp - 1) * m.block_sparse.index_head_dim * BF16)
         t_combine = 0.0
         if m.mla is not None and m.dsa is None:  # DSA attends in the absorbed form: nothing expanded
             # MLA all-gathers the latent, and each rank expands the other ranks' (cp − 1)·s tokens to keys and values

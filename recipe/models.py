@@ -79,6 +79,28 @@ class MLAShape(Record):
 
 
 @dataclass(frozen=True, kw_only=True)
+class BlockSparseShape(Record):
+    """MiniMax-M3's block-sparse attention on some of its full-attention layers (`layers`): a lightning indexer
+    (`index_heads` heads of `index_head_dim`, one per KV head group, against one index key a token; q and k
+    RMSNormed and rotated) scores every earlier key, max-pools the scores over blocks of `block` keys, and each KV
+    group's queries attend the `topk_blocks` best blocks, the `local_blocks` ending at the query's own among them
+    (transformers' MiniMaxM3VLIndexer). The indexer has no gradient: its selection steers the attention."""
+
+    block: Pos
+    topk_blocks: Pos
+    local_blocks: NonNeg
+    index_heads: Pos
+    index_head_dim: Pos
+    layers: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        _positive(self, ("block", "topk_blocks", "index_heads", "index_head_dim"))
+        _positive(self, ("local_blocks",), strict=False)
+        if self.local_blocks > self.topk_blocks:
+            raise ValueError(f"block_sparse.local_blocks={self.local_blocks} > topk_blocks={self.topk_blocks}")
+
+
+@dataclass(frozen=True, kw_only=True)
 class SparseAttentionShape(Record):
     """DeepSeek sparse attention (DSA, DeepSeek-V3.2 and GLM-5) on multi-head latent attention: a lightning indexer
     (`index_heads` ReLU heads of `index_head_dim`, queries from MLA's q latent, one key a token) scores every earlier
@@ -416,6 +438,7 @@ class ModelShape(Record):
     clip_qkv: float | None = None  # OLMoE's clip_qkv: q and k (after their norms) and v clamped to ±this
     # DeepSeek sparse attention (DeepSeek-V3.2, GLM-5): MLA whose queries attend to the keys an indexer picks
     dsa: SparseAttentionShape | None = None
+    block_sparse: BlockSparseShape | None = None  # MiniMax-M3's block-sparse layers (planned, not trained)
     # DeepSeek-V4's compressed attention, hyper-connections and hash routing (arch deepseek_v4: planned, not trained)
     compressed: CompressedAttentionShape | None = None
     mla: MLAShape | None = None
@@ -593,6 +616,14 @@ class ModelShape(Record):
             if any(i >= self.num_layers for i in self.dsa.shared_layers):
                 raise ValueError(f"dsa.shared_layers {list(self.dsa.shared_layers)} names layers past the model's "
                                  f"{self.num_layers}")
+        if self.block_sparse is not None:
+            b = self.block_sparse
+            if any(not 0 <= i < self.num_layers or self.layer_types[i] != "full_attention" for i in b.layers):
+                raise ValueError(f"block_sparse.layers {list(b.layers)} must name full-attention layers of the "
+                                 f"model's {self.num_layers}")
+            if self.num_kv_heads % b.index_heads:
+                raise ValueError(f"block_sparse.index_heads={b.index_heads} must divide the {self.num_kv_heads} KV "
+                                 f"heads (one selection a KV head group)")
         if self.clip_qkv is not None and not (isinstance(self.clip_qkv, (int, float)) and self.clip_qkv > 0):
             raise ValueError(f"clip_qkv must be a positive number, got {self.clip_qkv!r}")
         if self.first_dense_layers > self.num_layers:
@@ -743,12 +774,17 @@ class ModelShape(Record):
         dsa = self.dsa
         if dsa is not None and dsa.shared_layers:
             dsa = dsa.model_copy(update={"shared_layers": tuple(i for i in dsa.shared_layers if i < num_layers)})
+        block_sparse = self.block_sparse
+        if block_sparse is not None:
+            block_sparse = block_sparse.model_copy(update={"layers": tuple(i for i in block_sparse.layers
+                                                                           if i < num_layers)})
         compressed = self.compressed
         if compressed is not None:  # the hash-routed layers lead: as many of them as the cut keeps
             compressed = compressed.model_copy(update={"hash_layers": min(compressed.hash_layers, num_layers)})
         return self.model_copy(
             update={
                 "dsa": dsa,
+                "block_sparse": block_sparse,
                 "compressed": compressed,
                 "num_layers": num_layers,
                 "layer_types": self.layer_types[:num_layers],
@@ -766,7 +802,7 @@ class ModelShape(Record):
                              "llama4", "hf_model_type", "granite", "clip_qkv", "dsa", "sliding_kv_heads",
                              "sliding_rope_theta", "v_head_dim", "compressed", "sliding_heads",
                              "sliding_rotary_factor", "query_pre_attn_scalar", "query_scale_period",
-                             "sliding_head_dim", "final_logit_softcap")
+                             "sliding_head_dim", "final_logit_softcap", "block_sparse")
                  if getattr(self, k) is None}
         unset |= {k for k, default in (("moe_layer_step", 1), ("sinks", "none"), ("value_scale", 1.0),
                                        ("nope_full_layers", False), ("norm_placement", "pre"),
@@ -1181,6 +1217,14 @@ def hyper_connection_params(m: ModelShape) -> int:
     return m.num_layers * 2 * (mix * n * h + mix + 3) + n * n * h + n + 1
 
 
+def block_index_params(m: ModelShape) -> int:
+    """MiniMax-M3's block indexer in one block-sparse layer: its q and k projections and their RMSNorms; 0 without."""
+    if m.block_sparse is None:
+        return 0
+    b, h = m.block_sparse, m.hidden_size
+    return h * b.index_heads * b.index_head_dim + h * b.index_head_dim + 2 * b.index_head_dim
+
+
 def indexer_params(m: ModelShape) -> int:
     """DeepSeek sparse attention's indexer in one layer (launch/model.py Indexer): wq_b from the q latent, wk and its
     LayerNorm (weight and bias), weights_proj; 0 without DSA. Stored with the attention, never trained."""
@@ -1241,6 +1285,7 @@ def _param_counts(m: ModelShape) -> tuple[tuple[str, int], ...]:
         ("full_attention", m.num_full_attn_layers), ("sliding_attention", m.num_sliding_layers),
         ("chunked_attention", m.num_chunked_layers)) if n) + sum(
         _full_attention_params(m, kind) for kind in m.layer_types if kind in COMPRESSED_LAYER_TYPES)
+    counts["attention"] += len(m.block_sparse.layers) * block_index_params(m) if m.block_sparse is not None else 0
     if m.linear_attn is not None:
         counts["linear_attention"] = m.num_linear_attn_layers * _linear_attention_params(m)
     counts["router"] = moe_layers * (h * m.num_experts + (m.num_experts if m.router_bias else 0))
@@ -1329,7 +1374,7 @@ _ARCH_BY_MODEL_TYPE = {
     "llama4": "llama4",
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoe_swa": "granitemoe",
-    "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe",
+    "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe", "minimax_m3_vl_text": "moe",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
@@ -1411,6 +1456,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         cfg = _kimi_config(cfg, bad)
     if model_type in ("gemma4", "gemma4_text"):  # Gemma 4's MoE text model, with transformers' defaults
         model_type, cfg = "gemma4_text", _gemma4_config(cfg, bad)
+    if model_type == "minimax_m3_vl_text":  # MiniMax-M3's text model, with transformers' defaults
+        cfg = _minimax_m3_config(cfg, bad)
 
     def need(key: str, *alts: str):
         for k in (key, *alts):
@@ -1673,6 +1720,8 @@ def _from_hf_config(path: Path) -> ModelShape:
             _granite_swa(cfg, fields, n_layers, number, count, bad)
     elif arch == "moe" and model_type == "gemma4_text":
         _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
+    elif arch == "moe" and model_type == "minimax_m3_vl_text":
+        _minimax_m3(cfg, fields, n_layers, opt, number, bad)
     elif arch == "moe":
         _generic_moe(cfg, fields, n_layers, req, opt, opt_flag, bad)
     if model_type == "mellum":
@@ -2343,6 +2392,77 @@ def _gemma4_config(cfg: dict, bad) -> dict:
         raise bad("hidden_activation", '"gelu_pytorch_tanh" (the GeGLU Gemma 4 is trained with)',
                   out["hidden_activation"])
     return {**out, "rope_parameters": rope}
+
+
+# transformers' MiniMaxM3VLTextConfig defaults (MiniMaxAI/MiniMax-M3)
+_MINIMAX_M3_DEFAULTS = {"vocab_size": 200064, "hidden_size": 6144, "intermediate_size": 3072, "num_hidden_layers": 60,
+                        "num_attention_heads": 64, "num_key_value_heads": 4, "head_dim": 128,
+                        "max_position_embeddings": 524288, "rms_norm_eps": 1e-6, "tie_word_embeddings": False,
+                        "num_experts_per_tok": 4, "num_local_experts": 128, "dense_intermediate_size": 12288,
+                        "shared_intermediate_size": 3072, "routed_scaling_factor": 2.0, "rotary_dim": 64,
+                        "index_n_heads": 4, "index_head_dim": 128, "index_block_size": 128, "index_topk_blocks": 16,
+                        "index_local_blocks": 1}
+# its releases' `sparse_attention_config` names for the indexer's fields
+_MINIMAX_M3_LEGACY = {"sparse_num_index_heads": "index_n_heads", "sparse_index_dim": "index_head_dim",
+                      "sparse_block_size": "index_block_size", "sparse_topk_blocks": "index_topk_blocks",
+                      "sparse_local_block": "index_local_blocks"}
+
+
+def _minimax_m3_config(cfg: dict, bad) -> dict:
+    """MiniMax-M3's text config (its `minimax_m3_vl` wrapper's `text_config`) in the reader's terms, as transformers'
+    MiniMaxM3VLTextConfig reads it: its defaults where a field is absent; the releases' `sparse_attention_config`
+    (the indexer's fields under their own names, `sparse_attention_freq` a flag a layer) and `moe_layer_freq` (a
+    flag a layer: MoE or dense) where `layer_types` and `mlp_layer_types` are absent; the block-sparse layers
+    ("minimax_m3_sparse") read as full attention, their indices passed on as `_sparse_layers`."""
+    sparse = cfg.get("sparse_attention_config") or {}
+    if not isinstance(sparse, dict):
+        raise bad("sparse_attention_config", "an object", sparse)
+    out = {**_MINIMAX_M3_DEFAULTS, **{new: sparse[old] for old, new in _MINIMAX_M3_LEGACY.items() if old in sparse},
+           **{k: v for k, v in cfg.items() if v is not None or k not in _MINIMAX_M3_DEFAULTS}}
+    n = out["num_hidden_layers"]
+    for key, flags, yes, no in (("layer_types", sparse.get("sparse_attention_freq"), "minimax_m3_sparse",
+                                 "full_attention"), ("mlp_layer_types", cfg.get("moe_layer_freq"), "sparse", "dense")):
+        if out.get(key) is None and flags is not None:
+            if not isinstance(flags, list):
+                raise bad("sparse_attention_config.sparse_attention_freq" if key == "layer_types" else "moe_layer_freq",
+                          "a list of flags, one a layer", flags)
+            out[key] = [yes if f else no for f in flags]
+    types = out.get("layer_types")
+    if isinstance(types, list) and isinstance(n, int):
+        if any(t not in ("full_attention", "minimax_m3_sparse") for t in types) or len(types) < n:
+            raise bad("layer_types", f'{n} entries of "full_attention" and "minimax_m3_sparse"', types)
+        out["_sparse_layers"] = tuple(i for i, t in enumerate(types[:n]) if t == "minimax_m3_sparse")
+        out["layer_types"] = ["full_attention"] * n
+    return out
+
+
+def _minimax_m3(cfg: dict, fields: dict, n_layers: int, opt, number, bad) -> None:
+    """MiniMax's MiniMax-M3 text model (transformers' MiniMaxM3VLTextConfig; `_minimax_m3_config` gives its
+    defaults): GQA with per-head q/k norms and (1 + w) norms throughout, RoPE on the first `rotary_dim` channels of
+    each head; block-sparse attention on its "minimax_m3_sparse" layers (`BlockSparseShape`); every MoE layer 128
+    experts (`intermediate_size` wide, top 4) under a sigmoid router with a correction bias, renormalized, times
+    `routed_scaling_factor`, beside a shared expert of `shared_intermediate_size`; dense layers
+    (`dense_intermediate_size`) where `mlp_layer_types` leads with them; clamped GLUs (gpt-oss's, its gate and up
+    not interleaved: they change no count the plan makes). Planned, not trained."""
+    head = fields["head_dim"]
+    rotary = opt("rotary_dim", 64)
+    if not 0 < rotary <= head:
+        raise bad("rotary_dim", f"a whole number from 1 to head_dim {head}", cfg.get("rotary_dim"))
+    types = _mlp_layer_types(cfg, bad, n_layers) or ["sparse"] * n_layers
+    dense = types.index("sparse") if "sparse" in types[:n_layers] else n_layers
+    if "dense" in types[dense:n_layers]:
+        raise bad("mlp_layer_types", "the dense layers first, then the sparse ones", types)
+    fields.update(hf_model_type="minimax_m3", qk_norm=True, offset_norms=True, partial_rotary_factor=rotary / head,
+                  expert_ffn=opt("intermediate_size", 3072), shared_expert_ffn=opt("shared_intermediate_size", 3072),
+                  norm_topk_prob=True, router_bias=True, first_dense_layers=dense,
+                  dense_ffn=opt("dense_intermediate_size", 12288) if dense else 0,
+                  sigmoid_router={"groups": 1, "topk_groups": 1,
+                                  "scaling": number(cfg.get("routed_scaling_factor", 2.0), "routed_scaling_factor")})
+    layers = cfg.get("_sparse_layers", ())
+    if layers:
+        fields["block_sparse"] = {"block": opt("index_block_size", 128), "topk_blocks": opt("index_topk_blocks", 16),
+                                  "local_blocks": opt("index_local_blocks", 1), "index_heads": opt("index_n_heads", 4),
+                                  "index_head_dim": opt("index_head_dim", 128), "layers": layers}
 
 
 def _gemma4(cfg: dict, fields: dict, rope_by_type: dict | None, opt_flag, number, count) -> None:

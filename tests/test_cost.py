@@ -826,6 +826,34 @@ def _dsa_shape():
         topk=4, index_heads=8, index_head_dim=16)})
 
 
+def test_block_sparse_attention_is_charged_on_its_selected_blocks_and_its_indexer():
+    """MiniMax-M3's block-sparse layers, hand-worked at blocks of 4 keys, 2 kept a query (its own, forced, and one
+    more): up to 8 tokens a query sees every earlier key (mean (8 + 1)/2 = 4.5 over 8); past them one whole block
+    and its own block's keys up to it, 4 + (t mod 4) + 1 = 5, 6, 7, 8 for t = 8 … 11, so over 12 tokens
+    (36 + 26)/12. Attention's forward FLOPs a token are 2·H·(d_qk + d_v) times the keys summed over the full
+    layers (one dense at seq/2, three sparse); the indexer's 2·N·I·seq/2 a sparse layer, forward only; a layer's
+    saved set adds the selection, topk_blocks int32 indices a query and index head (their heads split over tp)."""
+    from recipe.cost import attention_working_set, block_sparse_keys, forward_flops_per_token
+    from recipe.models import BlockSparseShape, ModelShape
+
+    m = ModelShape(name="bs", arch="moe", hidden_size=256, num_layers=4, vocab_size=64,
+                   layer_types=("full_attention",) * 4, num_heads=4, num_kv_heads=2, head_dim=16, num_experts=4,
+                   top_k=2, expert_ffn=32, block_sparse=BlockSparseShape(block=4, topk_blocks=2, local_blocks=1,
+                                                                         index_heads=2, index_head_dim=8,
+                                                                         layers=(1, 2, 3)))
+    assert block_sparse_keys(m, 8) == 4.5 and block_sparse_keys(m, 12) == pytest.approx(62 / 12)
+    brute = sum(min(t + 1, 4 + t % 4 + 1) if t >= 8 else t + 1 for t in range(1000)) / 1000
+    assert block_sparse_keys(m, 1000) == pytest.approx(brute)
+    f = forward_flops_per_token(m, 12)
+    assert f["attention"] == pytest.approx(2 * 4 * 32 * (12 / 2 + 3 * 62 / 12))
+    assert f["indexer"] == 2 * 2 * 8 * 3 * 12 / 2
+    plain = m.model_copy(update={"block_sparse": None})
+    assert forward_flops_per_token(plain, 12)["attention"] == 2 * 4 * 32 * 4 * 12 / 2
+    for tp in (1, 2):
+        assert attention_working_set(m, 12, tp, 1) - attention_working_set(plain, 12, tp, 1) == 12 * 2 / tp * 2 * 4
+    assert m.with_layers(2).block_sparse.layers == (1,)
+
+
 def test_deepseek_sparse_attention_is_charged_on_its_selected_keys_and_its_indexer():
     """Hand-worked: a query at t attends min(K, t + 1) keys, so over 8 tokens at K = 4 the mean is (1+2+3+4·5)/8 =
     3.25 and over 3 tokens 2; attention's forward FLOPs a token are 2·H·(2C + R)·k̄ a layer (absorbed: q̂·latent

@@ -1276,6 +1276,48 @@ def test_mistral4_reads_as_transformers_and_its_mistral3_wrapper(tmp_path):
     assert "expert groups" in trainable(grouped)
 
 
+def test_minimax_m3_reads_as_transformers_builds_it(tmp_path):
+    """MiniMax-M3 (transformers' MiniMaxM3VLTextConfig defaults, MiniMaxAI/MiniMax-M3's figures) with block-sparse
+    layers and dense layers first: as transformers saves it and in the releases' form (`sparse_attention_config`
+    with a flag a layer, `moe_layer_freq`), it reads alike, as transformers reads both; the block-sparse layers are
+    full attention with the indexer's fields (`block_sparse`); per-head q/k norms, (1 + w) norms, RoPE on 64 of 128
+    channels, a sigmoid router ×2.0 beside a shared expert; its parameters (the indexers' among them) as
+    transformers counts them; planned, not trained (one line). Unknown layer types are refused in one line."""
+    import transformers
+
+    from recipe.models import block_index_params
+
+    types = ["full_attention" if i % 4 == 0 else "minimax_m3_sparse" for i in range(60)]
+    mlp = ["dense"] * 2 + ["sparse"] * 58
+    cfg = transformers.MiniMaxM3VLTextConfig(layer_types=types, mlp_layer_types=mlp)
+    cfg.save_pretrained(tmp_path / "m3")
+    shape = from_hf_config(tmp_path / "m3" / "config.json")
+    b = shape.block_sparse
+    assert (b.block, b.topk_blocks, b.local_blocks, b.index_heads, b.index_head_dim) == (128, 16, 1, 4, 128)
+    assert b.layers == tuple(i for i, t in enumerate(types) if t == "minimax_m3_sparse") and len(b.layers) == 45
+    assert set(shape.layer_types) == {"full_attention"} and (shape.num_heads, shape.num_kv_heads) == (64, 4)
+    assert (shape.first_dense_layers, shape.dense_ffn, shape.expert_ffn, shape.shared_expert_ffn) == (2, 12288, 3072,
+                                                                                                      3072)
+    assert (shape.partial_rotary_factor, shape.qk_norm, shape.offset_norms, shape.top_k) == (0.5, True, True, 4)
+    assert shape.sigmoid_router.scaling == 2.0 and shape.hf_model_type == "minimax_m3"
+    assert total_params(shape) == _meta_params(transformers.MiniMaxM3VLForCausalLM, cfg)
+    assert block_index_params(shape) == 6144 * 4 * 128 + 6144 * 128 + 2 * 128
+    why = trainable(shape)
+    assert why is not None and "not trained" in why and "\n" not in why
+    release = json.loads((tmp_path / "m3" / "config.json").read_text())
+    release = {k: v for k, v in release.items() if k not in ("layer_types", "mlp_layer_types")} | {
+        "sparse_attention_config": {"sparse_attention_freq": [int(t != "full_attention") for t in types],
+                                    "sparse_topk_blocks": 16, "sparse_block_size": 128},
+        "moe_layer_freq": [int(t == "sparse") for t in mlp]}
+    theirs = transformers.MiniMaxM3VLTextConfig(**{k: v for k, v in release.items() if k != "model_type"})
+    assert theirs.layer_types == types and theirs.mlp_layer_types == mlp
+    same = {"name": "x", "source": ""}
+    assert from_hf_config(_write(tmp_path, "release", release)).model_copy(update=same) == shape.model_copy(update=same)
+    with pytest.raises(ValueError) as e:
+        from_hf_config(_write(tmp_path, "bad", release | {"layer_types": ["sliding_attention"] * 60}))
+    assert "field 'layer_types': expected 60 entries of" in str(e.value) and "\n" not in str(e.value)
+
+
 def test_axk2_reads_as_transformers_builds_it(tmp_path):
     """A.X K2 (transformers' AXK2Config defaults: A.X-K2-Light's figures): DeepSeek-V3.2's blocks (MLA with the q
     LoRA, sparse attention on every layer, 16 index heads; ungrouped sigmoid routing, a shared expert, one dense
