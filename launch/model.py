@@ -305,8 +305,8 @@ def logits_divisor(s: ModelShape) -> float:
 
 class ScaledEmbedding(nn.Embedding):
     """nn.Embedding whose rows come out times `scale` (Granite's embedding multiplier, AFMoE's and Gemma's
-    √hidden_size; 1 elsewhere). Parameter names
-    and the padding row are nn.Embedding's; tensor parallelism's hooks see the scaled rows (a linear map)."""
+    √hidden_size; 1 elsewhere). Parameter names and the padding row are nn.Embedding's; tensor parallelism's hooks
+    see the scaled rows (a linear map)."""
 
     def __init__(self, *args, scale: float = 1.0, round_scale: bool = False, **kwargs):
         super().__init__(*args, **kwargs)

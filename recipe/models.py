@@ -1391,6 +1391,13 @@ _UNPLANNED_TYPES = {
     "arcee": "an MLP without a gate (up and down projections)",
     "youtu": "multi-head latent attention in a dense model",
     "hy_v4": "hyper-connections (iHC) beside sparse MLA",
+    # standard fields that would read as a causal MoE it is not: Doge's experts are a product-key lookup of tiny
+    # experts (read as routed FFNs they count 3,299B parameters for a 0.4B model); the others are not causal LMs
+    "doge": "cross-domain experts (a product-key lookup of one-neuron experts, not routed FFNs)",
+    "openai_privacy_filter": "bidirectional attention (a token classifier, not a causal language model)",
+    **dict.fromkeys(("diffusion_gemma", "diffusion_gemma_text"),
+                    "bidirectional denoising layers (a diffusion language model, not a causal one)"),
+    "deepseek_ocr2_encoder": "a vision encoder (not a language model)",
     # a wrapper's model_type and its text model's
     **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"),
                     "hyper-connections, hashed n-gram layer embeddings and QSA sparse attention"),

@@ -1194,7 +1194,10 @@ def test_mistral_slides_every_layer_unless_its_window_is_null(tmp_path):
     (dict(model_type="arcee"), "model_type 'arcee' has an MLP without a gate"),
     (dict(model_type="qwen4_exp_text"), "model_type 'qwen4_exp_text' has hyper-connections, hashed n-gram"),
     (dict(model_type="glm5_next_text"), "model_type 'glm5_next_text' has hyper-connections (mHC)"),
-    (dict(model_type="hy_v4"), "model_type 'hy_v4' has hyper-connections (iHC)")])
+    (dict(model_type="hy_v4"), "model_type 'hy_v4' has hyper-connections (iHC)"),
+    (dict(model_type="doge"), "model_type 'doge' has cross-domain experts"),  # read as FFNs: 8,000 times too many
+    (dict(model_type="openai_privacy_filter"), "has bidirectional attention (a token classifier"),
+    (dict(model_type="diffusion_gemma_text"), "has bidirectional denoising layers (a diffusion language model")])
 def test_mixers_the_tool_does_not_plan_are_refused_in_one_line(tmp_path, cfg, says):
     from typer.testing import CliRunner
 
