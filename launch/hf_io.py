@@ -130,12 +130,13 @@ _GEMMA4_OUT_NAMES = {"mlp.gate.weight": "router.proj.weight", "mlp.gate.": "rout
                      "post_mlp_layernorm.": "post_feedforward_layernorm."}
 
 
-def _gemma4_names(sd: dict[str, torch.Tensor], to_ours: bool) -> None:
-    """Gemma 4's tensors under our names (`to_ours`) or back under its own, in place."""
+def _gemma4_names(sd: dict[str, torch.Tensor], to_ours: bool, moe: bool = True) -> None:
+    """Gemma 4's tensors under our names (`to_ours`) or back under its own, in place; a dense model's MLP keeps
+    its name (`moe` False: it is no MoE's shared expert)."""
     pattern = _GEMMA4_IN if to_ours else _GEMMA4_OUT
     names = dict(_GEMMA4_NAMES) if to_ours else _GEMMA4_OUT_NAMES
     for key in list(sd):
-        if hit := pattern.match(key):
+        if (hit := pattern.match(key)) and (moe or hit.group(2) not in ("mlp.", "mlp.shared_expert.")):
             sd[f"{hit.group(1)}.{names[hit.group(2)]}{key[hit.end():]}"] = sd.pop(key)
 
 
@@ -482,7 +483,7 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
     if model.shape.hf_model_type == "kimi_linear":
         _kimi_kda_to_ours(sd)
     if model.shape.hf_model_type == "gemma4_text":
-        _gemma4_names(sd, to_ours=True)
+        _gemma4_names(sd, to_ours=True, moe=model.shape.arch != "dense")
     if model.shape.hf_model_type == "axk1":  # transformers keeps the MoE output norm in the block; ours (and the
         # releases') at the layer
         for key in [k for k in sd if ".mlp.post_mlp_layernorm." in k]:
@@ -589,6 +590,8 @@ def hf_config(shape: ModelShape) -> dict:
     )
     if shape.pad_token_id is not None:  # the embedding row transformers never updates
         cfg["pad_token_id"] = shape.pad_token_id
+    if shape.hf_model_type == "gemma4_text":
+        return _gemma4_config(shape, cfg)
     if shape.arch == "dense":  # Llama-family: Qwen3 has q/k norms, Qwen2 q/k/v biases, Llama neither
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             cfg.pop(k)
@@ -622,8 +625,6 @@ def hf_config(shape: ModelShape) -> dict:
                    layer_norm_eps=shape.rms_norm_eps if layer_norm else 1e-5, rope_theta=shape.rope_theta)
         cfg.pop("moe_intermediate_size")
         return cfg
-    if shape.hf_model_type == "gemma4_text":
-        return _gemma4_config(shape, cfg)
     if shape.arch == "qwen3_moe" and shape.hf_model_type == "mellum":  # Mellum: its layer and MLP types, RoPE by type
         cfg.update(model_type="mellum", architectures=["MellumForCausalLM"], norm_topk_prob=shape.norm_topk_prob,
                    intermediate_size=shape.dense_ffn or shape.expert_ffn, layer_types=list(shape.layer_types),
@@ -886,15 +887,20 @@ def _kimi_linear_config(shape: ModelShape, cfg: dict) -> dict:
 
 
 def _gemma4_config(shape: ModelShape, cfg: dict) -> dict:
-    """Gemma 4's text config.json in transformers' field names (Gemma4TextConfig, the MoE block on): the sliding
+    """Gemma 4's text config.json in transformers' field names (Gemma4TextConfig, the MoE block on or off): the sliding
     layers' head width and KV heads as `head_dim` and `num_key_value_heads`, the full layers' as `global_head_dim`
     and `num_global_key_value_heads`, RoPE by layer type (the full layers' proportional), no per-layer inputs."""
     for k in ("num_experts_per_tok", "hidden_act", "max_position_embeddings"):
         cfg.pop(k)
+    if shape.arch == "dense":
+        for k in ("num_experts", "moe_intermediate_size"):
+            cfg.pop(k)
     full_rope = {"rope_type": "proportional" if shape.rope_proportional else "default",
                  "rope_theta": shape.rope_theta, "partial_rotary_factor": shape.partial_rotary_factor}
-    cfg.update(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], enable_moe_block=True,
-               top_k_experts=shape.top_k, intermediate_size=shape.shared_expert_ffn,
+    moe = shape.arch != "dense"
+    cfg.update(model_type="gemma4_text", architectures=["Gemma4ForCausalLM"], enable_moe_block=moe,
+               top_k_experts=shape.top_k if moe else None,
+               intermediate_size=shape.shared_expert_ffn if moe else shape.dense_ffn,
                head_dim=shape.head_dim_at("sliding_attention"), global_head_dim=shape.head_dim,
                num_key_value_heads=shape.kv_heads_at("sliding_attention"),
                num_global_key_value_heads=shape.num_kv_heads if shape.keys_as_values else None,
@@ -953,7 +959,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
     if model.shape.hf_model_type == "afmoe":
         _fuse_output_gate(sd, model.shape.head_dim, to_ours=False)
     if model.shape.hf_model_type == "gemma4_text":
-        _gemma4_names(sd, to_ours=False)
+        _gemma4_names(sd, to_ours=False, moe=model.shape.arch != "dense")
     out: dict[str, torch.Tensor] = {}
     mixtral = model.shape.arch in ("mixtral", "minimax_m2")  # MiniMax-M2's releases keep Mixtral's names
     kimi = model.shape.hf_model_type == "kimi_linear"  # Kimi-Linear's: Mixtral's on its MoE layers

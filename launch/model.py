@@ -950,8 +950,10 @@ class DecoderLayer(nn.Module):
         if self.moe_output_norm:
             self.post_mlp_layernorm = block_norm(s, norm_offset)
         if self.gemma4:  # the dense MLP's output norm, the experts' input and output norms, the layer's scalar
-            for name in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2", "post_feedforward_layernorm_2"):
-                setattr(self, name, block_norm(s, norm_offset))
+            if not dense:
+                for name in ("post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+                             "post_feedforward_layernorm_2"):
+                    setattr(self, name, block_norm(s, norm_offset))
             self.register_buffer("layer_scalar", torch.ones(1))
 
     @property
@@ -986,10 +988,13 @@ class DecoderLayer(nn.Module):
 
     def _gemma4_forward(self, x_TD: torch.Tensor, mixed_TD: torch.Tensor) -> torch.Tensor:
         """Gemma 4's layer after its mixer: the dense MLP on the normed input and the experts on their own norm of
-        it, routed on the input itself, each side's output normed, their sum normed, added; the whole times the
-        layer's scalar."""
+        it, routed on the input itself, each side's output normed, their sum normed, added (a dense model's: its MLP
+        alone between its two norms); the whole times the layer's scalar."""
         x_TD = x_TD + self.post_attention_layernorm(mixed_TD)
         moe = self.mlp
+        if isinstance(moe, GatedMLP):  # a dense Gemma 4
+            out_TD = x_TD + self.post_mlp_layernorm(moe(self.pre_mlp_layernorm(x_TD)))
+            return out_TD * self.layer_scalar.to(out_TD.dtype)
         dense_TD = self.post_feedforward_layernorm_1(moe.shared_expert(self.pre_mlp_layernorm(x_TD)))
         _, top_w_TK, top_e_TK = moe.gate(x_TD)
         routed_TD = moe.experts(self.pre_feedforward_layernorm_2(x_TD), top_w_TK, top_e_TK)

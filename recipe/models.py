@@ -308,7 +308,7 @@ def trainable(shape: "ModelShape") -> str | None:
     if shape.arch not in TRAINED_ARCHS and not (shape.arch == "moe" and shape.hf_model_type == "gemma4_text"):
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model, "
-                f"Mellum 2), Gemma 4's MoE, "
+                f"Mellum 2), Gemma 4, "
                 f"Qwen2-MoE, OLMoE (and FlexOlmo), ERNIE-4.5, MiniMax-M2, Mixtral, DeepSeek-V2, V3 (Kimi-K2, "
                 f"Moonlight, Kimi-Linear, Mistral 4, A.X K1) and V3.2 (A.X K2), GLM-5, GLM-4.5 (and dots.llm1, Solar Open, "
                 f"MiMo-V2-Flash, Hunyuan-V3, K-EXAONE, AFMoE, Step-3.7, Laguna), Cohere2-MoE, gpt-oss, Llama 4, "
@@ -340,7 +340,8 @@ def trainable(shape: "ModelShape") -> str | None:
              shape.sliding_head_dim is not None or shape.keys_as_values or shape.dense_beside_experts
              or shape.rope_proportional)),
         ("Gemma 4 without its dense MLP beside the experts or its sandwich norms", shape.hf_model_type == "gemma4_text"
-         and (not shape.dense_beside_experts or shape.norm_placement != "sandwich" or shape.first_dense_layers > 0)),
+         and (shape.norm_placement != "sandwich" or (shape.arch != "dense" and (
+             not shape.dense_beside_experts or shape.first_dense_layers > 0)))),
         ("proportional RoPE under RoPE scaling", shape.rope_proportional and shape.rope_scaling is not None),
         ("a softplus gate per query head outside Laguna",
          shape.head_gate_activation != "sigmoid" and shape.hf_model_type != "laguna"),
@@ -1461,8 +1462,9 @@ def _from_hf_config(path: Path) -> ModelShape:
         model_type, cfg = "step3p5", _step_config(cfg, bad)
     if model_type == "kimi_linear":  # Kimi-Linear, its hub form (linear_attn_config) or transformers'
         cfg = _kimi_config(cfg, bad)
-    if model_type in ("gemma4", "gemma4_text"):  # Gemma 4's MoE text model, with transformers' defaults
+    if model_type in ("gemma4", "gemma4_text"):  # Gemma 4's text model, with transformers' defaults
         model_type, cfg = "gemma4_text", _gemma4_config(cfg, bad)
+        arch = "dense" if cfg["_dense"] else arch
     if model_type == "minimax_m3_vl_text":  # MiniMax-M3's text model, with transformers' defaults
         cfg = _minimax_m3_config(cfg, bad)
 
@@ -1725,7 +1727,7 @@ def _from_hf_config(path: Path) -> ModelShape:
                           ("residual", "residual_multiplier"), ("logits", "logits_scaling"))})
         if model_type == "granitemoe_swa":
             _granite_swa(cfg, fields, n_layers, number, count, bad)
-    elif arch == "moe" and model_type == "gemma4_text":
+    elif arch in ("moe", "dense") and model_type == "gemma4_text":
         _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
     elif arch == "moe" and model_type == "minimax_m3_vl_text":
         _minimax_m3(cfg, fields, n_layers, opt, number, bad)
@@ -2337,15 +2339,15 @@ def _laguna(cfg: dict, fields: dict, rope_by_type: dict | None, opt, number, cou
 
 def _gemma4_config(cfg: dict, bad) -> dict:
     """Gemma 4's text config (its `gemma4` wrapper's `text_config`) in the reader's terms, transformers' defaults
-    where it leaves a field out: the MoE block required (`enable_moe_block`; per-layer input embeddings, which
-    transformers builds where `hidden_size_per_layer_input` is absent, and shared-KV layers are not planned, nor
-    bidirectional attention), `top_k_experts` as the experts a token takes, layer types five sliding to one full
+    where it leaves a field out: the MoE block on (`enable_moe_block`) or off (a dense model: `_dense`; per-layer
+    input embeddings, which transformers builds where `hidden_size_per_layer_input` is absent, and shared-KV layers
+    are not planned, nor bidirectional attention), `top_k_experts` as the experts a token takes, layer types five
+    sliding to one full
     with the last forced full, RoPE by layer type (the full layers' "proportional" RoPE at factor 1 reads as their
     rotated share with `rope_proportional`: that share's frequencies spaced over the whole head). The full layers' head width and KV heads go to `_gemma4` as
     `_full_head_dim` and `_full_kv_heads`."""
-    if cfg.get("enable_moe_block") is not True:
-        raise bad("enable_moe_block", "true (Gemma 4 without its experts, a dense model with per-layer input "
-                  "embeddings, is not planned)", cfg.get("enable_moe_block"))
+    if cfg.get("enable_moe_block") not in (True, False, None):
+        raise bad("enable_moe_block", "true or false", cfg["enable_moe_block"])
     for key, default in (("hidden_size_per_layer_input", 256), ("num_kv_shared_layers", 0)):  # transformers'
         if cfg.get(key, default):
             raise bad(key, "0 or null (per-layer input embeddings and layers sharing another's keys and values are "
@@ -2354,7 +2356,7 @@ def _gemma4_config(cfg: dict, bad) -> dict:
         raise bad("use_bidirectional_attention", '"vision" or null (a causal text model)',
                   cfg["use_bidirectional_attention"])
     out = {"head_dim": 256, "sliding_window": 512, "attention_k_eq_v": False, "tie_word_embeddings": True,
-           "pad_token_id": 0, **cfg}
+           "pad_token_id": 0, "intermediate_size": 9216, **cfg, "_dense": cfg.get("enable_moe_block") is not True}
     if cfg.get("top_k_experts") is not None:
         out["num_experts_per_tok"] = cfg["top_k_experts"]
     n = cfg.get("num_hidden_layers")
@@ -2473,11 +2475,12 @@ def _minimax_m3(cfg: dict, fields: dict, n_layers: int, opt, number, bad) -> Non
 
 
 def _gemma4(cfg: dict, fields: dict, rope_by_type: dict | None, opt_flag, number, count) -> None:
-    """Google's Gemma 4 MoE text model (transformers' Gemma4TextConfig with `enable_moe_block`; `_gemma4_config`
-    gives its defaults): the full layers at `global_head_dim` (512) with their own KV heads
+    """Google's Gemma 4 text model (transformers' Gemma4TextConfig; `_gemma4_config` gives its defaults), MoE
+    (`enable_moe_block`) or dense: the full layers at `global_head_dim` (512) with their own KV heads
     (`num_global_key_value_heads` where `attention_k_eq_v`) whose values are their keys' projection; the sliding
     layers at `head_dim` with `num_key_value_heads`; each layer's dense MLP (`intermediate_size`) beside its experts
-    (planned as a shared expert of that width); norms before and after each sublayer, q and k normed, an unscaled
+    (planned as a shared expert of that width), or alone in a dense model; norms before and after each sublayer, q
+    and k normed, an unscaled
     softmax (scale 1), the embedding scaled by √hidden_size, tied to the head, the logits soft-capped
     (`final_logit_softcapping`, none where absent: transformers' default); the full layers' proportional RoPE.
     Its GeGLU activations and per-layer scalars change no count the plan makes."""
@@ -2486,10 +2489,10 @@ def _gemma4(cfg: dict, fields: dict, rope_by_type: dict | None, opt_flag, number
     k_eq_v = opt_flag("attention_k_eq_v", False)
     kv = fields["num_kv_heads"]
     full_kv = kv if cfg["_full_kv_heads"] is None else count(cfg["_full_kv_heads"], "num_global_key_value_heads")
+    moe = not cfg["_dense"]  # (a dense one's MLP is the dense layers' `dense_ffn`, read as every dense model's)
     fields.update(head_dim=full_dim, num_kv_heads=full_kv, keys_as_values=k_eq_v,
-                  shared_expert_ffn=count(cfg["intermediate_size"], "intermediate_size")
-                  if cfg.get("intermediate_size") is not None else 9216,
-                  dense_beside_experts=True, norm_placement="sandwich", qk_norm=True,
+                  shared_expert_ffn=count(cfg["intermediate_size"], "intermediate_size") if moe else 0,
+                  dense_beside_experts=moe, norm_placement="sandwich", qk_norm=True,
                   attn_bias=opt_flag("attention_bias", False), norm_topk_prob=True,
                   embedding_scale=math.sqrt(fields["hidden_size"]), query_pre_attn_scalar=1.0,
                   rope_proportional=bool(cfg.get("_proportional")), hf_model_type="gemma4_text")

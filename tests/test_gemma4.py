@@ -1,4 +1,4 @@
-"""Gemma 4's MoE text model against transformers' Gemma4ForCausalLM, built tiny in fp32 with every parameter moved
+"""Gemma 4's text model, MoE and dense, against transformers' Gemma4ForCausalLM, built tiny in fp32 with every parameter moved
 off its init and the layer scalars away from 1: sliding layers (their own head width and KV heads, a window of 8
 that the 40-token input reaches past) and full ones (wider heads over fewer KV heads whose values are their keys,
 proportional RoPE on a quarter of each head), values at unit RMS, the dense GeGLU MLP beside the GeGLU experts with
@@ -31,12 +31,14 @@ TINY = dict(vocab_size=96, hidden_size=32, num_hidden_layers=4, num_attention_he
                                                 "rope_theta": 1e6}})
 
 
-def _hf_model():
+def _hf_model(variant: str):
     from transformers.models.gemma4.configuration_gemma4 import Gemma4TextConfig
     from transformers.models.gemma4.modeling_gemma4 import Gemma4ForCausalLM
 
+    cfg = TINY if variant == "moe" else {k: v for k, v in TINY.items() if k not in (
+        "num_experts", "top_k_experts", "moe_intermediate_size")} | {"enable_moe_block": False}
     torch.manual_seed(0)
-    model = Gemma4ForCausalLM(Gemma4TextConfig(**TINY)).float().eval()
+    model = Gemma4ForCausalLM(Gemma4TextConfig(**cfg)).float().eval()
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.add_(torch.randn_like(p) * (0.3 if "norm" in name or "scale" in name else 0.1))
@@ -46,10 +48,10 @@ def _hf_model():
     return model
 
 
-@pytest.fixture(scope="module")
-def saved(tmp_path_factory):
+@pytest.fixture(scope="module", params=["moe", "dense"])
+def saved(request, tmp_path_factory):
     path = tmp_path_factory.mktemp("gemma4")
-    hf = _hf_model()
+    hf = _hf_model(request.param)
     hf.save_pretrained(path / "hf")
     return hf, path
 
@@ -60,6 +62,8 @@ def test_logits_loss_gradients_and_export_match_transformers(saved):
     assert trainable(shape) is None
     assert (shape.head_dim, shape.sliding_head_dim, shape.num_kv_heads, shape.sliding_kv_heads) == (16, 8, 2, 4)
     assert shape.keys_as_values and shape.rope_proportional and shape.final_logit_softcap == CAP
+    dense = not hf.config.enable_moe_block  # a dense Gemma 4: its MLP alone between the sandwich norms
+    assert (shape.arch, shape.dense_beside_experts) == (("dense", False) if dense else ("moe", True))
     ours = build_model(shape, seed=1)
     load_hf_checkpoint(ours, path / "hf")
     assert ours.layers[1].self_attn.v_proj is None and ours.layers[0].self_attn.v_proj is not None
@@ -116,7 +120,7 @@ def test_the_release_layout_loads_its_text_model(saved, tmp_path):
     (tmp_path / "release").mkdir()
     save_file(release, str(tmp_path / "release" / "model.safetensors"))
     wrapper = {"model_type": "gemma4", "architectures": ["Gemma4ForConditionalGeneration"],
-               "text_config": {"model_type": "gemma4_text", **TINY}}
+               "text_config": json.loads((path / "hf" / "config.json").read_text())}
     (tmp_path / "release" / "config.json").write_text(json.dumps(wrapper))
     shape = from_hf_config(tmp_path / "release" / "config.json")
     a, b = build_model(shape, seed=1), build_model(shape, seed=2)
