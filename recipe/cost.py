@@ -291,8 +291,19 @@ def attention_working_set(m: ModelShape, s: float, tp: int, cp: int, vendor: str
     # MiniMax-M3's block-sparse layers keep their selection: topk_blocks block indices a query and index head (int32)
     selection = s * m.block_sparse.index_heads / tp * m.block_sparse.topk_blocks * 4 if m.block_sparse else 0.0
     return selection + max(_attention_set(m, s, cp, m.heads_at(k) / tp, m.kv_heads_at(k) / tp, m.head_dim_at(k),
-                                          m.value_width_at(k), attention_widths(m, vendor, k)[1])
+                                          m.value_width_at(k), attention_widths(m, vendor, k)[1], k)
                            for k in attention_kinds(m))
+
+
+# the widest head the flash kernels take (FlashAttention's and cuDNN's SDPA: 256); a wider one runs SDPA's
+# memory-efficient kernel, which takes no GQA, so launch/model.py `sdpa_kv` repeats K/V to the query heads for it
+FLASH_MAX_HEAD = 256
+
+
+def kernel_kv_heads(nh: float, nkv: float, hd: int, vw: int) -> float:
+    """K/V heads the attention kernel holds: the layer's own, or the query heads' count where its heads are wider
+    than FLASH_MAX_HEAD (K/V repeated for the memory-efficient kernel: Gemma 4's 512-wide full layers)."""
+    return nh if max(hd, vw) > FLASH_MAX_HEAD else nkv
 
 
 def attention_kinds(m: ModelShape) -> list[str]:
@@ -302,13 +313,18 @@ def attention_kinds(m: ModelShape) -> list[str]:
 
 
 def _attention_set(m: ModelShape, s: float, cp: int, nh: float, nkv: float, hd: int, value_width: int,
-                   vw: int) -> float:
-    """`attention_working_set` of one layer kind outside MLA: nh query and nkv KV heads a rank, of width hd, values
-    `value_width` wide as projected and `vw` as the kernel holds them."""
+                   vw: int, kind: str = "full_attention") -> float:
+    """`attention_working_set` of one `kind` layer outside MLA: nh query and nkv KV heads a rank, of width hd, values
+    `value_width` wide as projected and `vw` as the kernel holds them (at `kernel_kv_heads`). Gemma 4's value norm
+    keeps its input (a sliding layer's v; a full layer's is k's, kept by k's norm) and row scale."""
     qw, kw = s * nh * hd * BF16, s * nkv * hd * BF16  # one q-sized, one k-sized tensor
     normed_in = s * m.hidden_size * BF16
     qk_norms = qw + kw + s * (nh + nkv) * FP32 if m.qk_norm else 0.0
-    rope_q_kv = qw + (kw + s * nkv * vw * BF16) * cp
+    if m.hf_model_type == "gemma4_text":
+        own_v = not (m.keys_as_values and kind == "full_attention")
+        qk_norms += (s * nkv * value_width * BF16 if own_v else 0.0) + s * nkv * FP32
+    kv_heads = kernel_kv_heads(nh, nkv, hd, vw)
+    rope_q_kv = qw + s * kv_heads * (hd + vw) * BF16 * cp
     out = s * nh * (vw + value_width) * BF16 + s * nh * FP32  # SDPA's output and lse, o_proj's contiguous input
     # Qwen3.5's gate per channel: its sigmoid and the gated output; Step-3.7's per head: the gate and its sigmoid
     # (the gated output is o_proj's input, counted above)
@@ -501,8 +517,9 @@ def attention_backward_bytes(m: ModelShape, s: float, tp: int, cp: int, vendor: 
         return s * nh * (lat + m.mla.kv_lora_rank) * BF16 + s * nh * FP32 + s * cp * lat * FP32
     if m.mla is not None or m.compressed is not None:  # MLA: every head's own K and V; DeepSeek-V4: one K = V head
         return _flash_backward_bytes(s, cp, nh, nh if m.mla is not None else 1, *attention_widths(m, vendor))
-    return max(_flash_backward_bytes(s, cp, m.heads_at(k) / tp, m.kv_heads_at(k) / tp,
-                                     *attention_widths(m, vendor, k)) for k in attention_kinds(m))
+    return max(_flash_backward_bytes(s, cp, m.heads_at(k) / tp, kernel_kv_heads(
+        m.heads_at(k) / tp, m.kv_heads_at(k) / tp, *attention_widths(m, vendor, k)), *attention_widths(m, vendor, k))
+        for k in attention_kinds(m))
 
 
 def _flash_backward_bytes(s: float, cp: int, nh: float, nkv: float, kw: int, vw: int) -> float:

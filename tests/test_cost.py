@@ -800,6 +800,23 @@ def test_a_gated_norm_keeps_what_the_cost_model_charges():
     assert gated[0] - plain[0] == got and gated[1] - plain[1] == got
 
 
+def test_heads_wider_than_the_flash_kernels_hold_kv_at_the_query_heads():
+    """Gemma 4's full layers (16 query heads of 512 over 2 KV heads whose values are their keys), hand-worked at
+    s = 1,024: no flash kernel takes heads wider than 256, so SDPA's memory-efficient kernel runs them with K/V
+    repeated to the 16 query heads (launch/model.py sdpa_kv), s·16·(512 + 512)·2 beside q; the normed input
+    s·2816·2; the q/k norms' inputs and row scales (the value norm's input is k's, its row scale its own); SDPA's
+    output and lse and o_proj's input. 108,675,072 bytes, above the sliding layers' 56,295,424."""
+    from recipe.cost import attention_working_set, kernel_kv_heads
+
+    s = 1024
+    qw, kw = s * 16 * 512 * 2, s * 2 * 512 * 2
+    full = (s * 2816 * 2 + (qw + kw + s * 18 * 4 + s * 2 * 4) + (qw + s * 16 * 1024 * 2)
+            + (s * 16 * 1024 * 2 + s * 16 * 4))
+    assert full == 108_675_072
+    assert attention_working_set(PRESETS["gemma4-26b-a4b"], s, 1, 1) == full
+    assert kernel_kv_heads(16, 2, 512, 512) == 16 and kernel_kv_heads(16, 8, 256, 256) == 8
+
+
 def test_window_kernel_keys_by_hand():
     """A windowed kernel scores whole 128-key tiles: a 128-query block with a 128-token window reaches back 127 keys
     before its first query, 255 keys over two tiles (256); a 130-token window needs three (384). Each scored key
