@@ -1197,7 +1197,11 @@ def test_mistral_slides_every_layer_unless_its_window_is_null(tmp_path):
     (dict(model_type="hy_v4"), "model_type 'hy_v4' has hyper-connections (iHC)"),
     (dict(model_type="doge"), "model_type 'doge' has cross-domain experts"),  # read as FFNs: 8,000 times too many
     (dict(model_type="openai_privacy_filter"), "has bidirectional attention (a token classifier"),
-    (dict(model_type="diffusion_gemma_text"), "has bidirectional denoising layers (a diffusion language model")])
+    (dict(model_type="diffusion_gemma_text"), "has bidirectional denoising layers (a diffusion language model"),
+    # dense families the Llama reading would miscount: GPT-NeoX's ungated MLP (+32%), an encoder, Gemma 3's blocks
+    (dict(model_type="gpt_neox"), "model_type 'gpt_neox' has an MLP without a gate"),
+    (dict(model_type="roberta"), "has bidirectional encoder layers (an encoder, not a causal language model)"),
+    (dict(model_type="gemma3_text"), "has Gemma's blocks (norms before and after each sublayer")])
 def test_mixers_the_tool_does_not_plan_are_refused_in_one_line(tmp_path, cfg, says):
     from typer.testing import CliRunner
 
