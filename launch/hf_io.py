@@ -482,7 +482,7 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         _join_step_experts(sd)
     if model.shape.hf_model_type == "kimi_linear":
         _kimi_kda_to_ours(sd)
-    if model.shape.hf_model_type == "gemma4_text":
+    if model.shape.hf_model_type in ("gemma4_text", "gemma3_text"):
         _gemma4_names(sd, to_ours=True, moe=model.shape.arch != "dense")
     if model.shape.hf_model_type == "axk1":  # transformers keeps the MoE output norm in the block; ours (and the
         # releases') at the layer
@@ -592,6 +592,8 @@ def hf_config(shape: ModelShape) -> dict:
         cfg["pad_token_id"] = shape.pad_token_id
     if shape.hf_model_type == "gemma4_text":
         return _gemma4_config(shape, cfg)
+    if shape.hf_model_type == "gemma3_text":
+        return _gemma3_config(shape, cfg)
     if shape.arch == "dense":  # Llama-family: Qwen3 has q/k norms, Qwen2 q/k/v biases, Llama neither
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             cfg.pop(k)
@@ -886,6 +888,23 @@ def _kimi_linear_config(shape: ModelShape, cfg: dict) -> dict:
     return cfg
 
 
+def _gemma3_config(shape: ModelShape, cfg: dict) -> dict:
+    """Gemma 3's text config.json in transformers' field names (Gemma3TextConfig): RoPE by layer type (the full
+    layers' with their scaling, the sliding layers' at their own base, unscaled)."""
+    for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "hidden_act"):
+        cfg.pop(k)
+    cfg.update(model_type="gemma3_text", architectures=["Gemma3ForCausalLM"], intermediate_size=shape.dense_ffn,
+               hidden_activation="gelu_pytorch_tanh",  # (transformers takes the scalar as a whole number)
+               query_pre_attn_scalar=int(shape.query_pre_attn_scalar),
+               sliding_window=shape.sliding_window, layer_types=list(shape.layer_types),
+               final_logit_softcapping=shape.final_logit_softcap, attn_logit_softcapping=None,
+               rope_parameters={"full_attention": {k: v for k, v in _rope_parameters(shape).items()
+                                                   if k != "partial_rotary_factor"},
+                                "sliding_attention": {"rope_type": "default",
+                                                      "rope_theta": shape.rope_theta_at("sliding_attention")}})
+    return cfg
+
+
 def _gemma4_config(shape: ModelShape, cfg: dict) -> dict:
     """Gemma 4's text config.json in transformers' field names (Gemma4TextConfig, the MoE block on or off): the sliding
     layers' head width and KV heads as `head_dim` and `num_key_value_heads`, the full layers' as `global_head_dim`
@@ -958,7 +977,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
                 _interleave_qwen3_next(sd, prefix, m)
     if model.shape.hf_model_type == "afmoe":
         _fuse_output_gate(sd, model.shape.head_dim, to_ours=False)
-    if model.shape.hf_model_type == "gemma4_text":
+    if model.shape.hf_model_type in ("gemma4_text", "gemma3_text"):
         _gemma4_names(sd, to_ours=False, moe=model.shape.arch != "dense")
     out: dict[str, torch.Tensor] = {}
     mixtral = model.shape.arch in ("mixtral", "minimax_m2")  # MiniMax-M2's releases keep Mixtral's names

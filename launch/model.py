@@ -52,6 +52,8 @@ INTERLEAVED_ROPE_ARCHS = ("ernie4_5_moe", "llama4")
 # before and after apart, the router on the block's input through a scaled norm; each layer's output times a scalar
 # (a buffer of its checkpoint's); the embedding's scale rounded to its dtype
 GEMMA4_TYPES = ("gemma4_text",)
+# the Gemma families' GeGLU MLPs (the tanh GELU) and embedding scale rounded to the embedding's dtype (Gemma 3 too)
+GEMMA_TYPES = ("gemma4_text", "gemma3_text")
 
 
 class Handoff:
@@ -930,7 +932,7 @@ class DecoderLayer(nn.Module):
         limit = s.swiglu_limits[index] if s.swiglu_limits else 0.0
         shared_limit = (s.swiglu_limits_shared[index] if s.swiglu_limits_shared else 0.0) or None
         self.gemma4 = s.hf_model_type in GEMMA4_TYPES
-        glu = GEGLU_TANH if self.gemma4 else SWIGLU
+        glu = GEGLU_TANH if s.hf_model_type in GEMMA_TYPES else SWIGLU
         shared_glu = clamped_swiglu(shared_limit) if shared_limit else glu
         if dense:
             self.mlp = GatedMLP(s.hidden_size, s.dense_ffn, shared_glu)
@@ -1017,7 +1019,7 @@ class Transformer(nn.Module):
         # vocabulary's id where tensor parallelism makes padding_idx this rank's
         self.embed_tokens = ScaledEmbedding(shape.vocab_size, shape.hidden_size, padding_idx=shape.pad_token_id,
                                             scale=(shape.granite.embedding if shape.granite is not None else 1.0)
-                                            * shape.embedding_scale, round_scale=shape.hf_model_type in GEMMA4_TYPES)
+                                            * shape.embedding_scale, round_scale=shape.hf_model_type in GEMMA_TYPES)
         self.embed_tokens.pad_row = shape.pad_token_id
         self.layers = nn.ModuleList(DecoderLayer(shape, t, norm_offset, dense=shape.is_dense_layer(i), index=i)
                                     for i, t in enumerate(shape.layer_types))

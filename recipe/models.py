@@ -330,11 +330,12 @@ def trainable(shape: "ModelShape") -> str | None:
         ("sink logits or a sliding layers' RoPE base outside gpt-oss, MiMo-V2-Flash and Granite-SWA",
          (shape.sinks != "none" or shape.sliding_rope_theta is not None)
          and shape.hf_model_type not in ("mimo_v2_flash", "granitemoe_swa", "step3p5", "mellum", "laguna",
-                                         "gemma4_text")),
+                                         "gemma4_text", "gemma3_text")),
         ("sliding layers' own query heads, or a gate per query head, outside Step-3.7 and Laguna",
          shape.hf_model_type not in ("step3p5", "laguna") and (shape.sliding_heads is not None or shape.head_gate)),
-        ("sliding layers' own rotated share outside Step-3.7, Laguna and Gemma 4",
-         shape.hf_model_type not in ("step3p5", "laguna", "gemma4_text") and shape.sliding_rotary_factor is not None),
+        ("sliding layers' own rotated share outside Step-3.7, Laguna and Gemma",
+         shape.hf_model_type not in ("step3p5", "laguna", "gemma4_text", "gemma3_text")
+         and shape.sliding_rotary_factor is not None),
         ("Gemma 4's blocks (a sliding layers' head width of its own, keys as values, a dense MLP beside the experts, "
          "proportional RoPE) outside Gemma 4", shape.hf_model_type != "gemma4_text" and (
              shape.sliding_head_dim is not None or shape.keys_as_values or shape.dense_beside_experts
@@ -345,10 +346,12 @@ def trainable(shape: "ModelShape") -> str | None:
         ("proportional RoPE under RoPE scaling", shape.rope_proportional and shape.rope_scaling is not None),
         ("a softplus gate per query head outside Laguna",
          shape.head_gate_activation != "sigmoid" and shape.hf_model_type != "laguna"),
-        ("Step-3.7's clamped SwiGLU or (1 + w) norms outside Step-3.7", shape.hf_model_type != "step3p5" and (
-            bool(shape.swiglu_limits) or bool(shape.swiglu_limits_shared) or shape.offset_norms)),
-        ("a query_pre_attn_scalar outside Step-3.7 and Gemma 4", shape.query_pre_attn_scalar is not None
-         and shape.hf_model_type not in ("step3p5", "gemma4_text")),
+        ("Step-3.7's clamped SwiGLU outside Step-3.7", shape.hf_model_type != "step3p5" and (
+            bool(shape.swiglu_limits) or bool(shape.swiglu_limits_shared))),
+        ("(1 + w) norms outside Step-3.7 and Gemma 3", shape.offset_norms
+         and shape.hf_model_type not in ("step3p5", "gemma3_text")),
+        ("a query_pre_attn_scalar outside Step-3.7 and Gemma", shape.query_pre_attn_scalar is not None
+         and shape.hf_model_type not in ("step3p5", "gemma4_text", "gemma3_text")),
         ("a norm on the MoE block's output (moe_output_norm) outside A.X K1",
          shape.moe_output_norm and shape.hf_model_type != "axk1"),
         ("a query scale by position (query_scale_period) outside Mistral 4",
@@ -365,9 +368,9 @@ def trainable(shape: "ModelShape") -> str | None:
          and shape.hf_model_type != "kimi_linear"),
         ("Kimi-Linear without its KDA and MLA layers", shape.hf_model_type == "kimi_linear" and (
             shape.linear_attn is None or shape.linear_attn.kind != "kda" or shape.mla is None)),
-        ("sandwich or post norms, or a scaled embedding, outside AFMoE, FlexOlmo and Gemma 4",
+        ("sandwich or post norms, or a scaled embedding, outside AFMoE, FlexOlmo and Gemma",
          (shape.norm_placement in ("sandwich", "post") or shape.embedding_scale != 1.0)
-         and shape.hf_model_type not in ("afmoe", "flex_olmo", "gemma4_text")),
+         and shape.hf_model_type not in ("afmoe", "flex_olmo", "gemma4_text", "gemma3_text")),
         ("Cohere's blocks (a parallel block, LayerNorms, RoPE on pairs, a logit scale, the experts' mean, sigmoid "
          "selection, a rotated prefix) outside Cohere2-MoE",
          (shape.norm_placement == "parallel" or shape.norm_kind != "rms" or shape.rope_pairs
@@ -375,8 +378,8 @@ def trainable(shape: "ModelShape") -> str | None:
          and shape.hf_model_type != "cohere2_moe"),
         ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
          and shape.rope_scaling is not None and not shape.sliding_rope_plain),
-        ("sliding layers without the RoPE scaling outside Step-3.7, Mellum and Laguna", shape.sliding_rope_plain
-         and shape.hf_model_type not in ("step3p5", "mellum", "laguna")),
+        ("sliding layers without the RoPE scaling outside Step-3.7, Mellum, Laguna and Gemma 3", shape.sliding_rope_plain
+         and shape.hf_model_type not in ("step3p5", "mellum", "laguna", "gemma3_text")),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
          and shape.softmax_router is None),
         (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and (
@@ -1376,6 +1379,7 @@ _ARCH_BY_MODEL_TYPE = {
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoe_swa": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe", "minimax_m3_vl_text": "moe",
+    "gemma3_text": "dense",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
@@ -1411,8 +1415,8 @@ _UNPLANNED_TYPES = {
     "recurrent_gemma": "recurrent (RG-LRU) layers",
     "hrm_text": "hierarchical recurrent modules",
     "minicpm3": "multi-head latent attention in a dense model",
-    **dict.fromkeys(("gemma3", "gemma3_text", "gemma4_unified", "gemma4_unified_text"),
-                    "Gemma's blocks (norms before and after each sublayer, (1 + w) norms, GeGLU, a scaled embedding)"),
+    **dict.fromkeys(("gemma4_unified", "gemma4_unified_text"),
+                    "Gemma's blocks with an encoder (Gemma 4 unified: its text model reads no standard fields)"),
     # a wrapper's model_type and its text model's
     **dict.fromkeys(("qwen4_exp", "qwen4_exp_text"),
                     "hyper-connections, hashed n-gram layer embeddings and QSA sparse attention"),
@@ -1481,6 +1485,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         arch = "dense" if cfg["_dense"] else arch
     if model_type == "minimax_m3_vl_text":  # MiniMax-M3's text model, with transformers' defaults
         cfg = _minimax_m3_config(cfg, bad)
+    if model_type == "gemma3_text":  # Gemma 3's text model (its `gemma3` wrapper's text_config), transformers' defaults
+        cfg = _gemma3_config(cfg, bad)
 
     def need(key: str, *alts: str):
         for k in (key, *alts):
@@ -1743,6 +1749,8 @@ def _from_hf_config(path: Path) -> ModelShape:
             _granite_swa(cfg, fields, n_layers, number, count, bad)
     elif arch in ("moe", "dense") and model_type == "gemma4_text":
         _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
+    elif model_type == "gemma3_text":
+        _gemma3(cfg, fields, rope_by_type, opt_flag, number)
     elif arch == "moe" and model_type == "minimax_m3_vl_text":
         _minimax_m3(cfg, fields, n_layers, opt, number, bad)
     elif arch == "moe":
@@ -2486,6 +2494,56 @@ def _minimax_m3(cfg: dict, fields: dict, n_layers: int, opt, number, bad) -> Non
         fields["block_sparse"] = {"block": opt("index_block_size", 128), "topk_blocks": opt("index_topk_blocks", 16),
                                   "local_blocks": opt("index_local_blocks", 1), "index_heads": opt("index_n_heads", 4),
                                   "index_head_dim": opt("index_head_dim", 128), "layers": layers}
+
+
+def _gemma3_config(cfg: dict, bad) -> dict:
+    """Gemma 3's text config in the reader's terms, as transformers' Gemma3TextConfig reads it: its defaults where a
+    field is absent (head_dim 256, query_pre_attn_scalar 256, a window of 4,096, tied embeddings, pad id 0), layer
+    types five sliding to one full (`sliding_window_pattern`) where absent, and RoPE by layer type: the full layers'
+    base `rope_theta` (1e6) with the legacy `rope_scaling` (linear ×8 in the 4B–27B releases), the sliding layers'
+    `rope_local_base_freq` (1e4), unscaled. Bidirectional attention and attention-logit soft-capping are refused."""
+    if cfg.get("use_bidirectional_attention"):
+        raise bad("use_bidirectional_attention", "false or null (a causal text model)", cfg["use_bidirectional_attention"])
+    if cfg.get("attn_logit_softcapping") is not None:
+        raise bad("attn_logit_softcapping", "null (soft-capped attention scores are not planned)",
+                  cfg["attn_logit_softcapping"])
+    if cfg.get("hidden_activation", "gelu_pytorch_tanh") != "gelu_pytorch_tanh":
+        raise bad("hidden_activation", '"gelu_pytorch_tanh" (the GeGLU Gemma 3 is trained with)',
+                  cfg["hidden_activation"])
+    out = {"head_dim": 256, "query_pre_attn_scalar": 256, "sliding_window": 4096, "tie_word_embeddings": True,
+           "pad_token_id": 0, "max_position_embeddings": 131_072, **{k: v for k, v in cfg.items() if v is not None or k in ("final_logit_softcapping",)}}
+    n = out.get("num_hidden_layers")
+    if not out.get("layer_types") and isinstance(n, int) and 0 < n <= 100_000:
+        pattern = out.get("sliding_window_pattern", 6)
+        if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
+            raise bad("sliding_window_pattern", "a positive whole number", pattern)
+        out["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
+    rope = out.get("rope_parameters")
+    if rope is None or not isinstance(rope, dict) or "full_attention" not in rope:
+        full = {"rope_type": "default", **(out.get("rope_scaling") or {}),
+                "rope_theta": out.get("rope_theta", 1_000_000.0)}
+        rope = {"full_attention": full, "sliding_attention": {"rope_type": "default",
+                                                              "rope_theta": out.get("rope_local_base_freq", 10_000.0)}}
+    out.pop("rope_scaling", None)
+    out.pop("rope_theta", None)
+    return {**out, "rope_parameters": rope}
+
+
+def _gemma3(cfg: dict, fields: dict, rope_by_type: dict | None, opt_flag, number) -> None:
+    """Google's Gemma 3 text model (transformers' Gemma3TextConfig; `_gemma3_config` gives its defaults): Llama's
+    dense blocks with norms before and after each sublayer, (1 + w) RMSNorms (q/k per head too), GeGLU, the softmax
+    scale 1/√query_pre_attn_scalar, sliding layers (RoPE at their own base, unscaled) five to one full, the embedding
+    times √hidden_size, tied to the head; the logits soft-capped where `final_logit_softcapping` is set."""
+    fields.update(qk_norm=True, offset_norms=True, norm_placement="sandwich", hf_model_type="gemma3_text",
+                  embedding_scale=math.sqrt(fields["hidden_size"]),
+                  query_pre_attn_scalar=number(cfg["query_pre_attn_scalar"], "query_pre_attn_scalar"),
+                  attn_bias=opt_flag("attention_bias", False))
+    cap = cfg.get("final_logit_softcapping")
+    if cap is not None:
+        fields["final_logit_softcap"] = number(cap, "final_logit_softcapping")
+    sliding = (rope_by_type or {}).get("sliding_attention") or {}
+    if sliding:
+        _sliding_rope(fields, sliding, number, share_default=1.0)
 
 
 def _gemma4(cfg: dict, fields: dict, rope_by_type: dict | None, opt_flag, number, count) -> None:

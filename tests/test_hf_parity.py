@@ -52,6 +52,11 @@ DENSE = {  # model_type: (config, model, what sets it apart)
     "qwen3_yarn": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=16),
         max_position_embeddings=64)),
+    # Gemma 3: sandwich (1 + w) norms, GeGLU, q·k scaled by 1/√12, a sliding layer (8 keys, RoPE at 1e4 unscaled)
+    # then a full one (RoPE at 1e6, linear ×4, in the releases' legacy fields), the embedding times √32, tied
+    "gemma3": (transformers.Gemma3TextConfig, transformers.Gemma3ForCausalLM, dict(
+        query_pre_attn_scalar=12, sliding_window=8, sliding_window_pattern=2, rope_theta=1e6,
+        rope_local_base_freq=1e4, rope_scaling={"rope_type": "linear", "factor": 4.0}, max_position_embeddings=64)),
 }
 # DeepSeek-V3: v narrower than q·k (6 vs 12: the padded flash path), 4 groups of 2 experts, 2 of them chosen; YaRN
 DEEPSEEK = dict(vocab_size=96, hidden_size=32, num_attention_heads=4, num_key_value_heads=4, q_lora_rank=16,
@@ -550,7 +555,8 @@ def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
                                   "deepseek_v3", "deepseek_v2", "glm4_moe_lite", *DSA_ARCHS, "glm4_moe", "solar_open",
                                   "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid",
                                   "gpt_oss", "kimi_linear", "mistral4", "axk1", "mellum", "laguna",
-                                  *LLAMA4, "granitemoeshared", "granitemoe_swa", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral"])
+                                  *LLAMA4, "granitemoeshared", "granitemoe_swa", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral",
+                                  "gemma3"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.
@@ -567,7 +573,7 @@ def test_gradients_match_transformers(arch, tmp_path):
     ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
     assert shape.pad_token_id == {"olmoe": 1, "olmoe_clip": 1, "ernie4_5_moe": 0, "hunyuan_v1_moe": 0,
                                   "exaone_moe": 0, "flex_olmo": 1, "cohere2_moe": 0, "kimi_linear": 0, "mistral4": 0,
-                                  "cohere2_moe_sigmoid": 0}.get(arch)
+                                  "cohere2_moe_sigmoid": 0, "gemma3": 0}.get(arch)
     if shape.pad_token_id is not None:
         ids[0, [3, 17]] = shape.pad_token_id
     hf.zero_grad()

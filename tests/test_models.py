@@ -1201,7 +1201,7 @@ def test_mistral_slides_every_layer_unless_its_window_is_null(tmp_path):
     # dense families the Llama reading would miscount: GPT-NeoX's ungated MLP (+32%), an encoder, Gemma 3's blocks
     (dict(model_type="gpt_neox"), "model_type 'gpt_neox' has an MLP without a gate"),
     (dict(model_type="roberta"), "has bidirectional encoder layers (an encoder, not a causal language model)"),
-    (dict(model_type="gemma3_text"), "has Gemma's blocks (norms before and after each sublayer")])
+    (dict(model_type="gemma4_unified_text"), "has Gemma's blocks with an encoder")])
 def test_mixers_the_tool_does_not_plan_are_refused_in_one_line(tmp_path, cfg, says):
     from typer.testing import CliRunner
 
@@ -1450,6 +1450,36 @@ def test_laguna_reads_as_transformers_builds_it(tmp_path):
         assert "not trained" in trainable(from_hf_config(_write(tmp_path, f"variant{i}", _LAGUNA | extra))), extra
     with pytest.raises(ValueError, match="moe_apply_router_weight_on_input"):
         from_hf_config(_write(tmp_path, "on_input", _LAGUNA | {"moe_apply_router_weight_on_input": True}))
+
+
+def test_gemma3_reads_its_releases_legacy_fields_as_transformers_does(tmp_path):
+    """A Gemma 3 release config in its legacy fields (a `gemma3` wrapper's text_config: `rope_theta` and
+    `rope_scaling` linear ×8 for the full layers, `rope_local_base_freq` for the sliding ones,
+    `sliding_window_pattern` 6, no layer types) reads as the config transformers builds from it and saves: five
+    sliding layers (RoPE at 1e4, unscaled) to one full (1e6, linear ×8), (1 + w) sandwich norms, the softmax scale
+    1/√query_pre_attn_scalar, the embedding times √hidden_size; trained. Attention-logit soft-capping is refused in
+    one line."""
+    import transformers
+
+    text = dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, num_hidden_layers=12,
+                num_attention_heads=8, num_key_value_heads=4, head_dim=256, query_pre_attn_scalar=256,
+                sliding_window=1024, sliding_window_pattern=6, rope_theta=1_000_000.0, rope_local_base_freq=10_000.0,
+                rope_scaling={"rope_type": "linear", "factor": 8.0}, vocab_size=262208, final_logit_softcapping=None)
+    release = {"model_type": "gemma3", "architectures": ["Gemma3ForConditionalGeneration"], "text_config": text}
+    ours = from_hf_config(_write(tmp_path, "release", release))
+    cfg = transformers.Gemma3TextConfig(**{k: v for k, v in text.items() if k != "model_type"})
+    cfg.save_pretrained(tmp_path / "saved")
+    same = {"name": "x", "source": ""}
+    assert from_hf_config(tmp_path / "saved" / "config.json").model_copy(update=same) == ours.model_copy(update=same)
+    assert list(ours.layer_types) == cfg.layer_types and ours.layer_types[5] == "full_attention"
+    assert (ours.rope_theta, ours.sliding_rope_theta, ours.sliding_rope_plain) == (1e6, 1e4, True)
+    assert (ours.rope_scaling.kind, ours.rope_scaling.factor) == ("linear", 8.0)
+    assert (ours.offset_norms, ours.norm_placement, ours.query_pre_attn_scalar) == (True, "sandwich", 256.0)
+    assert ours.embedding_scale == 2560 ** 0.5 and ours.tie_embeddings and trainable(ours) is None
+    assert total_params(ours) == _meta_params(transformers.Gemma3ForCausalLM, cfg)
+    with pytest.raises(ValueError) as e:
+        from_hf_config(_write(tmp_path, "capped", text | {"attn_logit_softcapping": 50.0}))
+    assert "field 'attn_logit_softcapping': expected null" in str(e.value) and "\n" not in str(e.value)
 
 
 def test_gemma4_reads_as_transformers_builds_it(tmp_path):
