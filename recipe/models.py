@@ -302,9 +302,18 @@ WHOLE_QK_NORM_ARCHS = ("olmoe", "minimax_m2")
 QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 
 
+# the dense stacks the core trains by their model type: the Llama family's (no type recorded: Llama, Mistral,
+# Ministral, Qwen2, Qwen3) and Gemma's
+TRAINED_DENSE_TYPES = (None, "gemma3_text", "gemma4_text")
+
+
 def trainable(shape: "ModelShape") -> str | None:
     """None when the training core can build `shape`; otherwise the one line saying why (the solver still plans
     it): `recipe launch` checks it before any worker starts, `recipe models` shows it."""
+    if shape.arch == "dense" and shape.hf_model_type not in TRAINED_DENSE_TYPES:
+        return (f"{shape.name}: model_type {shape.hf_model_type!r} was read by its standard fields as a Llama block, "
+                f"which its own norms, activations or attention may not be: planned by `recipe solve`, not trained by "
+                f"this core")
     if shape.arch not in TRAINED_ARCHS and not (shape.arch == "moe" and shape.hf_model_type == "gemma4_text"):
         return (f"{shape.name}: arch {shape.arch!r} is planned by `recipe solve` but not trained by this core (it "
                 f"trains {', '.join(TRAINED_ARCHS)}: Qwen3.5, Qwen3-Next, Qwen3-MoE (and Qwen3-VL-MoE's text model, "
@@ -1782,6 +1791,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         raise ValueError(f"{path}: the linear_attention layers of model_type {_shown(model_type)} are not planned by "
                          f"this tool (it plans Qwen3-Next's and Qwen3.5's Gated DeltaNet and Kimi-Linear's Kimi Delta "
                          f"Attention)")
+    if unknown:  # its type recorded: the core trains no block it has not checked (`trainable`)
+        fields["hf_model_type"] = model_type
     shape = validate(ModelShape, fields, f"{path}: invalid model shape")
     if unknown:  # said once the config has read: a refusal is the only line
         sys.stderr.write(f"warning: {path}: model_type {_shown(model_type)} is not known; read by its standard "

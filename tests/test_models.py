@@ -1452,6 +1452,22 @@ def test_laguna_reads_as_transformers_builds_it(tmp_path):
         from_hf_config(_write(tmp_path, "on_input", _LAGUNA | {"moe_apply_router_weight_on_input": True}))
 
 
+def test_an_unknown_dense_type_is_planned_not_trained(tmp_path):
+    """Gemma 1's config has Llama's field names and its checkpoint Llama's tensor names, but its norms scale by
+    (1 + w), its MLP is GeGLU and its embedding is scaled: read by its standard fields it plans as a Llama block, and
+    the core refuses to train that block (one line) rather than load the weights into the wrong math; a Llama
+    config of the same fields trains."""
+    import transformers
+
+    transformers.GemmaConfig(num_hidden_layers=2).save_pretrained(tmp_path / "gemma")
+    shape = from_hf_config(tmp_path / "gemma" / "config.json")
+    why = trainable(shape)
+    assert shape.arch == "dense" and shape.hf_model_type == "gemma"
+    assert why is not None and "model_type 'gemma' was read by its standard fields" in why and "\n" not in why
+    transformers.LlamaConfig(num_hidden_layers=2).save_pretrained(tmp_path / "llama")
+    assert trainable(from_hf_config(tmp_path / "llama" / "config.json")) is None
+
+
 def test_gemma3_reads_its_releases_legacy_fields_as_transformers_does(tmp_path):
     """A Gemma 3 release config in its legacy fields (a `gemma3` wrapper's text_config: `rope_theta` and
     `rope_scaling` linear ×8 for the full layers, `rope_local_base_freq` for the sliding ones,
