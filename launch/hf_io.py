@@ -594,6 +594,15 @@ def hf_config(shape: ModelShape) -> dict:
         return _gemma4_config(shape, cfg)
     if shape.hf_model_type == "gemma3_text":
         return _gemma3_config(shape, cfg)
+    if shape.hf_model_type in ("olmo2", "olmo3"):  # OLMo 2 and 3: norms after the sublayers, OLMo 3's layer types
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            cfg.pop(k)
+        cfg.update(model_type=shape.hf_model_type, intermediate_size=shape.dense_ffn,
+                   architectures=["Olmo2ForCausalLM" if shape.hf_model_type == "olmo2" else "Olmo3ForCausalLM"])
+        if shape.hf_model_type == "olmo3":
+            cfg.update(layer_types=list(shape.layer_types), sliding_window=shape.sliding_window,
+                       rope_parameters=_rope_by_layer_type(shape))
+        return cfg
     if shape.arch == "dense":  # Llama-family: Qwen3 has q/k norms, Qwen2 q/k/v biases, Llama neither
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             cfg.pop(k)

@@ -32,7 +32,7 @@ from launch.gated_delta import gated_delta_rule
 from launch.moe import GatedMLP, MoE
 from launch.sink_attention import sink_attention
 from launch.sparse_attention import index_topk, sparse_latent_attention
-from recipe.models import QKV_ONLY_BIAS_ARCHS, ROPE_SCALINGS, WHOLE_QK_NORM_ARCHS, ModelShape, trainable
+from recipe.models import QKV_ONLY_BIAS_ARCHS, ROPE_SCALINGS, ModelShape, trainable
 
 # RMSNorm scales by (1 + w) in these (w stored zero-centred), by w elsewhere
 OFFSET_NORM_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_5")
@@ -438,7 +438,7 @@ class Attention(nn.Module):
         self.g_proj = nn.Linear(s.hidden_size, heads, bias=False) if s.head_gate else None
         self.gate_softplus = s.head_gate_activation == "softplus"  # Laguna's gate (fp32 inside), else a sigmoid
         self.scale = softmax_scale(s)
-        if s.qk_norm and s.arch in WHOLE_QK_NORM_ARCHS:  # OLMoE: over all heads of the projection together
+        if s.qk_norm and s.whole_qk_norm:  # OLMoE, OLMo: over all heads of the projection together
             self.q_norm = HeadsRMSNorm(heads * head_dim, s.rms_norm_eps)
             self.k_norm = HeadsRMSNorm(self.num_kv_heads * head_dim, s.rms_norm_eps)
         else:

@@ -297,14 +297,15 @@ TRAINED_ARCHS = ("qwen3_5_moe", "qwen3_next", "qwen3_moe", "qwen2_moe", "olmoe",
 # archs whose q/k RMSNorms span all heads of a token together (one weight per channel of the projection), not each
 # head apart
 WHOLE_QK_NORM_ARCHS = ("olmoe", "minimax_m2")
+WHOLE_QK_NORM_TYPES = ("olmo2", "olmo3")  # the dense OLMo stacks' likewise
 # archs whose attention biases are on q/k/v only (Qwen2, Qwen2-MoE, GLM-4.5); the others' (gpt-oss, OLMoE, the Qwen3
 # families) are on o_proj too
 QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 
 
 # the dense stacks the core trains by their model type: the Llama family's (no type recorded: Llama, Mistral,
-# Ministral, Qwen2, Qwen3) and Gemma's
-TRAINED_DENSE_TYPES = (None, "gemma3_text", "gemma4_text")
+# Ministral, Qwen2, Qwen3), Gemma's and OLMo's
+TRAINED_DENSE_TYPES = (None, "gemma3_text", "gemma4_text", "olmo2", "olmo3")
 
 
 def trainable(shape: "ModelShape") -> str | None:
@@ -377,9 +378,9 @@ def trainable(shape: "ModelShape") -> str | None:
          and shape.hf_model_type != "kimi_linear"),
         ("Kimi-Linear without its KDA and MLA layers", shape.hf_model_type == "kimi_linear" and (
             shape.linear_attn is None or shape.linear_attn.kind != "kda" or shape.mla is None)),
-        ("sandwich or post norms, or a scaled embedding, outside AFMoE, FlexOlmo and Gemma",
+        ("sandwich or post norms, or a scaled embedding, outside AFMoE, FlexOlmo, OLMo and Gemma",
          (shape.norm_placement in ("sandwich", "post") or shape.embedding_scale != 1.0)
-         and shape.hf_model_type not in ("afmoe", "flex_olmo", "gemma4_text", "gemma3_text")),
+         and shape.hf_model_type not in ("afmoe", "flex_olmo", "gemma4_text", "gemma3_text", "olmo2", "olmo3")),
         ("Cohere's blocks (a parallel block, LayerNorms, RoPE on pairs, a logit scale, the experts' mean, sigmoid "
          "selection, a rotated prefix) outside Cohere2-MoE",
          (shape.norm_placement == "parallel" or shape.norm_kind != "rms" or shape.rope_pairs
@@ -387,8 +388,8 @@ def trainable(shape: "ModelShape") -> str | None:
          and shape.hf_model_type != "cohere2_moe"),
         ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
          and shape.rope_scaling is not None and not shape.sliding_rope_plain),
-        ("sliding layers without the RoPE scaling outside Step-3.7, Mellum, Laguna and Gemma 3", shape.sliding_rope_plain
-         and shape.hf_model_type not in ("step3p5", "mellum", "laguna", "gemma3_text")),
+        ("sliding layers without the RoPE scaling outside Step-3.7, Mellum, Laguna, Gemma 3 and OLMo 3",
+         shape.sliding_rope_plain and shape.hf_model_type not in ("step3p5", "mellum", "laguna", "gemma3_text", "olmo3")),
         ("a DeepSeek model without its router", shape.arch == "deepseek_v3" and shape.sigmoid_router is None
          and shape.softmax_router is None),
         (f"RoPE scaling {sc.kind if sc else ''!r}", sc is not None and (
@@ -733,6 +734,12 @@ class ModelShape(Record):
         "post", or `moe_output_norm`): a recomputed forward must then return the experts' output, where otherwise it
         skips that."""
         return self.norm_placement in ("sandwich", "post") or self.moe_output_norm
+
+    @property
+    def whole_qk_norm(self) -> bool:
+        """Whether the q/k RMSNorms span all heads of a token together (OLMoE's, MiniMax-M2's, dense OLMo's), not
+        each head apart."""
+        return self.arch in WHOLE_QK_NORM_ARCHS or self.hf_model_type in WHOLE_QK_NORM_TYPES
 
     @property
     def value_width(self) -> int:
@@ -1183,7 +1190,7 @@ def _full_attention_params(m: ModelShape, kind: str = "full_attention") -> int:
     o = heads * vw * h
     # q/k/v biases, and o_proj's where the arch has one (launch/model.py: Attention)
     bias = (q_out + kv_out + (0 if m.arch in QKV_ONLY_BIAS_ARCHS else h)) if m.attn_bias else 0
-    norms = (kv_heads * hd + heads * hd if m.arch in WHOLE_QK_NORM_ARCHS else 2 * hd) if m.qk_norm else 0
+    norms = (kv_heads * hd + heads * hd if m.whole_qk_norm else 2 * hd) if m.qk_norm else 0
     sinks = heads if m.sinks_at(kind) else 0  # per-head attention sinks
     return h * (q_out + gate + kv_out) + o + bias + norms + sinks
 
@@ -1388,7 +1395,7 @@ _ARCH_BY_MODEL_TYPE = {
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoe_swa": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe", "minimax_m3_vl_text": "moe",
-    "gemma3_text": "dense",
+    "gemma3_text": "dense", "olmo2": "dense", "olmo3": "dense",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
@@ -1496,6 +1503,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         cfg = _minimax_m3_config(cfg, bad)
     if model_type == "gemma3_text":  # Gemma 3's text model (its `gemma3` wrapper's text_config), transformers' defaults
         cfg = _gemma3_config(cfg, bad)
+    if model_type in ("olmo2", "olmo3"):  # AI2's OLMo 2 and 3, with transformers' defaults
+        cfg = _olmo_config(cfg, model_type, bad)
 
     def need(key: str, *alts: str):
         for k in (key, *alts):
@@ -1760,6 +1769,12 @@ def _from_hf_config(path: Path) -> ModelShape:
         _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
     elif model_type == "gemma3_text":
         _gemma3(cfg, fields, rope_by_type, opt_flag, number)
+    elif model_type in ("olmo2", "olmo3"):  # norms after each sublayer, q/k normed over all heads together
+        fields.update(qk_norm=True, norm_placement="post", hf_model_type=model_type,
+                      attn_bias=opt_flag("attention_bias", False))
+        sliding = (rope_by_type or {}).get("sliding_attention") or {}
+        if sliding:
+            _sliding_rope(fields, sliding, number)
     elif arch == "moe" and model_type == "minimax_m3_vl_text":
         _minimax_m3(cfg, fields, n_layers, opt, number, bad)
     elif arch == "moe":
@@ -2505,6 +2520,33 @@ def _minimax_m3(cfg: dict, fields: dict, n_layers: int, opt, number, bad) -> Non
         fields["block_sparse"] = {"block": opt("index_block_size", 128), "topk_blocks": opt("index_topk_blocks", 16),
                                   "local_blocks": opt("index_local_blocks", 1), "index_heads": opt("index_n_heads", 4),
                                   "index_head_dim": opt("index_head_dim", 128), "layers": layers}
+
+
+def _olmo_config(cfg: dict, model_type: str, bad) -> dict:
+    """OLMo 2's and OLMo 3's configs in the reader's terms, as transformers' Olmo2Config / Olmo3Config read them:
+    their defaults where a field is absent (RoPE base 1e4 for OLMo 2 and 5e5 for OLMo 3, eps 1e-5, 2,048 positions,
+    pad id 1, KV heads as many as the query heads); OLMo 3's layer types three sliding (`sliding_window`, 4,096
+    where absent) to one full where absent, its RoPE by layer type with the legacy `rope_scaling` on the full layers
+    only."""
+    out = {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "pad_token_id": 1, "tie_word_embeddings": False,
+           **{k: v for k, v in cfg.items() if v is not None or k == "pad_token_id"}}
+    theta = 10_000.0 if model_type == "olmo2" else 500_000.0
+    if model_type == "olmo2":
+        if out.get("rope_parameters") is None and out.get("rope_theta") is None:
+            out["rope_theta"] = theta
+        return out
+    out.setdefault("sliding_window", 4096)
+    n = out.get("num_hidden_layers")
+    if not out.get("layer_types") and isinstance(n, int) and 0 < n <= 100_000:
+        out["layer_types"] = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    rope = out.get("rope_parameters")
+    if not isinstance(rope, dict) or "full_attention" not in rope:
+        base = out.get("rope_theta", theta)
+        rope = {"full_attention": {"rope_type": "default", **(out.get("rope_scaling") or {}), "rope_theta": base},
+                "sliding_attention": {"rope_type": "default", "rope_theta": base}}
+    out.pop("rope_scaling", None)
+    out.pop("rope_theta", None)
+    return {**out, "rope_parameters": rope}
 
 
 def _gemma3_config(cfg: dict, bad) -> dict:

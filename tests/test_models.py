@@ -1468,6 +1468,32 @@ def test_an_unknown_dense_type_is_planned_not_trained(tmp_path):
     assert trainable(from_hf_config(tmp_path / "llama" / "config.json")) is None
 
 
+def test_olmo3_reads_its_releases_legacy_fields_as_transformers_does(tmp_path):
+    """An OLMo 3 config in the legacy fields (`rope_theta`, a YaRN `rope_scaling` for the full layers, no layer
+    types) reads as the config transformers builds from it and saves: three sliding layers (4,096 keys, RoPE
+    unscaled) to one full (YaRN), norms after each sublayer, q/k normed over all heads together; its parameters as
+    transformers counts them; trained. OLMo 2 reads with transformers' RoPE base (1e4) where it gives none."""
+    import transformers
+
+    raw = dict(model_type="olmo3", hidden_size=512, intermediate_size=1024, num_hidden_layers=8,
+               num_attention_heads=8, num_key_value_heads=8, vocab_size=1000, rope_theta=500000.0,
+               rope_scaling={"rope_type": "yarn", "factor": 8.0, "original_max_position_embeddings": 8192,
+                             "beta_fast": 32, "beta_slow": 1, "attention_factor": 1.2079},
+               max_position_embeddings=65536)
+    ours = from_hf_config(_write(tmp_path, "raw", raw))
+    cfg = transformers.Olmo3Config(**{k: v for k, v in raw.items() if k != "model_type"})
+    cfg.save_pretrained(tmp_path / "saved")
+    same = {"name": "x", "source": ""}
+    assert from_hf_config(tmp_path / "saved" / "config.json").model_copy(update=same) == ours.model_copy(update=same)
+    assert list(ours.layer_types) == cfg.layer_types and ours.sliding_window == 4096
+    assert (ours.rope_scaling.kind, ours.sliding_rope_plain, ours.norm_placement, ours.whole_qk_norm) == (
+        "yarn", True, "post", True)
+    assert total_params(ours) == _meta_params(transformers.Olmo3ForCausalLM, cfg) and trainable(ours) is None
+    olmo2 = from_hf_config(_write(tmp_path, "olmo2", {k: v for k, v in raw.items() if not k.startswith("rope")}
+                                  | {"model_type": "olmo2"}))
+    assert (olmo2.rope_theta, olmo2.rope_scaling, olmo2.rms_norm_eps, trainable(olmo2)) == (10000.0, None, 1e-5, None)
+
+
 def test_gemma3_reads_its_releases_legacy_fields_as_transformers_does(tmp_path):
     """A Gemma 3 release config in its legacy fields (a `gemma3` wrapper's text_config: `rope_theta` and
     `rope_scaling` linear ×8 for the full layers, `rope_local_base_freq` for the sliding ones,
