@@ -594,6 +594,12 @@ def hf_config(shape: ModelShape) -> dict:
         return _gemma4_config(shape, cfg)
     if shape.hf_model_type == "gemma3_text":
         return _gemma3_config(shape, cfg)
+    if shape.hf_model_type == "gemma":  # Gemma 1: Llama's fields, GeGLU
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            cfg.pop(k)
+        cfg.update(model_type="gemma", architectures=["GemmaForCausalLM"], intermediate_size=shape.dense_ffn,
+                   hidden_act="gelu_pytorch_tanh", rope_theta=shape.rope_theta)
+        return cfg
     if shape.hf_model_type in ("olmo2", "olmo3"):  # OLMo 2 and 3: norms after the sublayers, OLMo 3's layer types
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             cfg.pop(k)

@@ -53,7 +53,7 @@ INTERLEAVED_ROPE_ARCHS = ("ernie4_5_moe", "llama4")
 # (a buffer of its checkpoint's); the embedding's scale rounded to its dtype
 GEMMA4_TYPES = ("gemma4_text",)
 # the Gemma families' GeGLU MLPs (the tanh GELU) and embedding scale rounded to the embedding's dtype (Gemma 3 too)
-GEMMA_TYPES = ("gemma4_text", "gemma3_text")
+GEMMA_TYPES = ("gemma4_text", "gemma3_text", "gemma")
 
 
 class Handoff:

@@ -305,7 +305,7 @@ QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 
 # the dense stacks the core trains by their model type: the Llama family's (no type recorded: Llama, Mistral,
 # Ministral, Qwen2, Qwen3), Gemma's and OLMo's
-TRAINED_DENSE_TYPES = (None, "gemma3_text", "gemma4_text", "olmo2", "olmo3")
+TRAINED_DENSE_TYPES = (None, "gemma", "gemma3_text", "gemma4_text", "olmo2", "olmo3")
 
 
 def trainable(shape: "ModelShape") -> str | None:
@@ -358,8 +358,8 @@ def trainable(shape: "ModelShape") -> str | None:
          shape.head_gate_activation != "sigmoid" and shape.hf_model_type != "laguna"),
         ("Step-3.7's clamped SwiGLU outside Step-3.7", shape.hf_model_type != "step3p5" and (
             bool(shape.swiglu_limits) or bool(shape.swiglu_limits_shared))),
-        ("(1 + w) norms outside Step-3.7 and Gemma 3", shape.offset_norms
-         and shape.hf_model_type not in ("step3p5", "gemma3_text")),
+        ("(1 + w) norms outside Step-3.7 and Gemma", shape.offset_norms
+         and shape.hf_model_type not in ("step3p5", "gemma3_text", "gemma")),
         ("a query_pre_attn_scalar outside Step-3.7 and Gemma", shape.query_pre_attn_scalar is not None
          and shape.hf_model_type not in ("step3p5", "gemma4_text", "gemma3_text")),
         ("a norm on the MoE block's output (moe_output_norm) outside A.X K1",
@@ -380,7 +380,8 @@ def trainable(shape: "ModelShape") -> str | None:
             shape.linear_attn is None or shape.linear_attn.kind != "kda" or shape.mla is None)),
         ("sandwich or post norms, or a scaled embedding, outside AFMoE, FlexOlmo, OLMo and Gemma",
          (shape.norm_placement in ("sandwich", "post") or shape.embedding_scale != 1.0)
-         and shape.hf_model_type not in ("afmoe", "flex_olmo", "gemma4_text", "gemma3_text", "olmo2", "olmo3")),
+         and shape.hf_model_type not in ("afmoe", "flex_olmo", "gemma4_text", "gemma3_text", "gemma", "olmo2",
+                                         "olmo3")),
         ("Cohere's blocks (a parallel block, LayerNorms, RoPE on pairs, a logit scale, the experts' mean, sigmoid "
          "selection, a rotated prefix) outside Cohere2-MoE",
          (shape.norm_placement == "parallel" or shape.norm_kind != "rms" or shape.rope_pairs
@@ -1395,7 +1396,7 @@ _ARCH_BY_MODEL_TYPE = {
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoe_swa": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe", "minimax_m3_vl_text": "moe",
-    "gemma3_text": "dense", "olmo2": "dense", "olmo3": "dense",
+    "gemma3_text": "dense", "olmo2": "dense", "olmo3": "dense", "gemma": "dense",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
@@ -1769,6 +1770,17 @@ def _from_hf_config(path: Path) -> ModelShape:
         _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
     elif model_type == "gemma3_text":
         _gemma3(cfg, fields, rope_by_type, opt_flag, number)
+    elif model_type == "gemma":  # Gemma 1: Llama's blocks with (1 + w) norms, GeGLU and the scaled embedding
+        if cfg.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh" or cfg.get("use_bidirectional_attention"):
+            bad_key = "hidden_act" if cfg.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh" \
+                else "use_bidirectional_attention"
+            raise bad(bad_key, '"gelu_pytorch_tanh" and a causal model (Gemma\'s GeGLU)', cfg[bad_key])
+        fields.update(offset_norms=True, hf_model_type="gemma", embedding_scale=math.sqrt(fields["hidden_size"]),
+                      qk_norm=False, attn_bias=opt_flag("attention_bias", False))
+        if cfg.get("head_dim") is None:
+            fields["head_dim"] = 256  # transformers' default
+        if cfg.get("tie_word_embeddings") is None:
+            fields["tie_embeddings"] = True
     elif model_type in ("olmo2", "olmo3"):  # norms after each sublayer, q/k normed over all heads together
         fields.update(qk_norm=True, norm_placement="post", hf_model_type=model_type,
                       attn_bias=opt_flag("attention_bias", False))

@@ -1453,17 +1453,17 @@ def test_laguna_reads_as_transformers_builds_it(tmp_path):
 
 
 def test_an_unknown_dense_type_is_planned_not_trained(tmp_path):
-    """Gemma 1's config has Llama's field names and its checkpoint Llama's tensor names, but its norms scale by
-    (1 + w), its MLP is GeGLU and its embedding is scaled: read by its standard fields it plans as a Llama block, and
-    the core refuses to train that block (one line) rather than load the weights into the wrong math; a Llama
-    config of the same fields trains."""
+    """Gemma 2's config has Llama's field names, but its norms sit before and after each sublayer and scale by
+    (1 + w), its attention scores are soft-capped and its MLP is GeGLU: read by its standard fields it plans as a
+    Llama block, and the core refuses to train that block (one line) rather than load weights into the wrong
+    math; a Llama config of the same fields trains."""
     import transformers
 
-    transformers.GemmaConfig(num_hidden_layers=2).save_pretrained(tmp_path / "gemma")
-    shape = from_hf_config(tmp_path / "gemma" / "config.json")
+    transformers.Gemma2Config(num_hidden_layers=2).save_pretrained(tmp_path / "gemma2")
+    shape = from_hf_config(tmp_path / "gemma2" / "config.json")
     why = trainable(shape)
-    assert shape.arch == "dense" and shape.hf_model_type == "gemma"
-    assert why is not None and "model_type 'gemma' was read by its standard fields" in why and "\n" not in why
+    assert shape.arch == "dense" and shape.hf_model_type == "gemma2"
+    assert why is not None and "model_type 'gemma2' was read by its standard fields" in why and "\n" not in why
     transformers.LlamaConfig(num_hidden_layers=2).save_pretrained(tmp_path / "llama")
     assert trainable(from_hf_config(tmp_path / "llama" / "config.json")) is None
 
