@@ -594,6 +594,14 @@ def hf_config(shape: ModelShape) -> dict:
         return _gemma4_config(shape, cfg)
     if shape.hf_model_type == "gemma3_text":
         return _gemma3_config(shape, cfg)
+    if shape.hf_model_type == "granite":  # Granite 3.x dense: Llama's fields and the four multipliers
+        g = shape.granite
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            cfg.pop(k)
+        cfg.update(model_type="granite", architectures=["GraniteForCausalLM"], intermediate_size=shape.dense_ffn,
+                   embedding_multiplier=g.embedding, attention_multiplier=g.attention,
+                   residual_multiplier=g.residual, logits_scaling=g.logits, rope_theta=shape.rope_theta)
+        return cfg
     if shape.hf_model_type == "gemma":  # Gemma 1: Llama's fields, GeGLU
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             cfg.pop(k)

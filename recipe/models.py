@@ -304,8 +304,8 @@ QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 
 
 # the dense stacks the core trains by their model type: the Llama family's (no type recorded: Llama, Mistral,
-# Ministral, Qwen2, Qwen3), Gemma's and OLMo's
-TRAINED_DENSE_TYPES = (None, "gemma", "gemma3_text", "gemma4_text", "olmo2", "olmo3")
+# Ministral, Qwen2, Qwen3), Gemma's, OLMo's and Granite's
+TRAINED_DENSE_TYPES = (None, "gemma", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "granite")
 
 
 def trainable(shape: "ModelShape") -> str | None:
@@ -1396,7 +1396,7 @@ _ARCH_BY_MODEL_TYPE = {
     "llama4_text": "llama4", "granitemoe": "granitemoe", "granitemoeshared": "granitemoe",
     "granitemoe_swa": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe", "minimax_m3_vl_text": "moe",
-    "gemma3_text": "dense", "olmo2": "dense", "olmo3": "dense", "gemma": "dense",
+    "gemma3_text": "dense", "olmo2": "dense", "olmo3": "dense", "gemma": "dense", "granite": "dense",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
@@ -1770,6 +1770,11 @@ def _from_hf_config(path: Path) -> ModelShape:
         _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
     elif model_type == "gemma3_text":
         _gemma3(cfg, fields, rope_by_type, opt_flag, number)
+    elif model_type == "granite":  # Granite 3.x dense: Llama's blocks with granitemoe's four multipliers
+        fields.update(hf_model_type="granite", qk_norm=False, attn_bias=opt_flag("attention_bias", False),
+                      granite={k: 1.0 if cfg.get(f) is None else number(cfg[f], f) for k, f in (
+                          ("embedding", "embedding_multiplier"), ("attention", "attention_multiplier"),
+                          ("residual", "residual_multiplier"), ("logits", "logits_scaling"))})
     elif model_type == "gemma":  # Gemma 1: Llama's blocks with (1 + w) norms, GeGLU and the scaled embedding
         if cfg.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh" or cfg.get("use_bidirectional_attention"):
             bad_key = "hidden_act" if cfg.get("hidden_act", "gelu_pytorch_tanh") != "gelu_pytorch_tanh" \
