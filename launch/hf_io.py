@@ -594,6 +594,13 @@ def hf_config(shape: ModelShape) -> dict:
         return _gemma4_config(shape, cfg)
     if shape.hf_model_type == "gemma3_text":
         return _gemma3_config(shape, cfg)
+    if shape.hf_model_type == "exaone4":  # EXAONE 4.0: its layer types and window
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            cfg.pop(k)
+        cfg.update(model_type="exaone4", architectures=["Exaone4ForCausalLM"], intermediate_size=shape.dense_ffn,
+                   layer_types=list(shape.layer_types), sliding_window=shape.sliding_window,
+                   rope_theta=shape.rope_theta)
+        return cfg
     if shape.hf_model_type == "granite":  # Granite 3.x dense: Llama's fields and the four multipliers
         g = shape.granite
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):

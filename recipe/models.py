@@ -304,8 +304,8 @@ QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 
 
 # the dense stacks the core trains by their model type: the Llama family's (no type recorded: Llama, Mistral,
-# Ministral, Qwen2, Qwen3), Gemma's, OLMo's and Granite's
-TRAINED_DENSE_TYPES = (None, "gemma", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "granite")
+# Ministral, Qwen2, Qwen3), Gemma's, OLMo's, Granite's and EXAONE 4's
+TRAINED_DENSE_TYPES = (None, "gemma", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "granite", "exaone4")
 
 
 def trainable(shape: "ModelShape") -> str | None:
@@ -371,7 +371,7 @@ def trainable(shape: "ModelShape") -> str | None:
          shape.hf_model_type == "mistral4" and shape.softmax_router is not None and shape.softmax_router.groups > 1),
         ("full layers without RoPE (nope_full_layers) outside K-EXAONE, AFMoE, Granite-SWA, Cohere2-MoE and "
          "Kimi-Linear",
-         shape.nope_full_layers and shape.hf_model_type not in ("exaone_moe", "afmoe", "granitemoe_swa",
+         shape.nope_full_layers and shape.hf_model_type not in ("exaone_moe", "exaone4", "afmoe", "granitemoe_swa",
                                                                  "cohere2_moe", "kimi_linear")),
         ("Kimi Delta Attention, or linear attention beside MLA, outside Kimi-Linear",
          shape.linear_attn is not None and (shape.linear_attn.kind == "kda" or shape.mla is not None)
@@ -381,7 +381,7 @@ def trainable(shape: "ModelShape") -> str | None:
         ("sandwich or post norms, or a scaled embedding, outside AFMoE, FlexOlmo, OLMo and Gemma",
          (shape.norm_placement in ("sandwich", "post") or shape.embedding_scale != 1.0)
          and shape.hf_model_type not in ("afmoe", "flex_olmo", "gemma4_text", "gemma3_text", "gemma", "olmo2",
-                                         "olmo3")),
+                                         "olmo3", "exaone4")),
         ("Cohere's blocks (a parallel block, LayerNorms, RoPE on pairs, a logit scale, the experts' mean, sigmoid "
          "selection, a rotated prefix) outside Cohere2-MoE",
          (shape.norm_placement == "parallel" or shape.norm_kind != "rms" or shape.rope_pairs
@@ -1397,6 +1397,7 @@ _ARCH_BY_MODEL_TYPE = {
     "granitemoe_swa": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe", "minimax_m3_vl_text": "moe",
     "gemma3_text": "dense", "olmo2": "dense", "olmo3": "dense", "gemma": "dense", "granite": "dense",
+    "exaone4": "dense",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
@@ -1506,6 +1507,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         cfg = _gemma3_config(cfg, bad)
     if model_type in ("olmo2", "olmo3"):  # AI2's OLMo 2 and 3, with transformers' defaults
         cfg = _olmo_config(cfg, model_type, bad)
+    if model_type == "exaone4":  # transformers' Exaone4Config defaults
+        cfg = {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "sliding_window": 4096, **cfg}
 
     def need(key: str, *alts: str):
         for k in (key, *alts):
@@ -1770,6 +1773,9 @@ def _from_hf_config(path: Path) -> ModelShape:
         _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
     elif model_type == "gemma3_text":
         _gemma3(cfg, fields, rope_by_type, opt_flag, number)
+    elif model_type == "exaone4":  # EXAONE 4.0: norms after each sublayer, per-head q/k norms, K-EXAONE's layers
+        fields.update(hf_model_type="exaone4", qk_norm=True, norm_placement="post", attn_bias=False)
+        _exaone_layers(cfg, fields, n_layers, opt, count, bad)
     elif model_type == "granite":  # Granite 3.x dense: Llama's blocks with granitemoe's four multipliers
         fields.update(hf_model_type="granite", qk_norm=False, attn_bias=opt_flag("attention_bias", False),
                       granite={k: 1.0 if cfg.get(f) is None else number(cfg[f], f) for k, f in (

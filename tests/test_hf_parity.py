@@ -52,6 +52,10 @@ DENSE = {  # model_type: (config, model, what sets it apart)
     "qwen3_yarn": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=16),
         max_position_embeddings=64)),
+    # EXAONE 4.0: norms after each sublayer, per-head q/k norms, a sliding layer (8 keys, rotated) then a full one
+    # without RoPE
+    "exaone4": (transformers.Exaone4Config, transformers.Exaone4ForCausalLM, dict(
+        rope_theta=1e6, sliding_window=8, sliding_window_pattern=2)),
     # Granite 3.x dense: Llama's blocks with the four multipliers (values away from 1)
     "granite": (transformers.GraniteConfig, transformers.GraniteForCausalLM, dict(
         rope_theta=10000.0, embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5,
@@ -566,7 +570,7 @@ def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
                                   "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid",
                                   "gpt_oss", "kimi_linear", "mistral4", "axk1", "mellum", "laguna",
                                   *LLAMA4, "granitemoeshared", "granitemoe_swa", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral",
-                                  "gemma3", "olmo2", "olmo3", "gemma", "granite"])
+                                  "gemma3", "olmo2", "olmo3", "gemma", "granite", "exaone4"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.
