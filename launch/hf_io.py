@@ -594,6 +594,13 @@ def hf_config(shape: ModelShape) -> dict:
         return _gemma4_config(shape, cfg)
     if shape.hf_model_type == "gemma3_text":
         return _gemma3_config(shape, cfg)
+    if shape.hf_model_type == "smollm3":  # SmolLM3: its RoPE-free layers
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            cfg.pop(k)
+        cfg.update(model_type="smollm3", architectures=["SmolLM3ForCausalLM"], intermediate_size=shape.dense_ffn,
+                   no_rope_layers=[int(i not in shape.nope_layers) for i in range(shape.num_layers)],
+                   use_sliding_window=False, rope_theta=shape.rope_theta)
+        return cfg
     if shape.hf_model_type == "exaone4":  # EXAONE 4.0: its layer types and window
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             cfg.pop(k)

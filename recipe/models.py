@@ -304,8 +304,9 @@ QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 
 
 # the dense stacks the core trains by their model type: the Llama family's (no type recorded: Llama, Mistral,
-# Ministral, Qwen2, Qwen3), Gemma's, OLMo's, Granite's and EXAONE 4's
-TRAINED_DENSE_TYPES = (None, "gemma", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "granite", "exaone4")
+# Ministral, Qwen2, Qwen3), Gemma's, OLMo's, Granite's, EXAONE 4's and SmolLM3's
+TRAINED_DENSE_TYPES = (None, "gemma", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "granite", "exaone4",
+                       "smollm3")
 
 
 def trainable(shape: "ModelShape") -> str | None:
@@ -533,6 +534,8 @@ class ModelShape(Record):
     # the dense prefix layers take RoPE whatever their kind (Cohere2-MoE's prefix of sliding-window pattern 1, whose
     # layers are all full)
     rotated_prefix: bool = False
+    # layers whose attention takes no RoPE, by index (SmolLM3's `no_rope_layers` zeros); () : none by this rule
+    nope_layers: tuple[int, ...] = ()
     # where a block's RMSNorms sit: before each sublayer ("pre"), before and after it ("sandwich": AFMoE), or after
     # it only ("post": FlexOlmo, OLMo-2's blocks)
     # ("parallel": one norm, whose output both sublayers take, their outputs added to the residual together: Cohere's)
@@ -723,11 +726,11 @@ class ModelShape(Record):
             else None
 
     def rotated(self, i: int) -> bool:
-        """Whether layer i's attention takes RoPE by the shape's rules (`nope_full_layers`, `rotated_prefix`; Llama
-        4's global layers go without it by its arch)."""
+        """Whether layer i's attention takes RoPE by the shape's rules (`nope_full_layers`, `rotated_prefix`,
+        `nope_layers`; Llama 4's global layers go without it by its arch)."""
         if self.rotated_prefix and i < self.first_dense_layers:
             return True
-        return not (self.nope_full_layers and self.layer_types[i] == "full_attention")
+        return not (self.nope_full_layers and self.layer_types[i] == "full_attention") and i not in self.nope_layers
 
     @property
     def moe_output_saved(self) -> bool:
@@ -834,7 +837,7 @@ class ModelShape(Record):
                                        ("sliding_rope_plain", False), ("query_scale_beta", 0.0),
                                        ("moe_output_norm", False), ("head_gate_activation", "sigmoid"),
                                        ("keys_as_values", False), ("dense_beside_experts", False),
-                                       ("rope_proportional", False), ("gated_norm_rank", 0))
+                                       ("rope_proportional", False), ("gated_norm_rank", 0), ("nope_layers", ()))
                   if getattr(self, k) == default}
         out = plain(self, exclude=frozenset({"source"} | unset))
         if self.rope_scaling is not None and self.rope_scaling.alpha is None:  # nor does a scaling without alpha
@@ -1397,7 +1400,7 @@ _ARCH_BY_MODEL_TYPE = {
     "granitemoe_swa": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe", "minimax_m3_vl_text": "moe",
     "gemma3_text": "dense", "olmo2": "dense", "olmo3": "dense", "gemma": "dense", "granite": "dense",
-    "exaone4": "dense",
+    "exaone4": "dense", "smollm3": "dense",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
@@ -1773,6 +1776,20 @@ def _from_hf_config(path: Path) -> ModelShape:
         _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
     elif model_type == "gemma3_text":
         _gemma3(cfg, fields, rope_by_type, opt_flag, number)
+    elif model_type == "smollm3":  # SmolLM3: Llama's blocks, every `no_rope_layer_interval`-th layer without RoPE
+        flags = cfg.get("no_rope_layers")
+        if flags is None:
+            interval = opt("no_rope_layer_interval", 4)
+            if interval <= 0:
+                raise bad("no_rope_layer_interval", "a positive whole number", cfg["no_rope_layer_interval"])
+            flags = [int((i + 1) % interval != 0) for i in range(n_layers)]
+        if not isinstance(flags, list) or len(flags) < n_layers or any(f not in (0, 1) for f in flags):
+            raise bad("no_rope_layers", f"{n_layers} flags of 0 or 1", flags)
+        if cfg.get("use_sliding_window"):
+            raise bad("use_sliding_window", "false (SmolLM3's sliding layers are not planned)", True)
+        fields.update(hf_model_type="smollm3", attn_bias=opt_flag("attention_bias", False),
+                      nope_layers=tuple(i for i, f in enumerate(flags[:n_layers]) if not f),
+                      tie_embeddings=opt_flag("tie_word_embeddings", True))
     elif model_type == "exaone4":  # EXAONE 4.0: norms after each sublayer, per-head q/k norms, K-EXAONE's layers
         fields.update(hf_model_type="exaone4", qk_norm=True, norm_placement="post", attn_bias=False)
         _exaone_layers(cfg, fields, n_layers, opt, count, bad)
