@@ -484,6 +484,8 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         _kimi_kda_to_ours(sd)
     if model.shape.hf_model_type in ("gemma4_text", "gemma3_text"):
         _gemma4_names(sd, to_ours=True, moe=model.shape.arch != "dense")
+    if model.shape.hf_model_type == "phi3":
+        _phi3_projections(sd, model.shape, to_ours=True)
     if model.shape.hf_model_type == "axk1":  # transformers keeps the MoE output norm in the block; ours (and the
         # releases') at the layer
         for key in [k for k in sd if ".mlp.post_mlp_layernorm." in k]:
@@ -515,6 +517,27 @@ def _join_step_experts(sd: dict[str, torch.Tensor]) -> None:
 
 
 _GATE_PROJ = re.compile(r"^(.*self_attn)\.gate_proj\.weight$")
+
+
+def _phi3_projections(sd: dict[str, torch.Tensor], shape: ModelShape, to_ours: bool) -> None:
+    """Phi-3's fused projections, in place: `self_attn.qkv_proj` [q | k | v] rows and `mlp.gate_up_proj` [gate | up]
+    rows split into ours (q_proj, k_proj, v_proj; gate_proj, up_proj), or joined back."""
+    q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
+    if to_ours:
+        for key in [k for k in sd if k.endswith("self_attn.qkv_proj.weight")]:
+            base = key[: -len("qkv_proj.weight")]
+            for name, t in zip(("q_proj", "k_proj", "v_proj"), sd.pop(key).split([q, kv, kv])):
+                sd[f"{base}{name}.weight"] = t
+        for key in [k for k in sd if k.endswith("mlp.gate_up_proj.weight")]:
+            base = key[: -len("gate_up_proj.weight")]
+            sd[f"{base}gate_proj.weight"], sd[f"{base}up_proj.weight"] = sd.pop(key).chunk(2)
+        return
+    for key in [k for k in sd if k.endswith("self_attn.q_proj.weight")]:
+        base = key[: -len("q_proj.weight")]
+        sd[f"{base}qkv_proj.weight"] = torch.cat([sd.pop(f"{base}{n}_proj.weight") for n in "qkv"])
+    for key in [k for k in sd if k.endswith("mlp.gate_proj.weight")]:
+        base = key[: -len("gate_proj.weight")]
+        sd[f"{base}gate_up_proj.weight"] = torch.cat([sd.pop(key), sd.pop(f"{base}up_proj.weight")])
 
 
 def _fuse_output_gate(sd: dict[str, torch.Tensor], head_dim: int, to_ours: bool) -> None:
@@ -594,6 +617,13 @@ def hf_config(shape: ModelShape) -> dict:
         return _gemma4_config(shape, cfg)
     if shape.hf_model_type == "gemma3_text":
         return _gemma3_config(shape, cfg)
+    if shape.hf_model_type == "phi3":  # Phi-3 / Phi-4: its window over every layer where it has one
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            cfg.pop(k)
+        cfg.update(model_type="phi3", architectures=["Phi3ForCausalLM"], intermediate_size=shape.dense_ffn,
+                   sliding_window=shape.sliding_window, rope_theta=shape.rope_theta,
+                   partial_rotary_factor=shape.partial_rotary_factor)
+        return cfg
     if shape.hf_model_type == "smollm3":  # SmolLM3: its RoPE-free layers
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             cfg.pop(k)
@@ -1016,6 +1046,8 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
         _fuse_output_gate(sd, model.shape.head_dim, to_ours=False)
     if model.shape.hf_model_type in ("gemma4_text", "gemma3_text"):
         _gemma4_names(sd, to_ours=False, moe=model.shape.arch != "dense")
+    if model.shape.hf_model_type == "phi3":
+        _phi3_projections(sd, model.shape, to_ours=False)
     out: dict[str, torch.Tensor] = {}
     mixtral = model.shape.arch in ("mixtral", "minimax_m2")  # MiniMax-M2's releases keep Mixtral's names
     kimi = model.shape.hf_model_type == "kimi_linear"  # Kimi-Linear's: Mixtral's on its MoE layers

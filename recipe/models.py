@@ -304,9 +304,9 @@ QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 
 
 # the dense stacks the core trains by their model type: the Llama family's (no type recorded: Llama, Mistral,
-# Ministral, Qwen2, Qwen3), Gemma's, OLMo's, Granite's, EXAONE 4's and SmolLM3's
+# Ministral, Qwen2, Qwen3), Gemma's, OLMo's, Granite's, EXAONE 4's, SmolLM3's and Phi-3's
 TRAINED_DENSE_TYPES = (None, "gemma", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "granite", "exaone4",
-                       "smollm3")
+                       "smollm3", "phi3")
 
 
 def trainable(shape: "ModelShape") -> str | None:
@@ -1400,7 +1400,7 @@ _ARCH_BY_MODEL_TYPE = {
     "granitemoe_swa": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe", "minimax_m3_vl_text": "moe",
     "gemma3_text": "dense", "olmo2": "dense", "olmo3": "dense", "gemma": "dense", "granite": "dense",
-    "exaone4": "dense", "smollm3": "dense",
+    "exaone4": "dense", "smollm3": "dense", "phi3": "dense",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
@@ -1510,6 +1510,11 @@ def _from_hf_config(path: Path) -> ModelShape:
         cfg = _gemma3_config(cfg, bad)
     if model_type in ("olmo2", "olmo3"):  # AI2's OLMo 2 and 3, with transformers' defaults
         cfg = _olmo_config(cfg, model_type, bad)
+    if model_type == "phi3":  # transformers' Phi3Config defaults; its window (where set) over every layer
+        cfg = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "pad_token_id": 32000, **cfg}
+        if cfg.get("sliding_window") is not None and not cfg.get("layer_types") and isinstance(
+                cfg.get("num_hidden_layers"), int) and 0 < cfg["num_hidden_layers"] <= 100_000:
+            cfg["layer_types"] = ["sliding_attention"] * cfg["num_hidden_layers"]
     if model_type == "exaone4":  # transformers' Exaone4Config defaults
         cfg = {"rms_norm_eps": 1e-5, "max_position_embeddings": 2048, "sliding_window": 4096, **cfg}
 
@@ -1776,6 +1781,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
     elif model_type == "gemma3_text":
         _gemma3(cfg, fields, rope_by_type, opt_flag, number)
+    elif model_type == "phi3":  # Phi-3 / Phi-4: Llama's blocks, q/k/v and gate/up fused in its checkpoints
+        fields.update(hf_model_type="phi3", attn_bias=False)
     elif model_type == "smollm3":  # SmolLM3: Llama's blocks, every `no_rope_layer_interval`-th layer without RoPE
         flags = cfg.get("no_rope_layers")
         if flags is None:
