@@ -486,6 +486,9 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         _gemma4_names(sd, to_ours=True, moe=model.shape.arch != "dense")
     if model.shape.hf_model_type == "phi3":
         _phi3_projections(sd, model.shape, to_ours=True)
+    if model.shape.hf_model_type == "glm4":
+        _phi3_projections(sd, model.shape, to_ours=True, attention=False)
+        _glm4_norm_names(sd, to_ours=True)
     if model.shape.hf_model_type == "axk1":  # transformers keeps the MoE output norm in the block; ours (and the
         # releases') at the layer
         for key in [k for k in sd if ".mlp.post_mlp_layernorm." in k]:
@@ -519,9 +522,10 @@ def _join_step_experts(sd: dict[str, torch.Tensor]) -> None:
 _GATE_PROJ = re.compile(r"^(.*self_attn)\.gate_proj\.weight$")
 
 
-def _phi3_projections(sd: dict[str, torch.Tensor], shape: ModelShape, to_ours: bool) -> None:
+def _phi3_projections(sd: dict[str, torch.Tensor], shape: ModelShape, to_ours: bool, attention: bool = True) -> None:
     """Phi-3's fused projections, in place: `self_attn.qkv_proj` [q | k | v] rows and `mlp.gate_up_proj` [gate | up]
-    rows split into ours (q_proj, k_proj, v_proj; gate_proj, up_proj), or joined back."""
+    rows split into ours (q_proj, k_proj, v_proj; gate_proj, up_proj), or joined back (GLM-4's: the MLP's alone,
+    `attention` False)."""
     q, kv = shape.num_heads * shape.head_dim, shape.num_kv_heads * shape.head_dim
     if to_ours:
         for key in [k for k in sd if k.endswith("self_attn.qkv_proj.weight")]:
@@ -532,12 +536,27 @@ def _phi3_projections(sd: dict[str, torch.Tensor], shape: ModelShape, to_ours: b
             base = key[: -len("gate_up_proj.weight")]
             sd[f"{base}gate_proj.weight"], sd[f"{base}up_proj.weight"] = sd.pop(key).chunk(2)
         return
-    for key in [k for k in sd if k.endswith("self_attn.q_proj.weight")]:
+    for key in [k for k in sd if k.endswith("self_attn.q_proj.weight") and attention]:
         base = key[: -len("q_proj.weight")]
         sd[f"{base}qkv_proj.weight"] = torch.cat([sd.pop(f"{base}{n}_proj.weight") for n in "qkv"])
     for key in [k for k in sd if k.endswith("mlp.gate_proj.weight")]:
         base = key[: -len("gate_proj.weight")]
         sd[f"{base}gate_up_proj.weight"] = torch.cat([sd.pop(key), sd.pop(f"{base}up_proj.weight")])
+
+
+# GLM-4's sandwich norms (its names on the left, ours on the right): after the attention, before and after the MLP
+_GLM4_NORMS = {"post_self_attn_layernorm": "post_attention_layernorm", "post_attention_layernorm": "pre_mlp_layernorm",
+               "post_mlp_layernorm": "post_mlp_layernorm"}
+_NORM_KEY = re.compile(r"^(layers\.\d+)\.(\w+_layernorm)\.(.*)$")
+
+
+def _glm4_norm_names(sd: dict[str, torch.Tensor], to_ours: bool) -> None:
+    """GLM-4's block norms under our names (`to_ours`) or back, in place, each key renamed once (its
+    `post_attention_layernorm` is our `pre_mlp_layernorm`, ours its `post_self_attn_layernorm`)."""
+    names = _GLM4_NORMS if to_ours else {v: k for k, v in _GLM4_NORMS.items()}
+    for key in list(sd):
+        if (hit := _NORM_KEY.match(key)) and hit.group(2) in names:
+            sd[f"{hit.group(1)}.{names[hit.group(2)]}.{hit.group(3)}"] = sd.pop(key)
 
 
 def _fuse_output_gate(sd: dict[str, torch.Tensor], head_dim: int, to_ours: bool) -> None:
@@ -617,6 +636,12 @@ def hf_config(shape: ModelShape) -> dict:
         return _gemma4_config(shape, cfg)
     if shape.hf_model_type == "gemma3_text":
         return _gemma3_config(shape, cfg)
+    if shape.hf_model_type == "glm4":  # GLM-4 (0414): its rotated share, its q/k/v biases
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
+            cfg.pop(k)
+        cfg.update(model_type="glm4", architectures=["Glm4ForCausalLM"], intermediate_size=shape.dense_ffn,
+                   rope_theta=shape.rope_theta, partial_rotary_factor=shape.partial_rotary_factor)
+        return cfg
     if shape.hf_model_type == "phi3":  # Phi-3 / Phi-4: its window over every layer where it has one
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             cfg.pop(k)
@@ -1048,6 +1073,9 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
         _gemma4_names(sd, to_ours=False, moe=model.shape.arch != "dense")
     if model.shape.hf_model_type == "phi3":
         _phi3_projections(sd, model.shape, to_ours=False)
+    if model.shape.hf_model_type == "glm4":
+        _phi3_projections(sd, model.shape, to_ours=False, attention=False)
+        _glm4_norm_names(sd, to_ours=False)
     out: dict[str, torch.Tensor] = {}
     mixtral = model.shape.arch in ("mixtral", "minimax_m2")  # MiniMax-M2's releases keep Mixtral's names
     kimi = model.shape.hf_model_type == "kimi_linear"  # Kimi-Linear's: Mixtral's on its MoE layers

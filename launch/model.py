@@ -466,6 +466,12 @@ class Attention(nn.Module):
         # None: the whole sequence is here; launch/context_parallel.py installs its ContextParallel (K/V exchange)
         self.context_parallel = None
 
+    def _rotate(self, t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor]) -> torch.Tensor:
+        """RoPE on q or k: halves of the rotated channels, or pairs (of the whole head, or of its rotated share)."""
+        if self.rope_interleaved and rope[0].shape[-1] < t.shape[-1]:
+            return _partial_pairs(t, rope, self.rope_backend)
+        return apply_rope(t, *rope, pairs=self.rope_interleaved, backend=self.rope_backend)
+
     def forward(self, x_TD: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], packing: Packing):
         T = x_TD.shape[0]
         q = self.q_proj(x_TD)
@@ -485,7 +491,7 @@ class Attention(nn.Module):
         if self.clip_qkv is not None:
             q, k, v = (t.clamp(-self.clip_qkv, self.clip_qkv) for t in (q, k, v))
         if self.rotary:
-            q, k = (apply_rope(t, *rope, pairs=self.rope_interleaved, backend=self.rope_backend) for t in (q, k))
+            q, k = (self._rotate(t, rope) for t in (q, k))
         if self.q_norm is not None and self.qk_norm_after_rope:
             q, k = self.q_norm(q), self.k_norm(k)
         if self.unit_rms_eps is not None:
@@ -519,6 +525,14 @@ class Attention(nn.Module):
         if self.o_proj.bias is not None and self.o_proj_bias_share != 1.0:
             return F.linear(o, self.o_proj.weight, self.o_proj.bias * self.o_proj_bias_share)
         return self.o_proj(o)
+
+
+def _partial_pairs(t: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], backend: str) -> torch.Tensor:
+    """RoPE on channel pairs of a head's first R channels (R the angle rows' width: GLM-4's half of each head), the
+    rest passed through; kernels.rope's pairs form on the R-wide slice (its output's channel order is the same
+    permutation for q and k, which q·k does not see)."""
+    r = rope[0].shape[-1]
+    return torch.cat([apply_rope(t[..., :r].contiguous(), *rope, pairs=True, backend=backend), t[..., r:]], dim=-1)
 
 
 class MLAttention(nn.Module):

@@ -304,9 +304,9 @@ QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 
 
 # the dense stacks the core trains by their model type: the Llama family's (no type recorded: Llama, Mistral,
-# Ministral, Qwen2, Qwen3), Gemma's, OLMo's, Granite's, EXAONE 4's, SmolLM3's and Phi-3's
+# Ministral, Qwen2, Qwen3), Gemma's, OLMo's, Granite's, EXAONE 4's, SmolLM3's, Phi-3's and GLM-4's
 TRAINED_DENSE_TYPES = (None, "gemma", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "granite", "exaone4",
-                       "smollm3", "phi3")
+                       "smollm3", "phi3", "glm4")
 
 
 def trainable(shape: "ModelShape") -> str | None:
@@ -382,12 +382,14 @@ def trainable(shape: "ModelShape") -> str | None:
         ("sandwich or post norms, or a scaled embedding, outside AFMoE, FlexOlmo, OLMo and Gemma",
          (shape.norm_placement in ("sandwich", "post") or shape.embedding_scale != 1.0)
          and shape.hf_model_type not in ("afmoe", "flex_olmo", "gemma4_text", "gemma3_text", "gemma", "olmo2",
-                                         "olmo3", "exaone4")),
+                                         "olmo3", "exaone4", "glm4")),
         ("Cohere's blocks (a parallel block, LayerNorms, RoPE on pairs, a logit scale, the experts' mean, sigmoid "
          "selection, a rotated prefix) outside Cohere2-MoE",
-         (shape.norm_placement == "parallel" or shape.norm_kind != "rms" or shape.rope_pairs
-          or shape.logit_scale != 1.0 or shape.shared_expert_mean or shape.sigmoid_top or shape.rotated_prefix)
+         (shape.norm_placement == "parallel" or shape.norm_kind != "rms" or shape.logit_scale != 1.0
+          or shape.shared_expert_mean or shape.sigmoid_top or shape.rotated_prefix)
          and shape.hf_model_type != "cohere2_moe"),
+        ("RoPE on channel pairs outside Cohere2-MoE and GLM-4", shape.rope_pairs
+         and shape.hf_model_type not in ("cohere2_moe", "glm4")),
         ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
          and shape.rope_scaling is not None and not shape.sliding_rope_plain),
         ("sliding layers without the RoPE scaling outside Step-3.7, Mellum, Laguna, Gemma 3 and OLMo 3",
@@ -1400,7 +1402,7 @@ _ARCH_BY_MODEL_TYPE = {
     "granitemoe_swa": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe", "minimax_m3_vl_text": "moe",
     "gemma3_text": "dense", "olmo2": "dense", "olmo3": "dense", "gemma": "dense", "granite": "dense",
-    "exaone4": "dense", "smollm3": "dense", "phi3": "dense",
+    "exaone4": "dense", "smollm3": "dense", "phi3": "dense", "glm4": "dense",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
@@ -1510,6 +1512,11 @@ def _from_hf_config(path: Path) -> ModelShape:
         cfg = _gemma3_config(cfg, bad)
     if model_type in ("olmo2", "olmo3"):  # AI2's OLMo 2 and 3, with transformers' defaults
         cfg = _olmo_config(cfg, model_type, bad)
+    if model_type == "glm4":  # transformers' Glm4Config defaults: half of each head rotated, eps 1.5625e-7
+        cfg = {"rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072, "pad_token_id": 151329,
+               "attention_bias": True, "head_dim": 128, **cfg}
+        if "partial_rotary_factor" not in cfg and "partial_rotary_factor" not in (cfg.get("rope_parameters") or {}):
+            cfg["partial_rotary_factor"] = 0.5
     if model_type == "phi3":  # transformers' Phi3Config defaults; its window (where set) over every layer
         cfg = {"rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "pad_token_id": 32000, **cfg}
         if cfg.get("sliding_window") is not None and not cfg.get("layer_types") and isinstance(
@@ -1781,6 +1788,9 @@ def _from_hf_config(path: Path) -> ModelShape:
         _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
     elif model_type == "gemma3_text":
         _gemma3(cfg, fields, rope_by_type, opt_flag, number)
+    elif model_type == "glm4":  # GLM-4 (0414): norms around each sublayer, q/k/v biases, RoPE on pairs of half a head
+        fields.update(hf_model_type="glm4", norm_placement="sandwich", rope_pairs=True,
+                      attn_bias=opt_flag("attention_bias", True))
     elif model_type == "phi3":  # Phi-3 / Phi-4: Llama's blocks, q/k/v and gate/up fused in its checkpoints
         fields.update(hf_model_type="phi3", attn_bias=False)
     elif model_type == "smollm3":  # SmolLM3: Llama's blocks, every `no_rope_layer_interval`-th layer without RoPE
