@@ -636,6 +636,12 @@ def hf_config(shape: ModelShape) -> dict:
         return _gemma4_config(shape, cfg)
     if shape.hf_model_type == "gemma3_text":
         return _gemma3_config(shape, cfg)
+    if shape.hf_model_type == "ernie4_5":  # ERNIE-4.5 dense
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "attention_bias"):
+            cfg.pop(k)
+        cfg.update(model_type="ernie4_5", architectures=["Ernie4_5ForCausalLM"], intermediate_size=shape.dense_ffn,
+                   use_bias=False, rope_theta=shape.rope_theta)
+        return cfg
     if shape.hf_model_type == "glm4":  # GLM-4 (0414): its rotated share, its q/k/v biases
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             cfg.pop(k)

@@ -304,9 +304,9 @@ QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 
 
 # the dense stacks the core trains by their model type: the Llama family's (no type recorded: Llama, Mistral,
-# Ministral, Qwen2, Qwen3), Gemma's, OLMo's, Granite's, EXAONE 4's, SmolLM3's, Phi-3's and GLM-4's
+# Ministral, Qwen2, Qwen3), Gemma's, OLMo's, Granite's, EXAONE 4's, SmolLM3's, Phi-3's, GLM-4's and ERNIE-4.5's
 TRAINED_DENSE_TYPES = (None, "gemma", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "granite", "exaone4",
-                       "smollm3", "phi3", "glm4")
+                       "smollm3", "phi3", "glm4", "ernie4_5")
 
 
 def trainable(shape: "ModelShape") -> str | None:
@@ -388,8 +388,8 @@ def trainable(shape: "ModelShape") -> str | None:
          (shape.norm_placement == "parallel" or shape.norm_kind != "rms" or shape.logit_scale != 1.0
           or shape.shared_expert_mean or shape.sigmoid_top or shape.rotated_prefix)
          and shape.hf_model_type != "cohere2_moe"),
-        ("RoPE on channel pairs outside Cohere2-MoE and GLM-4", shape.rope_pairs
-         and shape.hf_model_type not in ("cohere2_moe", "glm4")),
+        ("RoPE on channel pairs outside Cohere2-MoE, GLM-4 and ERNIE-4.5", shape.rope_pairs
+         and shape.hf_model_type not in ("cohere2_moe", "glm4", "ernie4_5")),
         ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
          and shape.rope_scaling is not None and not shape.sliding_rope_plain),
         ("sliding layers without the RoPE scaling outside Step-3.7, Mellum, Laguna, Gemma 3 and OLMo 3",
@@ -1402,7 +1402,7 @@ _ARCH_BY_MODEL_TYPE = {
     "granitemoe_swa": "granitemoe",
     "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe", "minimax_m3_vl_text": "moe",
     "gemma3_text": "dense", "olmo2": "dense", "olmo3": "dense", "gemma": "dense", "granite": "dense",
-    "exaone4": "dense", "smollm3": "dense", "phi3": "dense", "glm4": "dense",
+    "exaone4": "dense", "smollm3": "dense", "phi3": "dense", "glm4": "dense", "ernie4_5": "dense",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
@@ -1512,6 +1512,11 @@ def _from_hf_config(path: Path) -> ModelShape:
         cfg = _gemma3_config(cfg, bad)
     if model_type in ("olmo2", "olmo3"):  # AI2's OLMo 2 and 3, with transformers' defaults
         cfg = _olmo_config(cfg, model_type, bad)
+    if model_type == "ernie4_5":  # transformers' Ernie4_5Config defaults
+        cfg = {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "pad_token_id": 0, "head_dim": 128,
+               "tie_word_embeddings": True, **cfg}
+        if cfg.get("use_bias"):
+            raise bad("use_bias", "false (ERNIE-4.5 with biases is not planned)", cfg["use_bias"])
     if model_type == "glm4":  # transformers' Glm4Config defaults: half of each head rotated, eps 1.5625e-7
         cfg = {"rms_norm_eps": 1.5625e-07, "max_position_embeddings": 131072, "pad_token_id": 151329,
                "attention_bias": True, "head_dim": 128, **cfg}
@@ -1788,6 +1793,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
     elif model_type == "gemma3_text":
         _gemma3(cfg, fields, rope_by_type, opt_flag, number)
+    elif model_type == "ernie4_5":  # ERNIE-4.5 dense: Llama's blocks, RoPE on channel pairs (its MoE's)
+        fields.update(hf_model_type="ernie4_5", rope_pairs=True, attn_bias=False)
     elif model_type == "glm4":  # GLM-4 (0414): norms around each sublayer, q/k/v biases, RoPE on pairs of half a head
         fields.update(hf_model_type="glm4", norm_placement="sandwich", rope_pairs=True,
                       attn_bias=opt_flag("attention_bias", True))
