@@ -636,6 +636,13 @@ def hf_config(shape: ModelShape) -> dict:
         return _gemma4_config(shape, cfg)
     if shape.hf_model_type == "gemma3_text":
         return _gemma3_config(shape, cfg)
+    if shape.hf_model_type == "cohere2":  # Cohere2 dense: its norms, logit scale and layer types
+        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "rms_norm_eps"):
+            cfg.pop(k)
+        cfg.update(model_type="cohere2", architectures=["Cohere2ForCausalLM"], intermediate_size=shape.dense_ffn,
+                   logit_scale=shape.logit_scale, layer_types=list(shape.layer_types),
+                   sliding_window=shape.sliding_window, layer_norm_eps=shape.rms_norm_eps, rope_theta=shape.rope_theta)
+        return cfg
     if shape.hf_model_type == "ernie4_5":  # ERNIE-4.5 dense
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "attention_bias"):
             cfg.pop(k)

@@ -304,9 +304,10 @@ QKV_ONLY_BIAS_ARCHS = ("dense", "glm4_moe", "qwen2_moe")
 
 
 # the dense stacks the core trains by their model type: the Llama family's (no type recorded: Llama, Mistral,
-# Ministral, Qwen2, Qwen3), Gemma's, OLMo's, Granite's, EXAONE 4's, SmolLM3's, Phi-3's, GLM-4's and ERNIE-4.5's
+# Ministral, Qwen2, Qwen3), Gemma's, OLMo's, Granite's, EXAONE 4's, SmolLM3's, Phi-3's, GLM-4's, ERNIE-4.5's and
+# Cohere2's
 TRAINED_DENSE_TYPES = (None, "gemma", "gemma3_text", "gemma4_text", "olmo2", "olmo3", "granite", "exaone4",
-                       "smollm3", "phi3", "glm4", "ernie4_5")
+                       "smollm3", "phi3", "glm4", "ernie4_5", "cohere2")
 
 
 def trainable(shape: "ModelShape") -> str | None:
@@ -373,7 +374,7 @@ def trainable(shape: "ModelShape") -> str | None:
         ("full layers without RoPE (nope_full_layers) outside K-EXAONE, AFMoE, Granite-SWA, Cohere2-MoE and "
          "Kimi-Linear",
          shape.nope_full_layers and shape.hf_model_type not in ("exaone_moe", "exaone4", "afmoe", "granitemoe_swa",
-                                                                 "cohere2_moe", "kimi_linear")),
+                                                                 "cohere2_moe", "cohere2", "kimi_linear")),
         ("Kimi Delta Attention, or linear attention beside MLA, outside Kimi-Linear",
          shape.linear_attn is not None and (shape.linear_attn.kind == "kda" or shape.mla is not None)
          and shape.hf_model_type != "kimi_linear"),
@@ -387,9 +388,9 @@ def trainable(shape: "ModelShape") -> str | None:
          "selection, a rotated prefix) outside Cohere2-MoE",
          (shape.norm_placement == "parallel" or shape.norm_kind != "rms" or shape.logit_scale != 1.0
           or shape.shared_expert_mean or shape.sigmoid_top or shape.rotated_prefix)
-         and shape.hf_model_type != "cohere2_moe"),
-        ("RoPE on channel pairs outside Cohere2-MoE, GLM-4 and ERNIE-4.5", shape.rope_pairs
-         and shape.hf_model_type not in ("cohere2_moe", "glm4", "ernie4_5")),
+         and shape.hf_model_type not in ("cohere2_moe", "cohere2")),
+        ("RoPE on channel pairs outside Cohere2, GLM-4 and ERNIE-4.5", shape.rope_pairs
+         and shape.hf_model_type not in ("cohere2_moe", "cohere2", "glm4", "ernie4_5")),
         ("a sliding layers' RoPE base under RoPE scaling", shape.sliding_rope_theta is not None
          and shape.rope_scaling is not None and not shape.sliding_rope_plain),
         ("sliding layers without the RoPE scaling outside Step-3.7, Mellum, Laguna, Gemma 3 and OLMo 3",
@@ -1403,6 +1404,7 @@ _ARCH_BY_MODEL_TYPE = {
     "hunyuan_v1_moe": "hunyuan_moe", "gemma4": "moe", "gemma4_text": "moe", "minimax_m3_vl_text": "moe",
     "gemma3_text": "dense", "olmo2": "dense", "olmo3": "dense", "gemma": "dense", "granite": "dense",
     "exaone4": "dense", "smollm3": "dense", "phi3": "dense", "glm4": "dense", "ernie4_5": "dense",
+    "cohere2": "dense",
     "llama": "dense", "qwen2": "dense", "qwen3": "dense", "mistral": "dense", "ministral": "dense",
 }
 # state-space hybrids: their configs carry the standard attention fields, so they would read as all-attention stacks
@@ -1512,6 +1514,8 @@ def _from_hf_config(path: Path) -> ModelShape:
         cfg = _gemma3_config(cfg, bad)
     if model_type in ("olmo2", "olmo3"):  # AI2's OLMo 2 and 3, with transformers' defaults
         cfg = _olmo_config(cfg, model_type, bad)
+    if model_type == "cohere2":  # transformers' Cohere2Config defaults (Command R7B, Command A)
+        cfg = {"layer_norm_eps": 1e-5, "max_position_embeddings": 8192, "pad_token_id": 0, **cfg}
     if model_type == "ernie4_5":  # transformers' Ernie4_5Config defaults
         cfg = {"rms_norm_eps": 1e-5, "max_position_embeddings": 131072, "pad_token_id": 0, "head_dim": 128,
                "tie_word_embeddings": True, **cfg}
@@ -1793,6 +1797,18 @@ def _from_hf_config(path: Path) -> ModelShape:
         _gemma4(cfg, fields, rope_by_type, opt_flag, number, count)
     elif model_type == "gemma3_text":
         _gemma3(cfg, fields, rope_by_type, opt_flag, number)
+    elif model_type == "cohere2":  # Cohere2 dense: Cohere2-MoE's blocks with a dense MLP in every layer
+        scale = cfg.get("logit_scale", 0.0625)
+        fields.update(hf_model_type="cohere2", qk_norm=False, attn_bias=opt_flag("attention_bias", False),
+                      norm_placement="parallel", norm_kind="layer", rope_pairs=True, nope_full_layers=True,
+                      rms_norm_eps=number(cfg["layer_norm_eps"], "layer_norm_eps"),  # its LayerNorm's, always
+                      logit_scale=1.0 if scale is None else number(scale, "logit_scale"),
+                      tie_embeddings=cfg.get("tie_word_embeddings", True) is not False)
+        if not cfg.get("layer_types"):  # transformers' rule: every `sliding_window_pattern`-th layer full
+            fields["layer_types"] = _rounded_layer_types(n_layers, max(opt("sliding_window_pattern", 4), 1),
+                                                         "sliding_attention")
+        if cfg.get("sliding_window", 4096) is not None and "sliding_attention" in fields["layer_types"]:
+            fields["sliding_window"] = opt("sliding_window", 4096)
     elif model_type == "ernie4_5":  # ERNIE-4.5 dense: Llama's blocks, RoPE on channel pairs (its MoE's)
         fields.update(hf_model_type="ernie4_5", rope_pairs=True, attn_bias=False)
     elif model_type == "glm4":  # GLM-4 (0414): norms around each sublayer, q/k/v biases, RoPE on pairs of half a head

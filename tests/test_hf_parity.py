@@ -52,6 +52,10 @@ DENSE = {  # model_type: (config, model, what sets it apart)
     "qwen3_yarn": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, dict(rope_parameters=dict(
         rope_type="yarn", rope_theta=1e6, factor=4.0, original_max_position_embeddings=16),
         max_position_embeddings=64)),
+    # Cohere2 dense (Command R7B): one LayerNorm a layer feeding attention and MLP in parallel, RoPE on pairs on the
+    # sliding layers (8 keys) only, the logits times its scale, tied
+    "cohere2": (transformers.Cohere2Config, transformers.Cohere2ForCausalLM, dict(
+        rope_theta=5e4, sliding_window=8, layer_types=["sliding_attention", "full_attention"], logit_scale=0.5)),
     # ERNIE-4.5 dense: Llama's blocks, RoPE on channel pairs, tied embeddings
     "ernie4_5": (transformers.Ernie4_5Config, transformers.Ernie4_5ForCausalLM, dict(rope_theta=5e5)),
     # GLM-4 (0414): norms around each sublayer (its own names), q/k/v biases, RoPE on pairs of half of each head,
@@ -582,7 +586,7 @@ def test_a_pack_quantized_int4_checkpoint_loads_dequantized(tmp_path):
                                   "mimo_v2_flash", "hy_v3", "exaone_moe", "afmoe", "flex_olmo", "cohere2_moe", "cohere2_moe_sigmoid",
                                   "gpt_oss", "kimi_linear", "mistral4", "axk1", "mellum", "laguna",
                                   *LLAMA4, "granitemoeshared", "granitemoe_swa", "olmoe_clip", "hunyuan_v1_moe", "mistral_swa", "qwen2_swa", "qwen3_swa", "ministral",
-                                  "gemma3", "olmo2", "olmo3", "gemma", "granite", "exaone4", "smollm3", "phi3", "glm4", "ernie4_5"])
+                                  "gemma3", "olmo2", "olmo3", "gemma", "granite", "exaone4", "smollm3", "phi3", "glm4", "ernie4_5", "cohere2"])
 def test_gradients_match_transformers(arch, tmp_path):
     """The backward too: every parameter's gradient of the mean next-token loss (ours through the fused head) equals
     transformers' (its loss.backward()), its fused expert tensors mapped onto our names by the loader's own map.
@@ -599,7 +603,7 @@ def test_gradients_match_transformers(arch, tmp_path):
     ids = torch.randint(0, shape.vocab_size, (1, T), generator=torch.Generator().manual_seed(3))
     assert shape.pad_token_id == {"olmoe": 1, "olmoe_clip": 1, "ernie4_5_moe": 0, "hunyuan_v1_moe": 0,
                                   "exaone_moe": 0, "flex_olmo": 1, "cohere2_moe": 0, "kimi_linear": 0, "mistral4": 0,
-                                  "cohere2_moe_sigmoid": 0, "gemma3": 0, "olmo2": 1, "olmo3": 1, "gemma": 0, "smollm3": 0, "phi3": 0, "glm4": 0, "ernie4_5": 0}.get(arch)
+                                  "cohere2_moe_sigmoid": 0, "gemma3": 0, "olmo2": 1, "olmo3": 1, "gemma": 0, "smollm3": 0, "phi3": 0, "glm4": 0, "ernie4_5": 0, "cohere2": 0}.get(arch)
     if shape.pad_token_id is not None:
         ids[0, [3, 17]] = shape.pad_token_id
     hf.zero_grad()
