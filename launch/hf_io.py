@@ -130,7 +130,7 @@ _GEMMA4_OUT_NAMES = {"mlp.gate.weight": "router.proj.weight", "mlp.gate.": "rout
                      "post_mlp_layernorm.": "post_feedforward_layernorm."}
 
 
-def _gemma4_names(sd: dict[str, torch.Tensor], to_ours: bool, moe: bool = True) -> None:
+def _gemma_names(sd: dict[str, torch.Tensor], to_ours: bool, moe: bool = True) -> None:
     """Gemma 4's tensors under our names (`to_ours`) or back under its own, in place; a dense model's MLP keeps
     its name (`moe` False: it is no MoE's shared expert)."""
     pattern = _GEMMA4_IN if to_ours else _GEMMA4_OUT
@@ -482,13 +482,7 @@ def hf_to_ours(raw: dict[str, torch.Tensor], model: Transformer) -> dict[str, to
         _join_step_experts(sd)
     if model.shape.hf_model_type == "kimi_linear":
         _kimi_kda_to_ours(sd)
-    if model.shape.hf_model_type in ("gemma4_text", "gemma3_text"):
-        _gemma4_names(sd, to_ours=True, moe=model.shape.arch != "dense")
-    if model.shape.hf_model_type == "phi3":
-        _phi3_projections(sd, model.shape, to_ours=True)
-    if model.shape.hf_model_type == "glm4":
-        _phi3_projections(sd, model.shape, to_ours=True, attention=False)
-        _glm4_norm_names(sd, to_ours=True)
+    _family_layout(sd, model.shape, to_ours=True)
     if model.shape.hf_model_type == "axk1":  # transformers keeps the MoE output norm in the block; ours (and the
         # releases') at the layer
         for key in [k for k in sd if ".mlp.post_mlp_layernorm." in k]:
@@ -520,6 +514,17 @@ def _join_step_experts(sd: dict[str, torch.Tensor]) -> None:
 
 
 _GATE_PROJ = re.compile(r"^(.*self_attn)\.gate_proj\.weight$")
+
+
+def _family_layout(sd: dict[str, torch.Tensor], shape: ModelShape, to_ours: bool) -> None:
+    """The Gemma, Phi-3 and GLM-4 checkpoints' names and fused tensors under ours (`to_ours`) or back, in place."""
+    if shape.hf_model_type in ("gemma4_text", "gemma3_text"):
+        _gemma_names(sd, to_ours, moe=shape.arch != "dense")
+    elif shape.hf_model_type == "phi3":
+        _phi3_projections(sd, shape, to_ours)
+    elif shape.hf_model_type == "glm4":
+        _phi3_projections(sd, shape, to_ours, attention=False)
+        _glm4_norm_names(sd, to_ours)
 
 
 def _phi3_projections(sd: dict[str, torch.Tensor], shape: ModelShape, to_ours: bool, attention: bool = True) -> None:
@@ -1082,13 +1087,7 @@ def ours_to_hf(model: Transformer, state_dict: dict[str, torch.Tensor] | None = 
                 _interleave_qwen3_next(sd, prefix, m)
     if model.shape.hf_model_type == "afmoe":
         _fuse_output_gate(sd, model.shape.head_dim, to_ours=False)
-    if model.shape.hf_model_type in ("gemma4_text", "gemma3_text"):
-        _gemma4_names(sd, to_ours=False, moe=model.shape.arch != "dense")
-    if model.shape.hf_model_type == "phi3":
-        _phi3_projections(sd, model.shape, to_ours=False)
-    if model.shape.hf_model_type == "glm4":
-        _phi3_projections(sd, model.shape, to_ours=False, attention=False)
-        _glm4_norm_names(sd, to_ours=False)
+    _family_layout(sd, model.shape, to_ours=False)
     out: dict[str, torch.Tensor] = {}
     mixtral = model.shape.arch in ("mixtral", "minimax_m2")  # MiniMax-M2's releases keep Mixtral's names
     kimi = model.shape.hf_model_type == "kimi_linear"  # Kimi-Linear's: Mixtral's on its MoE layers
