@@ -641,72 +641,15 @@ def hf_config(shape: ModelShape) -> dict:
         return _gemma4_config(shape, cfg)
     if shape.hf_model_type == "gemma3_text":
         return _gemma3_config(shape, cfg)
-    if shape.hf_model_type == "cohere2":  # Cohere2 dense: its norms, logit scale and layer types
-        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "rms_norm_eps"):
-            cfg.pop(k)
-        cfg.update(model_type="cohere2", architectures=["Cohere2ForCausalLM"], intermediate_size=shape.dense_ffn,
-                   logit_scale=shape.logit_scale, layer_types=list(shape.layer_types),
-                   sliding_window=shape.sliding_window, layer_norm_eps=shape.rms_norm_eps, rope_theta=shape.rope_theta)
-        return cfg
-    if shape.hf_model_type == "ernie4_5":  # ERNIE-4.5 dense
-        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size", "attention_bias"):
-            cfg.pop(k)
-        cfg.update(model_type="ernie4_5", architectures=["Ernie4_5ForCausalLM"], intermediate_size=shape.dense_ffn,
-                   use_bias=False, rope_theta=shape.rope_theta)
-        return cfg
-    if shape.hf_model_type == "glm4":  # GLM-4 (0414): its rotated share, its q/k/v biases
-        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            cfg.pop(k)
-        cfg.update(model_type="glm4", architectures=["Glm4ForCausalLM"], intermediate_size=shape.dense_ffn,
-                   rope_theta=shape.rope_theta, partial_rotary_factor=shape.partial_rotary_factor)
-        return cfg
-    if shape.hf_model_type == "phi3":  # Phi-3 / Phi-4: its window over every layer where it has one
-        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            cfg.pop(k)
-        cfg.update(model_type="phi3", architectures=["Phi3ForCausalLM"], intermediate_size=shape.dense_ffn,
-                   sliding_window=shape.sliding_window, rope_theta=shape.rope_theta,
-                   partial_rotary_factor=shape.partial_rotary_factor)
-        return cfg
-    if shape.hf_model_type == "smollm3":  # SmolLM3: its RoPE-free layers
-        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            cfg.pop(k)
-        cfg.update(model_type="smollm3", architectures=["SmolLM3ForCausalLM"], intermediate_size=shape.dense_ffn,
-                   no_rope_layers=[int(i not in shape.nope_layers) for i in range(shape.num_layers)],
-                   use_sliding_window=False, rope_theta=shape.rope_theta)
-        return cfg
-    if shape.hf_model_type == "exaone4":  # EXAONE 4.0: its layer types and window
-        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            cfg.pop(k)
-        cfg.update(model_type="exaone4", architectures=["Exaone4ForCausalLM"], intermediate_size=shape.dense_ffn,
-                   layer_types=list(shape.layer_types), sliding_window=shape.sliding_window,
-                   rope_theta=shape.rope_theta)
-        return cfg
-    if shape.hf_model_type == "granite":  # Granite 3.x dense: Llama's fields and the four multipliers
-        g = shape.granite
-        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            cfg.pop(k)
-        cfg.update(model_type="granite", architectures=["GraniteForCausalLM"], intermediate_size=shape.dense_ffn,
-                   embedding_multiplier=g.embedding, attention_multiplier=g.attention,
-                   residual_multiplier=g.residual, logits_scaling=g.logits, rope_theta=shape.rope_theta)
-        return cfg
-    if shape.hf_model_type == "gemma":  # Gemma 1: Llama's fields, GeGLU
-        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            cfg.pop(k)
-        cfg.update(model_type="gemma", architectures=["GemmaForCausalLM"], intermediate_size=shape.dense_ffn,
-                   hidden_act="gelu_pytorch_tanh", rope_theta=shape.rope_theta)
-        return cfg
-    if shape.hf_model_type in ("olmo2", "olmo3"):  # OLMo 2 and 3: norms after the sublayers, OLMo 3's layer types
-        for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
-            cfg.pop(k)
-        cfg.update(model_type=shape.hf_model_type, intermediate_size=shape.dense_ffn,
-                   architectures=["Olmo2ForCausalLM" if shape.hf_model_type == "olmo2" else "Olmo3ForCausalLM"])
-        if shape.hf_model_type == "olmo3":
-            cfg.update(layer_types=list(shape.layer_types), sliding_window=shape.sliding_window,
-                       rope_parameters=_rope_by_layer_type(shape))
-        return cfg
     if shape.arch == "dense":  # Llama-family: Qwen3 has q/k norms, Qwen2 q/k/v biases, Llama neither
         for k in ("num_experts", "num_experts_per_tok", "moe_intermediate_size"):
             cfg.pop(k)
+        if shape.hf_model_type in _DENSE_FAMILIES:  # the dense families transformers builds under their own types
+            architecture, dropped, fields = _DENSE_FAMILIES[shape.hf_model_type](shape)
+            for k in dropped:
+                cfg.pop(k)
+            return cfg | {"model_type": shape.hf_model_type, "architectures": [architecture],
+                          "intermediate_size": shape.dense_ffn, "rope_theta": shape.rope_theta} | fields
         # Llama's blocks with a sliding window: Mistral's type where every layer slides, Ministral's (its
         # layer_types) where some do
         sliding = shape.num_sliding_layers > 0
@@ -996,6 +939,36 @@ def _kimi_linear_config(shape: ModelShape, cfg: dict) -> dict:
                                    "full_attn_layers": layers["full_attention"], "num_heads": la.num_k_heads,
                                    "head_dim": la.head_k_dim, "short_conv_kernel_size": la.conv_kernel})
     return cfg
+
+
+def _layers_and_window(shape: ModelShape) -> dict:
+    return {"layer_types": list(shape.layer_types), "sliding_window": shape.sliding_window}
+
+
+# dense families' config.json beside Llama's fields: model_type → (its class, Llama's fields it drops, its own)
+_DENSE_FAMILIES = {
+    # Cohere2 dense: its LayerNorm's eps, logit scale and layer types
+    "cohere2": lambda s: ("Cohere2ForCausalLM", ("rms_norm_eps",), {
+        "logit_scale": s.logit_scale, "layer_norm_eps": s.rms_norm_eps, **_layers_and_window(s)}),
+    "ernie4_5": lambda s: ("Ernie4_5ForCausalLM", ("attention_bias",), {"use_bias": False}),
+    # GLM-4 (0414): its rotated share (its q/k/v biases are attention_bias)
+    "glm4": lambda s: ("Glm4ForCausalLM", (), {"partial_rotary_factor": s.partial_rotary_factor}),
+    # Phi-3 / Phi-4: its window over every layer where it has one
+    "phi3": lambda s: ("Phi3ForCausalLM", (), {"sliding_window": s.sliding_window,
+                                               "partial_rotary_factor": s.partial_rotary_factor}),
+    # SmolLM3: its RoPE-free layers
+    "smollm3": lambda s: ("SmolLM3ForCausalLM", (), {
+        "no_rope_layers": [int(i not in s.nope_layers) for i in range(s.num_layers)], "use_sliding_window": False}),
+    "exaone4": lambda s: ("Exaone4ForCausalLM", (), _layers_and_window(s)),
+    # Granite 3.x dense: the four multipliers
+    "granite": lambda s: ("GraniteForCausalLM", (), {
+        "embedding_multiplier": s.granite.embedding, "attention_multiplier": s.granite.attention,
+        "residual_multiplier": s.granite.residual, "logits_scaling": s.granite.logits}),
+    "gemma": lambda s: ("GemmaForCausalLM", (), {"hidden_act": "gelu_pytorch_tanh"}),
+    # OLMo 2 and 3: norms after the sublayers (no field); OLMo 3's layer types and RoPE by type
+    "olmo2": lambda s: ("Olmo2ForCausalLM", (), {}),
+    "olmo3": lambda s: ("Olmo3ForCausalLM", (), {**_layers_and_window(s), "rope_parameters": _rope_by_layer_type(s)}),
+}
 
 
 def _gemma3_config(shape: ModelShape, cfg: dict) -> dict:

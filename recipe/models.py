@@ -2619,14 +2619,19 @@ def _olmo_config(cfg: dict, model_type: str, bad) -> dict:
     n = out.get("num_hidden_layers")
     if not out.get("layer_types") and isinstance(n, int) and 0 < n <= 100_000:
         out["layer_types"] = ["sliding_attention" if (i + 1) % 4 else "full_attention" for i in range(n)]
+    return _rope_by_type_from_legacy(out, theta, out.get("rope_theta", theta))
+
+
+def _rope_by_type_from_legacy(out: dict, full_theta: float, sliding_theta: float) -> dict:
+    """`out` with RoPE by layer type where its config gives the legacy fields instead (transformers' Gemma 3 and
+    OLMo 3 configs' conversion): the full layers at `rope_theta` (else `full_theta`) with the `rope_scaling`, the
+    sliding layers at `sliding_theta`, unscaled."""
     rope = out.get("rope_parameters")
     if not isinstance(rope, dict) or "full_attention" not in rope:
-        base = out.get("rope_theta", theta)
-        rope = {"full_attention": {"rope_type": "default", **(out.get("rope_scaling") or {}), "rope_theta": base},
-                "sliding_attention": {"rope_type": "default", "rope_theta": base}}
-    out.pop("rope_scaling", None)
-    out.pop("rope_theta", None)
-    return {**out, "rope_parameters": rope}
+        rope = {"full_attention": {"rope_type": "default", **(out.get("rope_scaling") or {}),
+                                   "rope_theta": out.get("rope_theta", full_theta)},
+                "sliding_attention": {"rope_type": "default", "rope_theta": sliding_theta}}
+    return {k: v for k, v in out.items() if k not in ("rope_scaling", "rope_theta")} | {"rope_parameters": rope}
 
 
 def _gemma3_config(cfg: dict, bad) -> dict:
@@ -2651,15 +2656,7 @@ def _gemma3_config(cfg: dict, bad) -> dict:
         if isinstance(pattern, bool) or not isinstance(pattern, int) or pattern <= 0:
             raise bad("sliding_window_pattern", "a positive whole number", pattern)
         out["layer_types"] = ["sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(n)]
-    rope = out.get("rope_parameters")
-    if rope is None or not isinstance(rope, dict) or "full_attention" not in rope:
-        full = {"rope_type": "default", **(out.get("rope_scaling") or {}),
-                "rope_theta": out.get("rope_theta", 1_000_000.0)}
-        rope = {"full_attention": full, "sliding_attention": {"rope_type": "default",
-                                                              "rope_theta": out.get("rope_local_base_freq", 10_000.0)}}
-    out.pop("rope_scaling", None)
-    out.pop("rope_theta", None)
-    return {**out, "rope_parameters": rope}
+    return _rope_by_type_from_legacy(out, 1_000_000.0, out.get("rope_local_base_freq", 10_000.0))
 
 
 def _gemma3(cfg: dict, fields: dict, rope_by_type: dict | None, opt_flag, number) -> None:
